@@ -1,0 +1,54 @@
+"""What every data source gives the trainer and the scheduler: chronological *global* batches of `Samples`.
+
+Why global batches: every rank sees the same global batch stream (rank r trains rows [r*B, (r+1)*B) unless a
+scheduler permutes them), so all ranks run out of data at the same step and the scheduler can be run on every rank
+without broadcasting anything. Incomplete trailing global batches are dropped.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+from herald_torchrec.data.samples import Samples
+from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
+
+
+class DataSource(ABC):
+    feature_names: list[str]
+    table_rows: list[int]
+    num_dense: int
+
+    @abstractmethod
+    def train_batches(self, global_batch: int) -> Iterator[Samples]:
+        """One pass (epoch) over the training split, in log order."""
+
+    @abstractmethod
+    def val_batches(self, global_batch: int) -> Iterator[Samples]:
+        """The held-out split, in log order."""
+
+    def describe(self) -> dict:
+        return {"features": len(self.feature_names), "rows": int(sum(self.table_rows)), "dense": self.num_dense}
+
+
+class SyntheticSource(DataSource):
+    """The embedded default: `SyntheticCTR`, with an epoch of `epoch_batches` global batches."""
+
+    def __init__(self, spec: SyntheticSpec, epoch_batches: int = 1000, val_batches: int = 20) -> None:
+        if epoch_batches < 1 or val_batches < 1:
+            raise ValueError(f"synthetic: epoch_batches and val_batches must be >= 1, got {epoch_batches}, {val_batches}")
+        self.gen = SyntheticCTR(spec)
+        self.feature_names = self.gen.feature_names
+        self.table_rows = self.gen.table_rows
+        self.num_dense = self.gen.num_dense
+        self.epoch_batches = epoch_batches
+        self.num_val = val_batches
+
+    def train_batches(self, global_batch: int) -> Iterator[Samples]:
+        it = self.gen.train_indices()
+        for _ in range(self.epoch_batches):
+            yield self.gen.global_batch(next(it), global_batch)
+
+    def val_batches(self, global_batch: int) -> Iterator[Samples]:
+        for i in self.gen.val_indices(self.num_val):
+            yield self.gen.global_batch(i, global_batch)

@@ -1,0 +1,177 @@
+"""Deterministic synthetic click log with real skew: the embedded default data and the simulator's trace.
+
+Why synthetic: the real logs are tens of GB; this generator reproduces what matters for embedding scheduling
+(per-table sizes from Criteo Kaggle, a Zipf head with a uniform tail, and *temporal locality* — ids that appear,
+burst and fade as in a chronological log) and labels from a hidden model so that AUC means something.
+
+Every global batch is a pure function of (seed, batch index): any rank, and the simulator, can produce any batch
+without state, and runs are bit-for-bit repeatable. numpy only (the control plane uses it too).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from herald_torchrec.data.samples import Samples
+
+# Criteo Kaggle per-table cardinalities (C1..C26), REFERENCE.md.
+CRITEO_KAGGLE_ROWS: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """Stateless 64-bit mixer: a hash we can evaluate for any index, so batches need no generator state."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    """uint64 hash -> float64 uniform in [0, 1)."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Knobs of the generator. Defaults: Criteo-like, scaled to fit a laptop, temporal locality on."""
+
+    scale: float = 0.01  # multiplies the Criteo Kaggle cardinalities
+    num_tables: int = 26  # first N Criteo tables (cycled if more are asked for)
+    table_rows: tuple[int, ...] | None = None  # explicit sizes; overrides scale/num_tables
+    zipf: float = 1.15  # exponent of the popularity head
+    tail: float = 0.1  # share of ids drawn uniformly over the whole table
+    locality: float = 0.5  # share of ids drawn from the drifting "trending" set; 0 = i.i.d.
+    trend_life: int = 20_000  # samples over which a trending id rises and fades
+    num_dense: int = 13
+    seed: int = 0
+    val_every: int = 10  # every val_every-th global batch is held out for validation
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.scale > 0, f"scale must be > 0, got {self.scale}"),
+            (self.num_tables >= 1, f"num_tables must be >= 1, got {self.num_tables}"),
+            (self.zipf > 1.0, f"zipf exponent must be > 1, got {self.zipf}"),
+            (0.0 <= self.tail <= 1.0, f"tail must be in [0, 1], got {self.tail}"),
+            (0.0 <= self.locality <= 1.0, f"locality must be in [0, 1], got {self.locality}"),
+            (self.tail + self.locality <= 1.0, "tail + locality must be <= 1"),
+            (self.trend_life >= 1, f"trend_life must be >= 1, got {self.trend_life}"),
+            (self.num_dense >= 0, f"num_dense must be >= 0, got {self.num_dense}"),
+            (self.val_every >= 2, f"val_every must be >= 2, got {self.val_every}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SyntheticSpec: {msg}")
+        if self.table_rows is not None and (len(self.table_rows) == 0 or min(self.table_rows) < 1):
+            raise ValueError(f"SyntheticSpec: table_rows must be a non-empty list of sizes >= 1, got {self.table_rows}")
+
+    def rows(self) -> list[int]:
+        if self.table_rows is not None:
+            return [int(r) for r in self.table_rows]
+        base = [CRITEO_KAGGLE_ROWS[i % len(CRITEO_KAGGLE_ROWS)] for i in range(self.num_tables)]
+        # small tables keep (at least a few of) their rows: scaling a 3-row table to 0 makes no sense
+        return [max(min(c, 8), math.ceil(c * self.scale)) for c in base]
+
+
+@dataclass
+class SyntheticCTR:
+    """Criteo-like click log. `global_batch(i, n)` is the i-th chronological batch of n samples."""
+
+    spec: SyntheticSpec = field(default_factory=SyntheticSpec)
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        self.table_rows = s.rows()
+        self.num_tables = len(self.table_rows)
+        self.feature_names = [f"c{t}" for t in range(self.num_tables)]
+        self.num_dense = s.num_dense
+        hidden = np.random.default_rng([s.seed, 0xC0FFEE])
+        self._dense_w = hidden.normal(0.0, 0.6, size=s.num_dense)
+        self._table_w = hidden.uniform(0.4, 1.0, size=self.num_tables)  # how much each field matters
+        # a bijection rank -> id per table (popular ids spread over the table, not 0..k)
+        self._mult = [self._coprime(n, t) for t, n in enumerate(self.table_rows)]
+
+    def _coprime(self, n: int, t: int) -> int:
+        m = int(splitmix64(np.array([self.spec.seed * 1000 + t]))[0] % np.uint64(max(n, 2))) | 1
+        while math.gcd(m, n) != 1:
+            m += 2
+        return m % n if n > 1 else 0
+
+    # ---- hidden ground truth -------------------------------------------------------------------------
+    def _id_effect(self, t: int, ids: np.ndarray) -> np.ndarray:
+        """Per-id hidden weight in [-1.5, 1.5]: what the embedding of that id should learn."""
+        key = ids.astype(np.uint64) * np.uint64(64) + np.uint64(t) + np.uint64(self.spec.seed) * np.uint64(7919)
+        return (_unit(splitmix64(key)) - 0.5) * 3.0
+
+    # ---- id sampling ---------------------------------------------------------------------------------
+    def _zipf_ranks(self, u: np.ndarray, n: int) -> np.ndarray:
+        """Truncated Zipf(a) over ranks 0..n-1 by the continuous inverse CDF (vectorised, exact enough)."""
+        a = self.spec.zipf
+        hi = (n + 1.0) ** (1.0 - a)
+        x = (1.0 + u * (hi - 1.0)) ** (1.0 / (1.0 - a))
+        return np.minimum(np.floor(x).astype(np.int64) - 1, n - 1).clip(0)
+
+    def _ids(self, rng: np.random.Generator, t: int, pos: np.ndarray) -> np.ndarray:
+        """Ids of table t for samples at global positions pos."""
+        s, n = self.spec, self.table_rows[t]
+        m = pos.shape[0]
+        mode = rng.random(m)
+        u = rng.random(m)
+        ranks = self._zipf_ranks(u, n)
+        ids = (ranks * self._mult[t]) % n if n > 1 else np.zeros(m, dtype=np.int64)
+        tail = mode < s.tail
+        ids[tail] = rng.integers(0, n, size=int(tail.sum()))
+        trend = (mode >= s.tail) & (mode < s.tail + s.locality)
+        if trend.any():
+            # trending ids are born at a steady pace (one per `life / births` samples); an id's chance to be
+            # drawn decays with its age, so it bursts right after birth and fades over ~trend_life samples
+            births = max(16, min(n // 4, 256))
+            step = max(1, s.trend_life // births)
+            now = pos[trend] // step
+            age = np.floor(rng.exponential(births / 4.0, size=int(trend.sum()))).astype(np.int64)
+            born = np.maximum(now - age, 0)
+            h = splitmix64(born.astype(np.uint64) * np.uint64(131) + np.uint64(t * 7 + s.seed * 1_000_003))
+            ids[trend] = (h % np.uint64(n)).astype(np.int64)
+        return ids
+
+    # ---- batches -------------------------------------------------------------------------------------
+    def global_batch(self, index: int, size: int) -> Samples:
+        """Samples [index*size, (index+1)*size) of the log. Pure function of (seed, index, size)."""
+        if index < 0 or size < 1:
+            raise ValueError(f"global_batch: need index >= 0 and size >= 1, got index={index}, size={size}")
+        rng = np.random.default_rng([self.spec.seed, index, size])
+        pos = np.arange(index * size, (index + 1) * size, dtype=np.int64)
+        ids = np.stack([self._ids(rng, t, pos) for t in range(self.num_tables)], axis=1)
+        dense = rng.normal(0.0, 1.0, size=(size, self.num_dense)).astype(np.float32)
+        logit = -1.0 + dense.astype(np.float64) @ self._dense_w
+        for t in range(self.num_tables):
+            logit += self._table_w[t] * self._id_effect(t, ids[:, t]) / math.sqrt(self.num_tables) * 2.0
+        if self.num_dense and self.num_tables >= 2:  # one interaction: a dense feature gates a field
+            logit += 0.5 * dense[:, 0] * self._id_effect(self.num_tables - 1, ids[:, 1])
+        p = 1.0 / (1.0 + np.exp(-logit))
+        labels = (rng.random(size) < p).astype(np.float32)
+        # dense features are shown to the model as log(1 + max(x, 0))-like non-negative values, as in Criteo
+        return Samples(dense=np.log1p(np.exp(dense)).astype(np.float32), ids=ids, labels=labels)
+
+    def is_validation(self, index: int) -> bool:
+        return index % self.spec.val_every == self.spec.val_every - 1
+
+    def train_indices(self, start: int = 0):
+        """Chronological indices of training batches (validation batches are interleaved and skipped)."""
+        i = start
+        while True:
+            if not self.is_validation(i):
+                yield i
+            i += 1
+
+    def val_indices(self, count: int) -> list[int]:
+        v = self.spec.val_every
+        return [k * v + v - 1 for k in range(count)]

@@ -1,0 +1,101 @@
+"""The contract between the control plane (scheduler) and the data plane (sharded module): one `Plan` per step.
+
+Semantics (docs/ARCHITECTURE.md §2), in the order the data plane executes them for step b:
+1. `moves`: rows change owner *before* the step's compute, carrying value + optimizer state. All moves of a step
+   apply at once (every row leaves, then every row arrives); after them each rank holds at most its guest capacity
+   per table. Kinds: MIGRATE (to the single reader of this step), EVICT_HOME (a guest written back to its home
+   rank), FORWARD (an evicted guest sent straight to the rank that reads it next).
+2. Ownership after the moves is final for the step. Keys whose reader set is exactly {owner} are *exclusive*:
+   trained by the owner through its fused TBE. Every other key read in the step is in `shared`: the owner sends the
+   value to each non-owner reader, every reader (owner included) computes through the shared path, non-owner
+   readers return their gradient, the owner applies one update with the sum.
+3. `sample_order`: rank r trains global samples `sample_order[r*B:(r+1)*B]` (each in increasing global order).
+
+numpy only: the control plane never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MIGRATE, EVICT_HOME, FORWARD = 0, 1, 2
+MOVE_KIND_NAMES = {MIGRATE: "migrate", EVICT_HOME: "evict_home", FORWARD: "forward"}
+
+
+def _i64(n: int = 0) -> np.ndarray:
+    return np.zeros(n, dtype=np.int64)
+
+
+@dataclass
+class RowMoves:
+    """Rows that change owner before the step: (table, row) goes src -> dst."""
+
+    table: np.ndarray = field(default_factory=_i64)
+    row: np.ndarray = field(default_factory=_i64)
+    src: np.ndarray = field(default_factory=_i64)
+    dst: np.ndarray = field(default_factory=_i64)
+    kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+
+@dataclass
+class SharedRows:
+    """Keys whose reader set is not exactly {owner}; readers in CSR form (sorted, owner included if it reads)."""
+
+    table: np.ndarray = field(default_factory=_i64)
+    row: np.ndarray = field(default_factory=_i64)
+    owner: np.ndarray = field(default_factory=_i64)
+    reader_offsets: np.ndarray = field(default_factory=lambda: _i64(1))
+    readers: np.ndarray = field(default_factory=_i64)
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+    def remote_reads(self) -> int:
+        """(key, reader) pairs with reader != owner: one value sent out and one gradient sent back each."""
+        counts = np.diff(self.reader_offsets)
+        owner_rep = np.repeat(self.owner, counts)
+        return int((self.readers != owner_rep).sum())
+
+
+@dataclass
+class Plan:
+    step: int
+    num_ranks: int
+    batch_per_rank: int
+    sample_order: np.ndarray  # int64 [R*B]: a permutation of the global batch
+    moves: RowMoves = field(default_factory=RowMoves)
+    shared: SharedRows = field(default_factory=SharedRows)
+    # rows moved/read by kind (e.g. hit, migrate, evict_home, forward, shared_value, shared_grad); policies that
+    # only model traffic (het_bsp) report their own kinds (miss_pull, update_pull, update_push, evict_push)
+    counters: dict[str, int] = field(default_factory=dict)
+    # kinds whose transfers carry the optimizer state with the row (row moves); the others carry `dim` floats
+    stateful_kinds: tuple[str, ...] = ("migrate", "evict_home", "forward", "miss_pull", "evict_push")
+    executable: bool = True  # False for counting-only policies the data plane cannot run
+
+    def assignment(self) -> np.ndarray:
+        """rank of every global sample (inverse view of sample_order)."""
+        ranks = np.empty(self.num_ranks * self.batch_per_rank, dtype=np.int64)
+        ranks[self.sample_order] = np.repeat(np.arange(self.num_ranks, dtype=np.int64), self.batch_per_rank)
+        return ranks
+
+    def local_samples(self, rank: int) -> np.ndarray:
+        b = self.batch_per_rank
+        return self.sample_order[rank * b : (rank + 1) * b]
+
+    def transmitted_rows(self) -> int:
+        return sum(v for k, v in self.counters.items() if k != "hit")
+
+    def transmitted_bytes(self, dim: int, state_width: int, bytes_per_float: int = 4) -> int:
+        """Payload bytes: moved rows carry dim + optimizer-state floats, values and gradients carry dim."""
+        total = 0
+        for k, v in self.counters.items():
+            if k == "hit":
+                continue
+            width = dim + state_width if k in self.stateful_kinds else dim
+            total += v * width * bytes_per_float
+        return total
