@@ -1,0 +1,31 @@
+# herald_torchrec — `make train` runs the default job, `make test` the test suite; both set up .venv first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+NPROC  ?= 2
+STAMP  := $(VENV)/.herald-setup-v1
+ARGS   ?=
+
+.PHONY: setup train test test-slow bench simulate clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup.sh pyproject.toml
+	@bash scripts/setup.sh
+
+train: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+simulate: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/simulate.py --json $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/e2e.py $(ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,205 @@
+"""The training recipe: data -> model -> DistributedModelParallel -> train pipeline -> metrics.
+
+Kept as one direct function (nanoGPT style) over small helpers; `train.py` only turns the Hydra config into a call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from herald_torchrec.data import build_source
+from herald_torchrec.data.batch import to_batch
+from herald_torchrec.data.samples import Samples
+from herald_torchrec.data.source import DataSource
+from herald_torchrec.dist import DistContext, init_distributed, shutdown
+from herald_torchrec.metrics import Logger, auc_logloss, write_json_atomic
+from herald_torchrec.models import FeatureSpec, TrainModel, build_model
+from herald_torchrec.sharding import ShardedSetup, shard_model
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message says which key and why."""
+
+
+def model_features(cfg: DictConfig, source: DataSource) -> FeatureSpec:
+    spec = FeatureSpec(tuple(source.feature_names), tuple(source.table_rows), source.num_dense)
+    if cfg.model.name != "ncf":
+        return spec
+    names = list(source.feature_names)
+    user = cfg.model.get("user_feature") or ("user" if "user" in names else names[0])
+    item = cfg.model.get("item_feature") or ("item" if "item" in names else names[1])
+    return spec.subset([user, item])
+
+
+def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    kw = OmegaConf.to_container(cfg.model, resolve=True)
+    for k in ("name", "user_feature", "item_feature"):
+        kw.pop(k, None)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
+
+
+def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool, epochs: int | None) -> Iterator[Samples]:
+    """This rank's slice of each global batch; the training stream loops over epochs (None = forever)."""
+    g = batch * ctx.world_size
+    lo, hi = ctx.rank * batch, (ctx.rank + 1) * batch
+    passes = itertools.count() if (train and epochs is None) else range(epochs if train else 1)
+    for _ in passes:
+        produced = False
+        for s in (source.train_batches(g) if train else source.val_batches(g)):
+            produced = True
+            yield s.take(slice(lo, hi))
+        if not produced:
+            raise ConfigError(
+                f"the {'training' if train else 'validation'} split has no complete global batch of {g} samples "
+                f"({ctx.world_size} ranks x trainer.batch_size={batch}); use a smaller batch or more data"
+            )
+
+
+def validate(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    if t.batch_size < 1:
+        raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
+    if (t.steps is None) == (t.epochs is None):
+        raise ConfigError("set exactly one of trainer.steps and trainer.epochs (the other to null)")
+    if t.steps is not None and t.steps < 1:
+        raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
+    if t.epochs is not None and t.epochs < 1:
+        raise ConfigError(f"trainer.epochs must be >= 1, got {t.epochs}")
+    if t.embedding_optimizer not in ("rowwise_adagrad", "sgd"):
+        raise ConfigError(f"trainer.embedding_optimizer must be rowwise_adagrad or sgd, got '{t.embedding_optimizer}'")
+    if t.dense_optimizer not in ("adam", "adagrad", "sgd"):
+        raise ConfigError(f"trainer.dense_optimizer must be adam, adagrad or sgd, got '{t.dense_optimizer}'")
+    for key in ("embedding_lr", "dense_lr"):
+        if not t[key] > 0:
+            raise ConfigError(f"trainer.{key} must be > 0, got {t[key]}")
+
+
+def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
+    """AUC and log loss over the whole held-out split (all ranks' predictions gathered)."""
+    setup.model.eval()
+    logits, labels = [], []
+    it = setup.batches(local_samples(source, cfg.trainer.batch_size, ctx, train=False, epochs=None))
+    with torch.no_grad():
+        while True:
+            try:
+                _, lg, lb = setup.pipeline.progress(it)
+            except StopIteration:
+                break
+            logits.append(lg.float().cpu())
+            labels.append(lb.float().cpu())
+    setup.model.train()
+    lg, lb = torch.cat(logits), torch.cat(labels)
+    if ctx.world_size > 1:
+        both = torch.stack([lg, lb]).to(ctx.device)
+        out = [torch.empty_like(both) for _ in range(ctx.world_size)]
+        dist.all_gather(out, both)
+        lg, lb = torch.cat([o[0] for o in out]).cpu(), torch.cat([o[1] for o in out]).cpu()
+    return auc_logloss(lg, lb)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    validate(cfg)
+    ctx = init_distributed(cfg.dist_backend)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        shutdown()
+
+
+def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    run_dir = Path(cfg.run_dir)
+    source = build_source(cfg.data)
+    features = model_features(cfg, source)
+    torch.manual_seed(cfg.seed)  # same dense init on every rank
+    model = TrainModel(build_model(cfg.model.name, features, device="cpu", **model_kwargs(cfg)))
+    setup = shard_model(model, features, source, cfg, ctx)
+    say(
+        f"[herald] {cfg.model.name} on {cfg.data.name} ({source.describe()}), {ctx.world_size} rank(s) x "
+        f"batch {cfg.trainer.batch_size}, backend {ctx.backend}, scheduler {setup.name}, run_dir {run_dir}"
+    )
+    logger = Logger(run_dir, ctx.is_main)
+    steps_cap = cfg.trainer.steps
+    stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs)
+    stream = itertools.islice(stream, steps_cap) if steps_cap is not None else stream
+    eval_every = cfg.trainer.eval_interval or 0
+    global_batch = cfg.trainer.batch_size * ctx.world_size
+    step, loss_sum, loss_n, t0, t_log, train_time = 0, 0.0, 0, time.time(), time.time(), 0.0
+    history, first_loss, last_loss = [], None, None
+    while True:
+        segment = itertools.islice(stream, eval_every) if eval_every else stream
+        it = setup.batches(segment)
+        seg_start, seg_steps = time.time(), 0
+        while True:
+            try:
+                loss, _, _ = setup.pipeline.progress(it)
+            except StopIteration:
+                break
+            step += 1
+            seg_steps += 1
+            loss_sum += float(loss)
+            loss_n += 1
+            if step % cfg.trainer.log_interval == 0:
+                now = time.time()
+                avg = loss_sum / loss_n
+                sps = cfg.trainer.log_interval * global_batch / max(now - t_log, 1e-9)
+                first_loss = avg if first_loss is None else first_loss
+                last_loss = avg
+                extra = setup.step_stats()
+                say(f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s" + "".join(f"  {k} {v:.3g}" for k, v in extra.items()))
+                logger.scalars(step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}})
+                loss_sum, loss_n, t_log = 0.0, 0, now
+        train_time += time.time() - seg_start
+        if seg_steps == 0:
+            break
+        if eval_every:
+            auc, ll = evaluate(setup, source, cfg, ctx)
+            say(f"eval @ step {step}: auc {auc:.4f}  logloss {ll:.4f}")
+            logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
+            history.append({"step": step, "auc": auc, "logloss": ll})
+            if seg_steps < eval_every:
+                break
+    if loss_n:
+        last_loss = loss_sum / loss_n
+        first_loss = last_loss if first_loss is None else first_loss
+    if not eval_every or not history or history[-1]["step"] != step:
+        auc, ll = evaluate(setup, source, cfg, ctx)
+        logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
+        history.append({"step": step, "auc": auc, "logloss": ll})
+    auc, ll = history[-1]["auc"], history[-1]["logloss"]
+    samples_per_s = step * global_batch / max(train_time, 1e-9)
+    metrics = {
+        "auc": auc,
+        "logloss": ll,
+        "steps": step,
+        "samples_per_s": samples_per_s,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "world_size": ctx.world_size,
+        "global_batch": global_batch,
+        "wall_s": time.time() - t0,
+        "eval_history": history,
+        **setup.final_stats(step),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    setup.save_final(run_dir, cfg)
+    if ctx.is_main:
+        write_json_atomic(run_dir / "metrics.json", metrics)
+    logger.scalars(step, {"eval/final_auc": auc})
+    logger.close()
+    say(f"[herald] done: {step} steps, auc {auc:.4f}, logloss {ll:.4f}, {samples_per_s:.0f} samples/s -> {run_dir / 'metrics.json'}")
+    return metrics
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    keep = {k: metrics[k] for k in ("auc", "logloss", "steps", "samples_per_s") if k in metrics}
+    return json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in keep.items()})

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def run_app(args: list[str], nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run train.py as a user would (torchrun for >1 rank); returns the finished process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py", *args]
+    else:
+        cmd = [sys.executable, "train.py", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real-format samples not found at {SHARED_DATA} (../shared beside the repo)")
+    return SHARED_DATA

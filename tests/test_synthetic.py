@@ -1,0 +1,72 @@
+"""The synthetic click log: deterministic, int64, skewed, temporally local, and learnable labels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from herald_torchrec.data.synthetic import CRITEO_KAGGLE_ROWS, SyntheticCTR, SyntheticSpec
+
+
+def test_deterministic_and_random_access() -> None:
+    a = SyntheticCTR(SyntheticSpec(seed=3)).global_batch(7, 512)
+    b = SyntheticCTR(SyntheticSpec(seed=3)).global_batch(7, 512)
+    c = SyntheticCTR(SyntheticSpec(seed=4)).global_batch(7, 512)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels) and np.array_equal(a.dense, b.dense)
+    assert not np.array_equal(a.ids, c.ids)
+    assert a.ids.dtype == np.int64 and a.ids.shape == (512, 26)
+
+
+def test_table_sizes_follow_criteo() -> None:
+    g = SyntheticCTR(SyntheticSpec(scale=0.01))
+    assert g.table_rows[2] == int(np.ceil(CRITEO_KAGGLE_ROWS[2] * 0.01))
+    assert g.table_rows[8] == 3  # tiny tables keep their size
+    ids = g.global_batch(0, 4096).ids
+    assert (ids >= 0).all() and (ids < np.array(g.table_rows)).all()
+
+
+def test_skew_head_carries_most_accesses() -> None:
+    g = SyntheticCTR(SyntheticSpec(locality=0.0))
+    ids = np.concatenate([g.global_batch(i, 4096).ids[:, 2] for i in range(5)])
+    _, counts = np.unique(ids, return_counts=True)
+    counts = np.sort(counts)[::-1]
+    top = counts[: max(1, g.table_rows[2] // 100)].sum() / counts.sum()  # hottest 1% of rows
+    assert top > 0.5, f"hottest 1% of rows should take most accesses, got {top:.2f}"
+
+
+def test_temporal_locality_knob() -> None:
+    def reuse(locality: float) -> tuple[float, float]:
+        g = SyntheticCTR(SyntheticSpec(locality=locality))
+        now, nxt, far = (set(g.global_batch(i, 2048).ids[:, 2]) for i in (100, 101, 900))
+        return len(now & nxt) / len(now), len(now & far) / len(now)
+
+    near_loc, far_loc = reuse(0.5)
+    near_iid, far_iid = reuse(0.0)
+    assert near_loc > far_loc + 0.1, "with locality, the next batch shares more ids than a distant one"
+    assert abs(near_iid - far_iid) < 0.05, "i.i.d. ids: reuse does not depend on distance"
+
+
+def test_labels_carry_signal() -> None:
+    g = SyntheticCTR(SyntheticSpec())
+    s = g.global_batch(0, 20000)
+    assert 0.2 < s.labels.mean() < 0.6
+    # the ids alone (their hidden per-id effects) rank positives above negatives well beyond chance
+    score = sum(g._table_w[t] * g._id_effect(t, s.ids[:, t]) for t in range(g.num_tables))
+    pos, neg = score[s.labels == 1][:3000, None], score[s.labels == 0][None, :3000]
+    auc = (pos > neg).mean() + 0.5 * (pos == neg).mean()
+    assert auc > 0.62, auc
+
+
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [({"zipf": 1.0}, "zipf"), ({"locality": 1.5}, "locality"), ({"scale": 0}, "scale"),
+     ({"tail": 0.6, "locality": 0.6}, "tail \\+ locality"), ({"table_rows": (10, 0)}, "table_rows")],
+)
+def test_bad_spec(kwargs: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        SyntheticSpec(**kwargs)
+
+
+def test_bad_batch_request() -> None:
+    with pytest.raises(ValueError, match="index"):
+        SyntheticCTR().global_batch(-1, 10)

@@ -1,0 +1,61 @@
+"""The Hydra app end to end, as a user runs it: torchrun, 2 gloo ranks, metrics.json and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_app
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_two_rank_training_learns(tmp_path: Path) -> None:
+    run_dir = tmp_path / "dcn"
+    p = run_app(["trainer.steps=200", "trainer.log_interval=50", f"run_dir={run_dir}"], nproc=2)
+    m_path = run_dir / "metrics.json"
+    assert m_path.exists(), f"no metrics.json; exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    m = _metrics(run_dir)
+    assert m["steps"] == 200 and m["world_size"] == 2 and m["global_batch"] == 512
+    assert m["last_loss"] < m["first_loss"] - 0.05, (m["first_loss"], m["last_loss"])
+    assert m["auc"] >= 0.70, m["auc"]
+    assert 0 < m["logloss"] < 0.69
+    assert m["samples_per_s"] > 0
+    assert list((run_dir / "tb").glob("events.out.tfevents.*")), "TensorBoard events missing"
+    assert "step    200" in p.stdout and "auc" in p.stdout
+
+
+@pytest.mark.parametrize("model", ["wdl", "deepfm", "ncf"])
+def test_each_model_runs_in_the_app(tmp_path: Path, model: str) -> None:
+    run_dir = tmp_path / model
+    p = run_app([f"model={model}", "trainer.steps=30", "trainer.log_interval=10", "data.val_batches=4", f"run_dir={run_dir}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = _metrics(run_dir)
+    assert m["steps"] == 30 and m["config"]["model"]["name"] == model and 0.5 < m["auc"] <= 1.0
+
+
+def test_eval_interval_records_history(tmp_path: Path) -> None:
+    p = run_app(["trainer.steps=40", "trainer.eval_interval=20", "data.val_batches=2", f"run_dir={tmp_path}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [h["step"] for h in _metrics(tmp_path)["eval_history"]] == [20, 40]
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["trainer.batch_size=0"], "trainer.batch_size must be >= 1"),
+        (["trainer.embedding_optimizer=adam"], "embedding_optimizer"),
+        (["trainer.epochs=2"], "exactly one of trainer.steps and trainer.epochs"),
+        (["data=criteo"], "needs a file"),
+        (["data.locality=2"], "locality must be in"),
+        (["scheduler.name=bogus"], "scheduler must be one of"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(tmp_path: Path, args: list[str], msg: str) -> None:
+    p = run_app([*args, f"run_dir={tmp_path}"])
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert msg in p.stderr and "Traceback" not in p.stderr
