@@ -38,6 +38,11 @@ def test_forward_backward(name: str) -> None:
     assert emb.grad[untouched].abs().sum() == 0, "rows not looked up must get no gradient"
 
 
+def test_embedding_dim_must_suit_fbgemm() -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        build_model("dcn", SPEC, embedding_dim=6)
+
+
 @pytest.mark.parametrize("name", ["wdl", "deepfm"])
 def test_wide_column_is_a_linear_term(name: str) -> None:
     """The extra embedding column is the per-id wide / first-order weight: it shifts the logit additively."""
@@ -46,7 +51,7 @@ def test_wide_column_is_a_linear_term(name: str) -> None:
     batch = _batch(SPEC, 16)
     base = model(batch.dense_features, batch.sparse_features)
     with torch.no_grad():
-        model.ebc.embedding_bags["t_c0"].weight[:, 8] += 0.5
+        model.ebc.embedding_bags["t_c0"].weight[:, 7] += 0.5
     moved = model(batch.dense_features, batch.sparse_features)
     assert torch.allclose(moved - base, torch.full_like(base, 0.5), atol=1e-5)
 

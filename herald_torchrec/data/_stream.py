@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from herald_torchrec.data.errors import DataFormatError
 from herald_torchrec.data.samples import Samples
@@ -121,32 +122,34 @@ def tokenize(block: bytes, sep: int, ncols: int, width: int) -> Tokens:
     """Vectorized field split of a block of whole lines (every line ends with b'\\n'; a trailing b'\\r' is dropped)."""
     if b"\r" in block:
         block = block.replace(b"\r\n", b"\n")
-    buf = np.frombuffer(block, dtype=np.uint8)
-    is_nl = buf == 10
+    size = len(block)
+    buf = np.frombuffer(block + bytes(width + 1), dtype=np.uint8)  # padded: a window of `width` never overruns
+    text = buf[:size]
+    is_nl = text == 10
     nl = np.flatnonzero(is_nl)
     n = nl.shape[0]
-    ends = np.flatnonzero(is_nl | (buf == sep))
+    ends = np.flatnonzero(is_nl | (text == sep))
     starts = np.empty_like(ends)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     flen = ends - starts
-    line_of = np.searchsorted(nl, ends)
-    counts = np.bincount(line_of, minlength=n)
-    too_long = np.bincount(line_of[flen > width], minlength=n) > 0
-    good = (counts == ncols) & ~too_long
+    at_nl = is_nl[ends]
+    line_of = np.cumsum(at_nl) - at_nl
+    good = np.bincount(line_of, minlength=n) == ncols
+    too_long = flen > width
+    if too_long.any():
+        good &= np.bincount(line_of[too_long], minlength=n) == 0
     good_idx = np.flatnonzero(good)
-    sel = good[line_of]
-    st = starts[sel]
-    ln = flen[sel]
-    w = max(1, int(ln.max())) if ln.size else 1
-    mat = np.zeros((st.shape[0], w), dtype=np.uint8)
-    for j in range(w):
-        act = ln > j
-        if not act.any():
-            break
-        mat[act, j] = buf[st[act] + j]
     m = good_idx.shape[0]
-    return Tokens(buf, nl, good, good_idx, mat.reshape(m, ncols, w), ln.reshape(m, ncols).astype(np.int64))
+    if m == n:
+        st, ln = starts, flen
+    else:
+        sel = good[line_of]
+        st, ln = starts[sel], flen[sel]
+    w = max(1, int(ln.max())) if ln.size else 1
+    mat = sliding_window_view(buf, w)[st]  # gathers [k, w] bytes, fancy indexing copies
+    mat[np.arange(w)[None, :] >= ln[:, None]] = 0
+    return Tokens(text, nl, good, good_idx, mat.reshape(m, ncols, w), ln.reshape(m, ncols).astype(np.int64))
 
 
 # ------------------------------------------------------------------------------------------- field parsers
@@ -335,6 +338,10 @@ class StreamingSource(DataSource):
         """Payload of the ok rows (global data-row indices `rows`) -> (samples, data row of each sample)."""
         return payload, rows
 
+    def _prepare(self, block: bytes) -> bytes:
+        """Rewrite a block of whole lines before it is split (e.g. a multi-byte separator to one byte)."""
+        return block
+
     @abstractmethod
     def _explain(self, line: bytes) -> str:
         """Why a malformed line is malformed (only called for the first offender of a block)."""
@@ -357,7 +364,7 @@ class StreamingSource(DataSource):
             leading_bad = 0
             seen_good = False
             for block in _read_blocks(f, self.path, header_lines + 1, pending, self.chunk_bytes):
-                tok = tokenize(block, self.sep, self.num_columns, self.field_width)
+                tok = tokenize(self._prepare(block), self.sep, self.num_columns, self.field_width)
                 n = tok.n
                 ok, payload = self._parse(tok)
                 bad = ~tok.good

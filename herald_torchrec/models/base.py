@@ -2,8 +2,8 @@
 logit per sample, and a train wrapper in TorchRec's (loss, output) convention for the train pipelines.
 
 Why one EBC per model: the sharder (stock or Herald) then sees every table at once, and a row that moves between
-ranks carries everything the model keeps for that id — the wide / first-order weight of an id rides in one extra
-embedding column instead of a second EBC.
+ranks carries everything the model keeps for that id — the wide / first-order weight of an id rides in the last
+column of its embedding row instead of in a second EBC (row widths stay multiples of 4, as FBGEMM requires).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class FeatureSpec:
 
 def make_ebc(spec: FeatureSpec, dim: int, device: torch.device | str = "cpu") -> EmbeddingBagCollection:
     """One table per feature (t_<name>), sum pooling."""
+    if dim < 4 or dim % 4:
+        raise ValueError(f"embedding_dim must be a positive multiple of 4 (FBGEMM's TBE kernels need it), got {dim}")
     tables = [
         EmbeddingBagConfig(
             name=f"t_{n}", embedding_dim=dim, num_embeddings=r, feature_names=[n], pooling=PoolingType.SUM

@@ -21,10 +21,10 @@ class DeepFM(CTRModel):
     ) -> None:
         super().__init__()
         self.features = features
-        self.dim = embedding_dim
-        self.ebc = make_ebc(features, embedding_dim + 1, device)
+        self.dim = embedding_dim - 1  # the last column of each row is the per-id linear weight
+        self.ebc = make_ebc(features, embedding_dim, device)
         self.fm = FactorizationMachine()
-        width = embedding_dim * len(features.names) + features.num_dense
+        width = self.dim * len(features.names) + features.num_dense
         self.deep = nn.Sequential(MLP(width, list(deep_layers), device=device), nn.Linear(deep_layers[-1], 1, device=device))
         self.first_dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
 

@@ -63,6 +63,22 @@ class SharedRows:
 
 
 @dataclass
+class ReadVersions:
+    """Counting-only policies (executable=False) report, for every distinct (key, reader) pair of the step, the
+    version of the value the reader computes with (number of BSP steps whose update it contains), so that the
+    checker can compare it with the true latest version. Ownership plans leave `Plan.reads` as None: the checker
+    derives what every reader sees from the moves and the shared rows."""
+
+    table: np.ndarray = field(default_factory=_i64)
+    row: np.ndarray = field(default_factory=_i64)
+    rank: np.ndarray = field(default_factory=_i64)
+    version: np.ndarray = field(default_factory=_i64)
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+
+@dataclass
 class Plan:
     step: int
     num_ranks: int
@@ -76,6 +92,8 @@ class Plan:
     # kinds whose transfers carry the optimizer state with the row (row moves); the others carry `dim` floats
     stateful_kinds: tuple[str, ...] = ("migrate", "evict_home", "forward", "miss_pull", "evict_push")
     executable: bool = True  # False for counting-only policies the data plane cannot run
+    reads: ReadVersions | None = None  # counting-only policies: version read by every (key, reader) pair
+    sched_seconds: float = 0.0  # wall time the policy spent planning this step (filled by the policy)
 
     def assignment(self) -> np.ndarray:
         """rank of every global sample (inverse view of sample_order)."""
@@ -86,6 +104,12 @@ class Plan:
     def local_samples(self, rank: int) -> np.ndarray:
         b = self.batch_per_rank
         return self.sample_order[rank * b : (rank + 1) * b]
+
+    def read_pairs(self) -> int:
+        """Distinct (key, reader) pairs of the step, from the counters (hit + transfers that serve a read)."""
+        c = self.counters
+        return int(c.get("hit", 0) + c.get("migrate", 0) + c.get("shared_value", 0) + c.get("miss_pull", 0)
+                   + c.get("update_pull", 0))
 
     def transmitted_rows(self) -> int:
         return sum(v for k, v in self.counters.items() if k != "hit")

@@ -1,0 +1,118 @@
+"""Plan-sized collectives and the byte counter behind the `comm_bytes_per_step` metric.
+
+Every split size of the data plane's all-to-alls is known on every rank from the plan (the scheduler is
+deterministic and runs everywhere), so no size exchange precedes them, and an all-to-all that moves nothing on any
+rank is skipped by all ranks together (the caller passes `globally_empty`, also known from the plan).
+
+`CommCounter` records, by kind, the payload bytes this rank hands to torch.distributed collectives for *other*
+ranks (self-sends of an all-to-all are local copies and are not counted), plus the number of collectives issued.
+The same counter wraps every scheduler's data plane, so traffic is compared on equal terms. Conventions:
+- all_to_all: sum of the send splits to other ranks x element size;
+- all_gather: input bytes x (R - 1) (each other rank gets a copy);
+- all_reduce: input bytes (a ring all-reduce sends ~2(R-1)/R of that; reported as the nominal payload).
+
+This is the data plane: it may import torch.distributed (the control plane never does).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class CommCounter:
+    """Bytes and calls by kind (e.g. "moves", "shared_value", "shared_grad", "control")."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def total_bytes(self) -> int:
+        return int(sum(self.bytes.values()))
+
+    def snapshot(self, reset: bool = False) -> dict[str, int]:
+        """{kind: bytes} (a copy); with reset=True the counter starts again from zero (e.g. once per step)."""
+        out = dict(self.bytes)
+        if reset:
+            self.reset()
+        return out
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class PlanComm:
+    """Collectives over one process group, counted in a `CommCounter`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, counter: CommCounter | None = None) -> None:
+        self.group = group
+        self.counter = counter if counter is not None else CommCounter()
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        kind: str,
+        globally_empty: bool = False,
+    ) -> torch.Tensor:
+        """Uneven all_to_all_single along dim 0 with split sizes known on every rank.
+
+        `send` holds the blocks for ranks 0..R-1 in order (`send_splits[d]` rows for rank d); the result holds the
+        blocks from ranks 0..R-1 (`recv_splits[s]` rows from rank s). `globally_empty` (every rank sends nothing,
+        known from the plan) skips the collective on all ranks."""
+        send_splits = [int(x) for x in send_splits]
+        recv_splits = [int(x) for x in recv_splits]
+        R = self.world_size
+        if len(send_splits) != R or len(recv_splits) != R:
+            raise ValueError(f"all_to_all: need {R} splits, got {len(send_splits)} / {len(recv_splits)}")
+        if sum(send_splits) != send.shape[0]:
+            raise ValueError(f"all_to_all: send splits sum to {sum(send_splits)}, tensor has {send.shape[0]} rows")
+        out = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        if globally_empty:
+            if send.shape[0] or out.shape[0]:
+                raise ValueError("all_to_all: globally_empty but this rank sends or receives data")
+            return out
+        if R == 1:
+            out.copy_(send)
+            return out
+        row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
+        off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
+        self.counter.add(kind, off_rank * row_bytes)
+        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce (a no-op on one rank)."""
+        if self.world_size == 1:
+            return tensor
+        self.counter.add(kind, tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def all_gather_uneven(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        """All-gather 1-D tensors of different lengths (one size exchange, then a padded all-gather)."""
+        R = self.world_size
+        if R == 1:
+            return [tensor.clone()]
+        n = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        sizes = [torch.zeros_like(n) for _ in range(R)]
+        dist.all_gather(sizes, n, group=self.group)
+        sizes_i = [int(s.item()) for s in sizes]
+        m = max(sizes_i)
+        padded = tensor.new_zeros(m)
+        padded[: tensor.shape[0]] = tensor
+        bufs = [tensor.new_empty(m) for _ in range(R)]
+        self.counter.add(kind, (8 + m * tensor.element_size()) * (R - 1))
+        dist.all_gather(bufs, padded, group=self.group)
+        return [b[:s] for b, s in zip(bufs, sizes_i)]

@@ -1,0 +1,387 @@
+"""Per-rank storage of the Herald-managed tables on ONE FBGEMM `SplitTableBatchedEmbeddingBagsCodegen` (TBE).
+
+Layout (docs/ARCHITECTURE.md §2, §4). For table t with `rows` rows on a world of R ranks, rank r's TBE table t has
+`home_len + capacity` local slots:
+- slots [0, home_len): the rank's *home block*, TorchRec's ROW_WISE layout: block = ceil(rows / R), rank r's home
+  rows are [r*block, min(rows, (r+1)*block)); home row k always lives in slot k - r*block when this rank owns it
+  (the slot stays empty while the row is away);
+- slots [home_len, home_len + capacity): *guest* slots, capacity = ceil(cache_ratio * rows), handed out from a
+  free list when a foreign row arrives and given back when it leaves.
+
+The directory is numpy, O(rows) per table: `slot_of[t][k]` (local slot of owned key k, -1 if not owned here),
+`key_of[t][s]` (key held by slot s, -1 if empty), and the *global* ownership map `owner[t][k]` with the guest count
+of every rank, which every rank keeps identical by applying the same plans (it is what validates a plan before
+anything moves).
+
+The fused optimizer lives in the TBE (EXACT_ROWWISE_ADAGRAD by default, or EXACT_SGD): exclusive rows are updated
+in the TBE's own backward; `apply_summed_gradients` applies an externally summed gradient to given slots through
+the same kernel (a forward over one-row bags, then a backward) — bit-exact with the fused path
+(docs/REFERENCE.md, checked again in tests/test_distributed_row_store.py).
+
+Optimizer state = the TBE's `split_optimizer_states()` views (for row-wise Adagrad one float per row, `momentum1`),
+packed with the row whenever a row moves. Weights = `split_embedding_weights()` views.
+
+Cache coherence on CUDA: there the tables are `EmbeddingLocation.MANAGED_CACHING` (UVM + an HBM cache that may
+hold dirty lines). `split_embedding_weights()` / `split_optimizer_states()` view the UVM backing store, so every
+host-side access goes through `_begin_access()` (TBE `flush()`: dirty cache lines written back) and every write
+through `_end_write()` (TBE `reset_cache_states()`: the whole cache invalidated, so no stale line can shadow a row
+written behind its back). Both are no-ops on CPU (`EmbeddingLocation.HOST`, no cache). Optimizer states of
+row-wise optimizers are not cached by FBGEMM, so they need nothing. The CUDA branch is written but untested here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+# Optimizers whose update is a pure function of (row, its state, the row's summed gradient): the only ones for which
+# "one update with the summed gradient, wherever the row lives" is exact. Adam-like optimizers also read the TBE's
+# step counter, which the extra update pass per step would advance twice.
+SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
+
+
+def parse_optimizer(opt: EmbOptimType | str) -> EmbOptimType:
+    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_sgd", "sgd")."""
+    if isinstance(opt, EmbOptimType):
+        parsed = opt
+    else:
+        aliases = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+        key = str(opt).strip().lower()
+        parsed = aliases.get(key)
+        if parsed is None:
+            for o in EmbOptimType:
+                if key in (o.value.lower(), o.name.lower()):
+                    parsed = o
+                    break
+        if parsed is None:
+            raise ValueError(f"unknown embedding optimizer {opt!r}")
+    if parsed not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"Herald-managed tables support the optimizers {[o.name for o in SUPPORTED_OPTIMIZERS]}, got {parsed.name}"
+        )
+    return parsed
+
+
+def check_cache_ratio(cache_ratio: float) -> float:
+    if not isinstance(cache_ratio, (int, float)) or isinstance(cache_ratio, bool) or not (0.0 < cache_ratio <= 1.0):
+        raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio!r}")
+    return float(cache_ratio)
+
+
+def home_block(rows: int, world_size: int) -> int:
+    """Rows per home block: ceil(rows / R), as TorchRec's ROW_WISE sharding (the last blocks may be short or empty)."""
+    return -(-rows // world_size)
+
+
+def home_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    block = home_block(rows, world_size)
+    lo = min(rows, rank * block)
+    return lo, min(rows, lo + block)
+
+
+def home_rank(rows: int, world_size: int, keys: np.ndarray) -> np.ndarray:
+    return np.asarray(keys, dtype=np.int64) // home_block(rows, world_size)
+
+
+def guest_capacity(rows: int, cache_ratio: float) -> int:
+    """Guest slots per rank for a table: ceil(cache_ratio * rows), rounded to 9 decimals first (so 0.1 * 30 is 3, not
+    4) exactly as the scheduler's directory counts them: the two sides must agree, or plans that respect the
+    scheduler's capacity get rejected here."""
+    return math.ceil(round(check_cache_ratio(cache_ratio) * rows, 9))
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+
+
+class RowStore(nn.Module):
+    """One rank's rows of the Herald-managed tables: a TBE with a fused optimizer plus the ownership directory.
+
+    `features_per_table[t]` = how many input features read table t (TBE features are laid out table by table, in
+    this order, as an EmbeddingBagCollection orders its outputs).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        rank: int,
+        world_size: int,
+        cache_ratio: float = 0.1,
+        optimizer: EmbOptimType | str = EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate: float = 0.01,
+        eps: float = 1e-8,
+        features_per_table: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        location: EmbeddingLocation | None = None,
+        cache_load_factor: float = 0.2,
+    ) -> None:
+        super().__init__()
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise ValueError(f"RowStore: bad rank {rank} for world size {world_size}")
+        if not tables:
+            raise ValueError("RowStore: no tables")
+        for spec in tables:
+            if spec.rows < 1 or spec.dim < 1:
+                raise ValueError(f"RowStore: table {spec.name!r} needs rows >= 1 and dim >= 1, got {spec}")
+        self.tables = list(tables)
+        self.rank, self.world_size = rank, world_size
+        self.cache_ratio = check_cache_ratio(cache_ratio)
+        self.optimizer = parse_optimizer(optimizer)
+        self.device = torch.device(device if device is not None else "cpu")
+        T = len(self.tables)
+        fpt = list(features_per_table) if features_per_table is not None else [1] * T
+        if len(fpt) != T or any(n < 1 for n in fpt):
+            raise ValueError(f"RowStore: features_per_table must give >= 1 feature for each of {T} tables, got {fpt}")
+        self.features_per_table = fpt
+        self.feature_table_map = [t for t, n in enumerate(fpt) for _ in range(n)]
+        self.first_feature = np.cumsum([0] + fpt[:-1]).tolist()
+
+        self.rows = [s.rows for s in self.tables]
+        self.dims = [s.dim for s in self.tables]
+        self.home_lo, self.home_len, self.capacity = [], [], []
+        for s in self.tables:
+            lo, hi = home_range(s.rows, world_size, rank)
+            self.home_lo.append(lo)
+            self.home_len.append(hi - lo)
+            self.capacity.append(guest_capacity(s.rows, self.cache_ratio))
+        self.local_rows = [h + c for h, c in zip(self.home_len, self.capacity)]
+
+        if self.device.type == "cuda":
+            loc = location if location is not None else EmbeddingLocation.MANAGED_CACHING
+            compute = ComputeDevice.CUDA
+        else:
+            loc = EmbeddingLocation.HOST  # FBGEMM forces HOST on CPU; its caches have no CPU kernels
+            compute = ComputeDevice.CPU
+        self.location = loc
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(max(1, n), d, loc, compute) for n, d in zip(self.local_rows, self.dims)],
+            feature_table_map=self.feature_table_map,
+            optimizer=self.optimizer,
+            learning_rate=learning_rate,
+            eps=eps,
+            weight_decay=0.0,
+            pooling_mode=PoolingMode.SUM,
+            cache_load_factor=cache_load_factor,
+            device=self.device,
+            table_names=[s.name for s in self.tables],
+        )
+        # the TBE's parameters are updated by its fused optimizer: keep them out of dense optimizers
+        # (torchrec.optim.optimizers.in_backward_optimizer_filter) and out of DDP (ShardedModule parameters)
+        from torchrec.optim.fused import EmptyFusedOptimizer
+
+        for p in self.tbe.parameters():
+            p._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        self._weights = self.tbe.split_embedding_weights()  # views [local_rows, dim]
+        states = self.tbe.split_optimizer_states() if self.optimizer != EmbOptimType.EXACT_SGD else []
+        # per table: list of state views, each [local_rows] (row-wise) or [local_rows, w]
+        self._states: list[list[torch.Tensor]] = [list(s) for s in states] if states else [[] for _ in range(T)]
+        self.state_widths = [sum(1 if x.dim() == 1 else int(x.shape[1]) for x in st) for st in self._states]
+        with torch.no_grad():
+            for w in self._weights:
+                w.zero_()
+            for st in self._states:
+                for x in st:
+                    x.zero_()
+        self._end_write()
+
+        # ---- directory ----
+        self.slot_of: list[np.ndarray] = []  # int32 [rows]
+        self.key_of: list[np.ndarray] = []  # int64 [local_rows]
+        self.owner: list[np.ndarray] = []  # int32 [rows], global
+        self.guest_count: list[np.ndarray] = []  # int64 [R], global
+        self._free: list[list[int]] = []  # free guest slots (a stack; popped from the end)
+        for t, s in enumerate(self.tables):
+            slot_of = np.full(s.rows, -1, dtype=np.int32)
+            lo, hl = self.home_lo[t], self.home_len[t]
+            slot_of[lo : lo + hl] = np.arange(hl, dtype=np.int32)
+            key_of = np.full(self.local_rows[t], -1, dtype=np.int64)
+            key_of[:hl] = np.arange(lo, lo + hl, dtype=np.int64)
+            self.slot_of.append(slot_of)
+            self.key_of.append(key_of)
+            self.owner.append(home_rank(s.rows, world_size, np.arange(s.rows)).astype(np.int32))
+            self.guest_count.append(np.zeros(world_size, dtype=np.int64))
+            self._free.append(list(range(self.local_rows[t] - 1, hl - 1, -1)))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    def row_width(self, t: int) -> int:
+        """Floats per moved row: the row plus its optimizer state."""
+        return self.dims[t] + self.state_widths[t]
+
+    def is_home(self, t: int, keys: np.ndarray) -> np.ndarray:
+        k = np.asarray(keys, dtype=np.int64)
+        return (k >= self.home_lo[t]) & (k < self.home_lo[t] + self.home_len[t])
+
+    def slots(self, t: int, keys: np.ndarray) -> np.ndarray:
+        """Local slots of `keys` (int64; -1 where this rank does not own the key)."""
+        return self.slot_of[t][np.asarray(keys, dtype=np.int64)].astype(np.int64)
+
+    def owned_keys(self, t: int) -> np.ndarray:
+        """Keys this rank owns (home rows still here, then guests), int64."""
+        k = self.key_of[t]
+        return k[k >= 0]
+
+    def num_guests(self, t: int) -> int:
+        return self.capacity[t] - len(self._free[t])
+
+    def occupancy(self, t: int) -> float:
+        return self.num_guests(t) / self.capacity[t]
+
+    def check_keys(self, t: int, keys: np.ndarray, what: str = "ids") -> None:
+        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.rows[t]):
+            bad = keys[(keys < 0) | (keys >= self.rows[t])]
+            raise ValueError(
+                f"table {self.tables[t].name!r}: {what} out of range [0, {self.rows[t]}): "
+                f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''}"
+            )
+
+    # ------------------------------------------------------------- host access
+    def _begin_access(self) -> None:
+        """Make the backing store authoritative before host-side reads/writes (CUDA caching: write back dirty lines)."""
+        self.tbe.flush()
+
+    def _end_write(self) -> None:
+        """After writing rows behind the TBE's back: invalidate its cache (CUDA caching), so no stale line survives."""
+        self.tbe.reset_cache_states()
+
+    def weights(self, t: int) -> torch.Tensor:
+        """View [local_rows, dim] of table t's slots (call `_begin_access()` first on CUDA)."""
+        return self._weights[t]
+
+    def read_slots(self, t: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of rows and optimizer state at local `slots`: ([n, dim], [n, state_width])."""
+        self._begin_access()
+        idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self._weights[t].device)
+        rows = self._weights[t].index_select(0, idx)
+        parts = [x.index_select(0, idx).view(len(idx), -1) for x in self._states[t]]
+        state = torch.cat(parts, dim=1) if parts else rows.new_zeros(len(idx), 0)
+        return rows, state
+
+    def read_rows(self, t: int, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows + optimizer state of owned `keys` (raises if one is not owned here)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        self.check_keys(t, keys, "keys")
+        slots = self.slots(t, keys)
+        if (slots < 0).any():
+            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} does not own keys {keys[slots < 0][:5]}")
+        return self.read_slots(t, slots)
+
+    def write_slots(self, t: int, slots: np.ndarray, rows: torch.Tensor, state: torch.Tensor | None = None) -> None:
+        self._begin_access()
+        idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self._weights[t].device)
+        with torch.no_grad():
+            self._weights[t].index_copy_(0, idx, rows.to(self._weights[t]))
+            if state is not None and self.state_widths[t]:
+                col = 0
+                for x in self._states[t]:
+                    w = 1 if x.dim() == 1 else int(x.shape[1])
+                    part = state[:, col : col + w].to(x)
+                    x.index_copy_(0, idx, part.view(-1) if x.dim() == 1 else part)
+                    col += w
+        self._end_write()
+
+    # ---------------------------------------------------------- slot lifecycle
+    def allocate(self, t: int, keys: np.ndarray) -> np.ndarray:
+        """Give arriving `keys` a local slot (home slot for home rows, else a free guest slot); returns the slots.
+
+        Updates the local directory only (the global `owner` map is the caller's: `set_owner`)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        self.check_keys(t, keys, "arriving keys")
+        if (self.slot_of[t][keys] >= 0).any():
+            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} already owns {keys[self.slot_of[t][keys] >= 0][:5]}")
+        home = self.is_home(t, keys)
+        slots = np.empty(keys.size, dtype=np.int64)
+        slots[home] = keys[home] - self.home_lo[t]
+        n_guest = int((~home).sum())
+        free = self._free[t]
+        if n_guest > len(free):
+            raise ValueError(
+                f"table {self.tables[t].name!r}: rank {self.rank} has {len(free)} free guest slots of {self.capacity[t]}, "
+                f"{n_guest} rows arrive"
+            )
+        if n_guest:
+            slots[~home] = free[len(free) - n_guest :][::-1]
+            del free[len(free) - n_guest :]
+        self.slot_of[t][keys] = slots.astype(np.int32)
+        self.key_of[t][slots] = keys
+        return slots
+
+    def release(self, t: int, keys: np.ndarray) -> np.ndarray:
+        """Forget departing `keys` (their slots become empty / free); returns the slots they held."""
+        keys = np.asarray(keys, dtype=np.int64)
+        slots = self.slots(t, keys)
+        if (slots < 0).any():
+            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} does not own departing keys {keys[slots < 0][:5]}")
+        self.slot_of[t][keys] = -1
+        self.key_of[t][slots] = -1
+        guest = slots[slots >= self.home_len[t]]
+        self._free[t].extend(guest[::-1].tolist())
+        return slots
+
+    def set_owner(self, t: int, keys: np.ndarray, ranks: np.ndarray) -> None:
+        """Global ownership map + per-rank guest counts (every rank applies the same updates)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        ranks = np.asarray(ranks, dtype=np.int64)
+        home = home_rank(self.rows[t], self.world_size, keys)
+        old = self.owner[t][keys].astype(np.int64)
+        R = self.world_size
+        self.guest_count[t] -= np.bincount(old[old != home], minlength=R)
+        self.guest_count[t] += np.bincount(ranks[ranks != home], minlength=R)
+        self.owner[t][keys] = ranks.astype(np.int32)
+
+    # ----------------------------------------------------------------- compute
+    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Pooled TBE forward over local slots (features laid out as `feature_table_map`); fused update in backward."""
+        return self.tbe(indices, offsets)
+
+    def apply_summed_gradients(self, slots: Sequence[np.ndarray | None], grads: Sequence[torch.Tensor | None]) -> None:
+        """One fused-optimizer update of the given slots of each table with the given (already summed) gradients.
+
+        A forward over one-row bags (table t's first feature, bag i holds slots[t][i]; other bags empty), then a
+        backward with the gradients: FBGEMM's own kernel applies its optimizer exactly as in a fused backward where
+        the row's contributions were summed. Slots must be distinct within a table."""
+        T = self.num_tables
+        counts = [0 if s is None else len(s) for s in slots]
+        n = max(counts) if counts else 0
+        if n == 0:
+            return
+        F = len(self.feature_table_map)
+        lengths = np.zeros((F, n), dtype=np.int64)
+        idx_parts = []
+        for t in range(T):
+            if counts[t]:
+                lengths[self.first_feature[t], : counts[t]] = 1
+                idx_parts.append(np.asarray(slots[t], dtype=np.int64))
+        # feature-major layout: the indices of features in order, table t's only in its first feature
+        indices = np.concatenate(idx_parts)
+        offsets = np.zeros(F * n + 1, dtype=np.int64)
+        np.cumsum(lengths.reshape(-1), out=offsets[1:])
+        dev = self._weights[0].device
+        with torch.enable_grad():
+            out = self.tbe(torch.from_numpy(indices).to(dev), torch.from_numpy(offsets).to(dev))
+            g = torch.zeros_like(out)
+            col = 0
+            for f, t in enumerate(self.feature_table_map):
+                d = self.dims[t]
+                if f == self.first_feature[t] and counts[t]:
+                    g[: counts[t], col : col + d] = grads[t].to(g)
+                col += d
+            out.backward(g)

@@ -1,0 +1,181 @@
+"""The ownership directory: which rank owns every row of every managed table, and the per-rank guest caches.
+
+Every row has exactly one owner (docs/ARCHITECTURE.md §2). Initially the owner is the row's *home*: TorchRec's
+ROW_WISE block (`block = ceil(rows / R)`, `home = row // block`). Besides its home rows, a rank may own up to
+`capacity[t] = ceil(cache_ratio * rows[t])` *guest* rows of table t. Memory is O(rows) integers: owner, home,
+last use, slot position per row, plus the guest slots (R x sum(capacity)).
+
+`GuestSlots` keeps the guests of every (rank, table) group packed at the front of a fixed region so that a group's
+members can be listed without scanning the table; removals are vectorised swap-removes, insertions appends.
+numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from herald_torchrec.schedule.batch import TableLayout
+
+
+def guest_capacity(table_rows: Sequence[int], cache_ratio: float) -> np.ndarray:
+    """ceil(cache_ratio * rows) per table, int64 (rounded so that 0.1 * 10 is 1, not 2)."""
+    check_cache_ratio(cache_ratio)
+    return np.array([math.ceil(round(cache_ratio * r, 9)) for r in table_rows], dtype=np.int64)
+
+
+def check_cache_ratio(cache_ratio: float) -> None:
+    if not isinstance(cache_ratio, (int, float)) or not math.isfinite(cache_ratio) or not 0.0 <= cache_ratio <= 1.0:
+        raise ValueError(f"cache_ratio must be a number in [0, 1] (share of a table's rows per rank), got {cache_ratio!r}")
+
+
+def home_blocks(table_rows: Sequence[int], num_ranks: int) -> np.ndarray:
+    """ROW_WISE block size per table: ceil(rows / R)."""
+    return np.array([-(-int(r) // num_ranks) for r in table_rows], dtype=np.int64)
+
+
+class GuestSlots:
+    """Members of G groups packed in fixed regions: group g lives in slot[base[g] : base[g] + fill[g]].
+
+    `pos_of[key]` is the slot of a member key (-1 otherwise); a key belongs to at most one group.
+    """
+
+    def __init__(self, capacity: np.ndarray, num_keys: int) -> None:
+        self.cap = np.asarray(capacity, dtype=np.int64)
+        self.base = np.concatenate([[0], np.cumsum(self.cap)[:-1]]).astype(np.int64)
+        self.fill = np.zeros(self.cap.shape[0], dtype=np.int64)
+        self.slot = np.full(int(self.cap.sum()), -1, dtype=np.int64)
+        self.pos_of = np.full(num_keys, -1, dtype=np.int64)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.cap.shape[0])
+
+    def members(self, g: int) -> np.ndarray:
+        return self.slot[self.base[g] : self.base[g] + self.fill[g]]
+
+    def ranges(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slot positions of all members of `groups` (concatenated) and the group of each."""
+        n = self.fill[groups]
+        tot = int(n.sum())
+        grp = np.repeat(groups, n)
+        within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        return self.base[grp] + within, grp
+
+    def remove(self, keys: np.ndarray, groups: np.ndarray) -> None:
+        """Remove member keys (each in the given group) — vectorised swap-remove keeping groups packed."""
+        if keys.shape[0] == 0:
+            return
+        pos = self.pos_of[keys]
+        if (pos < 0).any():
+            raise RuntimeError("GuestSlots.remove: key is not a member")
+        d = np.bincount(groups, minlength=self.num_groups)
+        new_fill = self.fill - d
+        self.slot[pos] = -1
+        self.pos_of[keys] = -1
+        holes = np.sort(pos[pos < self.base[groups] + new_fill[groups]])
+        ug = np.flatnonzero(d)
+        tail_pos, _ = _concat_ranges(self.base[ug] + new_fill[ug], d[ug])
+        movers = tail_pos[self.slot[tail_pos] >= 0]
+        if holes.shape[0] != movers.shape[0]:  # pragma: no cover - invariant
+            raise RuntimeError("GuestSlots.remove: hole/mover mismatch")
+        if holes.shape[0]:
+            moved = self.slot[movers]
+            self.slot[holes] = moved
+            self.slot[movers] = -1
+            self.pos_of[moved] = holes
+        self.fill = new_fill
+
+    def add(self, keys: np.ndarray, groups: np.ndarray) -> None:
+        """Append keys to their groups (caller guarantees room)."""
+        if keys.shape[0] == 0:
+            return
+        order = np.argsort(groups, kind="stable")
+        k, g = keys[order], groups[order]
+        a = np.bincount(g, minlength=self.num_groups)
+        if (self.fill + a > self.cap).any():
+            raise RuntimeError("GuestSlots.add: group over capacity")
+        first = np.cumsum(a) - a
+        within = np.arange(k.shape[0], dtype=np.int64) - first[g]
+        pos = self.base[g] + self.fill[g] + within
+        self.slot[pos] = k
+        self.pos_of[k] = pos
+        self.fill = self.fill + a
+
+
+def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenation of arange(s, s+n) for every (s, n), and the index of the range of each element."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    tot = int(lengths.sum())
+    idx = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
+    within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + within, idx
+
+
+class OwnershipDirectory:
+    """Owner rank of every row of every table, home placement, guest capacity and replacement state.
+
+    Rows are addressed by global id (`TableLayout`: gid = offsets[t] + row). `owner`, `home` are int32 [rows],
+    `last_use` int64 [rows] (step of the last read, -1 never). Guests of rank r in table t form group r*T + t of
+    `slots`; `guests()` returns their count [R, T].
+    """
+
+    def __init__(self, table_rows: Sequence[int] | TableLayout, num_ranks: int, cache_ratio: float) -> None:
+        self.layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
+        if not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+        self.num_ranks = R = int(num_ranks)
+        self.cache_ratio = float(cache_ratio)
+        T = self.layout.num_tables
+        rows = np.array(self.layout.table_rows, dtype=np.int64)
+        self.capacity = guest_capacity(self.layout.table_rows, cache_ratio)  # [T]
+        self.block = home_blocks(self.layout.table_rows, R)  # [T]
+        n = self.layout.total_rows
+        tab = np.repeat(np.arange(T, dtype=np.int64), rows)
+        self.table = tab.astype(np.int32)  # table of every gid
+        local = np.arange(n, dtype=np.int64) - self.layout.offsets[tab]
+        self.home = (local // self.block[tab]).astype(np.int32)
+        self.owner = self.home.copy()
+        self.last_use = np.full(n, -1, dtype=np.int64)
+        self.slots = GuestSlots(np.tile(self.capacity, R), n)
+
+    @property
+    def num_tables(self) -> int:
+        return self.layout.num_tables
+
+    def group(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
+        """guest group (rank * T + table) of rows."""
+        return np.asarray(rank, dtype=np.int64) * self.num_tables + self.table[gid]
+
+    def guests(self) -> np.ndarray:
+        """Guest rows per (rank, table), int64 [R, T]."""
+        return self.slots.fill.reshape(self.num_ranks, self.num_tables).copy()
+
+    def is_guest(self, gid: np.ndarray) -> np.ndarray:
+        return self.owner[gid] != self.home[gid]
+
+    def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
+        """Apply moves simultaneously: every row leaves its owner, then arrives at dst (capacity checked)."""
+        gid = np.asarray(gid, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        if gid.shape[0] == 0:
+            return
+        src = self.owner[gid].astype(np.int64)
+        leave = src != self.home[gid]
+        self.slots.remove(gid[leave], self.group(src[leave], gid[leave]))
+        arrive = dst != self.home[gid]
+        self.owner[gid] = dst.astype(np.int32)
+        self.slots.add(gid[arrive], self.group(dst[arrive], gid[arrive]))
+
+    def occupancy(self) -> dict:
+        """Guest occupancy summary: guests / capacity over all (rank, table) groups with capacity."""
+        cap = np.tile(self.capacity, self.num_ranks)
+        used = self.slots.fill
+        tot = int(cap.sum())
+        return {"guests": int(used.sum()), "capacity": tot, "fill": float(used.sum() / tot) if tot else 0.0}
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in (self.table, self.home, self.owner, self.last_use, self.slots.slot,
+                                           self.slots.pos_of)))
