@@ -59,3 +59,20 @@ def test_bad_configuration_is_a_clear_error(tmp_path: Path, args: list[str], msg
     p = run_app([*args, f"run_dir={tmp_path}"])
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert msg in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "data, file, model",
+    [("criteo", "criteo_sample.tsv", "dcn"), ("avazu", "avazu_sample.csv", "deepfm"), ("movielens", "movielens_ratings_sample.csv", "ncf")],
+)
+def test_real_format_samples_train(tmp_path: Path, shared_data: Path, data: str, file: str, model: str) -> None:
+    p = run_app([f"data={data}", f"data.path={shared_data / file}", "data.val_fraction=0.2", f"model={model}",
+                 "trainer.batch_size=8", "trainer.steps=12", "trainer.log_interval=4", f"run_dir={tmp_path}"], nproc=2)
+    assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
+    m = _metrics(tmp_path)
+    assert m["steps"] == 12 and m["config"]["data"]["name"] == data
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path: Path) -> None:
+    p = run_app(["data=criteo", f"data.path={tmp_path / 'nope.tsv'}", f"run_dir={tmp_path}"])
+    assert p.returncode == 2 and "nope.tsv" in p.stderr and "Traceback" not in p.stderr

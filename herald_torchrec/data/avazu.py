@@ -16,9 +16,9 @@
     id = splitmix64(FNV-1a-64(field bytes)) % table_rows[field]
   (stable across runs and machines; no missing-value row: an empty field is hashed like any other string).
   Default table size per field: min(max_rows_per_table, next power of two >= 2 x its cardinality in the full
-  40.4M-row train set), max_rows_per_table = 2^20 (the small fields get a table about twice their cardinality,
-  so few collisions; device_id / device_ip are capped). `table_rows` overrides: 21 sizes (the hashed fields), or
-  one size per `feature_names` entry (then hour_of_day >= 24 and weekday >= 7).
+  40.4M-row train set), max_rows_per_table = 2^20 (None: no cap); the small fields get a table about twice their
+  cardinality, so few collisions; device_id / device_ip are capped. `table_rows` overrides: 21 sizes (the hashed
+  fields), or one size per `feature_names` entry (then hour_of_day >= 24 and weekday >= 7).
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ _NCOLS = len(AVAZU_COLUMNS)
 _NHASH = len(AVAZU_HASHED)
 
 
-def avazu_table_rows(max_rows_per_table: int = 1 << 20) -> list[int]:
-    """Default sizes of the 21 hashed tables (header order)."""
+def avazu_table_rows(max_rows_per_table: int | None = 1 << 20) -> list[int]:
+    """Default sizes of the 21 hashed tables (header order); None = no cap."""
     out = []
     for name in AVAZU_HASHED:
         want = 1 << max(1, (2 * AVAZU_CARDINALITIES[name] - 1).bit_length())
-        out.append(min(int(max_rows_per_table), want))
+        out.append(want if max_rows_per_table is None else min(int(max_rows_per_table), want))
     return out
 
 
@@ -96,7 +96,7 @@ class AvazuSource(StreamingSource):
         path: str | Path,
         *,
         table_rows: Sequence[int] | None = None,
-        max_rows_per_table: int = 1 << 20,
+        max_rows_per_table: int | None = 1 << 20,
         time_features: str = "both",
         val_fraction: float = 0.05,
         split_seed: int = 0,
@@ -109,7 +109,7 @@ class AvazuSource(StreamingSource):
         time_tables = time_features in ("both", "categorical")
         names = (["hour_of_day", "weekday"] if time_tables else []) + list(AVAZU_HASHED)
         if table_rows is None:
-            if int(max_rows_per_table) < 1:
+            if max_rows_per_table is not None and int(max_rows_per_table) < 1:
                 raise ValueError(f"avazu: max_rows_per_table must be >= 1, got {max_rows_per_table}")
             hashed = avazu_table_rows(max_rows_per_table)
         else:

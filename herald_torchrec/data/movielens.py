@@ -141,7 +141,8 @@ class MovieLensSource(StreamingSource):
             line = line.replace(b"::", b"\x1f")
         f = line.split(bytes([self.sep]))
         if len(f) != 4:
-            return f"expected 4 columns (user, item, rating, timestamp) separated by {_SEP_NAME[self.fmt]}, got {len(f)}"
+            sep = _SEP_NAME[self.fmt]
+            return f"expected 4 columns (user, item, rating, timestamp) separated by {sep}, got {len(f)}"
         for name, v in (("user id", f[0]), ("item id", f[1]), ("timestamp", f[3])):
             if not _INT_RE.fullmatch(v):
                 return f"{name} must be an integer, got {show(v)}"

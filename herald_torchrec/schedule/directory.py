@@ -42,12 +42,16 @@ class GuestSlots:
     `pos_of[key]` is the slot of a member key (-1 otherwise); a key belongs to at most one group.
     """
 
-    def __init__(self, capacity: np.ndarray, num_keys: int) -> None:
+    def __init__(self, capacity: np.ndarray, num_keys: int, payload: Sequence[str] = ()) -> None:
         self.cap = np.asarray(capacity, dtype=np.int64)
         self.base = np.concatenate([[0], np.cumsum(self.cap)[:-1]]).astype(np.int64)
         self.fill = np.zeros(self.cap.shape[0], dtype=np.int64)
-        self.slot = np.full(int(self.cap.sum()), -1, dtype=np.int64)
-        self.pos_of = np.full(num_keys, -1, dtype=np.int64)
+        n_slots = int(self.cap.sum())
+        self.slot = np.full(n_slots, -1, dtype=np.int64)
+        # int32 positions where they fit: the per-worker caches of the HET-style policies index R x rows keys
+        self.pos_of = np.full(num_keys, -1, dtype=np.int32 if n_slots < 2**31 - 1 else np.int64)
+        # per-slot values that travel with their key (e.g. cached version, last use)
+        self.payload = {name: np.zeros(n_slots, dtype=np.int64) for name in payload}
 
     @property
     def num_groups(self) -> int:
@@ -86,12 +90,14 @@ class GuestSlots:
             self.slot[holes] = moved
             self.slot[movers] = -1
             self.pos_of[moved] = holes
+            for a in self.payload.values():
+                a[holes] = a[movers]
         self.fill = new_fill
 
-    def add(self, keys: np.ndarray, groups: np.ndarray) -> None:
-        """Append keys to their groups (caller guarantees room)."""
+    def add(self, keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Append keys to their groups (caller guarantees room); returns their slots (in the input order)."""
         if keys.shape[0] == 0:
-            return
+            return np.zeros(0, dtype=np.int64)
         order = np.argsort(groups, kind="stable")
         k, g = keys[order], groups[order]
         a = np.bincount(g, minlength=self.num_groups)
@@ -103,6 +109,34 @@ class GuestSlots:
         self.slot[pos] = k
         self.pos_of[k] = pos
         self.fill = self.fill + a
+        out = np.empty_like(pos)
+        out[order] = pos
+        return out
+
+    def pick_victims(self, groups: np.ndarray, need: np.ndarray, priority: "callable") -> np.ndarray:
+        """Slots of the `need[i]` lowest-priority members of each `groups[i]`.
+
+        `priority(pos)` gives an int64 per member slot: lower is evicted first; values < 0 mark members that must
+        stay (they are never picked). Ties go to the lower slot. Fewer are returned where a group lacks candidates.
+        """
+        keep = need > 0
+        groups, need = groups[keep], need[keep]
+        if groups.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        pos, idx = self.ranges_idx(groups)
+        prio = priority(pos)
+        ok = prio >= 0
+        pos, idx, prio = pos[ok], idx[ok], prio[ok]
+        order = np.lexsort((pos, prio, idx))
+        pos, idx = pos[order], idx[order]
+        first = np.searchsorted(idx, np.arange(groups.shape[0]))
+        within = np.arange(pos.shape[0]) - first[idx]
+        return pos[within < need[idx]]
+
+    def ranges_idx(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Like `ranges` but returns the index into `groups` of every slot."""
+        n = self.fill[groups]
+        return _concat_ranges(self.base[groups], n)
 
 
 def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

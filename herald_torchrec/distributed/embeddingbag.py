@@ -1,0 +1,928 @@
+"""`ShardedHeraldEmbeddingBagCollection`: the cache-aware sharded EmbeddingBagCollection that executes `Plan`s.
+
+TorchRec contract (torchrec.distributed.types.ShardedModule): DMP / the train pipelines call
+`input_dist(ctx, kjt)` -> `compute(ctx, ...)` -> `output_dist(ctx, ...)`. Here the input is already *local*: the
+Herald input-permutation stage has given this rank exactly its B samples of the step (`plan.sample_order`), so
+`input_dist` moves nothing (it may run ahead of time in a pipeline) and the pooled outputs are local, so
+`output_dist` moves nothing either. All the communication of a step happens in `compute` and `finish_step`,
+driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARCHITECTURE.md §2, schedule/plan.py):
+
+(a) moves: one all-to-all of rows + optimizer state (every row leaves, then every row arrives; directories updated);
+(b) every local id is classified: *exclusive* (owned here after the moves and not in `plan.shared`) -> this rank's
+    FBGEMM TBE over local slots, updated by the TBE's fused optimizer in backward; *shared* -> the owner sends the
+    value to each reader (one all-to-all; the owner's own reads take the same path), readers feed the received
+    values as a leaf tensor requiring grad, sum-pooled per bag and added to the TBE's pooled output;
+(c) `finish_step()` (called by the fused optimizer's `step()`, or at the latest by the next forward): readers return
+    their shared-row gradients (the reverse all-to-all), each owner sums them per key and applies ONE update through
+    its TBE (a forward over one-row bags, then a backward: bit-exact with the fused path).
+
+Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
+or shared keys costs no collective at all. With no plan queued, the module builds the *static* plan itself (an
+all-gather of the local ids; owners never move, every non-owner read is shared): eval batches and runs without a
+scheduler still work.
+
+Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan):
+`hit` distinct exclusive keys read here, `migrate` / `evict_home` / `forward` rows sent by move kind,
+`shared_value` values sent to other readers, `shared_grad` gradients sent to other owners. Bytes by kind are in
+`comm_counter` (see comm.py). Hit rate per table = distinct exclusive keys / (those + distinct shared keys read).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import (
+    Awaitable,
+    LazyAwaitable,
+    LazyGetItemMixin,
+    Multistreamable,
+    NoWait,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from herald_torchrec.distributed.comm import CommCounter, PlanComm
+from herald_torchrec.distributed.row_store import (
+    RowStore,
+    TableSpec,
+    check_cache_ratio,
+    home_range,
+    home_rank,
+    parse_optimizer,
+)
+from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
+
+COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
+
+
+@dataclass
+class HeraldEmbeddingBagCollectionContext(Multistreamable):
+    batch_size: int = 0
+
+    def record_stream(self, stream: torch.Stream) -> None:  # nothing asynchronous to protect
+        pass
+
+
+class _KeyedTensorAwaitable(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[KeyedTensor]):
+    def __init__(self, kt: KeyedTensor) -> None:
+        super().__init__()
+        self._kt = kt
+
+    def _wait_impl(self) -> KeyedTensor:
+        return self._kt
+
+
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the world size (TorchRec's GRADIENT_DIVISION)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, world_size: int) -> torch.Tensor:
+        ctx.world_size = world_size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.world_size, None
+
+
+class HeraldFusedOptimizer(FusedOptimizer):
+    """The module's entry in DMP's fused optimizer: exclusive rows are updated in backward (FBGEMM's fused
+    optimizer); `step()` finishes the step's shared rows (gradient all-to-all + one update per row at its owner)."""
+
+    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection") -> None:
+        super().__init__({}, {}, [{"params": [], "lr": module.learning_rate}])
+        self._module_ref = [module]  # a list, so that the module is not registered as an optimizer attribute
+
+    def step(self, closure: Any = None) -> None:
+        module = self._module_ref[0]
+        lr = float(next(iter(self.param_groups))["lr"])  # follow LR schedulers that edit param_groups
+        if lr != module.learning_rate:
+            module.set_learning_rate(lr)
+        module.finish_step()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+@dataclass
+class _SharedStep:
+    """One step's shared-row exchange as seen by this rank (built from the plan; identical sizes everywhere)."""
+
+    send_table: np.ndarray  # pairs this rank owns, in send order (by reader): table, row
+    send_row: np.ndarray
+    send_off: np.ndarray  # float offset of each pair in the send buffer
+    send_splits: list[int]
+    recv_table: np.ndarray  # pairs this rank reads, in receive order (by owner)
+    recv_row: np.ndarray
+    recv_off: np.ndarray
+    recv_splits: list[int]
+    n_values_out: int  # pairs sent to other ranks
+    n_grads_out: int  # pairs received from other ranks (their gradients go back)
+    globally_empty: bool
+    values: torch.Tensor | None = None  # received values (flat, leaf requiring grad when training)
+
+
+@dataclass
+class _MoveStep:
+    send_idx: np.ndarray  # move indices this rank sends, in send order (by dst)
+    recv_idx: np.ndarray  # move indices this rank receives, in receive order (by src)
+    send_splits: list[int]
+    recv_splits: list[int]
+    globally_empty: bool
+
+
+@dataclass
+class _LocalInput:
+    batch_size: int
+    values: list[np.ndarray]  # per module feature (table order), int64
+    lengths: list[np.ndarray]  # per module feature, int64 [B]
+    bags: list[np.ndarray] = field(default_factory=list)  # per feature: bag of each value
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.shape[0], dtype=np.int64)
+    if x.shape[0] > 1:
+        np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    return np.argsort(keys, kind="stable")
+
+
+class ShardedHeraldEmbeddingBagCollection(
+    ShardedModule[KeyedJaggedTensor, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
+    FusedOptimizerModule,
+):
+    """Herald-managed EmbeddingBagCollection (sum pooling, unweighted) on one FBGEMM TBE per rank.
+
+    Args:
+        module: the unsharded EBC; its weights (unless on meta) are copied into the home rows.
+        table_name_to_parameter_sharding: DMP's plan for the module (every table ROW_WISE); may be None.
+        env: TorchRec sharding env (process group, rank, world size).
+        fused_params: {"optimizer": EmbOptimType or name, "learning_rate", "eps", "cache_load_factor"}.
+        cache_ratio: guest capacity per rank and table, as a share of the table's rows, in (0, 1].
+        policy, lookahead: the scheduler configuration, kept for the pipeline (the data plane decides nothing).
+        check_errors_globally: before moving anything, all-reduce a flag so that a rank-local input error (id out of
+            range, batch not matching the plan) raises on every rank instead of leaving the others in a collective.
+        gradient_division: divide the embedding gradients by the world size, as TorchRec's sharded modules do in
+            their backward comms (so that with per-rank mean losses and DDP-averaged dense gradients every parameter
+            gets the gradient of the global mean loss). None (default) follows TorchRec's global switch
+            `torchrec.distributed.comm_ops.set_gradient_division` (on by default), read at every step; False gives
+            rows the plain sum over ranks of the per-rank gradients.
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding] | None,
+        env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        cache_ratio: float = 0.1,
+        policy: str = "herald",
+        lookahead: int = 1,
+        module_fqn: str | None = None,
+        check_errors_globally: bool = True,
+        gradient_division: bool | None = None,
+        qcomm_codecs_registry: dict | None = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        self.gradient_division = gradient_division
+        self.cache_ratio = check_cache_ratio(cache_ratio)
+        if not isinstance(module, EmbeddingBagCollection):
+            raise ValueError(f"expected an EmbeddingBagCollection, got {type(module).__name__}")
+        if module.is_weighted():
+            raise ValueError("Herald-managed EmbeddingBagCollection: weighted (per-sample weight) features are not supported")
+        configs = module.embedding_bag_configs()
+        for c in configs:
+            if c.pooling != PoolingType.SUM:
+                raise ValueError(f"table {c.name!r}: only SUM pooling is supported, got {c.pooling}")
+        self._env = env
+        self.rank, self.world_size = env.rank, env.world_size
+        self.policy, self.lookahead, self.module_fqn = policy, int(lookahead), module_fqn
+        self.check_errors_globally = check_errors_globally
+        fp = dict(fused_params or {})
+        self.optimizer_type = parse_optimizer(fp.pop("optimizer", "exact_rowwise_adagrad"))
+        self.learning_rate = float(fp.pop("learning_rate", 0.01))
+        self.eps = float(fp.pop("eps", 1e-8))
+        wd = float(fp.pop("weight_decay", 0.0))
+        if wd != 0.0:
+            raise ValueError(f"Herald-managed tables: weight_decay must be 0, got {wd}")
+        cache_load_factor = float(fp.pop("cache_load_factor", 0.2))
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "meta":
+            raise ValueError("ShardedHeraldEmbeddingBagCollection cannot be built on the meta device")
+
+        self.table_names = [c.name for c in configs]
+        self._check_parameter_sharding(configs, table_name_to_parameter_sharding)
+        names_by_table = get_embedding_names_by_table(configs)
+        self.embedding_names = [n for names in names_by_table for n in names]  # output keys, EBC order
+        self.feature_names = [f for c in configs for f in c.feature_names]  # input keys, same order
+        self.feature_table = [t for t, c in enumerate(configs) for _ in c.feature_names]
+        self.feature_dims = [configs[t].embedding_dim for t in self.feature_table]
+
+        self._store = RowStore(
+            [TableSpec(c.name, c.num_embeddings, c.embedding_dim) for c in configs],
+            rank=self.rank,
+            world_size=self.world_size,
+            cache_ratio=self.cache_ratio,
+            optimizer=self.optimizer_type,
+            learning_rate=self.learning_rate,
+            eps=self.eps,
+            features_per_table=[len(c.feature_names) for c in configs],
+            device=self.device,
+            cache_load_factor=cache_load_factor,
+        )
+        self._init_home_rows(module, configs)
+
+        self.comm_counter = CommCounter()
+        self._comm = PlanComm(env.process_group, self.comm_counter)
+        self._plans: deque[Plan] = deque()
+        self._pending: _SharedStep | None = None
+        self._optim = HeraldFusedOptimizer(self)
+        T = len(configs)
+        self.step_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
+        self.total_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
+        self._reads = np.zeros((2, T), dtype=np.int64)  # last step: [hits, shared reads] per table
+        self._reads_total = np.zeros((2, T), dtype=np.int64)
+        # per table, step scratch: local index of a shared key in the received values (-1 not shared, -2 shared
+        # but not read here); reset after each step
+        self._mark = [np.full(c.num_embeddings, -1, dtype=np.int64) for c in configs]
+        self.steps = 0
+
+    # ------------------------------------------------------------------ setup
+    def _check_parameter_sharding(self, configs: list, plan: dict[str, ParameterSharding] | None) -> None:
+        if plan is None:
+            return
+        for c in configs:
+            ps = plan.get(c.name)
+            if ps is None:
+                raise ValueError(f"table {c.name!r} has no sharding in the plan: every table of a Herald-managed EBC is managed")
+            if ps.sharding_type != ShardingType.ROW_WISE.value:
+                raise ValueError(f"table {c.name!r}: Herald-managed tables are ROW_WISE (home placement), got {ps.sharding_type}")
+            spec = ps.sharding_spec
+            shards = getattr(spec, "shards", None)
+            if not shards:
+                continue
+            got = sorted(
+                (int(s.shard_offsets[0]), int(s.shard_offsets[0]) + int(s.shard_sizes[0]))
+                for s in shards
+                if int(s.shard_sizes[0]) > 0
+            )
+            want = [home_range(c.num_embeddings, self.world_size, r) for r in range(self.world_size)]
+            want = [w for w in want if w[1] > w[0]]
+            if got != want:
+                raise ValueError(f"table {c.name!r}: ROW_WISE shards {got} differ from the home blocks {want}")
+
+    @torch.no_grad()
+    def _init_home_rows(self, module: EmbeddingBagCollection, configs: list) -> None:
+        st = self._store
+        for t, c in enumerate(configs):
+            lo, hl = st.home_lo[t], st.home_len[t]
+            if hl == 0:
+                continue
+            w = module.embedding_bags[c.name].weight
+            if w.device.type == "meta":
+                block = torch.empty(hl, c.embedding_dim, device=self.device)
+                c.init_fn(block)  # same distribution as the unsharded table (not the same values)
+            else:
+                block = w.detach()[lo : lo + hl]
+            st.write_slots(t, np.arange(hl), block)
+
+    # ---------------------------------------------------------------- plans
+    def set_plan(self, plan: Plan) -> None:
+        """Queue the plan of the next training/eval step (plans are consumed in order, one per forward)."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"set_plan expects a schedule.plan.Plan, got {type(plan).__name__}")
+        if not plan.executable:
+            raise ValueError("set_plan: this plan is counting-only (executable=False); its policy cannot be executed")
+        if plan.num_ranks != self.world_size:
+            raise ValueError(f"set_plan: plan is for {plan.num_ranks} ranks, the process group has {self.world_size}")
+        if plan.sample_order.shape[0] != plan.num_ranks * plan.batch_per_rank:
+            raise ValueError(
+                f"set_plan: sample_order has {plan.sample_order.shape[0]} entries, expected "
+                f"{plan.num_ranks} x {plan.batch_per_rank}"
+            )
+        self._plans.append(plan)
+
+    @property
+    def queued_plans(self) -> int:
+        return len(self._plans)
+
+    def clear_plans(self) -> None:
+        self._plans.clear()
+
+    # ------------------------------------------------------- TorchRec contract
+    def create_context(self) -> HeraldEmbeddingBagCollectionContext:
+        return HeraldEmbeddingBagCollectionContext()
+
+    def input_dist(
+        self, ctx: HeraldEmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        # the batch is already local (the permutation stage placed it); nothing to distribute
+        ctx.batch_size = features.stride()
+        return NoWait(NoWait(features))
+
+    def compute(self, ctx: HeraldEmbeddingBagCollectionContext, dist_input: KeyedJaggedTensor) -> torch.Tensor:
+        return self._step(dist_input)
+
+    def output_dist(self, ctx: HeraldEmbeddingBagCollectionContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
+        return _KeyedTensorAwaitable(
+            KeyedTensor(keys=self.embedding_names, length_per_key=self.feature_dims, values=output, key_dim=1)
+        )
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    @property
+    def unsharded_module_type(self) -> type:
+        return EmbeddingBagCollection
+
+    # ----------------------------------------------------------------- step
+    def _parse_input(self, features: KeyedJaggedTensor) -> _LocalInput:
+        if features.variable_stride_per_key():
+            raise ValueError("Herald-managed EBC: variable batch size per feature is not supported")
+        if features.weights_or_none() is not None:
+            raise ValueError("Herald-managed EBC: weighted KeyedJaggedTensors are not supported")
+        B = features.stride()
+        keys = features.keys()
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.feature_names if f not in index]
+        if missing:
+            raise ValueError(f"input KeyedJaggedTensor lacks features {missing} (has {keys})")
+        vals = features.values().detach().to("cpu").numpy().astype(np.int64, copy=False)
+        lens = features.lengths().detach().to("cpu").numpy().astype(np.int64, copy=False)
+        if lens.shape[0] != B * len(keys):
+            raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {len(keys)} keys x batch {B}")
+        per_key_len = lens.reshape(len(keys), B).sum(axis=1)
+        starts = _exclusive_cumsum(per_key_len)
+        values, lengths, bags = [], [], []
+        for f, name in enumerate(self.feature_names):
+            i = index[name]
+            v = vals[starts[i] : starts[i] + per_key_len[i]]
+            t = self.feature_table[f]
+            if v.size and (int(v.min()) < 0 or int(v.max()) >= self._store.rows[t]):
+                bad = v[(v < 0) | (v >= self._store.rows[t])]
+                raise ValueError(
+                    f"feature {name!r} (table {self.table_names[t]!r}, {self._store.rows[t]} rows): ids out of range "
+                    f"{bad[:5].tolist()}"
+                )
+            ln = lens[i * B : (i + 1) * B]
+            values.append(v)
+            lengths.append(ln)
+            bags.append(np.repeat(np.arange(B, dtype=np.int64), ln))
+        return _LocalInput(B, values, lengths, bags)
+
+    def _sync_error(self, err: Exception | None) -> None:
+        """Raise on every rank if any rank failed its local checks (so that no rank is left in a collective)."""
+        if self.world_size > 1 and self.check_errors_globally:
+            flag = torch.tensor([0 if err is None else self.rank + 1], dtype=torch.int64)
+            self._comm.all_reduce(flag, "control", op=dist.ReduceOp.MAX)
+            if err is None and int(flag.item()):
+                raise ValueError(f"step aborted: rank {int(flag.item()) - 1} rejected its input or the plan (see its error)")
+        if err is not None:
+            raise err
+
+    def _step(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        # Collectives must be issued in the same order on every rank: plan-level (global) checks raise alike
+        # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
+        # raised on every rank together by `_sync_error` before anything moves.
+        if self._pending is not None:
+            self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
+        err: Exception | None = None
+        local: _LocalInput | None = None
+        try:
+            local = self._parse_input(features)
+        except ValueError as e:
+            err = e
+        if self._plans:
+            plan = self._plans.popleft()
+        else:
+            self._sync_error(err)  # the static plan needs every rank's ids
+            plan = self._static_plan(local)
+        moves = self._prepare_moves(plan)  # global checks: every rank raises alike
+        shared = self._prepare_shared(plan)
+        cls = None
+        try:
+            if err is None:
+                try:
+                    if plan.batch_per_rank != local.batch_size:
+                        raise ValueError(
+                            f"plan {plan.step} is for batch {plan.batch_per_rank} per rank, the local batch has "
+                            f"{local.batch_size}"
+                        )
+                    cls = self._classify(plan, local, shared)
+                except ValueError as e:
+                    err = e
+            self._sync_error(err)
+        except BaseException:
+            self._reset_marks(shared)
+            raise
+
+        self.step_counters = {k: 0 for k in COUNTER_KINDS}
+        self._execute_moves(plan, moves)
+        training = self.training and torch.is_grad_enabled()
+        self._exchange_values(shared, training)
+        out = self._lookup(local, cls, shared)
+        self._reset_marks(shared)
+        if training and self.world_size > 1 and self._divides_gradients():
+            out = _DivideGrad.apply(out, self.world_size)
+        hits, sreads = cls
+        self._reads[0], self._reads[1] = hits, sreads
+        self._reads_total += self._reads
+        self.step_counters["hit"] = int(hits.sum())
+        self.total_counters["hit"] += int(hits.sum())
+        self._pending = shared if training else None
+        self.steps += 1
+        return out
+
+    def _divides_gradients(self) -> bool:
+        if self.gradient_division is not None:
+            return bool(self.gradient_division)
+        from torchrec.distributed.comm_ops import get_gradient_division
+
+        return bool(get_gradient_division())
+
+    # ------------------------------------------------------------- moves
+    def _prepare_moves(self, plan: Plan) -> _MoveStep:
+        st, R, r = self._store, self.world_size, self.rank
+        mv = plan.moves
+        n = len(mv)
+        if n == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return _MoveStep(z, z, [0] * R, [0] * R, True)
+        table = np.asarray(mv.table, dtype=np.int64)
+        row = np.asarray(mv.row, dtype=np.int64)
+        src = np.asarray(mv.src, dtype=np.int64)
+        dst = np.asarray(mv.dst, dtype=np.int64)
+        kind = np.asarray(mv.kind, dtype=np.int64)
+        if not (table.shape == row.shape == src.shape == dst.shape == kind.shape):
+            raise ValueError(f"plan {plan.step}: moves arrays differ in length")
+        T = st.num_tables
+        if table.min() < 0 or table.max() >= T:
+            raise ValueError(f"plan {plan.step}: move table index out of range [0, {T})")
+        if src.min() < 0 or src.max() >= R or dst.min() < 0 or dst.max() >= R:
+            raise ValueError(f"plan {plan.step}: move src/dst rank out of range [0, {R})")
+        if (src == dst).any():
+            raise ValueError(f"plan {plan.step}: move with src == dst")
+        if not np.isin(kind, list(MOVE_KIND_NAMES)).all():
+            raise ValueError(f"plan {plan.step}: unknown move kind in {np.unique(kind).tolist()}")
+        gid = np.empty(n, dtype=np.int64)
+        for t in range(T):
+            m = table == t
+            if not m.any():
+                continue
+            rows_t = row[m]
+            st.check_keys(t, rows_t, f"plan {plan.step}: moved rows")
+            owner = st.owner[t][rows_t]
+            if (owner != src[m]).any():
+                i = np.flatnonzero(owner != src[m])[0]
+                raise ValueError(
+                    f"plan {plan.step}: table {self.table_names[t]!r} row {rows_t[i]} moves from rank {src[m][i]} "
+                    f"but is owned by rank {owner[i]}"
+                )
+            home = home_rank(st.rows[t], R, rows_t)
+            ev = kind[m] == EVICT_HOME
+            if (ev & ((dst[m] != home) | (src[m] == home))).any():
+                raise ValueError(f"plan {plan.step}: an evict_home move does not send a guest to its home rank")
+            gc = st.guest_count[t].copy()
+            gc -= np.bincount(src[m][src[m] != home], minlength=R)
+            gc += np.bincount(dst[m][dst[m] != home], minlength=R)
+            if (gc > st.capacity[t]).any():
+                q = int(np.argmax(gc))
+                raise ValueError(
+                    f"plan {plan.step}: after the moves rank {q} holds {gc[q]} guests of table "
+                    f"{self.table_names[t]!r}, capacity {st.capacity[t]}"
+                )
+            gid[m] = rows_t * T + t
+        if np.unique(gid).shape[0] != n:
+            raise ValueError(f"plan {plan.step}: a row moves twice in one step")
+        width = np.array([st.row_width(t) for t in range(T)], dtype=np.int64)[table]
+        send_idx = np.flatnonzero(src == r)
+        send_idx = send_idx[_stable_order(dst[send_idx])]
+        recv_idx = np.flatnonzero(dst == r)
+        recv_idx = recv_idx[_stable_order(src[recv_idx])]
+        send_splits = np.bincount(dst[send_idx], weights=width[send_idx], minlength=R).astype(np.int64).tolist()
+        recv_splits = np.bincount(src[recv_idx], weights=width[recv_idx], minlength=R).astype(np.int64).tolist()
+        return _MoveStep(send_idx, recv_idx, send_splits, recv_splits, False)
+
+    def _execute_moves(self, plan: Plan, ms: _MoveStep) -> None:
+        if ms.globally_empty:
+            return
+        st = self._store
+        mv = plan.moves
+        table = np.asarray(mv.table, dtype=np.int64)
+        row = np.asarray(mv.row, dtype=np.int64)
+        dst = np.asarray(mv.dst, dtype=np.int64)
+        kind = np.asarray(mv.kind, dtype=np.int64)
+        T = st.num_tables
+        width = np.array([st.row_width(t) for t in range(T)], dtype=np.int64)
+        # pack departing rows (value + optimizer state), in send order
+        s_tab = table[ms.send_idx]
+        s_w = width[s_tab]
+        s_off = _exclusive_cumsum(s_w)
+        send = torch.empty(int(s_w.sum()), dtype=torch.float32, device=self.device)
+        for t in range(T):
+            p = np.flatnonzero(s_tab == t)
+            if p.size == 0:
+                continue
+            rows_t = row[ms.send_idx[p]]
+            w, s = st.read_rows(t, rows_t)
+            data = torch.cat([w, s], dim=1) if s.shape[1] else w
+            pos = torch.from_numpy(s_off[p][:, None] + np.arange(width[t])).to(self.device)
+            send[pos.reshape(-1)] = data.reshape(-1).to(send.dtype)
+            st.release(t, rows_t)
+        for k_id, k_name in MOVE_KIND_NAMES.items():
+            c = int((kind[ms.send_idx] == k_id).sum())
+            self.step_counters[k_name] += c
+            self.total_counters[k_name] += c
+        # every rank applies every move to the global ownership map
+        for t in range(T):
+            m = table == t
+            if m.any():
+                st.set_owner(t, row[m], dst[m])
+        recv = self._comm.all_to_all(send, ms.send_splits, ms.recv_splits, "moves")
+        r_tab = table[ms.recv_idx]
+        r_off = _exclusive_cumsum(width[r_tab])
+        for t in range(T):
+            q = np.flatnonzero(r_tab == t)
+            if q.size == 0:
+                continue
+            rows_t = row[ms.recv_idx[q]]
+            pos = torch.from_numpy(r_off[q][:, None] + np.arange(width[t])).to(self.device)
+            data = recv[pos.reshape(-1)].view(q.size, width[t])
+            slots = st.allocate(t, rows_t)
+            d = st.dims[t]
+            st.write_slots(t, slots, data[:, :d], data[:, d:])
+
+    # ------------------------------------------------------------ shared rows
+    def _prepare_shared(self, plan: Plan) -> _SharedStep:
+        st, R, r = self._store, self.world_size, self.rank
+        sh = plan.shared
+        n = len(sh)
+        z = np.zeros(0, dtype=np.int64)
+        if n == 0:
+            return _SharedStep(z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True)
+        table = np.asarray(sh.table, dtype=np.int64)
+        row = np.asarray(sh.row, dtype=np.int64)
+        owner = np.asarray(sh.owner, dtype=np.int64)
+        ro = np.asarray(sh.reader_offsets, dtype=np.int64)
+        readers = np.asarray(sh.readers, dtype=np.int64)
+        T = st.num_tables
+        if not (table.shape == row.shape == owner.shape) or ro.shape[0] != n + 1 or ro[0] != 0 or ro[-1] != readers.shape[0]:
+            raise ValueError(f"plan {plan.step}: malformed shared rows (array lengths / reader_offsets)")
+        counts = np.diff(ro)
+        if (counts < 1).any():
+            raise ValueError(f"plan {plan.step}: a shared row has no reader")
+        if table.min() < 0 or table.max() >= T:
+            raise ValueError(f"plan {plan.step}: shared table index out of range [0, {T})")
+        if owner.min() < 0 or owner.max() >= R or readers.min() < 0 or readers.max() >= R:
+            raise ValueError(f"plan {plan.step}: shared owner/reader rank out of range [0, {R})")
+        pair_key = np.repeat(np.arange(n, dtype=np.int64), counts)
+        if (np.diff(readers)[np.diff(pair_key) == 0] <= 0).any():
+            raise ValueError(f"plan {plan.step}: readers of a shared row must be sorted and distinct")
+        # owner after this step's moves (moves are validated separately; apply them virtually here)
+        owner_after = self._owners_after_moves(plan, table, row)
+        if (owner_after != owner).any():
+            i = int(np.flatnonzero(owner_after != owner)[0])
+            raise ValueError(
+                f"plan {plan.step}: shared row {row[i]} of table {self.table_names[table[i]]!r} names owner {owner[i]}, "
+                f"but its owner after the moves is {owner_after[i]}"
+            )
+        if np.unique(row * T + table).shape[0] != n:
+            raise ValueError(f"plan {plan.step}: a row is listed twice in shared")
+        p_tab, p_row, p_own = table[pair_key], row[pair_key], owner[pair_key]
+        dims = np.array(st.dims, dtype=np.int64)
+        p_w = dims[p_tab]
+        send_sel = np.flatnonzero(p_own == r)
+        send_sel = send_sel[_stable_order(readers[send_sel])]
+        recv_sel = np.flatnonzero(readers == r)
+        recv_sel = recv_sel[_stable_order(p_own[recv_sel])]
+        send_splits = np.bincount(readers[send_sel], weights=p_w[send_sel], minlength=R).astype(np.int64).tolist()
+        recv_splits = np.bincount(p_own[recv_sel], weights=p_w[recv_sel], minlength=R).astype(np.int64).tolist()
+        sh_step = _SharedStep(
+            send_table=p_tab[send_sel],
+            send_row=p_row[send_sel],
+            send_off=_exclusive_cumsum(p_w[send_sel]),
+            send_splits=send_splits,
+            recv_table=p_tab[recv_sel],
+            recv_row=p_row[recv_sel],
+            recv_off=_exclusive_cumsum(p_w[recv_sel]),
+            recv_splits=recv_splits,
+            n_values_out=int((readers[send_sel] != r).sum()),
+            n_grads_out=int((p_own[recv_sel] != r).sum()),
+            globally_empty=False,
+        )
+        # marks: -2 for every shared key, then the local index for the keys read here
+        for t in range(T):
+            m = table == t
+            if m.any():
+                self._mark[t][row[m]] = -2
+            q = np.flatnonzero(sh_step.recv_table == t)
+            if q.size:
+                self._mark[t][sh_step.recv_row[q]] = np.arange(q.size, dtype=np.int64)
+        sh_step._all_rows = [(t, row[table == t]) for t in range(T) if (table == t).any()]  # type: ignore[attr-defined]
+        return sh_step
+
+    def _reset_marks(self, sh: _SharedStep) -> None:
+        for t, rows_t in getattr(sh, "_all_rows", []):
+            self._mark[t][rows_t] = -1
+
+    def _owners_after_moves(self, plan: Plan, table: np.ndarray, row: np.ndarray) -> np.ndarray:
+        st = self._store
+        out = np.empty(row.shape[0], dtype=np.int64)
+        mv = plan.moves
+        mt = np.asarray(mv.table, dtype=np.int64)
+        for t in np.unique(table):
+            m = table == t
+            rows_t = row[m]
+            st.check_keys(int(t), rows_t, f"plan {plan.step}: shared rows")
+            own = st.owner[t][rows_t].astype(np.int64)
+            mm = mt == t
+            if mm.any():
+                mrows = np.asarray(mv.row, dtype=np.int64)[mm]
+                mdst = np.asarray(mv.dst, dtype=np.int64)[mm]
+                order = np.argsort(mrows)
+                mrows, mdst = mrows[order], mdst[order]
+                pos = np.searchsorted(mrows, rows_t)
+                hit = (pos < mrows.shape[0]) & (mrows[np.minimum(pos, mrows.shape[0] - 1)] == rows_t)
+                own[hit] = mdst[pos[hit]]
+            out[m] = own
+        return out
+
+    def _classify(self, plan: Plan, local: _LocalInput, sh: _SharedStep) -> tuple[np.ndarray, np.ndarray]:
+        """Check every local id against the plan; returns distinct exclusive keys / shared keys read, per table."""
+        st, T = self._store, self._store.num_tables
+        hits = np.zeros(T, dtype=np.int64)
+        for t in range(T):
+            feats = [f for f in range(len(self.feature_names)) if self.feature_table[f] == t]
+            ids = np.concatenate([local.values[f] for f in feats]) if feats else np.zeros(0, dtype=np.int64)
+            if ids.size == 0:
+                continue
+            mark = self._mark[t][ids]
+            if (mark == -2).any():
+                k = ids[mark == -2][0]
+                raise ValueError(
+                    f"plan {plan.step} does not match the batch: rank {self.rank} reads shared row {k} of table "
+                    f"{self.table_names[t]!r} but is not among its readers"
+                )
+            excl = np.unique(ids[mark == -1])
+            if excl.size:
+                own = self._owners_after_moves(plan, np.full(excl.size, t, dtype=np.int64), excl)
+                if (own != self.rank).any():
+                    k = excl[own != self.rank][0]
+                    raise ValueError(
+                        f"plan {plan.step} does not match the batch: rank {self.rank} reads row {k} of table "
+                        f"{self.table_names[t]!r}, owned by rank {int(own[own != self.rank][0])} after the moves and "
+                        f"not in plan.shared"
+                    )
+            hits[t] = excl.size
+        sreads = np.bincount(sh.recv_table, minlength=T).astype(np.int64)
+        return hits, sreads
+
+    def _exchange_values(self, sh: _SharedStep, training: bool) -> None:
+        if sh.globally_empty:
+            sh.values = None
+            return
+        st = self._store
+        total = int(sum(sh.send_splits))
+        send = torch.empty(total, dtype=torch.float32, device=self.device)
+        for t in range(st.num_tables):
+            p = np.flatnonzero(sh.send_table == t)
+            if p.size == 0:
+                continue
+            slots = st.slots(t, sh.send_row[p])
+            if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
+                raise RuntimeError("shared row sent by a rank that does not own it")
+            w, _ = st.read_slots(t, slots)
+            pos = torch.from_numpy(sh.send_off[p][:, None] + np.arange(st.dims[t])).to(self.device)
+            send[pos.reshape(-1)] = w.reshape(-1)
+        vals = self._comm.all_to_all(send, sh.send_splits, sh.recv_splits, "shared_value")
+        self.step_counters["shared_value"] += sh.n_values_out
+        self.total_counters["shared_value"] += sh.n_values_out
+        if training:
+            vals.requires_grad_(True)
+        sh.values = vals
+
+    def _lookup(self, local: _LocalInput, cls: tuple[np.ndarray, np.ndarray], sh: _SharedStep) -> torch.Tensor:
+        st = self._store
+        B = local.batch_size
+        F = len(self.feature_names)
+        idx_parts, len_parts = [], []
+        shared_pooled: list[torch.Tensor | None] = [None] * F
+        per_table_vals: dict[int, torch.Tensor] = {}
+        for f in range(F):
+            t = self.feature_table[f]
+            ids = local.values[f]
+            mark = self._mark[t][ids]
+            ex = mark == -1
+            idx_parts.append(st.slots(t, ids[ex]))
+            len_parts.append(np.bincount(local.bags[f][ex], minlength=B).astype(np.int64))
+            shm = ~ex
+            if shm.any():
+                if t not in per_table_vals:
+                    q = np.flatnonzero(sh.recv_table == t)
+                    pos = torch.from_numpy(sh.recv_off[q][:, None] + np.arange(st.dims[t])).to(self.device)
+                    per_table_vals[t] = sh.values[pos]  # [n_t, dim], differentiable w.r.t. the received values
+                v = per_table_vals[t].index_select(0, torch.from_numpy(mark[shm]).to(self.device))
+                bag = torch.from_numpy(local.bags[f][shm]).to(self.device)
+                shared_pooled[f] = torch.zeros(B, st.dims[t], dtype=v.dtype, device=self.device).index_add(0, bag, v)
+        indices = np.concatenate(idx_parts) if idx_parts else np.zeros(0, dtype=np.int64)
+        if (indices < 0).any():  # pragma: no cover - guarded by _classify
+            raise RuntimeError("exclusive id without a local slot after the moves")
+        lengths = np.concatenate(len_parts)
+        offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        out = st.lookup(torch.from_numpy(indices).to(self.device), torch.from_numpy(offsets).to(self.device))
+        if any(p is not None for p in shared_pooled):
+            extra = torch.cat(
+                [
+                    p if p is not None else torch.zeros(B, self.feature_dims[f], dtype=out.dtype, device=self.device)
+                    for f, p in enumerate(shared_pooled)
+                ],
+                dim=1,
+            )
+            out = out + extra
+        return out
+
+    def finish_step(self) -> None:
+        """Send shared-row gradients to their owners; each owner applies one update per row with their sum.
+
+        Collective (every rank calls it, in the same order). Called by the fused optimizer's `step()`; a no-op
+        when nothing is pending (eval forwards, or already finished)."""
+        sh = self._pending
+        self._pending = None
+        if sh is None or sh.globally_empty:
+            return
+        st = self._store
+        vals = sh.values
+        grad = vals.grad if vals is not None and vals.grad is not None else None
+        if grad is None:
+            grad = torch.zeros(int(sum(sh.recv_splits)), dtype=torch.float32, device=self.device)
+        grad = grad.detach()
+        sh.values = None
+        back = self._comm.all_to_all(grad, sh.recv_splits, sh.send_splits, "shared_grad")
+        self.step_counters["shared_grad"] += sh.n_grads_out
+        self.total_counters["shared_grad"] += sh.n_grads_out
+        slots_per_table: list[np.ndarray | None] = [None] * st.num_tables
+        grads_per_table: list[torch.Tensor | None] = [None] * st.num_tables
+        for t in range(st.num_tables):
+            p = np.flatnonzero(sh.send_table == t)
+            if p.size == 0:
+                continue
+            keys, inv = np.unique(sh.send_row[p], return_inverse=True)
+            d = st.dims[t]
+            pos = torch.from_numpy(sh.send_off[p][:, None] + np.arange(d)).to(self.device)
+            g = back[pos.reshape(-1)].view(p.size, d)
+            summed = torch.zeros(keys.size, d, dtype=g.dtype, device=self.device)
+            summed.index_add_(0, torch.from_numpy(inv.reshape(-1)).to(self.device), g)  # readers in rank order
+            slots_per_table[t] = st.slots(t, keys)
+            grads_per_table[t] = summed
+        st.apply_summed_gradients(slots_per_table, grads_per_table)
+
+    # ------------------------------------------------------ fallback static plan
+    def _static_plan(self, local: _LocalInput) -> Plan:
+        """The plan of the `static` policy for this batch (collective): owners stay, every non-owner read is shared.
+
+        Used when no plan is queued (eval batches, runs without a scheduler); sample_order is the identity."""
+        st, R, T = self._store, self.world_size, self._store.num_tables
+        keys = []
+        for t in range(T):
+            ids = [local.values[f] for f in range(len(self.feature_names)) if self.feature_table[f] == t]
+            u = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int64)
+            keys.append(u * T + t)  # (row, table) packed; ids are < rows, so no overflow for realistic sizes
+        mine = torch.from_numpy(np.concatenate(keys).astype(np.int64))
+        gathered = [g.numpy() for g in self._comm.all_gather_uneven(mine, "control")]
+        k_all = np.concatenate(gathered)
+        rk_all = np.concatenate([np.full(g.shape[0], q, dtype=np.int64) for q, g in enumerate(gathered)])
+        order = np.lexsort((rk_all, k_all))
+        k_all, rk_all = k_all[order], rk_all[order]
+        uk, start, cnt = np.unique(k_all, return_index=True, return_counts=True)
+        tab, row = uk % T, uk // T
+        owner = np.empty(uk.shape[0], dtype=np.int64)
+        for t in range(T):
+            m = tab == t
+            owner[m] = st.owner[t][row[m]]
+        excl = (cnt == 1) & (rk_all[start] == owner)
+        sel = np.flatnonzero(~excl)
+        keep = np.repeat(~excl, cnt)
+        readers = rk_all[keep]
+        ro = np.concatenate([[0], np.cumsum(cnt[sel])]).astype(np.int64)
+        shared = SharedRows(table=tab[sel], row=row[sel], owner=owner[sel], reader_offsets=ro, readers=readers)
+        remote = shared.remote_reads()
+        B = local.batch_size
+        return Plan(
+            step=-1,
+            num_ranks=R,
+            batch_per_rank=B,
+            sample_order=np.arange(R * B, dtype=np.int64),
+            shared=shared,
+            counters={"hit": int(excl.sum()), "shared_value": remote, "shared_grad": remote},
+        )
+
+    # ------------------------------------------------------------- exports
+    def set_learning_rate(self, lr: float) -> None:
+        """Learning rate of the fused embedding optimizer (exclusive and shared rows alike)."""
+        self.learning_rate = float(lr)
+        self._store.tbe.set_learning_rate(self.learning_rate)
+        for g in self._optim.param_groups:
+            g["lr"] = self.learning_rate
+
+    @property
+    def store(self) -> RowStore:
+        return self._store
+
+    def owners(self, table: int | str) -> np.ndarray:
+        """Global owner rank of every row of a table (int32 [rows], identical on every rank)."""
+        t = self.table_names.index(table) if isinstance(table, str) else int(table)
+        return self._store.owner[t]
+
+    def hit_rate(self, cumulative: bool = False) -> dict[str, float]:
+        """Per table: distinct exclusive keys read here / (those + distinct shared keys read here)."""
+        reads = self._reads_total if cumulative else self._reads
+        tot = reads.sum(axis=0)
+        return {n: float(reads[0, t] / tot[t]) if tot[t] else float("nan") for t, n in enumerate(self.table_names)}
+
+    def guest_occupancy(self) -> dict[str, float]:
+        """Per table: guests held by this rank / guest capacity."""
+        return {n: self._store.occupancy(t) for t, n in enumerate(self.table_names)}
+
+    def global_step_counters(self) -> dict[str, int]:
+        """Sum over ranks of `step_counters` (collective): equals `plan.counters` of the step's plan."""
+        v = torch.tensor([self.step_counters[k] for k in COUNTER_KINDS], dtype=torch.int64)
+        self._comm.all_reduce(v, "control")
+        return {k: int(x) for k, x in zip(COUNTER_KINDS, v.tolist())}
+
+    @torch.no_grad()
+    def full_tables(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Unsharded tables assembled from their current owners, on every rank (collective: one all-reduce).
+
+        Returns ({table: weight [rows, dim]}, {table: optimizer state [rows] (row-wise) or [rows, w]}); the state
+        dict is empty for optimizers without state (EXACT_SGD). Exact: each row is non-zero on one rank only."""
+        if self._pending is not None:
+            self.finish_step()
+        st = self._store
+        parts, shapes = [], []
+        for t in range(st.num_tables):
+            W = torch.zeros(st.rows[t], st.row_width(t), dtype=torch.float32, device=self.device)
+            keys = st.owned_keys(t)
+            if keys.size:
+                w, s = st.read_slots(t, st.slots(t, keys))
+                idx = torch.from_numpy(keys).to(self.device)
+                W[idx, : st.dims[t]] = w
+                if s.shape[1]:
+                    W[idx, st.dims[t] :] = s
+            parts.append(W.reshape(-1))
+            shapes.append(W.shape)
+        flat = torch.cat(parts)
+        self._comm.all_reduce(flat, "full_tables")
+        weights, states = {}, {}
+        off = 0
+        for t, shp in enumerate(shapes):
+            n = shp[0] * shp[1]
+            W = flat[off : off + n].view(shp).cpu()
+            off += n
+            name = self.table_names[t]
+            weights[name] = W[:, : st.dims[t]].clone()
+            sw = st.state_widths[t]
+            if sw:
+                states[name] = W[:, st.dims[t] :].clone().squeeze(1) if sw == 1 else W[:, st.dims[t] :].clone()
+        return weights, states
+
+    @torch.no_grad()
+    def load_full_tables(self, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the rows this rank owns from unsharded tables (same on every rank; no communication)."""
+        st = self._store
+        for t, name in enumerate(self.table_names):
+            keys = st.owned_keys(t)
+            if name not in weights or keys.size == 0:
+                continue
+            W = weights[name]
+            if tuple(W.shape) != (st.rows[t], st.dims[t]):
+                raise ValueError(f"load_full_tables: {name!r} has shape {tuple(W.shape)}, expected {(st.rows[t], st.dims[t])}")
+            idx = torch.from_numpy(keys)
+            rows = W[idx]
+            s = None
+            if states is not None and name in states and st.state_widths[t]:
+                s = states[name][idx].reshape(keys.size, -1)
+            st.write_slots(t, st.slots(t, keys), rows, s)
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        for key, _ in self.named_parameters(prefix):
+            yield key
