@@ -38,6 +38,14 @@ SHARDING_TYPES = {
 }
 
 
+class StockSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder, offering ROW_WISE on CPU too (stock offers it on CUDA only; it runs on CPU/gloo)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+
+
 @dataclass
 class ShardedSetup:
     """What the trainer drives: the sharded model, its pipeline, and how local samples become pipeline inputs."""
@@ -86,7 +94,7 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
         constraints = {
             f"t_{n}": ParameterConstraints(sharding_types=[SHARDING_TYPES[t].value for t in types]) for n in features.names
         }
-    sharders = [EmbeddingBagCollectionSharder()]
+    sharders = [StockSharder()]
     pg = dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints

@@ -21,6 +21,8 @@ from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext, init_distributed, shutdown
+from herald_torchrec.distributed.comm import CommCounter
+from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.metrics import Logger, auc_logloss, write_json_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
 from herald_torchrec.sharding import ShardedSetup, shard_model
@@ -109,10 +111,10 @@ def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: Dist
 def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     ctx = init_distributed(cfg.dist_backend)
-    try:
-        return _train(cfg, ctx)
-    finally:
-        shutdown()
+    # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
+    metrics = _train(cfg, ctx)
+    shutdown()
+    return metrics
 
 
 def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
@@ -135,13 +137,15 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     global_batch = cfg.trainer.batch_size * ctx.world_size
     step, loss_sum, loss_n, t0, t_log, train_time = 0, 0.0, 0, time.time(), time.time(), 0.0
     history, first_loss, last_loss = [], None, None
+    traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     while True:
         segment = itertools.islice(stream, eval_every) if eval_every else stream
         it = setup.batches(segment)
         seg_start, seg_steps = time.time(), 0
         while True:
             try:
-                loss, _, _ = setup.pipeline.progress(it)
+                with count_collectives(traffic, "train"):
+                    loss, _, _ = setup.pipeline.progress(it)
             except StopIteration:
                 break
             step += 1
@@ -177,6 +181,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         history.append({"step": step, "auc": auc, "logloss": ll})
     auc, ll = history[-1]["auc"], history[-1]["logloss"]
     samples_per_s = step * global_batch / max(train_time, 1e-9)
+    sent = torch.tensor([float(traffic.total_bytes())], dtype=torch.float64)
+    if ctx.world_size > 1:
+        dist.all_reduce(sent)
     metrics = {
         "auc": auc,
         "logloss": ll,
@@ -186,6 +193,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         "last_loss": last_loss,
         "world_size": ctx.world_size,
         "global_batch": global_batch,
+        "comm_bytes_per_step": float(sent) / max(step, 1),  # all ranks together, embeddings + sample exchange
         "wall_s": time.time() - t0,
         "eval_history": history,
         **setup.final_stats(step),

@@ -17,14 +17,17 @@ driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARC
     its TBE (a forward over one-row bags, then a backward: bit-exact with the fused path).
 
 Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
-or shared keys costs no collective at all. With no plan queued, the module builds the *static* plan itself (an
+or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`).
+A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
+but changed nothing: the module stays usable. With no plan queued, the module builds the *static* plan itself (an
 all-gather of the local ids; owners never move, every non-owner read is shared): eval batches and runs without a
 scheduler still work.
 
-Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan):
-`hit` distinct exclusive keys read here, `migrate` / `evict_home` / `forward` rows sent by move kind,
-`shared_value` values sent to other readers, `shared_grad` gradients sent to other owners. Bytes by kind are in
-`comm_counter` (see comm.py). Hit rate per table = distinct exclusive keys / (those + distinct shared keys read).
+Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
+scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
+this step (exclusive keys and the owner's own reads of shared keys: no transfer at all), `migrate` / `evict_home` /
+`forward` rows sent by move kind, `shared_value` values sent to other readers, `shared_grad` gradients sent to other
+owners. Bytes by kind are in `comm_counter` (see comm.py). Hit rate per table = hits / distinct keys read here.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
     Awaitable,
     LazyAwaitable,
@@ -107,15 +110,21 @@ class HeraldFusedOptimizer(FusedOptimizer):
         super().__init__({}, {}, [{"params": [], "lr": module.learning_rate}])
         self._module_ref = [module]  # a list, so that the module is not registered as an optimizer attribute
 
-    def step(self, closure: Any = None) -> None:
+    def _follow_lr(self) -> None:
+        # LR schedulers edit param_groups; like TorchRec's fused optimizers, the TBE takes the new rate at step() /
+        # zero_grad(), i.e. from the next backward on. Never between a backward and its shared-row update, so
+        # every row of a step is updated with the same rate.
         module = self._module_ref[0]
-        lr = float(next(iter(self.param_groups))["lr"])  # follow LR schedulers that edit param_groups
-        if lr != module.learning_rate:
+        lr = float(next(iter(self.param_groups))["lr"])
+        if lr != module.learning_rate and module._pending is None:
             module.set_learning_rate(lr)
-        module.finish_step()
+
+    def step(self, closure: Any = None) -> None:
+        self._module_ref[0].finish_step()
+        self._follow_lr()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
+        self._follow_lr()
 
 
 @dataclass
@@ -165,7 +174,7 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
 
 
 class ShardedHeraldEmbeddingBagCollection(
-    ShardedModule[KeyedJaggedTensor, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
+    ShardedModule[KJTList, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
     FusedOptimizerModule,
 ):
     """Herald-managed EmbeddingBagCollection (sum pooling, unweighted) on one FBGEMM TBE per rank.
@@ -258,7 +267,7 @@ class ShardedHeraldEmbeddingBagCollection(
         T = len(configs)
         self.step_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
         self.total_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
-        self._reads = np.zeros((2, T), dtype=np.int64)  # last step: [hits, shared reads] per table
+        self._reads = np.zeros((2, T), dtype=np.int64)  # last step: [hits, distinct keys read] per table
         self._reads_total = np.zeros((2, T), dtype=np.int64)
         # per table, step scratch: local index of a shared key in the received values (-1 not shared, -2 shared
         # but not read here); reset after each step
@@ -333,13 +342,15 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def input_dist(
         self, ctx: HeraldEmbeddingBagCollectionContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        # the batch is already local (the permutation stage placed it); nothing to distribute
+    ) -> Awaitable[Awaitable[KJTList]]:
+        # The batch is already local (the permutation stage placed it): nothing to distribute. The awaitable has
+        # the type TorchRec's train pipelines fuse (KJTListSplitsAwaitable of no-op awaitables), so the module can
+        # be pipelined like a stock sharded EBC; input_dist may run a step ahead there, which is why it is pure.
         ctx.batch_size = features.stride()
-        return NoWait(NoWait(features))
+        return KJTListSplitsAwaitable([NoWait(NoWait(features))], ctx)
 
-    def compute(self, ctx: HeraldEmbeddingBagCollectionContext, dist_input: KeyedJaggedTensor) -> torch.Tensor:
-        return self._step(dist_input)
+    def compute(self, ctx: HeraldEmbeddingBagCollectionContext, dist_input: KJTList) -> torch.Tensor:
+        return self._step(dist_input[0])
 
     def output_dist(self, ctx: HeraldEmbeddingBagCollectionContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
         return _KeyedTensorAwaitable(
@@ -392,8 +403,8 @@ class ShardedHeraldEmbeddingBagCollection(
     def _sync_error(self, err: Exception | None) -> None:
         """Raise on every rank if any rank failed its local checks (so that no rank is left in a collective)."""
         if self.world_size > 1 and self.check_errors_globally:
-            flag = torch.tensor([0 if err is None else self.rank + 1], dtype=torch.int64)
-            self._comm.all_reduce(flag, "control", op=dist.ReduceOp.MAX)
+            flag = torch.tensor([0 if err is None else self.rank + 1], dtype=torch.int64, device=self.device)
+            self._comm.all_reduce(flag, "control", op=dist.ReduceOp.MAX)  # on the device: NCCL needs CUDA tensors
             if err is None and int(flag.item()):
                 raise ValueError(f"step aborted: rank {int(flag.item()) - 1} rejected its input or the plan (see its error)")
         if err is not None:
@@ -443,8 +454,8 @@ class ShardedHeraldEmbeddingBagCollection(
         self._reset_marks(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
-        hits, sreads = cls
-        self._reads[0], self._reads[1] = hits, sreads
+        hits, nreads = cls
+        self._reads[0], self._reads[1] = hits, nreads
         self._reads_total += self._reads
         self.step_counters["hit"] = int(hits.sum())
         self.total_counters["hit"] += int(hits.sum())
@@ -667,9 +678,14 @@ class ShardedHeraldEmbeddingBagCollection(
         return out
 
     def _classify(self, plan: Plan, local: _LocalInput, sh: _SharedStep) -> tuple[np.ndarray, np.ndarray]:
-        """Check every local id against the plan; returns distinct exclusive keys / shared keys read, per table."""
-        st, T = self._store, self._store.num_tables
+        """Check every local id against the plan. Returns, per table, the hits (distinct keys read here that this
+        rank owns after the moves and that did not move this step: no transfer at all, whether the key is exclusive
+        or this rank is the owner reading a shared key) and the distinct keys read here."""
+        T = self._store.num_tables
         hits = np.zeros(T, dtype=np.int64)
+        reads = np.zeros(T, dtype=np.int64)
+        mv_table = np.asarray(plan.moves.table, dtype=np.int64)
+        mv_row = np.asarray(plan.moves.row, dtype=np.int64)
         for t in range(T):
             feats = [f for f in range(len(self.feature_names)) if self.feature_table[f] == t]
             ids = np.concatenate([local.values[f] for f in feats]) if feats else np.zeros(0, dtype=np.int64)
@@ -682,19 +698,19 @@ class ShardedHeraldEmbeddingBagCollection(
                     f"plan {plan.step} does not match the batch: rank {self.rank} reads shared row {k} of table "
                     f"{self.table_names[t]!r} but is not among its readers"
                 )
-            excl = np.unique(ids[mark == -1])
-            if excl.size:
-                own = self._owners_after_moves(plan, np.full(excl.size, t, dtype=np.int64), excl)
-                if (own != self.rank).any():
-                    k = excl[own != self.rank][0]
-                    raise ValueError(
-                        f"plan {plan.step} does not match the batch: rank {self.rank} reads row {k} of table "
-                        f"{self.table_names[t]!r}, owned by rank {int(own[own != self.rank][0])} after the moves and "
-                        f"not in plan.shared"
-                    )
-            hits[t] = excl.size
-        sreads = np.bincount(sh.recv_table, minlength=T).astype(np.int64)
-        return hits, sreads
+            u = np.unique(ids)
+            own = self._owners_after_moves(plan, np.full(u.size, t, dtype=np.int64), u)
+            excl = self._mark[t][u] == -1
+            if (excl & (own != self.rank)).any():
+                i = int(np.flatnonzero(excl & (own != self.rank))[0])
+                raise ValueError(
+                    f"plan {plan.step} does not match the batch: rank {self.rank} reads row {u[i]} of table "
+                    f"{self.table_names[t]!r}, owned by rank {int(own[i])} after the moves and not in plan.shared"
+                )
+            moved = np.isin(u, mv_row[mv_table == t])
+            hits[t] = int(((own == self.rank) & ~moved).sum())
+            reads[t] = u.size
+        return hits, reads
 
     def _exchange_values(self, sh: _SharedStep, training: bool) -> None:
         if sh.globally_empty:
@@ -807,8 +823,8 @@ class ShardedHeraldEmbeddingBagCollection(
             ids = [local.values[f] for f in range(len(self.feature_names)) if self.feature_table[f] == t]
             u = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int64)
             keys.append(u * T + t)  # (row, table) packed; ids are < rows, so no overflow for realistic sizes
-        mine = torch.from_numpy(np.concatenate(keys).astype(np.int64))
-        gathered = [g.numpy() for g in self._comm.all_gather_uneven(mine, "control")]
+        mine = torch.from_numpy(np.concatenate(keys).astype(np.int64)).to(self.device)
+        gathered = [g.cpu().numpy() for g in self._comm.all_gather_uneven(mine, "control")]
         k_all = np.concatenate(gathered)
         rk_all = np.concatenate([np.full(g.shape[0], q, dtype=np.int64) for q, g in enumerate(gathered)])
         order = np.lexsort((rk_all, k_all))
@@ -820,6 +836,7 @@ class ShardedHeraldEmbeddingBagCollection(
             m = tab == t
             owner[m] = st.owner[t][row[m]]
         excl = (cnt == 1) & (rk_all[start] == owner)
+        hit = int((rk_all == np.repeat(owner, cnt)).sum())  # (key, reader) pairs read by the owner
         sel = np.flatnonzero(~excl)
         keep = np.repeat(~excl, cnt)
         readers = rk_all[keep]
@@ -833,7 +850,8 @@ class ShardedHeraldEmbeddingBagCollection(
             batch_per_rank=B,
             sample_order=np.arange(R * B, dtype=np.int64),
             shared=shared,
-            counters={"hit": int(excl.sum()), "shared_value": remote, "shared_grad": remote},
+            counters={"hit": hit, "migrate": 0, "evict_home": 0, "forward": 0, "shared_value": remote,
+                      "shared_grad": remote},
         )
 
     # ------------------------------------------------------------- exports
@@ -854,10 +872,10 @@ class ShardedHeraldEmbeddingBagCollection(
         return self._store.owner[t]
 
     def hit_rate(self, cumulative: bool = False) -> dict[str, float]:
-        """Per table: distinct exclusive keys read here / (those + distinct shared keys read here)."""
+        """Per table: hits / distinct keys read here (last step, or over all steps), as the `hit` counter counts
+        them: reads served by the rank's own rows with no transfer this step. NaN for a table not read."""
         reads = self._reads_total if cumulative else self._reads
-        tot = reads.sum(axis=0)
-        return {n: float(reads[0, t] / tot[t]) if tot[t] else float("nan") for t, n in enumerate(self.table_names)}
+        return {n: float(reads[0, t] / reads[1, t]) if reads[1, t] else float("nan") for t, n in enumerate(self.table_names)}
 
     def guest_occupancy(self) -> dict[str, float]:
         """Per table: guests held by this rank / guest capacity."""
@@ -865,9 +883,9 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def global_step_counters(self) -> dict[str, int]:
         """Sum over ranks of `step_counters` (collective): equals `plan.counters` of the step's plan."""
-        v = torch.tensor([self.step_counters[k] for k in COUNTER_KINDS], dtype=torch.int64)
+        v = torch.tensor([self.step_counters[k] for k in COUNTER_KINDS], dtype=torch.int64, device=self.device)
         self._comm.all_reduce(v, "control")
-        return {k: int(x) for k, x in zip(COUNTER_KINDS, v.tolist())}
+        return {k: int(x) for k, x in zip(COUNTER_KINDS, v.cpu().tolist())}
 
     @torch.no_grad()
     def full_tables(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -138,6 +138,8 @@ class RowStore(nn.Module):
         for spec in tables:
             if spec.rows < 1 or spec.dim < 1:
                 raise ValueError(f"RowStore: table {spec.name!r} needs rows >= 1 and dim >= 1, got {spec}")
+            if spec.dim % 4:
+                raise ValueError(f"RowStore: table {spec.name!r}: FBGEMM TBEs need dim % 4 == 0, got {spec.dim}")
         self.tables = list(tables)
         self.rank, self.world_size = rank, world_size
         self.cache_ratio = check_cache_ratio(cache_ratio)

@@ -1,0 +1,42 @@
+"""Control plane: the scheduler (numpy only — never imports torch). See docs/scheduler.md.
+
+    from herald_torchrec.schedule import GlobalBatch, make_policy, PlanChecker
+    policy = make_policy("herald", table_rows, num_ranks=8, batch_per_rank=256, cache_ratio=0.1, lookahead=4)
+    plan = policy.plan([GlobalBatch.from_dense(ids, table_rows) for ids in window])  # current + L lookahead
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.checker import PlanChecker
+from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.greedy import HeraldGreedyPolicy
+from herald_torchrec.schedule.herald import HeraldPolicy
+from herald_torchrec.schedule.het import HetBspPolicy
+from herald_torchrec.schedule.plan import Plan, ReadVersions, RowMoves, SharedRows
+from herald_torchrec.schedule.policy import SchedulePolicy
+from herald_torchrec.schedule.static import StaticPolicy
+
+POLICIES: dict[str, type[SchedulePolicy]] = {
+    "static": StaticPolicy,
+    "het_bsp": HetBspPolicy,
+    "herald_greedy": HeraldGreedyPolicy,
+    "herald": HeraldPolicy,
+}
+
+
+def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: int, batch_per_rank: int,
+                cache_ratio: float = 0.1, lookahead: int = 4, **kwargs) -> SchedulePolicy:
+    """Build a policy by name (`POLICIES`); extra keyword arguments go to the policy (e.g. herald's `refine`)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name](table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead, **kwargs)
+
+
+__all__ = [
+    "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions",
+    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "PlanChecker",
+    "POLICIES", "make_policy",
+]

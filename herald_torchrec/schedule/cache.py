@@ -41,6 +41,8 @@ class WorkerCaches:
     def lookup(self, rank: np.ndarray, gid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot or -1, cached version or -1) of rows at workers."""
         pos = self.slots.pos_of[rank * self.n + gid].astype(np.int64)
+        if self.slots.slot.shape[0] == 0:  # no cache at all
+            return pos, np.full(pos.shape[0], -1, dtype=np.int64)
         ver = np.where(pos >= 0, self.slots.payload["ver"][np.maximum(pos, 0)], -1)
         return pos, ver
 

@@ -152,7 +152,7 @@ class OwnershipDirectory:
     """Owner rank of every row of every table, home placement, guest capacity and replacement state.
 
     Rows are addressed by global id (`TableLayout`: gid = offsets[t] + row). `owner`, `home` are int32 [rows],
-    `last_use` int64 [rows] (step of the last read, -1 never). Guests of rank r in table t form group r*T + t of
+    `last_use` int32 [rows] (step of the last read, -1 never), `table` int16 [rows]. Guests of rank r in table t form group r*T + t of
     `slots`; `guests()` returns their count [R, T].
     """
 
@@ -161,6 +161,7 @@ class OwnershipDirectory:
         if not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
             raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
         self.num_ranks = R = int(num_ranks)
+        check_cache_ratio(cache_ratio)
         self.cache_ratio = float(cache_ratio)
         T = self.layout.num_tables
         rows = np.array(self.layout.table_rows, dtype=np.int64)
@@ -168,11 +169,11 @@ class OwnershipDirectory:
         self.block = home_blocks(self.layout.table_rows, R)  # [T]
         n = self.layout.total_rows
         tab = np.repeat(np.arange(T, dtype=np.int64), rows)
-        self.table = tab.astype(np.int32)  # table of every gid
+        self.table = tab.astype(np.int16 if T < 2**15 else np.int32)  # table of every gid
         local = np.arange(n, dtype=np.int64) - self.layout.offsets[tab]
         self.home = (local // self.block[tab]).astype(np.int32)
         self.owner = self.home.copy()
-        self.last_use = np.full(n, -1, dtype=np.int64)
+        self.last_use = np.full(n, -1, dtype=np.int32)  # step of the last read (steps < 2^31)
         self.slots = GuestSlots(np.tile(self.capacity, R), n)
 
     @property

@@ -1,19 +1,34 @@
 """`herald`: vectorised LAIA + on-demand synchronisation on the exact ownership protocol (executable plans).
 
+Cost model (docs/ARCHITECTURE.md §2): in a step, key k read by the rank set R_k with owner o costs
+2 x |R_k \\ {o}| rows (value out, gradient back per remote reader), a migration 1 row (+ state), an eviction 1.
+So traffic is driven by how many ranks read a key (co-location) and whether the owner is one of them.
+
 Per step (batches[0] = current global batch, batches[1:] = up to L lookahead batches):
-1. LAIA: score[s, r] = number of the sample's keys (in the scheduled tables) owned by r, from one owner lookup
-   per (sample, key) and one bincount; `balanced_assign` gives every rank exactly B samples.
-2. Reader sets of every key under that assignment (`schedule.reads`).
-3. Ownership: a key read by one rank moves there (MIGRATE); a shared key stays with its owner when the owner reads
-   it, otherwise it moves to the reader with the most samples reading it. Arrivals that exceed a rank's guest
-   capacity evict guests not read in this step, those unused in the lookahead window first (Belady-like, least
-   recently used among equals); evicted guests go home (EVICT_HOME) or, when the lookahead knows their next reader,
-   straight there (FORWARD). If a rank cannot make room, the lowest-value arrivals are cancelled (the key is then
-   read through the shared path). All moves apply at once; capacity holds after them.
-4. Every other read key goes through `shared`.
+1. LAIA, on the *scheduled tables* only (adaptive selection, `schedule.tables`):
+   a. score[s, r] = sum over the sample's keys owned by r of w(c_k), with c_k the samples reading k in this
+      batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway: owning it says little);
+      `balanced_assign` gives every rank exactly B samples (regret-ordered rounds, deterministic).
+   b. `refine` rounds of balanced best response on the exact marginal cost: for sample s at rank r,
+      score[s, r] = sum over its keys of 2 x [another sample reads k at r] + [r owns k and nobody else reads it
+      there] (+ a small bonus for staying). Built sparsely from the (key, reader) pairs, so O(elements x readers)
+      rather than O(elements x R); keys read by every rank are constant and skipped.
+2. Reader sets under the final assignment (`schedule.reads`, one dense bincount).
+3. Ownership: a key read by one rank moves there (MIGRATE); a shared key stays with its owner when the owner
+   reads it, else moves to the reader with the most samples reading it (ties: lowest rank). Arrivals beyond a
+   rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then
+   those used furthest ahead (Belady-like), least recently used first among equals. An evicted guest that the
+   window reads again is FORWARDed to the rank its next sample is predicted to go to (the rank owning most of
+   that sample's scheduled keys) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot make
+   room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
+   step apply at once and capacity holds after them.
+4. Every read key whose reader set is not exactly {owner} goes to `shared`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -22,29 +37,227 @@ from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.laia import balanced_assign
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
-from herald_torchrec.schedule.reads import distinct, step_reads
+from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
+from herald_torchrec.schedule.tables import TableSelection, select_tables
+
+
+@dataclass
+class _Scheduled:
+    es: np.ndarray  # sample of every scheduled element
+    ec: np.ndarray  # its key, as an index into ks
+    ks: np.ndarray  # the scheduled keys, as indices into the batch's sorted keys
+    cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major)
 
 
 class HeraldPolicy(SchedulePolicy):
+    """Ours. `tables`: "auto" (profile the first window and pick the scheduling-worthy tables), "all", or a list of
+    table indices. `budget_ms`: scheduling-time budget per step for the automatic selection (None: no limit).
+    `refine`: best-response rounds after the first LAIA pass. `forward`: forward evicted guests to their next reader.
+    """
+
     name = "herald"
 
-    def __init__(self, table_rows, num_ranks, batch_per_rank, cache_ratio=0.1, lookahead=4,
-                 tables=None, shared_move=True, weight="none", lp_iters=0, own_bonus=0.5) -> None:
+    def __init__(self, table_rows, num_ranks: int, batch_per_rank: int, cache_ratio: float = 0.1,
+                 lookahead: int = 4, *, tables: str | Sequence[int] = "auto", budget_ms: float | None = None,
+                 refine: int = 2, forward: bool = True, stay_bonus: float = 2.0, owner_weight: float = 2.0) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
+        if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
+            raise ValueError(f"herald: refine must be an integer >= 0, got {refine!r}")
+        if budget_ms is not None and not budget_ms > 0:
+            raise ValueError(f"herald: budget_ms must be > 0 or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
         T = self.layout.num_tables
-        self.scored = np.ones(T, dtype=bool) if tables is None else np.isin(np.arange(T), tables)
-        self.shared_move = shared_move
-        self.weight = weight
-        self.lp_iters = lp_iters
-        self.own_bonus = own_bonus
-        self.next_use = np.zeros(self.layout.total_rows, dtype=np.int64)
-        self._picked = np.zeros(self.layout.total_rows, dtype=bool)
+        self.refine = int(refine)
+        self.forward = bool(forward)
+        self.stay_bonus = float(stay_bonus)
+        self.owner_weight = float(owner_weight)
+        self.budget_ms = budget_ms
+        self.selection: TableSelection | None = None
+        if isinstance(tables, str):
+            if tables not in ("auto", "all"):
+                raise ValueError(f"herald: tables must be 'auto', 'all' or a list of table indices, got {tables!r}")
+            self._tables_mode = tables
+            if tables == "all":
+                self._set_tables(np.arange(T))
+        else:
+            idx = np.asarray(list(tables), dtype=np.int64)
+            if idx.ndim != 1 or ((idx < 0) | (idx >= T)).any():
+                raise ValueError(f"herald: table indices must be in [0, {T}), got {list(tables)}")
+            self._tables_mode = "list"
+            self._set_tables(np.unique(idx))
+        n = self.layout.total_rows
+        self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)  # 1..L, 0 = not in window
+        self._picked = np.zeros(n, dtype=bool)
+        # w(c) for c = 0..N: weight of an owned key read by c samples of the batch
+        c = np.arange(self.global_batch + 1, dtype=np.float64)
+        self._geo = ((self.num_ranks - 1) / self.num_ranks) ** np.maximum(c - 1, 0)
 
-    # ------------------------------------------------------------------------------------------------------
-    def _make_room(self, keys, own, home, want, single, nu) -> np.ndarray:
+    # ---- table selection --------------------------------------------------------------------------------------
+    def _set_tables(self, idx: np.ndarray) -> None:
+        self.scheduled = np.zeros(self.layout.num_tables, dtype=bool)
+        self.scheduled[idx] = True
+        # batches cache per-selection views under this key (several policies may share a batch object)
+        self._sel_key = ("herald_sched", self.scheduled.tobytes())
+
+    @property
+    def tables(self) -> list[int]:
+        """Indices of the tables LAIA schedules (after profiling when tables='auto')."""
+        return [int(t) for t in np.flatnonzero(getattr(self, "scheduled", np.zeros(0, dtype=bool)))]
+
+    def profile(self, batches: Sequence[GlobalBatch]) -> TableSelection:
+        """Pick the scheduling-worthy tables from sample batches (done automatically on the first plan())."""
+        self.selection = select_tables([self.keys_of(b) for b in batches], self.layout, self.num_ranks,
+                                       self.batch_per_rank, refine=self.refine, budget_ms=self.budget_ms)
+        self._set_tables(self.selection.tables)
+        return self.selection
+
+    # ---- per batch --------------------------------------------------------------------------------------------
+    def _sched(self, b: GlobalBatch) -> "_Scheduled":
+        """The batch's elements in the scheduled tables, with compact key ids (cached per batch and selection)."""
+        key = self._sel_key
+        hit = b._cache.get(key)
+        if hit is None:
+            bk = self.keys_of(b)
+            m = self.scheduled[bk.tab]
+            es, eca = bk.smp[m], bk.cid[m]
+            mark = np.zeros(bk.keys.shape[0], dtype=bool)
+            mark[eca] = True
+            ks = np.flatnonzero(mark)
+            pos = np.zeros(bk.keys.shape[0], dtype=np.int64)
+            pos[ks] = np.arange(ks.shape[0], dtype=np.int64)
+            ec = pos[eca]
+            cols = None
+            if "dense" in b._cache and es.shape[0]:  # single-hot, sample-major: fixed width per sample
+                cols = np.ascontiguousarray(ec.reshape(b.num_samples, -1).T)
+            hit = _Scheduled(es, ec, ks, cols)
+            b._cache[key] = hit
+        return hit
+
+    # ---- LAIA -------------------------------------------------------------------------------------------------
+    def assign(self, b: GlobalBatch, bk: BatchKeys, own_k: np.ndarray) -> np.ndarray:
+        """Rank of every sample. Works in rotated rank coordinates (column j = rank (first + j) % R, first =
+        step % R) so that ties go to the first rank of the rotation without permuting score matrices."""
+        R, B, N = self.num_ranks, self.batch_per_rank, b.num_samples
+        first = self.step % R
+        v = self._sched(b)
+        es, ec, K = v.es, v.ec, v.ks.shape[0]
+        if es.shape[0] == 0:
+            return np.repeat(np.arange(R, dtype=np.int64), B)
+        own = (own_k[v.ks] - first) % R
+        eo = own[ec]
+        score = np.bincount(es * R + eo, weights=self._geo[bk.count[v.ks]][ec], minlength=N * R).reshape(N, R)
+        a = balanced_assign(score, B)
+        # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
+        dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
+        ki = np.arange(K)
+        for _ in range(self.refine):
+            ea = a[es]
+            c = np.bincount(ec * R + ea, minlength=K * R)
+            # the sample's own rank: its keys that nobody else reads there
+            self_only = c[ec * R + ea] == 1
+            corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
+            if dense:
+                cm = c.reshape(K, R)
+                W = (cm > 0) * np.float32(2.0)
+                W[ki, own] += (cm[ki, own] == 0) * np.float32(self.owner_weight)
+                if v.cols is not None:  # sum the per-key rows of every sample's keys, one key column at a time
+                    sc = W[v.cols[0]]
+                    for j in range(1, v.cols.shape[0]):
+                        sc += W[v.cols[j]]
+                else:
+                    sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
+                                     weights=W[ec].ravel(), minlength=N * R).reshape(N, R)
+            else:
+                nz = np.flatnonzero(c)
+                kk, rr = nz // R, nz % R
+                lam = np.bincount(kk, minlength=K)
+                start = np.cumsum(lam) - lam
+                # for every element, every rank reading its key (keys read by every rank add a constant: skipped)
+                el = np.flatnonzero(lam[ec] < R)
+                rep = lam[ec[el]]
+                tot = int(rep.sum())
+                within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
+                idx = np.repeat(start[ec[el]], rep) + within
+                sc = np.bincount(np.repeat(es[el] * R, rep) + rr[idx], minlength=N * R).astype(np.float64) * 2.0
+                sc += np.bincount(es * R + eo, weights=(c[ec * R + eo] == 0) * self.owner_weight, minlength=N * R)
+                sc = sc.reshape(N, R)
+            sc[np.arange(N), a] += corr + self.stay_bonus
+            a = balanced_assign(sc, B)
+        return (a + first) % R
+
+    # ---- step -------------------------------------------------------------------------------------------------
+    def _plan(self, batches: list[GlobalBatch]) -> Plan:
+        if self._tables_mode == "auto" and self.selection is None:
+            self.profile(batches)
+        b = batches[0]
+        R, B = self.num_ranks, self.batch_per_rank
+        d = self.directory
+        bk = self.keys_of(b)
+        own_k = d.owner[bk.keys].astype(np.int64)
+        sample_rank = self.assign(b, bk, own_k)
+        rd = step_reads(bk, sample_rank, R)
+        keys, K = rd.keys, rd.keys.shape[0]
+        own = own_k
+        home = d.home[keys].astype(np.int64)
+        pk, pr = rd.pair_key, rd.pair_rank
+        owner_reads = np.zeros(K, dtype=bool)
+        owner_reads[pk[own[pk] == pr]] = True
+        single = rd.count == 1
+        sole = pr[rd.start]  # the reader of single-reader keys (first reader otherwise)
+        want = own.copy()
+        m_single = single & ~owner_reads
+        want[m_single] = sole[m_single]
+        far = ~single & ~owner_reads
+        if far.any():  # shared key whose owner does not read it: move to the reader with most samples
+            fidx = np.cumsum(far) - 1
+            el = far[bk.cid]
+            F = int(far.sum())
+            cnt = np.bincount(fidx[bk.cid[el]] * R + sample_rank[bk.smp[el]], minlength=F * R).reshape(F, R)
+            want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+        # lookahead window: next use (1..L) of every key read in it
+        nu = self.next_use
+        window = [self.keys_of(x) for x in batches[1:]]
+        for j in range(len(window), 0, -1):
+            nu[window[j - 1].keys] = j
+        d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
+        victims, room = self._make_room(keys, own, home, want, single, nu)
+        v_src = d.owner[victims].astype(np.int64)
+        v_dst = d.home[victims].astype(np.int64)
+        v_kind = np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)
+        if self.forward and victims.shape[0]:
+            self._forward(victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room)
+        for w in window:
+            nu[w.keys] = 0
+        # ---- moves -------------------------------------------------------------------------------------------
+        mig = np.flatnonzero(want != own)
+        mv_gid = np.concatenate([keys[mig], victims])
+        mv_src = np.concatenate([own[mig], v_src])
+        mv_dst = np.concatenate([want[mig], v_dst])
+        mv_kind = np.concatenate([np.full(mig.shape[0], MIGRATE, dtype=np.int8), v_kind])
+        # ---- shared ------------------------------------------------------------------------------------------
+        exclusive = single & (sole == want)
+        moved = want != own
+        pair_owner = want[pk]
+        hit = int(((pair_owner == pr) & ~moved[pk]).sum())
+        remote = int((pair_owner != pr).sum())
+        ids, offs, readers = rd.readers_csr(~exclusive)
+        shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
+        # ---- apply -------------------------------------------------------------------------------------------
+        d.apply_moves(mv_gid, mv_dst)
+        o = np.argsort(mv_gid, kind="stable")
+        t, row = split_gid(self.layout, d.table, mv_gid[o])
+        moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
+        counters = {"hit": hit, "migrate": int(mig.shape[0]),
+                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
+                    "shared_value": remote, "shared_grad": remote}
+        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
+                    moves=moves, shared=shared, counters=counters)
+
+    # ---- capacity -----------------------------------------------------------------------------------------------
+    def _make_room(self, keys, own, home, want, single, nu) -> tuple[np.ndarray, np.ndarray]:
         """Pick eviction victims so that every guest group fits after the step's moves; cancels (in `want`) the
-        lowest-value arrivals of groups that cannot make room. Returns the victims (global rows)."""
+        least valuable arrivals of groups that cannot make room. Returns the victims (global rows) and the room
+        left in every group after all moves (a lower bound)."""
         d = self.directory
         R, T = self.num_ranks, self.layout.num_tables
         G = R * T
@@ -54,9 +267,17 @@ class HeraldPolicy(SchedulePolicy):
         freed = np.zeros(G, dtype=np.int64)
         picked = self._picked
         rounds = 4
+
+        def prio(pos: np.ndarray) -> np.ndarray:
+            g = d.slots.slot[pos]
+            lu = last[g].astype(np.int64)
+            n = nu[g].astype(np.int64)
+            p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
+            return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
+
         for it in range(rounds + 2):
             # cancelling an arrival also cancels a departure, which another group may have counted on: a few
-            # rounds settle the chains; the last round no longer counts on departures, which always converges
+            # rounds settle such chains; the last rounds no longer count on departures, which always converges
             mv = np.flatnonzero(want != own)
             arr = mv[want[mv] != home[mv]]
             dep = mv[own[mv] != home[mv]]
@@ -66,14 +287,6 @@ class HeraldPolicy(SchedulePolicy):
             gneed = np.flatnonzero(deficit > 0)
             if gneed.shape[0] == 0:
                 break
-
-            def prio(pos: np.ndarray) -> np.ndarray:
-                g = d.slots.slot[pos]
-                lu = last[g]
-                n = nu[g]
-                p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
-                return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
-
             vpos = d.slots.pick_victims(gneed, deficit[gneed], prio)
             v = d.slots.slot[vpos]
             picked[v] = True
@@ -82,6 +295,9 @@ class HeraldPolicy(SchedulePolicy):
             vcount = np.bincount(vg, minlength=G)
             freed += vcount
             left = deficit - vcount
+            if (left <= 0).all():  # the victims made room everywhere: nothing to cancel
+                deficit = left
+                break
             over = left[arr_g] > 0
             if over.any():
                 cand, cg = arr[over], arr_g[over]
@@ -94,108 +310,73 @@ class HeraldPolicy(SchedulePolicy):
                 within = np.arange(cand.shape[0]) - start[cg]
                 drop = within >= n_in[cg] - left[cg]
                 want[cand[drop]] = own[cand[drop]]
-        else:  # pragma: no cover - cannot happen: each round cancels every arrival that does not fit
+        else:  # pragma: no cover - the last round cancels every arrival that does not fit
             raise RuntimeError("herald: capacity resolution did not converge")
         picked[chosen] = False
-        return chosen
+        return np.sort(chosen), -deficit  # victims, room left per group after all moves
 
-    def _batch_keys(self, b: GlobalBatch) -> np.ndarray:
-        if "keys" not in b._cache:
-            _, _, gid = b.flat()
-            b._cache["keys"] = distinct(gid, self.scratch.get(self.layout.total_rows))[0]
-        return b._cache["keys"]
-
-    def _plan(self, batches: list[GlobalBatch]) -> Plan:
-        b = batches[0]
-        R, B, N = self.num_ranks, self.batch_per_rank, b.num_samples
+    def _forward(self, victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room) -> None:
+        """Send evicted guests that the window reads again to the rank their next sample is predicted to go to
+        (the rank owning most of that sample's scheduled keys after this step's moves), where it has room."""
         d = self.directory
-        smp, tab, gid = b.flat()
-        # ---- LAIA ------------------------------------------------------------------------------------------
-        sel = self.scored[tab]
-        own_pair = d.owner[gid[sel]].astype(np.int64)
-        w = None
-        if self.weight != "none":
-            _, cid, cnt = distinct(gid[sel], self.scratch.get(self.layout.total_rows))
-            c = cnt[cid].astype(np.float64)
-            if self.weight == "geo":
-                w = ((R - 1) / R) ** (c - 1)
-            elif self.weight == "inv":
-                w = 1.0 / c
-            elif self.weight == "cap":
-                w = (c <= B).astype(np.float64)
-        score = np.bincount(smp[sel] * R + own_pair, weights=w, minlength=N * R).reshape(N, R)
-        sample_rank = balanced_assign(score, B, self.step % R)
-        if self.lp_iters:
-            ukeys, cid, _ = distinct(gid[sel], self.scratch.get(self.layout.total_rows))
-            K0 = ukeys.shape[0]
-            ownk = d.owner[ukeys].astype(np.int64)
-            bonus = np.zeros((K0, R)); bonus[np.arange(K0), ownk] = self.own_bonus
-            ss = smp[sel]
-            for _ in range(self.lp_iters):
-                ckr = np.bincount(cid * R + sample_rank[ss], minlength=K0 * R).reshape(K0, R)
-                vown = np.argmax(ckr + bonus, axis=1)
-                score = np.bincount(ss * R + vown[cid], weights=w, minlength=N * R).reshape(N, R)
-                sample_rank = balanced_assign(score, B, self.step % R)
-        # ---- readers -----------------------------------------------------------------------------------------
-        rd = step_reads(gid, sample_rank[smp], R, self.scratch)
-        keys = rd.keys
-        K = keys.shape[0]
-        own = d.owner[keys].astype(np.int64)
-        home = d.home[keys].astype(np.int64)
-        pk, pr = rd.pair_key, rd.pair_rank
-        owner_reads = np.zeros(K, dtype=bool)
-        owner_reads[pk[own[pk] == pr]] = True
-        single = rd.count == 1
-        sole = np.empty(K, dtype=np.int64)
-        sole[pk] = pr
-        want = own.copy()
-        m_single = single & ~owner_reads
-        want[m_single] = sole[m_single]
-        if self.shared_move:
-            far = ~single & ~owner_reads
-            if far.any():
-                fp = np.flatnonzero(far[pk])
-                o = np.lexsort((pr[fp], -rd.pair_samples[fp], pk[fp]))
-                fp = fp[o]
-                firstp = np.ones(fp.shape[0], dtype=bool)
-                firstp[1:] = pk[fp][1:] != pk[fp][:-1]
-                want[pk[fp[firstp]]] = pr[fp[firstp]]
-        # ---- lookahead: next use (1..L) of every key in the window ------------------------------------------
-        nu = self.next_use
-        window = [self._batch_keys(x) for x in batches[1:]]
-        for j in range(len(window), 0, -1):
-            nu[window[j - 1]] = j
-        # ---- capacity ----------------------------------------------------------------------------------------
-        d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
-        victims = self._make_room(keys, own, home, want, single, nu)
-        # reset lookahead marks
-        vnu = nu[victims] if victims.shape[0] else np.zeros(0, dtype=np.int64)
-        for w in window:
-            nu[w] = 0
-        # ---- moves -------------------------------------------------------------------------------------------
-        mig = np.flatnonzero(want != own)
-        mv_gid = np.concatenate([keys[mig], victims])
-        mv_src = np.concatenate([own[mig], d.owner[victims].astype(np.int64)])
-        v_home = d.home[victims].astype(np.int64)
-        mv_dst = np.concatenate([want[mig], v_home])
-        mv_kind = np.concatenate([np.full(mig.shape[0], MIGRATE, dtype=np.int8),
-                                  np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)])
-        del vnu
-        new_own = want
-        # ---- shared ------------------------------------------------------------------------------------------
-        exclusive = single & (sole == new_own)
-        moved_key = want != own
-        pair_local = (new_own[pk] == pr) & ~moved_key[pk]
-        ids, offs, readers = rd.readers_csr(~exclusive)
-        shared = shared_rows(self.layout, d.table, keys[ids], new_own[ids], offs, readers)
-        # ---- apply -------------------------------------------------------------------------------------------
-        d.apply_moves(mv_gid, mv_dst)
-        o = np.argsort(mv_gid, kind="stable")
-        t, row = split_gid(self.layout, d.table, mv_gid[o])
-        moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
-        remote = shared.remote_reads()
-        counters = {"hit": int(pair_local.sum()), "migrate": int(mig.shape[0]),
-                    "evict_home": int((mv_kind == EVICT_HOME).sum()), "forward": int((mv_kind == FORWARD).sum()),
-                    "shared_value": remote, "shared_grad": remote}
-        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
-                    moves=moves, shared=shared, counters=counters)
+        R, T = self.num_ranks, self.layout.num_tables
+        vn = nu[victims]
+        cand = np.flatnonzero(vn > 0)
+        if cand.shape[0] == 0:
+            return
+        # only worth predicting where some other rank has room in the victim's table
+        tab_room = (room.reshape(R, T) > 0).any(axis=0)
+        cand = cand[tab_room[d.table[victims[cand]]]]
+        if cand.shape[0] == 0:
+            return
+        pred = np.full(cand.shape[0], -1, dtype=np.int64)
+        d.owner[keys] = want  # owners after this step's migrations (restored below)
+        try:
+            for j in sorted({int(x) for x in vn[cand]}):
+                at = np.flatnonzero(vn[cand] == j)
+                wk, wb = window[j - 1], self._window_batches[j - 1]
+                samples = wk.first_sample[np.searchsorted(wk.keys, victims[cand[at]])]
+                v = self._sched(wb)
+                if v.cols is not None:
+                    rows = np.repeat(np.arange(at.shape[0]), v.cols.shape[0])
+                    eg = wk.keys[v.ks[v.cols[:, samples].T.ravel()]]
+                else:
+                    m = np.isin(v.es, samples)
+                    us = np.unique(samples)
+                    rows = np.searchsorted(us, v.es[m])
+                    eg = wk.keys[v.ks[v.ec[m]]]
+                    samples = np.searchsorted(us, samples)
+                n = int(rows.max()) + 1 if rows.shape[0] else 1
+                votes = np.bincount(rows * R + d.owner[eg], minlength=n * R).reshape(n, R)
+                if v.cols is None:
+                    votes = votes[samples]
+                best = np.argmax(votes, axis=1)
+                best[votes.max(axis=1) == 0] = -1
+                pred[at] = best
+        finally:
+            d.owner[keys] = own
+        # the next reader is this rank (unknown) or home (a plain eviction): nothing to forward
+        ok = (pred >= 0) & (pred != v_src[cand]) & (pred != v_dst[cand])
+        cand, pred = cand[ok], pred[ok]
+        if cand.shape[0] == 0:
+            return
+        g = pred * T + d.table[victims[cand]].astype(np.int64)
+        o = np.lexsort((victims[cand], g))
+        cand, pred, g = cand[o], pred[o], g[o]
+        first = np.searchsorted(g, g, side="left")
+        take = (np.arange(g.shape[0]) - first) < room[g]
+        v_dst[cand[take]] = pred[take]
+        v_kind[cand[take]] = FORWARD
+
+    def plan(self, batches):  # keep the window's batch objects for _forward
+        bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
+        self._window_batches = bl[1 : self.lookahead + 1]
+        return super().plan(bl)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out.update({"tables": self.tables, "refine": self.refine, "forward": self.forward,
+                    "guests": self.directory.occupancy()})
+        if self.selection is not None:
+            out["selection"] = self.selection.describe()
+        return out

@@ -35,7 +35,7 @@ class CachePolicyBase(SchedulePolicy):
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
         b = batches[0]
         sample_rank = self.assign(b)
-        rd, _ = self.reads(b, sample_rank)
+        rd = self.reads(b, sample_rank)
         pg = rd.keys[rd.pair_key]
         counters, ver = self.caches.execute(pg, rd.pair_rank, rd.count, rd.keys, rd.pair_key, self.step, self.push_all)
         t, row = split_gid(self.layout, self.table_of, pg)

@@ -16,35 +16,52 @@ import numpy as np
 def balanced_assign(score: np.ndarray, batch_per_rank: int, first: int = 0) -> np.ndarray:
     """Rank of every sample (int64 [N]); score is [N, R] (int or float), N must equal R * batch_per_rank."""
     N, R = score.shape
-    if N != R * batch_per_rank:
-        raise ValueError(f"balanced_assign: {N} samples cannot fill {R} ranks x {batch_per_rank}")
+    B = batch_per_rank
+    if N != R * B:
+        raise ValueError(f"balanced_assign: {N} samples cannot fill {R} ranks x {B}")
     rot = (np.arange(R, dtype=np.int64) + first) % R
-    sc = np.asarray(score, dtype=np.float64)[:, rot]  # column j is rank rot[j]: argmax ties pick the rotation order
-    room = np.full(R, batch_per_rank, dtype=np.int64)
+    sc = np.asarray(score).astype(np.float32)  # our working copy (rounds mask columns in place)
+    if first % R:
+        sc = np.roll(sc, -(first % R), axis=1)  # column j is rank rot[j]
+    room = np.full(R, B, dtype=np.int64)
     out = np.full(N, -1, dtype=np.int64)
-    todo = np.arange(N, dtype=np.int64)
-    neg = -np.inf
-    while todo.shape[0]:
+    todo = None
+    neg = np.float32(-np.inf)
+    scale = float(np.abs(sc).max()) + 1.0 if N else 1.0
+    while True:
         open_ = room > 0
-        if open_.sum() == 1:
-            out[todo] = rot[np.flatnonzero(open_)[0]]
+        nopen = int(open_.sum())
+        sub = sc if todo is None else sc[todo]
+        n = sub.shape[0]
+        if n == 0:
             break
-        sub = sc[todo]
-        sub[:, ~open_] = neg
+        if nopen == 1:
+            out[np.arange(N) if todo is None else todo] = rot[np.flatnonzero(open_)[0]]
+            break
+        if not open_.all():
+            sub[:, ~open_] = neg
+        ar = np.arange(n)
         best = np.argmax(sub, axis=1)
-        bval = sub[np.arange(todo.shape[0]), best]
-        sub[np.arange(todo.shape[0]), best] = neg
+        bval = sub[ar, best]
+        sub[ar, best] = neg
         regret = bval - sub.max(axis=1)
-        # group bids by rank; inside a rank: regret desc, score desc, sample asc
-        order = np.lexsort((todo, -bval, -regret, best))
-        b_sorted = best[order]
-        start = np.searchsorted(b_sorted, np.arange(R))
-        within = np.arange(order.shape[0]) - start[b_sorted]
-        take = within < room[b_sorted]
-        acc = order[take]
-        out[todo[acc]] = rot[best[acc]]
+        if todo is None:
+            sub[ar, best] = bval  # restore (sc is reused by later rounds)
+        cnt = np.bincount(best, minlength=R)
+        if (cnt <= room).all():
+            acc = ar
+        else:
+            # rank, then regret desc, then score desc; a stable sort keeps sample order among equals
+            key = best * (4.0 * scale * scale + 4.0 * scale) - regret.astype(np.float64) * (2.0 * scale + 1.0) - bval
+            order = np.argsort(key, kind="stable")
+            b_sorted = best[order]
+            start = np.cumsum(cnt) - cnt
+            within = ar - start[b_sorted]
+            acc = order[within < room[b_sorted]]
+        idx = acc if todo is None else todo[acc]
+        out[idx] = rot[best[acc]]
         room -= np.bincount(best[acc], minlength=R)
-        keep = np.ones(todo.shape[0], dtype=bool)
+        keep = np.ones(n, dtype=bool)
         keep[acc] = False
-        todo = todo[keep]
+        todo = np.flatnonzero(keep) if todo is None else todo[keep]
     return out

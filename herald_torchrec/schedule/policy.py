@@ -9,6 +9,7 @@ the plan had been executed. Every policy is exact BSP; the checker (`schedule.ch
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import check_cache_ratio
 from herald_torchrec.schedule.plan import Plan, SharedRows
-from herald_torchrec.schedule.reads import Scratch, StepReads, step_reads
+from herald_torchrec.schedule.reads import BatchKeys, Scratch, StepReads, batch_keys, step_reads
 
 OWNERSHIP_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
 CACHE_KINDS = ("hit", "miss_pull", "update_pull", "update_push", "evict_push")
@@ -73,7 +74,9 @@ class SchedulePolicy:
                 f"{self.name}: global batch has {n} samples, expected num_ranks x batch_per_rank = "
                 f"{self.num_ranks} x {self.batch_per_rank} = {self.global_batch}{hint}"
             )
+        t0 = time.perf_counter()
         plan = self._plan(batches[: self.lookahead + 1])
+        plan.sched_seconds = time.perf_counter() - t0
         self.step += 1
         return plan
 
@@ -89,10 +92,12 @@ class SchedulePolicy:
     def contiguous_order(self) -> np.ndarray:
         return np.arange(self.global_batch, dtype=np.int64)
 
-    def reads(self, batch: GlobalBatch, sample_rank: np.ndarray) -> tuple[StepReads, np.ndarray]:
+    def keys_of(self, batch: GlobalBatch) -> BatchKeys:
+        return batch_keys(batch, self.scratch)
+
+    def reads(self, batch: GlobalBatch, sample_rank: np.ndarray) -> StepReads:
         """Distinct keys / (key, reader) pairs of the step for an assignment (rank of every sample)."""
-        smp, _, gid = batch.flat()
-        return step_reads(gid, sample_rank[smp], self.num_ranks, self.scratch), gid
+        return step_reads(self.keys_of(batch), sample_rank, self.num_ranks)
 
 
 def order_from_assignment(sample_rank: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -107,15 +112,7 @@ def split_gid(layout: TableLayout, table_of: np.ndarray, gid: np.ndarray) -> tup
 
 def shared_rows(layout: TableLayout, table_of: np.ndarray, keys: np.ndarray, owner: np.ndarray,
                 offsets: np.ndarray, readers: np.ndarray) -> SharedRows:
-    """SharedRows sorted by (table, row) from global keys, their owner and reader CSR (in key order)."""
-    order = np.argsort(keys, kind="stable")
-    cnt = np.diff(offsets)
-    starts = offsets[:-1][order]
-    c = cnt[order]
-    tot = int(c.sum())
-    within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
-    rd = readers[np.repeat(starts, c) + within]
-    k = keys[order]
-    t, row = split_gid(layout, table_of, k)
-    return SharedRows(table=t, row=row, owner=owner[order].astype(np.int64),
-                      reader_offsets=np.concatenate([[0], np.cumsum(c)]).astype(np.int64), readers=rd.astype(np.int64))
+    """SharedRows from sorted global keys, their owner and reader CSR (readers sorted per key)."""
+    t, row = split_gid(layout, table_of, keys)
+    return SharedRows(table=t, row=row, owner=np.asarray(owner, dtype=np.int64),
+                      reader_offsets=np.asarray(offsets, dtype=np.int64), readers=np.asarray(readers, dtype=np.int64))

@@ -1,10 +1,13 @@
-"""Who reads what in one step: distinct keys, distinct (key, reader) pairs and reader sets, without sorting keys.
+"""Who reads what in one step: distinct keys of a batch and, for an assignment, the distinct (key, reader) pairs.
 
-Sorting ~50k int64 keys per step costs ~2 ms and np.unique ~7 ms on the reference machine, more than the whole
-scheduling budget, so distinct keys are found with a *representative* scatter: `scratch[gid] = arange(n)` leaves one
-position per distinct gid (the last write wins; which one does not change any result, only the order of `keys`,
-which every consumer treats as a set or re-sorts). Pairs are grouped by rank with a stable radix sort of a 16-bit
-rank array. All work is O(pairs) and touches O(rows) scratch memory that is never cleared.
+Speed matters here (the whole step has a ~5 ms budget at R=8): sorting the ~50k (sample, key) elements of a step
+costs ~2 ms and np.unique ~7 ms on the reference machine. So:
+* `batch_keys` finds the distinct keys of a batch once (the batch object caches it: it is seen first as lookahead)
+  with a *representative* scatter — `scratch[gid] = arange(n)` leaves one position per distinct gid — then sorts
+  only the distinct keys. Every element gets the compact id `cid` of its key (index into the sorted keys).
+* `step_reads` marks every (key, rank) code in a dense [K, R] bitmap; its set cells, read in row-major order, are
+  the distinct (key, reader) pairs already sorted by key, then rank. Above `DENSE_LIMIT` cells it sorts codes.
+All arrays are int64 (ids never pass through float). numpy only.
 """
 
 from __future__ import annotations
@@ -13,21 +16,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
+DENSE_LIMIT = 1 << 23  # cells of the dense [K, R] count matrix (64 MiB of int64); beyond it, sort
+
+
+SCRATCH_LIMIT = 1 << 24  # rows beyond which distinct keys are found by sorting instead of a scratch scatter
+
 
 class Scratch:
-    """Reusable int64 scratch indexed by global row (or by compact key id)."""
+    """Reusable int64 scratch indexed by global row; never cleared (every use writes before it reads)."""
 
-    def __init__(self, size: int) -> None:
-        self.a = np.zeros(max(1, size), dtype=np.int64)
+    def __init__(self, size: int = 0) -> None:
+        self.a = np.zeros(0, dtype=np.int64)  # allocated on first use, grown on demand
 
     def get(self, size: int) -> np.ndarray:
         if self.a.shape[0] < size:
-            self.a = np.zeros(size, dtype=np.int64)
+            self.a = np.zeros(max(size, 1), dtype=np.int64)
         return self.a
 
 
 def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(unique values, compact id of every element, count of every unique value); values index `scratch`."""
+    """(distinct values in first-representative order, compact id of every element, count per distinct value).
+
+    `values` are non-negative and index `scratch`. Which duplicate becomes the representative does not matter to
+    callers that sort the result (`batch_keys`)."""
     n = values.shape[0]
     ar = np.arange(n, dtype=np.int64)
     scratch[values] = ar
@@ -41,58 +52,86 @@ def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 @dataclass
-class StepReads:
-    """Reads of one step. Keys are global row ids; `pair_*` are the distinct (key, reader) pairs, grouped by rank."""
+class BatchKeys:
+    """The (sample, key) elements of a batch and its distinct keys (sorted global rows)."""
 
-    keys: np.ndarray  # int64 [K] distinct keys
-    key_samples: np.ndarray  # int64 [K] samples reading the key (any rank)
-    count: np.ndarray  # int64 [K] distinct readers
-    pair_key: np.ndarray  # int64 [P] compact key id (index into keys)
+    smp: np.ndarray  # int64 [E] sample of every element
+    tab: np.ndarray  # int64 [E] table of every element
+    gid: np.ndarray  # int64 [E] global row of every element
+    keys: np.ndarray  # int64 [K] distinct global rows, sorted
+    cid: np.ndarray  # int64 [E] index of the element's key in `keys`
+    count: np.ndarray  # int64 [K] elements reading the key (samples, for single-hot tables)
+    first_sample: np.ndarray  # int64 [K] a sample that reads the key
+
+
+def batch_keys(batch, scratch: Scratch) -> BatchKeys:
+    """Distinct keys of a GlobalBatch (cached on the batch)."""
+    bk = batch._cache.get("batch_keys")
+    if bk is None:
+        smp, tab, gid = batch.flat()
+        n_rows = batch.layout.total_rows
+        if gid.shape[0] and n_rows <= 16 * gid.shape[0]:
+            # few rows for this many elements: a bitmap over all rows yields the sorted distinct keys directly
+            mark = np.zeros(n_rows, dtype=bool)
+            mark[gid] = True
+            keys = np.flatnonzero(mark)
+            s = scratch.get(n_rows)
+            s[keys] = np.arange(keys.shape[0], dtype=np.int64)
+            cid = s[gid]
+            cnt = np.bincount(cid, minlength=keys.shape[0])
+        elif gid.shape[0] and n_rows > SCRATCH_LIMIT:
+            keys, cid, cnt = np.unique(gid, return_inverse=True, return_counts=True)
+            cid = cid.astype(np.int64).reshape(-1)
+        elif gid.shape[0]:
+            s = scratch.get(int(gid.max()) + 1)
+            uniq, cid, cnt = distinct(gid, s)
+            order = np.argsort(uniq, kind="stable")
+            inv = np.empty_like(order)
+            inv[order] = np.arange(order.shape[0], dtype=np.int64)
+            keys, cid, cnt = uniq[order], inv[cid], cnt[order]
+        else:
+            keys = cid = cnt = np.zeros(0, dtype=np.int64)
+        first = np.empty(keys.shape[0], dtype=np.int64)
+        first[cid] = smp  # any reader will do
+        bk = BatchKeys(smp, tab, gid, keys, cid, cnt, first)
+        batch._cache["batch_keys"] = bk
+    return bk
+
+
+@dataclass
+class StepReads:
+    """Reads of one step: distinct keys and (key, reader) pairs, pairs sorted by key then rank."""
+
+    keys: np.ndarray  # int64 [K] sorted global rows
+    count: np.ndarray  # int64 [K] distinct readers (lambda)
+    start: np.ndarray  # int64 [K] first pair of every key
+    pair_key: np.ndarray  # int64 [P] index into keys
     pair_rank: np.ndarray  # int64 [P]
-    pair_samples: np.ndarray  # int64 [P] samples of that rank reading that key
-    rank_bounds: np.ndarray  # int64 [R+1]: pairs of rank r are pair_*[rank_bounds[r]:rank_bounds[r+1]]
-    pair_cid: np.ndarray  # int64 [n] compact key id of every input (sample, key) element
 
     @property
     def num_pairs(self) -> int:
         return int(self.pair_key.shape[0])
 
     def readers_csr(self, key_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For the keys selected by `key_mask` [K] (bool): (compact key ids, reader offsets, readers sorted)."""
-        sel = key_mask[self.pair_key]
-        pk, pr = self.pair_key[sel], self.pair_rank[sel]
-        order = np.argsort(pk, kind="stable")  # pairs are rank-ordered: stable keeps readers sorted per key
-        pk, pr = pk[order], pr[order]
+        """For the keys selected by `key_mask` [K] (bool): (key indices, reader offsets, readers sorted)."""
         ids = np.flatnonzero(key_mask)
         cnt = self.count[ids]
         offs = np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
-        # pk is sorted by compact id, so it follows `ids` order
-        return ids, offs, pr
+        readers = self.pair_rank[key_mask[self.pair_key]]
+        return ids, offs, readers
 
 
-def step_reads(gid: np.ndarray, rank: np.ndarray, num_ranks: int, scratch: Scratch) -> StepReads:
-    """Distinct keys and (key, reader) pairs of the (gid, rank) elements of one step."""
-    n = gid.shape[0]
-    keys, cid, key_samples = distinct(gid, scratch.get(int(gid.max()) + 1 if n else 1))
-    K = keys.shape[0]
-    rk = rank.astype(np.int16) if num_ranks < 32768 else rank
-    order = np.argsort(rk, kind="stable")
-    c_sorted = cid[order]
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(rank, minlength=num_ranks))]).astype(np.int64)
-    s = scratch.get(max(K, 1))
-    pk_parts, ps_parts, pr_bounds = [], [], [0]
-    for r in range(num_ranks):
-        seg = c_sorted[bounds[r] : bounds[r + 1]]
-        if seg.shape[0] == 0:
-            pr_bounds.append(pr_bounds[-1])
-            continue
-        u, _, c = distinct(seg, s)
-        pk_parts.append(u)
-        ps_parts.append(c)
-        pr_bounds.append(pr_bounds[-1] + u.shape[0])
-    pair_key = np.concatenate(pk_parts) if pk_parts else np.zeros(0, dtype=np.int64)
-    pair_samples = np.concatenate(ps_parts) if ps_parts else np.zeros(0, dtype=np.int64)
-    rb = np.array(pr_bounds, dtype=np.int64)
-    pair_rank = np.repeat(np.arange(num_ranks, dtype=np.int64), np.diff(rb))
-    count = np.bincount(pair_key, minlength=K)
-    return StepReads(keys, key_samples, count, pair_key, pair_rank, pair_samples, rb, cid)
+def step_reads(bk: BatchKeys, sample_rank: np.ndarray, num_ranks: int) -> StepReads:
+    """Distinct (key, reader) pairs of a batch for an assignment (rank of every sample)."""
+    R, K = num_ranks, bk.keys.shape[0]
+    code = bk.cid * R + sample_rank[bk.smp]
+    if K * R <= DENSE_LIMIT:
+        mark = np.zeros(K * R, dtype=bool)
+        mark[code] = True
+        nz = np.flatnonzero(mark)
+    else:
+        nz = np.unique(code)
+    pk, pr = nz // R, nz % R
+    count = np.bincount(pk, minlength=K)
+    start = np.cumsum(count) - count
+    return StepReads(bk.keys, count, start, pk, pr)

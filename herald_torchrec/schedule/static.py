@@ -26,7 +26,7 @@ class StaticPolicy(SchedulePolicy):
         R, B = self.num_ranks, self.batch_per_rank
         order = self.contiguous_order()
         sample_rank = np.repeat(np.arange(R, dtype=np.int64), B)
-        rd, _ = self.reads(b, sample_rank)
+        rd = self.reads(b, sample_rank)
         d = self.directory
         own = d.owner[rd.keys].astype(np.int64)
         pair_local = own[rd.pair_key] == rd.pair_rank

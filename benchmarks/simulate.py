@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Trace simulator: run scheduling policies over the same chronological trace and compare their traffic.
+
+    python benchmarks/simulate.py --data synthetic --workers 8 --batch 256 --cache-ratio 0.1 --steps 200 \\
+        --policies static,het_bsp,herald_greedy,herald --lookahead 4 --dim 512 --json
+    python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
+
+Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
+{"config": {...}, "sweep": {R: {"policies": {...}, "ratios": {...}}}} for a comma list. Per policy:
+rows_per_step (transmitted rows, both directions), bytes_per_step (dim floats per value / gradient, dim +
+state_width floats per row move), by_kind (rows per step by kind), hit_rate (reads served locally / distinct
+(key, reader) pairs), stale_reads (from the independent checker, must be 0), sched_ms_median / sched_ms_p90
+(wall time of policy.plan per global batch, this process), rows_per_sample. Progress goes to stderr.
+Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterator
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
+from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
+
+LOADERS = {"criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
+           "avazu": ("herald_torchrec.data.avazu", "AvazuSource"),
+           "movielens": ("herald_torchrec.data.movielens", "MovieLensSource")}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_workers(text: str) -> list[int]:
+    try:
+        ws = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--workers: expected an integer or a comma list of integers, got {text!r}")
+    if not ws or min(ws) < 1:
+        raise SystemExit(f"--workers: need worker counts >= 1, got {text!r}")
+    return ws
+
+
+def open_trace(args, global_batch: int) -> tuple[list[int], Iterator[np.ndarray]]:
+    """(table_rows, iterator of int64 id arrays [global_batch, T]) in log order."""
+    if args.data == "synthetic":
+        spec = SyntheticSpec(locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed)
+        gen = SyntheticCTR(spec)
+
+        def it() -> Iterator[np.ndarray]:
+            for i in gen.train_indices():
+                yield gen.global_batch(i, global_batch).ids
+
+        return list(gen.table_rows), it()
+    module, cls = LOADERS[args.data]
+    if not args.path:
+        raise SystemExit(f"--data {args.data} needs --path to the data file")
+    try:
+        src_cls = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--data {args.data}: the loader {module}.{cls} is not available ({e})")
+    src = src_cls(args.path)
+    return list(src.table_rows), (s.ids for s in src.train_batches(global_batch))
+
+
+def run_policies(args, R: int) -> dict:
+    B = args.batch
+    table_rows, trace = open_trace(args, R * B)
+    names = args.policies
+    L = args.lookahead
+    kwargs = {"herald": {"refine": args.refine} if args.refine is not None else {}}
+    if args.budget_ms is not None:
+        kwargs["herald"]["budget_ms"] = args.budget_ms
+    pols = {n: make_policy(n, table_rows, R, B, args.cache_ratio, L, **kwargs.get(n, {})) for n in names}
+    checkers = {n: PlanChecker(table_rows, R, B, args.cache_ratio) for n in names} if args.check else {}
+    windows: dict[str, deque] = {n: deque() for n in names}
+    ids_window: deque = deque()
+    stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": []} for n in names}
+    exhausted = False
+    step = 0
+    t_start = time.perf_counter()
+
+    def pull() -> None:
+        nonlocal exhausted
+        if exhausted:
+            return
+        ids = next(trace, None)
+        if ids is None or ids.shape[0] != R * B:
+            exhausted = True
+            return
+        ids_window.append(ids)
+        for n in names:
+            windows[n].append(GlobalBatch.from_dense(ids, table_rows, index=step + len(ids_window) - 1))
+
+    for _ in range(L + 1):
+        pull()
+    while ids_window and step < args.steps:
+        for n in names:
+            plan = pols[n].plan(list(windows[n]))
+            if args.check:
+                checkers[n].check(plan, windows[n][0])
+            if step >= args.warmup:
+                st = stats[n]
+                st["rows"].append(plan.transmitted_rows())
+                st["bytes"].append(plan.transmitted_bytes(args.dim, args.state_width))
+                for k, v in plan.counters.items():
+                    st["kinds"][k] = st["kinds"].get(k, 0) + int(v)
+                st["hits"] += int(plan.counters.get("hit", 0))
+                st["pairs"] += plan.read_pairs()
+            stats[n]["ms"].append(plan.sched_seconds * 1e3)
+            windows[n].popleft()
+        ids_window.popleft()
+        step += 1
+        pull()
+        if step % max(1, args.steps // 10) == 0:
+            log(f"[simulate] R={R} step {step}/{args.steps} ({time.perf_counter() - t_start:.1f} s)")
+    if step < args.steps:
+        log(f"[simulate] R={R}: the trace ended after {step} steps")
+    out = {}
+    n_meas = max(step - args.warmup, 1)
+    for n in names:
+        st = stats[n]
+        rows = float(np.mean(st["rows"])) if st["rows"] else 0.0
+        entry = {
+            "rows_per_step": round(rows, 2),
+            "bytes_per_step": round(float(np.mean(st["bytes"])) if st["bytes"] else 0.0, 1),
+            "by_kind": {k: round(v / n_meas, 2) for k, v in sorted(st["kinds"].items())},
+            "hit_rate": round(st["hits"] / st["pairs"], 4) if st["pairs"] else 0.0,
+            "stale_reads": int(checkers[n].stale_reads) if args.check else None,
+            "sched_ms_median": round(float(np.median(st["ms"])), 3) if st["ms"] else 0.0,
+            "sched_ms_p90": round(float(np.percentile(st["ms"], 90)), 3) if st["ms"] else 0.0,
+            "rows_per_sample": round(rows / (R * B), 4),
+            "steps": step,
+        }
+        if args.check and checkers[n].errors:
+            entry["check_errors"] = checkers[n].errors[:5]
+        if n == "herald":
+            entry["tables"] = pols[n].tables
+        out[n] = entry
+    res = {"policies": out}
+    ratios = {}
+    for base in ("het_bsp", "herald_greedy", "static"):
+        if base in out and "herald" in out and out[base]["rows_per_step"] > 0:
+            ratios[f"herald/{base}"] = round(out["herald"]["rows_per_step"] / out[base]["rows_per_step"], 4)
+    if ratios:
+        res["ratios"] = ratios
+    return res
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = result.get("sweep") or {str(result["config"]["workers"][0]): {"policies": result["policies"]}}
+    ws = sorted(int(w) for w in sweep)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(next(iter(sweep.values()))["policies"])
+    for n in names:
+        ax.plot(ws, [sweep[str(w)]["policies"][n]["rows_per_sample"] for w in ws], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ws)
+    ax.set_xticklabels([str(w) for w in ws])
+    ax.set_xlabel("workers (R)")
+    ax.set_ylabel("transmitted rows per sample")
+    cfg = result["config"]
+    ax.set_title(f"{cfg['data']}: B={cfg['batch']}, cache {cfg['cache_ratio']:.0%}, {cfg['steps']} steps")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"[simulate] wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", choices=["synthetic", *LOADERS], default="synthetic")
+    p.add_argument("--path", help="data file for criteo / avazu / movielens")
+    p.add_argument("--locality", type=float, default=SyntheticSpec.locality, help="synthetic: share of trending ids")
+    p.add_argument("--zipf", type=float, default=SyntheticSpec.zipf, help="synthetic: Zipf exponent")
+    p.add_argument("--scale", type=float, default=SyntheticSpec.scale, help="synthetic: table size scale")
+    p.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    p.add_argument("--workers", default="8", help="worker count, or a comma list for a sweep")
+    p.add_argument("--batch", type=int, default=256, help="samples per worker (B)")
+    p.add_argument("--cache-ratio", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=0, help="steps left out of the traffic averages")
+    p.add_argument("--policies", default="static,het_bsp,herald_greedy,herald")
+    p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--dim", type=int, default=512, help="embedding dimension (floats per value / gradient)")
+    p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
+    p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
+    p.add_argument("--budget-ms", type=float, default=None, help="herald: scheduling-time budget per step")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
+    p.add_argument("--plot", help="PNG: transmitted rows per sample vs workers per policy")
+    args = p.parse_args(argv)
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    bad = [x for x in args.policies if x not in POLICIES]
+    if bad:
+        p.error(f"unknown policies {bad}; choose from {sorted(POLICIES)}")
+    for name, v, lo in (("--batch", args.batch, 1), ("--steps", args.steps, 1), ("--lookahead", args.lookahead, 0),
+                        ("--dim", args.dim, 1), ("--state-width", args.state_width, 0), ("--warmup", args.warmup, 0)):
+        if v < lo:
+            p.error(f"{name} must be >= {lo}, got {v}")
+    if args.warmup >= args.steps:
+        p.error("--warmup must be smaller than --steps")
+    workers = parse_workers(args.workers)
+    config = {"data": args.data, "path": args.path, "workers": workers, "batch": args.batch,
+              "cache_ratio": args.cache_ratio, "steps": args.steps, "warmup": args.warmup,
+              "policies": args.policies, "lookahead": args.lookahead, "dim": args.dim,
+              "state_width": args.state_width, "threads": os.environ.get("OMP_NUM_THREADS")}
+    if args.data == "synthetic":
+        config.update({"locality": args.locality, "zipf": args.zipf, "scale": args.scale, "seed": args.seed})
+    if args.refine is not None:
+        config["refine"] = args.refine
+    if args.budget_ms is not None:
+        config["budget_ms"] = args.budget_ms
+    result: dict = {"config": config}
+    if len(workers) == 1:
+        result.update(run_policies(args, workers[0]))
+    else:
+        result["sweep"] = {}
+        for R in workers:
+            log(f"[simulate] --- {R} workers ---")
+            result["sweep"][str(R)] = run_policies(args, R)
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

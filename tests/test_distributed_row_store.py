@@ -1,0 +1,127 @@
+"""RowStore: home/guest layout on one FBGEMM TBE, slot directory, row + optimizer-state transfer, summed updates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from herald_torchrec.distributed.row_store import (
+    RowStore,
+    TableSpec,
+    check_cache_ratio,
+    guest_capacity,
+    home_range,
+    parse_optimizer,
+)
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]
+
+
+def make(rank: int = 0, world: int = 2, opt: str = "exact_rowwise_adagrad", ratio: float = 0.3, fpt=None) -> RowStore:
+    return RowStore(TABLES, rank, world, cache_ratio=ratio, optimizer=opt, learning_rate=0.1, features_per_table=fpt)
+
+
+def test_layout_matches_torchrec_row_wise() -> None:
+    assert [home_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [home_range(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert guest_capacity(30, 0.1) == 3 and guest_capacity(10, 0.1) == 1 and guest_capacity(7, 0.3) == 3
+    s = make(rank=1)
+    assert s.home_lo == [5, 4] and s.home_len == [5, 3] and s.capacity == [3, 3]
+    assert s.local_rows == [8, 6]
+    assert s.slots(0, np.array([5, 9, 0])).tolist() == [0, 4, -1]
+    assert s.owned_keys(1).tolist() == [4, 5, 6]
+    assert s.owner[0].tolist() == [0] * 5 + [1] * 5
+    assert s.state_widths == [1, 1] and make(opt="exact_sgd").state_widths == [0, 0]
+    # an empty home block still gets its guest slots
+    e = RowStore([TableSpec("c", 5, 4)], 3, 4, cache_ratio=0.2)
+    assert e.home_len == [0] and e.capacity == [1] and e.owned_keys(0).size == 0
+
+
+def test_bad_arguments() -> None:
+    for bad in (0.0, -0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="cache_ratio"):
+            check_cache_ratio(bad)
+        with pytest.raises(ValueError, match="cache_ratio"):
+            make(ratio=bad)
+    with pytest.raises(ValueError, match="optimizer"):
+        parse_optimizer("adam")
+    with pytest.raises(ValueError, match="unknown"):
+        parse_optimizer("nope")
+    assert parse_optimizer("rowwise_adagrad") == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    assert parse_optimizer("SGD") == EmbOptimType.EXACT_SGD
+    with pytest.raises(ValueError, match="rank"):
+        RowStore(TABLES, 2, 2)
+    with pytest.raises(ValueError, match="dim % 4"):
+        RowStore([TableSpec("x", 10, 6)], 0, 1)
+
+
+def test_rows_and_state_travel_between_stores() -> None:
+    a, b = make(rank=0), make(rank=1)
+    g = torch.Generator().manual_seed(0)
+    for s in (a, b):
+        for t in range(2):
+            s.write_slots(t, np.arange(s.local_rows[t]), torch.rand(s.local_rows[t], s.dims[t], generator=g),
+                          torch.rand(s.local_rows[t], 1, generator=g))
+    keys = np.array([1, 4, 0])
+    w, st = a.read_rows(0, keys)
+    assert w.shape == (3, 4) and st.shape == (3, 1)
+    assert torch.equal(w, a.weights(0)[torch.tensor([1, 4, 0])])
+    # a -> b: leave, update the global map on both, arrive
+    a.release(0, keys)
+    for s in (a, b):
+        s.set_owner(0, keys, np.array([1, 1, 1]))
+    slots = b.allocate(0, keys)
+    assert slots.tolist() == [5, 6, 7]  # guest slots follow the home block
+    b.write_slots(0, slots, w, st)
+    w2, st2 = b.read_rows(0, keys)
+    assert torch.equal(w2, w) and torch.equal(st2, st)
+    assert b.num_guests(0) == 3 and b.occupancy(0) == 1.0 and a.num_guests(0) == 0
+    assert a.guest_count[0].tolist() == [0, 3] == b.guest_count[0].tolist()
+    assert a.slots(0, keys).tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match="free guest slots"):
+        b.allocate(0, np.array([2]))
+    with pytest.raises(ValueError, match="does not own"):
+        a.read_rows(0, np.array([1]))
+    with pytest.raises(ValueError, match="out of range"):
+        a.read_rows(0, np.array([10]))
+    # back home: the home slot is reused, the guest slot freed
+    b.release(0, np.array([4]))
+    assert a.allocate(0, np.array([4])).tolist() == [4]
+    assert b.num_guests(0) == 2 and b.allocate(0, np.array([3])).tolist() == [6]
+
+
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_sgd"])
+def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> None:
+    """One update with g1 + g2 through apply_summed_gradients == the fused backward where the row sits in 2 bags."""
+    fused, summed = make(opt=opt, fpt=[2, 1]), make(opt=opt, fpt=[2, 1])
+    g = torch.Generator().manual_seed(1)
+    for t in range(2):
+        w = torch.rand(fused.local_rows[t], fused.dims[t], generator=g)
+        for s in (fused, summed):
+            s.write_slots(t, np.arange(s.local_rows[t]), w, torch.full((s.local_rows[t], 1), 0.5))
+    # features: f0 (table a), f1 (table a), f2 (table b); B = 2
+    idx = torch.tensor([1, 2, 2, 3, 1, 4, 0, 5])
+    off = torch.tensor([0, 2, 3, 5, 6, 7, 8])
+    out = fused.lookup(idx, off)
+    go = torch.randn(out.shape, generator=g)
+    # the per-row summed gradient, computed by autograd on dense copies
+    W = [fused.weights(t).detach().clone().requires_grad_() for t in range(2)]
+    ref = torch.cat([
+        torch.stack([W[0][[1, 2]].sum(0), W[0][2]]), torch.stack([W[0][[3, 1]].sum(0), W[0][4]]),
+        torch.stack([W[1][0], W[1][5]]),
+    ], dim=1)
+    assert torch.equal(ref, out.detach())
+    ref.backward(go)
+    out.backward(go)
+    rows = [np.array([1, 2, 3, 4]), np.array([0, 5])]
+    summed.apply_summed_gradients(rows, [W[0].grad[rows[0]], W[1].grad[rows[1]]])
+    for t in range(2):
+        assert torch.equal(fused.weights(t), summed.weights(t))
+        _, s1 = fused.read_slots(t, np.arange(fused.local_rows[t]))
+        _, s2 = summed.read_slots(t, np.arange(summed.local_rows[t]))
+        assert torch.equal(s1, s2)
+    # untouched rows did not move
+    assert torch.equal(summed.weights(0)[0], fused.weights(0)[0])
+    summed.apply_summed_gradients([None, None], [None, None])  # nothing to do

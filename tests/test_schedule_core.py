@@ -1,0 +1,190 @@
+"""Control-plane building blocks: GlobalBatch (CSR), distinct keys / reader sets, the ownership directory, LAIA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, guest_capacity
+from herald_torchrec.schedule.laia import balanced_assign
+from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
+
+ROWS = [5, 40, 1000]
+
+
+def dense_ids(n: int, rows=ROWS, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.integers(0, r, n) for r in rows], axis=1).astype(np.int64)
+
+
+# ---- GlobalBatch ------------------------------------------------------------------------------------------------
+def test_from_dense_is_csr_single_hot():
+    ids = dense_ids(12)
+    b = GlobalBatch.from_dense(ids, ROWS)
+    assert b.num_samples == 12 and b.num_tables == 3 and b.single_hot()
+    for t in range(3):
+        assert b.offsets[t].dtype == np.int64 and b.values[t].dtype == np.int64
+        np.testing.assert_array_equal(b.offsets[t], np.arange(13))
+        np.testing.assert_array_equal(b.values[t], ids[:, t])
+    smp, tab, gid = b.flat()
+    assert smp.dtype == tab.dtype == gid.dtype == np.int64
+    off = TableLayout(ROWS).offsets
+    np.testing.assert_array_equal(gid, (ids + off[:-1]).ravel())
+
+
+def test_jagged_batch_flat_and_take():
+    offs = [np.array([0, 2, 2, 3], dtype=np.int64), np.array([0, 1, 2, 3], dtype=np.int64)]
+    vals = [np.array([1, 4, 0], dtype=np.int64), np.array([7, 7, 39], dtype=np.int64)]
+    b = GlobalBatch(offs, vals, [5, 40])
+    assert not b.single_hot()
+    smp, tab, gid = b.flat()
+    np.testing.assert_array_equal(smp, [0, 0, 2, 0, 1, 2])
+    np.testing.assert_array_equal(gid, [1, 4, 0, 12, 12, 44])
+    sub = b.take(np.array([2, 0]))
+    np.testing.assert_array_equal(sub.offsets[0], [0, 1, 3])
+    np.testing.assert_array_equal(sub.values[0], [0, 1, 4])
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        (np.array([[0, 1, -1]], dtype=np.int64), "negative id"),
+        (np.array([[0, 40, 3]], dtype=np.int64), "out of range"),
+        (np.array([[0.0, 1.0, 2.0]]), "int64"),
+        (np.array([[0, 1]], dtype=np.int64), "tables"),
+        (np.zeros((0, 3), dtype=np.int64), "N >= 1"),
+    ],
+)
+def test_from_dense_rejects_bad_ids(ids, match):
+    with pytest.raises(ValueError, match=match):
+        GlobalBatch.from_dense(ids, ROWS)
+
+
+def test_jagged_rejects_bad_offsets():
+    with pytest.raises(ValueError, match="offsets"):
+        GlobalBatch([np.array([0, 3, 2], dtype=np.int64)], [np.array([0, 1], dtype=np.int64)], [5])
+    with pytest.raises(ValueError, match="samples"):
+        GlobalBatch([np.array([0, 1], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64)],
+                    [np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64)], [5, 5])
+    with pytest.raises(ValueError, match="at least one table"):
+        TableLayout([])
+    with pytest.raises(ValueError, match=">= 1 row"):
+        TableLayout([3, 0])
+
+
+def test_large_ids_stay_exact():
+    rows = [2**40]
+    ids = np.array([[2**40 - 1], [2**24 + 1]], dtype=np.int64)
+    b = GlobalBatch.from_dense(ids, rows)
+    bk = batch_keys(b, Scratch(16))  # sparse path (rows >> elements)
+    np.testing.assert_array_equal(bk.keys, [2**24 + 1, 2**40 - 1])
+
+
+# ---- distinct keys and reader sets ---------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [ROWS, [10**7, 3]])  # bitmap path and sort path
+def test_batch_keys_and_step_reads_match_bruteforce(rows):
+    R, B = 4, 16
+    ids = dense_ids(R * B, rows, seed=3)
+    b = GlobalBatch.from_dense(ids, rows)
+    bk = batch_keys(b, Scratch(8))
+    _, _, gid = b.flat()
+    np.testing.assert_array_equal(bk.keys, np.unique(gid))
+    np.testing.assert_array_equal(bk.keys[bk.cid], gid)
+    np.testing.assert_array_equal(bk.count, np.unique(gid, return_counts=True)[1])
+    rank = np.random.default_rng(1).permutation(np.repeat(np.arange(R), B))
+    rd = step_reads(bk, rank, R)
+    smp, _, _ = b.flat()
+    codes = np.unique(gid * R + rank[smp])
+    np.testing.assert_array_equal(bk.keys[rd.pair_key] * R + rd.pair_rank, codes)
+    np.testing.assert_array_equal(rd.count, np.bincount(rd.pair_key, minlength=bk.keys.shape[0]))
+
+
+# ---- directory ----------------------------------------------------------------------------------------------------
+def test_home_is_torchrec_row_wise_block_and_capacity_rounding():
+    d = OwnershipDirectory([10, 7], num_ranks=3, cache_ratio=0.1)
+    # block = ceil(10/3) = 4 -> homes 0,0,0,0,1,1,1,1,2,2 ; ceil(7/3) = 3 -> 0,0,0,1,1,1,2
+    np.testing.assert_array_equal(d.home, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 0, 0, 0, 1, 1, 1, 2])
+    np.testing.assert_array_equal(d.owner, d.home)
+    np.testing.assert_array_equal(d.capacity, [1, 1])  # ceil(0.1 * 10) is 1, not 2; ceil(0.7) = 1
+    np.testing.assert_array_equal(guest_capacity([10, 100, 3], 0.25), [3, 25, 1])
+    assert d.guests().sum() == 0
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan"), "0.1", None])
+def test_bad_cache_ratio(ratio):
+    with pytest.raises(ValueError, match="cache_ratio"):
+        OwnershipDirectory([10], num_ranks=2, cache_ratio=ratio)
+
+
+def test_directory_moves_respect_capacity():
+    d = OwnershipDirectory([20], num_ranks=2, cache_ratio=0.1)  # capacity 2 guests per rank
+    d.apply_moves(np.array([0, 1]), np.array([1, 1]))  # rows 0, 1 (home 0) become guests of rank 1
+    assert d.guests()[1, 0] == 2 and d.owner[0] == 1
+    with pytest.raises(RuntimeError, match="capacity"):
+        d.apply_moves(np.array([2]), np.array([1]))
+    # simultaneous: row 0 goes home while row 3 arrives -> fits
+    d.apply_moves(np.array([0, 3]), np.array([0, 1]))
+    assert d.guests()[1, 0] == 2 and d.owner[0] == 0 and d.owner[3] == 1
+
+
+def test_guest_slots_random_ops_keep_groups_packed():
+    rng = np.random.default_rng(0)
+    cap = np.array([5, 0, 8, 3])
+    gs = GuestSlots(cap, 100, payload=("last",))
+    member = {}
+    for _ in range(200):
+        if member and rng.random() < 0.5:
+            ks = rng.choice(sorted(member), size=min(len(member), int(rng.integers(1, 4))), replace=False)
+            gs.remove(ks, np.array([member[k] for k in ks]))
+            for k in ks:
+                del member[k]
+        else:
+            g = int(rng.integers(0, 4))
+            free = [k for k in range(100) if k not in member]
+            n = min(int(cap[g] - gs.fill[g]), int(rng.integers(0, 3)), len(free))
+            ks = rng.choice(free, size=n, replace=False)
+            pos = gs.add(ks, np.full(n, g))
+            gs.payload["last"][pos] = ks * 10
+            for k in ks:
+                member[k] = g
+        for g in range(4):
+            m = gs.members(g)
+            assert (m >= 0).all() and len(m) == gs.fill[g] <= cap[g]
+            assert sorted(m.tolist()) == sorted(k for k, gg in member.items() if gg == g)
+            np.testing.assert_array_equal(gs.payload["last"][gs.pos_of[m]], m * 10)  # payload moved with keys
+
+
+def test_pick_victims_lowest_priority_first():
+    gs = GuestSlots(np.array([4, 4]), 20)
+    gs.add(np.array([1, 2, 3, 4, 5, 6]), np.array([0, 0, 0, 0, 1, 1]))
+    prio = {1: 5, 2: -1, 3: 0, 4: 5, 5: 2, 6: 1}
+    pos = gs.pick_victims(np.array([0, 1]), np.array([2, 5]), lambda p: np.array([prio[int(k)] for k in gs.slot[p]]))
+    got = sorted(gs.slot[pos].tolist())
+    assert got == [1, 3, 5, 6]  # group 0: prio 0 then the first of the two 5s (lower slot); 2 is pinned
+
+
+# ---- LAIA -------------------------------------------------------------------------------------------------------
+def test_balanced_assign_exact_sizes_and_optimum_when_obvious():
+    R, B = 4, 8
+    pref = np.repeat(np.arange(R), B)
+    np.random.default_rng(0).shuffle(pref)
+    score = np.zeros((R * B, R))
+    score[np.arange(R * B), pref] = 3.0
+    a = balanced_assign(score, B, first=2)
+    np.testing.assert_array_equal(a, pref)
+    # everyone prefers rank 0: still exactly B each, and the B with the largest regret win rank 0
+    score = np.zeros((R * B, R))
+    score[:, 0] = np.arange(R * B)
+    a = balanced_assign(score, B)
+    assert (np.bincount(a, minlength=R) == B).all()
+    assert set(np.flatnonzero(a == 0)) == set(range(R * B - B, R * B))
+    with pytest.raises(ValueError, match="cannot fill"):
+        balanced_assign(np.zeros((10, 4)), 3)
+
+
+def test_balanced_assign_ties_follow_the_rotation():
+    a0 = balanced_assign(np.zeros((4, 2)), 2, first=0)
+    a1 = balanced_assign(np.zeros((4, 2)), 2, first=1)
+    np.testing.assert_array_equal(a0, [0, 0, 1, 1])
+    np.testing.assert_array_equal(a1, [1, 1, 0, 0])
