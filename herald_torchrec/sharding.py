@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from omegaconf import DictConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -28,7 +30,9 @@ from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext
+from herald_torchrec.metrics import save_torch_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel
+from herald_torchrec.schedule.plan import Plan
 
 SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
@@ -59,6 +63,73 @@ class ShardedSetup:
     save_final: Callable[[Path, DictConfig], None] = field(default=lambda run_dir, cfg: None)
 
 
+class PlanStats:
+    """Scheduler counters over the run and over the current logging window (global: plans are global)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, int] = {}
+        self.win: dict[str, int] = {}
+        self.hits = self.pairs = self.win_hits = self.win_pairs = 0
+
+    def add(self, plan: Plan) -> None:
+        for k, v in plan.counters.items():
+            self.total[k] = self.total.get(k, 0) + int(v)
+            self.win[k] = self.win.get(k, 0) + int(v)
+        pairs = plan.read_pairs()
+        self.hits += int(plan.counters.get("hit", 0))
+        self.pairs += pairs
+        self.win_hits += int(plan.counters.get("hit", 0))
+        self.win_pairs += pairs
+        self.win_steps = getattr(self, "win_steps", 0) + 1
+
+    def hit_rate(self) -> float:
+        return self.hits / self.pairs if self.pairs else float("nan")
+
+    def window(self) -> dict[str, float]:
+        """Rows per step by kind and the hit rate since the last call (for progress lines / TensorBoard)."""
+        n = max(getattr(self, "win_steps", 0), 1)
+        out = {f"rows_{k}": v / n for k, v in self.win.items() if k != "hit"}
+        out["hit_rate"] = self.win_hits / self.win_pairs if self.win_pairs else float("nan")
+        self.win, self.win_hits, self.win_pairs, self.win_steps = {}, 0, 0, 0
+        return out
+
+
+def full_state(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """final_state.pt's layout: full unsharded tables, their optimizer state, and every dense parameter."""
+    dense = {
+        k: v.detach().cpu().clone()
+        for k, v in dmp.state_dict().items()
+        if ".ebc." not in k and isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor)
+    }
+    return {"tables": weights, "optimizer_state": states, "dense": dense}
+
+
+def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Gather TorchRec's sharded tables and fused-optimizer state to full tensors (collective; result on rank 0)."""
+
+    def gather(st: ShardedTensor) -> torch.Tensor:
+        out = torch.zeros(st.size(), dtype=st.dtype) if ctx.is_main else None
+        st.gather(dst=0, out=out)
+        return out
+
+    weights, states = {}, {}
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
+            weights[k.split(".")[-2]] = gather(v)
+    for k, v in dmp.fused_optimizer.state_dict()["state"].items():
+        for sk, sv in (v.items() if isinstance(v, dict) else []):
+            if isinstance(sv, ShardedTensor):
+                full = gather(sv)
+                if full is not None:
+                    states[k.split(".")[-2]] = full.reshape(-1) if "momentum1" in sk else full
+    return weights, states
+
+
+def _save_state(run_dir: Path, dmp: torch.nn.Module, weights, states, ctx: DistContext) -> None:
+    if ctx.is_main:
+        save_torch_atomic(Path(run_dir) / "final_state.pt", full_state(dmp, weights, states))
+
+
 def fused_optimizer(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
     t = cfg.trainer
     if t.embedding_optimizer == "rowwise_adagrad":
@@ -82,7 +153,20 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
     return lambda it: (to_batch(s, cols, keys) for s in it)
 
 
+@torch.no_grad()
+def _load_initial_tables(dmp: torch.nn.Module, init: dict[str, torch.Tensor]) -> None:
+    """Copy the unsharded model's initial tables into TorchRec's shards (it draws its own otherwise), so every
+    scheduler starts from the same model — and, being exact, ends at the same model."""
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
+            full = init[k.split(".")[-2]]
+            for shard in v.local_shards():
+                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+
+
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+    init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
     types = cfg.sharding.get("types")
@@ -103,12 +187,81 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=sharders
     )
+    _load_initial_tables(dmp, init)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
     pipeline = TrainPipelineSparseDist(dmp, optimizer, ctx.device, execute_all_batches=True)
-    return ShardedSetup("torchrec", dmp, pipeline, batch_converter(features, source))
+
+    def save_final(run_dir: Path, cfg_: DictConfig) -> None:
+        if cfg_.trainer.save_final:
+            _save_state(run_dir, dmp, *_torchrec_full_tables(dmp, ctx), ctx)
+
+    return ShardedSetup("torchrec", dmp, pipeline, batch_converter(features, source), save_final=save_final)
 
 
-SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {"torchrec": _torchrec}
+def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+    """Herald-managed tables: our sharder (ROW_WISE home placement) + the scheduling pipeline stage."""
+    from torchrec.distributed.model_parallel import get_unwrapped_module
+
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder, PlanComm
+    from herald_torchrec.distributed.scheduled_input import ScheduledInput
+    from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline
+    from herald_torchrec.schedule import make_policy
+
+    sc, t = cfg.scheduler, cfg.trainer
+    fused = {
+        "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
+        "learning_rate": t.embedding_lr,
+        "eps": t.get("embedding_eps", 1e-8),
+    }
+    policy = make_policy(
+        sc.policy, list(features.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio, lookahead=sc.lookahead
+    )
+    if not policy.executable:
+        raise ValueError(f"scheduler.policy={sc.policy} only models traffic (simulator); use herald or static")
+    sharder = HeraldEmbeddingBagCollectionSharder(
+        cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused
+    )
+    pg = dist.GroupMember.WORLD
+    dmp = DistributedModelParallel(module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), sharders=[sharder])
+    ebc = get_unwrapped_module(dmp).model.ebc
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
+    cols = [list(source.feature_names).index(n) for n in features.names]
+    convert = batch_converter(features, source)
+    stats = PlanStats()
+    scheduled = ScheduledInput(policy, PlanComm(pg), cols)
+    pipeline = HeraldTrainPipeline(
+        dmp, optimizer, ctx.device, scheduled, [ebc], lambda s: next(convert(iter([s]))), on_plan=stats.add
+    )
+
+    def step_stats() -> dict[str, float]:
+        out = stats.window()
+        ms = scheduled.sched_ms[-cfg.trainer.log_interval :]
+        if ms:
+            out["sched_ms"] = float(np.median(ms))
+        return out
+
+    def final_stats(steps: int) -> dict[str, Any]:
+        ms = np.array(scheduled.sched_ms) if scheduled.sched_ms else np.zeros(1)
+        return {
+            "hit_rate": stats.hit_rate(),
+            "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.items()},
+            "sched_ms_median": float(np.median(ms)),
+            "sched_ms_p90": float(np.percentile(ms, 90)),
+            "guest_occupancy": float(np.mean(list(ebc.guest_occupancy().values()))),
+        }
+
+    def save_final(run_dir: Path, cfg_: DictConfig) -> None:
+        if not cfg_.trainer.save_final:
+            return
+        weights, states = ebc.full_tables()
+        _save_state(run_dir, dmp, weights, states, ctx)
+
+    return ShardedSetup(
+        sc.name, dmp, pipeline, lambda it: it, step_stats=step_stats, final_stats=final_stats, save_final=save_final
+    )
+
+
+SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {"torchrec": _torchrec, "herald": _herald, "static": _herald}
 
 
 def shard_model(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:

@@ -127,9 +127,31 @@ class GuestSlots:
         prio = priority(pos)
         ok = prio >= 0
         pos, idx, prio = pos[ok], idx[ok], prio[ok]
+        if pos.shape[0] == 0:
+            return pos
+        G, P = groups.shape[0], int(prio.max()) + 1
+        if G * P <= 1 << 22:
+            # counting selection, O(members + G x P): per group, the priority threshold below which every member
+            # goes, then members at the threshold in slot order (members are listed in slot order per group)
+            cnt = np.bincount(idx * P + prio, minlength=G * P).reshape(G, P)
+            cum = np.cumsum(cnt, axis=1)
+            enough = cum >= need[:, None]
+            thr = np.where(enough.any(axis=1), np.argmax(enough, axis=1), P)
+            below = np.where(thr > 0, cum[np.arange(G), np.maximum(thr - 1, 0)], 0)
+            t = thr[idx]
+            tie = prio == t
+            tie_rank = np.cumsum(tie) - 1
+            first_tie = np.searchsorted(np.cumsum(tie) - tie, 0)  # placeholder, replaced below
+            del first_tie
+            start = np.zeros(G, dtype=np.int64)
+            tie_counts = np.bincount(idx[tie], minlength=G)
+            start[1:] = np.cumsum(tie_counts)[:-1]
+            within = tie_rank - start[idx]
+            take = (prio < t) | (tie & (within < (need - below)[idx]))
+            return pos[take]
         order = np.lexsort((pos, prio, idx))
         pos, idx = pos[order], idx[order]
-        first = np.searchsorted(idx, np.arange(groups.shape[0]))
+        first = np.searchsorted(idx, np.arange(G))
         within = np.arange(pos.shape[0]) - first[idx]
         return pos[within < need[idx]]
 

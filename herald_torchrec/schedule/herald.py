@@ -38,7 +38,7 @@ from herald_torchrec.schedule.laia import balanced_assign
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
-from herald_torchrec.schedule.tables import TableSelection, select_tables
+from herald_torchrec.schedule.tables import DEFAULT_BUDGET_MS_PER_SAMPLE, TableSelection, select_tables
 
 
 @dataclass
@@ -47,44 +47,60 @@ class _Scheduled:
     ec: np.ndarray  # its key, as an index into ks
     ks: np.ndarray  # the scheduled keys, as indices into the batch's sorted keys
     cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major)
+    esR: np.ndarray  # es * R
+    ecR: np.ndarray  # ec * R
+    w0: np.ndarray  # first-pass LAIA weight of every element
 
 
 class HeraldPolicy(SchedulePolicy):
-    """Ours. `tables`: "auto" (profile the first window and pick the scheduling-worthy tables), "all", or a list of
-    table indices. `budget_ms`: scheduling-time budget per step for the automatic selection (None: no limit).
-    `refine`: best-response rounds after the first LAIA pass. `forward`: forward evicted guests to their next reader.
+    """Ours (see the module docstring).
+
+    tables: "auto" (profile the first window and schedule the worthy tables), "all", or a list of table indices.
+    refine: best-response rounds after the first LAIA pass; None = as many (up to `max_refine`) as the time model
+        fits in the budget.
+    budget_ms: scheduling-time budget per global batch for the automatic choices: "auto" = 5 ms per 2048 samples
+        (5 ms at 8 x 256, 40 ms at 64 x 256), None = unlimited.
+    forward: forward evicted guests to their predicted next reader.
+    The choice is made on the first plan() (or by calling `profile(batches)`) and exposed by `tables`, `refine`
+    and `selection`.
     """
 
     name = "herald"
 
     def __init__(self, table_rows, num_ranks: int, batch_per_rank: int, cache_ratio: float = 0.1,
-                 lookahead: int = 4, *, tables: str | Sequence[int] = "auto", budget_ms: float | None = None,
-                 refine: int = 2, forward: bool = True, stay_bonus: float = 2.0, owner_weight: float = 2.0) -> None:
+                 lookahead: int = 4, *, tables: str | Sequence[int] = "auto", refine: int | None = None,
+                 max_refine: int = 2, budget_ms: float | str | None = "auto", forward: bool = True,
+                 stay_bonus: float = 2.0, owner_weight: float = 2.0) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
-        if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
-            raise ValueError(f"herald: refine must be an integer >= 0, got {refine!r}")
-        if budget_ms is not None and not budget_ms > 0:
-            raise ValueError(f"herald: budget_ms must be > 0 or None, got {budget_ms!r}")
+        for name, v in (("refine", refine), ("max_refine", max_refine)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
+        if budget_ms == "auto":
+            budget_ms = DEFAULT_BUDGET_MS_PER_SAMPLE * self.global_batch
+        elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
+            raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
         T = self.layout.num_tables
-        self.refine = int(refine)
+        self._refine_arg = refine
+        self.refine = 0 if refine is None else int(refine)  # set by profile() when None
+        self.max_refine = int(max_refine)
         self.forward = bool(forward)
         self.stay_bonus = float(stay_bonus)
         self.owner_weight = float(owner_weight)
         self.budget_ms = budget_ms
         self.selection: TableSelection | None = None
+        self._fixed_tables: np.ndarray | None = None
         if isinstance(tables, str):
             if tables not in ("auto", "all"):
                 raise ValueError(f"herald: tables must be 'auto', 'all' or a list of table indices, got {tables!r}")
-            self._tables_mode = tables
             if tables == "all":
-                self._set_tables(np.arange(T))
+                self._fixed_tables = np.arange(T)
         else:
             idx = np.asarray(list(tables), dtype=np.int64)
             if idx.ndim != 1 or ((idx < 0) | (idx >= T)).any():
                 raise ValueError(f"herald: table indices must be in [0, {T}), got {list(tables)}")
-            self._tables_mode = "list"
-            self._set_tables(np.unique(idx))
+            self._fixed_tables = np.unique(idx)
+        self._set_tables(self._fixed_tables if self._fixed_tables is not None else np.zeros(0, dtype=np.int64))
         n = self.layout.total_rows
         self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)  # 1..L, 0 = not in window
         self._picked = np.zeros(n, dtype=bool)
@@ -102,13 +118,15 @@ class HeraldPolicy(SchedulePolicy):
     @property
     def tables(self) -> list[int]:
         """Indices of the tables LAIA schedules (after profiling when tables='auto')."""
-        return [int(t) for t in np.flatnonzero(getattr(self, "scheduled", np.zeros(0, dtype=bool)))]
+        return [int(t) for t in np.flatnonzero(self.scheduled)]
 
     def profile(self, batches: Sequence[GlobalBatch]) -> TableSelection:
-        """Pick the scheduling-worthy tables from sample batches (done automatically on the first plan())."""
+        """Choose the scheduled tables and refine rounds from sample batches (done on the first plan())."""
         self.selection = select_tables([self.keys_of(b) for b in batches], self.layout, self.num_ranks,
-                                       self.batch_per_rank, refine=self.refine, budget_ms=self.budget_ms)
+                                       self.batch_per_rank, budget_ms=self.budget_ms, refine=self._refine_arg,
+                                       max_refine=self.max_refine, tables=self._fixed_tables)
         self._set_tables(self.selection.tables)
+        self.refine = self.selection.refine
         return self.selection
 
     # ---- per batch --------------------------------------------------------------------------------------------
@@ -129,7 +147,8 @@ class HeraldPolicy(SchedulePolicy):
             cols = None
             if "dense" in b._cache and es.shape[0]:  # single-hot, sample-major: fixed width per sample
                 cols = np.ascontiguousarray(ec.reshape(b.num_samples, -1).T)
-            hit = _Scheduled(es, ec, ks, cols)
+            w0 = self._geo[bk.count[ks]][ec]  # first-pass weight of every element (its key's batch count)
+            hit = _Scheduled(es, ec, ks, cols, es * self.num_ranks, ec * self.num_ranks, w0)
             b._cache[key] = hit
         return hit
 
@@ -145,16 +164,17 @@ class HeraldPolicy(SchedulePolicy):
             return np.repeat(np.arange(R, dtype=np.int64), B)
         own = (own_k[v.ks] - first) % R
         eo = own[ec]
-        score = np.bincount(es * R + eo, weights=self._geo[bk.count[v.ks]][ec], minlength=N * R).reshape(N, R)
+        score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
         a = balanced_assign(score, B)
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
         ki = np.arange(K)
         for _ in range(self.refine):
             ea = a[es]
-            c = np.bincount(ec * R + ea, minlength=K * R)
+            code = v.ecR + ea
+            c = np.bincount(code, minlength=K * R)
             # the sample's own rank: its keys that nobody else reads there
-            self_only = c[ec * R + ea] == 1
+            self_only = c[code] == 1
             corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
             if dense:
                 cm = c.reshape(K, R)
@@ -187,7 +207,7 @@ class HeraldPolicy(SchedulePolicy):
 
     # ---- step -------------------------------------------------------------------------------------------------
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
-        if self._tables_mode == "auto" and self.selection is None:
+        if self.selection is None:
             self.profile(batches)
         b = batches[0]
         R, B = self.num_ranks, self.batch_per_rank
@@ -376,7 +396,7 @@ class HeraldPolicy(SchedulePolicy):
     def describe(self) -> dict:
         out = super().describe()
         out.update({"tables": self.tables, "refine": self.refine, "forward": self.forward,
-                    "guests": self.directory.occupancy()})
+                    "budget_ms": self.budget_ms, "guests": self.directory.occupancy()})
         if self.selection is not None:
             out["selection"] = self.selection.describe()
         return out

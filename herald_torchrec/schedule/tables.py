@@ -1,4 +1,4 @@
-"""Adaptive LAIA: which tables are worth scheduling, within a scheduling-time budget.
+"""Adaptive LAIA: which tables are worth scheduling, and how much LAIA work fits the scheduling-time budget.
 
 Scheduling a table costs time (its elements enter every LAIA pass) and saves traffic only where placement can
 change who reads a key. Per table, from profile batches, with c_k the samples reading key k in a global batch of
@@ -8,10 +8,16 @@ N = R x B samples:
   its samples saves up to 2 (E[lambda] - 1) rows, achievable only while its samples fit on few ranks: weighted by
   max(0, 1 - c / B). Keys read by ~B samples or more (tiny tables: "hot everywhere") thus score ~0, and so do
   tables with few reads ("cold everywhere").
-benefit[t] = expected rows saved per sample. Tables are taken by decreasing benefit while their benefit is at least
-`min_share` of the best table's and the modelled scheduling time fits `budget_ms`. The time model is a fixed
-linear function of the elements scored (calibrated on the reference 2-core machine, see docs/scheduler.md) — not a
-measurement, so that every rank makes the same choice (plans must agree across ranks without communication).
+benefit[t] = modelled rows saved per sample. Tables are taken by decreasing benefit while their benefit is at least
+`min_share` of the best table's. Then the number of best-response rounds (`refine`, up to `max_refine`) is the
+largest whose modelled time fits `budget_ms` (0 if none does); when the caller forces more rounds than fit, the
+least useful tables are dropped until they do.
+
+The time model is a fixed function of the batch shape, calibrated on the reference 2-core machine (one thread,
+docs/scheduler.md) — deliberately not a measurement, so that every rank makes the same choice (plans must agree
+across ranks without communication):
+    base  = 1.5 + 3.45e-5 N T + 4.6e-6 N R            (keys, reader sets, sync, first LAIA pass)
+    round = 0.8 + 9.5e-7 N R (|S| + 7)                  (one best-response round over |S| scheduled tables)
 """
 
 from __future__ import annotations
@@ -24,22 +30,21 @@ import numpy as np
 from herald_torchrec.schedule.batch import TableLayout
 from herald_torchrec.schedule.reads import BatchKeys
 
-# scheduling-time model (ms) on the reference machine: fixed part per (sample, key) element of the step, plus
-# per scored element and LAIA pass (1 + refine passes)
-MS_PER_ELEMENT = 3.0e-5
-MS_PER_SCORED_ELEMENT_PASS = 4.5e-5
+DEFAULT_BUDGET_MS_PER_SAMPLE = 5.0 / 2048  # 5 ms for 8 ranks x 256 samples; the budget scales with the batch
 
 
 @dataclass
 class TableSelection:
     tables: np.ndarray  # int64, chosen table indices (sorted)
+    refine: int  # best-response rounds
     benefit: np.ndarray  # float64 [T]: modelled rows saved per sample if the table is scheduled
-    est_ms: float  # modelled scheduling time per step with the chosen tables
+    est_ms: float  # modelled scheduling time per step
     budget_ms: float | None
 
     def describe(self) -> dict:
-        return {"tables": [int(t) for t in self.tables], "benefit": [round(float(x), 4) for x in self.benefit],
-                "est_ms": round(self.est_ms, 3), "budget_ms": self.budget_ms}
+        return {"tables": [int(t) for t in self.tables], "refine": self.refine,
+                "benefit": [round(float(x), 4) for x in self.benefit], "est_ms": round(self.est_ms, 3),
+                "budget_ms": None if self.budget_ms is None else round(self.budget_ms, 3)}
 
 
 def table_benefit(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: int, batch_per_rank: int) -> np.ndarray:
@@ -57,24 +62,36 @@ def table_benefit(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: 
     return total / max(samples, 1)
 
 
-def estimate_ms(num_samples: int, num_tables: int, scored_tables: int, refine: int) -> float:
-    """Modelled scheduling time per step (single-hot elements)."""
-    return (MS_PER_ELEMENT * num_samples * num_tables
-            + MS_PER_SCORED_ELEMENT_PASS * num_samples * scored_tables * (1 + refine))
+def estimate_ms(num_samples: int, num_ranks: int, num_tables: int, scored_tables: int, refine: int) -> float:
+    """Modelled scheduling time per step in ms (single-hot elements, one thread, reference machine)."""
+    N, R = num_samples, num_ranks
+    base = 1.5 + 3.45e-5 * N * num_tables + 4.6e-6 * N * R
+    rnd = 0.8 + 9.5e-7 * N * R * (scored_tables + 7)
+    return base + refine * rnd
 
 
 def select_tables(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: int, batch_per_rank: int,
-                  refine: int = 2, budget_ms: float | None = None, min_share: float = 0.25) -> TableSelection:
+                  budget_ms: float | None = None, refine: int | None = None, max_refine: int = 2,
+                  tables: Sequence[int] | None = None, min_share: float = 0.25) -> TableSelection:
+    """Choose the scheduled tables (unless given) and the refine rounds (unless given) for the budget."""
     benefit = table_benefit(profile, layout, num_ranks, batch_per_rank)
-    order = np.lexsort((np.arange(benefit.shape[0]), -benefit))
     N, T = num_ranks * batch_per_rank, layout.num_tables
-    best = float(benefit.max()) if benefit.shape[0] else 0.0
-    chosen: list[int] = []
-    for t in order:
-        if best <= 0 or benefit[t] < min_share * best:
-            break
-        if budget_ms is not None and chosen and estimate_ms(N, T, len(chosen) + 1, refine) > budget_ms:
-            break
-        chosen.append(int(t))
-    tables = np.array(sorted(chosen), dtype=np.int64)
-    return TableSelection(tables, benefit, estimate_ms(N, T, len(chosen), refine), budget_ms)
+    if tables is None:
+        order = np.lexsort((np.arange(T), -benefit))
+        best = float(benefit.max()) if T else 0.0
+        chosen = [int(t) for t in order if best > 0 and benefit[t] >= min_share * best]
+    else:
+        chosen = sorted(int(t) for t in tables)
+
+    def fits(n_tables: int, rounds: int) -> bool:
+        return budget_ms is None or estimate_ms(N, num_ranks, T, n_tables, rounds) <= budget_ms
+
+    if refine is None:
+        refine = max([r for r in range(max_refine + 1) if fits(len(chosen), r)], default=0)
+    if tables is None:
+        # only the rounds depend on the scheduled tables: with rounds forced beyond the budget, drop the least
+        # useful tables until they fit
+        while refine > 0 and len(chosen) > 1 and not fits(len(chosen), refine):
+            chosen.pop()
+    sel = np.array(sorted(chosen), dtype=np.int64)
+    return TableSelection(sel, int(refine), benefit, estimate_ms(N, num_ranks, T, len(chosen), refine), budget_ms)
