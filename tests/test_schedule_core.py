@@ -164,6 +164,29 @@ def test_pick_victims_lowest_priority_first():
     assert got == [1, 3, 5, 6]  # group 0: prio 0 then the first of the two 5s (lower slot); 2 is pinned
 
 
+@pytest.mark.parametrize("big", [False, True])  # counting selection / sort fallback
+def test_pick_victims_matches_a_sort(big):
+    rng = np.random.default_rng(5)
+    cap = rng.integers(0, 30, 12)
+    gs = GuestSlots(cap, 1000)
+    keys = rng.permutation(1000)
+    k = 0
+    for g in range(12):
+        n = int(rng.integers(0, cap[g] + 1))
+        gs.add(keys[k : k + n], np.full(n, g))
+        k += n
+    pr = rng.integers(-1, 10**7 if big else 6, 1000)
+    groups = np.arange(12)
+    need = rng.integers(0, 12, 12)
+    got = set(gs.slot[gs.pick_victims(groups, need, lambda p: pr[gs.slot[p]])].tolist())
+    want = set()
+    for g in range(12):
+        m = [int(x) for x in gs.members(g) if pr[x] >= 0]
+        m.sort(key=lambda x: (pr[x], gs.pos_of[x]))
+        want |= set(m[: need[g]])
+    assert got == want
+
+
 # ---- LAIA -------------------------------------------------------------------------------------------------------
 def test_balanced_assign_exact_sizes_and_optimum_when_obvious():
     R, B = 4, 8

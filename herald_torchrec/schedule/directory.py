@@ -98,7 +98,7 @@ class GuestSlots:
         """Append keys to their groups (caller guarantees room); returns their slots (in the input order)."""
         if keys.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        order = np.argsort(groups, kind="stable")
+        order = np.argsort(groups.astype(np.int16) if self.num_groups < 2**15 else groups, kind="stable")  # radix
         k, g = keys[order], groups[order]
         a = np.bincount(g, minlength=self.num_groups)
         if (self.fill + a > self.cap).any():
@@ -130,7 +130,7 @@ class GuestSlots:
         if pos.shape[0] == 0:
             return pos
         G, P = groups.shape[0], int(prio.max()) + 1
-        if G * P <= 1 << 22:
+        if G * P <= min(1 << 22, 2 * pos.shape[0]):  # many members per priority level: counting beats sorting
             # counting selection, O(members + G x P): per group, the priority threshold below which every member
             # goes, then members at the threshold in slot order (members are listed in slot order per group)
             cnt = np.bincount(idx * P + prio, minlength=G * P).reshape(G, P)
@@ -141,8 +141,6 @@ class GuestSlots:
             t = thr[idx]
             tie = prio == t
             tie_rank = np.cumsum(tie) - 1
-            first_tie = np.searchsorted(np.cumsum(tie) - tie, 0)  # placeholder, replaced below
-            del first_tie
             start = np.zeros(G, dtype=np.int64)
             tie_counts = np.bincount(idx[tie], minlength=G)
             start[1:] = np.cumsum(tie_counts)[:-1]

@@ -9,11 +9,12 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
    a. score[s, r] = sum over the sample's keys owned by r of w(c_k), with c_k the samples reading k in this
       batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway: owning it says little);
       `balanced_assign` gives every rank exactly B samples (regret-ordered rounds, deterministic).
-   b. `refine` rounds of balanced best response on the exact marginal cost: for sample s at rank r,
-      score[s, r] = sum over its keys of 2 x [another sample reads k at r] + [r owns k and nobody else reads it
-      there] (+ a small bonus for staying). Built sparsely from the (key, reader) pairs, so O(elements x readers)
-      rather than O(elements x R); keys read by every rank are constant and skipped.
-2. Reader sets under the final assignment (`schedule.reads`, one dense bincount).
+   b. `refine` rounds of balanced best response on the exact marginal cost: for sample s and rank r,
+      score[s, r] = sum over its keys of 2 x [another sample reads k at r] + 2 x [r owns k and nobody else reads
+      it there] (+ a bonus for staying put, against oscillation). Single-hot batches gather one per-key [R] row
+      per table column (O(elements x R) in a few large numpy ops); jagged ones with many ranks expand reader lists.
+      `refine` is chosen with the tables (`schedule.tables`) to fit the scheduling-time budget.
+2. Reader sets under the final assignment (`schedule.reads`: one bitmap over (key, rank)).
 3. Ownership: a key read by one rank moves there (MIGRATE); a shared key stays with its owner when the owner
    reads it, else moves to the reader with the most samples reading it (ties: lowest rank). Arrivals beyond a
    rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then

@@ -61,7 +61,15 @@ class BatchKeys:
     keys: np.ndarray  # int64 [K] distinct global rows, sorted
     cid: np.ndarray  # int64 [E] index of the element's key in `keys`
     count: np.ndarray  # int64 [K] elements reading the key (samples, for single-hot tables)
-    first_sample: np.ndarray  # int64 [K] a sample that reads the key
+    _first: np.ndarray | None = None
+
+    @property
+    def first_sample(self) -> np.ndarray:
+        """int64 [K]: a sample that reads the key (computed on first use)."""
+        if self._first is None:
+            self._first = np.empty(self.keys.shape[0], dtype=np.int64)
+            self._first[self.cid] = self.smp  # any reader will do
+        return self._first
 
 
 def batch_keys(batch, scratch: Scratch) -> BatchKeys:
@@ -91,9 +99,7 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             keys, cid, cnt = uniq[order], inv[cid], cnt[order]
         else:
             keys = cid = cnt = np.zeros(0, dtype=np.int64)
-        first = np.empty(keys.shape[0], dtype=np.int64)
-        first[cid] = smp  # any reader will do
-        bk = BatchKeys(smp, tab, gid, keys, cid, cnt, first)
+        bk = BatchKeys(smp, tab, gid, keys, cid, cnt)
         batch._cache["batch_keys"] = bk
     return bk
 
