@@ -25,7 +25,7 @@ simulate: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/simulate.py --json $(ARGS)
 
 bench: setup
-	$(PY) benchmarks/e2e.py $(ARGS)
+	$(PY) benchmarks/e2e.py --out benchmarks/results/e2e.json $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

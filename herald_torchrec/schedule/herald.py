@@ -8,7 +8,8 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
 1. LAIA, on the *scheduled tables* only (adaptive selection, `schedule.tables`):
    a. score[s, r] = sum over the sample's keys owned by r of w(c_k), with c_k the samples reading k in this
       batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway: owning it says little);
-      `balanced_assign` gives every rank exactly B samples (regret-ordered rounds, deterministic).
+      without refinement, `balanced_assign` turns it into exactly B samples per rank (regret-ordered rounds,
+      deterministic); with refinement, each sample's preferred rank (unbalanced) is the starting point of
    b. `refine` rounds of balanced best response on the exact marginal cost: for sample s and rank r,
       score[s, r] = sum over its keys of 2 x [another sample reads k at r] + 2 x [r owns k and nobody else reads
       it there] (+ a bonus for staying put, against oscillation). Single-hot batches gather one per-key [R] row
@@ -166,7 +167,10 @@ class HeraldPolicy(SchedulePolicy):
         own = (own_k[v.ks] - first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
-        a = balanced_assign(score, B)
+        if self.refine == 0:
+            a = balanced_assign(score, B)
+        else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
+            a = np.argmax(score, axis=1)
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
         ki = np.arange(K)
