@@ -8,8 +8,8 @@ and reads the run's metrics.json. Prints one JSON object:
 {"config": {...}, "runs": {R: {S: {"step_ms": x, "samples_per_s": x, "comm_bytes_per_step": x, "hit_rate": x,
 "sched_ms_median": x, "auc": x}}}, "ratios": {R: {"herald_vs_torchrec_bytes": x, ...}}}.
 `comm_bytes_per_step` is what every rank together hands to torch.distributed collectives per training step for
-embeddings and sample exchange (one counting wrapper for all schedulers). `scheduler=torchrec` is stock TorchRec
-ROW_WISE (the home placement Herald starts from). Step times on a 2-core machine with 4 ranks are dominated by CPU
+embeddings and sample exchange (one counting wrapper for all schedulers). `torchrec` is stock TorchRec ROW_WISE
+(the home placement Herald starts from; the issue's baseline), `torchrec_tw` stock TABLE_WISE for context. Step times on a 2-core machine with 4 ranks are dominated by CPU
 oversubscription; the byte counts do not depend on the machine.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULER_ARGS = {
     "torchrec": ["scheduler=torchrec", "sharding.types=[row_wise]"],
+    "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
     "static": ["scheduler=static"],
     "herald": ["scheduler=herald"],
 }
@@ -38,7 +39,7 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "train.py",
         *SCHEDULER_ARGS[scheduler], f"trainer.steps={args.steps}", f"trainer.batch_size={args.batch}",
         "trainer.eval_interval=0", "trainer.log_interval=1000000", "data.val_batches=2",
-        f"data.locality={args.locality}", f"scheduler.cache_ratio={args.cache_ratio}" if scheduler != "torchrec" else "seed=0",
+        f"data.locality={args.locality}", f"scheduler.cache_ratio={args.cache_ratio}" if not scheduler.startswith("torchrec") else "seed=0",
         f"model={args.model}", f"run_dir={run_dir}", *args.extra,
     ]
     t0 = time.time()
@@ -64,7 +65,7 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4", help="comma list of rank counts")
-    ap.add_argument("--schedulers", default="torchrec,static,herald")
+    ap.add_argument("--schedulers", default="torchrec,torchrec_tw,static,herald")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=256, help="per-rank batch")
     ap.add_argument("--cache-ratio", type=float, default=0.1)

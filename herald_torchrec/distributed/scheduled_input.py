@@ -38,6 +38,7 @@ class ScheduledInput:
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
         self.sched_ms: list[float] = []
+        self._wire_dtype = np.int32 if max(policy.layout.table_rows) <= np.iinfo(np.int32).max else np.int64
 
     def _gather(self, local: Samples | None) -> tuple[Samples, GlobalBatch] | None:
         have = torch.tensor([0 if local is None else 1], dtype=torch.int64)
@@ -46,13 +47,15 @@ class ScheduledInput:
             return None
         if len(local) != self.B:
             raise ValueError(f"rank {self.rank} got a slice of {len(local)} samples, expected batch_per_rank={self.B}")
-        ids = torch.from_numpy(np.ascontiguousarray(local.ids[:, self.columns]))
+        ids = np.ascontiguousarray(local.ids[:, self.columns])
         if self.R > 1:
-            parts = [torch.empty_like(ids) for _ in range(self.R)]
-            dist.all_gather(parts, ids)
-            self.comm.counter.add("sample_ids", ids.numel() * ids.element_size() * (self.R - 1))
-            ids = torch.cat(parts)
-        return local, GlobalBatch.from_dense(ids.numpy(), self.policy.layout)
+            # ids travel as int32 when every table fits (exact: no float, no truncation), else as int64
+            wire = torch.from_numpy(ids.astype(self._wire_dtype))
+            parts = [torch.empty_like(wire) for _ in range(self.R)]
+            dist.all_gather(parts, wire)
+            self.comm.counter.add("sample_ids", wire.numel() * wire.element_size() * (self.R - 1))
+            ids = torch.cat(parts).numpy().astype(np.int64)
+        return local, GlobalBatch.from_dense(ids, self.policy.layout)
 
     def exchange(self, local: Samples, batch: GlobalBatch, plan: Plan) -> Samples:
         """Dense features + labels to the ranks the plan assigns them to; ids from the gathered global batch."""
