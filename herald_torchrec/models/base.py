@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.modules.mlp import MLP
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -68,6 +69,31 @@ class CTRModel(nn.Module):
 
     def logits(self, dense: torch.Tensor, emb) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class LinearPlusDeep(CTRModel):
+    """Shared body of W&D and DeepFM: a linear term (the last embedding column of each id + a dense linear layer)
+    and a deep MLP over the other columns and the dense features. Subclasses add their own terms in `logits`."""
+
+    def __init__(self, features: FeatureSpec, embedding_dim: int, deep_layers: tuple[int, ...], device: str) -> None:
+        super().__init__()
+        self.features = features
+        self.dim = embedding_dim - 1  # the last column of each row is the per-id linear weight
+        self.ebc = make_ebc(features, embedding_dim, device)
+        width = self.dim * len(features.names) + features.num_dense
+        self.deep = nn.Sequential(MLP(width, list(deep_layers), device=device), nn.Linear(deep_layers[-1], 1, device=device))
+        self.dense_linear = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
+
+    def parts(self, dense: torch.Tensor, emb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(embeddings [B, T, D-1], linear term [B], deep term [B])."""
+        e = stacked(emb, self.features.names)
+        v = e[:, :, : self.dim]
+        linear = e[:, :, self.dim].sum(dim=1)
+        deep_in = v.flatten(1)
+        if self.dense_linear is not None:
+            linear = linear + self.dense_linear(dense).squeeze(1)
+            deep_in = torch.cat([deep_in, dense], dim=1)
+        return v, linear, self.deep(deep_in).squeeze(1)
 
 
 class TrainModel(nn.Module):
