@@ -10,7 +10,8 @@ Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one wor
 rows_per_step (transmitted rows, both directions), bytes_per_step (dim floats per value / gradient, dim +
 state_width floats per row move), by_kind (rows per step by kind), hit_rate (reads served locally / distinct
 (key, reader) pairs), stale_reads (from the independent checker, must be 0), sched_ms_median / sched_ms_p90
-(wall time of policy.plan per global batch, this process), rows_per_sample. Progress goes to stderr.
+(wall time of policy.plan per global batch, this process; sched_cpu_ms_median: its CPU time, which other
+processes on a shared machine disturb less), rows_per_sample. Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
 """
 
@@ -90,7 +91,7 @@ def run_policies(args, R: int) -> dict:
     checkers = {n: PlanChecker(table_rows, R, B, args.cache_ratio) for n in names} if args.check else {}
     windows: dict[str, deque] = {n: deque() for n in names}
     ids_window: deque = deque()
-    stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": []} for n in names}
+    stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
     exhausted = False
     step = 0
     t_start = time.perf_counter()
@@ -111,7 +112,9 @@ def run_policies(args, R: int) -> dict:
         pull()
     while ids_window and step < args.steps:
         for n in names:
+            c0 = time.process_time()
             plan = pols[n].plan(list(windows[n]))
+            stats[n]["cpu_ms"].append((time.process_time() - c0) * 1e3)
             if args.check:
                 checkers[n].check(plan, windows[n][0])
             if step >= args.warmup:
@@ -144,6 +147,7 @@ def run_policies(args, R: int) -> dict:
             "stale_reads": int(checkers[n].stale_reads) if args.check else None,
             "sched_ms_median": round(float(np.median(st["ms"])), 3) if st["ms"] else 0.0,
             "sched_ms_p90": round(float(np.percentile(st["ms"], 90)), 3) if st["ms"] else 0.0,
+            "sched_cpu_ms_median": round(float(np.median(st["cpu_ms"])), 3) if st["cpu_ms"] else 0.0,
             "rows_per_sample": round(rows / (R * B), 4),
             "steps": step,
         }

@@ -57,7 +57,8 @@ class ShardedSetup:
     name: str
     model: torch.nn.Module
     pipeline: Any
-    batches: Callable[[Iterator[Samples]], Iterator[Any]]
+    train_batches: Callable[[Iterator[Samples]], Iterator[Any]]  # called once per training stream
+    eval_batches: Callable[[Iterator[Samples]], Iterator[Any]]
     step_stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     final_stats: Callable[[int], dict[str, Any]] = field(default=lambda steps: {})
     save_final: Callable[[Path, DictConfig], None] = field(default=lambda run_dir, cfg: None)
@@ -195,7 +196,8 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
         if cfg_.trainer.save_final:
             _save_state(run_dir, dmp, *_torchrec_full_tables(dmp, ctx), ctx)
 
-    return ShardedSetup("torchrec", dmp, pipeline, batch_converter(features, source), save_final=save_final)
+    convert = batch_converter(features, source)
+    return ShardedSetup("torchrec", dmp, pipeline, convert, convert, save_final=save_final)
 
 
 def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
@@ -242,7 +244,13 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
 
     def final_stats(steps: int) -> dict[str, Any]:
         ms = np.array(scheduled.sched_ms) if scheduled.sched_ms else np.zeros(1)
+        kinds = sorted(pipeline.trained_counters)
+        executed = torch.tensor([pipeline.trained_counters[k] for k in kinds], dtype=torch.int64)
+        if ctx.world_size > 1:
+            dist.all_reduce(executed)
         return {
+            "module_rows_by_kind": dict(zip(kinds, executed.tolist())),  # what the data plane executed (all ranks)
+            "plan_rows_by_kind": dict(stats.total),  # what the scheduler planned
             "hit_rate": stats.hit_rate(),
             "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.items()},
             "sched_ms_median": float(np.median(ms)),
@@ -257,7 +265,8 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         _save_state(run_dir, dmp, weights, states, ctx)
 
     return ShardedSetup(
-        sc.name, dmp, pipeline, lambda it: it, step_stats=step_stats, final_stats=final_stats, save_final=save_final
+        sc.name, dmp, pipeline, pipeline.schedule, convert,
+        step_stats=step_stats, final_stats=final_stats, save_final=save_final,
     )
 
 

@@ -89,7 +89,7 @@ def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: Dist
     """AUC and log loss over the whole held-out split (all ranks' predictions gathered)."""
     setup.model.eval()
     logits, labels = [], []
-    it = setup.batches(local_samples(source, cfg.trainer.batch_size, ctx, train=False, epochs=None))
+    it = setup.eval_batches(local_samples(source, cfg.trainer.batch_size, ctx, train=False, epochs=None))
     with torch.no_grad():
         while True:
             try:
@@ -133,14 +133,14 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     steps_cap = cfg.trainer.steps
     stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs)
     stream = itertools.islice(stream, steps_cap) if steps_cap is not None else stream
+    train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
     global_batch = cfg.trainer.batch_size * ctx.world_size
     step, loss_sum, loss_n, t0, t_log, train_time = 0, 0.0, 0, time.time(), time.time(), 0.0
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     while True:
-        segment = itertools.islice(stream, eval_every) if eval_every else stream
-        it = setup.batches(segment)
+        it = itertools.islice(train_iter, eval_every) if eval_every else train_iter
         seg_start, seg_steps = time.time(), 0
         while True:
             try:

@@ -1,13 +1,13 @@
 """`HeraldTrainPipeline`: TorchRec's `TrainPipelineSparseDist` with Herald's input-permutation stage in front.
 
-The pipeline consumes this rank's slices of the global batch stream (`Samples`), and for training streams:
-runs the scheduler L batches ahead on every rank (`ScheduledInput`), exchanges samples so this rank holds exactly
-the B the plan assigns it, queues the plan on every Herald-managed sharded module, and only then hands the TorchRec
-`Batch` to the stock pipeline machinery (input_dist / forward / backward / optimizer). Plans are queued in batch
-order and consumed one per forward, so the pipeline's look-ahead of a batch or two keeps them aligned.
+`pipeline.schedule(stream)` turns this rank's slices of the global batch stream (`Samples`) into the batches the
+stock machinery trains (input_dist / forward / backward / optimizer): it runs the scheduler L batches ahead on
+every rank (`ScheduledInput`), exchanges samples so this rank holds exactly the B the plan assigns it, and queues
+the plan on every Herald-managed sharded module. Plans are consumed one per forward, in order, so the pipeline's
+look-ahead of a batch or two keeps them aligned.
 
-Evaluation streams (model in eval mode) are not scheduled: the sharded module serves them with read-only static
-plans of its own, which move no rows and so leave the scheduler's directory in sync.
+Evaluation batches (model in eval mode) are plain TorchRec batches: the sharded module serves them with read-only
+static plans of its own, which move no rows and so leave the scheduler's directory in sync.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._herald_modules = modules
         self._to_batch = to_batch
         self._on_plan = on_plan
-        self._raw_iter: Optional[Iterator[Samples]] = None
-        self._batch_iter: Optional[Iterator[Batch]] = None
+        self.trained_counters: dict[str, int] = {}  # this rank's rows by kind over training steps (not eval)
 
-    def _schedule(self, stream: Iterator[Samples]) -> Iterator[Batch]:
+    def schedule(self, stream: Iterator[Samples]) -> Iterator[Batch]:
+        """This rank's slices of the training stream -> its assigned batches, each with its plan queued.
+
+        Create it once per training stream and feed it to `progress` (in slices, if you like: `islice` of it
+        between evaluations keeps the scheduler's lookahead across the slices). Plans are queued as batches are
+        drawn, and the pipeline draws them in order, so queue and forwards stay aligned."""
         for samples, plan in self._scheduled_input(stream):
             for m in self._herald_modules:
                 m.set_plan(plan)
@@ -54,11 +58,10 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
                 self._on_plan(plan)
             yield self._to_batch(samples)
 
-    def _next_batch(self, dataloader_iter: Iterator[Samples]) -> Optional[Batch]:
-        if dataloader_iter is not self._raw_iter:  # a new stream: schedule it if we are training
-            self._raw_iter = dataloader_iter
-            if self._model.training:
-                self._batch_iter = self._schedule(dataloader_iter)
-            else:
-                self._batch_iter = (self._to_batch(s) for s in dataloader_iter)
-        return super()._next_batch(self._batch_iter)
+    def progress(self, dataloader_iter: Iterator[Samples]):
+        out = super().progress(dataloader_iter)
+        if self._model.training:
+            for m in self._herald_modules:
+                for k, v in m.step_counters.items():
+                    self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
+        return out

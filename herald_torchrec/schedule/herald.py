@@ -20,8 +20,8 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
    reads it, else moves to the reader with the most samples reading it (ties: lowest rank). Arrivals beyond a
    rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then
    those used furthest ahead (Belady-like), least recently used first among equals. An evicted guest that the
-   window reads again is FORWARDed to the rank its next sample is predicted to go to (the rank owning most of
-   that sample's scheduled keys) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot make
+   next batch reads is FORWARDed to the rank its sample is predicted to go to (the rank owning most of that
+   sample's scheduled keys after this step) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot make
    room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
    step apply at once and capacity holds after them.
 4. Every read key whose reader set is not exactly {owner} goes to `shared`.
@@ -138,8 +138,13 @@ class HeraldPolicy(SchedulePolicy):
         hit = b._cache.get(key)
         if hit is None:
             bk = self.keys_of(b)
-            m = self.scheduled[bk.tab]
-            es, eca = bk.smp[m], bk.cid[m]
+            if bk.width is not None:  # single-hot: take the scheduled columns of the [N, T] key ids
+                cols_idx = np.flatnonzero(self.scheduled)
+                eca = bk.cid.reshape(-1, bk.width)[:, cols_idx].ravel()
+                es = np.repeat(np.arange(b.num_samples, dtype=np.int64), cols_idx.shape[0])
+            else:
+                m = self.scheduled[bk.tab]
+                es, eca = bk.smp[m], bk.cid[m]
             mark = np.zeros(bk.keys.shape[0], dtype=bool)
             mark[eca] = True
             ks = np.flatnonzero(mark)
@@ -147,7 +152,7 @@ class HeraldPolicy(SchedulePolicy):
             pos[ks] = np.arange(ks.shape[0], dtype=np.int64)
             ec = pos[eca]
             cols = None
-            if "dense" in b._cache and es.shape[0]:  # single-hot, sample-major: fixed width per sample
+            if bk.width is not None and es.shape[0]:  # single-hot, sample-major: fixed width per sample
                 cols = np.ascontiguousarray(ec.reshape(b.num_samples, -1).T)
             w0 = self._geo[bk.count[ks]][ec]  # first-pass weight of every element (its key's batch count)
             hit = _Scheduled(es, ec, ks, cols, es * self.num_ranks, ec * self.num_ranks, w0)
@@ -237,7 +242,7 @@ class HeraldPolicy(SchedulePolicy):
             fidx = np.cumsum(far) - 1
             el = far[bk.cid]
             F = int(far.sum())
-            cnt = np.bincount(fidx[bk.cid[el]] * R + sample_rank[bk.smp[el]], minlength=F * R).reshape(F, R)
+            cnt = np.bincount(fidx[bk.cid[el]] * R + bk.element_ranks(sample_rank)[el], minlength=F * R).reshape(F, R)
             want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
         # lookahead window: next use (1..L) of every key read in it
         nu = self.next_use
@@ -341,12 +346,12 @@ class HeraldPolicy(SchedulePolicy):
         return np.sort(chosen), -deficit  # victims, room left per group after all moves
 
     def _forward(self, victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room) -> None:
-        """Send evicted guests that the window reads again to the rank their next sample is predicted to go to
+        """Send evicted guests that the next batch reads to the rank their sample is predicted to go to
         (the rank owning most of that sample's scheduled keys after this step's moves), where it has room."""
         d = self.directory
         R, T = self.num_ranks, self.layout.num_tables
         vn = nu[victims]
-        cand = np.flatnonzero(vn > 0)
+        cand = np.flatnonzero(vn == 1)  # read by the next batch: the best-known next reader
         if cand.shape[0] == 0:
             return
         # only worth predicting where some other rank has room in the victim's table

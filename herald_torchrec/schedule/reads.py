@@ -51,17 +51,37 @@ def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.nd
     return uniq, cid, counts
 
 
-@dataclass
 class BatchKeys:
-    """The (sample, key) elements of a batch and its distinct keys (sorted global rows)."""
+    """The (sample, key) elements of a batch and its distinct keys (sorted global rows).
 
-    smp: np.ndarray  # int64 [E] sample of every element
-    tab: np.ndarray  # int64 [E] table of every element
-    gid: np.ndarray  # int64 [E] global row of every element
-    keys: np.ndarray  # int64 [K] distinct global rows, sorted
-    cid: np.ndarray  # int64 [E] index of the element's key in `keys`
-    count: np.ndarray  # int64 [K] elements reading the key (samples, for single-hot tables)
-    _first: np.ndarray | None = None
+    Elements are the batch's flat order (`GlobalBatch.flat`). For single-hot batches (`width` = T) they are
+    sample-major [N, T], so per-element sample / table arrays are not materialised unless asked for.
+    """
+
+    def __init__(self, batch, keys: np.ndarray, cid: np.ndarray, count: np.ndarray, width: int | None) -> None:
+        self.batch = batch
+        self.keys = keys  # int64 [K] distinct global rows, sorted
+        self.cid = cid  # int64 [E] index of every element's key in `keys`
+        self.count = count  # int64 [K] elements reading the key (samples, for single-hot tables)
+        self.width = width  # T for single-hot batches, else None
+        self.num_samples = batch.num_samples
+        self._first: np.ndarray | None = None
+
+    @property
+    def smp(self) -> np.ndarray:
+        """int64 [E]: sample of every element."""
+        return self.batch.flat()[0]
+
+    @property
+    def tab(self) -> np.ndarray:
+        """int64 [E]: table of every element."""
+        return self.batch.flat()[1]
+
+    def element_ranks(self, sample_rank: np.ndarray) -> np.ndarray:
+        """rank of every element under an assignment (rank of every sample)."""
+        if self.width is not None:
+            return np.repeat(sample_rank, self.width)
+        return sample_rank[self.smp]
 
     @property
     def first_sample(self) -> np.ndarray:
@@ -76,7 +96,11 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
     """Distinct keys of a GlobalBatch (cached on the batch)."""
     bk = batch._cache.get("batch_keys")
     if bk is None:
-        smp, tab, gid = batch.flat()
+        dense = batch._cache.get("dense")
+        if dense is not None:
+            gid = (dense + batch.layout.offsets[:-1][None, :]).ravel()
+        else:
+            gid = batch.flat()[2]
         n_rows = batch.layout.total_rows
         if gid.shape[0] and n_rows <= 16 * gid.shape[0]:
             # few rows for this many elements: a bitmap over all rows yields the sorted distinct keys directly
@@ -99,7 +123,7 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             keys, cid, cnt = uniq[order], inv[cid], cnt[order]
         else:
             keys = cid = cnt = np.zeros(0, dtype=np.int64)
-        bk = BatchKeys(smp, tab, gid, keys, cid, cnt)
+        bk = BatchKeys(batch, keys, cid, cnt, None if dense is None else dense.shape[1])
         batch._cache["batch_keys"] = bk
     return bk
 
@@ -130,7 +154,10 @@ class StepReads:
 def step_reads(bk: BatchKeys, sample_rank: np.ndarray, num_ranks: int) -> StepReads:
     """Distinct (key, reader) pairs of a batch for an assignment (rank of every sample)."""
     R, K = num_ranks, bk.keys.shape[0]
-    code = bk.cid * R + sample_rank[bk.smp]
+    if bk.width is not None:  # sample-major [N, T]: broadcast the sample's rank over its row
+        code = (bk.cid.reshape(-1, bk.width) * R + sample_rank[:, None]).ravel()
+    else:
+        code = bk.cid * R + sample_rank[bk.smp]
     if K * R <= DENSE_LIMIT:
         mark = np.zeros(K * R, dtype=bool)
         mark[code] = True

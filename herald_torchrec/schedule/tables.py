@@ -58,7 +58,7 @@ def table_benefit(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: 
         lam = R * (1.0 - (1.0 - 1.0 / R) ** c)
         gain = np.where(c <= 1, (R - 1) / R, 2.0 * (lam - 1.0) * np.clip(1.0 - c / B, 0.0, None))
         total += np.bincount(t, weights=gain, minlength=T)
-        samples += int(bk.smp.max()) + 1 if bk.smp.shape[0] else 0
+        samples += bk.num_samples
     return total / max(samples, 1)
 
 
