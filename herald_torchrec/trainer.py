@@ -37,8 +37,12 @@ def model_features(cfg: DictConfig, source: DataSource) -> FeatureSpec:
     if cfg.model.name != "ncf":
         return spec
     names = list(source.feature_names)
-    user = cfg.model.get("user_feature") or ("user" if "user" in names else names[0])
-    item = cfg.model.get("item_feature") or ("item" if "item" in names else names[1])
+    # without user / item features, the two largest tables play those roles (synthetic: c2 and c3)
+    largest = sorted(range(len(names)), key=lambda i: -source.table_rows[i])[:2]
+    user = cfg.model.get("user_feature") or ("user" if "user" in names else names[min(largest)])
+    item = cfg.model.get("item_feature") or ("item" if "item" in names else names[max(largest)])
+    if user == item:
+        raise ConfigError(f"NCF needs two different features for user and item, got '{user}' twice")
     return spec.subset([user, item])
 
 

@@ -40,14 +40,14 @@ from herald_torchrec.schedule.laia import balanced_assign
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
-from herald_torchrec.schedule.tables import DEFAULT_BUDGET_MS_PER_SAMPLE, TableSelection, select_tables
+from herald_torchrec.schedule.tables import TableSelection, default_budget_ms, select_tables
 
 
 @dataclass
 class _Scheduled:
     es: np.ndarray  # sample of every scheduled element
-    ec: np.ndarray  # its key, as an index into ks
-    ks: np.ndarray  # the scheduled keys, as indices into the batch's sorted keys
+    ec: np.ndarray  # its key, as an index into the batch's sorted keys
+    K: int  # number of keys of the batch
     cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major)
     esR: np.ndarray  # es * R
     ecR: np.ndarray  # ec * R
@@ -60,8 +60,8 @@ class HeraldPolicy(SchedulePolicy):
     tables: "auto" (profile the first window and schedule the worthy tables), "all", or a list of table indices.
     refine: best-response rounds after the first LAIA pass; None = as many (up to `max_refine`) as the time model
         fits in the budget.
-    budget_ms: scheduling-time budget per global batch for the automatic choices: "auto" = 5 ms per 2048 samples
-        (5 ms at 8 x 256, 40 ms at 64 x 256), None = unlimited.
+    budget_ms: scheduling-time budget per global batch for the automatic choices: "auto" = 5 ms up to 2048
+        samples, linear beyond (5 ms at 8 x 256, 40 ms at 64 x 256); None = unlimited.
     forward: forward evicted guests to their predicted next reader.
     The choice is made on the first plan() (or by calling `profile(batches)`) and exposed by `tables`, `refine`
     and `selection`.
@@ -78,7 +78,7 @@ class HeraldPolicy(SchedulePolicy):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
                 raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
         if budget_ms == "auto":
-            budget_ms = DEFAULT_BUDGET_MS_PER_SAMPLE * self.global_batch
+            budget_ms = default_budget_ms(self.global_batch)
         elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
             raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
@@ -89,6 +89,9 @@ class HeraldPolicy(SchedulePolicy):
         self.forward = bool(forward)
         self.stay_bonus = float(stay_bonus)
         self.owner_weight = float(owner_weight)
+        # per-key score rows: small integers when the weights are (fewer bytes to gather), else float32
+        whole = self.owner_weight.is_integer() and (2 + self.owner_weight) * self.layout.num_tables < 2**15
+        self._wtype = np.int16 if whole else np.float32
         self.budget_ms = budget_ms
         self.selection: TableSelection | None = None
         self._fixed_tables: np.ndarray | None = None
@@ -133,29 +136,26 @@ class HeraldPolicy(SchedulePolicy):
 
     # ---- per batch --------------------------------------------------------------------------------------------
     def _sched(self, b: GlobalBatch) -> "_Scheduled":
-        """The batch's elements in the scheduled tables, with compact key ids (cached per batch and selection)."""
+        """The batch's elements in the scheduled tables (cached per batch and selection). Keys keep their index
+        into the batch's sorted keys: the unscheduled (small) tables add few keys, compacting would cost more."""
         key = self._sel_key
         hit = b._cache.get(key)
         if hit is None:
             bk = self.keys_of(b)
+            R = self.num_ranks
+            cols = None
             if bk.width is not None:  # single-hot: take the scheduled columns of the [N, T] key ids
                 cols_idx = np.flatnonzero(self.scheduled)
-                eca = bk.cid.reshape(-1, bk.width)[:, cols_idx].ravel()
+                cols = np.ascontiguousarray(bk.cid.reshape(-1, bk.width).T[cols_idx])  # [S, N]
+                ec = cols.T.ravel()  # sample-major
                 es = np.repeat(np.arange(b.num_samples, dtype=np.int64), cols_idx.shape[0])
+                if es.shape[0] == 0:
+                    cols = None
             else:
                 m = self.scheduled[bk.tab]
-                es, eca = bk.smp[m], bk.cid[m]
-            mark = np.zeros(bk.keys.shape[0], dtype=bool)
-            mark[eca] = True
-            ks = np.flatnonzero(mark)
-            pos = np.zeros(bk.keys.shape[0], dtype=np.int64)
-            pos[ks] = np.arange(ks.shape[0], dtype=np.int64)
-            ec = pos[eca]
-            cols = None
-            if bk.width is not None and es.shape[0]:  # single-hot, sample-major: fixed width per sample
-                cols = np.ascontiguousarray(ec.reshape(b.num_samples, -1).T)
-            w0 = self._geo[bk.count[ks]][ec]  # first-pass weight of every element (its key's batch count)
-            hit = _Scheduled(es, ec, ks, cols, es * self.num_ranks, ec * self.num_ranks, w0)
+                es, ec = bk.smp[m], bk.cid[m]
+            w0 = self._geo[bk.count][ec]  # first-pass weight of every element (its key's batch count)
+            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, es * R, ec * R, w0)
             b._cache[key] = hit
         return hit
 
@@ -166,10 +166,10 @@ class HeraldPolicy(SchedulePolicy):
         R, B, N = self.num_ranks, self.batch_per_rank, b.num_samples
         first = self.step % R
         v = self._sched(b)
-        es, ec, K = v.es, v.ec, v.ks.shape[0]
+        es, ec, K = v.es, v.ec, v.K
         if es.shape[0] == 0:
             return np.repeat(np.arange(R, dtype=np.int64), B)
-        own = (own_k[v.ks] - first) % R
+        own = (own_k - first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
         if self.refine == 0:
@@ -188,12 +188,13 @@ class HeraldPolicy(SchedulePolicy):
             corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
             if dense:
                 cm = c.reshape(K, R)
-                W = (cm > 0) * np.float32(2.0)
-                W[ki, own] += (cm[ki, own] == 0) * np.float32(self.owner_weight)
+                W = (cm > 0) * self._wtype(2)
+                W[ki, own] += (cm[ki, own] == 0) * self._wtype(self.owner_weight)
                 if v.cols is not None:  # sum the per-key rows of every sample's keys, one key column at a time
                     sc = W[v.cols[0]]
                     for j in range(1, v.cols.shape[0]):
                         sc += W[v.cols[j]]
+                    sc = sc.astype(np.float32)
                 else:
                     sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
                                      weights=W[ec].ravel(), minlength=N * R).reshape(N, R)
@@ -296,7 +297,7 @@ class HeraldPolicy(SchedulePolicy):
         chosen = np.zeros(0, dtype=np.int64)
         freed = np.zeros(G, dtype=np.int64)
         picked = self._picked
-        rounds = 4
+        victim_rounds = 2
 
         def prio(pos: np.ndarray) -> np.ndarray:
             g = d.slots.slot[pos]
@@ -305,42 +306,47 @@ class HeraldPolicy(SchedulePolicy):
             p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
             return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
 
-        for it in range(rounds + 2):
-            # cancelling an arrival also cancels a departure, which another group may have counted on: a few
-            # rounds settle such chains; the last rounds no longer count on departures, which always converges
+        # Cancelling an arrival whose row is a guest elsewhere also cancels that departure, which its group may
+        # have counted on: each round settles one link of such chains (cancelling rows that come from home first,
+        # which breaks them). Every round cancels at least one arrival, so this ends.
+        for it in range(keys.shape[0] + 2):
             mv = np.flatnonzero(want != own)
             arr = mv[want[mv] != home[mv]]
             dep = mv[own[mv] != home[mv]]
             arr_g = want[arr] * T + tk[arr]
-            credit = np.bincount(own[dep] * T + tk[dep], minlength=G) if it < rounds else 0
-            deficit = d.slots.fill - credit + np.bincount(arr_g, minlength=G) - freed - d.slots.cap
+            deficit = (d.slots.fill - np.bincount(own[dep] * T + tk[dep], minlength=G)
+                       + np.bincount(arr_g, minlength=G) - freed - d.slots.cap)
             gneed = np.flatnonzero(deficit > 0)
             if gneed.shape[0] == 0:
                 break
-            vpos = d.slots.pick_victims(gneed, deficit[gneed], prio)
-            v = d.slots.slot[vpos]
-            picked[v] = True
-            chosen = np.concatenate([chosen, v])
-            vg = d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64)
-            vcount = np.bincount(vg, minlength=G)
-            freed += vcount
-            left = deficit - vcount
-            if (left <= 0).all():  # the victims made room everywhere: nothing to cancel
-                deficit = left
-                break
+            left = deficit
+            if it < victim_rounds:
+                vpos = d.slots.pick_victims(gneed, deficit[gneed], prio)
+                v = d.slots.slot[vpos]
+                if v.shape[0]:
+                    picked[v] = True
+                    chosen = np.concatenate([chosen, v])
+                    vg = d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64)
+                    vcount = np.bincount(vg, minlength=G)
+                    freed += vcount
+                    left = deficit - vcount
+                    if (left <= 0).all():  # the victims made room everywhere: nothing to cancel
+                        deficit = left
+                        break
             over = left[arr_g] > 0
-            if over.any():
-                cand, cg = arr[over], arr_g[over]
-                # keep the most valuable arrivals: single-reader migrations, then keys used again soon
-                val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
-                o = np.lexsort((keys[cand], -val, cg))
-                cand, cg = cand[o], cg[o]
-                n_in = np.bincount(cg, minlength=G)
-                start = np.cumsum(n_in) - n_in
-                within = np.arange(cand.shape[0]) - start[cg]
-                drop = within >= n_in[cg] - left[cg]
-                want[cand[drop]] = own[cand[drop]]
-        else:  # pragma: no cover - the last round cancels every arrival that does not fit
+            cand, cg = arr[over], arr_g[over]
+            # keep the most valuable arrivals: single-reader migrations, then keys used again soon; among equals
+            # keep those leaving a guest slot (cancelling them would cascade) and drop those coming from home
+            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
+            from_guest = own[cand] != home[cand]
+            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
+            cand, cg = cand[o], cg[o]
+            n_in = np.bincount(cg, minlength=G)
+            start = np.cumsum(n_in) - n_in
+            within = np.arange(cand.shape[0]) - start[cg]
+            drop = within >= n_in[cg] - left[cg]
+            want[cand[drop]] = own[cand[drop]]
+        else:  # pragma: no cover - every round cancels an arrival
             raise RuntimeError("herald: capacity resolution did not converge")
         picked[chosen] = False
         return np.sort(chosen), -deficit  # victims, room left per group after all moves
@@ -369,12 +375,12 @@ class HeraldPolicy(SchedulePolicy):
                 v = self._sched(wb)
                 if v.cols is not None:
                     rows = np.repeat(np.arange(at.shape[0]), v.cols.shape[0])
-                    eg = wk.keys[v.ks[v.cols[:, samples].T.ravel()]]
+                    eg = wk.keys[v.cols[:, samples].T.ravel()]
                 else:
                     m = np.isin(v.es, samples)
                     us = np.unique(samples)
                     rows = np.searchsorted(us, v.es[m])
-                    eg = wk.keys[v.ks[v.ec[m]]]
+                    eg = wk.keys[v.ec[m]]
                     samples = np.searchsorted(us, samples)
                 n = int(rows.max()) + 1 if rows.shape[0] else 1
                 votes = np.bincount(rows * R + d.owner[eg], minlength=n * R).reshape(n, R)

@@ -88,7 +88,10 @@ class BatchKeys:
         """int64 [K]: a sample that reads the key (computed on first use)."""
         if self._first is None:
             self._first = np.empty(self.keys.shape[0], dtype=np.int64)
-            self._first[self.cid] = self.smp  # any reader will do
+            if self.width is not None:  # sample-major [N, T]: element e belongs to sample e // T
+                self._first[self.cid] = np.arange(self.cid.shape[0], dtype=np.int64) // self.width
+            else:
+                self._first[self.cid] = self.smp  # any reader will do
         return self._first
 
 

@@ -30,7 +30,9 @@ import numpy as np
 from herald_torchrec.schedule.batch import TableLayout
 from herald_torchrec.schedule.reads import BatchKeys
 
-DEFAULT_BUDGET_MS_PER_SAMPLE = 5.0 / 2048  # 5 ms for 8 ranks x 256 samples; the budget scales with the batch
+def default_budget_ms(num_samples: int) -> float:
+    """5 ms per global batch of up to 2048 samples (8 ranks x 256), growing linearly beyond (40 ms at 64 x 256)."""
+    return 5.0 * max(1.0, num_samples / 2048)
 
 
 @dataclass
