@@ -55,3 +55,13 @@ def test_cli_errors():
         sim.main(["--data", "criteo", *SMALL])
     with pytest.raises(SystemExit, match="--workers"):
         sim.main(["--workers", "a,b", *SMALL])
+
+
+@pytest.mark.parametrize("data, fname", [("movielens", "movielens_ratings_sample.csv"), ("avazu", "avazu_sample.csv"),
+                                         ("criteo", "criteo_sample.tsv")])
+def test_real_format_samples(data, fname, shared_data, capsys):
+    sim = load_simulate()
+    sim.main(["--data", data, "--path", str(shared_data / fname), "--workers", "2", "--batch", "8", "--steps", "5",
+              "--policies", "static,herald", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert all(st["stale_reads"] == 0 for st in out["policies"].values())

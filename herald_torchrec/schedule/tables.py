@@ -16,8 +16,9 @@ least useful tables are dropped until they do.
 The time model is a fixed function of the batch shape, calibrated on the reference 2-core machine (one thread,
 docs/scheduler.md) — deliberately not a measurement, so that every rank makes the same choice (plans must agree
 across ranks without communication):
-    base  = 1.5 + 3.45e-5 N T + 4.6e-6 N R            (keys, reader sets, sync, first LAIA pass)
-    round = 0.8 + 9.5e-7 N R (|S| + 7)                  (one best-response round over |S| scheduled tables)
+    base  = 2.5 + 3.63e-5 N T + 4.8e-6 N R            (keys, reader sets, sync, first LAIA pass)
+    round = 0.8 + 1.0e-6 N R (|S| + 9)                  (one best-response round over |S| scheduled tables)
+measured in the simulator's setting (fresh batches, data generated between steps: cold caches, as in training).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def table_benefit(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: 
 def estimate_ms(num_samples: int, num_ranks: int, num_tables: int, scored_tables: int, refine: int) -> float:
     """Modelled scheduling time per step in ms (single-hot elements, one thread, reference machine)."""
     N, R = num_samples, num_ranks
-    base = 1.5 + 3.45e-5 * N * num_tables + 4.6e-6 * N * R
-    rnd = 0.8 + 9.5e-7 * N * R * (scored_tables + 7)
+    base = 2.5 + 3.63e-5 * N * num_tables + 4.8e-6 * N * R
+    rnd = 0.8 + 1.0e-6 * N * R * (scored_tables + 9)
     return base + refine * rnd
 
 
