@@ -328,12 +328,23 @@ def _train_step(dmp, dense_opt, batch: dict, samples: np.ndarray) -> float:
     return loss.item()
 
 
+def _row_wise_plan(model, sharder, world: int):
+    """A manual ROW_WISE (FUSED) plan for every table of `model.ebc`."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    return ShardingPlan(
+        {"ebc": construct_module_sharding_plan(
+            model.ebc, {c.name: row_wise(compute_kernel="fused") for c in table_configs()}, sharder=sharder,
+            local_size=world, world_size=world, device_type="cpu")}
+    )
+
+
 def run_herald(opt: str, batches: list[dict], rank: int, world: int, mode: str, use_planner: bool) -> dict:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.types import ShardingEnv
 
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder, ShardedHeraldEmbeddingBagCollection
 
@@ -347,11 +358,7 @@ def run_herald(opt: str, batches: list[dict], rank: int, world: int, mode: str, 
             model, [sharder], dist.group.WORLD
         )
     else:
-        plan = ShardingPlan(
-            {"ebc": construct_module_sharding_plan(
-                model.ebc, {c.name: row_wise(compute_kernel="fused") for c in table_configs()}, sharder=sharder, local_size=world,
-                world_size=world, device_type="cpu")}
-        )
+        plan = _row_wise_plan(model, sharder, world)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), sharders=[sharder], plan=plan)
     sebc = get_unwrapped_module(dmp).ebc
@@ -388,8 +395,7 @@ def run_torchrec(opt: str, batches: list[dict], rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+    from torchrec.distributed.types import ShardingEnv, ShardingType
 
     from herald_torchrec.distributed.row_store import parse_optimizer
 
@@ -401,11 +407,7 @@ def run_torchrec(opt: str, batches: list[dict], rank: int, world: int) -> dict:
     fp["optimizer"] = parse_optimizer(fp["optimizer"])
     sharder = RowWiseSharder(fused_params=fp)
     model = make_model()
-    plan = ShardingPlan(
-        {"ebc": construct_module_sharding_plan(
-            model.ebc, {c.name: row_wise(compute_kernel="fused") for c in table_configs()}, sharder=sharder, local_size=world,
-            world_size=world, device_type="cpu")}
-    )
+    plan = _row_wise_plan(model, sharder, world)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), sharders=[sharder], plan=plan)
     sebc = get_unwrapped_module(dmp).ebc

@@ -173,6 +173,18 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+def _routes(src: np.ndarray, dst: np.ndarray, width: np.ndarray, rank: int, world: int):
+    """Items going src -> dst: this rank's send / receive positions (grouped by peer, stable) and the all-to-all
+    split sizes in elements (`width` elements per item)."""
+    send = np.flatnonzero(src == rank)
+    send = send[_stable_order(dst[send])]
+    recv = np.flatnonzero(dst == rank)
+    recv = recv[_stable_order(src[recv])]
+    send_splits = np.bincount(dst[send], weights=width[send], minlength=world).astype(np.int64).tolist()
+    recv_splits = np.bincount(src[recv], weights=width[recv], minlength=world).astype(np.int64).tolist()
+    return send, recv, send_splits, recv_splits
+
+
 class ShardedHeraldEmbeddingBagCollection(
     ShardedModule[KJTList, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
     FusedOptimizerModule,
@@ -525,12 +537,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if np.unique(gid).shape[0] != n:
             raise ValueError(f"plan {plan.step}: a row moves twice in one step")
         width = np.array([st.row_width(t) for t in range(T)], dtype=np.int64)[table]
-        send_idx = np.flatnonzero(src == r)
-        send_idx = send_idx[_stable_order(dst[send_idx])]
-        recv_idx = np.flatnonzero(dst == r)
-        recv_idx = recv_idx[_stable_order(src[recv_idx])]
-        send_splits = np.bincount(dst[send_idx], weights=width[send_idx], minlength=R).astype(np.int64).tolist()
-        recv_splits = np.bincount(src[recv_idx], weights=width[recv_idx], minlength=R).astype(np.int64).tolist()
+        send_idx, recv_idx, send_splits, recv_splits = _routes(src, dst, width, r, R)
         return _MoveStep(send_idx, recv_idx, send_splits, recv_splits, False)
 
     def _execute_moves(self, plan: Plan, ms: _MoveStep) -> None:
@@ -621,12 +628,7 @@ class ShardedHeraldEmbeddingBagCollection(
         p_tab, p_row, p_own = table[pair_key], row[pair_key], owner[pair_key]
         dims = np.array(st.dims, dtype=np.int64)
         p_w = dims[p_tab]
-        send_sel = np.flatnonzero(p_own == r)
-        send_sel = send_sel[_stable_order(readers[send_sel])]
-        recv_sel = np.flatnonzero(readers == r)
-        recv_sel = recv_sel[_stable_order(p_own[recv_sel])]
-        send_splits = np.bincount(readers[send_sel], weights=p_w[send_sel], minlength=R).astype(np.int64).tolist()
-        recv_splits = np.bincount(p_own[recv_sel], weights=p_w[recv_sel], minlength=R).astype(np.int64).tolist()
+        send_sel, recv_sel, send_splits, recv_splits = _routes(p_own, readers, p_w, r, R)
         sh_step = _SharedStep(
             send_table=p_tab[send_sel],
             send_row=p_row[send_sel],
