@@ -143,6 +143,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     step, loss_sum, loss_n, t0, t_log, train_time = 0, 0.0, 0, time.time(), time.time(), 0.0
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
+    sent_at_log = 0
     while True:
         it = itertools.islice(train_iter, eval_every) if eval_every else train_iter
         seg_start, seg_steps = time.time(), 0
@@ -163,6 +164,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 first_loss = avg if first_loss is None else first_loss
                 last_loss = avg
                 extra = setup.step_stats()
+                sent = traffic.total_bytes()
+                extra["rank0_bytes_per_step"] = (sent - sent_at_log) / cfg.trainer.log_interval  # rank 0's own sends
+                sent_at_log = sent
                 say(f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s" + "".join(f"  {k} {v:.3g}" for k, v in extra.items()))
                 logger.scalars(step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}})
                 loss_sum, loss_n, t_log = 0.0, 0, now
