@@ -64,34 +64,39 @@ class ShardedSetup:
     save_final: Callable[[Path, DictConfig], None] = field(default=lambda run_dir, cfg: None)
 
 
-class PlanStats:
-    """Scheduler counters over the run and over the current logging window (global: plans are global)."""
-
-    def __init__(self) -> None:
-        self.total: dict[str, int] = {}
-        self.win: dict[str, int] = {}
-        self.hits = self.pairs = self.win_hits = self.win_pairs = 0
+@dataclass
+class _Tally:
+    rows: dict[str, int] = field(default_factory=dict)
+    hits: int = 0
+    pairs: int = 0
+    steps: int = 0
 
     def add(self, plan: Plan) -> None:
         for k, v in plan.counters.items():
-            self.total[k] = self.total.get(k, 0) + int(v)
-            self.win[k] = self.win.get(k, 0) + int(v)
-        pairs = plan.read_pairs()
+            self.rows[k] = self.rows.get(k, 0) + int(v)
         self.hits += int(plan.counters.get("hit", 0))
-        self.pairs += pairs
-        self.win_hits += int(plan.counters.get("hit", 0))
-        self.win_pairs += pairs
-        self.win_steps = getattr(self, "win_steps", 0) + 1
+        self.pairs += plan.read_pairs()
+        self.steps += 1
 
     def hit_rate(self) -> float:
         return self.hits / self.pairs if self.pairs else float("nan")
 
+
+class PlanStats:
+    """Scheduler counters over the run and over the current logging window (global: plans are global)."""
+
+    def __init__(self) -> None:
+        self.total, self.win = _Tally(), _Tally()
+
+    def add(self, plan: Plan) -> None:
+        self.total.add(plan)
+        self.win.add(plan)
+
     def window(self) -> dict[str, float]:
         """Rows per step by kind and the hit rate since the last call (for progress lines / TensorBoard)."""
-        n = max(getattr(self, "win_steps", 0), 1)
-        out = {f"rows_{k}": v / n for k, v in self.win.items() if k != "hit"}
-        out["hit_rate"] = self.win_hits / self.win_pairs if self.win_pairs else float("nan")
-        self.win, self.win_hits, self.win_pairs, self.win_steps = {}, 0, 0, 0
+        w, self.win = self.win, _Tally()
+        out = {f"rows_{k}": v / max(w.steps, 1) for k, v in w.rows.items() if k != "hit"}
+        out["hit_rate"] = w.hit_rate()
         return out
 
 
@@ -148,10 +153,19 @@ def dense_optimizer(model: torch.nn.Module, cfg: DictConfig) -> KeyedOptimizerWr
     return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), make)
 
 
+def feature_columns(features: FeatureSpec, source: DataSource) -> list[int]:
+    """Columns of `Samples.ids` that the model's sparse features read, in feature order."""
+    return [list(source.feature_names).index(n) for n in features.names]
+
+
+def sample_converter(features: FeatureSpec, source: DataSource) -> Callable[[Samples], Any]:
+    cols, keys = feature_columns(features, source), list(features.names)
+    return lambda s: to_batch(s, cols, keys)
+
+
 def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iterator[Samples]], Iterator[Any]]:
-    cols = [list(source.feature_names).index(n) for n in features.names]
-    keys = list(features.names)
-    return lambda it: (to_batch(s, cols, keys) for s in it)
+    convert = sample_converter(features, source)
+    return lambda it: (convert(s) for s in it)
 
 
 @torch.no_grad()
@@ -227,12 +241,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     dmp = DistributedModelParallel(module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), sharders=[sharder])
     ebc = get_unwrapped_module(dmp).model.ebc
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
-    cols = [list(source.feature_names).index(n) for n in features.names]
-    convert = batch_converter(features, source)
     stats = PlanStats()
-    scheduled = ScheduledInput(policy, PlanComm(pg), cols)
+    scheduled = ScheduledInput(policy, PlanComm(pg), feature_columns(features, source))
     pipeline = HeraldTrainPipeline(
-        dmp, optimizer, ctx.device, scheduled, [ebc], lambda s: next(convert(iter([s]))), on_plan=stats.add
+        dmp, optimizer, ctx.device, scheduled, [ebc], sample_converter(features, source), on_plan=stats.add
     )
 
     def step_stats() -> dict[str, float]:
@@ -250,9 +262,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             dist.all_reduce(executed)
         return {
             "module_rows_by_kind": dict(zip(kinds, executed.tolist())),  # what the data plane executed (all ranks)
-            "plan_rows_by_kind": dict(stats.total),  # what the scheduler planned
-            "hit_rate": stats.hit_rate(),
-            "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.items()},
+            "plan_rows_by_kind": dict(stats.total.rows),  # what the scheduler planned
+            "hit_rate": stats.total.hit_rate(),
+            "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.rows.items()},
             "sched_ms_median": float(np.median(ms)),
             "sched_ms_p90": float(np.percentile(ms, 90)),
             "guest_occupancy": float(np.mean(list(ebc.guest_occupancy().values()))),
@@ -265,7 +277,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         _save_state(run_dir, dmp, weights, states, ctx)
 
     return ShardedSetup(
-        sc.name, dmp, pipeline, pipeline.schedule, convert,
+        sc.name, dmp, pipeline, pipeline.schedule, batch_converter(features, source),
         step_stats=step_stats, final_stats=final_stats, save_final=save_final,
     )
 
