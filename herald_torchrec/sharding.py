@@ -31,7 +31,7 @@ from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext
 from herald_torchrec.metrics import save_torch_atomic
-from herald_torchrec.models import FeatureSpec, TrainModel
+from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
 
 SHARDING_TYPES = {
@@ -111,29 +111,56 @@ def full_state(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: d
 
 
 def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Gather TorchRec's sharded tables and fused-optimizer state to full tensors (collective; result on rank 0)."""
+    """Assemble TorchRec's sharded tables and fused-optimizer state into full tensors (collective; result on rank 0).
 
-    def gather(st: ShardedTensor) -> torch.Tensor:
-        out = torch.zeros(st.size(), dtype=st.dtype) if ctx.is_main else None
-        st.gather(dst=0, out=out)
-        return out
+    Every rank sends its local shards with their offsets: which keys a rank has differs between ranks (a TABLE_WISE
+    table's optimizer state exists only where the table lives), so per-key collectives would not line up."""
 
-    weights, states = {}, {}
+    def local_shards(kind: str, key: str, st: ShardedTensor) -> list[tuple]:
+        return [(kind, key, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
+                for sh in st.local_shards()]
+
+    mine: list[tuple] = []
     for k, v in dmp.state_dict().items():
         if isinstance(v, ShardedTensor) and k.endswith(".weight"):
-            weights[k.split(".")[-2]] = gather(v)
+            mine += local_shards("weight", k.split(".")[-2], v)
     for k, v in dmp.fused_optimizer.state_dict()["state"].items():
         for sk, sv in (v.items() if isinstance(v, dict) else []):
             if isinstance(sv, ShardedTensor):
-                full = gather(sv)
-                if full is not None:
-                    states[k.split(".")[-2]] = full.reshape(-1) if "momentum1" in sk else full
+                mine += local_shards("momentum1" if "momentum1" in sk else sk, k.split(".")[-2], sv)
+    parts: list = [None] * ctx.world_size if ctx.is_main else None
+    if ctx.world_size > 1:
+        dist.gather_object(mine, parts, dst=0)
+    else:
+        parts = [mine]
+    weights: dict[str, torch.Tensor] = {}
+    states: dict[str, torch.Tensor] = {}
+    for kind, key, offsets, tensor, size in (x for p in (parts or []) for x in p):
+        out = weights if kind == "weight" else states
+        full = out.setdefault(key, torch.zeros(size, dtype=tensor.dtype))
+        full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+    states = {k: v.reshape(-1) if v.dim() > 1 and v.shape[-1] == 1 else v for k, v in states.items()}
     return weights, states
 
 
 def _save_state(run_dir: Path, dmp: torch.nn.Module, weights, states, ctx: DistContext) -> None:
     if ctx.is_main:
         save_torch_atomic(Path(run_dir) / "final_state.pt", full_state(dmp, weights, states))
+
+
+def stock_sharding_types(cfg: DictConfig, model_parallel_only: bool = False) -> list[str] | None:
+    """`sharding.types` as TorchRec values (None: the planner may pick any type)."""
+    types = cfg.sharding.get("types")
+    if not types:
+        return None
+    bad = [t for t in types if t not in SHARDING_TYPES]
+    if bad:
+        raise ValueError(f"sharding.types: unknown {bad}; choose from {sorted(SHARDING_TYPES)}")
+    if model_parallel_only:
+        if "data_parallel" in types:
+            raise ValueError("sharding.types: data_parallel is not available for tables left unscheduled by Herald "
+                             "(they train with the fused embedding optimizer); use row_wise, table_wise or column_wise")
+    return [SHARDING_TYPES[t].value for t in types]
 
 
 def fused_optimizer(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
@@ -184,15 +211,8 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
-    types = cfg.sharding.get("types")
-    constraints = None
-    if types:
-        bad = [t for t in types if t not in SHARDING_TYPES]
-        if bad:
-            raise ValueError(f"sharding.types: unknown {bad}; choose from {sorted(SHARDING_TYPES)}")
-        constraints = {
-            f"t_{n}": ParameterConstraints(sharding_types=[SHARDING_TYPES[t].value for t in types]) for n in features.names
-        }
+    types = stock_sharding_types(cfg)
+    constraints = {table_name(n): ParameterConstraints(sharding_types=types) for n in features.names} if types else None
     sharders = [StockSharder()]
     pg = dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
@@ -214,13 +234,45 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     return ShardedSetup("torchrec", dmp, pipeline, convert, convert, save_final=save_final)
 
 
-def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
-    """Herald-managed tables: our sharder (ROW_WISE home placement) + the scheduling pipeline stage."""
-    from torchrec.distributed.model_parallel import get_unwrapped_module
+PROFILE_BATCHES = 4  # global batches the adaptive choice of unscheduled tables looks at
 
+
+def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSource, world_size: int) -> list[str]:
+    """`scheduler.unscheduled`: the features whose tables stay with TorchRec's own sharding.
+
+    A list of feature (or table) names, or `auto`: the tables the adaptive policy would not schedule on the first
+    global batches of the training data (tables hot everywhere or cold everywhere, docs/scheduler.md). Every rank
+    reads the same global batches, so every rank makes the same choice without communicating."""
+    from herald_torchrec.schedule import GlobalBatch, make_policy
+
+    sc = cfg.scheduler
+    u = sc.get("unscheduled") or []
+    if u == "auto":
+        B = cfg.trainer.batch_size
+        probe = make_policy("herald", list(features.rows), world_size, B, cache_ratio=sc.cache_ratio, lookahead=0)
+        cols = feature_columns(features, source)
+        batches = [GlobalBatch.from_dense(np.ascontiguousarray(g.ids[:, cols]), probe.layout)
+                   for _, g in zip(range(PROFILE_BATCHES), source.train_batches(world_size * B))]
+        probe.profile(batches)
+        chosen = set(probe.tables)
+        return [n for t, n in enumerate(features.names) if t not in chosen]
+    names = [u] if isinstance(u, str) else list(u)
+    by_table = {table_name(n): n for n in features.names}
+    names = [by_table.get(n, n) for n in names]
+    unknown = [n for n in names if n not in features.names]
+    if unknown:
+        raise ValueError(f"scheduler.unscheduled: {unknown} are not features of the model {list(features.names)} (or use auto)")
+    if len(set(names)) == len(features.names):
+        raise ValueError("scheduler.unscheduled names every feature: leave at least one to Herald, or use scheduler=torchrec")
+    return [n for n in features.names if n in set(names)]
+
+
+def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+    """Herald-managed tables: our sharder (ROW_WISE home placement) + the scheduling pipeline stage; tables left
+    unscheduled (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder, PlanComm
     from herald_torchrec.distributed.scheduled_input import ScheduledInput
-    from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline
+    from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import make_policy
 
     sc, t = cfg.scheduler, cfg.trainer
@@ -229,22 +281,39 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         "learning_rate": t.embedding_lr,
         "eps": t.get("embedding_eps", 1e-8),
     }
+    unsched = unscheduled_features(cfg, features, source, ctx.world_size)
+    managed = features.subset([n for n in features.names if n not in unsched])
     policy = make_policy(
-        sc.policy, list(features.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio, lookahead=sc.lookahead
+        sc.policy, list(managed.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio, lookahead=sc.lookahead
     )
     if not policy.executable:
         raise ValueError(f"scheduler.policy={sc.policy} only models traffic (simulator); use herald or static")
     sharder = HeraldEmbeddingBagCollectionSharder(
-        cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused
+        cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused,
+        unscheduled_tables=[table_name(n) for n in unsched],
     )
     pg = dist.GroupMember.WORLD
-    dmp = DistributedModelParallel(module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), sharders=[sharder])
-    ebc = get_unwrapped_module(dmp).model.ebc
+    plan, init = None, {}
+    if unsched:
+        ebc = model.model.ebc
+        init = {table_name(n): ebc.embedding_bags[table_name(n)].weight.detach().clone() for n in unsched}
+        constraints = sharder.planner_constraints(ebc, stock_sharding_types(cfg, model_parallel_only=True))
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
+        )
+        plan = planner.collective_plan(model, [sharder], pg)
+    dmp = DistributedModelParallel(
+        module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=[sharder]
+    )
+    if init:
+        _load_initial_tables(dmp, init)  # the unscheduled tables: TorchRec draws its own shards otherwise
+    (herald,) = herald_modules(dmp)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
     stats = PlanStats()
-    scheduled = ScheduledInput(policy, PlanComm(pg), feature_columns(features, source))
+    scheduled = ScheduledInput(policy, PlanComm(pg), feature_columns(managed, source),
+                               carry=feature_columns(features.subset(unsched), source) if unsched else None)
     pipeline = HeraldTrainPipeline(
-        dmp, optimizer, ctx.device, scheduled, [ebc], sample_converter(features, source), on_plan=stats.add
+        dmp, optimizer, ctx.device, scheduled, sample_converter(features, source), on_plan=stats.add
     )
 
     def step_stats() -> dict[str, float]:
@@ -267,13 +336,17 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.rows.items()},
             "sched_ms_median": float(np.median(ms)),
             "sched_ms_p90": float(np.percentile(ms, 90)),
-            "guest_occupancy": float(np.mean(list(ebc.guest_occupancy().values()))),
+            "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
+            "unscheduled_tables": [table_name(n) for n in unsched],
         }
 
     def save_final(run_dir: Path, cfg_: DictConfig) -> None:
         if not cfg_.trainer.save_final:
             return
-        weights, states = ebc.full_tables()
+        weights, states = herald.full_tables()
+        if unsched:
+            stock_w, stock_s = _torchrec_full_tables(dmp, ctx)
+            weights, states = {**weights, **stock_w}, {**states, **stock_s}
         _save_state(run_dir, dmp, weights, states, ctx)
 
     return ShardedSetup(

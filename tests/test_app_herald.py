@@ -49,10 +49,24 @@ def test_every_model_trains_under_herald(tmp_path: Path, model: str) -> None:
     assert "hit_rate" in p.stdout and "sched_ms" in p.stdout  # progress lines carry the scheduler's view
 
 
+def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
+    """`scheduler.unscheduled=auto`: the tables the adaptive policy would not schedule (here the tiny ones, read by
+    every rank) go to TorchRec's sharding; the rest stay Herald's, and training runs through both."""
+    p = run_app(["scheduler=herald", "scheduler.unscheduled=auto", "trainer.steps=20", "trainer.eval_interval=0",
+                 "data.val_batches=2", f"run_dir={tmp_path}"], nproc=2)
+    assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
+    m = _metrics(tmp_path)
+    left = m["unscheduled_tables"]
+    assert "t_c8" in left and "t_c2" not in left and 0 < len(left) < 26, left  # c8: 3 rows; c2: 101,313 rows
+    assert m["steps"] == 20 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [(["scheduler.cache_ratio=1.5"], "cache_ratio"), (["scheduler.policy=nope"], "unknown scheduling policy"),
-     (["scheduler.policy=het_bsp"], "only models traffic"), (["scheduler.lookahead=-1"], "lookahead")],
+     (["scheduler.policy=het_bsp"], "only models traffic"), (["scheduler.lookahead=-1"], "lookahead"),
+     (["scheduler.unscheduled=[nope]"], "are not features of the model"),
+     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available")],
 )
 def test_bad_herald_settings_are_clear_errors(tmp_path: Path, args: list[str], msg: str) -> None:
     p = run_app(["scheduler=herald", *args, f"run_dir={tmp_path}"])

@@ -247,42 +247,16 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
 # ----------------------------------------------------------------------------------------------- TorchRec pipeline
 def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
     """DMP (default planner, no plan given) + TorchRec's TrainPipelineSparseDist, plans queued in step order."""
-    from dataclasses import dataclass
-
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.streamable import Pipelineable
 
     import test_distributed_parity as P
+    from _pipeline_helpers import Batch, Wrap
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
-
-    @dataclass
-    class Batch(Pipelineable):
-        dense: torch.Tensor
-        kjt: object
-        labels: torch.Tensor
-
-        def to(self, device, non_blocking=False):
-            return Batch(self.dense.to(device), self.kjt.to(device), self.labels.to(device))
-
-        def record_stream(self, stream) -> None:
-            pass
-
-        def pin_memory(self):
-            return self
-
-    class Wrap(torch.nn.Module):
-        def __init__(self, net) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, b):
-            logits = self.net(b.dense, b.kjt)
-            return torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels), logits.detach()
 
     batches = P.make_batches(world, 10)
     net = P.make_model()

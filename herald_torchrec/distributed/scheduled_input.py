@@ -2,9 +2,10 @@
 
 Per step, every rank: (1) all-gathers the ids of its slice, so every rank holds the ids of the whole global batch
 (ids only — dense features and labels stay put); (2) runs the scheduler on the current global batch and the next L
-(deterministic integer code: every rank computes the same plan, nothing is broadcast); (3) exchanges dense features
-and labels with one plan-sized all-to-all, so it holds exactly the B samples the plan assigns it. Ids of assigned
-samples come from the gathered global batch. All ranks agree on the end of data (an all-reduce of a flag), so every
+(deterministic integer code: every rank computes the same plan, nothing is broadcast); (3) exchanges dense features,
+labels and the ids of *unscheduled* tables (`carry`: tables left to TorchRec's own sharding) with one plan-sized
+all-to-all of 4-byte words (bit-exact: nothing is converted), so it holds exactly the B samples the plan assigns it.
+Ids of the managed tables come from the gathered global batch. All ranks agree on the end of data (an all-reduce of a flag), so every
 rank stops at the same step.
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes.
@@ -29,10 +30,13 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 class ScheduledInput:
     """Iterator adapter: local `Samples` slices in, (assigned local `Samples`, `Plan`) out, L batches ahead."""
 
-    def __init__(self, policy: SchedulePolicy, comm: PlanComm, columns: list[int]) -> None:
+    def __init__(self, policy: SchedulePolicy, comm: PlanComm, columns: list[int], carry: list[int] | None = None) -> None:
         self.policy = policy
         self.comm = comm
         self.columns = columns  # columns of Samples.ids that the managed tables read, in table order
+        self.carry = list(carry or [])  # columns the model reads through TorchRec-sharded tables
+        if set(self.columns) & set(self.carry):
+            raise ValueError(f"ScheduledInput: columns {sorted(set(self.columns) & set(self.carry))} are both scheduled and carried")
         self.R, self.rank = comm.world_size, comm.rank
         self.B = policy.batch_per_rank
         if policy.num_ranks != self.R:
@@ -69,13 +73,21 @@ class ScheduledInput:
         order = np.argsort(dest, kind="stable")
         send_splits = np.bincount(dest, minlength=self.R)
         recv_splits = np.bincount(owner_rank[mine], minlength=self.R)
-        payload = torch.from_numpy(np.concatenate([local.dense, local.labels[:, None]], axis=1)[order])
-        got = self.comm.all_to_all(payload, send_splits.tolist(), recv_splits.tolist(), "samples")
-        got_np = got.numpy()
+        D = local.dense.shape[1]
+        words = [np.ascontiguousarray(local.dense, dtype=np.float32).view(np.int32),
+                 np.ascontiguousarray(local.labels, dtype=np.float32)[:, None].view(np.int32)]
+        if self.carry:  # int64 ids as two words each
+            words.append(np.ascontiguousarray(local.ids[:, self.carry]).view(np.int32))
+        payload = torch.from_numpy(np.concatenate(words, axis=1)[order])
+        got = self.comm.all_to_all(payload, send_splits.tolist(), recv_splits.tolist(), "samples").numpy()
         ids = np.ascontiguousarray(np.stack([batch.values[t][mine] for t in range(batch.num_tables)], axis=1))
         full_ids = np.zeros((self.B, local.ids.shape[1]), dtype=np.int64)
         full_ids[:, self.columns] = ids
-        return Samples(dense=got_np[:, :-1].copy(), ids=full_ids, labels=got_np[:, -1].copy())
+        if self.carry:
+            full_ids[:, self.carry] = np.ascontiguousarray(got[:, D + 1 :]).view(np.int64)
+        dense = np.ascontiguousarray(got[:, :D]).view(np.float32)
+        labels = np.ascontiguousarray(got[:, D]).view(np.float32)
+        return Samples(dense=dense, ids=full_ids, labels=labels)
 
     def __call__(self, stream: Iterator[Samples]) -> Iterator[tuple[Samples, Plan]]:
         window: deque[tuple[Samples, GlobalBatch]] = deque()

@@ -12,21 +12,35 @@ Tables are planned ROW_WISE with the FUSED kernel (the home placement; DMP finds
 type, EmbeddingBagCollection) and sharded into `ShardedHeraldEmbeddingBagCollection`. Dense parts of the model go
 through DMP's default DDP wrapper. Embedding gradients are divided by the world size exactly when TorchRec's own
 sharded modules divide theirs (`torchrec.distributed.comm_ops.set_gradient_division`, on by default), so a model
-trains the same under this sharder as under TorchRec's ROW_WISE sharding. `policy` and `lookahead` are carried for the pipeline that runs the scheduler;
-the data plane itself only executes plans.
+trains the same under this sharder as under TorchRec's ROW_WISE sharding. `policy` and `lookahead` are carried for
+the pipeline that runs the scheduler; the data plane itself only executes plans.
+
+Tables not worth scheduling can stay with TorchRec's own sharding: name them in `unscheduled_tables` and plan with
+the sharder's constraints, so that the managed tables get their ROW_WISE home placement and the others whatever
+the planner picks among the stock model-parallel types (DATA_PARALLEL is not offered: it would train those tables
+with the dense optimizer instead of the fused one):
+
+    sharder = HeraldEmbeddingBagCollectionSharder(unscheduled_tables=["t_c3", "t_c9"], fused_params=...)
+    planner = EmbeddingShardingPlanner(topology=..., constraints=sharder.planner_constraints(model.ebc))
+    model = DistributedModelParallel(model, sharders=[sharder], plan=planner.collective_plan(model, [sharder], pg))
+
+The EBC is then sharded into a `ShardedMixedEmbeddingBagCollection` (mixed.py): Herald's module for the managed
+tables and TorchRec's `ShardedEmbeddingBagCollection`, with the same fused optimizer, for the rest.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection, Sequence
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
+from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection, sub_collection
 from herald_torchrec.distributed.row_store import check_cache_ratio, parse_optimizer
 
 DEFAULT_FUSED_PARAMS: dict[str, Any] = {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01, "eps": 1e-8}
@@ -42,7 +56,11 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         check_errors_globally: bool = True,
         gradient_division: bool | None = None,
         qcomm_codecs_registry: dict | None = None,
+        unscheduled_tables: Collection[str] = (),
     ) -> None:
+        if isinstance(unscheduled_tables, str):
+            raise ValueError(f"unscheduled_tables must be a collection of table names, got the string {unscheduled_tables!r}")
+        self.unscheduled_tables = frozenset(unscheduled_tables)
         self.cache_ratio = check_cache_ratio(cache_ratio)
         if not isinstance(policy, str) or not policy:
             raise ValueError(f"policy must be a non-empty string, got {policy!r}")
@@ -59,10 +77,43 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.gradient_division = gradient_division
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [ShardingType.ROW_WISE.value]
+        if not self.unscheduled_tables:
+            return [ShardingType.ROW_WISE.value]
+        return [ShardingType.ROW_WISE.value, *self._stock_types(compute_device_type)]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value]
+        if not self.unscheduled_tables:
+            return [EmbeddingComputeKernel.FUSED.value]
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+    def _stock_types(self, compute_device_type: str) -> list[str]:
+        """TorchRec's model-parallel types for unscheduled tables (ROW_WISE included on CPU, where it runs too)."""
+        types = [t for t in super().sharding_types(compute_device_type) if t != ShardingType.DATA_PARALLEL.value]
+        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+
+    def planner_constraints(
+        self, module: EmbeddingBagCollection, stock_sharding_types: Sequence[str] | None = None
+    ) -> dict[str, ParameterConstraints]:
+        """Per-table planner constraints: managed tables ROW_WISE + FUSED (their home placement); unscheduled
+        tables any of `stock_sharding_types` (default: every type this sharder offers them)."""
+        names = [c.name for c in module.embedding_bag_configs()]
+        self._check_unscheduled(names)
+        out = {}
+        for n in names:
+            if n in self.unscheduled_tables:
+                out[n] = ParameterConstraints(sharding_types=list(stock_sharding_types) if stock_sharding_types else None)
+            else:
+                out[n] = ParameterConstraints(
+                    sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+                )
+        return out
+
+    def _check_unscheduled(self, tables: list[str]) -> None:
+        unknown = sorted(self.unscheduled_tables - set(tables))
+        if unknown:
+            raise ValueError(f"unscheduled_tables: {unknown} are not tables of the EmbeddingBagCollection {tables}")
+        if len(self.unscheduled_tables) == len(tables):
+            raise ValueError("unscheduled_tables names every table: leave at least one to Herald (or use TorchRec's own sharder)")
 
     def shard(
         self,
@@ -71,10 +122,19 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedHeraldEmbeddingBagCollection:
-        return ShardedHeraldEmbeddingBagCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
+    ) -> ShardedHeraldEmbeddingBagCollection | ShardedMixedEmbeddingBagCollection:
+        names = [c.name for c in module.embedding_bag_configs()]
+        self._check_unscheduled(names)
+        managed = [n for n in names if n not in self.unscheduled_tables]
+        wrong = {n: params[n].sharding_type for n in managed if n in params and params[n].sharding_type != ShardingType.ROW_WISE.value}
+        if wrong:
+            raise ValueError(
+                f"Herald-managed tables must be planned ROW_WISE (their home placement), got {wrong}: plan with "
+                "`constraints=sharder.planner_constraints(ebc)`, or list them in unscheduled_tables"
+            )
+        herald = ShardedHeraldEmbeddingBagCollection(
+            module=sub_collection(module, managed) if self.unscheduled_tables else module,
+            table_name_to_parameter_sharding={n: params[n] for n in managed if n in params},
             env=env,
             fused_params=self.fused_params,
             device=device,
@@ -86,7 +146,16 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             gradient_division=self.gradient_division,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
         )
+        if not self.unscheduled_tables:
+            return herald
+        rest = [n for n in names if n in self.unscheduled_tables]
+        missing = [n for n in rest if n not in params]
+        if missing:
+            raise ValueError(f"unscheduled tables {missing} have no sharding in the plan")
+        stock_sharder = EmbeddingBagCollectionSharder(fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry)
+        stock = stock_sharder.shard(sub_collection(module, rest), {n: params[n] for n in rest}, env, device, module_fqn)
+        return ShardedMixedEmbeddingBagCollection(module, herald, stock, qcomm_codecs_registry=self.qcomm_codecs_registry)
 
     @property
-    def sharded_module_type(self) -> type[ShardedHeraldEmbeddingBagCollection]:
-        return ShardedHeraldEmbeddingBagCollection
+    def sharded_module_type(self) -> type:
+        return ShardedMixedEmbeddingBagCollection if self.unscheduled_tables else ShardedHeraldEmbeddingBagCollection

@@ -24,6 +24,11 @@ from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule.plan import Plan
 
 
+def herald_modules(model: torch.nn.Module) -> list[ShardedHeraldEmbeddingBagCollection]:
+    """Every Herald-managed sharded module in a (DMP-wrapped) model, including the Herald part of a mixed EBC."""
+    return [m for m in model.modules() if isinstance(m, ShardedHeraldEmbeddingBagCollection)]
+
+
 class HeraldTrainPipeline(TrainPipelineSparseDist):
     def __init__(
         self,
@@ -31,12 +36,13 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         scheduled_input: ScheduledInput,
-        modules: list[ShardedHeraldEmbeddingBagCollection],
         to_batch: Callable[[Samples], Batch],
+        modules: Optional[list[ShardedHeraldEmbeddingBagCollection]] = None,
         on_plan: Optional[Callable[[Plan], None]] = None,
         **kwargs,
     ) -> None:
         super().__init__(model, optimizer, device, execute_all_batches=True, **kwargs)
+        modules = herald_modules(model) if modules is None else modules
         if not modules:
             raise ValueError("HeraldTrainPipeline: the model has no Herald-managed sharded module")
         self._scheduled_input = scheduled_input

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from herald_torchrec.models.base import CTRModel, FeatureSpec, TrainModel
+from herald_torchrec.models.base import CTRModel, FeatureSpec, TrainModel, table_name
 from herald_torchrec.models.dcn import DCN
 from herald_torchrec.models.deepfm import DeepFM
 from herald_torchrec.models.ncf import NeuMF
@@ -17,4 +17,4 @@ def build_model(name: str, features: FeatureSpec, **kwargs) -> CTRModel:
     return MODELS[name](features, **kwargs)
 
 
-__all__ = ["CTRModel", "FeatureSpec", "TrainModel", "build_model", "MODELS", "DCN", "DeepFM", "NeuMF", "WideAndDeep"]
+__all__ = ["CTRModel", "FeatureSpec", "TrainModel", "table_name", "build_model", "MODELS", "DCN", "DeepFM", "NeuMF", "WideAndDeep"]

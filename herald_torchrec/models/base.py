@@ -39,13 +39,18 @@ class FeatureSpec:
         return FeatureSpec(tuple(names), tuple(self.rows[i] for i in idx), self.num_dense)
 
 
+def table_name(feature: str) -> str:
+    """The EBC table that serves a sparse feature (one table per feature)."""
+    return f"t_{feature}"
+
+
 def make_ebc(spec: FeatureSpec, dim: int, device: torch.device | str = "cpu") -> EmbeddingBagCollection:
     """One table per feature (t_<name>), sum pooling."""
     if dim < 4 or dim % 4:
         raise ValueError(f"embedding_dim must be a positive multiple of 4 (FBGEMM's TBE kernels need it), got {dim}")
     tables = [
         EmbeddingBagConfig(
-            name=f"t_{n}", embedding_dim=dim, num_embeddings=r, feature_names=[n], pooling=PoolingType.SUM
+            name=table_name(n), embedding_dim=dim, num_embeddings=r, feature_names=[n], pooling=PoolingType.SUM
         )
         for n, r in zip(spec.names, spec.rows)
     ]
