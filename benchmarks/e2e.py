@@ -30,6 +30,8 @@ SCHEDULER_ARGS = {
     "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
     "static": ["scheduler=static"],
     "herald": ["scheduler=herald"],
+    # Herald with the tables its adaptive policy would not schedule left to TorchRec (ROW_WISE / TABLE_WISE / COLUMN_WISE)
+    "herald_auto": ["scheduler=herald", "scheduler.unscheduled=auto"],
 }
 
 
