@@ -8,7 +8,6 @@ and pipeline, behind the same small `ShardedSetup` surface the trainer uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -30,9 +29,10 @@ from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext
-from herald_torchrec.metrics import save_torch_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
+
+Tables = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # ({table: weight}, {table: optimizer state})
 
 SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
@@ -59,9 +59,11 @@ class ShardedSetup:
     pipeline: Any
     train_batches: Callable[[Iterator[Samples]], Iterator[Any]]  # called once per training stream
     eval_batches: Callable[[Iterator[Samples]], Iterator[Any]]
+    export_tables: Callable[[], Tables]  # collective: full tables + fused-optimizer state (complete on rank 0)
+    import_tables: Callable[[dict, dict], None]  # every rank: load full tables + state into its own shards
+    dense_optimizer: Any  # KeyedOptimizer of the dense parameters (its state goes into checkpoints)
     step_stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     final_stats: Callable[[int], dict[str, Any]] = field(default=lambda steps: {})
-    save_final: Callable[[Path, DictConfig], None] = field(default=lambda run_dir, cfg: None)
 
 
 @dataclass
@@ -100,14 +102,28 @@ class PlanStats:
         return out
 
 
-def full_state(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """final_state.pt's layout: full unsharded tables, their optimizer state, and every dense parameter."""
-    dense = {
-        k: v.detach().cpu().clone()
-        for k, v in dmp.state_dict().items()
-        if ".ebc." not in k and isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor)
-    }
+def _is_dense(key: str, value: Any) -> bool:
+    return ".ebc." not in key and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
+
+
+def full_state(setup: ShardedSetup) -> dict[str, Any]:
+    """final_state.pt's layout (collective; complete on rank 0): full unsharded tables, their optimizer state, and
+    every dense parameter — the same for every scheduler, so runs can be compared tensor by tensor."""
+    weights, states = setup.export_tables()
+    dense = {k: v.detach().cpu().clone() for k, v in setup.model.state_dict().items() if _is_dense(k, v)}
     return {"tables": weights, "optimizer_state": states, "dense": dense}
+
+
+@torch.no_grad()
+def load_full_state(setup: ShardedSetup, state: dict[str, Any]) -> None:
+    """The inverse of `full_state`, on every rank: tables and their optimizer state into this rank's shards (for
+    Herald: the rows it owns — a fresh setup owns its home rows), dense parameters in place."""
+    setup.import_tables(state["tables"], state["optimizer_state"])
+    current = setup.model.state_dict()  # shares storage with the parameters
+    for k, v in state["dense"].items():
+        if k not in current:
+            raise ValueError(f"checkpoint has dense parameter {k!r}, which this model does not have")
+        current[k].copy_(v)
 
 
 def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -141,11 +157,6 @@ def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[
         full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
     states = {k: v.reshape(-1) if v.dim() > 1 and v.shape[-1] == 1 else v for k, v in states.items()}
     return weights, states
-
-
-def _save_state(run_dir: Path, dmp: torch.nn.Module, weights, states, ctx: DistContext) -> None:
-    if ctx.is_main:
-        save_torch_atomic(Path(run_dir) / "final_state.pt", full_state(dmp, weights, states))
 
 
 def stock_sharding_types(cfg: DictConfig, model_parallel_only: bool = False) -> list[str] | None:
@@ -195,16 +206,26 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
     return lambda it: (convert(s) for s in it)
 
 
+def _copy_into_shards(st: ShardedTensor, full: torch.Tensor) -> None:
+    full = full.reshape(st.size())
+    for shard in st.local_shards():
+        idx = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
+        shard.tensor.copy_(full[idx])
+
+
 @torch.no_grad()
-def _load_initial_tables(dmp: torch.nn.Module, init: dict[str, torch.Tensor]) -> None:
-    """Copy the unsharded model's initial tables into TorchRec's shards (it draws its own otherwise), so every
-    scheduler starts from the same model — and, being exact, ends at the same model."""
+def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
+    """Full tables (and fused-optimizer state) into TorchRec's shards, for the tables named in `weights`. Used for the
+    initial tables (TorchRec draws its own otherwise: every scheduler starts from the same model and, being exact,
+    ends at the same model) and for resuming from a checkpoint."""
     for k, v in dmp.state_dict().items():
-        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
-            full = init[k.split(".")[-2]]
-            for shard in v.local_shards():
-                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+        if isinstance(v, ShardedTensor) and k.endswith(".weight") and k.split(".")[-2] in weights:
+            _copy_into_shards(v, weights[k.split(".")[-2]])
+    for k, v in (dmp.fused_optimizer.state_dict()["state"].items() if states else []):
+        for sk, sv in (v.items() if isinstance(v, dict) else []):
+            name = k.split(".")[-2]
+            if isinstance(sv, ShardedTensor) and name in states and name in weights:
+                _copy_into_shards(sv, states[name])
 
 
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
@@ -222,16 +243,16 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=sharders
     )
-    _load_initial_tables(dmp, init)
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, ctx.device, execute_all_batches=True)
-
-    def save_final(run_dir: Path, cfg_: DictConfig) -> None:
-        if cfg_.trainer.save_final:
-            _save_state(run_dir, dmp, *_torchrec_full_tables(dmp, ctx), ctx)
-
+    _load_torchrec_tables(dmp, init)
+    dense = dense_optimizer(dmp, cfg)
+    pipeline = TrainPipelineSparseDist(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), ctx.device, execute_all_batches=True)
     convert = batch_converter(features, source)
-    return ShardedSetup("torchrec", dmp, pipeline, convert, convert, save_final=save_final)
+    return ShardedSetup(
+        "torchrec", dmp, pipeline, convert, convert,
+        export_tables=lambda: _torchrec_full_tables(dmp, ctx),
+        import_tables=lambda w, s: _load_torchrec_tables(dmp, w, s),
+        dense_optimizer=dense,
+    )
 
 
 PROFILE_BATCHES = 4  # global batches the adaptive choice of unscheduled tables looks at
@@ -305,10 +326,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=[sharder]
     )
-    if init:
-        _load_initial_tables(dmp, init)  # the unscheduled tables: TorchRec draws its own shards otherwise
+    _load_torchrec_tables(dmp, init)  # the unscheduled tables' shards (TorchRec draws its own values otherwise)
     (herald,) = herald_modules(dmp)
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg)])
+    dense = dense_optimizer(dmp, cfg)
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     stats = PlanStats()
     scheduled = ScheduledInput(policy, PlanComm(pg), feature_columns(managed, source),
                                carry=feature_columns(features.subset(unsched), source) if unsched else None)
@@ -340,18 +361,21 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "unscheduled_tables": [table_name(n) for n in unsched],
         }
 
-    def save_final(run_dir: Path, cfg_: DictConfig) -> None:
-        if not cfg_.trainer.save_final:
-            return
+    def export_tables() -> Tables:
         weights, states = herald.full_tables()
         if unsched:
             stock_w, stock_s = _torchrec_full_tables(dmp, ctx)
             weights, states = {**weights, **stock_w}, {**states, **stock_s}
-        _save_state(run_dir, dmp, weights, states, ctx)
+        return weights, states
+
+    def import_tables(weights: dict, states: dict) -> None:
+        herald.load_full_tables(weights, states)
+        _load_torchrec_tables(dmp, {k: v for k, v in weights.items() if k not in herald.table_names}, states)
 
     return ShardedSetup(
         sc.name, dmp, pipeline, pipeline.schedule, batch_converter(features, source),
-        step_stats=step_stats, final_stats=final_stats, save_final=save_final,
+        export_tables=export_tables, import_tables=import_tables, dense_optimizer=dense,
+        step_stats=step_stats, final_stats=final_stats,
     )
 
 

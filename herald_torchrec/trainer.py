@@ -23,9 +23,13 @@ from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext, init_distributed, shutdown
 from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
-from herald_torchrec.metrics import Logger, auc_logloss, write_json_atomic
+from herald_torchrec.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
-from herald_torchrec.sharding import ShardedSetup, shard_model
+from herald_torchrec.sharding import ShardedSetup, full_state, load_full_state, shard_model
+
+CHECKPOINT = "checkpoint.pt"
+# what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
+RESUME_KEYS = ("model", "data", "seed", "trainer.batch_size", "trainer.embedding_optimizer", "world_size")
 
 
 class ConfigError(ValueError):
@@ -87,6 +91,47 @@ def validate(cfg: DictConfig) -> None:
     for key in ("embedding_lr", "dense_lr"):
         if not t[key] > 0:
             raise ConfigError(f"trainer.{key} must be > 0, got {t[key]}")
+    if t.get("checkpoint_interval", 0) < 0:
+        raise ConfigError(f"trainer.checkpoint_interval must be >= 0 (0 = off), got {t.checkpoint_interval}")
+
+
+def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
+    full = OmegaConf.to_container(cfg, resolve=True) | {"world_size": world_size}
+    out = {}
+    for key in RESUME_KEYS:
+        v: Any = full
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        out[key] = v
+    return out
+
+
+def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
+    """Everything needed to continue exactly: full tables + optimizer state, dense parameters + optimizer state, and
+    the step (data are deterministic by step). Collective; rank 0 writes it atomically."""
+    state = full_state(setup)
+    if ctx.is_main:
+        state |= {"step": step, "dense_optimizer": setup.dense_optimizer.state_dict(), "identity": _identity(cfg, ctx.world_size)}
+        save_torch_atomic(run_dir / CHECKPOINT, state)
+
+
+def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> int:
+    """Load `<run_dir>/checkpoint.pt` into a fresh setup (every rank reads it); returns the step to continue from."""
+    path = run_dir / CHECKPOINT
+    if not path.exists():
+        return 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated file cannot come from us (atomic writes), but say which file it was
+        raise ConfigError(f"cannot read checkpoint {path}: {e}") from e
+    want = _identity(cfg, ctx.world_size)
+    diff = {k: (state.get("identity", {}).get(k), v) for k, v in want.items() if state.get("identity", {}).get(k) != v}
+    if diff:
+        raise ConfigError(f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false")
+    load_full_state(setup, state)
+    setup.dense_optimizer.init_state()  # creates the state entries that load_state_dict fills
+    setup.dense_optimizer.load_state_dict(state["dense_optimizer"])
+    return int(state["step"])
 
 
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
@@ -133,14 +178,18 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         f"[herald] {cfg.model.name} on {cfg.data.name} ({source.describe()}), {ctx.world_size} rank(s) x "
         f"batch {cfg.trainer.batch_size}, backend {ctx.backend}, scheduler {setup.name}, run_dir {run_dir}"
     )
+    start = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else 0
+    if start:
+        say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
     logger = Logger(run_dir, ctx.is_main)
     steps_cap = cfg.trainer.steps
     stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs)
-    stream = itertools.islice(stream, steps_cap) if steps_cap is not None else stream
+    stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
+    ckpt_every = cfg.trainer.get("checkpoint_interval", 0) or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
     global_batch = cfg.trainer.batch_size * ctx.world_size
-    step, loss_sum, loss_n, t0, t_log, train_time = 0, 0.0, 0, time.time(), time.time(), 0.0
+    step, loss_sum, loss_n, t0, t_log, train_time = start, 0.0, 0, time.time(), time.time(), 0.0
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     sent_at_log = 0
@@ -170,6 +219,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 say(f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s" + "".join(f"  {k} {v:.3g}" for k, v in extra.items()))
                 logger.scalars(step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}})
                 loss_sum, loss_n, t_log = 0.0, 0, now
+            if ckpt_every and step % ckpt_every == 0:
+                save_checkpoint(setup, run_dir, step, cfg, ctx)
         train_time += time.time() - seg_start
         if seg_steps == 0:
             break
@@ -188,7 +239,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
         history.append({"step": step, "auc": auc, "logloss": ll})
     auc, ll = history[-1]["auc"], history[-1]["logloss"]
-    samples_per_s = step * global_batch / max(train_time, 1e-9)
+    samples_per_s = (step - start) * global_batch / max(train_time, 1e-9)
     sent = torch.tensor([float(traffic.total_bytes())], dtype=torch.float64)
     if ctx.world_size > 1:
         dist.all_reduce(sent)
@@ -201,13 +252,17 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         "last_loss": last_loss,
         "world_size": ctx.world_size,
         "global_batch": global_batch,
-        "comm_bytes_per_step": float(sent) / max(step, 1),  # all ranks together, embeddings + sample exchange
+        "comm_bytes_per_step": float(sent) / max(step - start, 1),  # all ranks together, embeddings + sample exchange
         "wall_s": time.time() - t0,
+        "resumed_from_step": start,
         "eval_history": history,
-        **setup.final_stats(step),
+        **setup.final_stats(step - start),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    setup.save_final(run_dir, cfg)
+    if cfg.trainer.save_final:
+        state = full_state(setup)
+        if ctx.is_main:
+            save_torch_atomic(run_dir / "final_state.pt", state)
     if ctx.is_main:
         write_json_atomic(run_dir / "metrics.json", metrics)
     logger.scalars(step, {"eval/final_auc": auc})
