@@ -11,16 +11,67 @@ The same counter wraps every scheduler's data plane, so traffic is compared on e
 - all_gather: input bytes x (R - 1) (each other rank gets a copy);
 - all_reduce: input bytes (a ring all-reduce sends ~2(R-1)/R of that; reported as the nominal payload).
 
+`phase(name)` is an opt-in per-phase wall-clock timer for the data plane (set HERALD_PHASE_TIMES=1): it tells where
+a step's time goes without a sampling profiler, whose per-function shares are too thin to read here.
+
 This is the data plane: it may import torch.distributed (the control plane never does).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import os
+import sys
+import time
 from collections import defaultdict
-from typing import Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+PHASE_TIMES_ENV = "HERALD_PHASE_TIMES"
+PHASE_TIMES_TAG = "[herald-phases]"
+_PHASES_ON = os.environ.get(PHASE_TIMES_ENV, "") not in ("", "0")
+_phase_totals: dict[str, list[float]] = {}  # name -> [seconds, calls]
+_NO_PHASE: ContextManager[None] = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _timed(name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        acc = _phase_totals.setdefault(name, [0.0, 0])
+        acc[0] += time.perf_counter() - t0
+        acc[1] += 1
+
+
+def phase(name: str) -> ContextManager[None]:
+    """`with phase("x"):` adds the block's wall time to phase x when HERALD_PHASE_TIMES is set; else a shared no-op
+    context (off by default: a step must not pay for its own measurement)."""
+    return _timed(name) if _PHASES_ON else _NO_PHASE
+
+
+def phase_times() -> dict[str, dict[str, float]]:
+    """{phase: {"ms": total, "calls": n, "ms_per_call": mean}} accumulated so far in this process."""
+    return {
+        k: {"ms": round(1e3 * s, 3), "calls": int(n), "ms_per_call": round(1e3 * s / max(n, 1), 4)}
+        for k, (s, n) in sorted(_phase_totals.items())
+    }
+
+
+def _print_phase_times() -> None:
+    if _phase_totals:
+        rank = os.environ.get("RANK", "0")
+        print(f"{PHASE_TIMES_TAG} rank={rank} {json.dumps(phase_times())}", file=sys.stderr, flush=True)
+
+
+if _PHASES_ON:
+    atexit.register(_print_phase_times)
 
 
 class CommCounter:
@@ -89,7 +140,8 @@ class PlanComm:
         row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
         off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
         self.counter.add(kind, off_rank * row_bytes)
-        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        with phase(f"comm.all_to_all.{kind}"):
+            dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -97,7 +149,8 @@ class PlanComm:
         if self.world_size == 1:
             return tensor
         self.counter.add(kind, tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, op=op, group=self.group)
+        with phase(f"comm.all_reduce.{kind}"):
+            dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def all_gather_uneven(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:

@@ -58,7 +58,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.comm import CommCounter, PlanComm
+from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
 from herald_torchrec.distributed.row_store import (
     RowStore,
     TableSpec,
@@ -423,6 +423,10 @@ class ShardedHeraldEmbeddingBagCollection(
             raise err
 
     def _step(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        with phase("step"):
+            return self._step_impl(features)
+
+    def _step_impl(self, features: KeyedJaggedTensor) -> torch.Tensor:
         # Collectives must be issued in the same order on every rank: plan-level (global) checks raise alike
         # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
         # raised on every rank together by `_sync_error` before anything moves.
@@ -431,7 +435,8 @@ class ShardedHeraldEmbeddingBagCollection(
         err: Exception | None = None
         local: _LocalInput | None = None
         try:
-            local = self._parse_input(features)
+            with phase("step.parse_input"):
+                local = self._parse_input(features)
         except ValueError as e:
             err = e
         if self._plans:
@@ -439,8 +444,10 @@ class ShardedHeraldEmbeddingBagCollection(
         else:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._static_plan(local)
-        moves = self._prepare_moves(plan)  # global checks: every rank raises alike
-        shared = self._prepare_shared(plan)
+        with phase("step.prepare_moves"):
+            moves = self._prepare_moves(plan)  # global checks: every rank raises alike
+        with phase("step.prepare_shared"):
+            shared = self._prepare_shared(plan)
         cls = None
         try:
             if err is None:
@@ -450,19 +457,24 @@ class ShardedHeraldEmbeddingBagCollection(
                             f"plan {plan.step} is for batch {plan.batch_per_rank} per rank, the local batch has "
                             f"{local.batch_size}"
                         )
-                    cls = self._classify(plan, local, shared)
+                    with phase("step.classify"):
+                        cls = self._classify(plan, local, shared)
                 except ValueError as e:
                     err = e
-            self._sync_error(err)
+            with phase("step.sync_error"):
+                self._sync_error(err)
         except BaseException:
             self._reset_marks(shared)
             raise
 
         self.step_counters = {k: 0 for k in COUNTER_KINDS}
-        self._execute_moves(plan, moves)
+        with phase("step.execute_moves"):
+            self._execute_moves(plan, moves)
         training = self.training and torch.is_grad_enabled()
-        self._exchange_values(shared, training)
-        out = self._lookup(local, cls, shared)
+        with phase("step.exchange_values"):
+            self._exchange_values(shared, training)
+        with phase("step.lookup"):
+            out = self._lookup(local, cls, shared)
         self._reset_marks(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
@@ -788,6 +800,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._pending = None
         if sh is None or sh.globally_empty:
             return
+        with phase("finish_step"):
+            self._finish_shared(sh)
+
+    def _finish_shared(self, sh: _SharedStep) -> None:
         st = self._store
         vals = sh.values
         grad = vals.grad if vals is not None and vals.grad is not None else None
@@ -812,7 +828,8 @@ class ShardedHeraldEmbeddingBagCollection(
             summed.index_add_(0, torch.from_numpy(inv.reshape(-1)).to(self.device), g)  # readers in rank order
             slots_per_table[t] = st.slots(t, keys)
             grads_per_table[t] = summed
-        st.apply_summed_gradients(slots_per_table, grads_per_table)
+        with phase("finish_step.apply"):
+            st.apply_summed_gradients(slots_per_table, grads_per_table)
 
     # ------------------------------------------------------ fallback static plan
     def _static_plan(self, local: _LocalInput) -> Plan:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from herald_torchrec.data.samples import Samples
-from herald_torchrec.distributed.comm import PlanComm
+from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
@@ -42,7 +42,8 @@ class ScheduledInput:
 
     def _gather(self, local: Samples | None) -> tuple[Samples, GlobalBatch] | None:
         have = torch.tensor([0 if local is None else 1], dtype=torch.int64)
-        self.comm.all_reduce(have, "control", op=dist.ReduceOp.MIN)
+        with phase("input.eod_flag"):
+            self.comm.all_reduce(have, "control", op=dist.ReduceOp.MIN)
         if int(have) == 0:
             return None
         if len(local) != self.B:
@@ -52,7 +53,8 @@ class ScheduledInput:
             # ids travel as int32 when every table fits (exact: no float, no truncation), else as int64
             wire = torch.from_numpy(ids.astype(self._wire_dtype))
             parts = [torch.empty_like(wire) for _ in range(self.R)]
-            dist.all_gather(parts, wire)
+            with phase("input.ids_all_gather"):
+                dist.all_gather(parts, wire)
             self.comm.counter.add("sample_ids", wire.numel() * wire.element_size() * (self.R - 1))
             ids = torch.cat(parts).numpy().astype(np.int64)
         return local, GlobalBatch.from_dense(ids, self.policy.layout)
@@ -85,7 +87,9 @@ class ScheduledInput:
             nonlocal exhausted
             if exhausted:
                 return
-            got = self._gather(next(stream, None))
+            nxt = next(stream, None)
+            with phase("input.gather"):
+                got = self._gather(nxt)
             if got is None:
                 exhausted = True
             else:
@@ -95,9 +99,11 @@ class ScheduledInput:
             pull()
         while window:
             local, batch = window[0]
-            plan = self.policy.plan([b for _, b in window])
+            with phase("input.plan"):
+                plan = self.policy.plan([b for _, b in window])
             self.sched_ms.append(plan.sched_seconds * 1e3)  # timed by the policy itself
-            assigned = self.exchange(local, batch, plan)
+            with phase("input.exchange"):
+                assigned = self.exchange(local, batch, plan)
             window.popleft()
             pull()
             yield assigned, plan
