@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from typing import ContextManager, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,9 +82,10 @@ class CommCounter:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, call: bool = True) -> None:
+        """`call=False`: bytes that ride on a collective already counted under another kind (e.g. a header)."""
         self.bytes[kind] += int(nbytes)
-        self.calls[kind] += 1
+        self.calls[kind] += int(call)
 
     def total_bytes(self) -> int:
         return int(sum(self.bytes.values()))
@@ -143,6 +145,39 @@ class PlanComm:
         with phase(f"comm.all_to_all.{kind}"):
             dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
         return out
+
+    def all_to_all_flagged(
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
+    ) -> tuple[torch.Tensor, int]:
+        """`all_to_all` of a 1-D tensor that also carries a small non-negative integer from every rank (e.g. an error
+        flag) and returns (received data, max of the flags over ranks): one header element in front of each block,
+        so the flag needs no collective of its own. The data bytes count as `kind`, the headers as "control".
+        The flag must be exact in send's dtype (float32: below 2**24)."""
+        send_splits = [int(x) for x in send_splits]
+        recv_splits = [int(x) for x in recv_splits]
+        R = self.world_size
+        if R == 1:
+            return self.all_to_all(send, send_splits, recv_splits, kind), int(flag)
+        if send.dim() != 1 or len(send_splits) != R or len(recv_splits) != R or sum(send_splits) != send.shape[0]:
+            raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {R} splits that sum to its length")
+        s_spl, r_spl = np.asarray(send_splits, dtype=np.int64), np.asarray(recv_splits, dtype=np.int64)
+        ranks = np.arange(R, dtype=np.int64)
+        # block d: [header, data...] starts at d + (data sent to ranks < d)
+        s_head = ranks + np.concatenate([[0], np.cumsum(s_spl)[:-1]])
+        r_head = ranks + np.concatenate([[0], np.cumsum(r_spl)[:-1]])
+        s_data = torch.from_numpy(np.arange(s_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, s_spl)).to(send.device)
+        r_data = torch.from_numpy(np.arange(r_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, r_spl)).to(send.device)
+        buf = send.new_empty(send.shape[0] + R)
+        buf[torch.from_numpy(s_head).to(send.device)] = float(flag) if send.is_floating_point() else int(flag)
+        buf.index_copy_(0, s_data, send)
+        out = send.new_empty(int(r_spl.sum()) + R)
+        elem = send.element_size()
+        self.counter.add(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
+        self.counter.add("control", elem * (R - 1), call=False)
+        with phase(f"comm.all_to_all.{kind}"):
+            dist.all_to_all_single(out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group)
+        flags = out[torch.from_numpy(r_head).to(out.device)]
+        return out.index_select(0, r_data), int(flags.max().item())
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""
