@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PHASE_TIMES_ENV, PHASE_TIMES_TAG = "HERALD_PHASE_TIMES", "[herald-phases]"  # as herald_torchrec.distributed.comm
 SCHEDULER_ARGS = {
     "torchrec": ["scheduler=torchrec", "sharding.types=[row_wise]"],
     "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
@@ -45,7 +46,10 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
         f"model={args.model}", f"run_dir={run_dir}", *args.extra,
     ]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.phase_times:
+        env[PHASE_TIMES_ENV] = "1"
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     metrics_path = run_dir / "metrics.json"
     if not metrics_path.exists():
         tail = "\n".join((p.stderr or p.stdout).splitlines()[-15:])
@@ -53,7 +57,14 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
     m = json.loads(metrics_path.read_text())
     print(f"[e2e] R={ranks} {scheduler:8s} {time.time() - t0:5.1f}s  bytes/step {m['comm_bytes_per_step']:.3g}", file=sys.stderr)
     global_batch = m["global_batch"]
-    return {
+    phases = {}
+    for line in (p.stderr + p.stdout).splitlines():  # one line per rank, printed at exit (herald modules only)
+        if PHASE_TIMES_TAG in line:
+            rank_field, _, payload = line.split(PHASE_TIMES_TAG, 1)[1].strip().partition(" ")
+            phases[rank_field.removeprefix("rank=")] = {
+                k: {"ms_per_step": v["ms"] / args.steps, "calls": v["calls"]} for k, v in json.loads(payload).items()
+            }
+    return ({"phases": phases} if phases else {}) | {
         "step_ms": 1000.0 * global_batch / m["samples_per_s"],
         "samples_per_s": m["samples_per_s"],
         "comm_bytes_per_step": m["comm_bytes_per_step"],
@@ -73,6 +84,8 @@ def main() -> None:
     ap.add_argument("--cache-ratio", type=float, default=0.1)
     ap.add_argument("--locality", type=float, default=0.5)
     ap.add_argument("--model", default="dcn")
+    ap.add_argument("--phase-times", action="store_true",
+                    help=f"set {PHASE_TIMES_ENV}=1: report Herald's per-phase wall time (ms per training step, per rank)")
     ap.add_argument("--out", type=Path, help="also write the JSON here (atomically)")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")
     args = ap.parse_args()

@@ -11,16 +11,68 @@ The same counter wraps every scheduler's data plane, so traffic is compared on e
 - all_gather: input bytes x (R - 1) (each other rank gets a copy);
 - all_reduce: input bytes (a ring all-reduce sends ~2(R-1)/R of that; reported as the nominal payload).
 
+`phase(name)` is an opt-in per-phase wall-clock timer for the data plane (set HERALD_PHASE_TIMES=1): it tells where
+a step's time goes without a sampling profiler, whose per-function shares are too thin to read here.
+
 This is the data plane: it may import torch.distributed (the control plane never does).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import os
+import sys
+import time
 from collections import defaultdict
-from typing import Sequence
+from typing import ContextManager, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+
+PHASE_TIMES_ENV = "HERALD_PHASE_TIMES"
+PHASE_TIMES_TAG = "[herald-phases]"
+_PHASES_ON = os.environ.get(PHASE_TIMES_ENV, "") not in ("", "0")
+_phase_totals: dict[str, list[float]] = {}  # name -> [seconds, calls]
+_NO_PHASE: ContextManager[None] = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _timed(name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        acc = _phase_totals.setdefault(name, [0.0, 0])
+        acc[0] += time.perf_counter() - t0
+        acc[1] += 1
+
+
+def phase(name: str) -> ContextManager[None]:
+    """`with phase("x"):` adds the block's wall time to phase x when HERALD_PHASE_TIMES is set; else a shared no-op
+    context (off by default: a step must not pay for its own measurement)."""
+    return _timed(name) if _PHASES_ON else _NO_PHASE
+
+
+def phase_times() -> dict[str, dict[str, float]]:
+    """{phase: {"ms": total, "calls": n, "ms_per_call": mean}} accumulated so far in this process."""
+    return {
+        k: {"ms": round(1e3 * s, 3), "calls": int(n), "ms_per_call": round(1e3 * s / max(n, 1), 4)}
+        for k, (s, n) in sorted(_phase_totals.items())
+    }
+
+
+def _print_phase_times() -> None:
+    if _phase_totals:
+        rank = os.environ.get("RANK", "0")
+        print(f"{PHASE_TIMES_TAG} rank={rank} {json.dumps(phase_times())}", file=sys.stderr, flush=True)
+
+
+if _PHASES_ON:
+    atexit.register(_print_phase_times)
 
 
 class CommCounter:
@@ -30,9 +82,10 @@ class CommCounter:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, call: bool = True) -> None:
+        """`call=False`: bytes that ride on a collective already counted under another kind (e.g. a header)."""
         self.bytes[kind] += int(nbytes)
-        self.calls[kind] += 1
+        self.calls[kind] += int(call)
 
     def total_bytes(self) -> int:
         return int(sum(self.bytes.values()))
@@ -89,15 +142,50 @@ class PlanComm:
         row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
         off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
         self.counter.add(kind, off_rank * row_bytes)
-        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        with phase(f"comm.all_to_all.{kind}"):
+            dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
         return out
+
+    def all_to_all_flagged(
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
+    ) -> tuple[torch.Tensor, int]:
+        """`all_to_all` of a 1-D tensor that also carries a small non-negative integer from every rank (e.g. an error
+        flag) and returns (received data, max of the flags over ranks): one header element in front of each block,
+        so the flag needs no collective of its own. The data bytes count as `kind`, the headers as "control".
+        The flag must be exact in send's dtype (float32: below 2**24)."""
+        send_splits = [int(x) for x in send_splits]
+        recv_splits = [int(x) for x in recv_splits]
+        R = self.world_size
+        if R == 1:
+            return self.all_to_all(send, send_splits, recv_splits, kind), int(flag)
+        if send.dim() != 1 or len(send_splits) != R or len(recv_splits) != R or sum(send_splits) != send.shape[0]:
+            raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {R} splits that sum to its length")
+        s_spl, r_spl = np.asarray(send_splits, dtype=np.int64), np.asarray(recv_splits, dtype=np.int64)
+        ranks = np.arange(R, dtype=np.int64)
+        # block d: [header, data...] starts at d + (data sent to ranks < d)
+        s_head = ranks + np.concatenate([[0], np.cumsum(s_spl)[:-1]])
+        r_head = ranks + np.concatenate([[0], np.cumsum(r_spl)[:-1]])
+        s_data = torch.from_numpy(np.arange(s_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, s_spl)).to(send.device)
+        r_data = torch.from_numpy(np.arange(r_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, r_spl)).to(send.device)
+        buf = send.new_empty(send.shape[0] + R)
+        buf[torch.from_numpy(s_head).to(send.device)] = float(flag) if send.is_floating_point() else int(flag)
+        buf.index_copy_(0, s_data, send)
+        out = send.new_empty(int(r_spl.sum()) + R)
+        elem = send.element_size()
+        self.counter.add(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
+        self.counter.add("control", elem * (R - 1), call=False)
+        with phase(f"comm.all_to_all.{kind}"):
+            dist.all_to_all_single(out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group)
+        flags = out[torch.from_numpy(r_head).to(out.device)]
+        return out.index_select(0, r_data), int(flags.max().item())
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""
         if self.world_size == 1:
             return tensor
         self.counter.add(kind, tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, op=op, group=self.group)
+        with phase(f"comm.all_reduce.{kind}"):
+            dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def all_gather_uneven(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:

@@ -17,7 +17,9 @@ driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARC
     its TBE (a forward over one-row bags, then a backward: bit-exact with the fused path).
 
 Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
-or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`).
+or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`; in
+other steps the error flags ride on the first all-to-all). The per-step work is vectorised over all tables: ids,
+moves and shared pairs are handled by global key (`RowStore.key_base[t] + row`) in one numpy pass each.
 A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
 but changed nothing: the module stays usable. With no plan queued, the module builds the *static* plan itself (an
 all-gather of the local ids; owners never move, every non-owner read is shared): eval batches and runs without a
@@ -58,14 +60,15 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.comm import CommCounter, PlanComm
+from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
 from herald_torchrec.distributed.row_store import (
     RowStore,
     TableSpec,
     check_cache_ratio,
+    exclusive_cumsum,
     home_range,
-    home_rank,
     parse_optimizer,
+    ragged_arange,
 )
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
 
@@ -131,8 +134,9 @@ class HeraldFusedOptimizer(FusedOptimizer):
 class _SharedStep:
     """One step's shared-row exchange as seen by this rank (built from the plan; identical sizes everywhere)."""
 
-    send_table: np.ndarray  # pairs this rank owns, in send order (by reader): table, row
+    send_table: np.ndarray  # pairs this rank owns, in send order (by reader): table, row, global key
     send_row: np.ndarray
+    send_gkey: np.ndarray
     send_off: np.ndarray  # float offset of each pair in the send buffer
     send_splits: list[int]
     recv_table: np.ndarray  # pairs this rank reads, in receive order (by owner)
@@ -142,6 +146,7 @@ class _SharedStep:
     n_values_out: int  # pairs sent to other ranks
     n_grads_out: int  # pairs received from other ranks (their gradients go back)
     globally_empty: bool
+    marked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # global keys marked this step
     values: torch.Tensor | None = None  # received values (flat, leaf requiring grad when training)
 
 
@@ -152,21 +157,33 @@ class _MoveStep:
     send_splits: list[int]
     recv_splits: list[int]
     globally_empty: bool
+    table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # every move: table, row, dst, kind
+    row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    gkey_sorted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # moved global keys, sorted
+    dst_sorted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # their destinations
 
 
 @dataclass
 class _LocalInput:
+    """This rank's ids, all module features in one flat array (feature order = table order): numpy passes over
+    all features at once instead of one per feature."""
+
     batch_size: int
-    values: list[np.ndarray]  # per module feature (table order), int64
-    lengths: list[np.ndarray]  # per module feature, int64 [B]
-    bags: list[np.ndarray] = field(default_factory=list)  # per feature: bag of each value
+    values: np.ndarray  # int64, feature after feature
+    lengths: np.ndarray  # int64 [F, B]
+    gkeys: np.ndarray  # global key (store.key_base[table] + id) of every value
+    seg: np.ndarray  # f * B + bag of every value
 
 
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.shape[0], dtype=np.int64)
-    if x.shape[0] > 1:
-        np.cumsum(x[:-1], out=out[1:])
-    return out
+@dataclass
+class _ErrorCheck:
+    """A step's rank-local error (or None), to be raised on every rank by the first collective of the step, which
+    carries `flag` (0, or this rank + 1) to the others."""
+
+    err: Exception | None
+    flag: int
 
 
 def _stable_order(keys: np.ndarray) -> np.ndarray:
@@ -198,8 +215,9 @@ class ShardedHeraldEmbeddingBagCollection(
         fused_params: {"optimizer": EmbOptimType or name, "learning_rate", "eps", "cache_load_factor"}.
         cache_ratio: guest capacity per rank and table, as a share of the table's rows, in (0, 1].
         policy, lookahead: the scheduler configuration, kept for the pipeline (the data plane decides nothing).
-        check_errors_globally: before moving anything, all-reduce a flag so that a rank-local input error (id out of
-            range, batch not matching the plan) raises on every rank instead of leaving the others in a collective.
+        check_errors_globally: before changing anything, exchange a flag so that a rank-local input error (id out of
+            range, batch not matching the plan) raises on every rank instead of leaving the others in a collective
+            (one header element on the step's first all-to-all; an all-reduce only in steps without one).
         gradient_division: divide the embedding gradients by the world size, as TorchRec's sharded modules do in
             their backward comms (so that with per-rank mean losses and DDP-averaged dense gradients every parameter
             gets the gradient of the global mean loss). None (default) follows TorchRec's global switch
@@ -281,9 +299,13 @@ class ShardedHeraldEmbeddingBagCollection(
         self.total_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
         self._reads = np.zeros((2, T), dtype=np.int64)  # last step: [hits, distinct keys read] per table
         self._reads_total = np.zeros((2, T), dtype=np.int64)
-        # per table, step scratch: local index of a shared key in the received values (-1 not shared, -2 shared
-        # but not read here); reset after each step
-        self._mark = [np.full(c.num_embeddings, -1, dtype=np.int64) for c in configs]
+        # step scratch by global key: index of a shared key among the pairs this rank receives (-1 not shared, -2
+        # shared but not read here); reset after each step
+        self._mark_all = np.full(int(self._store.key_base[-1]), -1, dtype=np.int64)
+        self._feature_table_arr = np.array(self.feature_table, dtype=np.int64)
+        self._feature_dims_arr = np.array(self.feature_dims, dtype=np.int64)
+        self._feature_col = exclusive_cumsum(self._feature_dims_arr)  # output column of each feature
+        self._key_index: dict[tuple[str, ...], np.ndarray] = {}  # KJT keys -> position of each module feature
         self.steps = 0
 
     # ------------------------------------------------------------------ setup
@@ -384,54 +406,74 @@ class ShardedHeraldEmbeddingBagCollection(
         if features.weights_or_none() is not None:
             raise ValueError("Herald-managed EBC: weighted KeyedJaggedTensors are not supported")
         B = features.stride()
-        keys = features.keys()
-        index = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in self.feature_names if f not in index]
-        if missing:
-            raise ValueError(f"input KeyedJaggedTensor lacks features {missing} (has {keys})")
+        keys = tuple(features.keys())
+        idx = self._key_index.get(keys)
+        if idx is None:
+            index = {k: i for i, k in enumerate(keys)}
+            missing = [f for f in self.feature_names if f not in index]
+            if missing:
+                raise ValueError(f"input KeyedJaggedTensor lacks features {missing} (has {list(keys)})")
+            idx = self._key_index[keys] = np.array([index[f] for f in self.feature_names], dtype=np.int64)
         vals = features.values().detach().to("cpu").numpy().astype(np.int64, copy=False)
         lens = features.lengths().detach().to("cpu").numpy().astype(np.int64, copy=False)
-        if lens.shape[0] != B * len(keys):
-            raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {len(keys)} keys x batch {B}")
-        per_key_len = lens.reshape(len(keys), B).sum(axis=1)
-        starts = _exclusive_cumsum(per_key_len)
-        values, lengths, bags = [], [], []
-        for f, name in enumerate(self.feature_names):
-            i = index[name]
-            v = vals[starts[i] : starts[i] + per_key_len[i]]
+        K, F = len(keys), len(self.feature_names)
+        if lens.shape[0] != B * K:
+            raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {K} keys x batch {B}")
+        lens = lens.reshape(K, B)
+        if K == F and (idx == np.arange(F)).all():  # the module's features, in its order: use the KJT as it is
+            values, lengths = vals, lens
+        else:
+            per_key_len = lens.sum(axis=1)
+            values = vals[ragged_arange(exclusive_cumsum(per_key_len)[idx], per_key_len[idx])]
+            lengths = lens[idx]
+        st = self._store
+        flen = lengths.sum(axis=1)
+        ftab = self._feature_table_arr
+        bad = (values < 0) | (values >= np.repeat(st.rows_arr[ftab], flen))
+        if bad.any():
+            f = int(np.searchsorted(np.cumsum(flen), np.argmax(bad), side="right"))
             t = self.feature_table[f]
-            if v.size and (int(v.min()) < 0 or int(v.max()) >= self._store.rows[t]):
-                bad = v[(v < 0) | (v >= self._store.rows[t])]
-                raise ValueError(
-                    f"feature {name!r} (table {self.table_names[t]!r}, {self._store.rows[t]} rows): ids out of range "
-                    f"{bad[:5].tolist()}"
-                )
-            ln = lens[i * B : (i + 1) * B]
-            values.append(v)
-            lengths.append(ln)
-            bags.append(np.repeat(np.arange(B, dtype=np.int64), ln))
-        return _LocalInput(B, values, lengths, bags)
+            v = values[exclusive_cumsum(flen)[f] : exclusive_cumsum(flen)[f] + flen[f]]
+            raise ValueError(
+                f"feature {self.feature_names[f]!r} (table {self.table_names[t]!r}, {st.rows[t]} rows): ids out of range "
+                f"{v[(v < 0) | (v >= st.rows[t])][:5].tolist()}"
+            )
+        gkeys = values + np.repeat(st.key_base[ftab], flen)
+        seg = np.repeat(np.arange(F * B, dtype=np.int64), lengths.reshape(-1))
+        return _LocalInput(B, values, lengths, gkeys, seg)
+
+    def _raise_step_error(self, err: Exception | None, worst_flag: int) -> None:
+        """Raise this rank's own error, or a ValueError naming the failed rank (flag = rank + 1) if another failed."""
+        if err is not None:
+            raise err
+        if worst_flag:
+            raise ValueError(f"step aborted: rank {worst_flag - 1} rejected its input or the plan (see its error)")
 
     def _sync_error(self, err: Exception | None) -> None:
         """Raise on every rank if any rank failed its local checks (so that no rank is left in a collective)."""
+        worst = 0
         if self.world_size > 1 and self.check_errors_globally:
             flag = torch.tensor([0 if err is None else self.rank + 1], dtype=torch.int64, device=self.device)
             self._comm.all_reduce(flag, "control", op=dist.ReduceOp.MAX)  # on the device: NCCL needs CUDA tensors
-            if err is None and int(flag.item()):
-                raise ValueError(f"step aborted: rank {int(flag.item()) - 1} rejected its input or the plan (see its error)")
-        if err is not None:
-            raise err
+            worst = int(flag.item())
+        self._raise_step_error(err, worst)
 
     def _step(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        with phase("step"):
+            return self._step_impl(features)
+
+    def _step_impl(self, features: KeyedJaggedTensor) -> torch.Tensor:
         # Collectives must be issued in the same order on every rank: plan-level (global) checks raise alike
         # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
-        # raised on every rank together by `_sync_error` before anything moves.
+        # raised on every rank together before anything moves: their flag rides on the step's first all-to-all
+        # (moves, else shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
         if self._pending is not None:
             self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
         err: Exception | None = None
         local: _LocalInput | None = None
         try:
-            local = self._parse_input(features)
+            with phase("step.parse_input"):
+                local = self._parse_input(features)
         except ValueError as e:
             err = e
         if self._plans:
@@ -439,10 +481,12 @@ class ShardedHeraldEmbeddingBagCollection(
         else:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._static_plan(local)
-        moves = self._prepare_moves(plan)  # global checks: every rank raises alike
-        shared = self._prepare_shared(plan)
-        cls = None
+        with phase("step.prepare_moves"):
+            moves = self._prepare_moves(plan)  # global checks: every rank raises alike
+        with phase("step.prepare_shared"):
+            shared = self._prepare_shared(plan, moves)
         try:
+            cls = None
             if err is None:
                 try:
                     if plan.batch_per_rank != local.batch_size:
@@ -450,27 +494,34 @@ class ShardedHeraldEmbeddingBagCollection(
                             f"plan {plan.step} is for batch {plan.batch_per_rank} per rank, the local batch has "
                             f"{local.batch_size}"
                         )
-                    cls = self._classify(plan, local, shared)
+                    with phase("step.classify"):
+                        cls = self._classify(plan, local, moves)
                 except ValueError as e:
                     err = e
-            self._sync_error(err)
-        except BaseException:
+            ride = self.world_size > 1 and self.check_errors_globally and not (moves.globally_empty and shared.globally_empty)
+            check = _ErrorCheck(err, 0 if err is None else self.rank + 1) if ride else None
+            if check is None:
+                with phase("step.sync_error"):
+                    self._sync_error(err)
+            with phase("step.execute_moves"):
+                moved = self._execute_moves(moves, check)
+            training = self.training and torch.is_grad_enabled()
+            with phase("step.exchange_values"):
+                self._exchange_values(shared, training, check if moves.globally_empty else None)
+            with phase("step.lookup"):
+                out = self._lookup(local, shared)
+        finally:
             self._reset_marks(shared)
-            raise
-
-        self.step_counters = {k: 0 for k in COUNTER_KINDS}
-        self._execute_moves(plan, moves)
-        training = self.training and torch.is_grad_enabled()
-        self._exchange_values(shared, training)
-        out = self._lookup(local, cls, shared)
-        self._reset_marks(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
+        self.step_counters = {k: 0 for k in COUNTER_KINDS}
         hits, nreads = cls
         self._reads[0], self._reads[1] = hits, nreads
         self._reads_total += self._reads
-        self.step_counters["hit"] = int(hits.sum())
-        self.total_counters["hit"] += int(hits.sum())
+        counts = {**moved, "hit": int(hits.sum()), "shared_value": 0 if shared.globally_empty else shared.n_values_out}
+        for k, v in counts.items():
+            self.step_counters[k] += v
+            self.total_counters[k] += v
         self._pending = shared if training else None
         self.steps += 1
         return out
@@ -506,97 +557,71 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError(f"plan {plan.step}: move with src == dst")
         if not np.isin(kind, list(MOVE_KIND_NAMES)).all():
             raise ValueError(f"plan {plan.step}: unknown move kind in {np.unique(kind).tolist()}")
-        gid = np.empty(n, dtype=np.int64)
-        for t in range(T):
-            m = table == t
-            if not m.any():
-                continue
-            rows_t = row[m]
-            st.check_keys(t, rows_t, f"plan {plan.step}: moved rows")
-            owner = st.owner[t][rows_t]
-            if (owner != src[m]).any():
-                i = np.flatnonzero(owner != src[m])[0]
-                raise ValueError(
-                    f"plan {plan.step}: table {self.table_names[t]!r} row {rows_t[i]} moves from rank {src[m][i]} "
-                    f"but is owned by rank {owner[i]}"
-                )
-            home = home_rank(st.rows[t], R, rows_t)
-            ev = kind[m] == EVICT_HOME
-            if (ev & ((dst[m] != home) | (src[m] == home))).any():
-                raise ValueError(f"plan {plan.step}: an evict_home move does not send a guest to its home rank")
-            gc = st.guest_count[t].copy()
-            gc -= np.bincount(src[m][src[m] != home], minlength=R)
-            gc += np.bincount(dst[m][dst[m] != home], minlength=R)
-            if (gc > st.capacity[t]).any():
-                q = int(np.argmax(gc))
-                raise ValueError(
-                    f"plan {plan.step}: after the moves rank {q} holds {gc[q]} guests of table "
-                    f"{self.table_names[t]!r}, capacity {st.capacity[t]}"
-                )
-            gid[m] = rows_t * T + t
-        if np.unique(gid).shape[0] != n:
+        # all tables in one pass, on global keys
+        st.check_keys_many(table, row, f"plan {plan.step}: moved rows")
+        gkey = st.gkeys(table, row)
+        owner = st.owner_all[gkey]
+        if (owner != src).any():
+            i = int(np.argmax(owner != src))
+            raise ValueError(
+                f"plan {plan.step}: table {self.table_names[table[i]]!r} row {row[i]} moves from rank {src[i]} "
+                f"but is owned by rank {owner[i]}"
+            )
+        home = row // st.home_block_arr[table]
+        if ((kind == EVICT_HOME) & ((dst != home) | (src == home))).any():
+            raise ValueError(f"plan {plan.step}: an evict_home move does not send a guest to its home rank")
+        gc = st.guest_count_all.copy()
+        leaves, arrives = src != home, dst != home  # a guest leaves src / arrives at dst
+        gc -= np.bincount(table[leaves] * R + src[leaves], minlength=T * R).reshape(T, R)
+        gc += np.bincount(table[arrives] * R + dst[arrives], minlength=T * R).reshape(T, R)
+        over = gc > np.asarray(st.capacity, dtype=np.int64)[:, None]
+        if over.any():
+            t = int(np.argmax(over.any(axis=1)))
+            q = int(np.argmax(gc[t]))
+            raise ValueError(
+                f"plan {plan.step}: after the moves rank {q} holds {gc[t, q]} guests of table "
+                f"{self.table_names[t]!r}, capacity {st.capacity[t]}"
+            )
+        order = np.argsort(gkey, kind="stable")
+        gkey_sorted = gkey[order]
+        if (gkey_sorted[1:] == gkey_sorted[:-1]).any():
             raise ValueError(f"plan {plan.step}: a row moves twice in one step")
-        width = np.array([st.row_width(t) for t in range(T)], dtype=np.int64)[table]
+        width = st.packed_widths(table)
         send_idx, recv_idx, send_splits, recv_splits = _routes(src, dst, width, r, R)
-        return _MoveStep(send_idx, recv_idx, send_splits, recv_splits, False)
+        return _MoveStep(send_idx, recv_idx, send_splits, recv_splits, False, table, row, dst, kind, gkey_sorted, dst[order])
 
-    def _execute_moves(self, plan: Plan, ms: _MoveStep) -> None:
+    def _execute_moves(self, ms: _MoveStep, check: _ErrorCheck | None) -> dict[str, int]:
+        """Every row leaves, then every row arrives (one all-to-all of rows + optimizer state, all tables at once).
+        With `check`, the all-to-all also carries the step's error flags, and any rank's error raises on every rank
+        before anything changes. Returns the rows this rank sent, by move kind."""
         if ms.globally_empty:
-            return
+            return {}
         st = self._store
-        mv = plan.moves
-        table = np.asarray(mv.table, dtype=np.int64)
-        row = np.asarray(mv.row, dtype=np.int64)
-        dst = np.asarray(mv.dst, dtype=np.int64)
-        kind = np.asarray(mv.kind, dtype=np.int64)
-        T = st.num_tables
-        width = np.array([st.row_width(t) for t in range(T)], dtype=np.int64)
-        # pack departing rows (value + optimizer state), in send order
-        s_tab = table[ms.send_idx]
-        s_w = width[s_tab]
-        s_off = _exclusive_cumsum(s_w)
-        send = torch.empty(int(s_w.sum()), dtype=torch.float32, device=self.device)
-        for t in range(T):
-            p = np.flatnonzero(s_tab == t)
-            if p.size == 0:
-                continue
-            rows_t = row[ms.send_idx[p]]
-            w, s = st.read_rows(t, rows_t)
-            data = torch.cat([w, s], dim=1) if s.shape[1] else w
-            pos = torch.from_numpy(s_off[p][:, None] + np.arange(width[t])).to(self.device)
-            send[pos.reshape(-1)] = data.reshape(-1).to(send.dtype)
-            st.release(t, rows_t)
-        for k_id, k_name in MOVE_KIND_NAMES.items():
-            c = int((kind[ms.send_idx] == k_id).sum())
-            self.step_counters[k_name] += c
-            self.total_counters[k_name] += c
-        # every rank applies every move to the global ownership map
-        for t in range(T):
-            m = table == t
-            if m.any():
-                st.set_owner(t, row[m], dst[m])
-        recv = self._comm.all_to_all(send, ms.send_splits, ms.recv_splits, "moves")
-        r_tab = table[ms.recv_idx]
-        r_off = _exclusive_cumsum(width[r_tab])
-        for t in range(T):
-            q = np.flatnonzero(r_tab == t)
-            if q.size == 0:
-                continue
-            rows_t = row[ms.recv_idx[q]]
-            pos = torch.from_numpy(r_off[q][:, None] + np.arange(width[t])).to(self.device)
-            data = recv[pos.reshape(-1)].view(q.size, width[t])
-            slots = st.allocate(t, rows_t)
-            d = st.dims[t]
-            st.write_slots(t, slots, data[:, :d], data[:, d:])
+        s_tab, s_row = ms.table[ms.send_idx], ms.row[ms.send_idx]
+        s_slot = st.slot_of_all[st.gkeys(s_tab, s_row)].astype(np.int64)
+        if (s_slot < 0).any():  # pragma: no cover - the plan checks guarantee ownership
+            raise RuntimeError("a moved row sent by a rank that does not own it")
+        send = st.read_packed(s_tab, s_slot)  # departing rows (value + optimizer state), in send order
+        if check is not None:
+            recv, worst = self._comm.all_to_all_flagged(send, ms.send_splits, ms.recv_splits, "moves", check.flag)
+            self._raise_step_error(check.err, worst)
+        else:
+            recv = self._comm.all_to_all(send, ms.send_splits, ms.recv_splits, "moves")
+        st.release_many(s_tab, s_row)
+        st.set_owner_many(ms.table, ms.row, ms.dst)  # every rank applies every move to the global ownership map
+        r_tab, r_row = ms.table[ms.recv_idx], ms.row[ms.recv_idx]
+        st.write_packed(r_tab, st.allocate_many(r_tab, r_row), recv)
+        sent_kind = ms.kind[ms.send_idx]
+        return {name: int((sent_kind == k).sum()) for k, name in MOVE_KIND_NAMES.items()}
 
     # ------------------------------------------------------------ shared rows
-    def _prepare_shared(self, plan: Plan) -> _SharedStep:
+    def _prepare_shared(self, plan: Plan, ms: _MoveStep) -> _SharedStep:
         st, R, r = self._store, self.world_size, self.rank
         sh = plan.shared
         n = len(sh)
         z = np.zeros(0, dtype=np.int64)
         if n == 0:
-            return _SharedStep(z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True)
+            return _SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True)
         table = np.asarray(sh.table, dtype=np.int64)
         row = np.asarray(sh.row, dtype=np.int64)
         owner = np.asarray(sh.owner, dtype=np.int64)
@@ -616,167 +641,129 @@ class ShardedHeraldEmbeddingBagCollection(
         if (np.diff(readers)[np.diff(pair_key) == 0] <= 0).any():
             raise ValueError(f"plan {plan.step}: readers of a shared row must be sorted and distinct")
         # owner after this step's moves (moves are validated separately; apply them virtually here)
-        owner_after = self._owners_after_moves(plan, table, row)
+        st.check_keys_many(table, row, f"plan {plan.step}: shared rows")
+        gkey = st.gkeys(table, row)
+        owner_after = self._owners_after_moves(ms, gkey)
         if (owner_after != owner).any():
             i = int(np.flatnonzero(owner_after != owner)[0])
             raise ValueError(
                 f"plan {plan.step}: shared row {row[i]} of table {self.table_names[table[i]]!r} names owner {owner[i]}, "
                 f"but its owner after the moves is {owner_after[i]}"
             )
-        if np.unique(row * T + table).shape[0] != n:
+        if np.unique(gkey).shape[0] != n:
             raise ValueError(f"plan {plan.step}: a row is listed twice in shared")
-        p_tab, p_row, p_own = table[pair_key], row[pair_key], owner[pair_key]
-        dims = np.array(st.dims, dtype=np.int64)
-        p_w = dims[p_tab]
+        p_tab, p_row, p_own, p_key = table[pair_key], row[pair_key], owner[pair_key], gkey[pair_key]
+        p_w = st.dims_arr[p_tab]
         send_sel, recv_sel, send_splits, recv_splits = _routes(p_own, readers, p_w, r, R)
         sh_step = _SharedStep(
             send_table=p_tab[send_sel],
             send_row=p_row[send_sel],
-            send_off=_exclusive_cumsum(p_w[send_sel]),
+            send_gkey=p_key[send_sel],
+            send_off=exclusive_cumsum(p_w[send_sel]),
             send_splits=send_splits,
             recv_table=p_tab[recv_sel],
             recv_row=p_row[recv_sel],
-            recv_off=_exclusive_cumsum(p_w[recv_sel]),
+            recv_off=exclusive_cumsum(p_w[recv_sel]),
             recv_splits=recv_splits,
             n_values_out=int((readers[send_sel] != r).sum()),
             n_grads_out=int((p_own[recv_sel] != r).sum()),
             globally_empty=False,
+            marked=gkey,
         )
-        # marks: -2 for every shared key, then the local index for the keys read here
-        for t in range(T):
-            m = table == t
-            if m.any():
-                self._mark[t][row[m]] = -2
-            q = np.flatnonzero(sh_step.recv_table == t)
-            if q.size:
-                self._mark[t][sh_step.recv_row[q]] = np.arange(q.size, dtype=np.int64)
-        sh_step._all_rows = [(t, row[table == t]) for t in range(T) if (table == t).any()]  # type: ignore[attr-defined]
+        # marks: -2 for every shared key, then, for the keys read here, their index among the received pairs
+        self._mark_all[gkey] = -2
+        self._mark_all[p_key[recv_sel]] = np.arange(recv_sel.shape[0], dtype=np.int64)
         return sh_step
 
     def _reset_marks(self, sh: _SharedStep) -> None:
-        for t, rows_t in getattr(sh, "_all_rows", []):
-            self._mark[t][rows_t] = -1
+        self._mark_all[sh.marked] = -1
 
-    def _owners_after_moves(self, plan: Plan, table: np.ndarray, row: np.ndarray) -> np.ndarray:
-        st = self._store
-        out = np.empty(row.shape[0], dtype=np.int64)
-        mv = plan.moves
-        mt = np.asarray(mv.table, dtype=np.int64)
-        for t in np.unique(table):
-            m = table == t
-            rows_t = row[m]
-            st.check_keys(int(t), rows_t, f"plan {plan.step}: shared rows")
-            own = st.owner[t][rows_t].astype(np.int64)
-            mm = mt == t
-            if mm.any():
-                mrows = np.asarray(mv.row, dtype=np.int64)[mm]
-                mdst = np.asarray(mv.dst, dtype=np.int64)[mm]
-                order = np.argsort(mrows)
-                mrows, mdst = mrows[order], mdst[order]
-                pos = np.searchsorted(mrows, rows_t)
-                hit = (pos < mrows.shape[0]) & (mrows[np.minimum(pos, mrows.shape[0] - 1)] == rows_t)
-                own[hit] = mdst[pos[hit]]
-            out[m] = own
+    def _owners_after_moves(self, ms: _MoveStep, gkey: np.ndarray) -> np.ndarray:
+        """Owner of global keys once this step's moves are applied (the moves themselves are not applied here)."""
+        out = self._store.owner_all[gkey].astype(np.int64)
+        if ms.gkey_sorted.shape[0]:
+            pos = np.minimum(np.searchsorted(ms.gkey_sorted, gkey), ms.gkey_sorted.shape[0] - 1)
+            hit = ms.gkey_sorted[pos] == gkey
+            out[hit] = ms.dst_sorted[pos[hit]]
         return out
 
-    def _classify(self, plan: Plan, local: _LocalInput, sh: _SharedStep) -> tuple[np.ndarray, np.ndarray]:
+    def _moved(self, ms: _MoveStep, gkey: np.ndarray) -> np.ndarray:
+        if ms.gkey_sorted.shape[0] == 0:
+            return np.zeros(gkey.shape[0], dtype=bool)
+        pos = np.minimum(np.searchsorted(ms.gkey_sorted, gkey), ms.gkey_sorted.shape[0] - 1)
+        return ms.gkey_sorted[pos] == gkey
+
+    def _classify(self, plan: Plan, local: _LocalInput, ms: _MoveStep) -> tuple[np.ndarray, np.ndarray]:
         """Check every local id against the plan. Returns, per table, the hits (distinct keys read here that this
         rank owns after the moves and that did not move this step: no transfer at all, whether the key is exclusive
         or this rank is the owner reading a shared key) and the distinct keys read here."""
-        T = self._store.num_tables
-        hits = np.zeros(T, dtype=np.int64)
-        reads = np.zeros(T, dtype=np.int64)
-        mv_table = np.asarray(plan.moves.table, dtype=np.int64)
-        mv_row = np.asarray(plan.moves.row, dtype=np.int64)
-        for t in range(T):
-            feats = [f for f in range(len(self.feature_names)) if self.feature_table[f] == t]
-            ids = np.concatenate([local.values[f] for f in feats]) if feats else np.zeros(0, dtype=np.int64)
-            if ids.size == 0:
-                continue
-            mark = self._mark[t][ids]
-            if (mark == -2).any():
-                k = ids[mark == -2][0]
-                raise ValueError(
-                    f"plan {plan.step} does not match the batch: rank {self.rank} reads shared row {k} of table "
-                    f"{self.table_names[t]!r} but is not among its readers"
-                )
-            u = np.unique(ids)
-            own = self._owners_after_moves(plan, np.full(u.size, t, dtype=np.int64), u)
-            excl = self._mark[t][u] == -1
-            if (excl & (own != self.rank)).any():
-                i = int(np.flatnonzero(excl & (own != self.rank))[0])
-                raise ValueError(
-                    f"plan {plan.step} does not match the batch: rank {self.rank} reads row {u[i]} of table "
-                    f"{self.table_names[t]!r}, owned by rank {int(own[i])} after the moves and not in plan.shared"
-                )
-            moved = np.isin(u, mv_row[mv_table == t])
-            hits[t] = int(((own == self.rank) & ~moved).sum())
-            reads[t] = u.size
-        return hits, reads
+        st = self._store
+        T = st.num_tables
+        gk = local.gkeys
+        not_reader = self._mark_all[gk] == -2
+        if not_reader.any():
+            g = int(gk[np.argmax(not_reader)])
+            t = int(np.searchsorted(st.key_base, g, side="right")) - 1
+            raise ValueError(
+                f"plan {plan.step} does not match the batch: rank {self.rank} reads shared row {g - st.key_base[t]} of "
+                f"table {self.table_names[t]!r} but is not among its readers"
+            )
+        u = np.unique(gk)
+        tab = np.searchsorted(st.key_base, u, side="right").astype(np.int64) - 1
+        own = self._owners_after_moves(ms, u)
+        foreign = (self._mark_all[u] == -1) & (own != self.rank)
+        if foreign.any():
+            i = int(np.argmax(foreign))
+            raise ValueError(
+                f"plan {plan.step} does not match the batch: rank {self.rank} reads row {u[i] - st.key_base[tab[i]]} of "
+                f"table {self.table_names[tab[i]]!r}, owned by rank {int(own[i])} after the moves and not in plan.shared"
+            )
+        hit = (own == self.rank) & ~self._moved(ms, u)
+        return np.bincount(tab[hit], minlength=T).astype(np.int64), np.bincount(tab, minlength=T).astype(np.int64)
 
-    def _exchange_values(self, sh: _SharedStep, training: bool) -> None:
+    def _exchange_values(self, sh: _SharedStep, training: bool, check: _ErrorCheck | None) -> None:
+        """Owners send the shared rows' values to their readers (one all-to-all, all tables at once). With `check`,
+        it also carries the step's error flags (see `_execute_moves`)."""
         if sh.globally_empty:
             sh.values = None
             return
         st = self._store
-        total = int(sum(sh.send_splits))
-        send = torch.empty(total, dtype=torch.float32, device=self.device)
-        for t in range(st.num_tables):
-            p = np.flatnonzero(sh.send_table == t)
-            if p.size == 0:
-                continue
-            slots = st.slots(t, sh.send_row[p])
-            if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
-                raise RuntimeError("shared row sent by a rank that does not own it")
-            w, _ = st.read_slots(t, slots)
-            pos = torch.from_numpy(sh.send_off[p][:, None] + np.arange(st.dims[t])).to(self.device)
-            send[pos.reshape(-1)] = w.reshape(-1)
-        vals = self._comm.all_to_all(send, sh.send_splits, sh.recv_splits, "shared_value")
-        self.step_counters["shared_value"] += sh.n_values_out
-        self.total_counters["shared_value"] += sh.n_values_out
+        slots = st.slot_of_all[sh.send_gkey].astype(np.int64)
+        if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
+            raise RuntimeError("shared row sent by a rank that does not own it")
+        send = st.read_packed(sh.send_table, slots, with_state=False)  # laid out as send_off
+        if check is not None:
+            vals, worst = self._comm.all_to_all_flagged(send, sh.send_splits, sh.recv_splits, "shared_value", check.flag)
+            self._raise_step_error(check.err, worst)
+        else:
+            vals = self._comm.all_to_all(send, sh.send_splits, sh.recv_splits, "shared_value")
         if training:
             vals.requires_grad_(True)
         sh.values = vals
 
-    def _lookup(self, local: _LocalInput, cls: tuple[np.ndarray, np.ndarray], sh: _SharedStep) -> torch.Tensor:
+    def _lookup(self, local: _LocalInput, sh: _SharedStep) -> torch.Tensor:
+        """Pooled embeddings [B, sum of dims]: the TBE over exclusive ids, plus the received values of shared ids
+        summed into their bags (differentiable w.r.t. the received values), all features in one pass."""
         st = self._store
-        B = local.batch_size
-        F = len(self.feature_names)
-        idx_parts, len_parts = [], []
-        shared_pooled: list[torch.Tensor | None] = [None] * F
-        per_table_vals: dict[int, torch.Tensor] = {}
-        for f in range(F):
-            t = self.feature_table[f]
-            ids = local.values[f]
-            mark = self._mark[t][ids]
-            ex = mark == -1
-            idx_parts.append(st.slots(t, ids[ex]))
-            len_parts.append(np.bincount(local.bags[f][ex], minlength=B).astype(np.int64))
-            shm = ~ex
-            if shm.any():
-                if t not in per_table_vals:
-                    q = np.flatnonzero(sh.recv_table == t)
-                    pos = torch.from_numpy(sh.recv_off[q][:, None] + np.arange(st.dims[t])).to(self.device)
-                    per_table_vals[t] = sh.values[pos]  # [n_t, dim], differentiable w.r.t. the received values
-                v = per_table_vals[t].index_select(0, torch.from_numpy(mark[shm]).to(self.device))
-                bag = torch.from_numpy(local.bags[f][shm]).to(self.device)
-                shared_pooled[f] = torch.zeros(B, st.dims[t], dtype=v.dtype, device=self.device).index_add(0, bag, v)
-        indices = np.concatenate(idx_parts) if idx_parts else np.zeros(0, dtype=np.int64)
+        B, F = local.batch_size, len(self.feature_names)
+        mark = self._mark_all[local.gkeys]
+        ex = mark == -1
+        indices = st.slot_of_all[local.gkeys[ex]].astype(np.int64)
         if (indices < 0).any():  # pragma: no cover - guarded by _classify
             raise RuntimeError("exclusive id without a local slot after the moves")
-        lengths = np.concatenate(len_parts)
-        offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = np.zeros(F * B + 1, dtype=np.int64)
+        np.cumsum(np.bincount(local.seg[ex], minlength=F * B), out=offsets[1:])
         out = st.lookup(torch.from_numpy(indices).to(self.device), torch.from_numpy(offsets).to(self.device))
-        if any(p is not None for p in shared_pooled):
-            extra = torch.cat(
-                [
-                    p if p is not None else torch.zeros(B, self.feature_dims[f], dtype=out.dtype, device=self.device)
-                    for f, p in enumerate(shared_pooled)
-                ],
-                dim=1,
-            )
-            out = out + extra
+        shared = np.flatnonzero(~ex)
+        if shared.size:
+            j = mark[shared]  # index of the value among the received pairs
+            f, bag = np.divmod(local.seg[shared], B)
+            d = self._feature_dims_arr[f]
+            src = torch.from_numpy(ragged_arange(sh.recv_off[j], d)).to(self.device)
+            dst = torch.from_numpy(ragged_arange(bag * out.shape[1] + self._feature_col[f], d)).to(self.device)
+            v = sh.values.index_select(0, src)
+            extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, dst, v)
+            out = out + extra.view(out.shape)
         return out
 
     def finish_step(self) -> None:
@@ -788,6 +775,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._pending = None
         if sh is None or sh.globally_empty:
             return
+        with phase("finish_step"):
+            self._finish_shared(sh)
+
+    def _finish_shared(self, sh: _SharedStep) -> None:
         st = self._store
         vals = sh.values
         grad = vals.grad if vals is not None and vals.grad is not None else None
@@ -795,24 +786,20 @@ class ShardedHeraldEmbeddingBagCollection(
             grad = torch.zeros(int(sum(sh.recv_splits)), dtype=torch.float32, device=self.device)
         grad = grad.detach()
         sh.values = None
-        back = self._comm.all_to_all(grad, sh.recv_splits, sh.send_splits, "shared_grad")
+        back = self._comm.all_to_all(grad, sh.recv_splits, sh.send_splits, "shared_grad")  # laid out as send_off
         self.step_counters["shared_grad"] += sh.n_grads_out
         self.total_counters["shared_grad"] += sh.n_grads_out
-        slots_per_table: list[np.ndarray | None] = [None] * st.num_tables
-        grads_per_table: list[torch.Tensor | None] = [None] * st.num_tables
-        for t in range(st.num_tables):
-            p = np.flatnonzero(sh.send_table == t)
-            if p.size == 0:
-                continue
-            keys, inv = np.unique(sh.send_row[p], return_inverse=True)
-            d = st.dims[t]
-            pos = torch.from_numpy(sh.send_off[p][:, None] + np.arange(d)).to(self.device)
-            g = back[pos.reshape(-1)].view(p.size, d)
-            summed = torch.zeros(keys.size, d, dtype=g.dtype, device=self.device)
-            summed.index_add_(0, torch.from_numpy(inv.reshape(-1)).to(self.device), g)  # readers in rank order
-            slots_per_table[t] = st.slots(t, keys)
-            grads_per_table[t] = summed
-        st.apply_summed_gradients(slots_per_table, grads_per_table)
+        if sh.send_gkey.shape[0] == 0:
+            return
+        # sum the readers' gradients per key (in send order: readers in rank order), all tables at once
+        keys, inv = np.unique(sh.send_gkey, return_inverse=True)
+        tab = np.searchsorted(st.key_base, keys, side="right").astype(np.int64) - 1
+        kd = st.dims_arr[tab]
+        dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], st.dims_arr[sh.send_table])
+        summed = torch.zeros(int(kd.sum()), dtype=back.dtype, device=self.device)
+        summed.index_add_(0, torch.from_numpy(dst).to(self.device), back)
+        with phase("finish_step.apply"):
+            st.apply_summed_gradients_packed(tab, st.slot_of_all[keys].astype(np.int64), summed)
 
     # ------------------------------------------------------ fallback static plan
     def _static_plan(self, local: _LocalInput) -> Plan:
@@ -820,12 +807,10 @@ class ShardedHeraldEmbeddingBagCollection(
 
         Used when no plan is queued (eval batches, runs without a scheduler); sample_order is the identity."""
         st, R, T = self._store, self.world_size, self._store.num_tables
-        keys = []
-        for t in range(T):
-            ids = [local.values[f] for f in range(len(self.feature_names)) if self.feature_table[f] == t]
-            u = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int64)
-            keys.append(u * T + t)  # (row, table) packed; ids are < rows, so no overflow for realistic sizes
-        mine = torch.from_numpy(np.concatenate(keys).astype(np.int64)).to(self.device)
+        u = np.unique(local.gkeys)  # by table, then row
+        t_u = np.searchsorted(st.key_base, u, side="right").astype(np.int64) - 1
+        keys = (u - st.key_base[t_u]) * T + t_u  # (row, table) packed; ids are < rows, so no overflow for realistic sizes
+        mine = torch.from_numpy(keys).to(self.device)
         gathered = [g.cpu().numpy() for g in self._comm.all_gather_uneven(mine, "control")]
         k_all = np.concatenate(gathered)
         rk_all = np.concatenate([np.full(g.shape[0], q, dtype=np.int64) for q, g in enumerate(gathered)])
@@ -833,10 +818,7 @@ class ShardedHeraldEmbeddingBagCollection(
         k_all, rk_all = k_all[order], rk_all[order]
         uk, start, cnt = np.unique(k_all, return_index=True, return_counts=True)
         tab, row = uk % T, uk // T
-        owner = np.empty(uk.shape[0], dtype=np.int64)
-        for t in range(T):
-            m = tab == t
-            owner[m] = st.owner[t][row[m]]
+        owner = st.owner_all[st.gkeys(tab, row)].astype(np.int64)
         excl = (cnt == 1) & (rk_all[start] == owner)
         hit = int((rk_all == np.repeat(owner, cnt)).sum())  # (key, reader) pairs read by the owner
         sel = np.flatnonzero(~excl)

@@ -11,7 +11,11 @@ Layout (docs/ARCHITECTURE.md §2, §4). For table t with `rows` rows on a world 
 The directory is numpy, O(rows) per table: `slot_of[t][k]` (local slot of owned key k, -1 if not owned here),
 `key_of[t][s]` (key held by slot s, -1 if empty), and the *global* ownership map `owner[t][k]` with the guest count
 of every rank, which every rank keeps identical by applying the same plans (it is what validates a plan before
-anything moves).
+anything moves). Each per-table array is a view into one flat array over all tables, indexed by *global keys*
+(`gkey = key_base[t] + row`): the `*_many` methods take (table, row) pairs of any tables and do one numpy pass,
+where a per-table loop would pay T small calls per step (the per-table methods are the same code with one table).
+Weights and optimizer states are likewise read and written for many tables at once (`read_packed`, `write_packed`)
+through flat views of the TBE's own storage, in which each table is a block of [local_rows, width] rows.
 
 The fused optimizer lives in the TBE (EXACT_ROWWISE_ADAGRAD by default, or EXACT_SGD): exclusive rows are updated
 in the TBE's own backward; `apply_summed_gradients` applies an externally summed gradient to given slots through
@@ -93,6 +97,32 @@ def home_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def home_rank(rows: int, world_size: int, keys: np.ndarray) -> np.ndarray:
     return np.asarray(keys, dtype=np.int64) // home_block(rows, world_size)
+
+
+def exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    """[0, x0, x0 + x1, ...] (int64, same length as x): start offsets of consecutive blocks of sizes x."""
+    out = np.zeros(x.shape[0], dtype=np.int64)
+    if x.shape[0] > 1:
+        np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def ragged_arange(starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + widths[i]) over i (int64), in one numpy pass: the element
+    indices of variable-width rows in a flat buffer."""
+    widths = np.asarray(widths, dtype=np.int64)
+    return np.repeat(np.asarray(starts, dtype=np.int64) - exclusive_cumsum(widths), widths) + np.arange(
+        int(widths.sum()), dtype=np.int64
+    )
+
+
+def rank_within_group(groups: np.ndarray, num_groups: int) -> np.ndarray:
+    """For each item, how many earlier items share its group (items keep their order within a group)."""
+    order = np.argsort(groups, kind="stable")
+    counts = np.bincount(groups, minlength=num_groups)
+    k = np.empty(groups.shape[0], dtype=np.int64)
+    k[order] = np.arange(groups.shape[0], dtype=np.int64) - np.repeat(exclusive_cumsum(counts), counts)
+    return k
 
 
 def guest_capacity(rows: int, cache_ratio: float) -> int:
@@ -201,23 +231,63 @@ class RowStore(nn.Module):
                     x.zero_()
         self._end_write()
 
-        # ---- directory ----
-        self.slot_of: list[np.ndarray] = []  # int32 [rows]
-        self.key_of: list[np.ndarray] = []  # int64 [local_rows]
-        self.owner: list[np.ndarray] = []  # int32 [rows], global
-        self.guest_count: list[np.ndarray] = []  # int64 [R], global
-        self._free: list[list[int]] = []  # free guest slots (a stack; popped from the end)
+        # ---- directory: flat arrays over all tables, with per-table views ----
+        self.key_base = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int64)  # global key = key_base[t] + row
+        self.slot_base = np.concatenate([[0], np.cumsum(self.local_rows)]).astype(np.int64)
+        self.free_base = np.concatenate([[0], np.cumsum(self.capacity)]).astype(np.int64)
+        # per table, as arrays (index them with an array of tables)
+        self.rows_arr = np.array(self.rows, dtype=np.int64)
+        self.home_block_arr = np.array([home_block(r, world_size) for r in self.rows], dtype=np.int64)
+        self._home_lo_arr = np.array(self.home_lo, dtype=np.int64)
+        self._home_len_arr = np.array(self.home_len, dtype=np.int64)
+        self.dims_arr = np.array(self.dims, dtype=np.int64)
+        self.slot_of_all = np.full(int(self.key_base[-1]), -1, dtype=np.int32)  # local slot, -1 if not owned here
+        self.key_of_all = np.full(int(self.slot_base[-1]), -1, dtype=np.int64)  # row held by a slot, -1 if empty
+        self.owner_all = np.empty(int(self.key_base[-1]), dtype=np.int32)  # global
+        self.guest_count_all = np.zeros((T, world_size), dtype=np.int64)  # global
+        # free guest slots per table: a stack in free_all[free_base[t] : free_base[t] + free_top[t]], popped from the top
+        self._free_all = np.zeros(int(self.free_base[-1]), dtype=np.int64)
+        self._free_top = np.array(self.capacity, dtype=np.int64)
+        self.slot_of: list[np.ndarray] = []  # views: int32 [rows]
+        self.key_of: list[np.ndarray] = []  # views: int64 [local_rows]
+        self.owner: list[np.ndarray] = []  # views: int32 [rows], global
+        self.guest_count: list[np.ndarray] = []  # views: int64 [R], global
         for t, s in enumerate(self.tables):
-            slot_of = np.full(s.rows, -1, dtype=np.int32)
+            slot_of = self.slot_of_all[self.key_base[t] : self.key_base[t + 1]]
             lo, hl = self.home_lo[t], self.home_len[t]
             slot_of[lo : lo + hl] = np.arange(hl, dtype=np.int32)
-            key_of = np.full(self.local_rows[t], -1, dtype=np.int64)
+            key_of = self.key_of_all[self.slot_base[t] : self.slot_base[t + 1]]
             key_of[:hl] = np.arange(lo, lo + hl, dtype=np.int64)
+            owner = self.owner_all[self.key_base[t] : self.key_base[t + 1]]
+            owner[:] = home_rank(s.rows, world_size, np.arange(s.rows))
             self.slot_of.append(slot_of)
             self.key_of.append(key_of)
-            self.owner.append(home_rank(s.rows, world_size, np.arange(s.rows)).astype(np.int32))
-            self.guest_count.append(np.zeros(world_size, dtype=np.int64))
-            self._free.append(list(range(self.local_rows[t] - 1, hl - 1, -1)))
+            self.owner.append(owner)
+            self.guest_count.append(self.guest_count_all[t])
+            self._free_all[self.free_base[t] : self.free_base[t + 1]] = np.arange(self.local_rows[t] - 1, hl - 1, -1)
+        self._flat = self._flat_layout()
+
+    def _flat_layout(self) -> list[tuple[torch.Tensor, np.ndarray, np.ndarray]] | None:
+        """Flat views of the weights and of each optimizer-state tensor, each as (flat tensor over its whole storage,
+        element offset of every table's block, row width of every table); None if the TBE's views do not all share
+        one row-major storage per kind (then the per-table path is taken)."""
+        kinds = [list(self._weights)] + [[self._states[t][j] for t in range(self.num_tables)] for j in range(len(self._states[0]))]
+        if any(len(st) != len(self._states[0]) for st in self._states):
+            return None
+        out = []
+        for views in kinds:
+            v0 = views[0]
+            width = np.array([1 if v.dim() == 1 else int(v.shape[1]) for v in views], dtype=np.int64)
+            ok = all(
+                v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr() and v.dtype == v0.dtype
+                and v.is_contiguous() for v in views
+            )
+            if not ok:
+                return None
+            n = v0.untyped_storage().nbytes() // v0.element_size()
+            flat = v0.as_strided((n,), (1,), 0)
+            out.append((flat, np.array([v.storage_offset() for v in views], dtype=np.int64), width))
+        return out
 
     # ------------------------------------------------------------------ queries
     @property
@@ -242,7 +312,7 @@ class RowStore(nn.Module):
         return k[k >= 0]
 
     def num_guests(self, t: int) -> int:
-        return self.capacity[t] - len(self._free[t])
+        return self.capacity[t] - int(self._free_top[t])
 
     def occupancy(self, t: int) -> float:
         return self.num_guests(t) / self.capacity[t]
@@ -254,6 +324,22 @@ class RowStore(nn.Module):
                 f"table {self.tables[t].name!r}: {what} out of range [0, {self.rows[t]}): "
                 f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''}"
             )
+
+    def gkeys(self, tables: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Global keys of (table, row) pairs: the index into the flat directory arrays."""
+        return self.key_base[np.asarray(tables, dtype=np.int64)] + np.asarray(rows, dtype=np.int64)
+
+    def check_keys_many(self, tables: np.ndarray, rows: np.ndarray, what: str = "ids") -> None:
+        """`check_keys` for (table, row) pairs of any tables, in one pass."""
+        bad = (rows < 0) | (rows >= self.rows_arr[tables])
+        if bad.any():
+            t = int(tables[np.argmax(bad)])
+            self.check_keys(t, rows[tables == t], what)
+
+    def packed_widths(self, tables: np.ndarray, with_state: bool = True) -> np.ndarray:
+        """Floats per item of `read_packed` / `write_packed`: the row, plus its optimizer state if `with_state`."""
+        w = self.dims_arr[tables]
+        return w + np.asarray(self.state_widths, dtype=np.int64)[tables] if with_state else w
 
     # ------------------------------------------------------------- host access
     def _begin_access(self) -> None:
@@ -300,54 +386,133 @@ class RowStore(nn.Module):
                     col += w
         self._end_write()
 
+    def read_packed(self, tables: np.ndarray, slots: np.ndarray, with_state: bool = True) -> torch.Tensor:
+        """Rows at (table, local slot) pairs, packed item after item into one flat float32 tensor: the row's dim
+        floats, then (with_state) its optimizer state. One gather per kind for all tables (no per-table loop)."""
+        tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        width = self.packed_widths(tables, with_state)
+        start = exclusive_cumsum(width)
+        out = torch.empty(int(width.sum()), dtype=torch.float32, device=self._weights[0].device)
+        if self._flat is None:  # pragma: no cover - TBE storage not laid out as expected: one table at a time
+            for t in np.unique(tables).tolist():
+                m = np.flatnonzero(tables == t)
+                rows, state = self.read_slots(t, slots[m])
+                data = torch.cat([rows, state], dim=1) if with_state else rows
+                out[torch.from_numpy(ragged_arange(start[m], width[m])).to(out.device)] = data.reshape(-1).to(out)
+            return out
+        self._begin_access()
+        col = np.zeros(tables.shape[0], dtype=np.int64)
+        for flat, off, w in self._flat[: None if with_state else 1]:
+            ww = w[tables]
+            src = torch.from_numpy(ragged_arange(off[tables] + slots * ww, ww)).to(flat.device)
+            dst = torch.from_numpy(ragged_arange(start + col, ww)).to(out.device)
+            out.index_copy_(0, dst, flat.index_select(0, src).to(out.dtype))
+            col += ww
+        return out
+
+    def write_packed(self, tables: np.ndarray, slots: np.ndarray, data: torch.Tensor, with_state: bool = True) -> None:
+        """Inverse of `read_packed`: write packed rows (and optimizer state) to (table, local slot) pairs."""
+        tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        width = self.packed_widths(tables, with_state)
+        start = exclusive_cumsum(width)
+        if self._flat is None:  # pragma: no cover - see read_packed
+            for t in np.unique(tables).tolist():
+                m = np.flatnonzero(tables == t)
+                pos = torch.from_numpy(ragged_arange(start[m], width[m])).to(data.device)
+                block = data[pos].view(m.size, int(width[m[0]]))
+                d = self.dims[t]
+                self.write_slots(t, slots[m], block[:, :d], block[:, d:] if with_state else None)
+            return
+        self._begin_access()
+        col = np.zeros(tables.shape[0], dtype=np.int64)
+        with torch.no_grad():
+            for flat, off, w in self._flat[: None if with_state else 1]:
+                ww = w[tables]
+                dst = torch.from_numpy(ragged_arange(off[tables] + slots * ww, ww)).to(flat.device)
+                src = torch.from_numpy(ragged_arange(start + col, ww)).to(data.device)
+                flat.index_copy_(0, dst, data.index_select(0, src).to(flat.dtype))
+                col += ww
+        self._end_write()
+
     # ---------------------------------------------------------- slot lifecycle
     def allocate(self, t: int, keys: np.ndarray) -> np.ndarray:
         """Give arriving `keys` a local slot (home slot for home rows, else a free guest slot); returns the slots.
 
         Updates the local directory only (the global `owner` map is the caller's: `set_owner`)."""
         keys = np.asarray(keys, dtype=np.int64)
-        self.check_keys(t, keys, "arriving keys")
-        if (self.slot_of[t][keys] >= 0).any():
-            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} already owns {keys[self.slot_of[t][keys] >= 0][:5]}")
-        home = self.is_home(t, keys)
-        slots = np.empty(keys.size, dtype=np.int64)
-        slots[home] = keys[home] - self.home_lo[t]
-        n_guest = int((~home).sum())
-        free = self._free[t]
-        if n_guest > len(free):
+        return self.allocate_many(np.full(keys.shape[0], t, dtype=np.int64), keys)
+
+    def allocate_many(self, tables: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """`allocate` for (table, row) pairs of any tables; within a table, guests take free slots in item order."""
+        tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+        self.check_keys_many(tables, keys, "arriving keys")
+        gk = self.key_base[tables] + keys
+        owned = self.slot_of_all[gk] >= 0
+        if owned.any():
+            t = int(tables[np.argmax(owned)])
+            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} already owns {keys[owned & (tables == t)][:5]}")
+        lo = self._home_lo_arr[tables]
+        home = (keys >= lo) & (keys < lo + self._home_len_arr[tables])
+        slots = np.empty(keys.shape[0], dtype=np.int64)
+        slots[home] = keys[home] - lo[home]
+        gt = tables[~home]
+        n_guest = np.bincount(gt, minlength=self.num_tables)
+        over = n_guest > self._free_top
+        if over.any():
+            t = int(np.argmax(over))
             raise ValueError(
-                f"table {self.tables[t].name!r}: rank {self.rank} has {len(free)} free guest slots of {self.capacity[t]}, "
-                f"{n_guest} rows arrive"
+                f"table {self.tables[t].name!r}: rank {self.rank} has {self._free_top[t]} free guest slots of "
+                f"{self.capacity[t]}, {n_guest[t]} rows arrive"
             )
-        if n_guest:
-            slots[~home] = free[len(free) - n_guest :][::-1]
-            del free[len(free) - n_guest :]
-        self.slot_of[t][keys] = slots.astype(np.int32)
-        self.key_of[t][slots] = keys
+        k = rank_within_group(gt, self.num_tables)
+        slots[~home] = self._free_all[self.free_base[gt] + self._free_top[gt] - 1 - k]
+        self._free_top -= n_guest
+        self.slot_of_all[gk] = slots.astype(np.int32)
+        self.key_of_all[self.slot_base[tables] + slots] = keys
         return slots
 
     def release(self, t: int, keys: np.ndarray) -> np.ndarray:
         """Forget departing `keys` (their slots become empty / free); returns the slots they held."""
         keys = np.asarray(keys, dtype=np.int64)
-        slots = self.slots(t, keys)
+        return self.release_many(np.full(keys.shape[0], t, dtype=np.int64), keys)
+
+    def release_many(self, tables: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """`release` for (table, row) pairs of any tables; within a table, freed guest slots are pushed in reverse
+        item order (so the next arrivals take them in item order)."""
+        tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+        gk = self.key_base[tables] + keys
+        slots = self.slot_of_all[gk].astype(np.int64)
         if (slots < 0).any():
-            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} does not own departing keys {keys[slots < 0][:5]}")
-        self.slot_of[t][keys] = -1
-        self.key_of[t][slots] = -1
-        guest = slots[slots >= self.home_len[t]]
-        self._free[t].extend(guest[::-1].tolist())
+            t = int(tables[np.argmax(slots < 0)])
+            bad = keys[(slots < 0) & (tables == t)]
+            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} does not own departing keys {bad[:5]}")
+        self.slot_of_all[gk] = -1
+        self.key_of_all[self.slot_base[tables] + slots] = -1
+        guest = slots >= self._home_len_arr[tables]
+        gt, gs = tables[guest], slots[guest]
+        n_out = np.bincount(gt, minlength=self.num_tables)
+        k = rank_within_group(gt, self.num_tables)
+        self._free_all[self.free_base[gt] + self._free_top[gt] + n_out[gt] - 1 - k] = gs
+        self._free_top += n_out
         return slots
 
     def set_owner(self, t: int, keys: np.ndarray, ranks: np.ndarray) -> None:
         """Global ownership map + per-rank guest counts (every rank applies the same updates)."""
         keys = np.asarray(keys, dtype=np.int64)
+        self.set_owner_many(np.full(keys.shape[0], t, dtype=np.int64), keys, ranks)
+
+    def set_owner_many(self, tables: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> None:
+        """`set_owner` for (table, row) pairs of any tables (each pair at most once)."""
+        tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
         ranks = np.asarray(ranks, dtype=np.int64)
-        home = home_rank(self.rows[t], self.world_size, keys)
-        old = self.owner[t][keys].astype(np.int64)
-        R = self.world_size
-        self.guest_count[t] -= np.bincount(old[old != home], minlength=R)
-        self.guest_count[t] += np.bincount(ranks[ranks != home], minlength=R)
-        self.owner[t][keys] = ranks.astype(np.int32)
+        gk = self.key_base[tables] + keys
+        home = keys // self.home_block_arr[tables]
+        old = self.owner_all[gk].astype(np.int64)
+        T, R = self.num_tables, self.world_size
+        was, now = old != home, ranks != home
+        self.guest_count_all -= np.bincount(tables[was] * R + old[was], minlength=T * R).reshape(T, R)
+        self.guest_count_all += np.bincount(tables[now] * R + ranks[now], minlength=T * R).reshape(T, R)
+        self.owner_all[gk] = ranks.astype(np.int32)
 
     # ----------------------------------------------------------------- compute
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -355,35 +520,44 @@ class RowStore(nn.Module):
         return self.tbe(indices, offsets)
 
     def apply_summed_gradients(self, slots: Sequence[np.ndarray | None], grads: Sequence[torch.Tensor | None]) -> None:
-        """One fused-optimizer update of the given slots of each table with the given (already summed) gradients.
-
-        A forward over one-row bags (table t's first feature, bag i holds slots[t][i]; other bags empty), then a
-        backward with the gradients: FBGEMM's own kernel applies its optimizer exactly as in a fused backward where
-        the row's contributions were summed. Slots must be distinct within a table."""
-        T = self.num_tables
+        """One fused-optimizer update of the given slots of each table with the given (already summed) gradients
+        (`slots[t]`: local slots of table t, distinct; `grads[t]`: [len(slots[t]), dim]). See `apply_summed_gradients_packed`."""
         counts = [0 if s is None else len(s) for s in slots]
-        n = max(counts) if counts else 0
-        if n == 0:
+        if not any(counts):
             return
-        F = len(self.feature_table_map)
-        lengths = np.zeros((F, n), dtype=np.int64)
-        idx_parts = []
-        for t in range(T):
-            if counts[t]:
-                lengths[self.first_feature[t], : counts[t]] = 1
-                idx_parts.append(np.asarray(slots[t], dtype=np.int64))
+        tables = np.repeat(np.arange(self.num_tables, dtype=np.int64), counts)
+        flat_slots = np.concatenate([np.asarray(s, dtype=np.int64) for s, n in zip(slots, counts) if n])
+        flat_grads = torch.cat([g.reshape(-1) for g, n in zip(grads, counts) if n])
+        self.apply_summed_gradients_packed(tables, flat_slots, flat_grads)
+
+    def apply_summed_gradients_packed(self, tables: np.ndarray, slots: np.ndarray, grads: torch.Tensor) -> None:
+        """One fused-optimizer update of (table, local slot) pairs with already summed gradients (`grads`: flat,
+        dims[t] floats per pair, in pair order; slots distinct within a table).
+
+        A forward over one-row bags (table t's first feature, its k-th pair in bag k; other bags empty), then a
+        backward with the gradients: FBGEMM's own kernel applies its optimizer exactly as in a fused backward where
+        the row's contributions were summed."""
+        tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        if tables.shape[0] == 0:
+            return
+        T, F = self.num_tables, len(self.feature_table_map)
+        counts = np.bincount(tables, minlength=T)
+        n = int(counts.max())
+        k = rank_within_group(tables, T)
+        first = np.asarray(self.first_feature, dtype=np.int64)
+        lengths = np.zeros(F * n, dtype=np.int64)
+        lengths[first[tables] * n + k] = 1
         # feature-major layout: the indices of features in order, table t's only in its first feature
-        indices = np.concatenate(idx_parts)
+        indices = slots[np.argsort(tables, kind="stable")]
         offsets = np.zeros(F * n + 1, dtype=np.int64)
-        np.cumsum(lengths.reshape(-1), out=offsets[1:])
+        np.cumsum(lengths, out=offsets[1:])
+        feat_dims = self.dims_arr[np.asarray(self.feature_table_map, dtype=np.int64)]
+        col_first = exclusive_cumsum(feat_dims)[first]  # output column of table t's first feature
+        d = self.dims_arr[tables]
         dev = self._weights[0].device
         with torch.enable_grad():
             out = self.tbe(torch.from_numpy(indices).to(dev), torch.from_numpy(offsets).to(dev))
             g = torch.zeros_like(out)
-            col = 0
-            for f, t in enumerate(self.feature_table_map):
-                d = self.dims[t]
-                if f == self.first_feature[t] and counts[t]:
-                    g[: counts[t], col : col + d] = grads[t].to(g)
-                col += d
+            pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
+            g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
             out.backward(g)
