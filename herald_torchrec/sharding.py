@@ -318,7 +318,15 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     if unsched:
         ebc = model.model.ebc
         init = {table_name(n): ebc.embedding_bags[table_name(n)].weight.detach().clone() for n in unsched}
-        constraints = sharder.planner_constraints(ebc, stock_sharding_types(cfg, model_parallel_only=True))
+        types = stock_sharding_types(cfg, model_parallel_only=True)
+        constraints = sharder.planner_constraints(ebc, types)
+        allowed = types or sharder.sharding_types(ctx.device.type)
+        for n, rows in zip(features.names, features.rows):
+            # a ROW_WISE table with fewer rows than ranks leaves a rank an empty shard; when that is the rank's only
+            # TorchRec table, FBGEMM's CPU TBE takes its GPU path and fails: let the planner use the other types
+            others = [x for x in allowed if x != ShardingType.ROW_WISE.value]
+            if n in unsched and rows < ctx.world_size and others:
+                constraints[table_name(n)] = ParameterConstraints(sharding_types=others)
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
         )

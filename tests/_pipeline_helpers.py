@@ -35,3 +35,14 @@ class Wrap(torch.nn.Module):
     def forward(self, b):
         logits = self.net(b.dense, b.kjt)
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels), logits.detach()
+
+
+def drain(pipeline, items: list) -> int:
+    """Run a TorchRec train pipeline over `items` until it runs out; returns the number of steps."""
+    it, steps = iter(items), 0
+    while True:
+        try:
+            pipeline.progress(it)
+            steps += 1
+        except StopIteration:
+            return steps

@@ -50,7 +50,7 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection
     from herald_torchrec.distributed.train_pipeline import herald_modules
-    from _pipeline_helpers import Batch, Wrap
+    from _pipeline_helpers import Batch, Wrap, drain
 
     batches = P.make_batches(world, 12)
     net = P.make_model()
@@ -84,13 +84,7 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     for b in batches:
         s = np.arange(rank * P.BATCH, (rank + 1) * P.BATCH)
         items.append(Batch(torch.from_numpy(b["dense"][s]), P.local_kjt(b, s), torch.from_numpy(b["labels"][s])))
-    it, steps = iter(items), 0
-    while True:
-        try:
-            pipe.progress(it)
-            steps += 1
-        except StopIteration:
-            break
+    steps = drain(pipe, items)
     (herald,) = herald_modules(dmp)
     weights, _ = herald.full_tables()
     for k, v in dmp.state_dict().items():

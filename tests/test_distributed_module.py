@@ -255,7 +255,7 @@ def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import test_distributed_parity as P
-    from _pipeline_helpers import Batch, Wrap
+    from _pipeline_helpers import Batch, Wrap, drain
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
 
     batches = P.make_batches(world, 10)
@@ -278,13 +278,7 @@ def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
         s = p.local_samples(rank)
         items.append(Batch(torch.from_numpy(b["dense"][s]), P.local_kjt(b, s), torch.from_numpy(b["labels"][s])))
     pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
-    it, steps = iter(items), 0
-    while True:
-        try:
-            pipe.progress(it)
-            steps += 1
-        except StopIteration:
-            break
+    steps = drain(pipe, items)
     weights, _ = sebc.full_tables()
     ref = P.run_reference("exact_sgd", batches, world, True)
     torch.save({"steps": steps, "queued": sebc.queued_plans, "pipelined": type(sebc.forward).__name__,
