@@ -113,8 +113,7 @@ class ScheduledInput:
 
     def _exchange_sends(self, local: Samples, plan: Plan) -> tuple[np.ndarray, list[int], list[int], np.ndarray]:
         """What the exchange sends: (payload rows = 4-byte words of dense, label and carried ids of this rank's
-        samples, grouped by destination,
-        send splits, receive splits, the global indices of the samples this rank gets)."""
+        samples, grouped by destination; send splits; receive splits; global indices of the samples this rank gets)."""
         owner_rank = np.arange(self.R * self.B) // self.B  # global sample g sits on rank g // B
         assign = plan.assignment()
         mine = plan.local_samples(self.rank)  # increasing global order
