@@ -157,6 +157,20 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     _expect_error(lambda: m(kjt([1, 99, 1], [0, 5, 5]) if rank == 0 else kjt([12, 13, 13], [30, 20, 32])), res,
                   "out_of_range")
 
+    # (2b, 2c) the same error while the step has moves / only shared rows: the error flags ride on that step's first
+    # all-to-all (moves, else shared values) instead of an all-reduce; every rank must still raise, nothing moves
+    step8_moves = moves([(0, 2, 0, 1, MIGRATE)])  # the plan of the valid step (8) below
+    step8_shared = SharedRows(np.array([0, 1]), np.array([12, 20]), np.array([1, 1]), np.array([0, 2, 4]),
+                              np.array([0, 1, 0, 1]))
+    bad_input = kjt([1, 99, 1], [0, 5, 5]) if rank == 0 else kjt(*mine)
+    # without the move, t0 row 2 (home r0) is a shared read of rank 1
+    shared_only = SharedRows(np.array([0, 0, 1]), np.array([2, 12, 20]), np.array([0, 1, 1]), np.array([0, 1, 3, 5]),
+                             np.array([1, 0, 1, 0, 1]))
+    for name, plan_kw in (("flag_on_moves", {"moves": step8_moves, "shared": step8_shared}),
+                          ("flag_on_shared", {"shared": shared_only})):
+        m.set_plan(empty_plan(world, B, **plan_kw))
+        _expect_error(lambda: m(bad_input), res, name)
+
     # (3) capacity: 3 guests of t0 (capacity 2) sent to rank 1
     m.set_plan(empty_plan(world, B, moves=moves([(0, k, 0, 1, MIGRATE) for k in (1, 2, 3)])))
     _expect_error(lambda: m(kjt(*mine)), res, "capacity")
@@ -178,10 +192,7 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     # (8) a valid step after all that: migrate t0 row 12 to rank 0? no — rank 0 and 1 both read 12: shared.
     # t0: 1 (r0 only, home r0) hit; 12 (r0, r1) shared owner r1; 13 (r1) hit; 2 (r1 only, home r0) migrates to r1.
     # t1 (home [0,17) r0, [17,33) r1): 0, 5 (r0) hits; 20 (r0, r1) shared owner r1; 30, 32 (r1) hits.
-    mv = moves([(0, 2, 0, 1, MIGRATE)])
-    sh = SharedRows(np.array([0, 1]), np.array([12, 20]), np.array([1, 1]), np.array([0, 2, 4]),
-                    np.array([0, 1, 0, 1]))
-    m.set_plan(empty_plan(world, B, moves=mv, shared=sh))
+    m.set_plan(empty_plan(world, B, moves=step8_moves, shared=step8_shared))
     out = m(kjt(*mine)).wait().values()
     res["train_forward_matches_dense"] = bool(torch.equal(out, dense_pool(init, *mine)))
     out.sum().backward()
@@ -234,7 +245,8 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
         # row-wise Adagrad momentum = mean(g^2) = 2.25 (a single update with the summed gradient)
         assert r["momentum"]["t0"][12] == pytest.approx(2.25)
         assert r["momentum"]["t0"][1] == pytest.approx(0.25)  # read once, by rank 0: (1 / 2)^2
-    assert "out of range" in r0["out_of_range"] and "step aborted: rank 0" in r1["out_of_range"]
+    for case in ("out_of_range", "flag_on_moves", "flag_on_shared"):
+        assert "out of range" in r0[case] and "step aborted: rank 0" in r1[case], (case, r0[case], r1[case])
     assert "does not match the batch" in r0["mismatch"] or "does not match the batch" in r1["mismatch"]
     assert r0["occupancy"] == {"t0": 0.0, "t1": 0.0} and r1["occupancy"]["t0"] == 0.5
     assert r0["hit_rate"]["t0"] == 0.5  # rank 0 reads rows 1 (its own) and 12 (rank 1's)
