@@ -276,6 +276,8 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
                    for _, g in zip(range(PROFILE_BATCHES), source.train_batches(world_size * B))]
         probe.profile(batches)
         chosen = set(probe.tables)
+        if not chosen:  # nothing looks worth scheduling: keep every table Herald's rather than none
+            return []
         return [n for t, n in enumerate(features.names) if t not in chosen]
     names = [u] if isinstance(u, str) else list(u)
     by_table = {table_name(n): n for n in features.names}
