@@ -29,6 +29,7 @@ from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext
+from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
 
@@ -46,8 +47,7 @@ class StockSharder(EmbeddingBagCollectionSharder):
     """TorchRec's EBC sharder, offering ROW_WISE on CPU too (stock offers it on CUDA only; it runs on CPU/gloo)."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        types = super().sharding_types(compute_device_type)
-        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+        return with_row_wise(super().sharding_types(compute_device_type))
 
 
 @dataclass
@@ -126,24 +126,25 @@ def load_full_state(setup: ShardedSetup, state: dict[str, Any]) -> None:
         current[k].copy_(v)
 
 
+def _torchrec_sharded_tensors(dmp: torch.nn.Module) -> Iterator[tuple[str, str, ShardedTensor]]:
+    """TorchRec's sharded tables and their fused-optimizer state as ("weight" | "state", table name, ShardedTensor).
+    A rank lists only what it holds: a TABLE_WISE table's optimizer state exists only where the table lives."""
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
+            yield "weight", k.split(".")[-2], v
+    for k, v in dmp.fused_optimizer.state_dict()["state"].items():
+        for sv in (v.values() if isinstance(v, dict) else []):
+            if isinstance(sv, ShardedTensor):
+                yield "state", k.split(".")[-2], sv
+
+
 def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Assemble TorchRec's sharded tables and fused-optimizer state into full tensors (collective; result on rank 0).
 
-    Every rank sends its local shards with their offsets: which keys a rank has differs between ranks (a TABLE_WISE
-    table's optimizer state exists only where the table lives), so per-key collectives would not line up."""
-
-    def local_shards(kind: str, key: str, st: ShardedTensor) -> list[tuple]:
-        return [(kind, key, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
-                for sh in st.local_shards()]
-
-    mine: list[tuple] = []
-    for k, v in dmp.state_dict().items():
-        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
-            mine += local_shards("weight", k.split(".")[-2], v)
-    for k, v in dmp.fused_optimizer.state_dict()["state"].items():
-        for sk, sv in (v.items() if isinstance(v, dict) else []):
-            if isinstance(sv, ShardedTensor):
-                mine += local_shards("momentum1" if "momentum1" in sk else sk, k.split(".")[-2], sv)
+    Every rank sends its local shards with their offsets: which keys a rank has differs between ranks, so per-key
+    collectives would not line up."""
+    mine = [(kind, name, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
+            for kind, name, st in _torchrec_sharded_tensors(dmp) for sh in st.local_shards()]
     parts: list = [None] * ctx.world_size if ctx.is_main else None
     if ctx.world_size > 1:
         dist.gather_object(mine, parts, dst=0)
@@ -218,14 +219,13 @@ def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor]
     """Full tables (and fused-optimizer state) into TorchRec's shards, for the tables named in `weights`. Used for the
     initial tables (TorchRec draws its own otherwise: every scheduler starts from the same model and, being exact,
     ends at the same model) and for resuming from a checkpoint."""
-    for k, v in dmp.state_dict().items():
-        if isinstance(v, ShardedTensor) and k.endswith(".weight") and k.split(".")[-2] in weights:
-            _copy_into_shards(v, weights[k.split(".")[-2]])
-    for k, v in (dmp.fused_optimizer.state_dict()["state"].items() if states else []):
-        for sk, sv in (v.items() if isinstance(v, dict) else []):
-            name = k.split(".")[-2]
-            if isinstance(sv, ShardedTensor) and name in states and name in weights:
-                _copy_into_shards(sv, states[name])
+    for kind, name, st in _torchrec_sharded_tensors(dmp):
+        if name not in weights:
+            continue
+        if kind == "weight":
+            _copy_into_shards(st, weights[name])
+        elif states and name in states:
+            _copy_into_shards(st, states[name])
 
 
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
@@ -321,14 +321,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         ebc = model.model.ebc
         init = {table_name(n): ebc.embedding_bags[table_name(n)].weight.detach().clone() for n in unsched}
         types = stock_sharding_types(cfg, model_parallel_only=True)
-        constraints = sharder.planner_constraints(ebc, types)
-        allowed = types or sharder.sharding_types(ctx.device.type)
-        for n, rows in zip(features.names, features.rows):
-            # a ROW_WISE table with fewer rows than ranks leaves a rank an empty shard; when that is the rank's only
-            # TorchRec table, FBGEMM's CPU TBE takes its GPU path and fails: let the planner use the other types
-            others = [x for x in allowed if x != ShardingType.ROW_WISE.value]
-            if n in unsched and rows < ctx.world_size and others:
-                constraints[table_name(n)] = ParameterConstraints(sharding_types=others)
+        constraints = sharder.planner_constraints(ebc, types, world_size=ctx.world_size, device_type=ctx.device.type)
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
         )
@@ -380,7 +373,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
 
     def import_tables(weights: dict, states: dict) -> None:
         herald.load_full_tables(weights, states)
-        _load_torchrec_tables(dmp, {k: v for k, v in weights.items() if k not in herald.table_names}, states)
+        _load_torchrec_tables(dmp, weights, states)  # only tables with TorchRec shards are touched
 
     return ShardedSetup(
         sc.name, dmp, pipeline, pipeline.schedule, batch_converter(features, source),

@@ -29,6 +29,10 @@ def test_sharder_validates_unscheduled_tables() -> None:
     c = s.planner_constraints(ebc, ["table_wise"])
     assert c["t0"].sharding_types == ["row_wise"] and c["t0"].compute_kernels == ["fused"]
     assert c["t1"].sharding_types == ["table_wise"]
+    # with more ranks than rows (t1 has 33), the table is kept off ROW_WISE: a rank would get an empty shard
+    c = s.planner_constraints(ebc, ["row_wise", "table_wise"], world_size=40)
+    assert c["t1"].sharding_types == ["table_wise"] and c["t0"].sharding_types == ["row_wise"]
+    assert s.planner_constraints(ebc, ["row_wise", "table_wise"], world_size=2)["t1"].sharding_types == ["row_wise", "table_wise"]
     offered = s.sharding_types("cpu")
     assert "row_wise" in offered and "table_wise" in offered and "data_parallel" not in offered
     # without unscheduled tables, the sharder offers only the home placement

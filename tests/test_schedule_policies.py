@@ -194,16 +194,26 @@ def test_eviction_prefers_keys_not_in_the_lookahead():
     assert 21 not in p2.moves.row.tolist()
 
 
-def test_het_bsp_counts_by_hand():
-    rows = [10]  # R=2, block 5; cache ceil(0.2*10) = 2 rows per worker
-    pol = make_policy("het_bsp", rows, 2, 1, 0.2, 0)
+def _checked_stepper(policy: str, rows: list[int]):
+    """R=2, B=1, cache 0.2, no lookahead: step(ids) plans one global batch of single-table ids and checks the plan
+    with the strict independent checker (returned too, for its totals)."""
+    pol = make_policy(policy, rows, 2, 1, 0.2, 0)
     chk = PlanChecker(rows, 2, 1, 0.2, strict=True)
 
     def step(ids):
         b = GlobalBatch.from_dense(np.array(ids, dtype=np.int64)[:, None], rows)
         p = pol.plan([b])
         chk.check(p, b)
-        return p.counters
+        return p
+
+    return step, chk
+
+
+def test_het_bsp_counts_by_hand():
+    plan, _ = _checked_stepper("het_bsp", [10])  # R=2, block 5; cache ceil(0.2*10) = 2 rows per worker
+
+    def step(ids):
+        return plan(ids).counters
 
     c = step([3, 3])  # both workers miss, both push
     assert (c["miss_pull"], c["update_pull"], c["update_push"], c["hit"]) == (2, 0, 2, 0)
@@ -214,14 +224,10 @@ def test_het_bsp_counts_by_hand():
 
 
 def test_herald_greedy_pushes_dirty_rows_lazily():
-    rows = [10]
-    pol = make_policy("herald_greedy", rows, 2, 1, 0.2, 0)
-    chk = PlanChecker(rows, 2, 1, 0.2, strict=True)
+    plan, chk = _checked_stepper("herald_greedy", [10])
 
     def step(ids):
-        b = GlobalBatch.from_dense(np.array(ids, dtype=np.int64)[:, None], rows)
-        p = pol.plan([b])
-        chk.check(p, b)
+        p = plan(ids)
         return p, p.counters
 
     p, c = step([3, 8])  # two single readers: misses, updates stay dirty (no push)

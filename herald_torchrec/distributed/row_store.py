@@ -401,14 +401,19 @@ class RowStore(nn.Module):
                 out[torch.from_numpy(ragged_arange(start[m], width[m])).to(out.device)] = data.reshape(-1).to(out)
             return out
         self._begin_access()
+        for flat, stored, packed in self._packed_positions(tables, slots, start, with_state):
+            out.index_copy_(0, packed.to(out.device), flat.index_select(0, stored.to(flat.device)).to(out.dtype))
+        return out
+
+    def _packed_positions(self, tables: np.ndarray, slots: np.ndarray, start: np.ndarray, with_state: bool):
+        """Per storage kind (weights, then optimizer state): (its flat storage, element positions there, element
+        positions in the packed buffer) of the (table, slot) pairs — the index map shared by read and write."""
         col = np.zeros(tables.shape[0], dtype=np.int64)
         for flat, off, w in self._flat[: None if with_state else 1]:
             ww = w[tables]
-            src = torch.from_numpy(ragged_arange(off[tables] + slots * ww, ww)).to(flat.device)
-            dst = torch.from_numpy(ragged_arange(start + col, ww)).to(out.device)
-            out.index_copy_(0, dst, flat.index_select(0, src).to(out.dtype))
+            stored = torch.from_numpy(ragged_arange(off[tables] + slots * ww, ww))
+            yield flat, stored, torch.from_numpy(ragged_arange(start + col, ww))
             col += ww
-        return out
 
     def write_packed(self, tables: np.ndarray, slots: np.ndarray, data: torch.Tensor, with_state: bool = True) -> None:
         """Inverse of `read_packed`: write packed rows (and optimizer state) to (table, local slot) pairs."""
@@ -424,14 +429,9 @@ class RowStore(nn.Module):
                 self.write_slots(t, slots[m], block[:, :d], block[:, d:] if with_state else None)
             return
         self._begin_access()
-        col = np.zeros(tables.shape[0], dtype=np.int64)
         with torch.no_grad():
-            for flat, off, w in self._flat[: None if with_state else 1]:
-                ww = w[tables]
-                dst = torch.from_numpy(ragged_arange(off[tables] + slots * ww, ww)).to(flat.device)
-                src = torch.from_numpy(ragged_arange(start + col, ww)).to(data.device)
-                flat.index_copy_(0, dst, data.index_select(0, src).to(flat.dtype))
-                col += ww
+            for flat, stored, packed in self._packed_positions(tables, slots, start, with_state):
+                flat.index_copy_(0, stored.to(flat.device), data.index_select(0, packed.to(data.device)).to(flat.dtype))
         self._end_write()
 
     # ---------------------------------------------------------- slot lifecycle

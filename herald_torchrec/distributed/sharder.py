@@ -43,6 +43,11 @@ from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCo
 from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection, sub_collection
 from herald_torchrec.distributed.row_store import check_cache_ratio, parse_optimizer
 
+def with_row_wise(types: list[str]) -> list[str]:
+    """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""
+    return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+
+
 DEFAULT_FUSED_PARAMS: dict[str, Any] = {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01, "eps": 1e-8}
 
 
@@ -88,24 +93,37 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def _stock_types(self, compute_device_type: str) -> list[str]:
         """TorchRec's model-parallel types for unscheduled tables (ROW_WISE included on CPU, where it runs too)."""
-        types = [t for t in super().sharding_types(compute_device_type) if t != ShardingType.DATA_PARALLEL.value]
-        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+        return with_row_wise(
+            [t for t in super().sharding_types(compute_device_type) if t != ShardingType.DATA_PARALLEL.value]
+        )
 
     def planner_constraints(
-        self, module: EmbeddingBagCollection, stock_sharding_types: Sequence[str] | None = None
+        self,
+        module: EmbeddingBagCollection,
+        stock_sharding_types: Sequence[str] | None = None,
+        world_size: int | None = None,
+        device_type: str = "cpu",
     ) -> dict[str, ParameterConstraints]:
         """Per-table planner constraints: managed tables ROW_WISE + FUSED (their home placement); unscheduled
-        tables any of `stock_sharding_types` (default: every type this sharder offers them)."""
+        tables any of `stock_sharding_types` (default: every type this sharder offers them).
+
+        With `world_size`, an unscheduled table with fewer rows than ranks is kept off ROW_WISE (when another type is
+        allowed): its ROW_WISE sharding leaves a rank an empty shard, and where that is the rank's only TorchRec
+        table, FBGEMM's CPU TBE takes its GPU path and fails."""
         names = [c.name for c in module.embedding_bag_configs()]
         self._check_unscheduled(names)
+        allowed = list(stock_sharding_types) if stock_sharding_types else None
+        small_ok = [t for t in (allowed or self.sharding_types(device_type)) if t != ShardingType.ROW_WISE.value]
         out = {}
-        for n in names:
-            if n in self.unscheduled_tables:
-                out[n] = ParameterConstraints(sharding_types=list(stock_sharding_types) if stock_sharding_types else None)
-            else:
-                out[n] = ParameterConstraints(
+        for c in module.embedding_bag_configs():
+            if c.name not in self.unscheduled_tables:
+                out[c.name] = ParameterConstraints(
                     sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
                 )
+            elif world_size is not None and c.num_embeddings < world_size and small_ok:
+                out[c.name] = ParameterConstraints(sharding_types=small_ok)
+            else:
+                out[c.name] = ParameterConstraints(sharding_types=allowed)
         return out
 
     def _check_unscheduled(self, tables: list[str]) -> None:
