@@ -21,9 +21,9 @@ or shared keys costs no data collective (only the 8-byte error-check all-reduce,
 other steps the error flags ride on the first all-to-all). The per-step work is vectorised over all tables: ids,
 moves and shared pairs are handled by global key (`RowStore.key_base[t] + row`) in one numpy pass each.
 A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
-but changed nothing: the module stays usable. With no plan queued, the module builds the *static* plan itself (an
-all-gather of the local ids; owners never move, every non-owner read is shared): eval batches and runs without a
-scheduler still work.
+but changed nothing: the module stays usable. In eval mode, or with no plan queued, the module builds the *static*
+plan itself (an all-gather of the local ids; owners never move, every non-owner read is shared): eval forwards at
+any time (they never consume a queued training plan) and runs without a scheduler work.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
@@ -476,7 +476,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 local = self._parse_input(features)
         except ValueError as e:
             err = e
-        if self._plans:
+        if self._plans and self.training:  # eval forwards never consume training plans
             plan = self._plans.popleft()
         else:
             self._sync_error(err)  # the static plan needs every rank's ids

@@ -1,209 +1,305 @@
-"""The Herald input stage: from this rank's slice of each global batch to its *assigned* samples plus the Plan.
+"""The Herald input stage: from this rank's `Batch` slice of each global batch to its *assigned* samples plus the Plan.
 
-Per step, every rank: (1) all-gathers the ids of its slice, so every rank holds the ids of the whole global batch
-(ids only — dense features and labels stay put); (2) runs the scheduler on the current global batch and the next L
-(deterministic integer code: every rank computes the same plan, nothing is broadcast); (3) exchanges dense features,
-labels and the ids of *unscheduled* tables (`carry`: tables left to TorchRec's own sharding) with one plan-sized
-all-to-all of 4-byte words (bit-exact: nothing is converted), so it holds exactly the B samples the plan assigns it.
-Ids of the managed tables come from the gathered global batch. All ranks agree on the end of data (each rank's ids slice starts with
-a header word that says whether it holds data), so every rank stops at the same step.
+Per step, every rank:
+(1) all-gathers a 4-word header of its slice (status, samples, managed ids, uniform bag length) — end of data, short
+    batches and rank-local input errors become known to every rank here, so all ranks stop or raise together;
+(2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
+    to every rank, so every rank holds the ids of the whole global batch (dense features, labels and the other
+    features stay put);
+(3) runs the scheduler on the current global batch and the next L (deterministic integer code: every rank computes
+    the same plan, nothing is broadcast);
+(4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
+    to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
+    exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys.
 
-One collective per step for all of it: (1) for the batch L+1 ahead and (3) for the current batch happen back to
-back, so they travel as ONE all-to-all (each rank sends its ids slice to every rank, then the samples the plan
-assigns to that rank); the same bytes as an all-gather plus an all-to-all. Only the first L+1 gathers (nothing to
-exchange yet) and the last L exchanges (nothing left to gather) run alone.
+(2) for the batch L+1 ahead and (4) for the current batch travel as ONE all-to-all (each rank sends its ids block to
+every rank, then the samples the plan assigns to that rank); only the first L+1 gathers and the last exchanges run
+alone. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of several EBCs are
+all handled: the scheduler gets one CSR per managed table (input_layout.py).
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchrec.datasets.utils import Batch
 
-from herald_torchrec.data.samples import Samples
 from herald_torchrec.distributed.comm import PlanComm, phase
+from herald_torchrec.distributed.input_layout import (
+    GatheredIds,
+    HostSlice,
+    ManagedTables,
+    SliceLayout,
+    assigned_batch,
+    assigned_kjt_parts,
+    carried_ids,
+    gather_ids,
+    global_batch,
+    host_slice,
+    managed_ids,
+    slice_layout,
+)
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
+# header word 0 of each rank's slice: what the rest holds
+DATA, END, SHORT, BAD = 1, 0, 2, -1
+HEADER_WORDS = 4  # status, samples, managed ids, uniform bag length (-1: lengths travel)
+
+
+@dataclass
+class _Pending:
+    """A gathered global batch waiting for its plan: this rank's slice, the global ids, the scheduler's view."""
+
+    local: HostSlice
+    ids: GatheredIds
+    batch: GlobalBatch
+
 
 class ScheduledInput:
-    """Iterator adapter: local `Samples` slices in, (assigned local `Samples`, `Plan`) out, L batches ahead."""
+    """Iterator adapter: this rank's `Batch` slices in, (assigned `Batch`, `Plan`) out, L batches ahead.
 
-    def __init__(self, policy: SchedulePolicy, comm: PlanComm, columns: list[int], carry: list[int] | None = None) -> None:
-        self.policy = policy
+    `policy_factory(batch_per_rank)` builds the scheduler once the first slice tells the batch size (the pipeline
+    builds it from the sharded modules' own settings); `reset_policy()` starts it again from the home placement
+    (after a checkpoint load reset the data plane's ownership)."""
+
+    def __init__(self, tables: ManagedTables, comm: PlanComm, policy_factory: Callable[[int], SchedulePolicy]) -> None:
+        self.tables = tables
         self.comm = comm
-        self.columns = columns  # columns of Samples.ids that the managed tables read, in table order
-        self.carry = list(carry or [])  # columns the model reads through TorchRec-sharded tables
-        if set(self.columns) & set(self.carry):
-            raise ValueError(f"ScheduledInput: columns {sorted(set(self.columns) & set(self.carry))} are both scheduled and carried")
         self.R, self.rank = comm.world_size, comm.rank
-        self.B = policy.batch_per_rank
-        if policy.num_ranks != self.R:
-            raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
+        self._factory = policy_factory
+        self.policy: SchedulePolicy | None = None
+        self.layout: SliceLayout | None = None
         self.sched_ms: list[float] = []
-        self._wire_dtype = np.int32 if max(policy.layout.table_rows) <= np.iinfo(np.int32).max else np.int64
+        self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
 
-    # header word of each rank's ids slice: what the rest of the slice holds
-    _DATA, _END, _BAD = 1, 0, -1
-
-    def _ids_wire(self, local: Samples | None) -> torch.Tensor:
-        """This rank's ids slice for the gather: [header, B x C ids]. Ids travel as int32 when every table fits
-        (exact: no float, no truncation), else as int64."""
-        C = len(self.columns)
-        wire = torch.zeros(1 + self.B * C, dtype=torch.int32 if self._wire_dtype == np.int32 else torch.int64)
-        w = wire.numpy()
-        if local is None:
-            w[0] = self._END
-        elif len(local) != self.B:
-            w[0] = self._BAD
-        else:
-            w[0] = self._DATA
-            w[1:].reshape(self.B, C)[:] = local.ids[:, self.columns]
-        return wire
-
-    def _count_gather(self, heads: np.ndarray, wire: torch.Tensor, call: bool) -> None:
-        """Bytes of an ids gather: each slice goes to the R - 1 others; header as "control", ids as "sample_ids"
-        (all "control" when a slice is only padding because some rank is out of data). `call`: the gather is a
-        collective of its own (not riding on the sample exchange)."""
-        elem, n = wire.element_size(), wire.numel()
-        if (heads == self._DATA).all():
-            self.comm.counter.add("control", elem * (self.R - 1), call=False)
-            self.comm.counter.add("sample_ids", (n - 1) * elem * (self.R - 1), call=call)
-        else:
-            self.comm.counter.add("control", n * elem * (self.R - 1), call=call)
-
-    def _gathered(self, local: Samples | None, slices: np.ndarray) -> tuple[Samples, GlobalBatch, np.ndarray] | None:
-        """Every rank's ids slice [R, 1 + B*C] -> (local slice, global batch, its dense ids), or None at the end of
-        data (some rank has none: all stop together). A malformed slice raises on every rank."""
-        head = slices[:, 0]
-        if (head == self._BAD).any():
-            q = int(np.flatnonzero(head == self._BAD)[0])
-            raise ValueError(self._bad_slice_msg(q, len(local) if q == self.rank and local is not None else None))
-        if (head == self._END).any():
-            return None
-        ids = slices[:, 1:].reshape(self.R * self.B, len(self.columns)).astype(np.int64)
-        return local, GlobalBatch.from_dense(ids, self.policy.layout), ids
-
-    def _gather(self, local: Samples | None) -> tuple[Samples, GlobalBatch, np.ndarray] | None:
-        """All-gather of the ids slices alone (the first L+1 batches, before anything is to be exchanged)."""
+    # ------------------------------------------------------------------ collectives (bytes only)
+    def _all_gather_words(self, words: np.ndarray, kind: str) -> np.ndarray:
+        """[R, n] int64 from every rank's n words."""
         if self.R == 1:
-            if local is None:
-                return None
-            if len(local) != self.B:
-                raise ValueError(self._bad_slice_msg(self.rank, len(local)))
-            ids = np.ascontiguousarray(local.ids[:, self.columns]).astype(np.int64, copy=False)
-            return local, GlobalBatch.from_dense(ids, self.policy.layout), ids
-        wire = self._ids_wire(local)
-        parts = [torch.empty_like(wire) for _ in range(self.R)]
-        with phase("input.ids_all_gather"):
-            dist.all_gather(parts, wire, group=self.comm.group)
-        slices = torch.stack(parts).numpy()
-        self._count_gather(slices[:, 0], wire, call=True)
-        return self._gathered(local, slices)
+            return words[None, :].copy()
+        t = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64))
+        parts = [torch.empty_like(t) for _ in range(self.R)]
+        self.comm.counter.add(kind, t.numel() * 8 * (self.R - 1))
+        with phase("input.header_all_gather"):
+            dist.all_gather(parts, t, group=self.comm.group)
+        return torch.stack(parts).numpy()
 
-    def _bad_slice_msg(self, rank: int, n: int | None) -> str:
-        got = f"a slice of {n} samples" if n is not None else "a slice of the wrong size"
-        return f"rank {rank} got {got}, expected batch_per_rank={self.B}"
+    def _all_to_all_bytes(self, blocks: list[np.ndarray], recv: list[int]) -> list[np.ndarray]:
+        """Send blocks[d] (uint8) to rank d; receive recv[q] bytes from rank q (sizes known on both sides)."""
+        if self.R == 1:
+            return [blocks[0]]
+        send = torch.from_numpy(np.concatenate(blocks)) if blocks else torch.zeros(0, dtype=torch.uint8)
+        out = torch.empty(int(sum(recv)), dtype=torch.uint8)
+        with phase("input.all_to_all"):
+            dist.all_to_all_single(out, send, recv, [b.shape[0] for b in blocks], group=self.comm.group)
+        return list(np.split(out.numpy(), np.cumsum(recv)[:-1]))
 
-    def _exchange_sends(self, local: Samples, plan: Plan) -> tuple[np.ndarray, list[int], list[int], np.ndarray]:
-        """What the exchange sends: (payload rows = 4-byte words of dense, label and carried ids of this rank's
-        samples, grouped by destination; send splits; receive splits; global indices of the samples this rank gets)."""
-        owner_rank = np.arange(self.R * self.B) // self.B  # global sample g sits on rank g // B
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, first: Batch) -> None:
+        """The first slice fixes the layout; every rank checks that all agree (keys, batch size, dense / labels)."""
+        err: Exception | None = None
+        try:
+            layout = slice_layout(first, self.tables)
+            words = np.concatenate([[DATA], layout.signature()])
+        except ValueError as e:
+            err, layout, words = e, None, np.array([BAD, 0, 0, 0], dtype=np.int64)
+        got = self._all_gather_words(words, "control")
+        self._raise_bad(got[:, 0], err)
+        if (got[:, 1:] != got[0, 1:]).any():
+            raise ValueError(
+                "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes): "
+                f"batch sizes {got[:, 1].tolist()}, key counts {got[:, 2].tolist()}; every rank must feed slices "
+                "of the same global batch"
+            )
+        self.layout = layout
+        self.policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
+        if self.policy.num_ranks != self.R:
+            raise ValueError(f"policy planned for {self.policy.num_ranks} ranks, but the process group has {self.R}")
+
+    def reset_policy(self) -> None:
+        """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership."""
+        if self.layout is not None:
+            self.policy = self._factory(self.layout.batch_size)
+
+    def _raise_bad(self, status: np.ndarray, err: Exception | None) -> None:
+        if err is not None:
+            raise err
+        if (status == BAD).any():
+            q = int(np.flatnonzero(status == BAD)[0])
+            raise ValueError(f"rank {q} rejected its input batch (see its error); every rank stops")
+
+    # ------------------------------------------------------------------ gather
+    def _header(self, batch: Batch | None) -> tuple[HostSlice | None, np.ndarray, Exception | None]:
+        """Parse this rank's next slice; its header words say what the others can expect from it."""
+        lay = self.layout
+        if batch is None:
+            return None, np.array([END, 0, 0, 0], dtype=np.int64), None
+        try:
+            hs = host_slice(batch, lay)  # type: ignore[arg-type]
+        except ValueError as e:
+            return None, np.array([BAD, 0, 0, 0], dtype=np.int64), e
+        if hs.n < lay.batch_size:  # type: ignore[union-attr]
+            return hs, np.array([SHORT, hs.n, 0, 0], dtype=np.int64), None
+        u = hs.lengths.reshape(-1)
+        uniform = int(u[0]) if u.size and (u == u[0]).all() else -1
+        n_ids = int(hs.lengths[lay.managed].sum())  # type: ignore[union-attr]
+        return hs, np.array([DATA, hs.n, n_ids, uniform], dtype=np.int64), None
+
+    def _ids_block(self, hs: HostSlice, head: np.ndarray) -> np.ndarray:
+        parts = [] if head[3] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
+        parts.append(managed_ids(hs, self.layout).view(np.uint8))  # type: ignore[arg-type]
+        return np.concatenate(parts)
+
+    def _ids_sizes(self, heads: np.ndarray) -> list[int]:
+        lay = self.layout
+        K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
+        return [(0 if h[3] >= 0 else K * B * 4) + int(h[2]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
+
+    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch]:
+        lay = self.layout
+        K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
+        lengths = np.empty((self.R, K, B), dtype=np.int64)
+        ids = []
+        for q, (h, b) in enumerate(zip(heads, blocks)):
+            if h[3] >= 0:
+                lengths[q] = h[3]
+                ids.append(b.view(lay.ids_dtype))  # type: ignore[union-attr]
+            else:
+                lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)
+                ids.append(b[K * B * 4 :].view(lay.ids_dtype))  # type: ignore[union-attr]
+        g = gather_ids(lengths, ids, lay)  # type: ignore[arg-type]
+        return g, global_batch(g, lay, self.tables, index)  # type: ignore[arg-type]
+
+    def _check_heads(self, heads: np.ndarray, hs: HostSlice | None, err: Exception | None) -> bool:
+        """True if every rank has a full slice; else warn (what this rank drops) and return False (end of data)."""
+        self._raise_bad(heads[:, 0], err)
+        status = heads[:, 0]
+        if (status == DATA).all():
+            return True
+        mine = hs.n if hs is not None else 0
+        self.dropped_samples += mine
+        if (status == SHORT).any():
+            why = "short last batch" + "es" * int((status == SHORT).sum() > 1) + " (" + ", ".join(
+                f"rank {q}: {int(heads[q, 1])} samples" for q in np.flatnonzero(status == SHORT)) + ")"
+        else:
+            why = f"ranks {np.flatnonzero(status == END).tolist()} ran out of data"
+        if not (status == END).all():  # an uneven end: say what is lost (a clean end of every rank is silent)
+            warnings.warn(
+                f"herald input (rank {self.rank}): {why}; the incomplete global batch is dropped, as with "
+                f"drop_last: this rank drops {mine} samples (and whatever its iterator still holds)",
+                stacklevel=3,
+            )
+        return False
+
+    # ------------------------------------------------------------------ exchange
+    def _payload(self, cur: _Pending, plan: Plan) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+        """Per destination: the fixed bytes (dense + label) then the carried ids of this rank's samples the plan
+        assigns there; the bytes expected from each rank; the global indices of this rank's assigned samples."""
+        lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
         assign = plan.assignment()
-        mine = plan.local_samples(self.rank)  # increasing global order
-        lo = self.rank * self.B
-        # what this rank sends to d: its own samples assigned to d, in global order
-        dest = assign[lo : lo + self.B]
-        order = np.argsort(dest, kind="stable")
-        send_splits = np.bincount(dest, minlength=self.R).tolist()
-        recv_splits = np.bincount(owner_rank[mine], minlength=self.R).tolist()
-        words = [np.ascontiguousarray(local.dense, dtype=np.float32).view(np.int32),
-                 np.ascontiguousarray(local.labels, dtype=np.float32)[:, None].view(np.int32)]
-        if self.carry:  # int64 ids as two words each
-            words.append(np.ascontiguousarray(local.ids[:, self.carry]).view(np.int32))
-        payload = np.concatenate(words, axis=1)[order]
-        return payload, send_splits, recv_splits, mine
+        dest = assign[r * B : (r + 1) * B]
+        order = np.argsort(dest, kind="stable")  # by destination, global order within
+        send_n = np.bincount(dest, minlength=self.R)
+        car = carried_ids(cur.local, lay, order)  # type: ignore[arg-type]
+        car_per_sample = cur.local.lengths[lay.carried][:, order].sum(axis=0)  # type: ignore[union-attr]
+        car_cut = np.concatenate([[0], np.cumsum(np.bincount(dest[order], weights=car_per_sample, minlength=self.R))]).astype(np.int64)
+        fixed = cur.local.fixed[order]
+        f_cut = np.concatenate([[0], np.cumsum(send_n)])
+        blocks = [np.concatenate([fixed[f_cut[d] : f_cut[d + 1]].reshape(-1), car[car_cut[d] : car_cut[d + 1]].view(np.uint8)])
+                  for d in range(self.R)]
+        mine = plan.local_samples(r)  # increasing global order: by source rank, then local index
+        src = mine // B
+        car_len = cur.ids.lengths[lay.carried][:, mine].sum(axis=0) if lay.carried.shape[0] else np.zeros(mine.shape[0], np.int64)  # type: ignore[union-attr]
+        fb = lay.fixed_bytes()  # type: ignore[union-attr]
+        recv = (np.bincount(src, minlength=self.R) * fb + np.bincount(src, weights=car_len, minlength=self.R) * 8).astype(np.int64)
+        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)), call=False)
+        return blocks, recv.tolist(), mine
 
-    def _assigned(self, local: Samples, got: np.ndarray, ids: np.ndarray, mine: np.ndarray) -> Samples:
-        """Received payload words [B, D + 1 (+ 2 per carried column)] + the gathered managed ids -> Samples."""
-        D = local.dense.shape[1]
-        full_ids = np.zeros((self.B, local.ids.shape[1]), dtype=np.int64)
-        full_ids[:, self.columns] = ids[mine]
-        if self.carry:
-            full_ids[:, self.carry] = np.ascontiguousarray(got[:, D + 1 :]).view(np.int64)
-        dense = np.ascontiguousarray(got[:, :D]).view(np.float32)
-        labels = np.ascontiguousarray(got[:, D]).view(np.float32)
-        return Samples(dense=dense, ids=full_ids, labels=labels)
+    def _assemble(self, cur: _Pending, mine: np.ndarray, got: list[np.ndarray]) -> Batch:
+        lay = self.layout
+        fb = lay.fixed_bytes()  # type: ignore[union-attr]
+        src = mine // lay.batch_size  # type: ignore[union-attr]
+        n_from = np.bincount(src, minlength=self.R)
+        fixed = np.concatenate([g[: n * fb] for g, n in zip(got, n_from)]).reshape(mine.shape[0], fb)
+        carried = np.concatenate([g[n * fb :] for g, n in zip(got, n_from)]).view(np.int64)
+        lengths, values = assigned_kjt_parts(cur.ids, lay, mine, carried)  # type: ignore[arg-type]
+        return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
 
-    def exchange(self, local: Samples, batch: GlobalBatch, plan: Plan, ids: np.ndarray | None = None) -> Samples:
-        """Dense features + labels to the ranks the plan assigns them to; ids from the gathered global batch (`ids`:
-        its dense [R*B, T] form when at hand, which saves one gather per table)."""
-        payload, send_splits, recv_splits, mine = self._exchange_sends(local, plan)
-        got = self.comm.all_to_all(torch.from_numpy(payload), send_splits, recv_splits, "samples")
-        if ids is None:
-            ids = np.stack([batch.values[t] for t in range(batch.num_tables)], axis=1)
-        return self._assigned(local, got.numpy(), ids, mine)
+    def _step(self, cur: _Pending | None, plan: Plan | None, nxt: Batch | None, gather: bool) -> tuple[Batch | None, _Pending | None | bool]:
+        """One collective round: the exchange of `cur` by `plan` (if any) and the gather of the slice `nxt` (if
+        `gather`). Returns (assigned batch or None, gathered pending batch, or False at the end of data)."""
+        R = self.R
+        ids_blocks_in: list[int] = [0] * R
+        gathered: _Pending | None | bool = None
+        hs = heads = None
+        my_ids = np.zeros(0, dtype=np.uint8)
+        if gather:
+            hs, head, err = self._header(nxt)
+            heads = self._all_gather_words(head, "control")
+            if self._check_heads(heads, hs, err):
+                my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
+                ids_blocks_in = self._ids_sizes(heads)
+                self.comm.counter.add("sample_ids", my_ids.shape[0] * (R - 1), call=cur is None)
+            else:
+                gathered = False
+        if cur is not None:
+            pay, recv_pay, mine = self._payload(cur, plan)  # type: ignore[arg-type]
+            self.comm.counter.add("samples", 0)
+        else:
+            pay, recv_pay, mine = [np.zeros(0, np.uint8)] * R, [0] * R, None
+        if my_ids.shape[0] or any(ids_blocks_in) or any(b.shape[0] for b in pay) or any(recv_pay):
+            got = self._all_to_all_bytes([np.concatenate([my_ids, p]) for p in pay],
+                                         [a + b for a, b in zip(ids_blocks_in, recv_pay)])
+        else:
+            got = [np.zeros(0, np.uint8)] * R
+        if gathered is None and gather:
+            g, gb = self._decode_ids(heads, [b[:n] for b, n in zip(got, ids_blocks_in)], None)  # type: ignore[arg-type]
+            gathered = _Pending(hs, g, gb)  # type: ignore[arg-type]
+        out = self._assemble(cur, mine, [b[n:] for b, n in zip(got, ids_blocks_in)]) if cur is not None else None
+        return out, gathered
 
-    def exchange_and_gather(
-        self, local: Samples, plan: Plan, ids: np.ndarray, nxt: Samples | None
-    ) -> tuple[Samples, tuple[Samples, GlobalBatch, np.ndarray] | None]:
-        """`exchange` of the current batch and `_gather` of the next slice `nxt` as one all-to-all of bytes: to each
-        rank d, this rank's ids slice, then the payload rows assigned to d (bit-exact: both only travel as bytes)."""
-        if self.R == 1:
-            return self.exchange(local, None, plan, ids), self._gather(nxt)  # type: ignore[arg-type]
-        payload, send_splits, recv_splits, mine = self._exchange_sends(local, plan)
-        wire = self._ids_wire(nxt)
-        wire_b = wire.view(torch.uint8)
-        pay = torch.from_numpy(np.ascontiguousarray(payload))
-        row_b = pay.shape[1] * pay.element_size()
-        pay_b = pay.view(torch.uint8).reshape(-1)
-        off = np.concatenate([[0], np.cumsum(send_splits)]) * row_b
-        send = torch.cat([x for d in range(self.R) for x in (wire_b, pay_b[off[d] : off[d + 1]])])
-        n_id = wire_b.numel()
-        s_spl = [n_id + n * row_b for n in send_splits]
-        r_spl = [n_id + n * row_b for n in recv_splits]
-        out = torch.empty(sum(r_spl), dtype=torch.uint8)
-        self.comm.counter.add("samples", row_b * (sum(send_splits) - send_splits[self.rank]))
-        with phase("input.samples_ids_all_to_all"):
-            dist.all_to_all_single(out, send, r_spl, s_spl, group=self.comm.group)
-        blocks = torch.split(out, r_spl)
-        slices = torch.stack([b[:n_id].view(wire.dtype) for b in blocks]).numpy()
-        got = torch.cat([b[n_id:] for b in blocks]).view(pay.dtype).reshape(-1, pay.shape[1]).numpy()
-        self._count_gather(slices[:, 0], wire, call=False)
-        return self._assigned(local, got, ids, mine), self._gathered(nxt, slices)
+    # ------------------------------------------------------------------ the stream
+    def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan]]:
+        first = next(stream, None)
+        if first is None:
+            return
+        if self.layout is None:
+            self._setup(first)
+        pending_first: list[Batch | None] = [first]
 
-    def __call__(self, stream: Iterator[Samples]) -> Iterator[tuple[Samples, Plan]]:
-        window: deque[tuple[Samples, GlobalBatch, np.ndarray]] = deque()
+        def draw() -> Batch | None:
+            return pending_first.pop() if pending_first else next(stream, None)
+
+        window: deque[_Pending] = deque()
         exhausted = False
-        for _ in range(self.policy.lookahead + 1):
-            nxt = next(stream, None)
+        for _ in range(self.policy.lookahead + 1):  # type: ignore[union-attr]
             with phase("input.gather"):
-                got = self._gather(nxt)
-            if got is None:
+                _, got = self._step(None, None, draw(), gather=True)
+            if got is False:
                 exhausted = True
                 break
-            window.append(got)
+            window.append(got)  # type: ignore[arg-type]
         while window:
-            local, batch, ids = window[0]
+            cur = window[0]
             with phase("input.plan"):
-                plan = self.policy.plan([b for _, b, _ in window])
+                plan = self.policy.plan([p.batch for p in window])  # type: ignore[union-attr]
             self.sched_ms.append(plan.sched_seconds * 1e3)  # timed by the policy itself
-            if exhausted:
-                with phase("input.exchange"):
-                    assigned = self.exchange(local, batch, plan, ids)
-            else:
-                nxt = next(stream, None)
-                with phase("input.exchange_and_gather"):
-                    assigned, got = self.exchange_and_gather(local, plan, ids, nxt)
-                if got is None:
+            with phase("input.exchange_and_gather"):
+                assigned, got = self._step(cur, plan, None if exhausted else draw(), gather=not exhausted)
+            if not exhausted:
+                if got is False:
                     exhausted = True
                 else:
-                    window.append(got)
+                    window.append(got)  # type: ignore[arg-type]
             window.popleft()
-            yield assigned, plan
+            yield assigned, plan  # type: ignore[misc]

@@ -1,27 +1,41 @@
 """`HeraldTrainPipeline`: TorchRec's `TrainPipelineSparseDist` with Herald's input-permutation stage in front.
 
-`pipeline.schedule(stream)` turns this rank's slices of the global batch stream (`Samples`) into the batches the
-stock machinery trains (input_dist / forward / backward / optimizer): it runs the scheduler L batches ahead on
-every rank (`ScheduledInput`), exchanges samples so this rank holds exactly the B the plan assigns it, and queues
-the plan on every Herald-managed sharded module. Plans are consumed one per forward, in order, so the pipeline's
-look-ahead of a batch or two keeps them aligned.
+    pipeline = HeraldTrainPipeline(model, optimizer, device)   # TrainPipelineSparseDist's signature
+    for _ in range(steps):
+        pipeline.progress(batches)   # an iterator of torchrec Batch: this rank's slice of each global batch
 
-Evaluation batches (model in eval mode) are plain TorchRec batches: the sharded module serves them with read-only
-static plans of its own, which move no rows and so leave the scheduler's directory in sync.
+Everything Herald needs comes from the sharded model: the Herald-managed modules (every EBC sharded by
+`HeraldEmbeddingBagCollectionSharder`, the Herald part of mixed EBCs included) give the tables, the features that
+read them and the scheduler's settings (policy, cache ratio, lookahead: the sharder is the one place they are set).
+The first batch gives the batch size per rank. The input stage (`ScheduledInput`) then gathers ids from the KJTs,
+plans L global batches ahead, exchanges samples so that this rank holds exactly the B the plan assigns it, and
+queues each plan on the modules (split by module when there are several). Plans are consumed one per training
+forward, in order, so the pipeline's look-ahead of a batch or two keeps them aligned.
+
+Evaluation (model.eval(): plain forwards or `EvalPipelineSparseDist`) never touches training plans: the modules
+serve eval batches with read-only static plans of their own, which move no rows.
+
+The input stage's collectives run on host tensors, over a gloo process group of their own (so a model trained
+with NCCL works, and the CPU tests run the same path).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from herald_torchrec.data.samples import Samples
+from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
+from herald_torchrec.distributed.input_layout import ManagedTables
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
+from herald_torchrec.schedule import make_policy
 from herald_torchrec.schedule.plan import Plan
+from herald_torchrec.schedule.policy import SchedulePolicy
 
 
 def herald_modules(model: torch.nn.Module) -> list[ShardedHeraldEmbeddingBagCollection]:
@@ -29,45 +43,127 @@ def herald_modules(model: torch.nn.Module) -> list[ShardedHeraldEmbeddingBagColl
     return [m for m in model.modules() if isinstance(m, ShardedHeraldEmbeddingBagCollection)]
 
 
+def managed_tables(modules: list[ShardedHeraldEmbeddingBagCollection]) -> ManagedTables:
+    """The modules' tables in one table space (module after module), with the features that read each table."""
+    names, rows, features, offsets = [], [], [], []
+    for m in modules:
+        offsets.append(len(names))
+        for t, name in enumerate(m.table_names):
+            names.append(name)
+            rows.append(int(m.store.rows[t]))
+            features.append(tuple(f for f, ft in zip(m.feature_names, m.feature_table) if ft == t))
+    return ManagedTables(tuple(names), tuple(rows), tuple(features), tuple(offsets))
+
+
+def host_process_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group over every rank for the host-side input stage (None without torch.distributed). Collective:
+    every rank builds it, in the same order."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def scheduler_settings(modules: list[ShardedHeraldEmbeddingBagCollection]) -> dict[str, Any]:
+    """The scheduler settings the modules were sharded with (they must agree: one scheduler plans them all)."""
+    settings = [{"policy": m.policy, "cache_ratio": m.cache_ratio, "lookahead": m.lookahead} for m in modules]
+    if any(s != settings[0] for s in settings[1:]):
+        raise ValueError(f"the Herald-managed modules were sharded with different scheduler settings {settings}; "
+                         "shard every EBC with the same HeraldEmbeddingBagCollectionSharder settings")
+    return settings[0]
+
+
+def warn_if_batch_coupled(model: torch.nn.Module) -> None:
+    """Layers that mix the samples of a rank's batch (batch norm) see other batches under Herald, whose scheduler
+    decides which samples train together on a rank: the trained model then differs from stock training."""
+    bn = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if bn:
+        warnings.warn(
+            f"HeraldTrainPipeline: the model has batch-norm layers {bn[:3]}{'...' if len(bn) > 3 else ''}; Herald "
+            "assigns samples to ranks by where their embeddings live, so each rank's batch statistics differ from "
+            "stock training and the trained model is no longer the same (see README, Known limitations)",
+            stacklevel=3,
+        )
+
+
 class HeraldTrainPipeline(TrainPipelineSparseDist):
+    """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
+
+    Extra keyword arguments: `on_plan(plan)` is called with every plan as it is queued (statistics);
+    `host_group` overrides the gloo group of the input stage. The rest go to TrainPipelineSparseDist."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
-        scheduled_input: ScheduledInput,
-        to_batch: Callable[[Samples], Batch],
-        modules: Optional[list[ShardedHeraldEmbeddingBagCollection]] = None,
+        execute_all_batches: bool = True,
+        *args: Any,
         on_plan: Optional[Callable[[Plan], None]] = None,
-        **kwargs,
+        host_group: Optional[dist.ProcessGroup] = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(model, optimizer, device, execute_all_batches=True, **kwargs)
-        modules = herald_modules(model) if modules is None else modules
+        super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
+        modules = herald_modules(model)
         if not modules:
-            raise ValueError("HeraldTrainPipeline: the model has no Herald-managed sharded module")
-        self._scheduled_input = scheduled_input
+            raise ValueError("HeraldTrainPipeline: the model has no Herald-managed sharded module "
+                             "(shard it with HeraldEmbeddingBagCollectionSharder)")
         self._herald_modules = modules
-        self._to_batch = to_batch
+        self._settings = scheduler_settings(modules)
+        self.tables = managed_tables(modules)
+        self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]
+        warn_if_batch_coupled(model)
+        group = host_group if host_group is not None else host_process_group()
+        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy)
         self._on_plan = on_plan
+        self._source: Optional[Iterable[Batch]] = None
+        self._scheduled: Optional[Iterator[Batch]] = None
+        self._ownership = self._ownership_versions()
         self.trained_counters: dict[str, int] = {}  # this rank's rows by kind over training steps (not eval)
 
-    def schedule(self, stream: Iterator[Samples]) -> Iterator[Batch]:
-        """This rank's slices of the training stream -> its assigned batches, each with its plan queued.
+    @property
+    def policy(self) -> Optional[SchedulePolicy]:
+        """The scheduler (built at the first batch)."""
+        return self.input_stage.policy
 
-        Create it once per training stream and feed it to `progress` (in slices, if you like: `islice` of it
-        between evaluations keeps the scheduler's lookahead across the slices). Plans are queued as batches are
-        drawn, and the pipeline draws them in order, so queue and forwards stay aligned."""
-        for samples, plan in self._scheduled_input(stream):
-            for m in self._herald_modules:
-                m.set_plan(plan)
-            if self._on_plan is not None:
-                self._on_plan(plan)
-            yield self._to_batch(samples)
+    def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
+        s = self._settings
+        world = self.input_stage.R
+        policy = make_policy(s["policy"], list(self.tables.rows), world, batch_per_rank,
+                             cache_ratio=s["cache_ratio"], lookahead=s["lookahead"])
+        if not policy.executable:
+            raise ValueError(f"policy {s['policy']!r} only models traffic (simulator); the data plane runs herald or static")
+        return policy
 
-    def progress(self, dataloader_iter: Iterator[Samples]):
-        out = super().progress(dataloader_iter)
-        if self._model.training:
-            for m in self._herald_modules:
-                for k, v in m.step_counters.items():
-                    self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
+    def _ownership_versions(self) -> tuple[int, ...]:
+        return tuple(int(getattr(m, "ownership_version", 0)) for m in self._herald_modules)
+
+    def _queue(self, plan: Plan) -> None:
+        if len(self._herald_modules) == 1:
+            self._herald_modules[0].set_plan(plan)
+        else:
+            for m, (lo, hi) in zip(self._herald_modules, self._bounds):
+                m.set_plan(plan.for_tables(lo, hi))
+        if self._on_plan is not None:
+            self._on_plan(plan)
+
+    def _schedule(self, source: Iterator[Batch]) -> Iterator[Batch]:
+        for batch, plan in self.input_stage(source):
+            self._queue(plan)
+            yield batch
+
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        if not self._model.training:
+            raise ValueError("HeraldTrainPipeline.progress trains: call model.train() first; evaluate with a plain "
+                             "forward or torchrec's EvalPipelineSparseDist (they never touch training plans)")
+        versions = self._ownership_versions()
+        if versions != self._ownership:  # a checkpoint load reset ownership to home: plan from there
+            self.input_stage.reset_policy()
+            self._ownership = versions
+        if dataloader_iter is not self._source:
+            self._source = dataloader_iter
+            self._scheduled = self._schedule(iter(dataloader_iter))
+        out = super().progress(self._scheduled)  # type: ignore[arg-type]
+        for m in self._herald_modules:
+            for k, v in m.step_counters.items():
+                self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
         return out

@@ -123,3 +123,18 @@ class Plan:
             width = dim + state_width if k in self.stateful_kinds else dim
             total += v * width * bytes_per_float
         return total
+
+    def for_tables(self, lo: int, hi: int) -> "Plan":
+        """The part of the plan on tables [lo, hi), their indices shifted to start at 0: what one sharded module of a
+        model with several Herald-managed EBCs executes (the scheduler plans all of them in one table space). The
+        sample order and the counters are the whole step's."""
+        mv, sh = self.moves, self.shared
+        m = (mv.table >= lo) & (mv.table < hi)
+        moves = RowMoves(mv.table[m] - lo, mv.row[m], mv.src[m], mv.dst[m], mv.kind[m])
+        k = (sh.table >= lo) & (sh.table < hi)
+        counts = np.diff(sh.reader_offsets)
+        keep = np.repeat(k, counts)
+        shared = SharedRows(sh.table[k] - lo, sh.row[k], sh.owner[k],
+                            np.concatenate([[0], np.cumsum(counts[k])]).astype(np.int64), sh.readers[keep])
+        return Plan(self.step, self.num_ranks, self.batch_per_rank, self.sample_order, moves, shared, dict(self.counters),
+                    self.stateful_kinds, self.executable, None, self.sched_seconds)

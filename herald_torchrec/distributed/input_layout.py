@@ -1,0 +1,281 @@
+"""Host-side layout of the Herald input stage: TorchRec `Batch`es <-> the scheduler's global batches (numpy only).
+
+No process group here: everything is a pure function of arrays, so the input stage's bookkeeping is testable in
+one process. `scheduled_input.py` moves the bytes these functions describe.
+
+Vocabulary:
+- a *slice* is one rank's `Batch` of a step (B samples: dense features, a KeyedJaggedTensor, labels);
+- *managed keys* are the KJT keys read by Herald-managed tables (possibly several tables per key, across several
+  EBCs); the scheduler sees their ids. *Carried keys* are all other keys (tables left to TorchRec's sharding, other
+  sparse modules): their ids travel with the samples, like dense features and labels;
+- global sample g = q * B + i is sample i of rank q's slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from herald_torchrec.distributed.row_store import exclusive_cumsum, ragged_arange
+from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@dataclass(frozen=True)
+class ManagedTables:
+    """The Herald-managed tables of a model, in one global table space for the scheduler.
+
+    `features[t]`: the KJT keys whose ids table t reads (a table may serve several features; a key may feed tables of
+    several EBCs). `module_offsets[m]`: index of module m's first table (modules in model order)."""
+
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+    features: tuple[tuple[str, ...], ...]
+    module_offsets: tuple[int, ...]
+
+    @property
+    def layout(self) -> TableLayout:
+        return TableLayout(self.rows)
+
+    def keys(self) -> list[str]:
+        """Every managed key, in first-use order."""
+        out: list[str] = []
+        for fs in self.features:
+            out += [f for f in fs if f not in out]
+        return out
+
+
+@dataclass
+class SliceLayout:
+    """What every rank's slices look like (the first slice fixes it; every rank checks it agrees)."""
+
+    keys: tuple[str, ...]
+    batch_size: int
+    dense_shape: tuple[int, ...]  # per sample
+    dense_dtype: torch.dtype
+    label_shape: tuple[int, ...]
+    label_dtype: torch.dtype
+    managed: np.ndarray  # positions in `keys` of the managed keys (ManagedTables.keys() order)
+    carried: np.ndarray  # positions in `keys` of the other keys
+    key_rows: np.ndarray  # per managed key: the smallest table it feeds (its ids must be below this)
+    table_keys: list[np.ndarray] = field(default_factory=list)  # per managed table: indices into `managed`
+    ids_dtype: np.dtype = np.dtype(np.int32)  # wire type of managed ids (int64 only for tables >= 2^31 rows)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)
+
+    def fixed_bytes(self) -> int:
+        """Bytes of one sample's dense features + label on the wire."""
+        dense = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
+        return dense + int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+
+    def signature(self) -> np.ndarray:
+        """int64 words every rank must agree on (keys, batch size, dense / label shapes and dtypes)."""
+        import zlib
+
+        text = "\x00".join(self.keys) + f"|{self.dense_shape}|{self.dense_dtype}|{self.label_shape}|{self.label_dtype}"
+        return np.array([self.batch_size, self.num_keys, zlib.crc32(text.encode())], dtype=np.int64)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def check_batch(batch: object) -> Batch:
+    if not isinstance(batch, Batch):
+        raise ValueError(
+            f"HeraldTrainPipeline consumes torchrec.datasets.utils.Batch (dense_features, sparse_features, labels), "
+            f"got {type(batch).__name__}"
+        )
+    if not isinstance(batch.sparse_features, KeyedJaggedTensor):
+        raise ValueError(f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(batch.sparse_features).__name__}")
+    return batch
+
+
+def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
+    """The layout the first slice defines (raises ValueError for what the stage cannot carry)."""
+    batch = check_batch(batch)
+    kjt = batch.sparse_features
+    keys = tuple(kjt.keys())
+    B = int(kjt.stride())
+    index = {k: i for i, k in enumerate(keys)}
+    mkeys = tables.keys()
+    missing = [k for k in mkeys if k not in index]
+    if missing:
+        raise ValueError(f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} (has {list(keys)})")
+    managed = np.array([index[k] for k in mkeys], dtype=np.int64)
+    carried = np.array([i for i, k in enumerate(keys) if k not in set(mkeys)], dtype=np.int64)
+    key_rows = np.array([min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys], dtype=np.int64)
+    table_keys = [np.array([mkeys.index(f) for f in fs], dtype=np.int64) for fs in tables.features]
+    ids_dtype = np.dtype(np.int32) if max(tables.rows) <= INT32_MAX + 1 else np.dtype(np.int64)
+    dense, labels = batch.dense_features, batch.labels
+    if dense.shape[0] != B or labels.shape[0] != B:
+        raise ValueError(f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} samples")
+    return SliceLayout(keys, B, tuple(dense.shape[1:]), dense.dtype, tuple(labels.shape[1:]), labels.dtype,
+                       managed, carried, key_rows, table_keys, ids_dtype)
+
+
+@dataclass
+class HostSlice:
+    """One rank's slice on the host: KJT lengths [K, n] and values (int64, key-major), dense and label bytes."""
+
+    n: int
+    lengths: np.ndarray
+    values: np.ndarray
+    fixed: np.ndarray  # uint8 [n, fixed_bytes]: dense features then label, per sample
+
+    def key_offsets(self) -> np.ndarray:
+        return exclusive_cumsum(self.lengths.sum(axis=1))
+
+
+def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
+    """Parse a slice for the wire, with every check a rank can make alone (ValueError names what is wrong)."""
+    batch = check_batch(batch)
+    kjt = batch.sparse_features
+    keys = tuple(kjt.keys())
+    if keys != layout.keys:
+        raise ValueError(f"the batch's KJT keys {list(keys)} differ from the first batch's {list(layout.keys)}")
+    if kjt.variable_stride_per_key():
+        raise ValueError("Herald input stage: KJTs with a variable batch size per feature are not supported")
+    if kjt.weights_or_none() is not None:
+        raise ValueError("Herald input stage: weighted KeyedJaggedTensors are not supported")
+    n = int(kjt.stride())
+    if n > layout.batch_size:
+        raise ValueError(f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per rank)")
+    dense, labels = batch.dense_features, batch.labels
+    if tuple(dense.shape) != (n, *layout.dense_shape) or dense.dtype != layout.dense_dtype:
+        raise ValueError(f"dense_features {tuple(dense.shape)} {dense.dtype} differ from the first batch's "
+                         f"(n, {layout.dense_shape}) {layout.dense_dtype}")
+    if tuple(labels.shape) != (n, *layout.label_shape) or labels.dtype != layout.label_dtype:
+        raise ValueError(f"labels {tuple(labels.shape)} {labels.dtype} differ from the first batch's "
+                         f"(n, {layout.label_shape}) {layout.label_dtype}")
+    lengths = kjt.lengths().detach().cpu().numpy().astype(np.int64, copy=False).reshape(layout.num_keys, n)
+    values = kjt.values().detach().cpu().numpy().astype(np.int64, copy=False)
+    if values.shape[0] != int(lengths.sum()):
+        raise ValueError(f"KJT: {values.shape[0]} values but lengths sum to {int(lengths.sum())}")
+    per_key = lengths.sum(axis=1)
+    koff = exclusive_cumsum(per_key)
+    for j, k in enumerate(layout.managed):  # managed ids must address their tables (before any narrowing)
+        v = values[koff[k] : koff[k] + per_key[k]]
+        if v.size and (int(v.min()) < 0 or int(v.max()) >= layout.key_rows[j]):
+            bad = v[(v < 0) | (v >= layout.key_rows[j])][:5].tolist()
+            raise ValueError(f"feature {layout.keys[k]!r}: ids out of range {bad} (its table has {layout.key_rows[j]} rows)")
+    fixed = np.concatenate(
+        [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
+    ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
+    return HostSlice(n, lengths, values, fixed)
+
+
+def _bytes_per_sample(t: torch.Tensor, n: int) -> np.ndarray:
+    a = t.detach().cpu().contiguous()
+    return a.view(torch.uint8).numpy().reshape(n, -1) if a.numel() else np.zeros((n, 0), dtype=np.uint8)
+
+
+def managed_ids(s: HostSlice, layout: SliceLayout) -> np.ndarray:
+    """The ids of the managed keys, key after key (ManagedTables.keys() order), as the wire's dtype."""
+    per_key = s.lengths.sum(axis=1)
+    koff = exclusive_cumsum(per_key)
+    idx = ragged_arange(koff[layout.managed], per_key[layout.managed])
+    return s.values[idx].astype(layout.ids_dtype)
+
+
+@dataclass
+class GatheredIds:
+    """The managed ids of a whole global batch (every rank holds it after the gather) and its lengths of all keys."""
+
+    lengths: np.ndarray  # int64 [K, R*B]: lengths of every key for every global sample
+    values: np.ndarray  # int64: managed ids, managed key after key, global samples in order
+    key_start: np.ndarray  # int64 [J]: where each managed key's ids start in `values`
+    sample_start: np.ndarray  # int64 [J, R*B]: start of each (managed key, sample) bag in `values`
+
+
+def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: SliceLayout) -> GatheredIds:
+    """Assemble the global batch from every rank's lengths [R, K, B] and managed ids (key-major per rank)."""
+    R, K, B = lengths.shape
+    glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
+    mlen = lengths[:, layout.managed, :]  # [R, J, B]
+    J = layout.managed.shape[0]
+    seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
+    flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_rank_ids]) if R else np.zeros(0, np.int64)
+    start_qj = exclusive_cumsum(seg.reshape(-1)).reshape(R, J)
+    order = ragged_arange(start_qj.T.reshape(-1), seg.T.reshape(-1))  # (key, rank) order
+    values = flat[order]
+    mg = glen[layout.managed]  # [J, R*B]
+    key_start = exclusive_cumsum(mg.sum(axis=1))
+    sample_start = (key_start[:, None] + np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
+                    if R * B else np.zeros((J, 0), np.int64))
+    return GatheredIds(glen, values, key_start, sample_start)
+
+
+def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
+    """The scheduler's view: per managed table, the CSR of the ids every global sample reads in it (a table fed by
+    several keys reads them all, key after key). Single-hot data takes the dense fast path."""
+    lay = tables.layout
+    mg = ids.lengths[layout.managed]  # [J, N]
+    N = mg.shape[1]
+    one_key = all(k.shape[0] == 1 for k in layout.table_keys)
+    if one_key and (mg == 1).all():
+        cols = np.stack([ids.values[ids.key_start[k[0]] : ids.key_start[k[0]] + N] for k in layout.table_keys], axis=1)
+        return GlobalBatch.from_dense(np.ascontiguousarray(cols), lay, index)
+    offs, vals = [], []
+    for keys in layout.table_keys:
+        cnt = mg[keys].sum(axis=0)
+        offs.append(np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64))
+        if keys.shape[0] == 1:
+            k = int(keys[0])
+            vals.append(ids.values[ids.key_start[k] : ids.key_start[k] + int(mg[k].sum())])
+        else:  # per sample: the ids of each key in turn
+            starts = ids.sample_start[keys].T.reshape(-1)
+            widths = mg[keys].T.reshape(-1)
+            vals.append(ids.values[ragged_arange(starts, widths)])
+    return GlobalBatch(offs, vals, lay, index)
+
+
+def carried_ids(s: HostSlice, layout: SliceLayout, samples: np.ndarray) -> np.ndarray:
+    """int64 ids of the carried keys of the given local samples, sample after sample, key after key within one."""
+    if layout.carried.shape[0] == 0 or samples.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    koff = s.key_offsets()
+    C = layout.carried.shape[0]
+    within = np.zeros_like(s.lengths)
+    within[:, 1:] = np.cumsum(s.lengths[:, :-1], axis=1)
+    starts = (koff[layout.carried][None, :] + within[layout.carried][:, samples].T).reshape(-1)  # (sample, key)
+    widths = s.lengths[layout.carried][:, samples].T.reshape(-1)
+    assert widths.shape[0] == samples.shape[0] * C
+    return s.values[ragged_arange(starts, widths)]
+
+
+def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths int64 [K * B'], values int64) of the KJT of the samples `mine` (global indices, in order), keys in the
+    slices' order: managed ids from the gathered batch, carried ids from `carried` (as `carried_ids` lays them out,
+    samples in `mine` order)."""
+    K = layout.num_keys
+    lens = ids.lengths[:, mine]  # [K, B']
+    start = np.zeros((K, mine.shape[0]), dtype=np.int64)
+    base_carried = ids.values.shape[0]
+    start[layout.managed] = ids.sample_start[:, mine]
+    if layout.carried.shape[0]:
+        cl = lens[layout.carried].T  # [B', C] in the order `carried` holds them
+        start[layout.carried] = (base_carried + exclusive_cumsum(cl.reshape(-1)).reshape(cl.shape)).T
+    source = np.concatenate([ids.values, carried]) if carried.shape[0] else ids.values
+    values = source[ragged_arange(start.reshape(-1), lens.reshape(-1))]
+    return lens.reshape(-1), values
+
+
+def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:
+    """A TorchRec Batch from the assembled KJT parts and the received dense / label bytes."""
+    n = fixed.shape[0]
+    dense_b = int(np.prod(layout.dense_shape, dtype=np.int64)) * _itemsize(layout.dense_dtype)
+    fixed = np.ascontiguousarray(fixed)
+    dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype).reshape(n, *layout.dense_shape)
+    labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype).reshape(n, *layout.label_shape)
+    kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.from_numpy(values),
+                            lengths=torch.from_numpy(lengths.astype(np.int32)))
+    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
