@@ -15,6 +15,7 @@ from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.greedy import HeraldGreedyPolicy
 from herald_torchrec.schedule.herald import HeraldPolicy
 from herald_torchrec.schedule.het import HetBspPolicy
+from herald_torchrec.schedule.het_stale import HetPolicy
 from herald_torchrec.schedule.plan import Plan, ReadVersions, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy
 from herald_torchrec.schedule.static import StaticPolicy
@@ -22,6 +23,7 @@ from herald_torchrec.schedule.static import StaticPolicy
 POLICIES: dict[str, type[SchedulePolicy]] = {
     "static": StaticPolicy,
     "het_bsp": HetBspPolicy,
+    "het": HetPolicy,
     "herald_greedy": HeraldGreedyPolicy,
     "herald": HeraldPolicy,
 }
@@ -37,6 +39,6 @@ def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: i
 
 __all__ = [
     "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions",
-    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "PlanChecker",
+    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HetPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "PlanChecker",
     "POLICIES", "make_policy",
 ]
