@@ -141,9 +141,9 @@ def run_policies(args, R: int) -> dict:
     for n, pol in pols.items():
         if hasattr(pol, "profile_fraction"):
             k = pol.profile_steps(args.steps, pol.profile_fraction)
-            prefix = [feed.get(i) for i in range(k)]
-            pol.profile([GlobalBatch.from_dense(ids, table_rows) for ids in prefix if ids is not None] or
-                        [GlobalBatch.from_dense(feed.get(0), table_rows)])
+            prefix = [GlobalBatch.from_dense(ids, table_rows) for ids in map(feed.get, range(k)) if ids is not None]
+            if prefix:  # an empty trace: nothing to plan either
+                pol.profile(prefix)
 
     def fill(n: str) -> None:
         pol = pols[n]
