@@ -49,9 +49,11 @@ class StaleCaches(WorkerCaches):
         # ---- reads ----
         pos, base = self.lookup(pair_rank, pair_gid)
         miss = pos < 0
-        p = np.maximum(pos, 0)
-        own = np.where(miss, 0, own_p[p] if p.shape[0] and own_p.shape[0] else 0)
-        pend = np.where(miss, 0, pend_p[p] if p.shape[0] and pend_p.shape[0] else 0)
+        if own_p.shape[0]:
+            p = np.maximum(pos, 0)
+            own, pend = np.where(miss, 0, own_p[p]), np.where(miss, 0, pend_p[p])
+        else:  # no cache at all: every read misses
+            own = pend = np.zeros(pos.shape[0], dtype=np.int64)
         Cg, Ug = C[pair_gid], U[pair_gid]
         pull = ~miss & (Cg - base - (own - pend) > S)
         hit = ~miss & ~pull
