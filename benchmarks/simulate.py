@@ -4,6 +4,8 @@
     python benchmarks/simulate.py --data synthetic --workers 8 --batch 256 --cache-ratio 0.1 --steps 200 \\
         --policies static,het_bsp,herald_greedy,herald --lookahead 4 --dim 512 --json
     python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
+    python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
+        [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the baselines of issue 10
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
 {"config": {...}, "sweep": {R: {"policies": {...}, "ratios": {...}}}} for a comma list. Per policy:
@@ -79,38 +81,93 @@ def open_trace(args, global_batch: int) -> tuple[list[int], Iterator[np.ndarray]
     return list(src.table_rows), (s.ids for s in src.train_batches(global_batch))
 
 
+class Feed:
+    """The trace's global batches, read once and shared: each policy keeps its own cursor and its own GlobalBatch
+    objects (their caches count in its own time). `fae` takes `window` batches at a time and reorders them
+    (FaePolicy.reorder: hot-only batches first, then cold) before planning them, as FAE reorders its input."""
+
+    def __init__(self, trace: Iterator[np.ndarray], n: int) -> None:
+        self.trace, self.n = trace, n
+        self.buf: deque = deque()
+        self.base = 0  # index of buf[0]
+        self.done = False
+
+    def get(self, i: int) -> np.ndarray | None:
+        while not self.done and i >= self.base + len(self.buf):
+            ids = next(self.trace, None)
+            if ids is None or ids.shape[0] != self.n:
+                self.done = True
+            else:
+                self.buf.append(ids)
+        return self.buf[i - self.base] if i < self.base + len(self.buf) else None
+
+    def release(self, below: int) -> None:
+        while self.buf and self.base < below:
+            self.buf.popleft()
+            self.base += 1
+
+
+def policy_kwargs(args, name: str) -> dict:
+    """Settings from the command line for one policy (only those given)."""
+    kw: dict = {}
+    if name == "herald":
+        if args.refine is not None:
+            kw["refine"] = args.refine
+        if args.budget_ms is not None:
+            kw["budget_ms"] = args.budget_ms
+    if name == "het" and args.staleness is not None:
+        kw["staleness"] = args.staleness
+    if name in ("fae", "p2res"):
+        if args.hot_budget is not None:
+            kw["hot_budget"] = args.hot_budget
+        kw["profile_fraction"] = args.profile_fraction
+    if name == "fae":
+        kw["window"] = args.fae_window
+    return kw
+
+
 def run_policies(args, R: int) -> dict:
     B = args.batch
     table_rows, trace = open_trace(args, R * B)
     names = args.policies
     L = args.lookahead
-    kwargs = {"herald": {"refine": args.refine} if args.refine is not None else {}}
-    if args.budget_ms is not None:
-        kwargs["herald"]["budget_ms"] = args.budget_ms
-    pols = {n: make_policy(n, table_rows, R, B, args.cache_ratio, L, **kwargs.get(n, {})) for n in names}
+    pols = {n: make_policy(n, table_rows, R, B, args.cache_ratio, L, **policy_kwargs(args, n)) for n in names}
     checkers = {n: PlanChecker(table_rows, R, B, args.cache_ratio) for n in names} if args.check else {}
+    feed = Feed(trace, R * B)
     windows: dict[str, deque] = {n: deque() for n in names}
-    ids_window: deque = deque()
+    cursor = {n: 0 for n in names}
     stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
-    exhausted = False
     step = 0
     t_start = time.perf_counter()
+    # fae / p2res choose their replicated rows from a prefix of the stream (profile_fraction of --steps)
+    for n, pol in pols.items():
+        if hasattr(pol, "profile_fraction"):
+            k = pol.profile_steps(args.steps, pol.profile_fraction)
+            prefix = [GlobalBatch.from_dense(ids, table_rows) for ids in map(feed.get, range(k)) if ids is not None]
+            if prefix:  # an empty trace: nothing to plan either
+                pol.profile(prefix)
 
-    def pull() -> None:
-        nonlocal exhausted
-        if exhausted:
-            return
-        ids = next(trace, None)
-        if ids is None or ids.shape[0] != R * B:
-            exhausted = True
-            return
-        ids_window.append(ids)
+    def fill(n: str) -> None:
+        pol = pols[n]
+        while len(windows[n]) < L + 1:
+            take = pol.window if n == "fae" else 1
+            got = []
+            for i in range(cursor[n], cursor[n] + take):
+                ids = feed.get(i)
+                if ids is None:
+                    break
+                got.append(GlobalBatch.from_dense(ids, table_rows, index=i))
+            if not got:
+                return
+            cursor[n] += len(got)
+            windows[n].extend(pol.reorder(got) if n == "fae" else got)
+
+    while step < args.steps:
         for n in names:
-            windows[n].append(GlobalBatch.from_dense(ids, table_rows, index=step + len(ids_window) - 1))
-
-    for _ in range(L + 1):
-        pull()
-    while ids_window and step < args.steps:
+            fill(n)
+        feed.release(min(cursor.values()))
+        if any(not windows[n] for n in names):
+            break
         for n in names:
             c0 = time.process_time()
             plan = pols[n].plan(list(windows[n]))
@@ -127,9 +184,7 @@ def run_policies(args, R: int) -> dict:
                 st["pairs"] += plan.read_pairs()
             stats[n]["ms"].append(plan.sched_seconds * 1e3)
             windows[n].popleft()
-        ids_window.popleft()
         step += 1
-        pull()
         if step % max(1, args.steps // 10) == 0:
             log(f"[simulate] R={R} step {step}/{args.steps} ({time.perf_counter() - t_start:.1f} s)")
     if step < args.steps:
@@ -155,6 +210,12 @@ def run_policies(args, R: int) -> dict:
             entry["check_errors"] = checkers[n].errors[:5]
         if n == "herald":
             entry["tables"] = pols[n].tables
+        if n == "het":
+            entry["staleness"] = pols[n].staleness
+        if n in ("fae", "p2res"):
+            entry["replicated_rows"] = int(pols[n].replicated.sum())
+        if n == "fae":
+            entry["hot_batches"] = pols[n].hot_batches
         out[n] = entry
     res = {"policies": out}
     ratios = {}
@@ -211,6 +272,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
     p.add_argument("--budget-ms", type=float, default=None, help="herald: scheduling-time budget per step")
+    p.add_argument("--staleness", type=int, default=None, help="het: staleness bound S (default 0 = het_bsp)")
+    p.add_argument("--hot-budget", type=int, default=None,
+                   help="fae / p2res: replicated rows per rank (default: sum of ceil(cache_ratio x rows))")
+    p.add_argument("--profile-fraction", type=float, default=0.05,
+                   help="fae / p2res: share of the --steps batches profiled (a prefix of the stream)")
+    p.add_argument("--fae-window", type=int, default=8, help="fae: global batches reordered together")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
     p.add_argument("--plot", help="PNG: transmitted rows per sample vs workers per policy")
@@ -223,6 +290,13 @@ def main(argv: list[str] | None = None) -> dict:
                         ("--dim", args.dim, 1), ("--state-width", args.state_width, 0), ("--warmup", args.warmup, 0)):
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
+    for name, v in (("--staleness", args.staleness), ("--hot-budget", args.hot_budget)):
+        if v is not None and v < 0:
+            p.error(f"{name} must be >= 0, got {v}")
+    if args.fae_window < 1:
+        p.error(f"--fae-window must be >= 1, got {args.fae_window}")
+    if not 0.0 < args.profile_fraction <= 1.0:
+        p.error(f"--profile-fraction must be in (0, 1], got {args.profile_fraction}")
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
     workers = parse_workers(args.workers)
@@ -236,6 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         config["refine"] = args.refine
     if args.budget_ms is not None:
         config["budget_ms"] = args.budget_ms
+    for key in ("staleness", "hot_budget"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    if {"fae", "p2res"} & set(args.policies):
+        config.update({"profile_fraction": args.profile_fraction, "fae_window": args.fae_window})
     result: dict = {"config": config}
     if len(workers) == 1:
         result.update(run_policies(args, workers[0]))

@@ -12,16 +12,22 @@ from typing import Sequence
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.checker import PlanChecker
 from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.fae import FaePolicy
 from herald_torchrec.schedule.greedy import HeraldGreedyPolicy
 from herald_torchrec.schedule.herald import HeraldPolicy
 from herald_torchrec.schedule.het import HetBspPolicy
-from herald_torchrec.schedule.plan import Plan, ReadVersions, RowMoves, SharedRows
+from herald_torchrec.schedule.het_stale import HetPolicy
+from herald_torchrec.schedule.p2res import P2resPolicy
+from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy
 from herald_torchrec.schedule.static import StaticPolicy
 
 POLICIES: dict[str, type[SchedulePolicy]] = {
     "static": StaticPolicy,
     "het_bsp": HetBspPolicy,
+    "het": HetPolicy,
+    "fae": FaePolicy,
+    "p2res": P2resPolicy,
     "herald_greedy": HeraldGreedyPolicy,
     "herald": HeraldPolicy,
 }
@@ -36,7 +42,8 @@ def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: i
 
 
 __all__ = [
-    "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions",
-    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "PlanChecker",
+    "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions", "ReplicaSync",
+    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HetPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "FaePolicy", "P2resPolicy",
+    "PlanChecker",
     "POLICIES", "make_policy",
 ]

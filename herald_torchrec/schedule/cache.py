@@ -26,6 +26,8 @@ from herald_torchrec.schedule.directory import GuestSlots, guest_capacity
 
 
 class WorkerCaches:
+    payload: tuple[str, ...] = ("ver", "last")  # per cached copy; subclasses add their own clocks
+
     def __init__(self, layout: TableLayout, num_ranks: int, cache_ratio: float, table_of: np.ndarray) -> None:
         self.layout = layout
         self.R = num_ranks
@@ -33,7 +35,7 @@ class WorkerCaches:
         self.n = layout.total_rows
         self.table_of = table_of
         self.capacity = guest_capacity(layout.table_rows, cache_ratio)
-        self.slots = GuestSlots(np.tile(self.capacity, num_ranks), num_ranks * self.n, payload=("ver", "last"))
+        self.slots = GuestSlots(np.tile(self.capacity, num_ranks), num_ranks * self.n, payload=self.payload)
         self.V = np.zeros(self.n, dtype=np.int64)
         self.P = np.zeros(self.n, dtype=np.int64)
         self.D = np.full(self.n, -1, dtype=np.int64)
@@ -126,10 +128,7 @@ class WorkerCaches:
             if victims.shape[0]:
                 vkey = sl.slot[victims]
                 vr, vg = vkey // self.n, vkey % self.n
-                dirty = self.D[vg] == vr
-                c["evict_push"] += int(dirty.sum())
-                self.P[vg[dirty]] = self.V[vg[dirty]]
-                self.D[vg[dirty]] = -1
+                self._evict(victims, vr, vg, c)
                 sl.remove(vkey, vr * self.T + self.table_of[vg])
         room = sl.cap - sl.fill
         # rows beyond the room are read without being cached (the group's working set exceeds the cache)
@@ -145,6 +144,13 @@ class WorkerCaches:
         sl.payload["last"][pos] = step
         out[fits] = pos
         return out
+
+    def _evict(self, pos: np.ndarray, rank: np.ndarray, gid: np.ndarray, c: dict) -> None:
+        """Copies at slots `pos` (rank, gid) are about to be evicted: a dirty one is pushed (`evict_push`)."""
+        dirty = self.D[gid] == rank
+        c["evict_push"] += int(dirty.sum())
+        self.P[gid[dirty]] = self.V[gid[dirty]]
+        self.D[gid[dirty]] = -1
 
     def occupancy(self) -> float:
         tot = int(self.slots.cap.sum())

@@ -7,6 +7,13 @@ array and versions). Per step it verifies:
   in increasing global order;
 * counting-only plans (`executable=False`): `plan.reads` lists every true (key, reader) pair exactly once, and the
   version each reader used equals the true latest version (number of earlier steps that updated the row);
+* replica plans (counting-only plans whose `reads.replica` is set: fae, p2res): the checker replays two copies of
+  every row itself — the home copy and the replicas (identical on every rank) — from the plan's `ReplicaSync`
+  (to_home / to_replicas before the step, all-reduce after it): a read of a replica (or of the home copy) older
+  than the row's latest version is a stale read; a row read through replicas without an all-reduce of its
+  gradient, or through replicas and home in the same step, is an error and leaves that copy stale; the reported
+  versions must equal the replayed ones; `allreduce` = 2 (R-1) x all-reduced rows (ring all-reduce volume) and
+  `shared_value` = `shared_grad` = home reads by non-home ranks;
 * ownership plans: every move leaves the row's current owner (checker's replay), no row moves twice, EVICT_HOME goes
   home, MIGRATE goes to a reader of the row; after all moves every rank holds at most its guest capacity per table;
   every key read only by its owner may stay exclusive, every other read key is in `shared` with the true owner and
@@ -28,7 +35,7 @@ import numpy as np
 
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import guest_capacity, home_blocks
-from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan
+from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, ReplicaSync
 
 
 class CheckError(AssertionError):
@@ -60,6 +67,9 @@ class PlanChecker:
         self.latest = np.zeros(n, dtype=np.int64)  # true number of updates (steps that read the row)
         self.held = np.zeros(n, dtype=np.int64)  # version of the owner's value (ownership plans)
         self.guests = np.zeros((self.R, rows.shape[0]), dtype=np.int64)
+        # replica plans: version of the home copy and of the replicas (all ranks' replicas are identical)
+        self.home_ver = np.zeros(n, dtype=np.int64)
+        self.rep_ver = np.zeros(n, dtype=np.int64)
         self.steps = 0
         self.stale_reads = 0
         self.read_pairs = 0
@@ -141,7 +151,51 @@ class PlanChecker:
             res.stale_reads += int(pk.shape[0])
             return
         ver = np.asarray(rv.version, dtype=np.int64)[order]
+        if rv.replica is not None:
+            self._check_replicas(plan, res, pk, pr, np.asarray(rv.replica, dtype=bool)[order], ver)
+            return
         res.stale_reads += int((ver != self.latest[pk]).sum())
+
+    def _check_replicas(self, plan: Plan, res: StepCheck, pk: np.ndarray, pr: np.ndarray, rep: np.ndarray,
+                        reported: np.ndarray) -> None:
+        """Replay home copies and replicas (see the module docstring)."""
+        rs = plan.replicas if plan.replicas is not None else ReplicaSync()
+        th = self._gid(rs.to_home_table, rs.to_home_row)
+        self.home_ver[th] = self.rep_ver[th]
+        tr = self._gid(rs.to_replicas_table, rs.to_replicas_row)
+        self.rep_ver[tr] = self.home_ver[tr]
+        ver = np.where(rep, self.rep_ver[pk], self.home_ver[pk])
+        stale = ver != self.latest[pk]
+        res.stale_reads += int(stale.sum())
+        if (reported != ver).any():
+            self._err(res, f"{int((reported != ver).sum())} reported versions differ from the replayed replica / "
+                           "home versions")
+        keys, kidx = np.unique(pk, return_inverse=True)
+        n = np.bincount(kidx, minlength=keys.shape[0])
+        n_rep = np.bincount(kidx, weights=rep, minlength=keys.shape[0]).astype(np.int64)
+        fresh = np.bincount(kidx, weights=stale, minlength=keys.shape[0]) == 0
+        mixed = (n_rep > 0) & (n_rep < n)
+        if mixed.any():
+            self._err(res, f"{int(mixed.sum())} rows are read through replicas and through home in one step")
+        ar = self._gid(rs.allreduce_table, rs.allreduce_row)
+        by_rep = n_rep == n
+        in_ar = np.isin(keys, ar)
+        lost = by_rep & ~in_ar
+        if lost.any():
+            self._err(res, f"{int(lost.sum())} rows read through replicas have no all-reduce of their gradients")
+        ok = fresh & ~mixed
+        rk, hk = by_rep & ~mixed, ~by_rep & ~mixed
+        self.rep_ver[keys[rk]] = np.where(ok[rk] & in_ar[rk], self.latest[keys[rk]] + 1, -1)
+        self.home_ver[keys[hk]] = np.where(ok[hk], self.latest[keys[hk]] + 1, -1)
+        self.home_ver[keys[mixed]] = self.rep_ver[keys[mixed]] = -1
+        c = plan.counters
+        want_ar = 2 * (self.R - 1) * int(ar.shape[0])
+        if c.get("allreduce", 0) != want_ar:
+            self._err(res, f"counter allreduce={c.get('allreduce', 0)}, expected 2 (R-1) x {ar.shape[0]} rows = {want_ar}")
+        remote = int((~rep & (pr != self.home[pk])).sum())
+        if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
+            self._err(res, f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != home reads by "
+                           f"non-home ranks {remote}")
 
     def _check_ownership(self, plan: Plan, res: StepCheck, pk, pr, keys, kstart, kcount) -> None:
         self._set_mode(res, "ownership")

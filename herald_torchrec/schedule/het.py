@@ -25,8 +25,11 @@ class CachePolicyBase(SchedulePolicy):
         super().__init__(*args, **kwargs)
         rows = np.array(self.layout.table_rows, dtype=np.int64)
         self.table_of = np.repeat(np.arange(rows.shape[0], dtype=np.int64), rows)
-        self.caches = WorkerCaches(self.layout, self.num_ranks, self.cache_ratio, self.table_of)
+        self.caches = self._make_caches()
         self.block = home_blocks(self.layout.table_rows, self.num_ranks)
+
+    def _make_caches(self) -> WorkerCaches:
+        return WorkerCaches(self.layout, self.num_ranks, self.cache_ratio, self.table_of)
 
     def assign(self, batch: GlobalBatch) -> np.ndarray:
         """Rank of every sample."""

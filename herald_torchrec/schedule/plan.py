@@ -73,9 +73,32 @@ class ReadVersions:
     row: np.ndarray = field(default_factory=_i64)
     rank: np.ndarray = field(default_factory=_i64)
     version: np.ndarray = field(default_factory=_i64)
+    # replica-based policies (fae, p2res): True where the reader used its local replica of the row, False where
+    # the value came from the row's home rank; None for cache policies (het_bsp, het), whose versions the checker
+    # takes as reported
+    replica: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
+
+
+@dataclass
+class ReplicaSync:
+    """What a replica-based policy does to its replicas in one step, so that the checker can replay their versions.
+
+    * `to_home` (before the step): the replicas' value is written to the home copy (replicas are identical);
+    * `to_replicas` (before the step): the home copy's value is copied to every replica;
+    * `allreduce` (after the step): the gradients of these replicated rows are summed over all ranks and applied to
+      every replica. A row read through replicas whose gradient is not all-reduced is lost (stale from then on).
+    Rows are (table, row) pairs, each list without repeats.
+    """
+
+    to_home_table: np.ndarray = field(default_factory=_i64)
+    to_home_row: np.ndarray = field(default_factory=_i64)
+    to_replicas_table: np.ndarray = field(default_factory=_i64)
+    to_replicas_row: np.ndarray = field(default_factory=_i64)
+    allreduce_table: np.ndarray = field(default_factory=_i64)
+    allreduce_row: np.ndarray = field(default_factory=_i64)
 
 
 @dataclass
@@ -90,9 +113,10 @@ class Plan:
     # only model traffic (het_bsp) report their own kinds (miss_pull, update_pull, update_push, evict_push)
     counters: dict[str, int] = field(default_factory=dict)
     # kinds whose transfers carry the optimizer state with the row (row moves); the others carry `dim` floats
-    stateful_kinds: tuple[str, ...] = ("migrate", "evict_home", "forward", "miss_pull", "evict_push")
+    stateful_kinds: tuple[str, ...] = ("migrate", "evict_home", "forward", "miss_pull", "evict_push", "replica_sync")
     executable: bool = True  # False for counting-only policies the data plane cannot run
     reads: ReadVersions | None = None  # counting-only policies: version read by every (key, reader) pair
+    replicas: ReplicaSync | None = None  # replica-based policies (fae, p2res): syncs and all-reduces of the step
     sched_seconds: float = 0.0  # wall time the policy spent planning this step (filled by the policy)
 
     def assignment(self) -> np.ndarray:
