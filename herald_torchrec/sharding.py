@@ -198,8 +198,8 @@ def feature_columns(features: FeatureSpec, source: DataSource) -> list[int]:
 
 
 def sample_converter(features: FeatureSpec, source: DataSource) -> Callable[[Samples], Any]:
-    cols, keys = feature_columns(features, source), list(features.names)
-    return lambda s: to_batch(s, cols, keys)
+    keys, names = list(features.names), list(source.feature_names)
+    return lambda s: to_batch(s, keys, names)
 
 
 def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iterator[Samples]], Iterator[Any]]:
