@@ -298,6 +298,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import make_policy
 
+    bags = [n for n in features.names if n in source.bag_features]
+    if bags:
+        raise ValueError(f"scheduler={cfg.scheduler.name}: the multi-hot features {bags} cannot be scheduled yet; "
+                         "use scheduler=torchrec")
     sc, t = cfg.scheduler, cfg.trainer
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",

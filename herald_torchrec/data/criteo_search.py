@@ -155,6 +155,7 @@ class CriteoSearchSource(StreamingSource):
         if min(rows) < 2:
             raise ValueError(f"criteo_search: every table needs >= 2 rows (rows_per_table / table_rows), got {rows}")
         self.feature_names = names
+        self.bag_features = (BAG_FEATURE,)
         self.table_rows = rows
         self.dense_names = list(DENSE_COLUMNS)
         self.num_dense = len(DENSE_COLUMNS)
