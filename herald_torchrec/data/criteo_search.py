@@ -189,7 +189,8 @@ class CriteoSearchSource(StreamingSource):
 
         ncat = _CAT_COLS.shape[0]
         cl = lens[:, _CAT_COLS]
-        h = fnv1a64(mat[:, _CAT_COLS].reshape(-1, w), cl.reshape(-1)).reshape(m, ncat)
+        cw = max(1, int(cl.max())) if m else 1  # the ids are narrow; titles widen the block, not them
+        h = fnv1a64(mat[:, _CAT_COLS, :cw].reshape(-1, cw), cl.reshape(-1)).reshape(m, ncat)
         ids = (splitmix64(h) % self._buckets).astype(np.int64)
         cmissing = np.stack([missing(int(col)) for col in _CAT_COLS], axis=1)
         ids = np.where(cmissing, self._missing, ids)
