@@ -93,7 +93,8 @@ def search_line(i: int, sale: int = 0, title: str = "AA BB", price: str = "9.5")
 def test_sample_values_exact():
     src = CriteoSearchSource(SAMPLE, val_fraction=0.0, rows_per_table=ROWS)
     assert src.feature_names == list(SINGLE_HOT) + ["product_title"] and len(src.feature_names) == 17
-    assert src.feature_names[:2] == ["product_age_group", "device_type"] and src.feature_names[-3:-1] == ["partner_id", "user_id"]
+    assert src.feature_names[:2] == ["product_age_group", "device_type"]
+    assert src.feature_names[-3:-1] == ["partner_id", "user_id"]
     assert src.table_rows == [ROWS] * 17 and src.num_dense == 2 and src.bag_features == ("product_title",)
     s = collect(src.train_batches(10))
     assert len(s) == 100 and s.ids.shape == (100, 16) and s.dense.shape == (100, 2)

@@ -1,11 +1,12 @@
 """Criteo Sponsored Search Conversion Log (Criteo AI Lab): the paper's fourth workload (DCN), with a multi-hot bag.
 
 Source: the dataset page, https://ailab.criteo.com/criteo-sponsored-search-conversion-log-dataset/ (file
-`CriteoSearchData`, 15,995,634 rows, 90 days of Criteo Predictive Search clicks, sorted by click_timestamp) and its
-field list. The column order below is the one public readers of the file use (e.g. the `names=` lists in
-github.com/columbia/cookiemonster data/criteo/creators/base_creator.py and github.com/anras5/Criteo-Search-Data);
-both also read "-1" as the missing value of every feature column, as the dataset page describes it for the post-sale
-columns. Layout: 23 tab-separated columns, no header:
+`CriteoSearchData`, 15,995,634 rows, 90 days of Criteo Predictive Search clicks, sorted by click_timestamp), whose
+field list describes every column below and gives -1 as the value of the post-sale columns without a conversion.
+The file has no header; the column order is the one public readers of it use: the 23 `names=` of
+github.com/columbia/cookiemonster (data/criteo/creators/base_creator.py, which also reads "-1" as the missing value
+of every feature column) and of github.com/hypper-team/hypper (its Criteo search reader). (Some write-ups list 22
+names, without audience_id: the file has 23 columns.) Layout, 23 tab-separated columns:
 
      0 Sale                       label: 1 if the click led to a conversion (exactly "0" or "1")
      1 SalesAmountInEuro          post-sale: revenue of the conversion, -1 without one        -> EXCLUDED
@@ -19,8 +20,8 @@ columns. Layout: 23 tab-separated columns, no header:
     20 product_title              space-separated hashed tokens, -1 missing -> the multi-hot bag `product_title`
 
 Why two columns are excluded: SalesAmountInEuro and time_delay_for_conversion are only known *after* the sale and
-are -1 exactly when Sale = 0, so either one gives the label away (a model reading them reaches AUC 1 and learns
-nothing usable at serving time). They are never parsed: any content is accepted and ignored.
+are -1 exactly when Sale = 0, so either one alone gives the label away (a rule on it reaches AUC 1, and neither
+exists at serving time, before the sale). They are never parsed: any content is accepted and ignored.
 
 click_timestamp is not a feature: a model would meet, at validation time, timestamps outside the range it trained
 on. It is used only for ordering, which the file already gives (rows are in click order and every pass streams them
@@ -206,7 +207,7 @@ class CriteoSearchSource(StreamingSource):
     def _explain(self, line: bytes) -> str:
         f = line.split(b"\t")
         if len(f) != _NCOLS:
-            return f"expected {_NCOLS} tab-separated columns (Sale, ..., product_title, partner_id, user_id), got {len(f)}"
+            return f"expected {_NCOLS} tab-separated columns (Sale, ..., partner_id, user_id), got {len(f)}"
         if f[0] not in (b"0", b"1"):
             return f"Sale must be 0 or 1, got {show(f[0])}"
         if not _INT_RE.fullmatch(f[_COL["click_timestamp"]]):

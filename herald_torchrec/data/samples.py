@@ -42,7 +42,7 @@ class Bag:
         if self.lengths.dtype != np.int64 or self.values.dtype != np.int64:
             raise TypeError(f"Bag lengths and values must be int64, got {self.lengths.dtype}, {self.values.dtype}")
         if self.lengths.ndim != 1 or self.values.ndim != 1:
-            raise ValueError(f"Bag lengths and values must be 1-D, got shapes {self.lengths.shape}, {self.values.shape}")
+            raise ValueError(f"Bag lengths and values must be 1-D, got {self.lengths.shape}, {self.values.shape}")
         total = int(self.lengths.sum())
         if total != self.values.shape[0] or (self.lengths.size and int(self.lengths.min()) < 0):
             raise ValueError(f"Bag: lengths (sum {total}, non-negative) must cover values ({self.values.shape[0]})")
