@@ -198,8 +198,8 @@ def feature_columns(features: FeatureSpec, source: DataSource) -> list[int]:
 
 
 def sample_converter(features: FeatureSpec, source: DataSource) -> Callable[[Samples], Any]:
-    cols, keys = feature_columns(features, source), list(features.names)
-    return lambda s: to_batch(s, cols, keys)
+    keys, names = list(features.names), list(source.feature_names)
+    return lambda s: to_batch(s, keys, names)
 
 
 def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iterator[Samples]], Iterator[Any]]:
@@ -298,6 +298,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import make_policy
 
+    bags = [n for n in features.names if n in source.bag_features]
+    if bags:
+        raise ValueError(f"scheduler={cfg.scheduler.name}: the multi-hot features {bags} cannot be scheduled yet; "
+                         "use scheduler=torchrec")
     sc, t = cfg.scheduler, cfg.trainer
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",

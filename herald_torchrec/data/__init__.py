@@ -1,4 +1,4 @@
-"""Data sources: the synthetic default and streaming loaders for the real click / rating logs."""
+"""Data sources: the synthetic default and streaming loaders for the real click / rating / conversion logs."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ def build_source(cfg: Mapping[str, Any]) -> DataSource:
     name = cfg.pop("name")
     if name == "synthetic":
         return SyntheticSource(synthetic_spec(cfg), cfg.get("epoch_batches", 1000), cfg.get("val_batches", 20))
-    loaders = {"criteo": "CriteoSource", "avazu": "AvazuSource", "movielens": "MovieLensSource"}
+    loaders = {
+        "criteo": "CriteoSource",
+        "avazu": "AvazuSource",
+        "movielens": "MovieLensSource",
+        "criteo_search": "CriteoSearchSource",
+    }
     if name not in loaders:
         raise ValueError(f"data.name must be one of synthetic, {', '.join(loaders)}; got '{name}'")
     if not cfg.get("path"):

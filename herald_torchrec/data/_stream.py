@@ -293,7 +293,7 @@ class _BatchBuffer:
         cat = self.parts[0] if len(self.parts) == 1 else Samples.concat(self.parts)
         k = self.n // self.b
         rest = cat.take(slice(k * self.b, self.n))
-        self.parts = [Samples(rest.dense.copy(), rest.ids.copy(), rest.labels.copy())] if len(rest) else []
+        self.parts = [rest.copy()] if len(rest) else []
         self.n -= k * self.b
         for i in range(k):
             yield cat.take(slice(i * self.b, (i + 1) * self.b))

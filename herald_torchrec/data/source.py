@@ -15,7 +15,8 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 
 
 class DataSource(ABC):
-    feature_names: list[str]
+    feature_names: list[str]  # the single-hot `Samples.ids` columns in order, then the bag features
+    bag_features: tuple[str, ...] = ()  # multi-hot features (`Samples.bags`), the tail of feature_names
     table_rows: list[int]
     num_dense: int
 
