@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -50,32 +50,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-# Optimizers whose update is a pure function of (row, its state, the row's summed gradient): the only ones for which
-# "one update with the summed gradient, wherever the row lives" is exact. Adam-like optimizers also read the TBE's
-# step counter, which the extra update pass per step would advance twice.
-SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
-
-
-def parse_optimizer(opt: EmbOptimType | str) -> EmbOptimType:
-    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_sgd", "sgd")."""
-    if isinstance(opt, EmbOptimType):
-        parsed = opt
-    else:
-        aliases = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
-        key = str(opt).strip().lower()
-        parsed = aliases.get(key)
-        if parsed is None:
-            for o in EmbOptimType:
-                if key in (o.value.lower(), o.name.lower()):
-                    parsed = o
-                    break
-        if parsed is None:
-            raise ValueError(f"unknown embedding optimizer {opt!r}")
-    if parsed not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(
-            f"Herald-managed tables support the optimizers {[o.name for o in SUPPORTED_OPTIMIZERS]}, got {parsed.name}"
-        )
-    return parsed
+# SUPPORTED_OPTIMIZERS and parse_optimizer are re-exported here (they lived in this module before)
+from herald_torchrec.distributed.optimizer_params import SUPPORTED_OPTIMIZERS, check_settings, parse_optimizer  # noqa: F401
 
 
 def check_cache_ratio(cache_ratio: float) -> float:
@@ -159,6 +135,7 @@ class RowStore(nn.Module):
         device: torch.device | str | None = None,
         location: EmbeddingLocation | None = None,
         cache_load_factor: float = 0.2,
+        tbe_settings: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if world_size < 1 or not (0 <= rank < world_size):
@@ -173,8 +150,14 @@ class RowStore(nn.Module):
         self.tables = list(tables)
         self.rank, self.world_size = rank, world_size
         self.cache_ratio = check_cache_ratio(cache_ratio)
-        self.optimizer = parse_optimizer(optimizer)
         self.device = torch.device(device if device is not None else "cpu")
+        # every further fused-optimizer setting the TBE takes (gradient clipping, ...), validated as the sharder does
+        settings = check_settings(
+            {**dict(tbe_settings or {}), "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps,
+             "cache_load_factor": cache_load_factor},
+            self.device,
+        )
+        self.optimizer = settings.pop("optimizer")
         T = len(self.tables)
         fpt = list(features_per_table) if features_per_table is not None else [1] * T
         if len(fpt) != T or any(n < 1 for n in fpt):
@@ -204,13 +187,10 @@ class RowStore(nn.Module):
             embedding_specs=[(max(1, n), d, loc, compute) for n, d in zip(self.local_rows, self.dims)],
             feature_table_map=self.feature_table_map,
             optimizer=self.optimizer,
-            learning_rate=learning_rate,
-            eps=eps,
-            weight_decay=0.0,
             pooling_mode=PoolingMode.SUM,
-            cache_load_factor=cache_load_factor,
             device=self.device,
             table_names=[s.name for s in self.tables],
+            **settings,
         )
         # the TBE's parameters are updated by its fused optimizer: keep them out of dense optimizers
         # (torchrec.optim.optimizers.in_backward_optimizer_filter) and out of DDP (ShardedModule parameters)
