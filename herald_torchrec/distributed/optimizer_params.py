@@ -235,7 +235,8 @@ def resolve_table_settings(
     names = list(resolved)
     first = resolved[names[0]]
     for n in names[1:]:
-        diff = sorted(k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k))
+        diff = sorted((k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k)),
+                      key=lambda k: (k != "optimizer", k))
         if diff:
             raise ValueError(
                 f"{diff[0]}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(diff[0])!r} vs "

@@ -152,6 +152,9 @@ class RowStore(nn.Module):
         self.cache_ratio = check_cache_ratio(cache_ratio)
         self.device = torch.device(device if device is not None else "cpu")
         # every further fused-optimizer setting the TBE takes (gradient clipping, ...), validated as the sharder does
+        named = sorted({"optimizer", "learning_rate", "eps", "cache_load_factor"} & set(tbe_settings or {}))
+        if named:
+            raise ValueError(f"RowStore: {named} are arguments of their own, not tbe_settings")
         settings = check_settings(
             {**dict(tbe_settings or {}), "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps,
              "cache_load_factor": cache_load_factor},
