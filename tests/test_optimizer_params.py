@@ -152,3 +152,177 @@ def test_cpu_kernels_ignore_weight_decay_so_herald_refuses_it_there() -> None:
     HeraldEmbeddingBagCollectionSharder(fused_params=fp)  # device unknown yet: accepted (applied on CUDA)
     with pytest.raises(ValueError, match="weight_decay=0.1: FBGEMM's CPU kernels"):
         ShardedHeraldEmbeddingBagCollection(make_ebc(), None, ShardingEnv(1, 0, None), fused_params=fp)
+
+
+# ------------------------------------------------------------------------------------------ 2 ranks
+# name -> (sharder fused_params, in-backward (class name, kwargs) or None, unclipped reference optimizer or None)
+RUNS = {
+    "clip_adagrad": ({"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-8,
+                      "gradient_clipping": True, "max_gradient": MAX_GRADIENT}, None, "exact_rowwise_adagrad"),
+    "clip_sgd": ({"optimizer": "exact_sgd", "learning_rate": 0.5, "gradient_clipping": True,
+                  "max_gradient": MAX_GRADIENT}, None, "exact_sgd"),
+    "in_backward_sgd": (None, ("torch.optim.SGD", {"lr": 0.5}), None),
+    "in_backward_adagrad": (None, ("torchrec.optim.RowWiseAdagrad", {"lr": 0.05, "eps": 1e-3}), None),
+}
+
+
+def _optimizer_class(name: str) -> type:
+    import importlib
+
+    mod, cls = name.rsplit(".", 1)
+    return getattr(importlib.import_module(mod), cls)
+
+
+def _model(in_backward):
+    import test_distributed_parity as P
+
+    model = P.make_model()
+    with torch.no_grad():
+        for name, w in P.init_tables().items():
+            model.ebc.embedding_bags[name].weight.copy_(w)
+    if in_backward is not None:
+        _in_backward(model.ebc, _optimizer_class(in_backward[0]), dict(in_backward[1]))
+    return model
+
+
+def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
+    from torchrec.distributed.types import ShardingEnv
+
+    import test_distributed_parity as P
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+
+    model = _model(in_backward)
+    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, policy="random", fused_params=fp)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=[sharder],
+                                   plan=P._row_wise_plan(model, sharder, world))
+    sebc = get_unwrapped_module(dmp).ebc
+    dense_opt = P._dense_optimizer(dmp)
+    planner = P.RandomPlanner(world, P.BATCH, "random", seed=11)  # moves, guests and shared rows every step
+    for b in batches:
+        p = planner.plan(b)
+        sebc.set_plan(p)
+        P._train_step(dmp, dense_opt, b, p.local_samples(rank))
+    weights, states = sebc.full_tables()
+    args = sebc._store.tbe.optimizer_args
+    return {"weights": weights, "states": states, "optimizer": sebc.optimizer_type.name,
+            "lr": sebc._store.tbe.get_learning_rate(), "eps": args.eps, "clip": (args.gradient_clipping, args.max_gradient)}
+
+
+def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
+    """Stock TorchRec ROW_WISE (FUSED) with the same settings; tables read out of its TBE shards."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
+    from torchrec.distributed.types import ShardingEnv
+
+    import test_distributed_parity as P
+    from herald_torchrec.distributed.row_store import parse_optimizer
+    from herald_torchrec.sharding import StockSharder
+
+    if fp is not None:
+        fp = {**fp, "optimizer": parse_optimizer(fp["optimizer"])}
+    model = _model(in_backward)
+    sharder = StockSharder(fused_params=fp)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=[sharder],
+                                   plan=P._row_wise_plan(model, sharder, world))
+    sebc = get_unwrapped_module(dmp).ebc
+    shards = []  # (table, row offset, weight view, state view or None)
+    for lookup in sebc._lookups:
+        for em in lookup._emb_modules:
+            ws, ss = em.emb_module.split_embedding_weights(), em.emb_module.split_optimizer_states()
+            for i, cfg in enumerate(em.config.embedding_tables):
+                shards.append((cfg.name, int(cfg.local_metadata.shard_offsets[0]), ws[i], ss[i][0] if ss else None))
+    init = P.init_tables()
+    with torch.no_grad():  # TorchRec draws its own initial values: start from the same tables
+        for name, off, w, st in shards:
+            w.copy_(init[name][off : off + w.shape[0]])
+            if st is not None:
+                st.zero_()
+    dense_opt = P._dense_optimizer(dmp)
+    for b in batches:
+        P._train_step(dmp, dense_opt, b, np.arange(rank * P.BATCH, (rank + 1) * P.BATCH))
+    weights = {f"t{t}": torch.zeros(r, P.DIM) for t, r in enumerate(P.TABLE_ROWS)}
+    states = {f"t{t}": torch.zeros(r) for t, r in enumerate(P.TABLE_ROWS)}
+    has_state = any(st is not None for *_, st in shards)
+    for name, off, w, st in shards:
+        weights[name][off : off + w.shape[0]] = w.detach()
+        if st is not None:
+            states[name][off : off + st.shape[0]] = st.detach()
+    for d in (weights, states):
+        for v in d.values():
+            dist.all_reduce(v)
+    return {"weights": weights, "states": states if has_state else {}}
+
+
+def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> None:
+    import test_distributed_parity as P
+
+    batches = P.make_batches(world, STEPS)
+    result = {}
+    for name in runs:
+        fp, in_backward, unclipped = RUNS[name]
+        res = {"herald": _run_herald(fp, in_backward, batches, rank, world),
+               "stock": _run_stock(fp, in_backward, batches, rank, world)}
+        if unclipped is not None:
+            res["unclipped"] = P.run_reference(unclipped, batches, world, True)["weights"]
+        result[name] = res
+    if rank == 0:
+        torch.save(result, rank_result(out_dir, rank))
+    else:
+        torch.save({}, rank_result(out_dir, rank))
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("optimizer_runs")
+    return torch.load(run_ranks("test_optimizer_params:optimizer_worker", out, world_size=2, timeout=400,
+                                runs=list(RUNS))[0], weights_only=False)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_herald_trains_like_stock_row_wise(optimizer_runs: dict, name: str) -> None:
+    import test_distributed_parity as P
+
+    r = optimizer_runs[name]
+    h, s = r["herald"], r["stock"]
+    assert _max_diff(h["weights"], s["weights"]) <= 1e-5, name
+    assert _max_diff(h["weights"], P.init_tables()) > 1e-3  # the tables trained: the comparison is not vacuous
+    if "adagrad" in name:
+        assert h["states"] and _max_diff(h["states"], s["states"]) <= 1e-5
+    else:
+        assert h["states"] == {} and s["states"] == {}
+    if name.startswith("clip"):
+        assert h["clip"] == (True, pytest.approx(MAX_GRADIENT))
+        # clipping changed the model: a run that dropped the setting would train the unclipped tables
+        assert _max_diff(h["weights"], r["unclipped"]) > 1e-3, name
+    if name == "in_backward_sgd":
+        assert (h["optimizer"], h["lr"]) == ("EXACT_SGD", pytest.approx(0.5))
+    if name == "in_backward_adagrad":
+        assert (h["optimizer"], h["lr"], h["eps"]) == ("EXACT_ROWWISE_ADAGRAD", pytest.approx(0.05), pytest.approx(1e-3))
+
+
+def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> None:
+    """FBGEMM clips each pooled bag's gradient before summing per row (CPU and CUDA alike): a row read by two bags
+    with gradient 0.1 each, max_gradient 0.15, moves by 0.2. Herald's readers clip their shared values' bag
+    gradients the same way (clip_pooled_gradient) and the owner applies the sum unclipped."""
+    from herald_torchrec.distributed.row_store import RowStore, TableSpec
+
+    st = RowStore([TableSpec("t", 4, 4)], 0, 1, optimizer="exact_sgd", learning_rate=1.0,
+                  tbe_settings={"gradient_clipping": True, "max_gradient": 0.15})
+    out = st.lookup(torch.tensor([1, 1]), torch.tensor([0, 1, 2]))
+    out.backward(torch.full_like(out, 0.1))
+    assert torch.allclose(st.weights(0)[1], torch.full((4,), -0.2))  # per bag: 0.1 + 0.1, not clamp(0.2)
+    st.apply_summed_gradients_packed(np.array([0]), np.array([2]), torch.full((4,), 0.2))
+    assert torch.allclose(st.weights(0)[2], torch.full((4,), -0.2))  # the summed gradient is not clamped again
+    assert st.tbe.optimizer_args.gradient_clipping  # restored after the pass
+    x = torch.tensor([[0.5, -0.5, 0.05, 0.0]], requires_grad=True)
+    st.clip_pooled_gradient(x).backward(torch.tensor([[1.0, -1.0, 0.1, 0.0]]))
+    assert torch.allclose(x.grad, torch.tensor([[0.15, -0.15, 0.1, 0.0]]))

@@ -764,7 +764,7 @@ class ShardedHeraldEmbeddingBagCollection(
             dst = torch.from_numpy(ragged_arange(bag * out.shape[1] + self._feature_col[f], d)).to(self.device)
             v = sh.values.index_select(0, src)
             extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, dst, v)
-            out = out + extra.view(out.shape)
+            out = out + st.clip_pooled_gradient(extra.view(out.shape))  # clipped per bag, as the TBE clips its own
         return out
 
     def finish_step(self) -> None:
