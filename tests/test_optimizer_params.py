@@ -326,3 +326,82 @@ def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> No
     x = torch.tensor([[0.5, -0.5, 0.05, 0.0]], requires_grad=True)
     st.clip_pooled_gradient(x).backward(torch.tensor([[1.0, -1.0, 0.1, 0.0]]))
     assert torch.allclose(x.grad, torch.tensor([[0.15, -0.15, 0.1, 0.0]]))
+
+
+# ------------------------------------------------------------------------------------------ mixed EBC, 2 ranks
+MIXED = {"t1": "table_wise", "t3": "column_wise"}  # unscheduled tables (TorchRec's); t0, t2 stay Herald's
+MIXED_RUNS = ["clip_sgd", "in_backward_adagrad"]
+
+
+def _run_mixed(fp, in_backward, batches, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingEnv
+
+    import test_distributed_parity as P
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+
+    model = _model(in_backward)
+    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, fused_params=fp,
+                                                  unscheduled_tables=list(MIXED))
+    constraints = sharder.planner_constraints(model.ebc)
+    for t, kind in MIXED.items():
+        constraints[t] = ParameterConstraints(sharding_types=[kind])
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=[sharder],
+                                   plan=planner.collective_plan(model, [sharder], dist.group.WORLD))
+    sebc = get_unwrapped_module(dmp).ebc
+    init = P.init_tables()
+    with torch.no_grad():  # the stock part draws its own values: start it from the same tables
+        for k, v in dmp.state_dict().items():
+            if isinstance(v, ShardedTensor):
+                for sh in v.local_shards():
+                    (r0, c0), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+                    sh.tensor.copy_(init[k.split(".")[-2]][r0 : r0 + nr, c0 : c0 + nc])
+    # the settings each part's TBEs were built with
+    tbes = [sebc.herald._store.tbe] + [em.emb_module for lk in sebc.stock._lookups for em in lk._emb_modules]
+    settings = [(t.optimizer.name, round(t.get_learning_rate(), 6), round(t.optimizer_args.eps, 8),
+                 t.optimizer_args.gradient_clipping, round(t.optimizer_args.max_gradient, 8)) for t in tbes]
+    dense_opt = P._dense_optimizer(dmp)
+    for b in batches:  # no plans queued: the Herald part runs its static plans (every non-owner read shared)
+        P._train_step(dmp, dense_opt, b, np.arange(rank * P.BATCH, (rank + 1) * P.BATCH))
+    weights, _ = sebc.herald.full_tables()
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.zeros(v.size())
+            v.gather(dst=0, out=full if rank == 0 else None)
+            weights[k.split(".")[-2]] = full
+    return {"weights": weights, "settings": settings, "stock_tbes": len(tbes) - 1}
+
+
+def mixed_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> None:
+    import test_distributed_parity as P
+
+    batches = P.make_batches(world, STEPS)
+    result = {}
+    for name in runs:
+        fp, in_backward, _ = RUNS[name]
+        result[name] = {"mixed": _run_mixed(fp, in_backward, batches, rank, world),
+                        "stock": _run_stock(fp, in_backward, batches, rank, world)}
+    torch.save(result if rank == 0 else {}, rank_result(out_dir, rank))
+
+
+def test_mixed_ebc_torchrec_part_gets_the_same_settings(tmp_path) -> None:
+    r = torch.load(run_ranks("test_optimizer_params:mixed_worker", tmp_path, world_size=2, timeout=400,
+                             runs=MIXED_RUNS)[0], weights_only=False)
+    want = {"clip_sgd": ("EXACT_SGD", 0.5, True, MAX_GRADIENT), "in_backward_adagrad": ("EXACT_ROWWISE_ADAGRAD", 0.05, False, None)}
+    for name in MIXED_RUNS:
+        m, s = r[name]["mixed"], r[name]["stock"]
+        assert m["stock_tbes"] >= 1 and len(set(m["settings"])) == 1, (name, m["settings"])  # both parts alike
+        opt, lr, clip, max_g = want[name]
+        got = m["settings"][0]
+        assert (got[0], got[1], got[3]) == (opt, lr, clip), (name, got)
+        if clip:
+            assert got[4] == pytest.approx(max_g)
+        else:
+            assert got[2] == pytest.approx(1e-3)
+        # and the whole mixed EBC trains like stock ROW_WISE with the same settings
+        assert _max_diff(m["weights"], s["weights"]) <= 1e-5, name
