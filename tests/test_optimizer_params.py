@@ -19,7 +19,7 @@ STEPS = 10
 
 
 def _in_backward(ebc, cls, kwargs: dict) -> None:
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
 
@@ -99,7 +99,7 @@ def test_resolution_follows_torchrec_precedence() -> None:
     assert ebc.embedding_bags["t0"].weight._optimizer_kwargs == [{"lr": 0.07, "eps": 1e-3}]  # left as the user set it
     # tables of one Herald TBE must agree
     ebc = make_ebc()
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t0"].weight], {"lr": 0.5})
     with pytest.raises(ValueError, match="optimizer: tables 't0' and 't1'"):

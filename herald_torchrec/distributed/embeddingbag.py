@@ -261,7 +261,8 @@ class ShardedHeraldEmbeddingBagCollection(
         if self.device.type == "meta":
             raise ValueError("ShardedHeraldEmbeddingBagCollection cannot be built on the meta device")
         # fused_params + apply_optimizer_in_backward, resolved as TorchRec resolves them (optimizer_params.py)
-        fp = resolve_table_settings(module, fused_params, table_name_to_parameter_sharding, self.device)
+        self.optimizer_settings = resolve_table_settings(module, fused_params, table_name_to_parameter_sharding, self.device)
+        fp = dict(self.optimizer_settings)
         self.optimizer_type = fp.pop("optimizer")
         self.learning_rate = float(fp.pop("learning_rate", 0.01))
         self.eps = float(fp.pop("eps", 1e-8))

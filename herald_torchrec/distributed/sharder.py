@@ -15,6 +15,12 @@ sharded modules divide theirs (`torchrec.distributed.comm_ops.set_gradient_divis
 trains the same under this sharder as under TorchRec's ROW_WISE sharding. `policy` and `lookahead` are carried for
 the pipeline that runs the scheduler; the data plane itself only executes plans.
 
+The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
+per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (Herald's
+defaults — row-wise Adagrad, learning rate 0.01 — apply only where neither names a setting). Every setting FBGEMM
+applies per row (gradient clipping, row-wise Adagrad's eps / weight decay / max_norm) reaches the TBE; anything
+else is a ValueError naming the setting, here and in the module.
+
 Tables not worth scheduling can stay with TorchRec's own sharding: name them in `unscheduled_tables` and plan with
 the sharder's constraints, so that the managed tables get their ROW_WISE home placement and the others whatever
 the planner picks among the stock model-parallel types (DATA_PARALLEL is not offered: it would train those tables
