@@ -92,6 +92,9 @@ def test_resolution_follows_torchrec_precedence() -> None:
     assert resolve_table_settings(ebc, None) == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
     fp = {"optimizer": "exact_sgd", "learning_rate": 0.3, "gradient_clipping": True, "max_gradient": 0.5}
     assert resolve_table_settings(ebc, fp) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
+    # settings at their "not used" value are accepted and dropped (torch.optim.SGD's momentum=0, no weight decay)
+    neutral = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "weight_decay_mode": WeightDecayMode.NONE}
+    assert resolve_table_settings(ebc, {**fp, **neutral}) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
     _in_backward(ebc, RowWiseAdagrad, {"lr": 0.07, "eps": 1e-3})
     got = resolve_table_settings(ebc, fp)  # in-backward kwargs win; the sharder's other settings stay
     assert got == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.07, "eps": 1e-3,

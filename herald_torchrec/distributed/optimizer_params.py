@@ -24,7 +24,6 @@ is a ValueError naming the setting and why.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Mapping
 
@@ -135,7 +134,8 @@ def check_settings(fused_params: Mapping[str, Any], device: torch.device | None 
                 )
             continue
         if key in _ROWWISE_ADAGRAD_ONLY and opt != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-            if key == "weight_decay_mode" or value != 0:
+            neutral = _checked_value(key, value) == (WeightDecayMode.NONE if key == "weight_decay_mode" else 0.0)
+            if not neutral:
                 raise ValueError(f"{key}={value!r}: FBGEMM's {opt.name} kernel does not apply it")
             continue
         if key not in _ANY_OPTIMIZER | _ROWWISE_ADAGRAD_ONLY:
@@ -204,7 +204,7 @@ def in_backward_params(param: torch.Tensor) -> dict[str, Any]:
     kwargs = getattr(param, "_optimizer_kwargs", [{}])
     if len(classes) != 1 or len(kwargs) != 1:
         raise ValueError(f"apply_optimizer_in_backward: one optimizer per table, got {len(classes)} classes")
-    out = copy.copy(dict(kwargs[0]))
+    out = dict(kwargs[0])
     if classes[0] is not None and "optimizer" not in out:
         out["optimizer"] = optimizer_type_to_emb_opt_type(classes[0])
     return out
