@@ -14,10 +14,12 @@ What Herald then checks, and why (`check_settings`): Herald updates an *exclusiv
 backward and a *shared* row once per step through a backward of the same TBE over one-row bags carrying the row's
 summed gradient (row_store.RowStore.apply_summed_gradients_packed). A setting is exact under Herald when FBGEMM
 applies it per row, as a function of (row, its optimizer state, its summed gradient) only: then it acts identically
-wherever the row lives. That holds for gradient clipping (the TBE clips the row's summed gradient), for row-wise
-Adagrad's eps / L2 or decoupled weight decay / max_norm. Settings that read the TBE's step counter (counter-based
-or global weight decay; Adam-like optimizers — Herald's extra update pass advances that counter) or per-sample
-state are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other optimizers, a
+wherever the row lives. That holds for row-wise Adagrad's eps / L2 or decoupled weight decay / max_norm. Gradient
+clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's gradient (the TBE's grad_output, CPU and CUDA
+alike) before summing it per row; Herald's readers clamp the bag gradients of shared values the same way and the
+owner applies their sum unclipped (RowStore.clip_pooled_gradient), so it is exact too. Settings that read the
+TBE's step counter (counter-based or global weight decay; Adam-like optimizers — Herald's extra update pass
+advances that counter) are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other optimizers, a
 torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum). Nothing is silently dropped: each refusal
 is a ValueError naming the setting and why.
 """
