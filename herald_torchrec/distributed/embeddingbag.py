@@ -67,9 +67,9 @@ from herald_torchrec.distributed.row_store import (
     check_cache_ratio,
     exclusive_cumsum,
     home_range,
-    parse_optimizer,
     ragged_arange,
 )
+from herald_torchrec.distributed.optimizer_params import resolve_table_settings
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
@@ -212,7 +212,9 @@ class ShardedHeraldEmbeddingBagCollection(
         module: the unsharded EBC; its weights (unless on meta) are copied into the home rows.
         table_name_to_parameter_sharding: DMP's plan for the module (every table ROW_WISE); may be None.
         env: TorchRec sharding env (process group, rank, world size).
-        fused_params: {"optimizer": EmbOptimType or name, "learning_rate", "eps", "cache_load_factor"}.
+        fused_params: as TorchRec's sharders take them ({"optimizer": EmbOptimType or name, "learning_rate", "eps",
+            "gradient_clipping", ...}); `apply_optimizer_in_backward` on `module` overrides them per table, as in
+            TorchRec. Unsupported settings raise ValueError (optimizer_params.check_settings).
         cache_ratio: guest capacity per rank and table, as a share of the table's rows, in (0, 1].
         policy, lookahead: the scheduler configuration, kept for the pipeline (the data plane decides nothing).
         check_errors_globally: before changing anything, exchange a flag so that a rank-local input error (id out of
@@ -255,17 +257,16 @@ class ShardedHeraldEmbeddingBagCollection(
         self.rank, self.world_size = env.rank, env.world_size
         self.policy, self.lookahead, self.module_fqn = policy, int(lookahead), module_fqn
         self.check_errors_globally = check_errors_globally
-        fp = dict(fused_params or {})
-        self.optimizer_type = parse_optimizer(fp.pop("optimizer", "exact_rowwise_adagrad"))
-        self.learning_rate = float(fp.pop("learning_rate", 0.01))
-        self.eps = float(fp.pop("eps", 1e-8))
-        wd = float(fp.pop("weight_decay", 0.0))
-        if wd != 0.0:
-            raise ValueError(f"Herald-managed tables: weight_decay must be 0, got {wd}")
-        cache_load_factor = float(fp.pop("cache_load_factor", 0.2))
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "meta":
             raise ValueError("ShardedHeraldEmbeddingBagCollection cannot be built on the meta device")
+        # fused_params + apply_optimizer_in_backward, resolved as TorchRec resolves them (optimizer_params.py)
+        self.optimizer_settings = resolve_table_settings(module, fused_params, table_name_to_parameter_sharding, self.device)
+        fp = dict(self.optimizer_settings)
+        self.optimizer_type = fp.pop("optimizer")
+        self.learning_rate = float(fp.pop("learning_rate", 0.01))
+        self.eps = float(fp.pop("eps", 1e-8))
+        cache_load_factor = float(fp.pop("cache_load_factor", 0.2))
 
         self.table_names = [c.name for c in configs]
         self._check_parameter_sharding(configs, table_name_to_parameter_sharding)
@@ -286,6 +287,7 @@ class ShardedHeraldEmbeddingBagCollection(
             features_per_table=[len(c.feature_names) for c in configs],
             device=self.device,
             cache_load_factor=cache_load_factor,
+            tbe_settings=fp,
         )
         self._init_home_rows(module, configs)
 
@@ -763,7 +765,7 @@ class ShardedHeraldEmbeddingBagCollection(
             dst = torch.from_numpy(ragged_arange(bag * out.shape[1] + self._feature_col[f], d)).to(self.device)
             v = sh.values.index_select(0, src)
             extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, dst, v)
-            out = out + extra.view(out.shape)
+            out = out + st.clip_pooled_gradient(extra.view(out.shape))  # clipped per bag, as the TBE clips its own
         return out
 
     def finish_step(self) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -50,32 +50,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-# Optimizers whose update is a pure function of (row, its state, the row's summed gradient): the only ones for which
-# "one update with the summed gradient, wherever the row lives" is exact. Adam-like optimizers also read the TBE's
-# step counter, which the extra update pass per step would advance twice.
-SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
-
-
-def parse_optimizer(opt: EmbOptimType | str) -> EmbOptimType:
-    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_sgd", "sgd")."""
-    if isinstance(opt, EmbOptimType):
-        parsed = opt
-    else:
-        aliases = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
-        key = str(opt).strip().lower()
-        parsed = aliases.get(key)
-        if parsed is None:
-            for o in EmbOptimType:
-                if key in (o.value.lower(), o.name.lower()):
-                    parsed = o
-                    break
-        if parsed is None:
-            raise ValueError(f"unknown embedding optimizer {opt!r}")
-    if parsed not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(
-            f"Herald-managed tables support the optimizers {[o.name for o in SUPPORTED_OPTIMIZERS]}, got {parsed.name}"
-        )
-    return parsed
+# SUPPORTED_OPTIMIZERS and parse_optimizer are re-exported here (they lived in this module before)
+from herald_torchrec.distributed.optimizer_params import SUPPORTED_OPTIMIZERS, check_settings, parse_optimizer  # noqa: F401
 
 
 def check_cache_ratio(cache_ratio: float) -> float:
@@ -132,6 +108,21 @@ def guest_capacity(rows: int, cache_ratio: float) -> int:
     return math.ceil(round(check_cache_ratio(cache_ratio) * rows, 9))
 
 
+class _ClipPooledGradient(torch.autograd.Function):
+    """Identity forward; backward clamps the gradient to [-max_gradient, max_gradient] elementwise. FBGEMM's
+    `gradient_clipping` clamps the gradient of each pooled bag (the TBE's grad_output) before summing it per row;
+    this does the same for pooled values that do not come out of the TBE (shared rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, max_gradient: float) -> torch.Tensor:
+        ctx.max_gradient = max_gradient
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.clamp(-ctx.max_gradient, ctx.max_gradient), None
+
+
 @dataclass(frozen=True)
 class TableSpec:
     name: str
@@ -159,6 +150,7 @@ class RowStore(nn.Module):
         device: torch.device | str | None = None,
         location: EmbeddingLocation | None = None,
         cache_load_factor: float = 0.2,
+        tbe_settings: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if world_size < 1 or not (0 <= rank < world_size):
@@ -173,8 +165,20 @@ class RowStore(nn.Module):
         self.tables = list(tables)
         self.rank, self.world_size = rank, world_size
         self.cache_ratio = check_cache_ratio(cache_ratio)
-        self.optimizer = parse_optimizer(optimizer)
         self.device = torch.device(device if device is not None else "cpu")
+        # every further fused-optimizer setting the TBE takes (gradient clipping, ...), validated as the sharder does
+        named = sorted({"optimizer", "learning_rate", "eps", "cache_load_factor"} & set(tbe_settings or {}))
+        if named:
+            raise ValueError(f"RowStore: {named} are arguments of their own, not tbe_settings")
+        settings = check_settings(
+            {**dict(tbe_settings or {}), "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps,
+             "cache_load_factor": cache_load_factor},
+            self.device,
+        )
+        self.optimizer = settings.pop("optimizer")
+        # FBGEMM clips per pooled bag: kept here for pooled values summed outside the TBE (clip_pooled_gradient)
+        self.gradient_clipping = bool(settings.get("gradient_clipping", False))
+        self.max_gradient = float(settings.get("max_gradient", 1.0))
         T = len(self.tables)
         fpt = list(features_per_table) if features_per_table is not None else [1] * T
         if len(fpt) != T or any(n < 1 for n in fpt):
@@ -204,13 +208,10 @@ class RowStore(nn.Module):
             embedding_specs=[(max(1, n), d, loc, compute) for n, d in zip(self.local_rows, self.dims)],
             feature_table_map=self.feature_table_map,
             optimizer=self.optimizer,
-            learning_rate=learning_rate,
-            eps=eps,
-            weight_decay=0.0,
             pooling_mode=PoolingMode.SUM,
-            cache_load_factor=cache_load_factor,
             device=self.device,
             table_names=[s.name for s in self.tables],
+            **settings,
         )
         # the TBE's parameters are updated by its fused optimizer: keep them out of dense optimizers
         # (torchrec.optim.optimizers.in_backward_optimizer_filter) and out of DDP (ShardedModule parameters)
@@ -530,9 +531,17 @@ class RowStore(nn.Module):
         flat_grads = torch.cat([g.reshape(-1) for g, n in zip(grads, counts) if n])
         self.apply_summed_gradients_packed(tables, flat_slots, flat_grads)
 
+    def clip_pooled_gradient(self, pooled: torch.Tensor) -> torch.Tensor:
+        """`pooled` (bags x columns), with its gradient clipped per bag element exactly as the TBE clips its own
+        output's gradient under `gradient_clipping` (identity otherwise). For pooled values of rows updated through
+        `apply_summed_gradients*`: their readers clip per bag, the owner sums and applies unclipped, so each row gets
+        the sum of its clipped bag gradients, as in a fused backward."""
+        return _ClipPooledGradient.apply(pooled, self.max_gradient) if self.gradient_clipping else pooled
+
     def apply_summed_gradients_packed(self, tables: np.ndarray, slots: np.ndarray, grads: torch.Tensor) -> None:
         """One fused-optimizer update of (table, local slot) pairs with already summed gradients (`grads`: flat,
-        dims[t] floats per pair, in pair order; slots distinct within a table).
+        dims[t] floats per pair, in pair order; slots distinct within a table). Under `gradient_clipping` the sums
+        are taken as already clipped per bag (`clip_pooled_gradient`) and are not clipped again.
 
         A forward over one-row bags (table t's first feature, its k-th pair in bag k; other bags empty), then a
         backward with the gradients: FBGEMM's own kernel applies its optimizer exactly as in a fused backward where
@@ -555,9 +564,16 @@ class RowStore(nn.Module):
         col_first = exclusive_cumsum(feat_dims)[first]  # output column of table t's first feature
         d = self.dims_arr[tables]
         dev = self._weights[0].device
-        with torch.enable_grad():
-            out = self.tbe(torch.from_numpy(indices).to(dev), torch.from_numpy(offsets).to(dev))
-            g = torch.zeros_like(out)
-            pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
-            g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
-            out.backward(g)
+        # the gradients are sums of per-bag gradients already clipped by their readers (clip_pooled_gradient): the
+        # TBE must not clip the sum again (it reads optimizer_args at forward time)
+        args = self.tbe.optimizer_args
+        self.tbe.optimizer_args = args._replace(gradient_clipping=False)
+        try:
+            with torch.enable_grad():
+                out = self.tbe(torch.from_numpy(indices).to(dev), torch.from_numpy(offsets).to(dev))
+                g = torch.zeros_like(out)
+                pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
+                g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
+                out.backward(g)
+        finally:
+            self.tbe.optimizer_args = args

@@ -15,6 +15,12 @@ sharded modules divide theirs (`torchrec.distributed.comm_ops.set_gradient_divis
 trains the same under this sharder as under TorchRec's ROW_WISE sharding. `policy` and `lookahead` are carried for
 the pipeline that runs the scheduler; the data plane itself only executes plans.
 
+The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
+per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (Herald's
+defaults — row-wise Adagrad, learning rate 0.01 — apply only where neither names a setting). Every setting FBGEMM
+applies per row (gradient clipping, row-wise Adagrad's eps / weight decay / max_norm) reaches the TBE; anything
+else is a ValueError naming the setting, here and in the module.
+
 Tables not worth scheduling can stay with TorchRec's own sharding: name them in `unscheduled_tables` and plan with
 the sharder's constraints, so that the managed tables get their ROW_WISE home placement and the others whatever
 the planner picks among the stock model-parallel types (DATA_PARALLEL is not offered: it would train those tables
@@ -41,14 +47,19 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection, sub_collection
-from herald_torchrec.distributed.row_store import check_cache_ratio, parse_optimizer
+from herald_torchrec.distributed.optimizer_params import (
+    DEFAULT_FUSED_PARAMS,
+    resolve_table_settings,
+    sharder_fused_params,
+)
+from herald_torchrec.distributed.row_store import check_cache_ratio
 
 def with_row_wise(types: list[str]) -> list[str]:
     """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""
     return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
 
 
-DEFAULT_FUSED_PARAMS: dict[str, Any] = {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01, "eps": 1e-8}
+__all__ = ["DEFAULT_FUSED_PARAMS", "HeraldEmbeddingBagCollectionSharder", "with_row_wise"]
 
 
 class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -71,11 +82,9 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             raise ValueError(f"policy must be a non-empty string, got {policy!r}")
         if int(lookahead) < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        fp = dict(DEFAULT_FUSED_PARAMS)
-        fp.update(fused_params or {})
-        fp["optimizer"] = parse_optimizer(fp["optimizer"])  # fail early on unsupported optimizers
-        if float(fp.get("weight_decay", 0.0)) != 0.0:
-            raise ValueError("Herald-managed tables: weight_decay must be 0")
+        # Herald's defaults under the user's settings, validated now (fail early); an optimizer set with
+        # apply_optimizer_in_backward overrides them per table at shard time, as in TorchRec
+        fp = sharder_fused_params(fused_params)
         super().__init__(fused_params=fp, qcomm_codecs_registry=qcomm_codecs_registry)
         self.policy, self.lookahead = policy, int(lookahead)
         self.check_errors_globally = check_errors_globally
@@ -170,6 +179,9 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         missing = [n for n in rest if n not in params]
         if missing:
             raise ValueError(f"unscheduled tables {missing} have no sharding in the plan")
+        # one fused optimizer over the whole EBC: the TorchRec part resolves (TorchRec's own way) from the same
+        # fused params and in-backward settings, which must give its tables the Herald tables' settings
+        resolve_table_settings(module, self.fused_params, None, device)
         stock_sharder = EmbeddingBagCollectionSharder(fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry)
         stock = stock_sharder.shard(sub_collection(module, rest), {n: params[n] for n in rest}, env, device, module_fqn)
         return ShardedMixedEmbeddingBagCollection(module, herald, stock, qcomm_codecs_registry=self.qcomm_codecs_registry)

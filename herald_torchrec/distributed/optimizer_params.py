@@ -1,0 +1,247 @@
+"""The fused embedding optimizer's settings for Herald-managed tables, resolved exactly as TorchRec resolves them.
+
+Why a module of its own: TorchRec takes the embedding optimizer from two places — the sharder's `fused_params` and
+`apply_optimizer_in_backward(...)` set on the unsharded EBC's parameters (`param._optimizer_classes` /
+`param._optimizer_kwargs`) — and merges them per table (torchrec.distributed.embeddingbag.
+create_sharding_infos_by_sharding_device_group): the in-backward class becomes `"optimizer"` through
+`optimizer_type_to_emb_opt_type`, its kwargs override the sharder's (`merge_fused_params`, which also renames
+`lr` to `learning_rate`), the plan's per-table settings override both (`add_params_from_parameter_sharding`) and
+TorchRec data types become FBGEMM's (`convert_to_fbgemm_types`). The result is passed to FBGEMM's TBE as keyword
+arguments. `resolve_table_settings` calls those same TorchRec functions, in that order, so a Herald table gets the
+settings a stock ROW_WISE table would get.
+
+What Herald then checks, and why (`check_settings`): Herald updates an *exclusive* row in the TBE's own fused
+backward and a *shared* row once per step through a backward of the same TBE over one-row bags carrying the row's
+summed gradient (row_store.RowStore.apply_summed_gradients_packed). A setting is exact under Herald when FBGEMM
+applies it per row, as a function of (row, its optimizer state, its summed gradient) only: then it acts identically
+wherever the row lives. That holds for row-wise Adagrad's eps / L2 or decoupled weight decay / max_norm. Gradient
+clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's gradient (the TBE's grad_output, CPU and CUDA
+alike) before summing it per row; Herald's readers clamp the bag gradients of shared values the same way and the
+owner applies their sum unclipped (RowStore.clip_pooled_gradient), so it is exact too. Settings that read the
+TBE's step counter (counter-based or global weight decay; Adam-like optimizers — Herald's extra update pass
+advances that counter) are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other optimizers, a
+torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum). Nothing is silently dropped: each refusal
+is a ValueError naming the setting and why.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
+from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+from torchrec.distributed.types import ParameterSharding
+from torchrec.distributed.utils import (
+    add_params_from_parameter_sharding,
+    convert_to_fbgemm_types,
+    merge_fused_params,
+    optimizer_type_to_emb_opt_type,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+# Optimizers whose update is a pure function of (row, its state, the row's summed gradient): the only ones for which
+# "one update with the summed gradient, wherever the row lives" is exact. Adam-like optimizers also read the TBE's
+# step counter, which the extra update pass per step would advance twice.
+SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
+
+# Herald's defaults, at the lowest precedence (below the sharder's fused_params and any in-backward optimizer): they
+# apply only where nothing else names the optimizer / learning rate. eps is left to the TBE's own default (1e-8).
+DEFAULT_FUSED_PARAMS: dict[str, Any] = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+
+# torch-optimizer arguments (as `apply_optimizer_in_backward` records them) that FBGEMM's kernels do not implement:
+# accepted only at the value that means "not used" (then dropped; the TBE does not take most of them).
+NEUTRAL_SETTINGS: dict[str, Any] = {
+    "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, "lr_decay": 0.0,
+    "initial_accumulator_value": 0.0, "foreach": None, "differentiable": False, "fused": None,
+}
+
+# Settings of rows that FBGEMM's CPU kernels ignore (checked in tests/test_optimizer_params.py): with them a CPU run
+# would silently train without them (stock TorchRec's CPU TBEs ignore them too), so Herald refuses them there.
+CPU_IGNORED_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "max_norm": 0.0}
+
+_ANY_OPTIMIZER = {
+    "optimizer", "learning_rate", "gradient_clipping", "max_gradient", "stochastic_rounding", "eps",
+    "cache_load_factor", "cache_algorithm", "cache_reserved_memory", "enforce_hbm", "bounds_check_mode",
+    "weights_precision", "cache_precision", "output_dtype", "prefetch_pipeline",
+}
+_ROWWISE_ADAGRAD_ONLY = {"weight_decay", "weight_decay_mode", "max_norm"}
+_EXACT_WEIGHT_DECAY_MODES = (WeightDecayMode.NONE, WeightDecayMode.L2, WeightDecayMode.DECOUPLE)
+
+
+def parse_optimizer(opt: EmbOptimType | str) -> EmbOptimType:
+    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_sgd", "sgd"); a
+    ValueError for unknown or unsupported optimizers."""
+    if isinstance(opt, EmbOptimType):
+        parsed = opt
+    else:
+        aliases = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+        key = str(opt).strip().lower()
+        parsed = aliases.get(key)
+        if parsed is None:
+            for o in EmbOptimType:
+                if key in (o.value.lower(), o.name.lower()):
+                    parsed = o
+                    break
+        if parsed is None:
+            raise ValueError(f"optimizer: unknown embedding optimizer {opt!r}")
+    if parsed not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"optimizer: Herald-managed tables support {[o.name for o in SUPPORTED_OPTIMIZERS]}, got {parsed.name} "
+            "(its update is not a function of the row and its summed gradient alone)"
+        )
+    return parsed
+
+
+def _number(key: str, value: Any, low: float, low_inclusive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    if float(value) < low or (not low_inclusive and float(value) == low):
+        raise ValueError(f"{key}: must be {'>=' if low_inclusive else '>'} {low}, got {value!r}")
+    return float(value)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected a bool, got {value!r}")
+    return value
+
+
+def _fp32(key: str, value: Any) -> SparseType:
+    v = convert_to_fbgemm_types({key: value})[key]
+    if isinstance(v, str) and v.lower() in {t.value for t in SparseType}:
+        v = SparseType(v.lower())
+    if v != SparseType.FP32:
+        raise ValueError(f"{key}: Herald-managed rows are float32 (moved and updated bit-exactly), got {value!r}")
+    return SparseType.FP32
+
+
+def check_settings(fused_params: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
+    """Validate resolved fused params for Herald's TBE; returns the TBE keyword arguments (optimizer as
+    EmbOptimType, neutral torch-optimizer arguments dropped). With `device`, also refuses settings FBGEMM ignores
+    there. Every refusal is a ValueError naming the setting."""
+    fp = dict(fused_params)
+    opt = parse_optimizer(fp.get("optimizer", DEFAULT_FUSED_PARAMS["optimizer"]))
+    out: dict[str, Any] = {"optimizer": opt}
+    for key, value in fp.items():
+        if key == "optimizer":
+            continue
+        if key in NEUTRAL_SETTINGS:
+            if value != NEUTRAL_SETTINGS[key]:
+                raise ValueError(
+                    f"{key}={value!r}: FBGEMM's {opt.name} kernel does not implement it (TorchRec would train without "
+                    f"it); only {key}={NEUTRAL_SETTINGS[key]!r} is accepted"
+                )
+            continue
+        if key in _ROWWISE_ADAGRAD_ONLY and opt != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            neutral = _checked_value(key, value) == (WeightDecayMode.NONE if key == "weight_decay_mode" else 0.0)
+            if not neutral:
+                raise ValueError(f"{key}={value!r}: FBGEMM's {opt.name} kernel does not apply it")
+            continue
+        if key not in _ANY_OPTIMIZER | _ROWWISE_ADAGRAD_ONLY:
+            raise ValueError(f"{key}: not a fused-optimizer setting Herald-managed tables support")
+        out[key] = _checked_value(key, value)
+    if out.get("weight_decay", 0.0) and out.get("weight_decay_mode", WeightDecayMode.NONE) == WeightDecayMode.NONE:
+        raise ValueError(
+            f"weight_decay={out['weight_decay']!r}: FBGEMM applies it only with weight_decay_mode L2 or DECOUPLE "
+            "(without one, TorchRec's TBE trains without it); set weight_decay_mode"
+        )
+    if device is not None and torch.device(device).type == "cpu":
+        for key, neutral in CPU_IGNORED_SETTINGS.items():
+            if key in out and out[key] != neutral:
+                raise ValueError(
+                    f"{key}={out[key]!r}: FBGEMM's CPU kernels do not apply it (stock TorchRec's CPU tables ignore it "
+                    "too); Herald refuses it rather than train without it"
+                )
+    return out
+
+
+def _checked_value(key: str, value: Any) -> Any:
+    if key in ("learning_rate", "weight_decay", "max_norm", "cache_reserved_memory"):
+        return _number(key, value, 0.0)
+    if key in ("eps", "max_gradient", "cache_load_factor"):
+        return _number(key, value, 0.0, low_inclusive=False)
+    if key in ("gradient_clipping", "stochastic_rounding", "enforce_hbm"):
+        return _flag(key, value)  # stochastic rounding acts on reduced-precision rows only: none here
+    if key == "prefetch_pipeline":
+        if _flag(key, value):
+            raise ValueError("prefetch_pipeline=True: Herald moves rows behind the TBE's cache between steps")
+        return False
+    if key in ("weights_precision", "cache_precision", "output_dtype"):
+        return _fp32(key, value)
+    if key == "weight_decay_mode":
+        try:
+            mode = value if isinstance(value, WeightDecayMode) else WeightDecayMode(int(value))
+        except (TypeError, ValueError):
+            raise ValueError(f"weight_decay_mode: unknown mode {value!r}") from None
+        if mode not in _EXACT_WEIGHT_DECAY_MODES:
+            raise ValueError(
+                f"weight_decay_mode={mode.name}: it reads the TBE's step counter, which Herald's update of shared "
+                f"rows advances; supported: {[m.name for m in _EXACT_WEIGHT_DECAY_MODES]}"
+            )
+        return mode
+    if key == "cache_algorithm" and not isinstance(value, CacheAlgorithm):
+        raise ValueError(f"cache_algorithm: expected a CacheAlgorithm, got {value!r}")
+    if key == "bounds_check_mode" and not isinstance(value, BoundsCheckMode):
+        raise ValueError(f"bounds_check_mode: expected a BoundsCheckMode, got {value!r}")
+    return value
+
+
+def sharder_fused_params(fused_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sharder's fused params: Herald's defaults under the user's, the optimizer as an EmbOptimType (TorchRec's
+    TBEs take nothing else), validated. Also what the TorchRec-sharded part of a mixed EBC is given, so both parts
+    resolve from the same settings."""
+    fp = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
+    check_settings(fp)
+    fp["optimizer"] = parse_optimizer(fp["optimizer"])
+    return fp
+
+
+def in_backward_params(param: torch.Tensor) -> dict[str, Any]:
+    """The fused params `apply_optimizer_in_backward` set on `param` ({} if none), as TorchRec reads them: the class
+    becomes "optimizer" (unless the kwargs name one). A copy: TorchRec's merge edits the dict it is given."""
+    classes = getattr(param, "_optimizer_classes", [None])
+    kwargs = getattr(param, "_optimizer_kwargs", [{}])
+    if len(classes) != 1 or len(kwargs) != 1:
+        raise ValueError(f"apply_optimizer_in_backward: one optimizer per table, got {len(classes)} classes")
+    out = dict(kwargs[0])
+    if classes[0] is not None and "optimizer" not in out:
+        out["optimizer"] = optimizer_type_to_emb_opt_type(classes[0])
+    return out
+
+
+def resolve_table_settings(
+    module: EmbeddingBagCollection,
+    fused_params: Mapping[str, Any] | None,
+    table_name_to_parameter_sharding: Mapping[str, ParameterSharding] | None = None,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """The validated TBE settings of `module`'s tables: per table, TorchRec's resolution (Herald's defaults <
+    `fused_params` < in-backward optimizer < the plan's per-table settings); all tables must agree (Herald keeps
+    them in one TBE). Raises ValueError naming the setting otherwise."""
+    base = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
+    params = dict(module.named_parameters())
+    resolved: dict[str, dict[str, Any]] = {}
+    for c in module.embedding_bag_configs():
+        param = params.get(f"embedding_bags.{c.name}.weight")
+        fp = merge_fused_params(base, in_backward_params(param) if param is not None else {})
+        ps = (table_name_to_parameter_sharding or {}).get(c.name)
+        if ps is not None:
+            fp = add_params_from_parameter_sharding(fp, ps)
+        try:
+            resolved[c.name] = check_settings(convert_to_fbgemm_types(fp), device)
+        except ValueError as e:
+            raise ValueError(f"table {c.name!r}: {e}") from None
+    names = list(resolved)
+    first = resolved[names[0]]
+    for n in names[1:]:
+        diff = sorted((k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k)),
+                      key=lambda k: (k != "optimizer", k))
+        if diff:
+            raise ValueError(
+                f"{diff[0]}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(diff[0])!r} vs "
+                f"{resolved[n].get(diff[0])!r}); Herald-managed tables of one EBC share one fused optimizer"
+            )
+    return first
