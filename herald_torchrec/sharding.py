@@ -192,11 +192,6 @@ def dense_optimizer(model: torch.nn.Module, cfg: DictConfig) -> KeyedOptimizerWr
     return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), make)
 
 
-def feature_columns(features: FeatureSpec, source: DataSource) -> list[int]:
-    """Columns of `Samples.ids` that the model's sparse features read, in feature order."""
-    return [list(source.feature_names).index(n) for n in features.names]
-
-
 def sample_converter(features: FeatureSpec, source: DataSource) -> Callable[[Samples], Any]:
     keys, names = list(features.names), list(source.feature_names)
     return lambda s: to_batch(s, keys, names)
@@ -264,15 +259,18 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     A list of feature (or table) names, or `auto`: the tables the adaptive policy would not schedule on the first
     global batches of the training data (tables hot everywhere or cold everywhere, docs/scheduler.md). Every rank
     reads the same global batches, so every rank makes the same choice without communicating."""
-    from herald_torchrec.schedule import GlobalBatch, make_policy
+    from herald_torchrec.distributed.input_layout import ManagedTables, one_process_global_batch
+    from herald_torchrec.schedule import make_policy
 
     sc = cfg.scheduler
     u = sc.get("unscheduled") or []
     if u == "auto":
         B = cfg.trainer.batch_size
         probe = make_policy("herald", list(features.rows), world_size, B, cache_ratio=sc.cache_ratio, lookahead=0)
-        cols = feature_columns(features, source)
-        batches = [GlobalBatch.from_dense(np.ascontiguousarray(g.ids[:, cols]), probe.layout)
+        tables = ManagedTables(tuple(table_name(n) for n in features.names), tuple(features.rows),
+                               tuple((n,) for n in features.names), (0,))
+        convert = sample_converter(features, source)
+        batches = [one_process_global_batch(convert(g), tables)
                    for _, g in zip(range(PROFILE_BATCHES), source.train_batches(world_size * B))]
         probe.profile(batches)
         chosen = set(probe.tables)
@@ -291,30 +289,25 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
 
 
 def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
-    """Herald-managed tables: our sharder (ROW_WISE home placement) + the scheduling pipeline stage; tables left
-    unscheduled (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
-    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder, PlanComm
-    from herald_torchrec.distributed.scheduled_input import ScheduledInput
+    """Herald-managed tables: our sharder (ROW_WISE home placement, the scheduler's settings) + HeraldTrainPipeline,
+    which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
+    (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
-    from herald_torchrec.schedule import make_policy
+    from herald_torchrec.schedule import POLICIES
 
-    bags = [n for n in features.names if n in source.bag_features]
-    if bags:
-        raise ValueError(f"scheduler={cfg.scheduler.name}: the multi-hot features {bags} cannot be scheduled yet; "
-                         "use scheduler=torchrec")
     sc, t = cfg.scheduler, cfg.trainer
+    if sc.policy not in POLICIES or not POLICIES[sc.policy].executable:
+        runnable = sorted(n for n, p in POLICIES.items() if p.executable)
+        raise ValueError(f"scheduler.policy={sc.policy} cannot train: the data plane runs {runnable} "
+                         "(the other policies only model traffic in benchmarks/simulate.py)")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
-        "eps": t.get("embedding_eps", 1e-8),
     }
+    if t.embedding_optimizer == "rowwise_adagrad":
+        fused["eps"] = t.get("embedding_eps", 1e-8)
     unsched = unscheduled_features(cfg, features, source, ctx.world_size)
-    managed = features.subset([n for n in features.names if n not in unsched])
-    policy = make_policy(
-        sc.policy, list(managed.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio, lookahead=sc.lookahead
-    )
-    if not policy.executable:
-        raise ValueError(f"scheduler.policy={sc.policy} only models traffic (simulator); use herald or static")
     sharder = HeraldEmbeddingBagCollectionSharder(
         cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused,
         unscheduled_tables=[table_name(n) for n in unsched],
@@ -338,21 +331,18 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     dense = dense_optimizer(dmp, cfg)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     stats = PlanStats()
-    scheduled = ScheduledInput(policy, PlanComm(pg), feature_columns(managed, source),
-                               carry=feature_columns(features.subset(unsched), source) if unsched else None)
-    pipeline = HeraldTrainPipeline(
-        dmp, optimizer, ctx.device, scheduled, sample_converter(features, source), on_plan=stats.add
-    )
+    pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add)
+    sched_ms = pipeline.input_stage.sched_ms
 
     def step_stats() -> dict[str, float]:
         out = stats.window()
-        ms = scheduled.sched_ms[-cfg.trainer.log_interval :]
+        ms = sched_ms[-cfg.trainer.log_interval :]
         if ms:
             out["sched_ms"] = float(np.median(ms))
         return out
 
     def final_stats(steps: int) -> dict[str, Any]:
-        ms = np.array(scheduled.sched_ms) if scheduled.sched_ms else np.zeros(1)
+        ms = np.array(sched_ms) if sched_ms else np.zeros(1)
         kinds = sorted(pipeline.trained_counters)
         executed = torch.tensor([pipeline.trained_counters[k] for k in kinds], dtype=torch.int64)
         if ctx.world_size > 1:
@@ -366,6 +356,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "sched_ms_p90": float(np.percentile(ms, 90)),
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
+            "dropped_samples": pipeline.input_stage.dropped_samples,
         }
 
     def export_tables() -> Tables:
@@ -379,8 +370,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         herald.load_full_tables(weights, states)
         _load_torchrec_tables(dmp, weights, states)  # only tables with TorchRec shards are touched
 
+    convert = batch_converter(features, source)
     return ShardedSetup(
-        sc.name, dmp, pipeline, pipeline.schedule, batch_converter(features, source),
+        sc.name, dmp, pipeline, convert, convert,
         export_tables=export_tables, import_tables=import_tables, dense_optimizer=dense,
         step_stats=step_stats, final_stats=final_stats,
     )

@@ -135,19 +135,20 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
 
 
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
-    """AUC and log loss over the whole held-out split (all ranks' predictions gathered)."""
-    setup.model.eval()
+    """AUC and log loss over the whole held-out split (all ranks' predictions gathered).
+
+    Plain eval-mode forwards of the sharded model, for every scheduler: the train pipeline is detached meanwhile (its
+    in-flight batches are kept; the next `progress` re-attaches it), and Herald's modules never consume a training
+    plan in eval mode."""
+    model = setup.pipeline.detach()
+    model.eval()
     logits, labels = [], []
-    it = setup.eval_batches(local_samples(source, cfg.trainer.batch_size, ctx, train=False, epochs=None))
     with torch.no_grad():
-        while True:
-            try:
-                _, lg, lb = setup.pipeline.progress(it)
-            except StopIteration:
-                break
+        for batch in setup.eval_batches(local_samples(source, cfg.trainer.batch_size, ctx, train=False, epochs=None)):
+            _, (_, lg, lb) = model(batch.to(ctx.device))
             logits.append(lg.float().cpu())
             labels.append(lb.float().cpu())
-    setup.model.train()
+    model.train()
     lg, lb = torch.cat(logits), torch.cat(labels)
     if ctx.world_size > 1:
         both = torch.stack([lg, lb]).to(ctx.device)
@@ -193,14 +194,15 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     sent_at_log = 0
-    while True:
-        it = itertools.islice(train_iter, eval_every) if eval_every else train_iter
+    done = False
+    while not done:
         seg_start, seg_steps = time.time(), 0
-        while True:
+        while not eval_every or seg_steps < eval_every:  # the same iterator throughout: pipelines keep their lookahead
             try:
                 with count_collectives(traffic, "train"):
-                    loss, _, _ = setup.pipeline.progress(it)
+                    loss, _, _ = setup.pipeline.progress(train_iter)
             except StopIteration:
+                done = True
                 break
             step += 1
             seg_steps += 1
@@ -229,8 +231,6 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
             say(f"eval @ step {step}: auc {auc:.4f}  logloss {ll:.4f}")
             logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
             history.append({"step": step, "auc": auc, "logloss": ll})
-            if seg_steps < eval_every:
-                break
     if loss_n:
         last_loss = loss_sum / loss_n
         first_loss = last_loss if first_loss is None else first_loss

@@ -279,3 +279,12 @@ def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, l
     kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.from_numpy(values),
                             lengths=torch.from_numpy(lengths.astype(np.int32)))
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def one_process_global_batch(batch: Batch, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
+    """The scheduler's view of a whole global batch held by one process (profiling, simulation): the same path as
+    the input stage with a single rank."""
+    layout = slice_layout(batch, tables)
+    s = host_slice(batch, layout)
+    ids = gather_ids(s.lengths[None], [managed_ids(s, layout)], layout)
+    return global_batch(ids, layout, tables, index)
