@@ -48,7 +48,9 @@ def init_distributed(backend: str = "auto") -> DistContext:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        # with NCCL, CPU tensors (host-side counters, metrics) need a gloo side in the same default group
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+        dist.init_process_group(backend=pg_backend, rank=rank, world_size=world)
     return DistContext(rank, world, local_rank, device, backend)
 
 

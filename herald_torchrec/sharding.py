@@ -297,9 +297,11 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     from herald_torchrec.schedule import POLICIES
 
     sc, t = cfg.scheduler, cfg.trainer
-    if sc.policy not in POLICIES or not POLICIES[sc.policy].executable:
+    if sc.policy not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {sc.policy!r}; choose one of {sorted(POLICIES)}")
+    if not POLICIES[sc.policy].executable:
         runnable = sorted(n for n, p in POLICIES.items() if p.executable)
-        raise ValueError(f"scheduler.policy={sc.policy} cannot train: the data plane runs {runnable} "
+        raise ValueError(f"scheduler.policy={sc.policy} only models traffic: the data plane runs {runnable} "
                          "(the other policies only model traffic in benchmarks/simulate.py)")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",

@@ -1,0 +1,193 @@
+"""HeraldTrainPipeline at the edges a TorchRec user's loop reaches (2 gloo ranks; each fails on the pre-Batch main):
+
+- a model with two Herald-managed EBCs, with an eval-mode forward between training steps, trains the same model
+  as stock TorchRec (the eval forward consumes no training plan; the plan is split per module);
+- the input stage runs on a gloo group of its own (host tensors: works beside an NCCL default group);
+- ids of 2^31 or more are an error on every rank, never wrapped to int32;
+- one rank running out of data first stops every rank with a warning that counts the dropped samples;
+- a short last batch is dropped with a warning (drop_last);
+- batch norm in the model is a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist_helpers import rank_result, run_ranks
+
+B = 8
+ROWS = {"t0": 3000, "t1": 2500, "t2": 2000}  # the default planner picks TABLE_WISE (not DATA_PARALLEL) for these
+HASH = [30, 50, 20]
+
+
+class TwoEBCModel(torch.nn.Module):
+    """Two EmbeddingBagCollections (t0 + t1 reading f0, f1; t2 reading f2) and a small dense head; TorchRec's
+    (loss, output) convention."""
+
+    def __init__(self, batch_norm: bool = False) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = lambda t, f: EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f])  # noqa: E731
+        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")])
+        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")])
+        self.norm = torch.nn.BatchNorm1d(3) if batch_norm else torch.nn.Identity()
+        self.head = torch.nn.Linear(3 + 12, 1)
+
+    def forward(self, batch):
+        a = self.ebc_a(batch.sparse_features).values()
+        b = self.ebc_b(batch.sparse_features).values()
+        logit = self.head(torch.cat([self.norm(batch.dense_features), a, b], dim=1)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
+        return loss, (loss.detach(), logit.detach(), batch.labels)
+
+
+def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | None = None):
+    """n batches of this rank's slice (multi-hot f1 with empty bags), deterministic by rank."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(10 + rank)
+    out = []
+    for i in range(n):
+        m = short_last if (short_last is not None and i == n - 1) else B
+        lens = torch.cat([torch.ones(m, dtype=torch.int32), torch.randint(0, 3, (m,), generator=g, dtype=torch.int32),
+                          torch.ones(m, dtype=torch.int32)])
+        vals = torch.cat([torch.randint(0, h, (int(lens[k * m : (k + 1) * m].sum()),), generator=g) for k, h in enumerate(HASH)])
+        if big_id_at is not None and i == big_id_at:
+            vals[0] = 2**31 + 3  # wraps to 3 in int32
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=vals, lengths=lens)
+        out.append(Batch(torch.randn(m, 3, generator=g), kjt, torch.randint(0, 2, (m,), generator=g).float()))
+    return out
+
+
+def build(kind: str, batch_norm: bool = False):
+    from torchrec.distributed import TrainPipelineSparseDist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
+
+    model = TwoEBCModel(batch_norm)
+    for ebc in (model.ebc_a, model.ebc_b):
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
+    herald = kind == "herald"
+    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2) if herald else EmbeddingBagCollectionSharder()
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])
+    if not herald:  # stock shards draw their own values: start from the unsharded model's, as Herald does
+        from test_dropin import set_tables
+
+        set_tables(dmp, {n: b.weight.detach() for e in (model.ebc_a, model.ebc_b) for n, b in e.embedding_bags.items()})
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda p: torch.optim.SGD(p, lr=0.1))
+    return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(dmp, dense, torch.device("cpu"))
+
+
+def train_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dmp, pipeline = build(kind)
+    data = batches(rank, 14)
+    it = iter(data)
+    for _ in range(6):
+        pipeline.progress(it)
+    model = pipeline.detach()  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = float(model(data[0])[0])
+    model.train()
+    for _ in range(6):
+        pipeline.progress(it)
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+    extra = {}
+    if kind == "herald":
+        import torch.distributed as dist
+
+        extra["host_backend"] = str(dist.get_backend(pipeline.input_stage.comm.group))
+        extra["host_is_default"] = pipeline.input_stage.comm.group is dist.GroupMember.WORLD
+        extra["counters"] = dict(pipeline.trained_counters)
+    torch.save({"eval_loss": eval_loss, **extra}, rank_result(out_dir, rank))
+
+
+def test_two_ebcs_with_eval_in_between_equal_stock(tmp_path: Path) -> None:
+    from test_dropin import full_checkpoint
+
+    got = {}
+    for kind in ("stock", "herald"):
+        run_ranks("test_pipeline_edges:train_worker", tmp_path / kind, world_size=2, kind=kind)
+        got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    stock, herald = got["stock"], got["herald"]
+    assert sorted(stock) == sorted(herald)
+    assert sum(".embedding_bags." in k for k in stock) == 3
+    worst = max(float((stock[k] - herald[k]).abs().max()) for k in stock)
+    assert worst < 1e-5, worst
+    r0 = torch.load(rank_result(tmp_path / "herald", 0))
+    assert r0["host_backend"] == "gloo" and not r0["host_is_default"]
+    assert r0["counters"]["shared_value"] + r0["counters"]["migrate"] > 0
+    s0 = torch.load(rank_result(tmp_path / "stock", 0))
+    assert abs(r0["eval_loss"] - s0["eval_loss"]) < 1e-5  # the eval forward saw the same model
+
+
+def edges_worker(rank: int, world: int, out_dir: str, case: str) -> None:
+    dmp, pipeline = build("herald")
+    result: dict = {"steps": 0, "error": None}
+    if case == "big_id":
+        data = batches(rank, 5, big_id_at=2 if rank == 1 else None)
+    elif case == "uneven":
+        data = batches(rank, 4 if rank == 0 else 6)
+    else:  # short: rank 0's last batch has 5 samples
+        data = batches(rank, 5, short_last=5 if rank == 0 else None)
+    it = iter(data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            while True:
+                pipeline.progress(it)
+                result["steps"] += 1
+        except StopIteration:
+            pass
+        except ValueError as e:
+            result["error"] = str(e)
+    result["warnings"] = [str(w.message) for w in caught if "herald input" in str(w.message)]
+    result["dropped"] = pipeline.input_stage.dropped_samples
+    torch.save(result, rank_result(out_dir, rank))
+
+
+@pytest.mark.parametrize("case", ["big_id", "uneven", "short"])
+def test_edge_input(tmp_path: Path, case: str) -> None:
+    run_ranks("test_pipeline_edges:edges_worker", tmp_path, world_size=2, case=case)
+    r = [torch.load(rank_result(tmp_path, q)) for q in range(2)]
+    if case == "big_id":  # rank 1's third batch holds id 2^31 + 3 (3 after an int32 wrap): both ranks stop with an error
+        assert "out of range [2147483651]" in r[1]["error"], r[1]
+        assert "rank 1 rejected its input" in r[0]["error"], r[0]
+        assert r[0]["steps"] == r[1]["steps"] == 0  # the pipeline draws 2 batches ahead: batch 2 is seen at step 0
+    elif case == "uneven":  # rank 0 has 4 batches, rank 1 has 6: 4 steps, rank 1 drops (at least) one batch, warned
+        assert r[0]["steps"] == r[1]["steps"] == 4 and r[0]["error"] is None and r[1]["error"] is None
+        assert r[1]["dropped"] == B and any(f"drops {B} samples" in w for w in r[1]["warnings"]), r[1]
+        assert r[0]["dropped"] == 0 and r[0]["warnings"], r[0]  # every rank hears why the run stopped
+    else:  # rank 0's 5th batch is short: 4 steps on both ranks, the incomplete global batch dropped with a warning
+        assert r[0]["steps"] == r[1]["steps"] == 4 and r[0]["error"] is None
+        assert r[0]["dropped"] == 5 and r[1]["dropped"] == B
+        assert all("short last batch" in w for q in range(2) for w in r[q]["warnings"]) and r[1]["warnings"]
+
+
+def bn_worker(rank: int, world: int, out_dir: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build("herald", batch_norm=True)
+    torch.save([str(w.message) for w in caught if "batch-norm" in str(w.message)], rank_result(out_dir, rank))
+
+
+def test_batch_norm_is_a_warning(tmp_path: Path) -> None:
+    run_ranks("test_pipeline_edges:bn_worker", tmp_path, world_size=1)
+    msgs = torch.load(rank_result(tmp_path, 0))
+    assert msgs and "norm" in msgs[0]
