@@ -1,0 +1,80 @@
+"""The input stage's bookkeeping without a process group: two ranks' Batch slices -> the scheduler's global batch
+(multi-hot, empty bags, a table read by two keys, a key no Herald table reads) -> any rank's assigned samples as a KJT
+that equals the original samples' bags, key by key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from herald_torchrec.distributed.input_layout import (
+    ManagedTables,
+    assigned_batch,
+    assigned_kjt_parts,
+    carried_ids,
+    gather_ids,
+    global_batch,
+    host_slice,
+    managed_ids,
+    slice_layout,
+)
+
+KEYS = ["a", "b", "c", "x"]  # x: carried (no Herald table reads it)
+TABLES = ManagedTables(("ta", "tbc"), (10, 7), (("a",), ("b", "c")), (0,))
+B, R = 4, 2
+
+
+def make_slice(seed: int) -> tuple[Batch, list[list[list[int]]]]:
+    rng = np.random.default_rng(seed)
+    bags = [[list(rng.integers(0, 7, rng.integers(0, 3))) for _ in range(B)] for _ in KEYS]  # bags[key][sample]
+    lengths = torch.tensor([len(b) for k in bags for b in k], dtype=torch.int32)
+    values = torch.tensor([v for k in bags for b in k for v in b], dtype=torch.int64)
+    kjt = KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths)
+    return Batch(torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed), bags
+
+
+def test_global_batch_and_assigned_samples_round_trip() -> None:
+    (b0, bags0), (b1, bags1) = make_slice(1), make_slice(2)
+    layout = slice_layout(b0, TABLES)
+    assert layout.managed.tolist() == [0, 1, 2] and layout.carried.tolist() == [3]
+    s0, s1 = host_slice(b0, layout), host_slice(b1, layout)
+    ids = gather_ids(np.stack([s0.lengths, s1.lengths]), [managed_ids(s0, layout), managed_ids(s1, layout)], layout)
+    gb = global_batch(ids, layout, TABLES)
+    bags = [bags0[k] + bags1[k] for k in range(len(KEYS))]  # global samples: rank 0's then rank 1's
+    for g in range(R * B):
+        assert gb.values[0][gb.offsets[0][g] : gb.offsets[0][g + 1]].tolist() == bags[0][g]
+        assert gb.values[1][gb.offsets[1][g] : gb.offsets[1][g + 1]].tolist() == bags[1][g] + bags[2][g]
+    # rank 1 is assigned global samples 0, 3, 5, 6 (some from each rank)
+    mine = np.array([0, 3, 5, 6])
+    carried = np.concatenate([carried_ids(s, layout, mine[mine // B == q] % B) for q, s in enumerate((s0, s1))])
+    lengths, values = assigned_kjt_parts(ids, layout, mine, carried)
+    fixed = np.concatenate([s0.fixed, s1.fixed])[mine]
+    out = assigned_batch(lengths, values, fixed, layout)
+    got = out.sparse_features.to_dict()
+    for k, key in enumerate(KEYS):
+        want = [bags[k][g] for g in mine]
+        jt = got[key]
+        assert [len(w) for w in want] == jt.lengths().tolist()
+        assert [v for w in want for v in w] == jt.values().tolist()
+    assert torch.equal(out.dense_features, torch.cat([b0.dense_features, b1.dense_features])[mine])
+    assert torch.equal(out.labels, torch.cat([b0.labels, b1.labels])[mine])
+
+
+def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.arange(12) % 5, lengths=torch.ones(12, dtype=torch.int32))
+    b = Batch(torch.zeros(B, 2), kjt, torch.zeros(B))
+    layout = slice_layout(b, ManagedTables(("ta", "tb", "tc"), (5, 5, 5), (("a",), ("b",), ("c",)), (0,)))
+    s = host_slice(b, layout)
+    gb = global_batch(gather_ids(s.lengths[None], [managed_ids(s, layout)], layout), layout,
+                      ManagedTables(("ta", "tb", "tc"), (5, 5, 5), (("a",), ("b",), ("c",)), (0,)))
+    assert gb.single_hot() and "dense" in gb._cache
+    big = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.tensor([2**31 + 1] + [0] * 11), lengths=torch.ones(12, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"feature 'a': ids out of range \[2147483649\]"):
+        host_slice(Batch(torch.zeros(B, 2), big, torch.zeros(B)), layout)
+    with pytest.raises(ValueError, match="lacks the Herald-managed features"):
+        slice_layout(b, ManagedTables(("tz",), (5,), (("z",),), (0,)))
+    with pytest.raises(ValueError, match="torchrec.datasets.utils.Batch"):
+        slice_layout(object(), ManagedTables(("ta",), (5,), (("a",),), (0,)))  # type: ignore[arg-type]
