@@ -59,7 +59,7 @@ def herald_dmp(opt: str, world: int, mixed: bool = False):
         for name, w in init_tables().items():
             model.ebc.embedding_bags[name].weight.copy_(w)
     sharder = HeraldEmbeddingBagCollectionSharder(
-        cache_ratio=CACHE_RATIO, policy="random", fused_params=fused_params(opt), unscheduled_tables=["t3"] if mixed else None
+        cache_ratio=CACHE_RATIO, policy="random", fused_params=fused_params(opt), unscheduled_tables=["t3"] if mixed else ()
     )
     if mixed:
         cons = sharder.planner_constraints(model.ebc, ["table_wise"], world_size=world, device_type="cpu")
