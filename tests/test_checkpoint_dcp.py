@@ -223,6 +223,7 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     dcp_load(b, ckpt, with_optim=opt == ADAGRAD)
     got_w, got_s = herald_part(b).full_tables()
     via_sd_w, via_sd_s = full_from_state_dicts(b)
+    dense_diff = _diff(dense_state(ebc_parent(b)), truth_dense)
     dcp_load(a, ckpt, with_optim=opt == ADAGRAD)  # the trained model back at its home placement
     after_a, after_b = _ownership(a), _ownership(b)
     a_w, a_s = herald_part(a).full_tables()
@@ -237,7 +238,7 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
         "n_states": len(got_s),
         "via_sd_w": _diff(via_sd_w, truth_w), "via_sd_s": _diff(via_sd_s, truth_s) if truth_s else 0.0,
         "self_w": _diff(a_w, truth_w), "self_s": _diff(a_s, truth_s) if truth_s else 0.0,
-        "dense": _diff(dense_state(ebc_parent(b)), truth_dense),
+        "dense": dense_diff,
         "trained_on_w": _diff(fa[0], fb[0]), "trained_on_s": _diff(fa[1], fb[1]) if fa[1] else 0.0,
         "moved_on": _diff(fa[0], a_w),
         "optim_sd": {k: sorted(v) for k, v in b.fused_optimizer.state_dict()["state"].items()},
