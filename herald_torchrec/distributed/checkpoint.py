@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -71,7 +72,10 @@ def _row_wise_shards(rows: int, dim: int, world_size: int, device: torch.device,
 
 
 def _sharded(local: torch.Tensor, shards: list[ShardMetadata], size: tuple[int, ...], rank: int, pg: Any) -> ShardedTensor:
-    """A ShardedTensor over `shards` whose shard on this rank is `local` (no communication, as TorchRec builds its own)."""
+    """A ShardedTensor over `shards` whose shard on this rank is `local` (no communication, as TorchRec builds its own).
+    Without torch.distributed (a single-process module) the one home block is the whole table: `local` itself."""
+    if not dist.is_initialized():
+        return local  # type: ignore[return-value]
     mine = [s for s in shards if s.placement is not None and s.placement.rank() == rank]
     if len(mine) > 1:
         raise ValueError(f"ROW_WISE sharding lists {len(mine)} shards on rank {rank}; Herald's home block is one")
@@ -99,8 +103,8 @@ class HeraldCheckpoint:
         self.has_state = any(w == 1 for w in st.state_widths)
         self.home_w: list[torch.Tensor] = []
         self.home_s: list[torch.Tensor] = []
-        self.weights: list[ShardedTensor] = []  # <t>.weight, [rows, dim]
-        self.states: list[ShardedTensor] = []  # <t>.momentum1, [rows] (row-wise optimizers only)
+        self.weights: list[ShardedTensor | torch.Tensor] = []  # <t>.weight, [rows, dim]
+        self.states: list[ShardedTensor | torch.Tensor] = []  # <t>.momentum1, [rows] (row-wise optimizers only)
         for t, name in enumerate(module.table_names):
             rows, dim, hl = st.rows[t], st.dims[t], st.home_len[t]
             shards = _row_wise_shards(rows, dim, R, module.device, (sharding or {}).get(name))
