@@ -217,6 +217,10 @@ def _ownership(dmp) -> dict:
         "away": int(sum((st.owner[t] != home[t]).sum() for t in range(st.num_tables))),
         "version": m.ownership_version,
         "queued": m.queued_plans,
+        "owns_home_only": all(
+            np.array_equal(np.sort(st.owned_keys(t)), np.arange(st.home_lo[t], st.home_lo[t] + st.home_len[t]))
+            for t in range(st.num_tables)
+        ),
     }
 
 
@@ -257,6 +261,7 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
         "trained_on_w": _diff(fa[0], fb[0]), "trained_on_s": _diff(fa[1], fb[1]) if fa[1] else 0.0,
         "moved_on": _diff(fa[0], a_w),
         "optim_sd": {k: sorted(v) for k, v in b.fused_optimizer.state_dict()["state"].items()},
+        "truth_w": truth_w, "truth_s": truth_s, "ckpt": ckpt,
     }, rank_result(out_dir, rank))
 
 
@@ -274,6 +279,9 @@ def cross_worker(rank: int, world: int, out_dir: str) -> None:
     out["layout_equal"] = _layout(h) == _layout(stock_dmp(ADAGRAD, world, "row_wise"))
     lh, ls = _layout(h), _layout(stock_dmp(ADAGRAD, world, "row_wise"))
     out["layout_diff"] = [k for k in sorted(set(lh) | set(ls)) if lh.get(k) != ls.get(k)]
+    stock_groups = stock_dmp(ADAGRAD, world, "row_wise").fused_optimizer.param_groups
+    out["groups"] = ([(sorted(g), len(g["params"]), float(g["lr"])) for g in h.fused_optimizer.param_groups],
+                     [(sorted(g), len(g["params"]), float(g["lr"])) for g in stock_groups])
     train(h, batches, rank, world, RandomPlanner(world, BATCH, "random", seed=6))
     out["guests"] = _ownership(h)["guests"]
     hw, hs = herald_part(h).full_tables()
@@ -354,17 +362,30 @@ def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str
         for who in ("after_a", "after_b"):
             own = rr[who]
             assert own["guests"] == own["local_guests"] == own["away"] == own["queued"] == 0, own
+            assert own["owns_home_only"], own
         assert rr["after_b"]["version"] >= 1 and rr["after_a"]["version"] > rr["after_b"]["version"] - 1
     # both models trained on with the same fresh plans from the home placement: identical
     assert r["trained_on_w"] <= 1e-7 and r["trained_on_s"] <= 1e-7, (r["trained_on_w"], r["trained_on_s"])
     assert r["moved_on"] > 1e-4
     want = {f"ebc.embedding_bags.{t}.weight": ([f"{t}.momentum1"] if opt == ADAGRAD else []) for t in TABLES}
     assert r["optim_sd"] == want
+    # the checkpoint itself, read in one process: the trained model's current rows, not slot-ordered internals
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(r["ckpt"], str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert _diff({t: full["model"][f"ebc.embedding_bags.{t}.weight"] for t in TABLES}, r["truth_w"]) == 0.0
+    if opt == ADAGRAD:
+        got = {t: full["optim"]["state"][f"ebc.embedding_bags.{t}.weight"][f"{t}.momentum1"] for t in TABLES}
+        assert _diff(got, r["truth_s"]) == 0.0 and max(float(v.abs().max()) for v in got.values()) > 0
+    assert not any("_store" in k for k in full["model"])
 
 
 def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path) -> None:
     r = torch.load(run_ranks("test_checkpoint_dcp:cross_worker", tmp_path)[0], weights_only=False)
     assert r["layout_equal"], r["layout_diff"]
+    (hg,), (sg,) = r["groups"]
+    assert hg[:2] == sg[:2] and hg[2] == pytest.approx(sg[2]), r["groups"]
     assert r["guests"] > 0
     for k in ("herald_to_row_wise", "herald_to_table_wise"):
         assert r[k] == (0.0, 0.0), (k, r[k])
@@ -392,3 +413,27 @@ def test_in_memory_state_dict_load_after_moves(tmp_path: Path) -> None:
     assert res[0]["guests"] > 0
     for r in res:
         assert r["missing"] == [] and r["diff"] == 0.0, (r["missing"], r["diff"])
+
+
+def test_single_process_state_dict_and_bad_input() -> None:
+    """One process, no process group: plain full tensors under TorchRec's keys; a load of the wrong shape or of
+    FBGEMM internals (main's layout) is refused with a message naming the table / the key."""
+    from test_distributed_module import make_module
+
+    m = make_module()
+    sd = m.state_dict()
+    assert sorted(sd) == ["embedding_bags.t0.weight", "embedding_bags.t1.weight"]
+    tables, _ = m.full_tables()
+    assert torch.equal(sd["embedding_bags.t0.weight"], tables["t0"])
+    new = {k: torch.full_like(v, 0.5) for k, v in sd.items()}
+    assert not m.load_state_dict(new).missing_keys
+    assert bool((m.full_tables()[0]["t1"] == 0.5).all()) and m.ownership_version == 1
+    with pytest.raises(RuntimeError, match="table 't0'.*shape"):
+        m.load_state_dict({**new, "embedding_bags.t0.weight": torch.zeros(3, 4)})
+    with pytest.raises(RuntimeError, match="FBGEMM internals"):
+        m.load_state_dict({**new, "_store.tbe.weights_host": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match="Missing key.*embedding_bags.t1.weight"):
+        m.load_state_dict({"embedding_bags.t0.weight": new["embedding_bags.t0.weight"]})
+    opt = m.fused_optimizer.state_dict()["state"]
+    assert sorted(opt) == ["embedding_bags.t0.weight", "embedding_bags.t1.weight"]
+    assert sorted(opt["embedding_bags.t0.weight"]) == ["t0.momentum1"]
