@@ -90,16 +90,16 @@ def stock_dmp(opt: str, world: int, sharding: str):
     return DistributedModelParallel(model, env=_env(), device=torch.device("cpu"), sharders=[sharder], plan=plan)
 
 
-def ebc_of(dmp):
+def unwrapped(dmp):
     from torchrec.distributed.model_parallel import get_unwrapped_module
 
-    return get_unwrapped_module(dmp).ebc
+    return get_unwrapped_module(dmp)
 
 
 def herald_part(dmp):
     from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection
 
-    m = ebc_of(dmp)
+    m = unwrapped(dmp).ebc
     return m.herald if isinstance(m, ShardedMixedEmbeddingBagCollection) else m
 
 
@@ -235,14 +235,14 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     before = _ownership(a)
     herald_part(a).set_plan(RandomPlanner(world, BATCH, "random", seed=99).plan(batches[8]))  # queued, then dropped
     truth_w, truth_s = herald_part(a).full_tables()
-    truth_dense = dense_state(ebc_parent(a))
+    truth_dense = dense_state(unwrapped(a))
     dcp_save(a, ckpt, with_optim=opt == ADAGRAD)
     b = herald_dmp(opt, world)
     fresh_w, _ = herald_part(b).full_tables()
     dcp_load(b, ckpt, with_optim=opt == ADAGRAD)
     got_w, got_s = herald_part(b).full_tables()
     via_sd_w, via_sd_s = full_from_state_dicts(b)
-    dense_diff = _diff(dense_state(ebc_parent(b)), truth_dense)
+    dense_diff = _diff(dense_state(unwrapped(b)), truth_dense)
     dcp_load(a, ckpt, with_optim=opt == ADAGRAD)  # the trained model back at its home placement
     after_a, after_b = _ownership(a), _ownership(b)
     a_w, a_s = herald_part(a).full_tables()
@@ -263,12 +263,6 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
         "optim_sd": {k: sorted(v) for k, v in b.fused_optimizer.state_dict()["state"].items()},
         "truth_w": truth_w, "truth_s": truth_s, "ckpt": ckpt,
     }, rank_result(out_dir, rank))
-
-
-def ebc_parent(dmp):
-    from torchrec.distributed.model_parallel import get_unwrapped_module
-
-    return get_unwrapped_module(dmp)
 
 
 def cross_worker(rank: int, world: int, out_dir: str) -> None:

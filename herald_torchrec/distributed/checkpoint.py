@@ -36,7 +36,6 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.types import ParameterSharding
 
 from herald_torchrec.distributed.row_store import exclusive_cumsum, home_range, ragged_arange
