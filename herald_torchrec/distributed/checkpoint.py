@@ -93,7 +93,7 @@ class HeraldCheckpoint:
     `state_dict` / `load_state_dict` go through it, `HeraldFusedOptimizer` takes its params and state from it."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", sharding: dict[str, ParameterSharding] | None) -> None:
-        self._module_ref = [module]  # a list: no nn.Module registration, no reference cycle through __setattr__
+        self._module_ref = [module]  # as HeraldFusedOptimizer holds it (the module owns this object)
         st = module.store
         R, r = module.world_size, module.rank
         pg = module._env.process_group
@@ -122,11 +122,6 @@ class HeraldCheckpoint:
                     for x in shards
                 ]
                 self.states.append(_sharded(s, row_shards, (rows,), r, pg))
-        # global key -> (table, row, home rank), for the guest exchanges
-        T = st.num_tables
-        self._g_table = np.repeat(np.arange(T, dtype=np.int64), st.rows_arr)
-        self._g_row = np.arange(int(st.key_base[-1]), dtype=np.int64) - st.key_base[self._g_table]
-        self._g_home = self._g_row // st.home_block_arr[self._g_table]
         self._fresh: tuple | None = None  # module version of the buffers' snapshot (None: never taken)
         self._load_prefix = ""
 
@@ -164,35 +159,40 @@ class HeraldCheckpoint:
         self._fetch_guests()
         self._fresh = self._version()
 
-    def _guest_routes(self) -> tuple[np.ndarray, Any]:
-        """Global keys of every guest row (ascending) and the all-to-all routes owner -> home rank of their packed
-        rows (value + optimizer state); identical split sizes on every rank (the ownership map is global)."""
-        from herald_torchrec.distributed.embeddingbag import _routes
-
-        m, st = self.module, self.module.store
-        owner = st.owner_all.astype(np.int64)
-        g = np.flatnonzero(owner != self._g_home)
-        width = st.packed_widths(self._g_table[g])
-        return g, _routes(owner[g], self._g_home[g], width, m.rank, m.world_size)
+    def _guests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row living away from home, in global-key order: (table, row, owner, home rank) — the same on every
+        rank (the ownership map is global). O(rows) numpy work per table holding guests, only at checkpoint time."""
+        st = self.module.store
+        parts = []
+        for t in np.flatnonzero(st.guest_count_all.sum(axis=1)).tolist():
+            home = np.arange(st.rows[t], dtype=np.int64) // st.home_block_arr[t]
+            away = np.flatnonzero(st.owner[t] != home)
+            parts.append((np.full(away.shape[0], t, dtype=np.int64), away, st.owner[t][away].astype(np.int64), home[away]))
+        if not parts:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z, z
+        return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
 
     def _fetch_guests(self) -> None:
-        """Copy every guest row (value + state) from its owner into its home rank's buffers (no ownership change)."""
+        """Copy every guest row (value + state) from its owner into its home rank's buffers (no ownership change):
+        one all-to-all, owner -> home rank, split sizes known everywhere."""
+        from herald_torchrec.distributed.embeddingbag import _routes  # (embeddingbag imports this module)
+
         m, st = self.module, self.module.store
         if not st.guest_count_all.any():
             return
-        g, (send, recv, send_splits, recv_splits) = self._guest_routes()
-        gs = g[send]
-        buf = st.read_packed(self._g_table[gs], st.slot_of_all[gs].astype(np.int64))
-        got = m._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
-        gr = g[recv]
-        tab, row = self._g_table[gr], self._g_row[gr]
+        tab, row, owner, home = self._guests()
         width = st.packed_widths(tab)
-        start = exclusive_cumsum(width)
-        for t in np.unique(tab).tolist():
-            sel = np.flatnonzero(tab == t)
-            w, d = int(width[sel[0]]), st.dims[t]
-            block = got[torch.from_numpy(ragged_arange(start[sel], width[sel])).to(got.device)].view(-1, w)
-            idx = torch.from_numpy(row[sel] - st.home_lo[t]).to(got.device)
+        send, recv, send_splits, recv_splits = _routes(owner, home, width, m.rank, m.world_size)
+        buf = st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64))
+        got = m._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
+        r_tab, r_row, r_width = tab[recv], row[recv], width[recv]
+        start = exclusive_cumsum(r_width)
+        for t in np.unique(r_tab).tolist():
+            sel = np.flatnonzero(r_tab == t)
+            w, d = int(r_width[sel[0]]), st.dims[t]
+            block = got[torch.from_numpy(ragged_arange(start[sel], r_width[sel])).to(got.device)].view(-1, w)
+            idx = torch.from_numpy(r_row[sel] - st.home_lo[t]).to(got.device)
             self.home_w[t].index_copy_(0, idx, block[:, :d])
             if self.has_state:
                 self.home_s[t].index_copy_(0, idx, block[:, d])
@@ -204,10 +204,8 @@ class HeraldCheckpoint:
         m, st = self.module, self.module.store
         if not st.guest_count_all.any():
             return
-        owner = st.owner_all.astype(np.int64)
-        g = np.flatnonzero(owner != self._g_home)
-        moves = RowMoves(table=self._g_table[g], row=self._g_row[g], src=owner[g], dst=self._g_home[g],
-                         kind=np.full(g.shape[0], EVICT_HOME, dtype=np.int8))
+        tab, row, owner, home = self._guests()
+        moves = RowMoves(table=tab, row=row, src=owner, dst=home, kind=np.full(tab.shape[0], EVICT_HOME, dtype=np.int8))
         plan = Plan(step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64),
                     moves=moves)
         m._execute_moves(m._prepare_moves(plan), None)
