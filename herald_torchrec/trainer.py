@@ -157,6 +157,9 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
     if not path.exists() and (run_dir / f"{CHECKPOINT}.old").exists():
         path = run_dir / f"{CHECKPOINT}.old"  # interrupted while swapping in a newer one: the previous is complete
     if not path.exists():
+        if (run_dir / "checkpoint.pt").exists():  # the unsharded format of earlier versions: never restart silently
+            raise ConfigError(f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
+                              f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false")
         return 0
     try:
         head = {"meta": ""}
