@@ -54,3 +54,8 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint" / ".metadata").exists(), p.stderr[-3000:]
     p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={tmp_path}"], nproc=1)
     assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    old = tmp_path / "old"  # a run_dir with only the unsharded checkpoint of earlier versions: refused, not ignored
+    old.mkdir()
+    torch.save({"step": 10}, old / "checkpoint.pt")
+    p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"], nproc=1)
+    assert p.returncode == 2 and "old-format checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
