@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,9 +27,9 @@ from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
-from herald_torchrec.sharding import ShardedSetup, full_state, load_full_state, shard_model
+from herald_torchrec.sharding import ShardedSetup, full_state, shard_model
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
 # what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
 RESUME_KEYS = ("model", "data", "seed", "trainer.batch_size", "trainer.embedding_optimizer", "world_size")
 
@@ -106,32 +108,79 @@ def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _checkpoint_state(setup: ShardedSetup, meta: str) -> dict[str, Any]:
+    """The DCP state of a run, in TorchRec's layout: the model's state dict (sharded tables as ShardedTensors — Herald's
+    in TorchRec's ROW_WISE layout — and the dense parameters), the fused and the dense optimizer's state, and the run's
+    meta data (one JSON string). Building it is collective (a Herald module gathers rows that live away from home)."""
+    model = setup.model
+    optim = {"fused": model.fused_optimizer.state_dict(), "dense": setup.dense_optimizer.state_dict()}
+    # optimizers without state (SGD) have nothing to save: DCP cannot hold empty containers
+    optim = {k: v for k, v in optim.items() if any(v.get("state", {}).values())}
+    state = {"model": model.state_dict(), "meta": meta}
+    return state | ({"optim": optim} if optim else {})
+
+
 def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
-    """Everything needed to continue exactly: full tables + optimizer state, dense parameters + optimizer state, and
-    the step (data are deterministic by step). Collective; rank 0 writes it atomically."""
-    state = full_state(setup)
+    """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers and the step (data are
+    deterministic by step). Collective. Written into `checkpoint.tmp/`, then renamed by rank 0; the previous
+    checkpoint stays until the new one is complete (`checkpoint.old/` during the swap, also read by `resume`)."""
+    import torch.distributed.checkpoint as dcp
+
+    final, tmp, old = run_dir / CHECKPOINT, run_dir / f"{CHECKPOINT}.tmp", run_dir / f"{CHECKPOINT}.old"
     if ctx.is_main:
-        state |= {"step": step, "dense_optimizer": setup.dense_optimizer.state_dict(), "identity": _identity(cfg, ctx.world_size)}
-        save_torch_atomic(run_dir / CHECKPOINT, state)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    _barrier(ctx)
+    meta = json.dumps({"step": step, "identity": _identity(cfg, ctx.world_size)})
+    dcp.save(_checkpoint_state(setup, meta), checkpoint_id=str(tmp))
+    _barrier(ctx)  # every rank's files are in tmp
+    if ctx.is_main:
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(ctx)
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
 
 
 def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> int:
-    """Load `<run_dir>/checkpoint.pt` into a fresh setup (every rank reads it); returns the step to continue from."""
+    """Load `<run_dir>/checkpoint/` into a fresh setup (TorchRec's idiom: the setup's own state dicts, filled in place
+    by DCP, then loaded; Herald tables come back at their home placement); returns the step to continue from.
+    Refuses (ConfigError) a checkpoint of another model, data, batch size, optimizer or world size."""
+    import torch.distributed.checkpoint as dcp
+
     path = run_dir / CHECKPOINT
+    if not path.exists() and (run_dir / f"{CHECKPOINT}.old").exists():
+        path = run_dir / f"{CHECKPOINT}.old"  # interrupted while swapping in a newer one: the previous is complete
     if not path.exists():
+        if (run_dir / "checkpoint.pt").exists():  # the unsharded format of earlier versions: never restart silently
+            raise ConfigError(f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
+                              f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false")
         return 0
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated file cannot come from us (atomic writes), but say which file it was
+        head = {"meta": ""}
+        dcp.load(head, checkpoint_id=str(path))
+        meta = json.loads(head["meta"])
+    except Exception as e:  # not written by this version (or damaged): say which directory it was
         raise ConfigError(f"cannot read checkpoint {path}: {e}") from e
     want = _identity(cfg, ctx.world_size)
-    diff = {k: (state.get("identity", {}).get(k), v) for k, v in want.items() if state.get("identity", {}).get(k) != v}
+    diff = {k: (meta["identity"].get(k), v) for k, v in want.items() if meta["identity"].get(k) != v}
     if diff:
         raise ConfigError(f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false")
-    load_full_state(setup, state)
-    setup.dense_optimizer.init_state()  # creates the state entries that load_state_dict fills
-    setup.dense_optimizer.load_state_dict(state["dense_optimizer"])
-    return int(state["step"])
+    setup.dense_optimizer.init_state()  # creates the state entries that DCP fills
+    state = _checkpoint_state(setup, "")
+    dcp.load(state, checkpoint_id=str(path))
+    setup.model.load_state_dict(state["model"])
+    optim = state.get("optim", {})
+    if "fused" in optim:
+        setup.model.fused_optimizer.load_state_dict(optim["fused"])
+    if "dense" in optim:
+        setup.dense_optimizer.load_state_dict(optim["dense"])
+    return int(meta["step"])
 
 
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:

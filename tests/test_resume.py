@@ -4,6 +4,7 @@ left to TorchRec covers both ways tables are loaded back (owners' rows, TorchRec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,24 +16,46 @@ COMMON = ["scheduler=herald", "scheduler.unscheduled=[c3]", "trainer.eval_interv
           "trainer.embedding_eps=1e-3", "trainer.save_final=true", "trainer.checkpoint_interval=10"]
 
 
+def _read_checkpoint(ckpt: Path, tmp: Path) -> dict:
+    """A DCP checkpoint directory as full tensors (one process), meta decoded."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    state = torch.load(out, weights_only=False)
+    state["meta"] = json.loads(state["meta"])
+    return state
+
+
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
     whole, split = tmp_path / "whole", tmp_path / "split"
     p = run_app([*COMMON, "trainer.steps=20", f"run_dir={whole}"], nproc=2)
     assert (whole / "final_state.pt").exists(), p.stderr[-3000:]
     p = run_app([*COMMON, "trainer.steps=10", f"run_dir={split}"], nproc=2)  # "interrupted" after step 10
-    assert (split / "checkpoint.pt").exists(), p.stderr[-3000:]
-    assert torch.load(split / "checkpoint.pt", weights_only=False)["step"] == 10
+    assert (split / "checkpoint" / ".metadata").exists(), p.stderr[-3000:]
+    assert not (split / "checkpoint.tmp").exists() and not (split / "checkpoint.old").exists()
+    at10 = _read_checkpoint(split / "checkpoint", tmp_path)
+    assert at10["meta"]["step"] == 10 and at10["meta"]["identity"]["world_size"] == 2
+    tables = {k for k in at10["model"] if ".embedding_bags." in k}  # TorchRec's keys, Herald and stock tables alike
+    assert len(tables) >= 2 and all(k.endswith(".weight") for k in tables), sorted(at10["model"])
+    assert at10["optim"]["fused"]["state"] and at10["optim"]["dense"]["state"]
     p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={split}"], nproc=2)
     assert "resumed from" in p.stdout and (split / "final_state.pt").exists(), p.stderr[-3000:]
     a, b = torch.load(whole / "final_state.pt"), torch.load(split / "final_state.pt")
     for part in ("tables", "optimizer_state", "dense"):
         assert _max_diff(a[part], b[part]) <= 1e-5, part
-    first = torch.load(whole / "checkpoint.pt", weights_only=False)  # step 20's checkpoint of the whole run
-    assert _max_diff(first["tables"], torch.load(split / "checkpoint.pt", weights_only=False)["tables"]) <= 1e-5
+    first, second = _read_checkpoint(whole / "checkpoint", tmp_path), _read_checkpoint(split / "checkpoint", tmp_path)
+    assert first["meta"]["step"] == second["meta"]["step"] == 20  # step 20's checkpoints of both runs
+    assert _max_diff({k: first["model"][k] for k in tables}, {k: second["model"][k] for k in tables}) <= 1e-5
 
 
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     p = run_app([*COMMON, "trainer.steps=10", f"run_dir={tmp_path}"], nproc=1)
-    assert (tmp_path / "checkpoint.pt").exists(), p.stderr[-3000:]
+    assert (tmp_path / "checkpoint" / ".metadata").exists(), p.stderr[-3000:]
     p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={tmp_path}"], nproc=1)
     assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    old = tmp_path / "old"  # a run_dir with only the unsharded checkpoint of earlier versions: refused, not ignored
+    old.mkdir()
+    torch.save({"step": 10}, old / "checkpoint.pt")
+    p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"], nproc=1)
+    assert p.returncode == 2 and "old-format checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -60,6 +60,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from herald_torchrec.distributed.checkpoint import (
+    CheckpointedOptimizerMixin,
+    HeraldCheckpoint,
+    install_state_dict_hooks,
+    optimizer_layout,
+)
 from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
 from herald_torchrec.distributed.row_store import (
     RowStore,
@@ -105,13 +111,16 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.world_size, None
 
 
-class HeraldFusedOptimizer(FusedOptimizer):
+class HeraldFusedOptimizer(CheckpointedOptimizerMixin, FusedOptimizer):
     """The module's entry in DMP's fused optimizer: exclusive rows are updated in backward (FBGEMM's fused
-    optimizer); `step()` finishes the step's shared rows (gradient all-to-all + one update per row at its owner)."""
+    optimizer); `step()` finishes the step's shared rows (gradient all-to-all + one update per row at its owner).
+    Params, state and param_groups are TorchRec's (checkpoint.py): `state_dict()` / `load_state_dict()` carry the
+    row-wise optimizer state under TorchRec's keys (both collective)."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection") -> None:
-        super().__init__({}, {}, [{"params": [], "lr": module.learning_rate}])
+        super().__init__(*optimizer_layout(module._checkpoint))
         self._module_ref = [module]  # a list, so that the module is not registered as an optimizer attribute
+        self._checkpoint_ready = True
 
     def _follow_lr(self) -> None:
         # LR schedulers edit param_groups; like TorchRec's fused optimizers, the TBE takes the new rate at step() /
@@ -295,6 +304,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._comm = PlanComm(env.process_group, self.comm_counter)
         self._plans: deque[Plan] = deque()
         self._pending: _SharedStep | None = None
+        self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
+        self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
+        install_state_dict_hooks(self)
         self._optim = HeraldFusedOptimizer(self)
         T = len(configs)
         self.step_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
@@ -913,6 +925,7 @@ class ShardedHeraldEmbeddingBagCollection(
     def load_full_tables(self, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
         """Write the rows this rank owns from unsharded tables (same on every rank; no communication)."""
         st = self._store
+        self._checkpoint.invalidate()
         for t, name in enumerate(self.table_names):
             keys = st.owned_keys(t)
             if name not in weights or keys.size == 0:

@@ -30,6 +30,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from herald_torchrec.distributed.checkpoint import install_mixed_state_dict_hooks
 from herald_torchrec.distributed.embeddingbag import (
     HeraldEmbeddingBagCollectionContext,
     ShardedHeraldEmbeddingBagCollection,
@@ -104,6 +105,7 @@ class ShardedMixedEmbeddingBagCollection(
         self._herald_features = list(herald.feature_names)
         self._permute: tuple[tuple[str, ...], list[int]] | None = None
         self._optim = CombinedOptimizer([herald.fused_optimizer, stock.fused_optimizer])
+        install_mixed_state_dict_hooks(self)  # checkpoint keys as a stock EBC's: embedding_bags.<table>.weight
 
     def create_context(self) -> MixedEmbeddingBagCollectionContext:
         return MixedEmbeddingBagCollectionContext(self.stock.create_context(), self.herald.create_context())
