@@ -162,6 +162,6 @@ def test_herald_dropin_equals_stock_torchrec(tmp_path: Path, opt: str, tol: floa
     # the embeddings did train (the comparison is not between two untouched models)
     init = make_model().model.sparse_arch.embedding_bag_collection.embedding_bags
     moved = max(float((stock[k] - init[k.split(".")[-2]].weight).abs().max()) for k in tables)
-    assert moved > 1e-2
+    assert moved > 5e-4
     herald_r0 = torch.load(rank_result(tmp_path / "herald", 0))
     assert herald_r0["shared"] > 0 and herald_r0["plans_moved"] > 0  # Herald's data plane did move and share rows

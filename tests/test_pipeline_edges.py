@@ -20,7 +20,7 @@ import torch
 from _dist_helpers import rank_result, run_ranks
 
 B = 8
-ROWS = {"t0": 3000, "t1": 2500, "t2": 2000}  # the default planner picks TABLE_WISE (not DATA_PARALLEL) for these
+ROWS = {"t0": 4000, "t1": 5000, "t2": 4500}  # the default planner picks TABLE_WISE (not DATA_PARALLEL) for these
 HASH = [30, 50, 20]
 
 
@@ -78,6 +78,7 @@ def build(kind: str, batch_norm: bool = False):
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
 
     model = TwoEBCModel(batch_norm)
+    init = {n: b.weight.detach().clone() for e in (model.ebc_a, model.ebc_b) for n, b in e.embedding_bags.items()}
     for ebc in (model.ebc_a, model.ebc_b):
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
     herald = kind == "herald"
@@ -86,13 +87,13 @@ def build(kind: str, batch_norm: bool = False):
     if not herald:  # stock shards draw their own values: start from the unsharded model's, as Herald does
         from test_dropin import set_tables
 
-        set_tables(dmp, {n: b.weight.detach() for e in (model.ebc_a, model.ebc_b) for n, b in e.embedding_bags.items()})
+        set_tables(dmp, init)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda p: torch.optim.SGD(p, lr=0.1))
     return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(dmp, dense, torch.device("cpu"))
 
 
-def train_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool = True) -> None:
     import torch.distributed.checkpoint as dcp
 
     dmp, pipeline = build(kind)
@@ -100,11 +101,13 @@ def train_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
     it = iter(data)
     for _ in range(6):
         pipeline.progress(it)
-    model = pipeline.detach()  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
-    model.eval()
-    with torch.no_grad():
-        eval_loss = float(model(data[0])[0])
-    model.train()
+    model = pipeline.detach() if do_eval else None  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
+    eval_loss = 0.0
+    if do_eval:
+        model.eval()
+        with torch.no_grad():
+            eval_loss = float(model(data[0])[0])
+        model.train()
     for _ in range(6):
         pipeline.progress(it)
     dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
