@@ -33,7 +33,7 @@ from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
 
-Tables = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # ({table: weight}, {table: optimizer state})
+
 
 SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
@@ -59,8 +59,6 @@ class ShardedSetup:
     pipeline: Any
     train_batches: Callable[[Iterator[Samples]], Iterator[Any]]  # called once per training stream
     eval_batches: Callable[[Iterator[Samples]], Iterator[Any]]
-    export_tables: Callable[[], Tables]  # collective: full tables + fused-optimizer state (complete on rank 0)
-    import_tables: Callable[[dict, dict], None]  # every rank: load full tables + state into its own shards
     dense_optimizer: Any  # KeyedOptimizer of the dense parameters (its state goes into checkpoints)
     step_stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     final_stats: Callable[[int], dict[str, Any]] = field(default=lambda steps: {})
@@ -106,24 +104,13 @@ def _is_dense(key: str, value: Any) -> bool:
     return ".ebc." not in key and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
 
 
-def full_state(setup: ShardedSetup) -> dict[str, Any]:
+def full_state(setup: ShardedSetup, ctx: DistContext) -> dict[str, Any]:
     """final_state.pt's layout (collective; complete on rank 0): full unsharded tables, their optimizer state, and
-    every dense parameter — the same for every scheduler, so runs can be compared tensor by tensor."""
-    weights, states = setup.export_tables()
+    every dense parameter — the same for every scheduler (all read through DMP.state_dict() and the fused optimizer's
+    state_dict(), which Herald's modules present as TorchRec's ROW_WISE shards), so runs compare tensor by tensor."""
+    weights, states = full_tables(setup.model, ctx)
     dense = {k: v.detach().cpu().clone() for k, v in setup.model.state_dict().items() if _is_dense(k, v)}
     return {"tables": weights, "optimizer_state": states, "dense": dense}
-
-
-@torch.no_grad()
-def load_full_state(setup: ShardedSetup, state: dict[str, Any]) -> None:
-    """The inverse of `full_state`, on every rank: tables and their optimizer state into this rank's shards (for
-    Herald: the rows it owns — a fresh setup owns its home rows), dense parameters in place."""
-    setup.import_tables(state["tables"], state["optimizer_state"])
-    current = setup.model.state_dict()  # shares storage with the parameters
-    for k, v in state["dense"].items():
-        if k not in current:
-            raise ValueError(f"checkpoint has dense parameter {k!r}, which this model does not have")
-        current[k].copy_(v)
 
 
 def _torchrec_sharded_tensors(dmp: torch.nn.Module) -> Iterator[tuple[str, str, ShardedTensor]]:
@@ -138,8 +125,8 @@ def _torchrec_sharded_tensors(dmp: torch.nn.Module) -> Iterator[tuple[str, str, 
                 yield "state", k.split(".")[-2], sv
 
 
-def _torchrec_full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Assemble TorchRec's sharded tables and fused-optimizer state into full tensors (collective; result on rank 0).
+def full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Assemble the sharded tables (stock and Herald alike) and fused-optimizer state into full tensors (collective; result on rank 0).
 
     Every rank sends its local shards with their offsets: which keys a rank has differs between ranks, so per-key
     collectives would not line up."""
@@ -244,8 +231,6 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     convert = batch_converter(features, source)
     return ShardedSetup(
         "torchrec", dmp, pipeline, convert, convert,
-        export_tables=lambda: _torchrec_full_tables(dmp, ctx),
-        import_tables=lambda w, s: _load_torchrec_tables(dmp, w, s),
         dense_optimizer=dense,
     )
 
@@ -361,21 +346,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "dropped_samples": pipeline.input_stage.dropped_samples,
         }
 
-    def export_tables() -> Tables:
-        weights, states = herald.full_tables()
-        if unsched:
-            stock_w, stock_s = _torchrec_full_tables(dmp, ctx)
-            weights, states = {**weights, **stock_w}, {**states, **stock_s}
-        return weights, states
-
-    def import_tables(weights: dict, states: dict) -> None:
-        herald.load_full_tables(weights, states)
-        _load_torchrec_tables(dmp, weights, states)  # only tables with TorchRec shards are touched
-
     convert = batch_converter(features, source)
     return ShardedSetup(
         sc.name, dmp, pipeline, convert, convert,
-        export_tables=export_tables, import_tables=import_tables, dense_optimizer=dense,
+        dense_optimizer=dense,
         step_stats=step_stats, final_stats=final_stats,
     )
 

@@ -309,7 +309,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if cfg.trainer.save_final:
-        state = full_state(setup)
+        state = full_state(setup, ctx)
         if ctx.is_main:
             save_torch_atomic(run_dir / "final_state.pt", state)
     if ctx.is_main:
