@@ -62,6 +62,9 @@ class ShardedSetup:
     dense_optimizer: Any  # KeyedOptimizer of the dense parameters (its state goes into checkpoints)
     step_stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     final_stats: Callable[[int], dict[str, Any]] = field(default=lambda steps: {})
+    # bytes sent by collectives the training-step counter cannot see (Herald's input stage counts its own: it may run
+    # in a background thread)
+    host_bytes: Callable[[], int] = field(default=lambda: 0)
 
 
 @dataclass
@@ -351,6 +354,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         sc.name, dmp, pipeline, convert, convert,
         dense_optimizer=dense,
         step_stats=step_stats, final_stats=final_stats,
+        host_bytes=lambda: pipeline.input_stage.comm.counter.total_bytes(),
     )
 
 

@@ -264,7 +264,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 first_loss = avg if first_loss is None else first_loss
                 last_loss = avg
                 extra = setup.step_stats()
-                sent = traffic.total_bytes()
+                sent = traffic.total_bytes() + setup.host_bytes()
                 extra["rank0_bytes_per_step"] = (sent - sent_at_log) / cfg.trainer.log_interval  # rank 0's own sends
                 sent_at_log = sent
                 say(f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s" + "".join(f"  {k} {v:.3g}" for k, v in extra.items()))
@@ -289,7 +289,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         history.append({"step": step, "auc": auc, "logloss": ll})
     auc, ll = history[-1]["auc"], history[-1]["logloss"]
     samples_per_s = (step - start) * global_batch / max(train_time, 1e-9)
-    sent = torch.tensor([float(traffic.total_bytes())], dtype=torch.float64)
+    sent = torch.tensor([float(traffic.total_bytes() + setup.host_bytes())], dtype=torch.float64)
     if ctx.world_size > 1:
         dist.all_reduce(sent)
     metrics = {

@@ -17,7 +17,10 @@ every rank, then the samples the plan assigns to that rank); only the first L+1 
 alone. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of several EBCs are
 all handled: the scheduler gets one CSR per managed table (input_layout.py).
 
-The stage decides nothing: the policy (control plane) decides, this moves bytes.
+The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
+`comm.counter`, by the rules of traffic.py) and calls the collectives through references taken at import, so a
+run-wide counting patch of torch.distributed does not see them twice — the stage may run in a background thread
+(`HeraldTrainPipeline(prefetch=...)`), where a patch scoped to the training step would miss or mis-assign them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
+from torch.distributed import all_gather as _all_gather, all_to_all_single as _all_to_all_single
 from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
@@ -80,6 +83,7 @@ class ScheduledInput:
         self.policy: SchedulePolicy | None = None
         self.layout: SliceLayout | None = None
         self.sched_ms: list[float] = []
+        self.generation = 0  # bumped by reset_policy: plans of an older generation must not be executed
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
 
     # ------------------------------------------------------------------ collectives (bytes only)
@@ -91,7 +95,7 @@ class ScheduledInput:
         parts = [torch.empty_like(t) for _ in range(self.R)]
         self.comm.counter.add(kind, t.numel() * 8 * (self.R - 1))
         with phase("input.header_all_gather"):
-            dist.all_gather(parts, t, group=self.comm.group)
+            _all_gather(parts, t, group=self.comm.group)
         return torch.stack(parts).numpy()
 
     def _all_to_all_bytes(self, blocks: list[np.ndarray], recv: list[int]) -> list[np.ndarray]:
@@ -101,7 +105,7 @@ class ScheduledInput:
         send = torch.from_numpy(np.concatenate(blocks)) if blocks else torch.zeros(0, dtype=torch.uint8)
         out = torch.empty(int(sum(recv)), dtype=torch.uint8)
         with phase("input.all_to_all"):
-            dist.all_to_all_single(out, send, recv, [b.shape[0] for b in blocks], group=self.comm.group)
+            _all_to_all_single(out, send, recv, [b.shape[0] for b in blocks], group=self.comm.group)
         return list(np.split(out.numpy(), np.cumsum(recv)[:-1]))
 
     # ------------------------------------------------------------------ set-up
@@ -128,6 +132,7 @@ class ScheduledInput:
 
     def reset_policy(self) -> None:
         """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership."""
+        self.generation += 1
         if self.layout is not None:
             self.policy = self._factory(self.layout.batch_size)
 
@@ -269,7 +274,8 @@ class ScheduledInput:
         return out, gathered
 
     # ------------------------------------------------------------------ the stream
-    def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan]]:
+    def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan, int]]:
+        """(assigned batch, its plan, the scheduler generation that planned it), in training order."""
         first = next(stream, None)
         if first is None:
             return
@@ -291,8 +297,9 @@ class ScheduledInput:
             window.append(got)  # type: ignore[arg-type]
         while window:
             cur = window[0]
+            generation, policy = self.generation, self.policy
             with phase("input.plan"):
-                plan = self.policy.plan([p.batch for p in window])  # type: ignore[union-attr]
+                plan = policy.plan([p.batch for p in window])  # type: ignore[union-attr]
             self.sched_ms.append(plan.sched_seconds * 1e3)  # timed by the policy itself
             with phase("input.exchange_and_gather"):
                 assigned, got = self._step(cur, plan, None if exhausted else draw(), gather=not exhausted)
@@ -302,4 +309,6 @@ class ScheduledInput:
                 else:
                     window.append(got)  # type: ignore[arg-type]
             window.popleft()
-            yield assigned, plan  # type: ignore[misc]
+            yield assigned, plan, generation  # type: ignore[misc]
+
+    stream = __call__

@@ -21,6 +21,8 @@ with NCCL works, and the CPU tests run the same path).
 
 from __future__ import annotations
 
+import queue
+import threading
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -89,7 +91,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
 
     Extra keyword arguments: `on_plan(plan)` is called with every plan as it is queued (statistics);
-    `host_group` overrides the gloo group of the input stage. The rest go to TrainPipelineSparseDist."""
+    `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
+    background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
+    batches). The rest go to TrainPipelineSparseDist."""
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         *args: Any,
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
+        prefetch: int = 2,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
@@ -115,6 +120,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         group = host_group if host_group is not None else host_process_group()
         self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy)
         self._on_plan = on_plan
+        if int(prefetch) < 0:
+            raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
+        self._prefetch = int(prefetch)
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
         self._ownership = self._ownership_versions()
@@ -147,8 +155,14 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             self._on_plan(plan)
 
     def _schedule(self, source: Iterator[Batch]) -> Iterator[Batch]:
-        for batch, plan in self.input_stage(source):
-            self._queue(plan)
+        """Batches in training order, each with its plan queued on the modules as it is drawn (in the main thread,
+        so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
+        scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
+        stream = self.input_stage(source) if not self._prefetch else _Prefetched(self.input_stage, source, self._prefetch)
+        for batch, plan, generation in stream:
+            if generation == self.input_stage.generation:
+                self._queue(plan)
+            # else: planned before a checkpoint load reset ownership; the modules serve it with a static plan
             yield batch
 
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
@@ -167,3 +181,37 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             for k, v in m.step_counters.items():
                 self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
         return out
+
+
+class _Prefetched:
+    """Runs `stage(source)` in a daemon thread, `depth` items ahead; yields (batch, plan, generation) in order and
+    re-raises the thread's exception in the consumer. Safe because the stage's collectives use their own gloo group
+    (no ordering to share with the data plane's) and every rank's thread issues the same sequence."""
+
+    _END = object()
+
+    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, args=(stage, source), name="herald-input", daemon=True)
+        self._thread.start()
+
+    def _run(self, stage: ScheduledInput, source: Iterator[Batch]) -> None:
+        try:
+            for item in stage.stream(source):
+                self._q.put(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._q.put(e)
+            return
+        self._q.put(self._END)
+
+    def __iter__(self) -> "_Prefetched":
+        return self
+
+    def __next__(self):
+        item = self._q.get()
+        if item is self._END:
+            self._q.put(self._END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
