@@ -212,7 +212,8 @@ class ShardedHeraldEmbeddingBagCollection(
         module: the unsharded EBC; its weights (unless on meta) are copied into the home rows.
         table_name_to_parameter_sharding: DMP's plan for the module (every table ROW_WISE); may be None.
         env: TorchRec sharding env (process group, rank, world size).
-        fused_params: {"optimizer": EmbOptimType or name, "learning_rate", "eps", "cache_load_factor"}.
+        fused_params: {"optimizer": EmbOptimType or name, "learning_rate", "eps", "cache_load_factor",
+            "gather_uvm_cache_stats" (CUDA: FBGEMM HBM-cache counters, read with `_store.cache_stats()`)}.
         cache_ratio: guest capacity per rank and table, as a share of the table's rows, in (0, 1].
         policy, lookahead: the scheduler configuration, kept for the pipeline (the data plane decides nothing).
         check_errors_globally: before changing anything, exchange a flag so that a rank-local input error (id out of
@@ -263,6 +264,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if wd != 0.0:
             raise ValueError(f"Herald-managed tables: weight_decay must be 0, got {wd}")
         cache_load_factor = float(fp.pop("cache_load_factor", 0.2))
+        cache_stats = bool(fp.pop("gather_uvm_cache_stats", False))  # FBGEMM's HBM-cache counters (CUDA)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "meta":
             raise ValueError("ShardedHeraldEmbeddingBagCollection cannot be built on the meta device")
@@ -286,6 +288,7 @@ class ShardedHeraldEmbeddingBagCollection(
             features_per_table=[len(c.feature_names) for c in configs],
             device=self.device,
             cache_load_factor=cache_load_factor,
+            cache_stats=cache_stats,
         )
         self._init_home_rows(module, configs)
 
