@@ -19,7 +19,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -228,13 +228,41 @@ def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor]
             _copy_into_shards(st, states[name])
 
 
+def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
+    """Optional `sharding.compute_kernel` (stock: e.g. fused_uvm_caching) and `sharding.cache_load_factor` (stock
+    tables and Herald's MANAGED_CACHING tables on CUDA); absent keys leave the planner's / module's defaults."""
+    sc = cfg.get("sharding") or {}
+    clf = sc.get("cache_load_factor")
+    return sc.get("compute_kernel"), (None if clf is None else float(clf))
+
+
+def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """FBGEMM's HBM-cache counters summed over the model's cached TBEs (those built with gather_uvm_cache_stats):
+    hit rate over unique ids per lookup (1 - unique misses / unique ids) and the number of cache lines."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    tbes = [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)
+            and getattr(m, "gather_uvm_cache_stats", False) and m.lxu_cache_weights.numel()]
+    if not tbes:
+        return {}
+    st = sum(m.uvm_cache_stats.double().cpu() for m in tbes)
+    return {"hbm_cache_hit_rate": 1.0 - float(st[3]) / max(float(st[2]), 1.0),
+            "hbm_cache_lines": int(sum(m.lxu_cache_state.numel() for m in tbes)),
+            "hbm_cache_unique_ids": int(st[2]), "hbm_cache_unique_misses": int(st[3])}
+
+
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
     init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
     types = stock_sharding_types(cfg)
-    constraints = {table_name(n): ParameterConstraints(sharding_types=types) for n in features.names} if types else None
-    sharders = [StockSharder()]
+    kernel, clf = hbm_cache(cfg)
+    constraints = {
+        table_name(n): ParameterConstraints(sharding_types=types, compute_kernels=[kernel] if kernel else None,
+                                            cache_params=CacheParams(load_factor=clf) if clf else None)
+        for n in features.names
+    } if (types or kernel or clf) else None
+    sharders = [StockSharder(fused_params={"gather_uvm_cache_stats": True} if ctx.device.type == "cuda" else None)]
     pg = dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
@@ -252,6 +280,7 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
         export_tables=lambda: _torchrec_full_tables(dmp, ctx),
         import_tables=lambda w, s: _load_torchrec_tables(dmp, w, s),
         dense_optimizer=dense,
+        final_stats=lambda steps: hbm_cache_stats(dmp),
     )
 
 
@@ -304,6 +333,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         "learning_rate": t.embedding_lr,
         "eps": t.get("embedding_eps", 1e-8),
     }
+    if hbm_cache(cfg)[1]:
+        fused["cache_load_factor"] = hbm_cache(cfg)[1]
+    if ctx.device.type == "cuda":
+        fused["gather_uvm_cache_stats"] = True
     unsched = unscheduled_features(cfg, features, source, ctx.world_size)
     managed = features.subset([n for n in features.names if n not in unsched])
     policy = make_policy(
@@ -362,6 +395,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "sched_ms_p90": float(np.percentile(ms, 90)),
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
+            **hbm_cache_stats(dmp),
         }
 
     def export_tables() -> Tables:
