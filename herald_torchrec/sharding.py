@@ -241,10 +241,13 @@ def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
     hit rate over unique ids per lookup (1 - unique misses / unique ids) and the number of cache lines."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    tbes = [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)
-            and getattr(m, "gather_uvm_cache_stats", False) and m.lxu_cache_weights.numel()]
-    if not tbes:
+    every = [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    cached = [m for m in every if m.lxu_cache_weights.numel()]
+    tbes = [m for m in cached if getattr(m, "gather_uvm_cache_stats", False)]
+    if not cached:
         return {}
+    if not tbes:  # a cache without counters: say so rather than report nothing
+        return {"hbm_cache_lines": int(sum(m.lxu_cache_state.numel() for m in cached)), "hbm_cache_hit_rate": None}
     st = sum(m.uvm_cache_stats.double().cpu() for m in tbes)
     return {"hbm_cache_hit_rate": 1.0 - float(st[3]) / max(float(st[2]), 1.0),
             "hbm_cache_lines": int(sum(m.lxu_cache_state.numel() for m in tbes)),
@@ -280,7 +283,8 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
         export_tables=lambda: _torchrec_full_tables(dmp, ctx),
         import_tables=lambda w, s: _load_torchrec_tables(dmp, w, s),
         dense_optimizer=dense,
-        final_stats=lambda steps: hbm_cache_stats(dmp),
+        final_stats=lambda steps: {**hbm_cache_stats(dmp), "embedding_kernels": sorted(
+            {ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})},
     )
 
 
