@@ -241,7 +241,12 @@ def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
     hit rate over unique ids per lookup (1 - unique misses / unique ids) and the number of cache lines."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    every = [m for m in model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    # TorchRec's sharded EBC keeps its lookups (and their TBEs) in a plain list, outside `modules()`
+    found = {id(m): m for m in model.modules()}
+    for owner in list(found.values()):
+        for lookup in getattr(owner, "_lookups", None) or []:
+            found.update((id(m), m) for m in lookup.modules())
+    every = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
     cached = [m for m in every if m.lxu_cache_weights.numel()]
     tbes = [m for m in cached if getattr(m, "gather_uvm_cache_stats", False)]
     if not cached:
