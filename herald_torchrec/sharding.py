@@ -7,6 +7,7 @@ and pipeline, behind the same small `ShardedSetup` surface the trainer uses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -228,6 +229,16 @@ def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor]
             _copy_into_shards(st, states[name])
 
 
+def planner_topology(ctx: DistContext) -> Topology:
+    """The planner's topology. Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r
+    on GPU r % GPUs), shard placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor
+    device does not match"): placements are cuda:(rank % local_world_size)."""
+    kw: dict[str, Any] = {}
+    if ctx.device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        kw["local_world_size"] = torch.cuda.device_count()
+    return Topology(world_size=ctx.world_size, compute_device=ctx.device.type, **kw)
+
+
 def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
     """Optional `sharding.compute_kernel` (stock: e.g. fused_uvm_caching) and `sharding.cache_load_factor` (stock
     tables and Herald's MANAGED_CACHING tables on CUDA); absent keys leave the planner's / module's defaults."""
@@ -273,7 +284,7 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     sharders = [StockSharder(fused_params={"gather_uvm_cache_stats": True} if ctx.device.type == "cuda" else None)]
     pg = dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
+        topology=planner_topology(ctx), constraints=constraints
     )
     plan = planner.collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
@@ -365,7 +376,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         types = stock_sharding_types(cfg, model_parallel_only=True)
         constraints = sharder.planner_constraints(ebc, types, world_size=ctx.world_size, device_type=ctx.device.type)
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
+            topology=planner_topology(ctx), constraints=constraints
         )
         plan = planner.collective_plan(model, [sharder], pg)
     dmp = DistributedModelParallel(
