@@ -5,7 +5,7 @@ NPROC  ?= 2
 STAMP  := $(VENV)/.herald-setup-v1
 ARGS   ?=
 
-.PHONY: setup train test test-slow bench simulate clean
+.PHONY: setup train test test-slow test-gpu bench simulate clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]   # 5: no slow case collected
+
+test-gpu: setup   # the `cuda`-marked tests (tests/test_cuda_parity.py); needs a CUDA GPU
+	$(PY) -m pytest -q -m cuda $(ARGS)
 
 simulate: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/simulate.py --json $(ARGS)

@@ -36,15 +36,17 @@ def init_distributed(backend: str = "auto") -> DistContext:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    # more local ranks than GPUs (e.g. 2 ranks on one GPU): NCCL refuses two ranks on one device, gloo takes CUDA tensors
+    shared_gpu = use_cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
+        backend = "nccl" if use_cuda and not shared_gpu else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"dist backend must be auto, gloo or nccl, got '{backend}'")
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA, but no GPU is visible; use dist_backend=gloo")
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():

@@ -7,6 +7,7 @@ and pipeline, behind the same small `ShardedSetup` surface the trainer uses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -19,7 +20,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -213,16 +214,62 @@ def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor]
             _copy_into_shards(st, states[name])
 
 
+def planner_topology(ctx: DistContext) -> Topology:
+    """The planner's topology. Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r
+    on GPU r % GPUs), shard placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor
+    device does not match"): placements are cuda:(rank % local_world_size)."""
+    kw: dict[str, Any] = {}
+    if ctx.device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        kw["local_world_size"] = torch.cuda.device_count()
+    return Topology(world_size=ctx.world_size, compute_device=ctx.device.type, **kw)
+
+
+def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
+    """Optional `sharding.compute_kernel` (stock: e.g. fused_uvm_caching) and `sharding.cache_load_factor` (stock
+    tables and Herald's MANAGED_CACHING tables on CUDA); absent keys leave the planner's / module's defaults."""
+    sc = cfg.get("sharding") or {}
+    clf = sc.get("cache_load_factor")
+    return sc.get("compute_kernel"), (None if clf is None else float(clf))
+
+
+def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """FBGEMM's HBM-cache counters summed over the model's cached TBEs (those built with gather_uvm_cache_stats):
+    hit rate over unique ids per lookup (1 - unique misses / unique ids) and the number of cache lines."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    # TorchRec's sharded EBC keeps its lookups (and their TBEs) in a plain list, outside `modules()`
+    found = {id(m): m for m in model.modules()}
+    for owner in list(found.values()):
+        for lookup in getattr(owner, "_lookups", None) or []:
+            found.update((id(m), m) for m in lookup.modules())
+    every = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    cached = [m for m in every if m.lxu_cache_weights.numel()]
+    tbes = [m for m in cached if getattr(m, "gather_uvm_cache_stats", False)]
+    if not cached:
+        return {}
+    if not tbes:  # a cache without counters: say so rather than report nothing
+        return {"hbm_cache_lines": int(sum(m.lxu_cache_state.numel() for m in cached)), "hbm_cache_hit_rate": None}
+    st = sum(m.uvm_cache_stats.double().cpu() for m in tbes)
+    return {"hbm_cache_hit_rate": 1.0 - float(st[3]) / max(float(st[2]), 1.0),
+            "hbm_cache_lines": int(sum(m.lxu_cache_state.numel() for m in tbes)),
+            "hbm_cache_unique_ids": int(st[2]), "hbm_cache_unique_misses": int(st[3])}
+
+
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
     init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
     types = stock_sharding_types(cfg)
-    constraints = {table_name(n): ParameterConstraints(sharding_types=types) for n in features.names} if types else None
-    sharders = [StockSharder()]
+    kernel, clf = hbm_cache(cfg)
+    constraints = {
+        table_name(n): ParameterConstraints(sharding_types=types, compute_kernels=[kernel] if kernel else None,
+                                            cache_params=CacheParams(load_factor=clf) if clf else None)
+        for n in features.names
+    } if (types or kernel or clf) else None
+    sharders = [StockSharder(fused_params={"gather_uvm_cache_stats": True} if ctx.device.type == "cuda" else None)]
     pg = dist.GroupMember.WORLD
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
+        topology=planner_topology(ctx), constraints=constraints
     )
     plan = planner.collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
@@ -235,6 +282,8 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     return ShardedSetup(
         "torchrec", dmp, pipeline, convert, convert,
         dense_optimizer=dense,
+        final_stats=lambda steps: {**hbm_cache_stats(dmp), "embedding_kernels": sorted(
+            {ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})},
     )
 
 
@@ -297,6 +346,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     }
     if t.embedding_optimizer == "rowwise_adagrad":
         fused["eps"] = t.get("embedding_eps", 1e-8)
+    if hbm_cache(cfg)[1]:
+        fused["cache_load_factor"] = hbm_cache(cfg)[1]
+    if ctx.device.type == "cuda":
+        fused["gather_uvm_cache_stats"] = True
     unsched = unscheduled_features(cfg, features, source, ctx.world_size)
     sharder = HeraldEmbeddingBagCollectionSharder(
         cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused,
@@ -310,7 +363,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         types = stock_sharding_types(cfg, model_parallel_only=True)
         constraints = sharder.planner_constraints(ebc, types, world_size=ctx.world_size, device_type=ctx.device.type)
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type), constraints=constraints
+            topology=planner_topology(ctx), constraints=constraints
         )
         plan = planner.collective_plan(model, [sharder], pg)
     dmp = DistributedModelParallel(
@@ -347,6 +400,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
             "dropped_samples": pipeline.input_stage.dropped_samples,
+            **hbm_cache_stats(dmp),
         }
 
     convert = batch_converter(features, source)

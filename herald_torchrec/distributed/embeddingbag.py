@@ -223,7 +223,8 @@ class ShardedHeraldEmbeddingBagCollection(
         env: TorchRec sharding env (process group, rank, world size).
         fused_params: as TorchRec's sharders take them ({"optimizer": EmbOptimType or name, "learning_rate", "eps",
             "gradient_clipping", ...}); `apply_optimizer_in_backward` on `module` overrides them per table, as in
-            TorchRec. Unsupported settings raise ValueError (optimizer_params.check_settings).
+            TorchRec. Unsupported settings raise ValueError (optimizer_params.check_settings). `gather_uvm_cache_stats` (CUDA) turns on FBGEMM's
+            HBM-cache counters, read with `_store.cache_stats()`.
         cache_ratio: guest capacity per rank and table, as a share of the table's rows, in (0, 1].
         policy, lookahead: the scheduler configuration, kept for the pipeline (the data plane decides nothing).
         check_errors_globally: before changing anything, exchange a flag so that a rank-local input error (id out of
@@ -276,6 +277,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self.learning_rate = float(fp.pop("learning_rate", 0.01))
         self.eps = float(fp.pop("eps", 1e-8))
         cache_load_factor = float(fp.pop("cache_load_factor", 0.2))
+        cache_stats = bool(fp.pop("gather_uvm_cache_stats", False))  # FBGEMM's HBM-cache counters (CUDA)
 
         self.table_names = [c.name for c in configs]
         self._check_parameter_sharding(configs, table_name_to_parameter_sharding)
@@ -297,6 +299,7 @@ class ShardedHeraldEmbeddingBagCollection(
             device=self.device,
             cache_load_factor=cache_load_factor,
             tbe_settings=fp,
+            cache_stats=cache_stats,
         )
         self._init_home_rows(module, configs)
 

@@ -65,7 +65,7 @@ CPU_IGNORED_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "max_norm": 0.0}
 _ANY_OPTIMIZER = {
     "optimizer", "learning_rate", "gradient_clipping", "max_gradient", "stochastic_rounding", "eps",
     "cache_load_factor", "cache_algorithm", "cache_reserved_memory", "enforce_hbm", "bounds_check_mode",
-    "weights_precision", "cache_precision", "output_dtype", "prefetch_pipeline",
+    "weights_precision", "cache_precision", "output_dtype", "prefetch_pipeline", "gather_uvm_cache_stats",
 }
 _ROWWISE_ADAGRAD_ONLY = {"weight_decay", "weight_decay_mode", "max_norm"}
 _EXACT_WEIGHT_DECAY_MODES = (WeightDecayMode.NONE, WeightDecayMode.L2, WeightDecayMode.DECOUPLE)

@@ -25,12 +25,15 @@ the same kernel (a forward over one-row bags, then a backward) — bit-exact wit
 Optimizer state = the TBE's `split_optimizer_states()` views (for row-wise Adagrad one float per row, `momentum1`),
 packed with the row whenever a row moves. Weights = `split_embedding_weights()` views.
 
-Cache coherence on CUDA: there the tables are `EmbeddingLocation.MANAGED_CACHING` (UVM + an HBM cache that may
-hold dirty lines). `split_embedding_weights()` / `split_optimizer_states()` view the UVM backing store, so every
-host-side access goes through `_begin_access()` (TBE `flush()`: dirty cache lines written back) and every write
-through `_end_write()` (TBE `reset_cache_states()`: the whole cache invalidated, so no stale line can shadow a row
-written behind its back). Both are no-ops on CPU (`EmbeddingLocation.HOST`, no cache). Optimizer states of
-row-wise optimizers are not cached by FBGEMM, so they need nothing. The CUDA branch is written but untested here.
+Cache coherence on CUDA: there the tables are `EmbeddingLocation.MANAGED_CACHING` (UVM + an HBM cache whose lines
+may be newer than the UVM rows behind them). `split_embedding_weights()` views the UVM backing store, so host-side
+access works row by row: before rows are read, the cache lines that hold exactly those rows are written back
+(`_sync_rows`); after rows are written behind the TBE's back, exactly their cache lines are invalidated
+(`_invalidate_rows`; the rest of the cache, and its LRU state, stay warm). Lines are found with FBGEMM's own
+`lxu_cache_lookup` over the TBE's linear cache index (table's cache base + local slot). `_begin_access()` /
+`_end_write()` (TBE `flush()` / `reset_cache_states()`: the whole cache) remain for whole-table access (`weights`).
+All of this is a no-op on CPU (`EmbeddingLocation.HOST`, no cache). Optimizer states of row-wise optimizers are not
+cached by FBGEMM, so they need nothing.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class RowStore(nn.Module):
         location: EmbeddingLocation | None = None,
         cache_load_factor: float = 0.2,
         tbe_settings: Mapping[str, Any] | None = None,
+        cache_stats: bool = False,
     ) -> None:
         super().__init__()
         if world_size < 1 or not (0 <= rank < world_size):
@@ -212,6 +216,8 @@ class RowStore(nn.Module):
             device=self.device,
             table_names=[s.name for s in self.tables],
             **settings,
+            # FBGEMM's HBM-cache counters (calls, requested, unique, unique misses, ...): `cache_stats()`
+            **({"gather_uvm_cache_stats": True} if cache_stats and loc == EmbeddingLocation.MANAGED_CACHING else {}),
         )
         # the TBE's parameters are updated by its fused optimizer: keep them out of dense optimizers
         # (torchrec.optim.optimizers.in_backward_optimizer_filter) and out of DDP (ShardedModule parameters)
@@ -267,6 +273,14 @@ class RowStore(nn.Module):
             self.guest_count.append(self.guest_count_all[t])
             self._free_all[self.free_base[t] : self.free_base[t + 1]] = np.arange(self.local_rows[t] - 1, hl - 1, -1)
         self._flat = self._flat_layout()
+        # HBM cache (CUDA MANAGED_CACHING only): linear cache index of (table, slot) = slot_base[table] + slot, as
+        # FBGEMM's cache_hash_size_cumsum numbers the cached tables' rows (every table here is cached)
+        self._cached = self.tbe.lxu_cache_weights.numel() > 0
+        if self._cached:
+            total = self.tbe.total_cache_hash_size
+            total = int(total.item()) if isinstance(total, torch.Tensor) else int(total)
+            if total != int(self.slot_base[-1]):  # pragma: no cover - FBGEMM changed its cache numbering
+                raise RuntimeError(f"RowStore: TBE cache hashes {total} rows, expected {int(self.slot_base[-1])}")
 
     def _flat_layout(self) -> list[tuple[torch.Tensor, np.ndarray, np.ndarray]] | None:
         """Flat views of the weights and of each optimizer-state tensor, each as (flat tensor over its whole storage,
@@ -344,12 +358,59 @@ class RowStore(nn.Module):
 
     # ------------------------------------------------------------- host access
     def _begin_access(self) -> None:
-        """Make the backing store authoritative before host-side reads/writes (CUDA caching: write back dirty lines)."""
+        """Whole-table host access (`weights`): write every cache line back (CUDA caching) first."""
         self.tbe.flush()
 
     def _end_write(self) -> None:
-        """After writing rows behind the TBE's back: invalidate its cache (CUDA caching), so no stale line survives."""
+        """After writing whole tables behind the TBE's back: invalidate the whole cache (CUDA caching)."""
         self.tbe.reset_cache_states()
+
+    def _cache_locations(self, tables: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """Flat HBM-cache line (row of `lxu_cache_weights`) holding each (table, slot), -1 where none does (int64)."""
+        lin = torch.from_numpy(self.slot_base[tables] + slots).to(self.tbe.lxu_cache_state.device)
+        return torch.ops.fbgemm.lxu_cache_lookup(lin, self.tbe.lxu_cache_state, int(self.slot_base[-1])).long()
+
+    def _sync_rows(self, tables: np.ndarray, slots: np.ndarray) -> None:
+        """Before host reads of these rows: write back the cache lines that hold them (their UVM copy may be stale).
+        The lines stay valid (now equal to UVM). No-op without a cache."""
+        if not self._cached or tables.shape[0] == 0:
+            return
+        loc = self._cache_locations(tables, slots)
+        hit = torch.nonzero(loc >= 0).squeeze(1)
+        if hit.numel() == 0:
+            return
+        hit_np = hit.cpu().numpy()
+        t, sl, d = tables[hit_np], slots[hit_np], self.dims_arr[tables[hit_np]]
+        dev = loc.device
+        item = torch.from_numpy(np.repeat(np.arange(t.shape[0], dtype=np.int64), d)).to(dev)
+        col = torch.from_numpy(ragged_arange(np.zeros_like(d), d)).to(dev)
+        cache_w = self.tbe.lxu_cache_weights
+        src = cache_w.view(-1).index_select(0, loc[hit][item] * cache_w.shape[1] + col)
+        with torch.no_grad():
+            if self._flat is not None:
+                flat, off, w = self._flat[0]
+                dst = torch.from_numpy(ragged_arange(off[t] + sl * w[t], w[t])).to(dev)
+                flat.index_copy_(0, dst, src.to(flat.dtype))
+            else:  # pragma: no cover - per-table views
+                start = exclusive_cumsum(d)
+                for tt in np.unique(t).tolist():
+                    m = np.flatnonzero(t == tt)
+                    pos = torch.from_numpy(ragged_arange(start[m], d[m])).to(dev)
+                    idx = torch.from_numpy(sl[m]).to(dev)
+                    self._weights[tt].index_copy_(0, idx, src[pos].view(m.size, -1).to(self._weights[tt]))
+
+    def _invalidate_rows(self, tables: np.ndarray, slots: np.ndarray) -> None:
+        """After writing these rows behind the TBE's back: drop the cache lines that hold them (an invalid line is
+        neither read nor flushed, so the next lookup of the row fetches the new UVM copy). No-op without a cache."""
+        if not self._cached or tables.shape[0] == 0:
+            return
+        loc = self._cache_locations(tables, slots)
+        self.tbe.lxu_cache_state.view(-1).index_fill_(0, loc[loc >= 0], -1)
+
+    def cache_stats(self) -> torch.Tensor | None:
+        """FBGEMM's cumulative HBM-cache counters [calls, requested ids, unique ids, unique misses, conflict unique
+        misses, conflict misses] (int64), or None when not gathered (`cache_stats=False`, or no cache)."""
+        return self.tbe.uvm_cache_stats.clone() if getattr(self.tbe, "gather_uvm_cache_stats", False) else None
 
     def weights(self, t: int) -> torch.Tensor:
         """View [local_rows, dim] of table t's slots (call `_begin_access()` first on CUDA)."""
@@ -357,7 +418,8 @@ class RowStore(nn.Module):
 
     def read_slots(self, t: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of rows and optimizer state at local `slots`: ([n, dim], [n, state_width])."""
-        self._begin_access()
+        slots = np.asarray(slots, dtype=np.int64)
+        self._sync_rows(np.full(slots.shape[0], t, dtype=np.int64), slots)
         idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self._weights[t].device)
         rows = self._weights[t].index_select(0, idx)
         parts = [x.index_select(0, idx).view(len(idx), -1) for x in self._states[t]]
@@ -374,7 +436,8 @@ class RowStore(nn.Module):
         return self.read_slots(t, slots)
 
     def write_slots(self, t: int, slots: np.ndarray, rows: torch.Tensor, state: torch.Tensor | None = None) -> None:
-        self._begin_access()
+        """Overwrite rows (and optimizer state) at local `slots`; their stale cache lines are dropped."""
+        slots = np.asarray(slots, dtype=np.int64)
         idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self._weights[t].device)
         with torch.no_grad():
             self._weights[t].index_copy_(0, idx, rows.to(self._weights[t]))
@@ -385,7 +448,7 @@ class RowStore(nn.Module):
                     part = state[:, col : col + w].to(x)
                     x.index_copy_(0, idx, part.view(-1) if x.dim() == 1 else part)
                     col += w
-        self._end_write()
+        self._invalidate_rows(np.full(slots.shape[0], t, dtype=np.int64), slots)
 
     def read_packed(self, tables: np.ndarray, slots: np.ndarray, with_state: bool = True) -> torch.Tensor:
         """Rows at (table, local slot) pairs, packed item after item into one flat float32 tensor: the row's dim
@@ -401,7 +464,7 @@ class RowStore(nn.Module):
                 data = torch.cat([rows, state], dim=1) if with_state else rows
                 out[torch.from_numpy(ragged_arange(start[m], width[m])).to(out.device)] = data.reshape(-1).to(out)
             return out
-        self._begin_access()
+        self._sync_rows(tables, slots)
         for flat, stored, packed in self._packed_positions(tables, slots, start, with_state):
             out.index_copy_(0, packed.to(out.device), flat.index_select(0, stored.to(flat.device)).to(out.dtype))
         return out
@@ -429,11 +492,10 @@ class RowStore(nn.Module):
                 d = self.dims[t]
                 self.write_slots(t, slots[m], block[:, :d], block[:, d:] if with_state else None)
             return
-        self._begin_access()
         with torch.no_grad():
             for flat, stored, packed in self._packed_positions(tables, slots, start, with_state):
                 flat.index_copy_(0, stored.to(flat.device), data.index_select(0, packed.to(data.device)).to(flat.dtype))
-        self._end_write()
+        self._invalidate_rows(tables, slots)
 
     # ---------------------------------------------------------- slot lifecycle
     def allocate(self, t: int, keys: np.ndarray) -> np.ndarray:
