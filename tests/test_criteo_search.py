@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import run_app
+from test_loaders import ref_fnv1a64, ref_splitmix64
 from herald_torchrec.data import build_source
 from herald_torchrec.data._stream import validation_mask
 from herald_torchrec.data.batch import to_batch
@@ -41,18 +42,6 @@ ROWS = 1000
 # ------------------------------------------------------------------------------ pure-Python references
 
 
-def ref_splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def ref_fnv1a64(b: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for c in b:
-        h = ((h ^ c) * 0x100000001B3) & M64
-    return h
 
 
 def ref_id(field: str, rows: int) -> int:
