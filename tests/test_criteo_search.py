@@ -35,7 +35,6 @@ from herald_torchrec.models import FeatureSpec, build_model
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "criteo_search_sample.tsv"
 CRITEO_KAGGLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_sample.tsv"
-M64 = (1 << 64) - 1
 ROWS = 1000
 
 
@@ -335,11 +334,13 @@ def test_title_bag_reaches_the_model():
 
 
 def test_app_trains_on_the_sample(tmp_path):
+    """The paper's DCN workload under Herald on 2 ranks: the multi-hot title bags are scheduled like any feature."""
     p = run_app(["data=criteo_search", f"data.path={SAMPLE}", "data.val_fraction=0.2", "model=dcn",
-                 "scheduler=torchrec", "trainer.steps=3", "trainer.batch_size=8", "trainer.log_interval=1",
-                 f"run_dir={tmp_path}"])
+                 "scheduler=herald", "trainer.steps=3", "trainer.batch_size=8", "trainer.log_interval=1",
+                 f"run_dir={tmp_path}"], nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["steps"] == 3 and m["world_size"] == 1 and m["config"]["data"]["name"] == "criteo_search"
+    assert m["steps"] == 3 and m["world_size"] == 2 and m["config"]["data"]["name"] == "criteo_search"
+    assert m["module_rows_by_kind"]["hit"] > 0 and m["module_rows_by_kind"]["shared_value"] > 0
     assert math.isfinite(m["first_loss"]) and math.isfinite(m["logloss"])
     assert "criteo_search ({'features': 17" in p.stdout

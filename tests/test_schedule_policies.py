@@ -321,3 +321,12 @@ def test_make_policy_and_herald_options_are_validated():
                                              np.arange(64) * 3], axis=1)]
     pol.plan([GlobalBatch.from_dense(raw[0], rows)])
     assert 0 not in pol.tables and pol.selection is not None  # a 3-row table is hot everywhere: not scheduled
+
+
+def test_herald_plans_bags_that_read_a_key_more_often_than_there_are_samples():
+    """Multi-hot bags repeat ids (title tokens): a key can be read by more elements than the batch has samples."""
+    rows, raw = jagged_trace(2, 4, 6, rows=(2, 3), seed=3)  # ~1.5 ids per sample of 2-3 rows: counts exceed N = 8
+    batches = make_batches(rows, raw)
+    assert max(np.bincount(b.values[0]).max() for b in batches) > 8
+    plans, chk = run("herald", rows, batches, 2, 4, cache_ratio=0.5)
+    assert len(plans) == 6 and chk.stale_reads == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -90,7 +91,7 @@ def warn_if_batch_coupled(model: torch.nn.Module) -> None:
 class HeraldTrainPipeline(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
 
-    Extra keyword arguments: `on_plan(plan)` is called with every plan as it is queued (statistics);
+    Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
     background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
     batches). The rest go to TrainPipelineSparseDist."""
@@ -123,6 +124,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if int(prefetch) < 0:
             raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
         self._prefetch = int(prefetch)
+        self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
         self._ownership = self._ownership_versions()
@@ -151,8 +153,6 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         else:
             for m, (lo, hi) in zip(self._herald_modules, self._bounds):
                 m.set_plan(plan.for_tables(lo, hi))
-        if self._on_plan is not None:
-            self._on_plan(plan)
 
     def _schedule(self, source: Iterator[Batch]) -> Iterator[Batch]:
         """Batches in training order, each with its plan queued on the modules as it is drawn (in the main thread,
@@ -160,9 +160,11 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
         stream = self.input_stage(source) if not self._prefetch else _Prefetched(self.input_stage, source, self._prefetch)
         for batch, plan, generation in stream:
-            if generation == self.input_stage.generation:
+            current = generation == self.input_stage.generation
+            if current:
                 self._queue(plan)
             # else: planned before a checkpoint load reset ownership; the modules serve it with a static plan
+            self._in_flight.append(plan if current else None)
             yield batch
 
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
@@ -177,6 +179,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             self._source = dataloader_iter
             self._scheduled = self._schedule(iter(dataloader_iter))
         out = super().progress(self._scheduled)  # type: ignore[arg-type]
+        trained = self._in_flight.popleft() if self._in_flight else None  # the plan of the batch just trained
+        if trained is not None and self._on_plan is not None:
+            self._on_plan(trained)
         for m in self._herald_modules:
             for k, v in m.step_counters.items():
                 self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)

@@ -154,7 +154,9 @@ class HeraldPolicy(SchedulePolicy):
             else:
                 m = self.scheduled[bk.tab]
                 es, ec = bk.smp[m], bk.cid[m]
-            w0 = self._geo[bk.count][ec]  # first-pass weight of every element (its key's batch count)
+            # first-pass weight of every element (its key's batch count; multi-hot bags can read a key more often
+            # than there are samples: such keys weigh as much as one read by every sample)
+            w0 = self._geo[np.minimum(bk.count, self.global_batch)][ec]
             hit = _Scheduled(es, ec, bk.keys.shape[0], cols, es * R, ec * R, w0)
             b._cache[key] = hit
         return hit
