@@ -194,3 +194,51 @@ def test_batch_norm_is_a_warning(tmp_path: Path) -> None:
     run_ranks("test_pipeline_edges:bn_worker", tmp_path, world_size=1)
     msgs = torch.load(rank_result(tmp_path, 0))
     assert msgs and "norm" in msgs[0]
+
+
+def reload_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+    """Herald: train 5 steps, checkpoint (DCP), train 3 more (rows move), load the checkpoint back into the same
+    model mid-stream and train 5 more on the same pipeline: the scheduler must restart from the home placement that
+    the load restored. Stock: load that checkpoint into a fresh model and train the same 5 batches."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = str(Path(out_dir).parent / "ckpt_a")
+    dmp, pipeline = build(kind)
+    data = batches(rank, 16)
+    if kind == "herald":
+        it = iter(data)
+        for _ in range(5):
+            pipeline.progress(it)
+        dcp.save({"model": dmp.state_dict()}, checkpoint_id=ckpt)
+        for _ in range(3):
+            pipeline.progress(it)
+        moved_before_load = sum(pipeline.trained_counters.get(k, 0) for k in ("migrate", "forward"))
+        sd = {"model": dmp.state_dict()}
+        dcp.load(sd, checkpoint_id=ckpt)
+        dmp.load_state_dict(sd["model"])
+        for _ in range(5):  # batches 8..12
+            pipeline.progress(it)
+        extra = {"moved_before_load": moved_before_load, "generation": pipeline.input_stage.generation}
+    else:
+        sd = {"model": dmp.state_dict()}
+        dcp.load(sd, checkpoint_id=ckpt)
+        dmp.load_state_dict(sd["model"])
+        it = iter(data[8:13])
+        for _ in range(5):
+            pipeline.progress(it)
+        extra = {}
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+    torch.save(extra, rank_result(out_dir, rank))
+
+
+def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> None:
+    from test_dropin import full_checkpoint
+
+    run_ranks("test_pipeline_edges:reload_worker", tmp_path / "herald", world_size=2, kind="herald")
+    run_ranks("test_pipeline_edges:reload_worker", tmp_path / "stock", world_size=2, kind="stock")
+    h, s = full_checkpoint(tmp_path / "herald" / "ckpt"), full_checkpoint(tmp_path / "stock" / "ckpt")
+    assert sorted(h) == sorted(s)
+    worst = max(float((h[k] - s[k]).abs().max()) for k in s)
+    assert worst < 1e-5, worst
+    r0 = torch.load(rank_result(tmp_path / "herald", 0))
+    assert r0["moved_before_load"] > 0 and r0["generation"] == 1

@@ -305,7 +305,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
         self.comm_counter = CommCounter()
         self._comm = PlanComm(env.process_group, self.comm_counter)
-        self._plans: deque[Plan] = deque()
+        self._plans: deque[Plan | None] = deque()
         self._pending: _SharedStep | None = None
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
@@ -365,8 +365,13 @@ class ShardedHeraldEmbeddingBagCollection(
             st.write_slots(t, np.arange(hl), block)
 
     # ---------------------------------------------------------------- plans
-    def set_plan(self, plan: Plan) -> None:
-        """Queue the plan of the next training/eval step (plans are consumed in order, one per forward)."""
+    def set_plan(self, plan: Plan | None) -> None:
+        """Queue the plan of the next training step (plans are consumed in order, one per training forward). None
+        queues the static plan: a step whose scheduled plan no longer applies (planned before a checkpoint load moved
+        every row home) keeps its place, so the plans queued after it stay aligned with their batches."""
+        if plan is None:
+            self._plans.append(None)
+            return
         if not isinstance(plan, Plan):
             raise ValueError(f"set_plan expects a schedule.plan.Plan, got {type(plan).__name__}")
         if not plan.executable:
@@ -382,10 +387,12 @@ class ShardedHeraldEmbeddingBagCollection(
 
     @property
     def queued_plans(self) -> int:
-        return len(self._plans)
+        """Scheduled plans waiting for their step (static-plan placeholders not counted)."""
+        return sum(p is not None for p in self._plans)
 
     def clear_plans(self) -> None:
-        self._plans.clear()
+        """Invalidate the queued plans (their steps run the static plan; see set_plan(None))."""
+        self._plans = deque([None] * len(self._plans))
 
     # ------------------------------------------------------- TorchRec contract
     def create_context(self) -> HeraldEmbeddingBagCollectionContext:
@@ -493,9 +500,8 @@ class ShardedHeraldEmbeddingBagCollection(
                 local = self._parse_input(features)
         except ValueError as e:
             err = e
-        if self._plans and self.training:  # eval forwards never consume training plans
-            plan = self._plans.popleft()
-        else:
+        plan = self._plans.popleft() if self._plans and self.training else None  # eval never consumes training plans
+        if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._static_plan(local)
         with phase("step.prepare_moves"):

@@ -163,7 +163,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             current = generation == self.input_stage.generation
             if current:
                 self._queue(plan)
-            # else: planned before a checkpoint load reset ownership; the modules serve it with a static plan
+            else:  # planned before a checkpoint load reset ownership: the step runs the static plan instead
+                for m in self._herald_modules:
+                    m.set_plan(None)
             self._in_flight.append(plan if current else None)
             yield batch
 
