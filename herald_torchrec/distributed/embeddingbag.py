@@ -391,8 +391,9 @@ class ShardedHeraldEmbeddingBagCollection(
         return sum(p is not None for p in self._plans)
 
     def clear_plans(self) -> None:
-        """Invalidate the queued plans (their steps run the static plan; see set_plan(None))."""
-        self._plans = deque([None] * len(self._plans))
+        """Drop the queued plans (a checkpoint load moved every row home). A pipeline that has already drawn the
+        batches of those plans queues `set_plan(None)` for each, so its later plans stay aligned."""
+        self._plans.clear()
 
     # ------------------------------------------------------- TorchRec contract
     def create_context(self) -> HeraldEmbeddingBagCollectionContext:

@@ -174,8 +174,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             raise ValueError("HeraldTrainPipeline.progress trains: call model.train() first; evaluate with a plain "
                              "forward or torchrec's EvalPipelineSparseDist (they never touch training plans)")
         versions = self._ownership_versions()
-        if versions != self._ownership:  # a checkpoint load reset ownership to home: plan from there
-            self.input_stage.reset_policy()
+        if versions != self._ownership:  # a checkpoint load reset ownership to home and dropped the queued plans
+            self.input_stage.reset_policy()  # plan from the home placement from now on
+            for m in self._herald_modules:  # the batches already drawn run static plans, in their places
+                for _ in self._in_flight:
+                    m.set_plan(None)
+            self._in_flight = deque([None] * len(self._in_flight))
             self._ownership = versions
         if dataloader_iter is not self._source:
             self._source = dataloader_iter
