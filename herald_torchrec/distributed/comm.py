@@ -112,12 +112,7 @@ class PlanComm:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
     def all_to_all(
-        self,
-        send: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        kind: str,
-        globally_empty: bool = False,
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, globally_empty: bool = False
     ) -> torch.Tensor:
         """Uneven all_to_all_single along dim 0 with split sizes known on every rank.
 
@@ -153,8 +148,9 @@ class PlanComm:
         row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
         off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
         self.counter.add(kind, off_rank * row_bytes)
-        work = dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group, async_op=True)
-        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}")
+        send = send.contiguous()
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", keep=send)
 
     def all_to_all_flagged(
         self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
@@ -195,7 +191,8 @@ class PlanComm:
         work = dist.all_to_all_single(
             out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group, async_op=True
         )
-        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", (torch.from_numpy(r_head).to(out.device), r_data))
+        headers = (torch.from_numpy(r_head).to(out.device), r_data)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", headers, keep=buf)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""
@@ -235,8 +232,10 @@ class PendingAllToAll:
         work: dist.Work | None = None,
         phase_name: str = "",
         headers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep: torch.Tensor | None = None,
     ) -> None:
         self._out, self._work, self._phase = out, work, phase_name
+        self._keep = keep  # the send buffer, alive until the collective has completed
         self._headers = headers  # (header positions, data positions) in `out`
         self.flag = 0  # the flag's max when no headers travel (one rank)
 
@@ -244,7 +243,7 @@ class PendingAllToAll:
         if self._work is not None:
             with phase(self._phase):
                 self._work.wait()
-            self._work = None
+            self._work = self._keep = None
         return self._out
 
     def wait(self) -> torch.Tensor:

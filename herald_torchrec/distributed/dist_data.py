@@ -81,30 +81,31 @@ class _PlanAllToAll:
         return self._comm.start_all_to_all(send, send_splits, recv_splits, self.kind)
 
 
-class RowMoveDist(_PlanAllToAll):
+class _StepAllToAll(_PlanAllToAll):
+    """The forward exchange of a step object (`MoveStep` / `SharedStep`: its send / recv splits): skipped by every
+    rank when the step is globally empty (the awaitable then gives None); with `check`, any rank's error raises
+    on every rank at `wait()`, before the caller changes anything."""
+
+    def __call__(
+        self, send: torch.Tensor | None, step: MoveStep | SharedStep, check: ErrorCheck | None = None
+    ) -> Awaitable[torch.Tensor | None]:
+        if step.globally_empty:
+            return _AllToAllAwaitable(None, None, lambda out: None)
+        return _AllToAllAwaitable(self._start(send, step.send_splits, step.recv_splits, check), check, lambda out: out)
+
+
+class RowMoveDist(_StepAllToAll):
     """Every departing row (value + optimizer state, packed as `RowStore.read_packed` lays them out, in send order)
-    goes to its destination; the awaitable gives the arriving rows in receive order (`MoveStep.recv_idx`), or None
-    when the step moves nothing anywhere. With `check`, any rank's error raises on every rank at `wait()`, before
-    the caller changes anything."""
+    goes to its destination; the awaitable gives the arriving rows in receive order (`MoveStep.recv_idx`)."""
 
     kind = "moves"
 
-    def __call__(self, send: torch.Tensor | None, ms: MoveStep, check: ErrorCheck | None = None) -> Awaitable[torch.Tensor | None]:
-        if ms.globally_empty:
-            return _AllToAllAwaitable(None, None, lambda out: None)
-        return _AllToAllAwaitable(self._start(send, ms.send_splits, ms.recv_splits, check), check, lambda out: out)
 
-
-class SharedValueDist(_PlanAllToAll):
+class SharedValueDist(_StepAllToAll):
     """Owners send the shared rows' values (laid out as `SharedStep.send_off`) to their readers, all tables in one
-    all-to-all; the awaitable gives the received values laid out as `recv_off` (None when nothing is shared)."""
+    all-to-all; the awaitable gives the received values laid out as `recv_off`."""
 
     kind = "shared_value"
-
-    def __call__(self, send: torch.Tensor | None, sh: SharedStep, check: ErrorCheck | None = None) -> Awaitable[torch.Tensor | None]:
-        if sh.globally_empty:
-            return _AllToAllAwaitable(None, None, lambda out: None)
-        return _AllToAllAwaitable(self._start(send, sh.send_splits, sh.recv_splits, check), check, lambda out: out)
 
 
 class SharedGradDist(_PlanAllToAll):

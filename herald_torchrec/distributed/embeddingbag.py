@@ -25,6 +25,11 @@ but changed nothing: the module stays usable. In eval mode, or with no plan queu
 plan itself (an all-gather of the local ids; owners never move, every non-owner read is shared): eval forwards at
 any time (they never consume a queued training plan) and runs without a scheduler work.
 
+Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this module is the ShardedModule adapter
+(it orders a step: plans, error checks, counters); plan_exec.py prepares the step in numpy (what to send where, no
+process group); dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the
+store-side work (moves applied, values read and pooled, shared-row updates); fused_optimizer.py is the optimizer.
+
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
 this step (exclusive keys and the owner's own reads of shared keys: no transfer at all), `migrate` / `evict_home` /
@@ -448,6 +453,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._comm.all_reduce(v, "control")
         return {k: int(x) for k, x in zip(COUNTER_KINDS, v.cpu().tolist())}
 
+    @torch.no_grad()
     def full_tables(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Unsharded tables assembled from their current owners, on every rank (collective: one all-reduce).
 
