@@ -44,6 +44,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torchrec.distributed.types import ParameterSharding
 
+from herald_torchrec.distributed.plan_exec import prepare_moves, routes
 from herald_torchrec.distributed.row_store import exclusive_cumsum, home_range, ragged_arange
 from herald_torchrec.schedule.plan import EVICT_HOME, Plan, RowMoves
 
@@ -182,14 +183,12 @@ class HeraldCheckpoint:
     def _fetch_guests(self) -> None:
         """Copy every guest row (value + state) from its owner into its home rank's buffers (no ownership change):
         one all-to-all, owner -> home rank, split sizes known everywhere."""
-        from herald_torchrec.distributed.embeddingbag import _routes  # (embeddingbag imports this module)
-
         m, st = self.module, self.module.store
         if not st.guest_count_all.any():
             return
         tab, row, owner, home = self._guests()
         width = st.packed_widths(tab)
-        send, recv, send_splits, recv_splits = _routes(owner, home, width, m.rank, m.world_size)
+        send, recv, send_splits, recv_splits = routes(owner, home, width, m.rank, m.world_size)
         buf = st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64))
         got = m._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
         r_tab, r_row, r_width = tab[recv], row[recv], width[recv]
@@ -214,7 +213,7 @@ class HeraldCheckpoint:
         moves = RowMoves(table=tab, row=row, src=owner, dst=home, kind=np.full(tab.shape[0], EVICT_HOME, dtype=np.int8))
         plan = Plan(step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64),
                     moves=moves)
-        m._execute_moves(m._prepare_moves(plan), None)
+        m._exec.apply_moves(prepare_moves(plan, st), None)
 
     @torch.no_grad()
     def load(self, weights: dict[int, torch.Tensor] | None = None, states: dict[int, torch.Tensor] | None = None) -> None:

@@ -112,18 +112,24 @@ class PlanComm:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
     def all_to_all(
-        self,
-        send: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        kind: str,
-        globally_empty: bool = False,
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, globally_empty: bool = False
     ) -> torch.Tensor:
         """Uneven all_to_all_single along dim 0 with split sizes known on every rank.
 
         `send` holds the blocks for ranks 0..R-1 in order (`send_splits[d]` rows for rank d); the result holds the
         blocks from ranks 0..R-1 (`recv_splits[s]` rows from rank s). `globally_empty` (every rank sends nothing,
         known from the plan) skips the collective on all ranks."""
+        return self.start_all_to_all(send, send_splits, recv_splits, kind, globally_empty).wait()
+
+    def start_all_to_all(
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        kind: str,
+        globally_empty: bool = False,
+    ) -> "PendingAllToAll":
+        """`all_to_all`, issued with async_op=True: the returned handle's `wait()` gives the received tensor."""
         send_splits = [int(x) for x in send_splits]
         recv_splits = [int(x) for x in recv_splits]
         R = self.world_size
@@ -135,16 +141,16 @@ class PlanComm:
         if globally_empty:
             if send.shape[0] or out.shape[0]:
                 raise ValueError("all_to_all: globally_empty but this rank sends or receives data")
-            return out
+            return PendingAllToAll(out)
         if R == 1:
             out.copy_(send)
-            return out
+            return PendingAllToAll(out)
         row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
         off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
         self.counter.add(kind, off_rank * row_bytes)
-        with phase(f"comm.all_to_all.{kind}"):
-            dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
-        return out
+        send = send.contiguous()
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", keep=send)
 
     def all_to_all_flagged(
         self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
@@ -153,11 +159,19 @@ class PlanComm:
         flag) and returns (received data, max of the flags over ranks): one header element in front of each block,
         so the flag needs no collective of its own. The data bytes count as `kind`, the headers as "control".
         The flag must be exact in send's dtype (float32: below 2**24)."""
+        return self.start_all_to_all_flagged(send, send_splits, recv_splits, kind, flag).wait_flagged()
+
+    def start_all_to_all_flagged(
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
+    ) -> "PendingAllToAll":
+        """`all_to_all_flagged`, issued with async_op=True: the handle's `wait_flagged()` gives (data, max flag)."""
         send_splits = [int(x) for x in send_splits]
         recv_splits = [int(x) for x in recv_splits]
         R = self.world_size
         if R == 1:
-            return self.all_to_all(send, send_splits, recv_splits, kind), int(flag)
+            pending = self.start_all_to_all(send, send_splits, recv_splits, kind)
+            pending.flag = int(flag)
+            return pending
         if send.dim() != 1 or len(send_splits) != R or len(recv_splits) != R or sum(send_splits) != send.shape[0]:
             raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {R} splits that sum to its length")
         s_spl, r_spl = np.asarray(send_splits, dtype=np.int64), np.asarray(recv_splits, dtype=np.int64)
@@ -174,10 +188,11 @@ class PlanComm:
         elem = send.element_size()
         self.counter.add(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
         self.counter.add("control", elem * (R - 1), call=False)
-        with phase(f"comm.all_to_all.{kind}"):
-            dist.all_to_all_single(out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group)
-        flags = out[torch.from_numpy(r_head).to(out.device)]
-        return out.index_select(0, r_data), int(flags.max().item())
+        work = dist.all_to_all_single(
+            out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group, async_op=True
+        )
+        headers = (torch.from_numpy(r_head).to(out.device), r_data)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", headers, keep=buf)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""
@@ -204,3 +219,41 @@ class PlanComm:
         self.counter.add(kind, (8 + m * tensor.element_size()) * (R - 1))
         dist.all_gather(bufs, padded, group=self.group)
         return [b[:s] for b, s in zip(bufs, sizes_i)]
+
+
+class PendingAllToAll:
+    """An all-to-all in flight (or already done: one rank, nothing to send). `wait()` returns the received tensor;
+    for a flagged one (`start_all_to_all_flagged`), `wait_flagged()` returns (data, max of the flags over ranks).
+    The phase timer, when on, times the wait (where an asynchronous collective's time is spent)."""
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        work: dist.Work | None = None,
+        phase_name: str = "",
+        headers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        self._out, self._work, self._phase = out, work, phase_name
+        self._keep = keep  # the send buffer, alive until the collective has completed
+        self._headers = headers  # (header positions, data positions) in `out`
+        self.flag = 0  # the flag's max when no headers travel (one rank)
+
+    def _complete(self) -> torch.Tensor:
+        if self._work is not None:
+            with phase(self._phase):
+                self._work.wait()
+            self._work = self._keep = None
+        return self._out
+
+    def wait(self) -> torch.Tensor:
+        if self._headers is not None:
+            raise ValueError("PendingAllToAll.wait: a flagged all-to-all is completed with wait_flagged()")
+        return self._complete()
+
+    def wait_flagged(self) -> tuple[torch.Tensor, int]:
+        out = self._complete()
+        if self._headers is None:
+            return out, int(self.flag)
+        head, data = self._headers
+        return out.index_select(0, data), int(out[head].max().item())

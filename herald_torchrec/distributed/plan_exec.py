@@ -1,0 +1,425 @@
+"""Plan execution, host side: what one rank sends and receives in a step, prepared in numpy before any collective.
+
+The data plane of a step (embeddingbag.py) is three all-to-alls whose every split size comes from the plan, which
+is identical on every rank. This module turns (Plan, the RowStore's directories, this rank's ids) into dataclasses
+that say exactly what moves where: the row moves (`MoveStep`), the shared-row exchange (`SharedStep`), the
+classification of the local ids (exclusive / shared, hits), the index layouts of the lookup and of the shared-row
+gradient sums, and the *static* plan built from every rank's ids. It holds no process group and changes no
+directory: every function is a pure function of arrays and of the store's directories (it reads `owner_all`,
+`slot_of_all`, `guest_count_all`, ...), so a two-rank step can be checked in one process with two RowStores
+(tests/test_plan_exec.py). Like TorchRec's sharding/*.py, it is the "who sends what" half; dist_data.py is the
+"send it" half.
+
+Plan checks raise ValueError with the plan's step. Checks that only use the plan and the global directories raise
+alike on every rank (so no rank is left in a collective); checks against the local batch (`local_input`,
+`classify`) are rank-local and the caller makes every rank raise together (dist_data.ErrorCheck).
+All tables are handled at once, on global keys (`RowStore.key_base[t] + row`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange
+from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class MoveStep:
+    """One step's row moves as seen by this rank (sizes identical everywhere, from the plan)."""
+
+    send_idx: np.ndarray  # move indices this rank sends, in send order (by dst)
+    recv_idx: np.ndarray  # move indices this rank receives, in receive order (by src)
+    send_splits: list[int]  # all-to-all splits in elements (row value + optimizer state)
+    recv_splits: list[int]
+    globally_empty: bool  # no move on any rank: the collective is skipped everywhere
+    table: np.ndarray = field(default_factory=_empty)  # every move: table, row, dst, kind
+    row: np.ndarray = field(default_factory=_empty)
+    dst: np.ndarray = field(default_factory=_empty)
+    kind: np.ndarray = field(default_factory=_empty)
+    gkey_sorted: np.ndarray = field(default_factory=_empty)  # moved global keys, sorted
+    dst_sorted: np.ndarray = field(default_factory=_empty)  # their destinations
+
+
+@dataclass
+class SharedStep:
+    """One step's shared-row exchange as seen by this rank (built from the plan; identical sizes everywhere)."""
+
+    send_table: np.ndarray  # pairs this rank owns, in send order (by reader): table, row, global key
+    send_row: np.ndarray
+    send_gkey: np.ndarray
+    send_off: np.ndarray  # float offset of each pair in the send buffer
+    send_splits: list[int]
+    recv_table: np.ndarray  # pairs this rank reads, in receive order (by owner)
+    recv_row: np.ndarray
+    recv_off: np.ndarray
+    recv_splits: list[int]
+    n_values_out: int  # pairs sent to other ranks
+    n_grads_out: int  # pairs received from other ranks (their gradients go back)
+    globally_empty: bool
+    marked: np.ndarray = field(default_factory=_empty)  # global keys of every shared row of the step
+    recv_gkey: np.ndarray = field(default_factory=_empty)  # global keys of the pairs received, in receive order
+    values: "object | None" = None  # received values (torch.Tensor, flat; a leaf requiring grad when training)
+
+
+@dataclass
+class LocalInput:
+    """This rank's ids, all module features in one flat array (feature order = table order): numpy passes over
+    all features at once instead of one per feature."""
+
+    batch_size: int
+    values: np.ndarray  # int64, feature after feature
+    lengths: np.ndarray  # int64 [F, B]
+    gkeys: np.ndarray  # global key (store.key_base[table] + id) of every value
+    seg: np.ndarray  # f * B + bag of every value
+
+
+def routes(
+    src: np.ndarray, dst: np.ndarray, width: np.ndarray, rank: int, world: int
+) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    """Items going src -> dst: this rank's send / receive positions (grouped by peer, stable) and the all-to-all
+    split sizes in elements (`width` elements per item)."""
+    send = np.flatnonzero(src == rank)
+    send = send[np.argsort(dst[send], kind="stable")]
+    recv = np.flatnonzero(dst == rank)
+    recv = recv[np.argsort(src[recv], kind="stable")]
+    send_splits = np.bincount(dst[send], weights=width[send], minlength=world).astype(np.int64).tolist()
+    recv_splits = np.bincount(src[recv], weights=width[recv], minlength=world).astype(np.int64).tolist()
+    return send, recv, send_splits, recv_splits
+
+
+def _table_name(st: RowStore, t: int) -> str:
+    return st.tables[int(t)].name
+
+
+def _table_of(st: RowStore, gkeys: np.ndarray) -> np.ndarray:
+    return np.searchsorted(st.key_base, gkeys, side="right").astype(np.int64) - 1
+
+
+# ------------------------------------------------------------------------------------------------------ input
+def local_input(
+    vals: np.ndarray,
+    lens: np.ndarray,
+    num_keys: int,
+    batch_size: int,
+    index: np.ndarray,
+    st: RowStore,
+    feature_names: list[str],
+) -> LocalInput:
+    """A KJT's values / lengths (`num_keys` keys in its own order) -> this module's features in table order, with
+    every id range-checked. `index[f]` = position in the KJT of module feature f (feature order = the store's
+    `feature_table_map`); `feature_names` name the module features in errors."""
+    B, K, F = batch_size, num_keys, len(feature_names)
+    if lens.shape[0] != B * K:
+        raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {K} keys x batch {B}")
+    lens = lens.reshape(K, B)
+    if K == F and (index == np.arange(F)).all():  # the module's features, in its order: use the KJT as it is
+        values, lengths = vals, lens
+    else:
+        per_key_len = lens.sum(axis=1)
+        values = vals[ragged_arange(exclusive_cumsum(per_key_len)[index], per_key_len[index])]
+        lengths = lens[index]
+    ftab = np.asarray(st.feature_table_map, dtype=np.int64)
+    flen = lengths.sum(axis=1)
+    bad = (values < 0) | (values >= np.repeat(st.rows_arr[ftab], flen))
+    if bad.any():
+        f = int(np.searchsorted(np.cumsum(flen), np.argmax(bad), side="right"))
+        t = int(ftab[f])
+        v = values[exclusive_cumsum(flen)[f] : exclusive_cumsum(flen)[f] + flen[f]]
+        raise ValueError(
+            f"feature {feature_names[f]!r} (table {_table_name(st, t)!r}, {st.rows[t]} rows): ids out of range "
+            f"{v[(v < 0) | (v >= st.rows[t])][:5].tolist()}"
+        )
+    gkeys = values + np.repeat(st.key_base[ftab], flen)
+    seg = np.repeat(np.arange(F * B, dtype=np.int64), lengths.reshape(-1))
+    return LocalInput(B, values, lengths, gkeys, seg)
+
+
+# ------------------------------------------------------------------------------------------------------ moves
+def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
+    """Check the plan's moves against the ownership directory and the guest capacities (global checks: every rank
+    raises alike) and lay out this rank's part of the moves all-to-all."""
+    R, r = st.world_size, st.rank
+    mv = plan.moves
+    if len(mv) == 0:
+        z = _empty()
+        return MoveStep(z, z, [0] * R, [0] * R, True)
+    table = np.asarray(mv.table, dtype=np.int64)
+    row = np.asarray(mv.row, dtype=np.int64)
+    src = np.asarray(mv.src, dtype=np.int64)
+    dst = np.asarray(mv.dst, dtype=np.int64)
+    kind = np.asarray(mv.kind, dtype=np.int64)
+    if not (table.shape == row.shape == src.shape == dst.shape == kind.shape):
+        raise ValueError(f"plan {plan.step}: moves arrays differ in length")
+    T = st.num_tables
+    if table.min() < 0 or table.max() >= T:
+        raise ValueError(f"plan {plan.step}: move table index out of range [0, {T})")
+    if src.min() < 0 or src.max() >= R or dst.min() < 0 or dst.max() >= R:
+        raise ValueError(f"plan {plan.step}: move src/dst rank out of range [0, {R})")
+    if (src == dst).any():
+        raise ValueError(f"plan {plan.step}: move with src == dst")
+    if not np.isin(kind, list(MOVE_KIND_NAMES)).all():
+        raise ValueError(f"plan {plan.step}: unknown move kind in {np.unique(kind).tolist()}")
+    st.check_keys_many(table, row, f"plan {plan.step}: moved rows")
+    gkey = st.gkeys(table, row)
+    owner = st.owner_all[gkey]
+    if (owner != src).any():
+        i = int(np.argmax(owner != src))
+        raise ValueError(
+            f"plan {plan.step}: table {_table_name(st, table[i])!r} row {row[i]} moves from rank {src[i]} "
+            f"but is owned by rank {owner[i]}"
+        )
+    home = row // st.home_block_arr[table]
+    if ((kind == EVICT_HOME) & ((dst != home) | (src == home))).any():
+        raise ValueError(f"plan {plan.step}: an evict_home move does not send a guest to its home rank")
+    gc = st.guest_count_all.copy()
+    leaves, arrives = src != home, dst != home  # a guest leaves src / arrives at dst
+    gc -= np.bincount(table[leaves] * R + src[leaves], minlength=T * R).reshape(T, R)
+    gc += np.bincount(table[arrives] * R + dst[arrives], minlength=T * R).reshape(T, R)
+    over = gc > np.asarray(st.capacity, dtype=np.int64)[:, None]
+    if over.any():
+        t = int(np.argmax(over.any(axis=1)))
+        q = int(np.argmax(gc[t]))
+        raise ValueError(
+            f"plan {plan.step}: after the moves rank {q} holds {gc[t, q]} guests of table "
+            f"{_table_name(st, t)!r}, capacity {st.capacity[t]}"
+        )
+    order = np.argsort(gkey, kind="stable")
+    gkey_sorted = gkey[order]
+    if (gkey_sorted[1:] == gkey_sorted[:-1]).any():
+        raise ValueError(f"plan {plan.step}: a row moves twice in one step")
+    send_idx, recv_idx, send_splits, recv_splits = routes(src, dst, st.packed_widths(table), r, R)
+    return MoveStep(send_idx, recv_idx, send_splits, recv_splits, False, table, row, dst, kind, gkey_sorted, dst[order])
+
+
+def moved(ms: MoveStep, gkey: np.ndarray) -> np.ndarray:
+    """Whether each global key moves this step."""
+    if ms.gkey_sorted.shape[0] == 0:
+        return np.zeros(gkey.shape[0], dtype=bool)
+    pos = np.minimum(np.searchsorted(ms.gkey_sorted, gkey), ms.gkey_sorted.shape[0] - 1)
+    return ms.gkey_sorted[pos] == gkey
+
+
+def owners_after_moves(st: RowStore, ms: MoveStep, gkey: np.ndarray) -> np.ndarray:
+    """Owner of global keys once this step's moves are applied (the moves themselves are not applied here)."""
+    out = st.owner_all[gkey].astype(np.int64)
+    if ms.gkey_sorted.shape[0]:
+        pos = np.minimum(np.searchsorted(ms.gkey_sorted, gkey), ms.gkey_sorted.shape[0] - 1)
+        hit = ms.gkey_sorted[pos] == gkey
+        out[hit] = ms.dst_sorted[pos[hit]]
+    return out
+
+
+def sent_by_kind(ms: MoveStep) -> dict[str, int]:
+    """Rows this rank sends in the step's moves, by move kind (the `migrate` / `evict_home` / `forward` counters)."""
+    if ms.globally_empty:
+        return {}
+    sent_kind = ms.kind[ms.send_idx]
+    return {name: int((sent_kind == k).sum()) for k, name in MOVE_KIND_NAMES.items()}
+
+
+# ------------------------------------------------------------------------------------------------ shared rows
+def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
+    """Check the plan's shared rows (owners as after the moves, readers sorted and distinct; global checks) and lay
+    out this rank's part of the shared-value all-to-all (and of the reverse gradient all-to-all)."""
+    R, r = st.world_size, st.rank
+    sh = plan.shared
+    n = len(sh)
+    if n == 0:
+        z = _empty()
+        return SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True)
+    table = np.asarray(sh.table, dtype=np.int64)
+    row = np.asarray(sh.row, dtype=np.int64)
+    owner = np.asarray(sh.owner, dtype=np.int64)
+    ro = np.asarray(sh.reader_offsets, dtype=np.int64)
+    readers = np.asarray(sh.readers, dtype=np.int64)
+    T = st.num_tables
+    if not (table.shape == row.shape == owner.shape) or ro.shape[0] != n + 1 or ro[0] != 0 or ro[-1] != readers.shape[0]:
+        raise ValueError(f"plan {plan.step}: malformed shared rows (array lengths / reader_offsets)")
+    counts = np.diff(ro)
+    if (counts < 1).any():
+        raise ValueError(f"plan {plan.step}: a shared row has no reader")
+    if table.min() < 0 or table.max() >= T:
+        raise ValueError(f"plan {plan.step}: shared table index out of range [0, {T})")
+    if owner.min() < 0 or owner.max() >= R or readers.min() < 0 or readers.max() >= R:
+        raise ValueError(f"plan {plan.step}: shared owner/reader rank out of range [0, {R})")
+    pair_key = np.repeat(np.arange(n, dtype=np.int64), counts)
+    if (np.diff(readers)[np.diff(pair_key) == 0] <= 0).any():
+        raise ValueError(f"plan {plan.step}: readers of a shared row must be sorted and distinct")
+    st.check_keys_many(table, row, f"plan {plan.step}: shared rows")
+    gkey = st.gkeys(table, row)
+    owner_after = owners_after_moves(st, ms, gkey)  # the moves are validated separately; applied virtually here
+    if (owner_after != owner).any():
+        i = int(np.flatnonzero(owner_after != owner)[0])
+        raise ValueError(
+            f"plan {plan.step}: shared row {row[i]} of table {_table_name(st, table[i])!r} names owner {owner[i]}, "
+            f"but its owner after the moves is {owner_after[i]}"
+        )
+    if np.unique(gkey).shape[0] != n:
+        raise ValueError(f"plan {plan.step}: a row is listed twice in shared")
+    p_tab, p_row, p_own, p_key = table[pair_key], row[pair_key], owner[pair_key], gkey[pair_key]
+    p_w = st.dims_arr[p_tab]
+    send_sel, recv_sel, send_splits, recv_splits = routes(p_own, readers, p_w, r, R)
+    return SharedStep(
+        send_table=p_tab[send_sel],
+        send_row=p_row[send_sel],
+        send_gkey=p_key[send_sel],
+        send_off=exclusive_cumsum(p_w[send_sel]),
+        send_splits=send_splits,
+        recv_table=p_tab[recv_sel],
+        recv_row=p_row[recv_sel],
+        recv_off=exclusive_cumsum(p_w[recv_sel]),
+        recv_splits=recv_splits,
+        n_values_out=int((readers[send_sel] != r).sum()),
+        n_grads_out=int((p_own[recv_sel] != r).sum()),
+        globally_empty=False,
+        marked=gkey,
+        recv_gkey=p_key[recv_sel],
+    )
+
+
+class SharedMarks:
+    """Step scratch by global key: `by_key[g]` is -1 (not shared this step), -2 (shared, not read here) or the
+    index of g among the pairs this rank receives. One array for the module's lifetime (allocating one per step
+    would cost O(total rows)); `mark` a step's keys, and `reset` them when the step is done."""
+
+    NOT_SHARED = -1
+    NOT_READ_HERE = -2
+
+    def __init__(self, num_keys: int) -> None:
+        self.by_key = np.full(int(num_keys), self.NOT_SHARED, dtype=np.int64)
+
+    def mark(self, sh: SharedStep) -> None:
+        self.by_key[sh.marked] = self.NOT_READ_HERE
+        self.by_key[sh.recv_gkey] = np.arange(sh.recv_gkey.shape[0], dtype=np.int64)
+
+    def reset(self, sh: SharedStep) -> None:
+        self.by_key[sh.marked] = self.NOT_SHARED
+
+
+def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st: RowStore) -> tuple[np.ndarray, np.ndarray]:
+    """Check every local id against the plan (rank-local checks). Returns, per table, the hits (distinct keys read
+    here that this rank owns after the moves and that did not move this step: no transfer at all, whether the key
+    is exclusive or this rank is the owner reading a shared key) and the distinct keys read here."""
+    T, rank = st.num_tables, st.rank
+    gk = local.gkeys
+    not_reader = marks.by_key[gk] == SharedMarks.NOT_READ_HERE
+    if not_reader.any():
+        g = int(gk[np.argmax(not_reader)])
+        t = int(_table_of(st, np.asarray([g]))[0])
+        raise ValueError(
+            f"plan {plan.step} does not match the batch: rank {rank} reads shared row {g - st.key_base[t]} of "
+            f"table {_table_name(st, t)!r} but is not among its readers"
+        )
+    u = np.unique(gk)
+    tab = _table_of(st, u)
+    own = owners_after_moves(st, ms, u)
+    foreign = (marks.by_key[u] == SharedMarks.NOT_SHARED) & (own != rank)
+    if foreign.any():
+        i = int(np.argmax(foreign))
+        raise ValueError(
+            f"plan {plan.step} does not match the batch: rank {rank} reads row {u[i] - st.key_base[tab[i]]} of "
+            f"table {_table_name(st, tab[i])!r}, owned by rank {int(own[i])} after the moves and not in plan.shared"
+        )
+    hit = (own == rank) & ~moved(ms, u)
+    return np.bincount(tab[hit], minlength=T).astype(np.int64), np.bincount(tab, minlength=T).astype(np.int64)
+
+
+@dataclass
+class LookupLayout:
+    """The step's lookup, in index arrays: the TBE reads `indices` / `offsets` (exclusive ids, local slots, one bag
+    per feature and sample); the received value elements `value_src` are summed into the pooled output's flat
+    elements `out_dst` (shared ids)."""
+
+    indices: np.ndarray
+    offsets: np.ndarray
+    value_src: np.ndarray
+    out_dst: np.ndarray
+
+
+def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
+    """Index layout of the pooled output [B, sum of feature dims] for this batch (after the step's moves)."""
+    B, F = local.batch_size, local.lengths.shape[0]
+    mark = marks.by_key[local.gkeys]
+    ex = mark == SharedMarks.NOT_SHARED
+    indices = st.slot_of_all[local.gkeys[ex]].astype(np.int64)
+    if (indices < 0).any():  # pragma: no cover - guarded by classify
+        raise RuntimeError("exclusive id without a local slot after the moves")
+    offsets = np.zeros(F * B + 1, dtype=np.int64)
+    np.cumsum(np.bincount(local.seg[ex], minlength=F * B), out=offsets[1:])
+    shared = np.flatnonzero(~ex)
+    if not shared.size:
+        return LookupLayout(indices, offsets, _empty(), _empty())
+    f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
+    f_col = exclusive_cumsum(f_dims)  # output column of each feature
+    f, bag = np.divmod(local.seg[shared], B)
+    d = f_dims[f]
+    src = ragged_arange(sh.recv_off[mark[shared]], d)  # mark = index of the value among the received pairs
+    dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], d)
+    return LookupLayout(indices, offsets, src, dst)
+
+
+@dataclass
+class GradSumLayout:
+    """How an owner sums the returned shared-row gradients (laid out as `send_off`) into one gradient per key:
+    element i of the returned buffer adds into element `dst[i]` of a buffer of `size` elements, holding the keys'
+    gradients in key order; `tables` / `slots` address those keys in the store."""
+
+    tables: np.ndarray
+    slots: np.ndarray
+    dst: np.ndarray
+    size: int
+
+
+def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
+    """Per-key sums of the readers' gradients, in send order (readers in rank order), all tables at once."""
+    keys, inv = np.unique(sh.send_gkey, return_inverse=True)
+    tab = _table_of(st, keys)
+    kd = st.dims_arr[tab]
+    dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], st.dims_arr[sh.send_table])
+    return GradSumLayout(tab, st.slot_of_all[keys].astype(np.int64), dst, int(kd.sum()))
+
+
+# ------------------------------------------------------------------------------------------------ static plan
+def static_plan_keys(local: LocalInput, st: RowStore) -> np.ndarray:
+    """This rank's distinct (row, table) keys, packed as row * T + table, for the all-gather of the static plan."""
+    T = st.num_tables
+    u = np.unique(local.gkeys)  # by table, then row
+    t_u = _table_of(st, u)
+    return (u - st.key_base[t_u]) * T + t_u  # ids are < rows, so no overflow for realistic sizes
+
+
+def static_plan(gathered: list[np.ndarray], st: RowStore, batch_size: int) -> Plan:
+    """The plan of the `static` policy from every rank's `static_plan_keys` (gathered[q] from rank q): owners stay,
+    every non-owner read is shared, sample_order is the identity. Used when no plan is queued (eval batches, runs
+    without a scheduler)."""
+    R, T = st.world_size, st.num_tables
+    k_all = np.concatenate(gathered)
+    rk_all = np.concatenate([np.full(g.shape[0], q, dtype=np.int64) for q, g in enumerate(gathered)])
+    order = np.lexsort((rk_all, k_all))
+    k_all, rk_all = k_all[order], rk_all[order]
+    uk, start, cnt = np.unique(k_all, return_index=True, return_counts=True)
+    tab, row = uk % T, uk // T
+    owner = st.owner_all[st.gkeys(tab, row)].astype(np.int64)
+    excl = (cnt == 1) & (rk_all[start] == owner)
+    hit = int((rk_all == np.repeat(owner, cnt)).sum())  # (key, reader) pairs read by the owner
+    sel = np.flatnonzero(~excl)
+    readers = rk_all[np.repeat(~excl, cnt)]
+    ro = np.concatenate([[0], np.cumsum(cnt[sel])]).astype(np.int64)
+    shared = SharedRows(table=tab[sel], row=row[sel], owner=owner[sel], reader_offsets=ro, readers=readers)
+    remote = shared.remote_reads()
+    return Plan(
+        step=-1,
+        num_ranks=R,
+        batch_per_rank=batch_size,
+        sample_order=np.arange(R * batch_size, dtype=np.int64),
+        shared=shared,
+        counters={"hit": hit, "migrate": 0, "evict_home": 0, "forward": 0, "shared_value": remote,
+                  "shared_grad": remote},
+    )

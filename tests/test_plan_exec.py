@@ -1,0 +1,176 @@
+"""plan_exec: a step's preparation from (Plan, directories, local ids), two "ranks" simulated in one process.
+
+Each rank has its own RowStore (rank 0 and 1 of a 2-rank group); the preparation is a pure function of the plan and
+the directories, so the send side of one rank must match the receive side of the other exactly (orders and split
+sizes), which is what the all-to-alls rely on, with no size exchange.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from herald_torchrec.distributed.plan_exec import (
+    SharedMarks,
+    classify,
+    grad_sum_layout,
+    local_input,
+    lookup_layout,
+    prepare_moves,
+    prepare_shared,
+    routes,
+    sent_by_kind,
+    static_plan,
+    static_plan_keys,
+)
+from herald_torchrec.distributed.row_store import RowStore, TableSpec
+from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
+
+# table a: rows 0-4 home on rank 0, 5-9 on rank 1; table b: rows 0-3 on rank 0, 4-6 on rank 1. Capacity 3 guests.
+# Row-wise adagrad: a packed row is dim + 1 floats (a: 5, b: 9).
+TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]
+FEATURES = ["fa", "fb"]
+A, B = 0, 1
+
+
+def stores() -> list[RowStore]:
+    return [RowStore(TABLES, r, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad") for r in range(2)]
+
+
+def plan(moves: list[tuple] = (), shared: list[tuple] = (), batch: int = 2) -> Plan:
+    """moves: (table, row, src, dst, kind); shared: (table, row, owner, [readers])."""
+    mv = np.array(list(moves), dtype=np.int64).reshape(-1, 5)
+    rm = RowMoves(table=mv[:, 0], row=mv[:, 1], src=mv[:, 2], dst=mv[:, 3], kind=mv[:, 4].astype(np.int8))
+    readers = [np.asarray(s[3], dtype=np.int64) for s in shared]
+    sr = SharedRows(
+        table=np.array([s[0] for s in shared], dtype=np.int64),
+        row=np.array([s[1] for s in shared], dtype=np.int64),
+        owner=np.array([s[2] for s in shared], dtype=np.int64),
+        reader_offsets=np.concatenate([[0], np.cumsum([len(r) for r in readers])]).astype(np.int64),
+        readers=np.concatenate(readers) if readers else np.zeros(0, dtype=np.int64),
+    )
+    return Plan(step=7, num_ranks=2, batch_per_rank=batch, sample_order=np.arange(2 * batch), moves=rm, shared=sr)
+
+
+def ids(st: RowStore, a: list[list[int]], b: list[list[int]]):
+    """A batch of len(a) samples: feature fa reads table a, fb reads table b (KJT layout: key-major lengths)."""
+    lens = np.array([len(x) for x in a] + [len(x) for x in b], dtype=np.int64)
+    vals = np.array([v for x in a + b for v in x], dtype=np.int64)
+    return local_input(vals, lens, 2, len(a), np.array([0, 1]), st, FEATURES)
+
+
+MOVES = [(A, 2, 0, 1, MIGRATE), (B, 5, 1, 0, MIGRATE), (A, 7, 1, 0, FORWARD)]
+SHARED = [(A, 2, 1, [0, 1]), (B, 0, 0, [1])]  # a:2 is owned by rank 1 once it has moved
+
+
+def test_routes_group_by_peer_and_count_elements() -> None:
+    src, dst = np.array([0, 1, 0, 0, 1]), np.array([1, 0, 0, 1, 0])
+    send, recv, ss, rs = routes(src, dst, np.array([2, 3, 4, 5, 6]), 0, 2)
+    assert send.tolist() == [2, 0, 3] and ss == [4, 7]  # self-send first (dst 0), then dst 1 in plan order
+    assert recv.tolist() == [2, 1, 4] and rs == [4, 9]
+
+
+def test_moves_send_order_matches_receive_order() -> None:
+    st = stores()
+    ms = [prepare_moves(plan(MOVES), s) for s in st]
+    assert not ms[0].globally_empty
+    assert ms[0].send_idx.tolist() == [0] and ms[0].send_splits == [0, 5]
+    assert ms[0].recv_idx.tolist() == [1, 2] and ms[0].recv_splits == [0, 9 + 5]
+    assert ms[1].send_idx.tolist() == [1, 2] and ms[1].send_splits == [14, 0]
+    assert ms[1].recv_idx.tolist() == [0] and ms[1].recv_splits == [5, 0]
+    assert sent_by_kind(ms[0]) == {"migrate": 1, "evict_home": 0, "forward": 0}
+    assert sent_by_kind(ms[1]) == {"migrate": 1, "evict_home": 0, "forward": 1}
+    empty = prepare_moves(plan(), st[0])
+    assert empty.globally_empty and empty.send_splits == [0, 0] and sent_by_kind(empty) == {}
+
+
+def test_shared_routes_are_consistent_between_ranks() -> None:
+    st = stores()
+    p = plan(MOVES, SHARED)
+    sh = [prepare_shared(p, s, prepare_moves(p, s)) for s in st]
+    # rank 0 owns b:0 and sends it to reader 1; it reads a:2 from rank 1
+    assert sh[0].send_splits == [0, 8] and sh[0].recv_splits == [0, 4]
+    assert sh[0].send_row.tolist() == [0] and sh[0].recv_row.tolist() == [2]
+    # rank 1 sends a:2 to readers 0 and 1 (its own read takes the same path); receives b:0 (from 0), a:2 (from 1)
+    assert sh[1].send_splits == [4, 4] and sh[1].send_off.tolist() == [0, 4]
+    assert sh[1].recv_splits == [8, 4] and sh[1].recv_table.tolist() == [B, A] and sh[1].recv_off.tolist() == [0, 8]
+    for q in range(2):  # what q sends to p is what p receives from q
+        for r in range(2):
+            assert sh[q].send_splits[r] == sh[r].recv_splits[q]
+    assert [s.n_values_out for s in sh] == [1, 1] and [s.n_grads_out for s in sh] == [1, 1]
+    g = grad_sum_layout(sh[1], st[1])  # the two gradients of a:2 sum into one row of 4
+    assert g.tables.tolist() == [A] and g.size == 4 and g.dst.tolist() == [0, 1, 2, 3] * 2
+
+
+def test_classify_counts_hits_and_checks_the_batch() -> None:
+    st = stores()
+    p = plan(MOVES, SHARED)
+    ms = prepare_moves(p, st[0])
+    sh = prepare_shared(p, st[0], ms)
+    marks = SharedMarks(int(st[0].key_base[-1]))
+    marks.mark(sh)
+    # a:3 owned, not moved (hit); a:2 shared, owner 1 (no hit); b:5 arrives this step (no hit)
+    hits, reads = classify(p, ids(st[0], [[2], [3]], [[5], []]), ms, marks, st[0])
+    assert hits.tolist() == [1, 0] and reads.tolist() == [2, 1]
+    with pytest.raises(ValueError, match="row 8 of table 'a', owned by rank 1 after the moves and not in plan.shared"):
+        classify(p, ids(st[0], [[8], []], [[], []]), ms, marks, st[0])
+    with pytest.raises(ValueError, match="reads shared row 0 of table 'b' but is not among its readers"):
+        classify(p, ids(st[0], [[], []], [[0], []]), ms, marks, st[0])
+    marks.reset(sh)
+    assert (marks.by_key == SharedMarks.NOT_SHARED).all()
+
+
+def test_local_input_reorders_keys_and_rejects_bad_ids() -> None:
+    st = stores()[0]
+    # KJT with keys (fb, fa): index maps module feature f to its KJT position
+    loc = local_input(np.array([6, 1, 9]), np.array([1, 0, 1, 1]), 2, 2, np.array([1, 0]), st, FEATURES)
+    assert loc.values.tolist() == [1, 9, 6] and loc.lengths.tolist() == [[1, 1], [1, 0]]
+    assert loc.gkeys.tolist() == [1, 9, 10 + 6] and loc.seg.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"feature 'fb' \(table 'b', 7 rows\): ids out of range \[7\]"):
+        ids(st, [[1], []], [[7], []])
+    with pytest.raises(ValueError, match="3 lengths for 2 keys x batch 2"):
+        local_input(np.array([1]), np.array([1, 0, 0]), 2, 2, np.array([0, 1]), st, FEATURES)
+
+
+@pytest.mark.parametrize(
+    "moves, shared, match",
+    [
+        ([(A, 2, 1, 0, MIGRATE)], [], "row 2 moves from rank 1 but is owned by rank 0"),
+        ([(A, 2, 0, 0, MIGRATE)], [], "src == dst"),
+        ([(A, 2, 0, 1, MIGRATE), (A, 2, 0, 1, MIGRATE)], [], "moves twice"),
+        ([(A, r, 0, 1, MIGRATE) for r in range(4)], [], "rank 1 holds 4 guests of table 'a', capacity 3"),
+        ([(A, 2, 0, 1, EVICT_HOME)], [], "evict_home move does not send a guest to its home rank"),
+        ([(2, 2, 0, 1, MIGRATE)], [], r"move table index out of range \[0, 2\)"),
+        ([(A, 2, 0, 2, MIGRATE)], [], r"src/dst rank out of range \[0, 2\)"),
+        ([(A, 2, 0, 1, 9)], [], "unknown move kind"),
+        ([], [(A, 2, 1, [0, 1])], "names owner 1, but its owner after the moves is 0"),
+        ([], [(A, 2, 0, [1, 0])], "sorted and distinct"),
+        ([], [(A, 2, 0, [])], "has no reader"),
+        ([], [(A, 2, 0, [1]), (A, 2, 0, [1])], "listed twice"),
+        ([], [(A, 2, 0, [3])], "owner/reader rank out of range"),
+    ],
+)
+def test_inconsistent_plans_raise_alike_on_every_rank(moves, shared, match) -> None:
+    for st in stores():  # global checks: both ranks reject the plan with the same error
+        p = plan(moves, shared)
+        with pytest.raises(ValueError, match=match) as e:
+            prepare_shared(p, st, prepare_moves(p, st))
+        assert "plan 7" in str(e.value)
+
+
+def test_static_plan_shares_every_non_owner_read_and_lays_out_the_lookup() -> None:
+    st = stores()
+    locs = [ids(st[0], [[2], [7]], [[], []]), ids(st[1], [[7], [8]], [[], []])]
+    p = static_plan([static_plan_keys(loc, s) for loc, s in zip(locs, st)], st[0], 2)
+    # a:2 (owner 0, read by 0) and a:8 (owner 1, read by 1) stay exclusive; a:7 (owner 1) is read by both
+    assert p.shared.table.tolist() == [A] and p.shared.row.tolist() == [7] and p.shared.owner.tolist() == [1]
+    assert p.shared.readers.tolist() == [0, 1] and p.counters["hit"] == 3 and p.counters["shared_value"] == 1
+    assert p.sample_order.tolist() == [0, 1, 2, 3] and len(p.moves) == 0
+    ms = prepare_moves(p, st[0])
+    sh = prepare_shared(p, st[0], ms)
+    marks = SharedMarks(int(st[0].key_base[-1]))
+    marks.mark(sh)
+    lay = lookup_layout(locs[0], sh, marks, st[0])
+    assert lay.indices.tolist() == [2]  # a:2 in rank 0's home slot 2; a:7 comes as a received value
+    assert lay.offsets.tolist() == [0, 1, 1, 1, 1]  # bags (fa, s0), (fa, s1), (fb, s0), (fb, s1)
+    assert lay.value_src.tolist() == [0, 1, 2, 3] and lay.out_dst.tolist() == [12, 13, 14, 15]  # row 1, cols 0-3
