@@ -1,7 +1,8 @@
 """HeraldTrainPipeline at the edges a TorchRec user's loop reaches (2 gloo ranks; each fails on the pre-Batch main):
 
-- a model with two Herald-managed EBCs, with an eval-mode forward between training steps, trains the same model
-  as stock TorchRec (the eval forward consumes no training plan; the plan is split per module);
+- a model with two Herald-managed EBCs, with eval-mode forwards (plain and through TorchRec's EvalPipelineSparseDist)
+  between training steps, trains the same model as stock TorchRec (eval consumes no training plan; the plan is split
+  per module);
 - the input stage runs on a gloo group of its own (host tensors: works beside an NCCL default group);
 - ids of 2^31 or more are an error on every rank, never wrapped to int32;
 - one rank running out of data first stops every rank with a warning that counts the dropped samples;
@@ -104,9 +105,15 @@ def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool =
     model = pipeline.detach() if do_eval else None  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
     eval_loss = 0.0
     if do_eval:
+        from torchrec.distributed.train_pipeline import EvalPipelineSparseDist
+
         model.eval()
         with torch.no_grad():
             eval_loss = float(model(data[0])[0])
+            evaluator, eval_it = EvalPipelineSparseDist(model, None, torch.device("cpu")), iter(data[:3])
+            eval_losses = [float(evaluator.progress(eval_it)[0]) for _ in range(3)]  # TorchRec's eval pipeline too
+            evaluator.detach()
+        assert abs(eval_losses[0] - eval_loss) < 1e-6
         model.train()
     for _ in range(6):
         pipeline.progress(it)
