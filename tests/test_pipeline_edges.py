@@ -154,6 +154,8 @@ def edges_worker(rank: int, world: int, out_dir: str, case: str) -> None:
         data = batches(rank, 5, big_id_at=2 if rank == 1 else None)
     elif case == "uneven":
         data = batches(rank, 4 if rank == 0 else 6)
+    elif case == "empty":  # rank 0 has no data at all
+        data = batches(rank, 0 if rank == 0 else 3)
     else:  # short: rank 0's last batch has 5 samples
         data = batches(rank, 5, short_last=5 if rank == 0 else None)
     it = iter(data)
@@ -172,7 +174,7 @@ def edges_worker(rank: int, world: int, out_dir: str, case: str) -> None:
     torch.save(result, rank_result(out_dir, rank))
 
 
-@pytest.mark.parametrize("case", ["big_id", "uneven", "short"])
+@pytest.mark.parametrize("case", ["big_id", "uneven", "short", "empty"])
 def test_edge_input(tmp_path: Path, case: str) -> None:
     run_ranks("test_pipeline_edges:edges_worker", tmp_path, world_size=2, case=case)
     r = [torch.load(rank_result(tmp_path, q)) for q in range(2)]
@@ -184,6 +186,9 @@ def test_edge_input(tmp_path: Path, case: str) -> None:
         assert r[0]["steps"] == r[1]["steps"] == 4 and r[0]["error"] is None and r[1]["error"] is None
         assert r[1]["dropped"] == B and any(f"drops {B} samples" in w for w in r[1]["warnings"]), r[1]
         assert r[0]["dropped"] == 0 and r[0]["warnings"], r[0]  # every rank hears why the run stopped
+    elif case == "empty":  # every rank stops before the first step; the rank with data hears why
+        assert r[0]["steps"] == r[1]["steps"] == 0 and r[0]["error"] is None and r[1]["error"] is None
+        assert any("no data at all" in w for w in r[1]["warnings"]), r[1]
     else:  # rank 0's 5th batch is short: 4 steps on both ranks, the incomplete global batch dropped with a warning
         assert r[0]["steps"] == r[1]["steps"] == 4 and r[0]["error"] is None
         assert r[0]["dropped"] == 5 and r[1]["dropped"] == B

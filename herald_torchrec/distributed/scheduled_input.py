@@ -109,16 +109,26 @@ class ScheduledInput:
         return list(np.split(out.numpy(), np.cumsum(recv)[:-1]))
 
     # ------------------------------------------------------------------ set-up
-    def _setup(self, first: Batch) -> None:
-        """The first slice fixes the layout; every rank checks that all agree (keys, batch size, dense / labels)."""
+    def _setup(self, first: Batch | None) -> bool:
+        """The first slice fixes the layout; every rank checks that all agree (keys, batch size, dense / labels).
+        False if some rank has no data at all (every rank stops; the others warn)."""
         err: Exception | None = None
-        try:
-            layout = slice_layout(first, self.tables)
-            words = np.concatenate([[DATA], layout.signature()])
-        except ValueError as e:
-            err, layout, words = e, None, np.array([BAD, 0, 0, 0], dtype=np.int64)
+        layout = None
+        if first is None:
+            words = np.array([END, 0, 0, 0], dtype=np.int64)
+        else:
+            try:
+                layout = slice_layout(first, self.tables)
+                words = np.concatenate([[DATA], layout.signature()])
+            except ValueError as e:
+                err, words = e, np.array([BAD, 0, 0, 0], dtype=np.int64)
         got = self._all_gather_words(words, "control")
         self._raise_bad(got[:, 0], err)
+        if (got[:, 0] == END).any():
+            if first is not None:
+                warnings.warn(f"herald input (rank {self.rank}): ranks {np.flatnonzero(got[:, 0] == END).tolist()} "
+                              "have no data at all; every rank stops before the first step", stacklevel=3)
+            return False
         if (got[:, 1:] != got[0, 1:]).any():
             raise ValueError(
                 "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes): "
@@ -129,6 +139,7 @@ class ScheduledInput:
         self.policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
         if self.policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {self.policy.num_ranks} ranks, but the process group has {self.R}")
+        return True
 
     def reset_policy(self) -> None:
         """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership."""
@@ -277,10 +288,8 @@ class ScheduledInput:
     def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan, int]]:
         """(assigned batch, its plan, the scheduler generation that planned it), in training order."""
         first = next(stream, None)
-        if first is None:
+        if self.layout is None and not self._setup(first):
             return
-        if self.layout is None:
-            self._setup(first)
         pending_first: list[Batch | None] = [first]
 
         def draw() -> Batch | None:
