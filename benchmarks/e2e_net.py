@@ -1,0 +1,211 @@
+"""Network mode of benchmarks/e2e.py: every rank its own host behind a shaped link (see netem.py).
+
+    .venv/bin/python benchmarks/e2e.py --bandwidth none,1gbit,200mbit --workload wdl64,dcn --ranks 2 --rounds 3 \\
+        --steps 60 --out benchmarks/results/e2e_net.json --plot benchmarks/results/e2e_net.png
+
+For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs
+`ip netns exec <rank ns> torchrun --nnodes R --node_rank r --nproc_per_node 1 --rdzv-backend c10d
+--rdzv-endpoint <rank 0 addr>:port train.py ...` for every rank at once (GLOO_SOCKET_IFNAME = the rank's veth), and
+records the app's numbers (step ms, samples/s, AUC, `comm_bytes_per_step`) with the bytes the ranks really put on
+the wire (bridge-side veth counters, headers included) and the CPU seconds of all rank processes.
+
+Wire bytes and CPU of a run include its fixed part: rendezvous, process-group set-up, sharding plan, DDP's initial
+broadcast, the final evaluation, interpreter start. With `--fixed-steps K` (default 1) each (workload, R, scheduler)
+also runs once unshaped with K steps, and `*_per_step` = (run - fixed run) / (steps - K): the per-training-step
+cost (embedding traffic, sample exchange, DDP's dense all-reduce). `*_per_step_raw` = run / steps, fixed part in.
+Rounds alternate: each runs every config once, the order rotated from round to round; best (lowest step time) and
+median per config are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import e2e
+import netem
+
+RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
+NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
+           "cpu_s_per_step", "cpu_s_per_step_raw", "hit_rate")
+
+
+def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
+                  args: argparse.Namespace, rdzv_id: str) -> list[list[str]]:
+    """One command per rank: torchrun of one node inside the rank's namespace, gloo bound to its veth.
+
+    Node 0 hosts the rendezvous store (`is_host`): torchrun's own guess compares the endpoint with the machine's
+    hostname addresses, which the namespace addresses are not.
+    """
+    plan = net.plan
+    ranks = len(plan.rank_ns)
+    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps)
+    env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
+    return [
+        [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
+         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ranks), "--node_rank", str(r),
+         "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{plan.addrs[0]}:{RDZV_PORT}",
+         "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r], "--max-restarts", "0", "train.py", *overrides]
+        for r in range(ranks)
+    ]
+
+
+def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str, steps: int,
+               args: argparse.Namespace, tmp: Path, tag: str) -> dict:
+    """One run of one config on `net`; returns the app's numbers plus wire bytes and CPU seconds (totals)."""
+    ranks = len(net.plan.rank_ns)
+    run_dir = tmp / tag
+    net.shape(netem.parse_rate(bandwidth))
+    cmds = rank_commands(net, scheduler, e2e.WORKLOADS[workload], steps, run_dir, args, f"{net.plan.run_id}-{tag}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
+    before, t0 = net.counters(), time.time()
+    codes, tails, cpu = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes)
+    wall, after = time.time() - t0, net.counters()
+    if not (run_dir / "metrics.json").exists():
+        detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(codes, tails)))
+        raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
+    rec = e2e.read_metrics(run_dir, "\n".join(tails), steps)
+    wire = netem.wire_delta(before, after, net.plan.host_if)
+    rec |= {"steps": steps, "wire_bytes": wire["total"], "wire_bytes_by_rank": [wire[f"rank{r}"] for r in range(ranks)],
+            "cpu_s": cpu, "wall_s": wall, "exit_codes": codes}
+    print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
+          f"  app bytes/step {rec['comm_bytes_per_step']:.3g}  wire {wire['total'] / steps:.3g}/step (raw)", file=sys.stderr)
+    return rec
+
+
+def per_step(rec: dict, fixed: dict | None) -> dict:
+    """Adds wire bytes and CPU seconds per training step: raw (run / steps) and without the fixed part."""
+    out = dict(rec)
+    out["wire_bytes_per_step_raw"] = rec["wire_bytes"] / rec["steps"]
+    out["cpu_s_per_step_raw"] = rec["cpu_s"] / rec["steps"]
+    if fixed is not None and rec["steps"] > fixed["steps"]:
+        n = rec["steps"] - fixed["steps"]
+        out["wire_bytes_per_step"] = (rec["wire_bytes"] - fixed["wire_bytes"]) / n
+        out["cpu_s_per_step"] = (rec["cpu_s"] - fixed["cpu_s"]) / n
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
+    best = min(records, key=lambda r: r["step_ms"])
+    median = {k: statistics.median(r[k] for r in records) for k in NUMERIC if all(r.get(k) is not None for r in records)}
+    return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
+
+
+def rotated(configs: list, round_index: int, rounds: int) -> list:
+    """Round k runs the configs starting k/rounds of the way in, so no config always runs first or last."""
+    if not configs:
+        return []
+    k = (round_index * max(1, len(configs) // max(rounds, 1))) % len(configs)
+    return configs[k:] + configs[:k]
+
+
+def plot(result: dict, path: Path) -> None:
+    """Step time (best of rounds) vs bandwidth, one line per scheduler, one panel per workload (R = the smallest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(result["runs"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    bws = result["config"]["bandwidth"]
+    for ax, w in zip(axes[0], workloads):
+        for r in result["config"]["ranks"]:
+            for s in result["config"]["schedulers"]:
+                ys = [result["runs"][w][b][str(r)][s]["best"]["step_ms"] for b in bws]
+                label = s if len(result["config"]["ranks"]) == 1 else f"{s} R={r}"
+                ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
+        ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
+        ax.set_xlabel("link rate per rank (tbf, both directions)")
+        ax.set_ylabel("step time, ms (best of rounds)")
+        ax.set_yscale("log")
+        ax.set_title(w)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("herald_torchrec e2e: one network namespace per rank, gloo, CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> dict:
+    """Run the sweep on emulated networks (one per rank count); returns the result object."""
+    bandwidths = netem.parse_bandwidths(args.bandwidth)
+    workloads = [w.strip() for w in (args.workload or "").split(",") if w.strip()] or [args.model]
+    bad = [w for w in workloads if w not in e2e.WORKLOADS]
+    if bad:
+        raise ValueError(f"--workload entries must be in {sorted(e2e.WORKLOADS)}, got {bad}")
+    if args.rounds < 1 or not 0 <= args.fixed_steps < args.steps:
+        raise ValueError(f"--rounds must be >= 1 and 0 <= --fixed-steps < --steps (got {args.rounds}, {args.fixed_steps})")
+    left = netem.leftover_namespaces()
+    if left:
+        print(f"[e2e-net] note: namespaces of an earlier killed run exist: {left} (`ip netns del` them)", file=sys.stderr)
+    configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
+    records: dict[tuple, list[dict]] = {c: [] for c in configs}
+    fixed: dict[tuple, dict] = {}
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
+        nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
+        for r, net in nets.items():
+            p = net.plan
+            print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., bridge in {p.bridge_ns}",
+                  file=sys.stderr)
+        if args.fixed_steps:
+            for w, r, s in itertools.product(workloads, ranks, scheds):
+                fixed[(w, r, s)] = run_config(nets[r], w, "none", s, args.fixed_steps, args, Path(tmp), f"fixed-{w}-{r}-{s}")
+        for k in range(args.rounds):
+            for c in rotated(configs, k, args.rounds):
+                w, b, r, s = c
+                rec = run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}")
+                records[c].append(per_step(rec, fixed.get((w, r, s))))
+    runs: dict = {}
+    for (w, b, r, s), recs in records.items():
+        runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
+        "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
+        "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.WORKLOADS[w] for w in workloads},
+        "fixed_part": "wire/cpu *_per_step subtract a run of --fixed-steps steps (set-up, rendezvous, final eval)",
+        "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
+    }
+    return {"config": config, "runs": runs, "fixed_runs": {f"{w}/R={r}/{s}": v for (w, r, s), v in fixed.items()},
+            "ratios": ratios(runs)}
+
+
+def ratios(runs: dict) -> dict:
+    """herald (and static) best step time over the best stock TorchRec config, per workload / bandwidth / R."""
+    out: dict = {}
+    for w, per_bw in runs.items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                stock = {s: v["best"]["step_ms"] for s, v in per_s.items() if s.startswith("torchrec")}
+                if not stock:
+                    continue
+                best_stock = min(stock, key=stock.get)
+                row = {"best_stock": best_stock, "best_stock_step_ms": stock[best_stock]}
+                for s, v in per_s.items():
+                    if not s.startswith("torchrec"):
+                        row[f"{s}_vs_best_stock_step_time"] = v["best"]["step_ms"] / stock[best_stock]
+                        row[f"{s}_vs_best_stock_app_bytes"] = (
+                            v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
+                out.setdefault(w, {}).setdefault(b, {})[r] = row
+    return out
+
+
+def exit_unavailable(err: Exception) -> None:
+    print(f"e2e: --bandwidth needs an emulated network, which this machine cannot build: {err}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def dumps(result: dict) -> str:
+    return json.dumps(result, indent=2, default=str)
