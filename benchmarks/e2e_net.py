@@ -149,6 +149,7 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
         raise ValueError(f"--workload entries must be in {sorted(e2e.WORKLOADS)}, got {bad}")
     if args.rounds < 1 or not 0 <= args.fixed_steps < args.steps:
         raise ValueError(f"--rounds must be >= 1 and 0 <= --fixed-steps < --steps (got {args.rounds}, {args.fixed_steps})")
+    netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
         print(f"[e2e-net] note: namespaces of an earlier killed run exist: {left} (`ip netns del` them)", file=sys.stderr)
