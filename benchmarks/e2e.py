@@ -180,6 +180,7 @@ def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) 
         write_atomic(args.out, text + "\n")
     if args.plot:
         e2e_net.plot(result, args.plot)
+    print(e2e_net.markdown_table(result), file=sys.stderr)
 
 
 if __name__ == "__main__":

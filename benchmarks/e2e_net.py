@@ -203,6 +203,25 @@ def ratios(runs: dict) -> dict:
     return out
 
 
+def markdown_table(result: dict) -> str:
+    """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
+    config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
+    lines = ["| workload | link | R | scheduler | step ms (best) | vs best stock | app MB/step | wire MB/step | "
+             "AUC | CPU s/step (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for w, per_bw in result["runs"].items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                stock = min((v["best"]["step_ms"] for s, v in per_s.items() if s.startswith("torchrec")), default=None)
+                for s, v in per_s.items():
+                    best, med = v["best"], v["median"]
+                    ratio = f"{best['step_ms'] / stock:.2f}x" if stock else "-"
+                    wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
+                    cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
+                    lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {ratio} | "
+                                 f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} |")
+    return "\n".join(lines)
+
+
 def exit_unavailable(err: Exception) -> None:
     print(f"e2e: --bandwidth needs an emulated network, which this machine cannot build: {err}", file=sys.stderr)
     raise SystemExit(2)

@@ -204,3 +204,37 @@ def test_network_is_built_shaped_and_removed() -> None:
         assert "tbf" not in q
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in names for ns in plan.namespaces)
+
+
+def _fake_result() -> dict:
+    def cfg(step_ms: float, app: float) -> dict:
+        best = {"step_ms": step_ms, "samples_per_s": 512e3 / step_ms, "auc": 0.7, "comm_bytes_per_step": app,
+                "wire_bytes_per_step": 3 * app, "wire_bytes_per_step_raw": 4 * app, "cpu_s_per_step": 0.05,
+                "cpu_s_per_step_raw": 0.3}
+        return {"best": best, "median": best, "rounds": [best]}
+
+    runs = {w: {b: {"2": {"torchrec_tw": cfg(40.0 * k, 3e6), "torchrec_planner": cfg(50.0 * k, 3e6),
+                          "herald": cfg(60.0 * k / (k * k), 0.6e6)}} for k, b in ((1, "none"), (3, "200mbit"))}
+            for w in ("wdl64", "dcn")}
+    return {"config": {"bandwidth": ["none", "200mbit"], "ranks": [2], "schedulers": ["torchrec_tw", "torchrec_planner", "herald"]},
+            "runs": runs}
+
+
+def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
+    result = _fake_result()
+    r = e2e_net.ratios(result["runs"])
+    assert r["dcn"]["none"]["2"]["best_stock"] == "torchrec_tw"
+    assert r["dcn"]["none"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(60 / 40)
+    assert r["dcn"]["200mbit"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(20 / 120)
+    assert r["wdl64"]["none"]["2"]["herald_vs_best_stock_app_bytes"] == pytest.approx(0.2)
+    table = e2e_net.markdown_table(result).splitlines()
+    assert len(table) == 2 + 2 * 2 * 3
+    assert "| dcn | 200mbit | 2 | herald | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 |" in table
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sub" / "e2e_net.png"
+    e2e_net.plot(_fake_result(), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.parent.glob(".*"))  # the temporary file was renamed
