@@ -195,9 +195,11 @@ def test_network_is_built_shaped_and_removed() -> None:
                            capture_output=True, text=True).stdout
         assert "tbf" in q and "200Mbit" in q
         before = net.counters()
-        ping = subprocess.run([*net.exec_prefix(0), "ping", "-c", "2", "-W", "2", plan.addrs[1]], capture_output=True)
-        if ping.returncode == 0:  # ping may be missing; counters still must be readable
-            assert netem.wire_delta(before, net.counters(), plan.host_if)["rank0"] > 0
+        send = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); " \
+               f"[s.sendto(bytes(1000), ('{plan.addrs[1]}', 9)) for _ in range(50)]"
+        subprocess.run([*net.exec_prefix(0), sys.executable, "-c", send], check=True, timeout=60)
+        sent = netem.wire_delta(before, net.counters(), plan.host_if)
+        assert sent["rank0"] >= 50 * 1000 and sent["total"] >= sent["rank0"]  # UDP payloads + headers + ARP
         net.shape(None)
         q = subprocess.run(["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]],
                            capture_output=True, text=True).stdout
@@ -238,3 +240,51 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     e2e_net.plot(_fake_result(), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.parent.glob(".*"))  # the temporary file was renamed
+
+
+def _our_namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith(netem.PREFIX)}
+
+
+NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2")
+
+
+@pytest.mark.slow
+@NEEDS_ROOT
+def test_e2e_network_mode_runs_multi_node_and_cleans_up(tmp_path: Path) -> None:
+    before = _our_namespaces()
+    out = tmp_path / "net.json"
+    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "200mbit", "--ranks", "2", "--workload",
+                        "dcn", "--schedulers", "torchrec_tw", "--steps", "3", "--batch", "64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    best = json.loads(out.read_text())["runs"]["dcn"]["200mbit"]["2"]["torchrec_tw"]["best"]
+    assert best["comm_bytes_per_step"] > 0 and best["wire_bytes_per_step"] > 0 and best["cpu_s_per_step_raw"] > 0
+    assert 0.0 <= best["auc"] <= 1.0
+    assert _our_namespaces() == before
+
+
+@pytest.mark.slow
+@NEEDS_ROOT
+def test_ctrl_c_removes_the_network(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    before = _our_namespaces()
+    p = subprocess.Popen([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "none", "--ranks", "2", "--workload",
+                          "dcn", "--schedulers", "torchrec_tw", "--steps", "50"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_our_namespaces() - before) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_our_namespaces() - before) == 3, "the network was not built"
+        time.sleep(3)  # the ranks are starting inside it
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert _our_namespaces() == before
