@@ -49,11 +49,12 @@ WORKLOADS = {
 }
 
 
-def train_overrides(scheduler: str, args: argparse.Namespace, run_dir: Path, model_args: list[str], steps: int) -> list[str]:
+def train_overrides(scheduler: str, args: argparse.Namespace, run_dir: Path, model_args: list[str], steps: int,
+                    log_interval: int = 1_000_000) -> list[str]:
     """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald)."""
     return [
         *SCHEDULER_ARGS[scheduler], f"trainer.steps={steps}", f"trainer.batch_size={args.batch}",
-        "trainer.eval_interval=0", "trainer.log_interval=1000000", "data.val_batches=2",
+        "trainer.eval_interval=0", f"trainer.log_interval={log_interval}", "data.val_batches=2",
         f"data.locality={args.locality}", f"scheduler.cache_ratio={args.cache_ratio}" if not scheduler.startswith("torchrec") else "seed=0",
         *model_args, f"run_dir={run_dir}", *args.extra,
     ]
@@ -125,9 +126,6 @@ def main() -> None:
                      "network namespace, linked through a bridge, shaped with tc tbf (none = same topology, unshaped)")
     net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} (network mode; default: --model)")
     net.add_argument("--rounds", type=int, default=1, help="alternating rounds; best and median per config")
-    net.add_argument("--fixed-steps", type=int, default=1,
-                     help="also run each (workload, R, scheduler) once with this many steps, to subtract set-up/eval "
-                          "wire bytes and CPU from the per-step figures (0 = off)")
     net.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     net.add_argument("--plot", type=Path, help="step time vs bandwidth per scheduler, one panel per workload (PNG)")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")

@@ -9,10 +9,11 @@ For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs
 records the app's numbers (step ms, samples/s, AUC, `comm_bytes_per_step`) with the bytes the ranks really put on
 the wire (bridge-side veth counters, headers included) and the CPU seconds of all rank processes.
 
-Wire bytes and CPU of a run include its fixed part: rendezvous, process-group set-up, sharding plan, DDP's initial
-broadcast, the final evaluation, interpreter start. With `--fixed-steps K` (default 1) each (workload, R, scheduler)
-also runs once unshaped with K steps, and `*_per_step` = (run - fixed run) / (steps - K): the per-training-step
-cost (embedding traffic, sample exchange, DDP's dense all-reduce). `*_per_step_raw` = run / steps, fixed part in.
+`wire_bytes_per_step` and `cpu_s_per_step` cover the training loop only: the counters and the rank processes' CPU
+times are read when the app prints its start line (`[herald] <model> on ...`, after sharding) and its log line of
+the last step (log_interval = steps), polled every 20 ms. They include DDP's dense all-reduce, Herald's scheduling
+and sample exchange, TCP/IP headers, the first step's warm-up; not rendezvous, set-up or the final evaluation.
+`*_per_step_raw` divide the whole run (interpreter start to exit) by the steps, for context.
 Rounds alternate: each runs every config once, the order rotated from round to round; best (lowest step time) and
 median per config are reported.
 """
@@ -34,8 +35,10 @@ import e2e
 import netem
 
 RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
+START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
+END_MARK = r"^step\s+{steps}\s+loss"  # trainer.py's log line of step `steps`
 NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
-           "cpu_s_per_step", "cpu_s_per_step_raw", "hit_rate")
+           "cpu_s_per_step", "cpu_s_per_step_raw", "loop_wall_ms_per_step", "hit_rate")
 
 
 def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
@@ -47,7 +50,7 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
     """
     plan = net.plan
     ranks = len(plan.rank_ns)
-    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps)
+    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=steps)  # END_MARK
     env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
     return [
         [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
@@ -60,37 +63,46 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
 
 def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str, steps: int,
                args: argparse.Namespace, tmp: Path, tag: str) -> dict:
-    """One run of one config on `net`; returns the app's numbers plus wire bytes and CPU seconds (totals)."""
+    """One run of one config on `net`: the app's numbers plus wire bytes and CPU seconds, per training step."""
     ranks = len(net.plan.rank_ns)
     run_dir = tmp / tag
     net.shape(netem.parse_rate(bandwidth))
     cmds = rank_commands(net, scheduler, e2e.WORKLOADS[workload], steps, run_dir, args, f"{net.plan.run_id}-{tag}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
     before, t0 = net.counters(), time.time()
-    codes, tails, cpu = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes)
+    res = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes,
+                          marks={"start": START_MARK, "end": END_MARK.format(steps=steps)}, pids=net.pids,
+                          probe=net.counters)
     wall, after = time.time() - t0, net.counters()
     if not (run_dir / "metrics.json").exists():
-        detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(codes, tails)))
+        detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(res.codes, res.tails)))
         raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
-    rec = e2e.read_metrics(run_dir, "\n".join(tails), steps)
-    wire = netem.wire_delta(before, after, net.plan.host_if)
-    rec |= {"steps": steps, "wire_bytes": wire["total"], "wire_bytes_by_rank": [wire[f"rank{r}"] for r in range(ranks)],
-            "cpu_s": cpu, "wall_s": wall, "exit_codes": codes}
+    rec = e2e.read_metrics(run_dir, "\n".join(res.tails), steps)
+    whole = netem.wire_delta(before, after, net.plan.host_if)
+    rec |= {"steps": steps, "wire_bytes_per_step_raw": whole["total"] / steps, "cpu_s_per_step_raw": res.cpu_s / steps,
+            "wall_s": wall, "exit_codes": res.codes}
+    rec |= loop_figures(res.marks, net.plan.host_if, steps)
+    loop_wire = rec.get("wire_bytes_per_step", float("nan"))
     print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
-          f"  app bytes/step {rec['comm_bytes_per_step']:.3g}  wire {wire['total'] / steps:.3g}/step (raw)", file=sys.stderr)
+          f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
+          f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step", file=sys.stderr)
     return rec
 
 
-def per_step(rec: dict, fixed: dict | None) -> dict:
-    """Adds wire bytes and CPU seconds per training step: raw (run / steps) and without the fixed part."""
-    out = dict(rec)
-    out["wire_bytes_per_step_raw"] = rec["wire_bytes"] / rec["steps"]
-    out["cpu_s_per_step_raw"] = rec["cpu_s"] / rec["steps"]
-    if fixed is not None and rec["steps"] > fixed["steps"]:
-        n = rec["steps"] - fixed["steps"]
-        out["wire_bytes_per_step"] = (rec["wire_bytes"] - fixed["wire_bytes"]) / n
-        out["cpu_s_per_step"] = (rec["cpu_s"] - fixed["cpu_s"]) / n
-    return out
+def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], steps: int) -> dict:
+    """Wire bytes (total and by rank), CPU seconds and wall ms per step between the start and end marks."""
+    if "start" not in marks or "end" not in marks:
+        print(f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); "
+              "only whole-run figures", file=sys.stderr)
+        return {}
+    a, b = marks["start"], marks["end"]
+    wire = netem.wire_delta(a.extra, b.extra, host_if)
+    return {
+        "wire_bytes_per_step": wire["total"] / steps,
+        "wire_bytes_per_step_by_rank": [wire[f"rank{r}"] / steps for r in range(len(host_if))],
+        "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
+        "loop_wall_ms_per_step": 1000.0 * (b.t - a.t) / steps,
+    }
 
 
 def summarize(records: list[dict]) -> dict:
@@ -147,40 +159,35 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
     bad = [w for w in workloads if w not in e2e.WORKLOADS]
     if bad:
         raise ValueError(f"--workload entries must be in {sorted(e2e.WORKLOADS)}, got {bad}")
-    if args.rounds < 1 or not 0 <= args.fixed_steps < args.steps:
-        raise ValueError(f"--rounds must be >= 1 and 0 <= --fixed-steps < --steps (got {args.rounds}, {args.fixed_steps})")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
         print(f"[e2e-net] note: namespaces of an earlier killed run exist: {left} (`ip netns del` them)", file=sys.stderr)
     configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
-    fixed: dict[tuple, dict] = {}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
         nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
         for r, net in nets.items():
             p = net.plan
             print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., bridge in {p.bridge_ns}",
                   file=sys.stderr)
-        if args.fixed_steps:
-            for w, r, s in itertools.product(workloads, ranks, scheds):
-                fixed[(w, r, s)] = run_config(nets[r], w, "none", s, args.fixed_steps, args, Path(tmp), f"fixed-{w}-{r}-{s}")
         for k in range(args.rounds):
             for c in rotated(configs, k, args.rounds):
                 w, b, r, s = c
                 rec = run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}")
-                records[c].append(per_step(rec, fixed.get((w, r, s))))
+                records[c].append(rec)
     runs: dict = {}
     for (w, b, r, s), recs in records.items():
         runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
         "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.WORKLOADS[w] for w in workloads},
-        "fixed_part": "wire/cpu *_per_step subtract a run of --fixed-steps steps (set-up, rendezvous, final eval)",
+        "loop_figures": "wire/cpu *_per_step: the training loop only (start line to the last step's log line)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
     }
-    return {"config": config, "runs": runs, "fixed_runs": {f"{w}/R={r}/{s}": v for (w, r, s), v in fixed.items()},
-            "ratios": ratios(runs)}
+    return {"config": config, "runs": runs, "ratios": ratios(runs)}
 
 
 def ratios(runs: dict) -> dict:

@@ -237,14 +237,19 @@ class Network:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def kill_processes(self) -> list[int]:
-        """SIGKILL every process still inside the run's namespaces (by pid, from `ip netns pids`); returns the pids.
-
-        torchrun starts its worker in a session of its own, so killing the launched process group is not enough.
-        """
+    def pids(self) -> list[int]:
+        """Processes now inside the run's namespaces (`ip netns pids`)."""
         pids = []
         for ns in self.plan.namespaces:
             pids += [int(x) for x in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        return pids
+
+    def kill_processes(self) -> list[int]:
+        """SIGKILL every process still inside the run's namespaces (by pid); returns the pids.
+
+        torchrun starts its worker in a session of its own, so killing the launched process group is not enough.
+        """
+        pids = self.pids()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -289,20 +294,66 @@ def leftover_namespaces() -> list[str]:
     return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(PREFIX)]
 
 
-def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, timeout_s: float,
-              grace_s: float = 60.0, stop: Callable[[], object] | None = None) -> tuple[list[int | None], list[str], float]:
-    """Start one process per rank, wait for all; returns (exit codes, output tails, CPU seconds of all of them).
+def proc_cpu_seconds(stat_text: str, clk_tck: int) -> float:
+    """user+sys CPU seconds of a process from its /proc/<pid>/stat line (fields 14 and 15, after the `(comm)`)."""
+    fields = stat_text[stat_text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / clk_tck  # fields[0] is field 3 (state)
 
-    Each runs in a session of its own; on a failure, a timeout or Ctrl-C the ones still running get SIGTERM (torchrun
-    passes it to its worker), then SIGKILL, then `stop()` (e.g. `Network.kill_processes`). Once one exits, the others get `grace_s` to finish (a rank that failed leaves the rest
-    blocked in a collective). CPU time is the user+sys of the reaped children (RUSAGE_CHILDREN covers descendants
-    that their parents waited for: the torchrun agents and their workers).
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """Summed user+sys CPU seconds of the live processes among `pids` (ones that are gone count 0)."""
+    tck, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                total += proc_cpu_seconds(f.read(), tck)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+@dataclass
+class Snapshot:
+    """What was measured when a mark first appeared in a rank's output."""
+
+    t: float  # time.monotonic()
+    cpu_s: float  # CPU seconds of the processes `pids()` named at that moment (cumulative since their start)
+    extra: object  # whatever `probe()` returned (e.g. interface counters)
+
+
+@dataclass
+class RanksResult:
+    codes: list[int | None]
+    tails: list[str]  # the last lines of each rank's output
+    cpu_s: float  # user+sys of every rank process over the whole run (set-up and evaluation included)
+    marks: dict[str, Snapshot]
+
+
+def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, timeout_s: float,
+              grace_s: float = 60.0, stop: Callable[[], object] | None = None, marks: Mapping[str, str] = {},
+              pids: Callable[[], Sequence[int]] | None = None, probe: Callable[[], object] | None = None,
+              poll_s: float = 0.02) -> RanksResult:
+    """Start one process per rank and wait for all, snapshotting when given lines appear in their output.
+
+    `marks` maps a name to a regex; the first time it matches a line of any rank's output, the CPU seconds of the
+    processes `pids()` lists at the first mark (the ranks' torchrun agents and workers) and `probe()` are recorded --
+    e.g. marks around the training loop give its CPU time and wire bytes without set-up and evaluation. A mark
+    printed just before every process exits may be missed (nothing is snapshotted after the processes are gone).
+    Each command runs in a session of its own; on a failure, a timeout or Ctrl-C the ones still running get SIGTERM
+    (torchrun passes it to its worker), then SIGKILL, then `stop()` (e.g. `Network.kill_processes`). Once one exits,
+    the others get `grace_s` to finish (a rank that failed leaves the rest blocked in a collective). The whole-run
+    CPU time is the user+sys of the reaped children (RUSAGE_CHILDREN covers descendants their parents waited for).
     """
     import resource
     import tempfile
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in cmds]
+    logs = [tempfile.NamedTemporaryFile(mode="w+", prefix="netem-rank-") for _ in cmds]
+    readers = [open(log.name) for log in logs]
+    pending = {name: re.compile(rx, re.MULTILINE) for name, rx in marks.items()}
+    seen: dict[str, Snapshot] = {}
+    partial = ["" for _ in cmds]
+    watched: list[int] = []
     procs: list[subprocess.Popen] = []
     try:
         for cmd, log in zip(cmds, logs):
@@ -314,7 +365,17 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
                 break
             if any(p.returncode is not None for p in procs):
                 deadline = min(deadline, time.monotonic() + grace_s)
-            time.sleep(0.2)
+            if pending:
+                for i, rd in enumerate(readers):
+                    text = partial[i] + rd.read()
+                    complete, _, partial[i] = text.rpartition("\n")
+                    for name, rx in list(pending.items()):
+                        if rx.search(complete):
+                            if not watched and pids is not None:
+                                watched = list(pids())
+                            seen[name] = Snapshot(time.monotonic(), cpu_seconds(watched), probe() if probe else None)
+                            del pending[name]
+            time.sleep(poll_s)
     finally:
         alive = [p for p in procs if p.poll() is None]
         for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
@@ -328,6 +389,8 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
                 time.sleep(0.1)
         if alive and stop is not None:
             stop()
+        for rd in readers:
+            rd.close()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     tails = []
     for log in logs:
@@ -335,4 +398,4 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
         tails.append("\n".join(log.read().splitlines()[-15:]))
         log.close()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return [p.returncode for p in procs], tails, cpu
+    return RanksResult([p.returncode for p in procs], tails, cpu, seen)

@@ -115,20 +115,56 @@ def test_parse_link_stats_and_wire_delta() -> None:
         netem.parse_link_stats(json.dumps([{"ifname": "x"}]))
 
 
-def test_per_step_subtracts_the_fixed_run_and_summary_picks_the_fastest_round() -> None:
-    fixed = {"steps": 1, "wire_bytes": 1_000, "cpu_s": 10.0}
-    rec = {"steps": 11, "wire_bytes": 6_000, "cpu_s": 12.0, "step_ms": 50.0, "samples_per_s": 1.0, "auc": 0.7,
-           "comm_bytes_per_step": 100.0}
-    out = e2e_net.per_step(rec, fixed)
-    assert out["wire_bytes_per_step"] == 500 and out["cpu_s_per_step"] == pytest.approx(0.2)
-    assert out["wire_bytes_per_step_raw"] == pytest.approx(6_000 / 11)
-    assert "wire_bytes_per_step" not in e2e_net.per_step(rec, None)
-    slow = out | {"step_ms": 80.0, "auc": 0.6}
-    mid = out | {"step_ms": 60.0, "auc": 0.9}
-    s = e2e_net.summarize([slow, out, mid])
+def test_summary_reports_the_fastest_round_and_medians() -> None:
+    rec = {"step_ms": 50.0, "samples_per_s": 1.0, "auc": 0.7, "comm_bytes_per_step": 100.0, "wire_bytes_per_step": 500.0}
+    slow = rec | {"step_ms": 80.0, "auc": 0.6}
+    mid = rec | {"step_ms": 60.0, "auc": 0.9}
+    s = e2e_net.summarize([slow, rec, mid])
     assert s["best"]["step_ms"] == 50.0 and s["best"]["auc"] == 0.7  # the fastest round's own numbers
-    assert s["median"]["step_ms"] == 60.0 and s["median"]["auc"] == 0.7
+    assert s["median"]["step_ms"] == 60.0 and s["median"]["auc"] == 0.7 and s["median"]["wire_bytes_per_step"] == 500
     assert len(s["rounds"]) == 3
+
+
+def test_proc_cpu_seconds_parses_user_and_sys() -> None:
+    # pid (comm with spaces and a paren) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+    line = "4242 (python (x) y) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 1 2 3"
+    assert netem.proc_cpu_seconds(line, 100) == pytest.approx(3.0)
+    assert netem.cpu_seconds([os.getpid()]) > 0
+    assert netem.cpu_seconds([2 ** 22 + 12345]) == 0.0  # no such process
+
+
+def test_loop_figures_use_the_counters_and_cpu_between_the_marks() -> None:
+    stats = netem.parse_link_stats(IP_S_J)
+    later = {k: dict(v) for k, v in stats.items()}
+    later["habcr0"]["rx_bytes"] += 4000
+    later["habcr1"]["rx_bytes"] += 1000
+    marks = {"start": netem.Snapshot(10.0, 5.0, stats), "end": netem.Snapshot(12.0, 9.0, later)}
+    f = e2e_net.loop_figures(marks, ("habcr0", "habcr1"), steps=10)
+    assert f == {"wire_bytes_per_step": 500.0, "wire_bytes_per_step_by_rank": [400.0, 100.0], "cpu_s_per_step": 0.4,
+                 "loop_wall_ms_per_step": pytest.approx(200.0)}
+    assert e2e_net.loop_figures({"start": marks["start"]}, ("habcr0",), 10) == {}
+
+
+def test_run_ranks_snapshots_at_marks_and_stops_the_rest_after_a_failure() -> None:
+    import re
+    import time
+
+    body = "import time, sys; print('[herald] dcn on x', flush=True); time.sleep(0.5); print('step     3  loss 1', flush=True); time.sleep(0.5)"
+    probes = []
+    res = netem.run_ranks([[sys.executable, "-c", body], [sys.executable, "-c", "import time; time.sleep(0.3)"]],
+                          os.environ, ".", timeout_s=60,
+                          marks={"start": e2e_net.START_MARK, "end": e2e_net.END_MARK.format(steps=3)},
+                          pids=lambda: [os.getpid()], probe=lambda: probes.append(1) or len(probes))
+    assert res.codes == [0, 0] and set(res.marks) == {"start", "end"}  # the "end" line is followed by evaluation
+    assert res.marks["start"].extra == 1 and res.marks["end"].extra == 2
+    assert 0.4 < res.marks["end"].t - res.marks["start"].t < 5
+    assert res.cpu_s > 0 and "step     3" in res.tails[0]
+    assert not re.search(e2e_net.END_MARK.format(steps=3), "step    30  loss 1", re.M)  # step 3, not 30
+    t0 = time.monotonic()
+    res = netem.run_ranks([[sys.executable, "-c", "import sys; sys.exit(3)"],
+                           [sys.executable, "-c", "import time; time.sleep(120)"]], os.environ, ".", timeout_s=60, grace_s=1)
+    assert res.codes[0] == 3 and res.codes[1] is not None and res.codes[1] < 0  # killed by a signal
+    assert time.monotonic() - t0 < 30
 
 
 def test_rotated_rounds_start_at_different_configs() -> None:
