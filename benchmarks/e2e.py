@@ -126,6 +126,8 @@ def main() -> None:
                      "network namespace, linked through a bridge, shaped with tc tbf (none = same topology, unshaped)")
     net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} (network mode; default: --model)")
     net.add_argument("--rounds", type=int, default=1, help="alternating rounds; best and median per config")
+    net.add_argument("--warmup-steps", type=int, default=10,
+                     help="steps left out of steady_step_ms and the wire/CPU per-step figures (0 = from the start line)")
     net.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     net.add_argument("--plot", type=Path, help="step time vs bandwidth per scheduler, one panel per workload (PNG)")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")

@@ -9,11 +9,12 @@ For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs
 records the app's numbers (step ms, samples/s, AUC, `comm_bytes_per_step`) with the bytes the ranks really put on
 the wire (bridge-side veth counters, headers included) and the CPU seconds of all rank processes.
 
-`wire_bytes_per_step` and `cpu_s_per_step` cover the training loop only: the counters and the rank processes' CPU
-times are read when the app prints its start line (`[herald] <model> on ...`, after sharding) and its log line of
-the last step (log_interval = steps), polled every 20 ms. They include DDP's dense all-reduce, Herald's scheduling
-and sample exchange, TCP/IP headers, the first step's warm-up; not rendezvous, set-up or the final evaluation.
-`*_per_step_raw` divide the whole run (interpreter start to exit) by the steps, for context.
+`step_ms` / `samples_per_s` are the app's (metrics.json: the whole training loop, first steps' warm-up included).
+`steady_step_ms`, `wire_bytes_per_step` and `cpu_s_per_step` cover steps `--warmup-steps`+1 .. `--steps` only:
+the veth counters, the clock and the rank processes' CPU times are read when the app prints its log line of step
+W and of the last step (log_interval = gcd(W, steps); output polled every 20 ms). They include DDP's dense
+all-reduce, Herald's scheduling and sample exchange, TCP/IP headers; not rendezvous, set-up, warm-up or the final
+evaluation. `*_per_step_raw` divide the whole run (interpreter start to exit) by the steps, for context.
 Rounds alternate: each runs every config once, the order rotated from round to round; best (lowest step time) and
 median per config are reported.
 """
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -36,9 +38,9 @@ import netem
 
 RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
 START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
-END_MARK = r"^step\s+{steps}\s+loss"  # trainer.py's log line of step `steps`
+STEP_MARK = r"^step\s+{step}\s+loss"  # trainer.py's log line of step `step` (every log_interval steps)
 NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
-           "cpu_s_per_step", "cpu_s_per_step_raw", "loop_wall_ms_per_step", "hit_rate")
+           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate")
 
 
 def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
@@ -50,7 +52,8 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
     """
     plan = net.plan
     ranks = len(plan.rank_ns)
-    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=steps)  # END_MARK
+    log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
+    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
     env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
     return [
         [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
@@ -71,7 +74,7 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
     before, t0 = net.counters(), time.time()
     res = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes,
-                          marks={"start": START_MARK, "end": END_MARK.format(steps=steps)}, pids=net.pids,
+                          marks=loop_marks(args.warmup_steps, steps), pids=net.pids,
                           probe=net.counters)
     wall, after = time.time() - t0, net.counters()
     if not (run_dir / "metrics.json").exists():
@@ -81,7 +84,7 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     whole = netem.wire_delta(before, after, net.plan.host_if)
     rec |= {"steps": steps, "wire_bytes_per_step_raw": whole["total"] / steps, "cpu_s_per_step_raw": res.cpu_s / steps,
             "wall_s": wall, "exit_codes": res.codes}
-    rec |= loop_figures(res.marks, net.plan.host_if, steps)
+    rec |= loop_figures(res.marks, net.plan.host_if, steps - args.warmup_steps)
     loop_wire = rec.get("wire_bytes_per_step", float("nan"))
     print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
           f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
@@ -89,8 +92,14 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     return rec
 
 
+def loop_marks(warmup_steps: int, steps: int) -> dict[str, str]:
+    """Output lines to snapshot at: "start" = step `warmup_steps` done (or the app's start line if 0), "end" = the last."""
+    start = STEP_MARK.format(step=warmup_steps) if warmup_steps else START_MARK
+    return {"start": start, "end": STEP_MARK.format(step=steps)}
+
+
 def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], steps: int) -> dict:
-    """Wire bytes (total and by rank), CPU seconds and wall ms per step between the start and end marks."""
+    """Wire bytes (total and by rank), CPU seconds and wall ms per step over the `steps` between the two marks."""
     if "start" not in marks or "end" not in marks:
         print(f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); "
               "only whole-run figures", file=sys.stderr)
@@ -101,13 +110,18 @@ def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], ste
         "wire_bytes_per_step": wire["total"] / steps,
         "wire_bytes_per_step_by_rank": [wire[f"rank{r}"] / steps for r in range(len(host_if))],
         "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
-        "loop_wall_ms_per_step": 1000.0 * (b.t - a.t) / steps,
+        "steady_step_ms": 1000.0 * (b.t - a.t) / steps,
     }
+
+
+def step_of(rec: dict) -> float:
+    """The step time compared: steady state where measured, else the app's (warm-up included)."""
+    return rec.get("steady_step_ms") or rec["step_ms"]
 
 
 def summarize(records: list[dict]) -> dict:
     """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
-    best = min(records, key=lambda r: r["step_ms"])
+    best = min(records, key=step_of)
     median = {k: statistics.median(r[k] for r in records) for k in NUMERIC if all(r.get(k) is not None for r in records)}
     return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
 
@@ -121,7 +135,7 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Step time (best of rounds) vs bandwidth, one line per scheduler, one panel per workload (R = the smallest)."""
+    """Steady step time (best of rounds) vs bandwidth, one line per scheduler, one panel per workload (R = the smallest)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,12 +147,12 @@ def plot(result: dict, path: Path) -> None:
     for ax, w in zip(axes[0], workloads):
         for r in result["config"]["ranks"]:
             for s in result["config"]["schedulers"]:
-                ys = [result["runs"][w][b][str(r)][s]["best"]["step_ms"] for b in bws]
+                ys = [step_of(result["runs"][w][b][str(r)][s]["best"]) for b in bws]
                 label = s if len(result["config"]["ranks"]) == 1 else f"{s} R={r}"
                 ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
         ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
         ax.set_xlabel("link rate per rank (tbf, both directions)")
-        ax.set_ylabel("step time, ms (best of rounds)")
+        ax.set_ylabel("steady step time, ms (best of rounds)")
         ax.set_yscale("log")
         ax.set_title(w)
         ax.grid(alpha=0.3)
@@ -161,6 +175,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
         raise ValueError(f"--workload entries must be in {sorted(e2e.WORKLOADS)}, got {bad}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise ValueError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
@@ -184,7 +200,7 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
         "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.WORKLOADS[w] for w in workloads},
-        "loop_figures": "wire/cpu *_per_step: the training loop only (start line to the last step's log line)",
+        "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
     }
     return {"config": config, "runs": runs, "ratios": ratios(runs)}
@@ -196,14 +212,14 @@ def ratios(runs: dict) -> dict:
     for w, per_bw in runs.items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
-                stock = {s: v["best"]["step_ms"] for s, v in per_s.items() if s.startswith("torchrec")}
+                stock = {s: step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")}
                 if not stock:
                     continue
                 best_stock = min(stock, key=stock.get)
-                row = {"best_stock": best_stock, "best_stock_step_ms": stock[best_stock]}
+                row = {"best_stock": best_stock, "best_stock_step_ms": stock[best_stock]}  # steady where measured
                 for s, v in per_s.items():
                     if not s.startswith("torchrec"):
-                        row[f"{s}_vs_best_stock_step_time"] = v["best"]["step_ms"] / stock[best_stock]
+                        row[f"{s}_vs_best_stock_step_time"] = step_of(v["best"]) / stock[best_stock]
                         row[f"{s}_vs_best_stock_app_bytes"] = (
                             v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
                 out.setdefault(w, {}).setdefault(b, {})[r] = row
@@ -213,18 +229,18 @@ def ratios(runs: dict) -> dict:
 def markdown_table(result: dict) -> str:
     """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
     config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
-    lines = ["| workload | link | R | scheduler | step ms (best) | vs best stock | app MB/step | wire MB/step | "
-             "AUC | CPU s/step (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
+             "app MB/step | wire MB/step | AUC | CPU s/step (median) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
-                stock = min((v["best"]["step_ms"] for s, v in per_s.items() if s.startswith("torchrec")), default=None)
+                stock = min((step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")), default=None)
                 for s, v in per_s.items():
                     best, med = v["best"], v["median"]
-                    ratio = f"{best['step_ms'] / stock:.2f}x" if stock else "-"
+                    ratio = f"{step_of(best) / stock:.2f}x" if stock else "-"
                     wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
                     cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
-                    lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {ratio} | "
+                    lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
                                  f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} |")
     return "\n".join(lines)
 

@@ -141,7 +141,7 @@ def test_loop_figures_use_the_counters_and_cpu_between_the_marks() -> None:
     marks = {"start": netem.Snapshot(10.0, 5.0, stats), "end": netem.Snapshot(12.0, 9.0, later)}
     f = e2e_net.loop_figures(marks, ("habcr0", "habcr1"), steps=10)
     assert f == {"wire_bytes_per_step": 500.0, "wire_bytes_per_step_by_rank": [400.0, 100.0], "cpu_s_per_step": 0.4,
-                 "loop_wall_ms_per_step": pytest.approx(200.0)}
+                 "steady_step_ms": pytest.approx(200.0)}
     assert e2e_net.loop_figures({"start": marks["start"]}, ("habcr0",), 10) == {}
 
 
@@ -153,13 +153,16 @@ def test_run_ranks_snapshots_at_marks_and_stops_the_rest_after_a_failure() -> No
     probes = []
     res = netem.run_ranks([[sys.executable, "-c", body], [sys.executable, "-c", "import time; time.sleep(0.3)"]],
                           os.environ, ".", timeout_s=60,
-                          marks={"start": e2e_net.START_MARK, "end": e2e_net.END_MARK.format(steps=3)},
+                          marks=e2e_net.loop_marks(0, 3),
                           pids=lambda: [os.getpid()], probe=lambda: probes.append(1) or len(probes))
     assert res.codes == [0, 0] and set(res.marks) == {"start", "end"}  # the "end" line is followed by evaluation
     assert res.marks["start"].extra == 1 and res.marks["end"].extra == 2
     assert 0.4 < res.marks["end"].t - res.marks["start"].t < 5
     assert res.cpu_s > 0 and "step     3" in res.tails[0]
-    assert not re.search(e2e_net.END_MARK.format(steps=3), "step    30  loss 1", re.M)  # step 3, not 30
+    end = e2e_net.loop_marks(0, 3)["end"]
+    assert re.search(end, "x\nstep      3  loss 0.5  12 samples/s\n", re.M)
+    assert not re.search(end, "step    30  loss 1", re.M) and not re.search(end, "step    13  loss 1", re.M)
+    assert e2e_net.loop_marks(10, 60)["start"] == e2e_net.STEP_MARK.format(step=10)
     t0 = time.monotonic()
     res = netem.run_ranks([[sys.executable, "-c", "import sys; sys.exit(3)"],
                            [sys.executable, "-c", "import time; time.sleep(120)"]], os.environ, ".", timeout_s=60, grace_s=1)
@@ -181,7 +184,7 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         def exec_prefix(self, r: int) -> list[str]:
             return ["ip", "netns", "exec", self.plan.rank_ns[r]]
 
-    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False)
+    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2)
     cmds = e2e_net.rank_commands(FakeNet(), "torchrec_planner", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
     for r, c in enumerate(cmds):
         assert c[:4] == ["ip", "netns", "exec", FakeNet.plan.rank_ns[r]]
@@ -193,13 +196,14 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         assert flags["--rdzv-conf"] == f"is_host={int(r == 0)}"
         tail = c[c.index("train.py") + 1:]
         assert {"scheduler=torchrec", "sharding.types=null", "model=wdl", "model.embedding_dim=64",
-                "model.deep_layers=[64,32]", "trainer.steps=7", "trainer.batch_size=64"} <= set(tail)
+                "model.deep_layers=[64,32]", "trainer.steps=7", "trainer.batch_size=64",
+                "trainer.log_interval=1"} <= set(tail)  # gcd(2, 7): the log lines of steps 2 and 7 are the marks
 
 
 def test_without_root_the_benchmark_says_so_and_exits_2(monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)  # as a normal user, whoever runs the test
-    monkeypatch.setattr(sys, "argv", ["e2e.py", "--bandwidth", "none", "--steps", "2"])
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--bandwidth", "none", "--steps", "20"])
     with pytest.raises(SystemExit) as exit_info:
         e2e.main()
     assert exit_info.value.code == 2
@@ -246,7 +250,7 @@ def test_network_is_built_shaped_and_removed() -> None:
 
 def _fake_result() -> dict:
     def cfg(step_ms: float, app: float) -> dict:
-        best = {"step_ms": step_ms, "samples_per_s": 512e3 / step_ms, "auc": 0.7, "comm_bytes_per_step": app,
+        best = {"step_ms": step_ms + 5, "steady_step_ms": step_ms, "samples_per_s": 512e3 / step_ms, "auc": 0.7, "comm_bytes_per_step": app,
                 "wire_bytes_per_step": 3 * app, "wire_bytes_per_step_raw": 4 * app, "cpu_s_per_step": 0.05,
                 "cpu_s_per_step_raw": 0.3}
         return {"best": best, "median": best, "rounds": [best]}
@@ -267,7 +271,7 @@ def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
     assert r["wdl64"]["none"]["2"]["herald_vs_best_stock_app_bytes"] == pytest.approx(0.2)
     table = e2e_net.markdown_table(result).splitlines()
     assert len(table) == 2 + 2 * 2 * 3
-    assert "| dcn | 200mbit | 2 | herald | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 |" in table
+    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 |" in table
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -292,11 +296,13 @@ def test_e2e_network_mode_runs_multi_node_and_cleans_up(tmp_path: Path) -> None:
     before = _our_namespaces()
     out = tmp_path / "net.json"
     p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "200mbit", "--ranks", "2", "--workload",
-                        "dcn", "--schedulers", "torchrec_tw", "--steps", "3", "--batch", "64", "--out", str(out)],
+                        "dcn", "--schedulers", "torchrec_tw", "--steps", "4", "--warmup-steps", "2", "--batch", "64", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     best = json.loads(out.read_text())["runs"]["dcn"]["200mbit"]["2"]["torchrec_tw"]["best"]
-    assert best["comm_bytes_per_step"] > 0 and best["wire_bytes_per_step"] > 0 and best["cpu_s_per_step_raw"] > 0
+    assert best["comm_bytes_per_step"] > 0 and best["cpu_s_per_step_raw"] > 0 and best["cpu_s_per_step"] > 0
+    assert best["wire_bytes_per_step"] > 0.5 * best["comm_bytes_per_step"]  # app bytes cross the wire (plus DDP's)
+    assert best["steady_step_ms"] > 0
     assert 0.0 <= best["auc"] <= 1.0
     assert _our_namespaces() == before
 
