@@ -169,7 +169,8 @@ def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) 
     import netem
 
     try:
-        result = e2e_net.main_net(args, ranks, scheds)
+        save = (lambda partial: write_atomic(args.out, e2e_net.dumps(partial) + "\n")) if args.out else None
+        result = e2e_net.main_net(args, ranks, scheds, save=save)
     except netem.NetemUnavailable as err:
         e2e_net.exit_unavailable(err)
     except ValueError as err:
@@ -181,6 +182,8 @@ def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) 
     if args.plot:
         e2e_net.plot(result, args.plot)
     print(e2e_net.markdown_table(result), file=sys.stderr)
+    if result["failures"]:
+        raise SystemExit(f"e2e: {len(result['failures'])} run(s) failed (see \"failures\" in the JSON)")
 
 
 if __name__ == "__main__":

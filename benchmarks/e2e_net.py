@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import e2e
 import netem
@@ -147,7 +148,8 @@ def plot(result: dict, path: Path) -> None:
     for ax, w in zip(axes[0], workloads):
         for r in result["config"]["ranks"]:
             for s in result["config"]["schedulers"]:
-                ys = [step_of(result["runs"][w][b][str(r)][s]["best"]) for b in bws]
+                cells = [result["runs"][w].get(b, {}).get(str(r), {}).get(s) for b in bws]
+                ys = [step_of(c["best"]) if c else float("nan") for c in cells]
                 label = s if len(result["config"]["ranks"]) == 1 else f"{s} R={r}"
                 ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
         ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
@@ -166,8 +168,13 @@ def plot(result: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> dict:
-    """Run the sweep on emulated networks (one per rank count); returns the result object."""
+def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
+             save: Callable[[dict], None] | None = None) -> dict:
+    """Run the sweep on emulated networks (one per rank count); returns the result object.
+
+    `save(result)` gets the results so far after every run, so a sweep cut short still leaves its rounds behind. A
+    run that fails is reported and recorded under "failures"; the sweep goes on.
+    """
     bandwidths = netem.parse_bandwidths(args.bandwidth)
     workloads = [w.strip() for w in (args.workload or "").split(",") if w.strip()] or [args.model]
     bad = [w for w in workloads if w not in e2e.WORKLOADS]
@@ -183,6 +190,7 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
         print(f"[e2e-net] note: namespaces of an earlier killed run exist: {left} (`ip netns del` them)", file=sys.stderr)
     configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
+    failures: list[dict] = []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
         nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
         for r, net in nets.items():
@@ -192,18 +200,31 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> d
         for k in range(args.rounds):
             for c in rotated(configs, k, args.rounds):
                 w, b, r, s = c
-                rec = run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}")
-                records[c].append(rec)
+                try:
+                    records[c].append(run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}"))
+                except RuntimeError as err:
+                    print(f"[e2e-net] {err}", file=sys.stderr)
+                    failures.append({"round": k, "workload": w, "bandwidth": b, "ranks": r, "scheduler": s,
+                                     "error": str(err)[-4000:]})
+                if save is not None:
+                    save(assemble(records, failures, args, bandwidths, workloads, ranks, scheds))
+    return assemble(records, failures, args, bandwidths, workloads, ranks, scheds)
+
+
+def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argparse.Namespace, bandwidths: list[str],
+             workloads: list[str], ranks: list[int], scheds: list[str]) -> dict:
+    """The result object from the runs so far (configs without a successful run are left out)."""
     runs: dict = {}
     for (w, b, r, s), recs in records.items():
-        runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
+        if recs:
+            runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
         "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.WORKLOADS[w] for w in workloads},
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
     }
-    return {"config": config, "runs": runs, "ratios": ratios(runs)}
+    return {"config": config, "runs": runs, "ratios": ratios(runs), "failures": failures}
 
 
 def ratios(runs: dict) -> dict:

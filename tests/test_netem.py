@@ -330,3 +330,43 @@ def test_ctrl_c_removes_the_network(tmp_path: Path) -> None:
             p.kill()
     assert p.returncode != 0
     assert _our_namespaces() == before
+
+
+def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeNetwork:
+        def __init__(self, ranks: int) -> None:
+            self.plan = netem.plan_network(ranks, "abc", ipaddress.ip_network("10.9.9.0/24"))
+
+        def __enter__(self) -> "FakeNetwork":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    calls = []
+
+    def fake_run(net, workload, bandwidth, scheduler, steps, args, tmp, tag):  # noqa: ANN001, ANN202
+        calls.append((workload, bandwidth, scheduler))
+        if scheduler == "static" and bandwidth == "200mbit":
+            raise RuntimeError("rank 1 died")
+        step = {"none": 10.0, "200mbit": 30.0}[bandwidth] * (2 if scheduler == "herald" else 1) + len(calls) / 100
+        return {"step_ms": step + 1, "steady_step_ms": step, "samples_per_s": 1.0, "auc": 0.7,
+                "comm_bytes_per_step": 100.0, "wire_bytes_per_step": 150.0, "wire_bytes_per_step_raw": 200.0}
+
+    monkeypatch.setattr(netem, "Network", FakeNetwork)
+    monkeypatch.setattr(netem, "check_prerequisites", lambda: None)
+    monkeypatch.setattr(netem, "leftover_namespaces", lambda: [])
+    monkeypatch.setattr(e2e_net, "run_config", fake_run)
+    saved = []
+    args = argparse.Namespace(bandwidth="none,200mbit", workload="dcn", model="dcn", rounds=3, steps=20,
+                              warmup_steps=5, out=None, plot=None)
+    result = e2e_net.main_net(args, [2], ["torchrec_tw", "static", "herald"], save=saved.append)
+    assert len(calls) == 3 * 6 and len(saved) == 18
+    assert calls[0] != calls[6] != calls[12]  # each round starts elsewhere
+    assert len(result["failures"]) == 3 and result["failures"][0]["error"] == "rank 1 died"
+    assert "static" not in result["runs"]["dcn"]["200mbit"]["2"] and "static" in result["runs"]["dcn"]["none"]["2"]
+    herald = result["runs"]["dcn"]["none"]["2"]["herald"]
+    assert len(herald["rounds"]) == 3 and herald["best"]["steady_step_ms"] == min(r["steady_step_ms"] for r in herald["rounds"])
+    assert result["ratios"]["dcn"]["200mbit"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(2.0, rel=0.02)
+    assert len(saved[0]["runs"]["dcn"]) == 1  # the first save holds one run
