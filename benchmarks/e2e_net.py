@@ -187,7 +187,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
     netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
-        print(f"[e2e-net] note: namespaces of an earlier killed run exist: {left} (`ip netns del` them)", file=sys.stderr)
+        print(f"[e2e-net] note: namespaces of another run, or left by a killed one, exist: {left} "
+              "(`ip netns del` those that are stale)", file=sys.stderr)
     configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
     failures: list[dict] = []

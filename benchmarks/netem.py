@@ -29,6 +29,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -258,16 +259,26 @@ class Network:
         return pids
 
     def close(self) -> list[str]:
-        """Delete the run's namespaces (their veths and bridge go with them); returns what could not be removed."""
-        self.kill_processes()
-        left = []
-        for ns in self.plan.namespaces:
-            p = _run(["ip", "netns", "del", ns], check=False)
-            if p.returncode != 0 and "No such file" not in p.stderr:
-                left.append(f"{ns}: {p.stderr.strip()}")
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
-        self._old_handlers.clear()
+        """Delete the run's namespaces (their veths and bridge go with them); returns what could not be removed.
+
+        Ctrl-C and SIGTERM are held back meanwhile, so a second Ctrl-C cannot interrupt the clean-up.
+        """
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self.kill_processes()
+            left = []
+            for ns in self.plan.namespaces:
+                p = _run(["ip", "netns", "del", ns], check=False)
+                if p.returncode != 0 and "No such file" not in p.stderr:
+                    left.append(f"{ns}: {p.stderr.strip()}")
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)  # type: ignore[arg-type]
+            self._old_handlers.clear()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if left:
+            print(f"netem: could not remove {left}", file=sys.stderr)
         return left
 
     def shape(self, rate_bps: int | None) -> None:
@@ -289,7 +300,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def leftover_namespaces() -> list[str]:
-    """Namespaces named like ours that still exist (a run killed with SIGKILL leaves them; `ip netns del` them)."""
+    """Namespaces named like ours that exist now: another run's, or a run killed with SIGKILL left them behind."""
     p = _run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(PREFIX)]
 
