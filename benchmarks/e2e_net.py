@@ -60,7 +60,8 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
         [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
          sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ranks), "--node_rank", str(r),
          "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{plan.addrs[0]}:{RDZV_PORT}",
-         "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r], "--max-restarts", "0", "train.py", *overrides]
+         "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r],
+         "--max-restarts", "0", "train.py", *overrides]
         for r in range(ranks)
     ]
 
@@ -94,7 +95,7 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
 
 
 def loop_marks(warmup_steps: int, steps: int) -> dict[str, str]:
-    """Output lines to snapshot at: "start" = step `warmup_steps` done (or the app's start line if 0), "end" = the last."""
+    """Output lines to snapshot at: "start" = step `warmup_steps` done (the app's start line if 0), "end" = the last."""
     start = STEP_MARK.format(step=warmup_steps) if warmup_steps else START_MARK
     return {"start": start, "end": STEP_MARK.format(step=steps)}
 
@@ -123,7 +124,8 @@ def step_of(rec: dict) -> float:
 def summarize(records: list[dict]) -> dict:
     """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
     best = min(records, key=step_of)
-    median = {k: statistics.median(r[k] for r in records) for k in NUMERIC if all(r.get(k) is not None for r in records)}
+    median = {k: statistics.median(r[k] for r in records)
+              for k in NUMERIC if all(r.get(k) is not None for r in records)}
     return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
 
 
@@ -136,7 +138,7 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Steady step time (best of rounds) vs bandwidth, one line per scheduler, one panel per workload (R = the smallest)."""
+    """Steady step time (best of rounds) vs bandwidth: one line per scheduler (and R), one panel per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,8 +198,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
         nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
         for r, net in nets.items():
             p = net.plan
-            print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., bridge in {p.bridge_ns}",
-                  file=sys.stderr)
+            print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., "
+                  f"bridge in {p.bridge_ns}", file=sys.stderr)
         for k in range(args.rounds):
             for c in rotated(configs, k, args.rounds):
                 w, b, r, s = c

@@ -132,7 +132,8 @@ def setup_commands(plan: NetPlan) -> list[list[str]]:
     """The `ip` command lines that build the topology (unshaped), in order."""
     b = plan.bridge_ns
     cmds = [["ip", "netns", "add", ns] for ns in plan.namespaces]
-    cmds += [["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"], ["ip", "-n", b, "link", "set", plan.bridge, "up"]]
+    cmds += [["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"],
+             ["ip", "-n", b, "link", "set", plan.bridge, "up"]]
     for ns, rif, hif, addr in zip(plan.rank_ns, plan.rank_if, plan.host_if, plan.addrs):
         cmds += [
             ["ip", "-n", b, "link", "add", hif, "type", "veth", "peer", "name", rif, "netns", ns],
