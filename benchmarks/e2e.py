@@ -49,6 +49,16 @@ WORKLOADS = {
 }
 
 
+def workload_args(name: str) -> list[str]:
+    """Hydra overrides of a --workload: a named one above, or any model of conf/model/ with its defaults."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    if (REPO / "conf" / "model" / f"{name}.yaml").exists():
+        return [f"model={name}"]
+    models = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+    raise ValueError(f"--workload entries must be in {sorted(WORKLOADS)} or a model of conf/model {models}, got '{name}'")
+
+
 def train_overrides(scheduler: str, args: argparse.Namespace, run_dir: Path, model_args: list[str], steps: int,
                     log_interval: int = 1_000_000) -> list[str]:
     """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald)."""
@@ -124,7 +134,7 @@ def main() -> None:
     net = ap.add_argument_group("network mode (root + iproute2; see benchmarks/e2e_net.py)")
     net.add_argument("--bandwidth", help="comma list of per-rank link rates, e.g. none,1gbit,200mbit: every rank its own "
                      "network namespace, linked through a bridge, shaped with tc tbf (none = same topology, unshaped)")
-    net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} (network mode; default: --model)")
+    net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} or model names (default: --model)")
     net.add_argument("--rounds", type=int, default=1, help="alternating rounds; best and median per config")
     net.add_argument("--warmup-steps", type=int, default=10,
                      help="steps left out of steady_step_ms and the wire/CPU per-step figures (0 = from the start line)")

@@ -72,7 +72,7 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     ranks = len(net.plan.rank_ns)
     run_dir = tmp / tag
     net.shape(netem.parse_rate(bandwidth))
-    cmds = rank_commands(net, scheduler, e2e.WORKLOADS[workload], steps, run_dir, args, f"{net.plan.run_id}-{tag}")
+    cmds = rank_commands(net, scheduler, e2e.workload_args(workload), steps, run_dir, args, f"{net.plan.run_id}-{tag}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
     before, t0 = net.counters(), time.time()
     res = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes,
@@ -179,9 +179,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
     """
     bandwidths = netem.parse_bandwidths(args.bandwidth)
     workloads = [w.strip() for w in (args.workload or "").split(",") if w.strip()] or [args.model]
-    bad = [w for w in workloads if w not in e2e.WORKLOADS]
-    if bad:
-        raise ValueError(f"--workload entries must be in {sorted(e2e.WORKLOADS)}, got {bad}")
+    for w in workloads:
+        e2e.workload_args(w)  # ValueError naming --workload
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if not 0 <= args.warmup_steps < args.steps:
@@ -223,7 +222,7 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
             runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
-        "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.WORKLOADS[w] for w in workloads},
+        "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.workload_args(w) for w in workloads},
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
     }

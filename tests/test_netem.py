@@ -370,3 +370,10 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
     assert len(herald["rounds"]) == 3 and herald["best"]["steady_step_ms"] == min(r["steady_step_ms"] for r in herald["rounds"])
     assert result["ratios"]["dcn"]["200mbit"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(2.0, rel=0.02)
     assert len(saved[0]["runs"]["dcn"]) == 1  # the first save holds one run
+
+
+def test_workloads_name_their_overrides_and_bad_ones_are_rejected() -> None:
+    assert e2e.workload_args("wdl64") == ["model=wdl", "model.embedding_dim=64", "model.deep_layers=[64,32]"]
+    assert e2e.workload_args("deepfm") == ["model=deepfm"]  # any model of conf/model
+    with pytest.raises(ValueError, match="--workload"):
+        e2e.workload_args("gpt")
