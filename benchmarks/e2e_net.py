@@ -89,6 +89,7 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     rec |= loop_figures(res.marks, net.plan.host_if, steps - args.warmup_steps)
     loop_wire = rec.get("wire_bytes_per_step", float("nan"))
     print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
+          f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
           f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
           f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step", file=sys.stderr)
     return rec
