@@ -140,6 +140,8 @@ def main() -> None:
                      help="steps left out of steady_step_ms and the wire/CPU per-step figures (0 = from the start line)")
     net.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     net.add_argument("--plot", type=Path, help="step time vs bandwidth per scheduler, one panel per workload (PNG)")
+    net.add_argument("--replot", type=Path, metavar="JSON",
+                     help="run nothing: draw --plot and print the markdown table from a network-mode JSON")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -148,6 +150,14 @@ def main() -> None:
     bad = [s for s in scheds if s not in SCHEDULER_ARGS]
     if bad or any(r < 1 for r in ranks) or args.steps < 1:
         raise SystemExit(f"e2e: schedulers must be in {sorted(SCHEDULER_ARGS)} (got {bad}), ranks >= 1, steps >= 1")
+    if args.replot:
+        import e2e_net
+
+        result = json.loads(args.replot.read_text())
+        if args.plot:
+            e2e_net.plot(result, args.plot)
+        print(e2e_net.markdown_table(result))
+        return
     if args.bandwidth:
         main_network(args, ranks, scheds)
         return
