@@ -156,7 +156,7 @@ def main() -> None:
         result = json.loads(args.replot.read_text())
         if args.plot:
             e2e_net.plot(result, args.plot)
-        print(e2e_net.markdown_table(result))
+        print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result))
         return
     if args.bandwidth:
         main_network(args, ranks, scheds)
@@ -201,7 +201,7 @@ def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) 
         write_atomic(args.out, text + "\n")
     if args.plot:
         e2e_net.plot(result, args.plot)
-    print(e2e_net.markdown_table(result), file=sys.stderr)
+    print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result), file=sys.stderr)
     if result["failures"]:
         raise SystemExit(f"e2e: {len(result['failures'])} run(s) failed (see \"failures\" in the JSON)")
 

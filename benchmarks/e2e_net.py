@@ -269,6 +269,27 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pivot_table(result: dict) -> str:
+    """The compact README table: steady step ms (best of rounds) per scheduler in columns, one row per workload,
+    link and R, with herald's ratio to the best stock config, plus bytes per step (app / wire) per scheduler."""
+    scheds = result["config"]["schedulers"]
+    head = " | ".join(f"{s} ms" for s in scheds)
+    lines = [f"| workload | link | R | {head} | herald / best stock | MB/step app (wire): " + ", ".join(scheds) + " |",
+             "|---" * (5 + len(scheds)) + "|"]
+    for w, per_bw in result["runs"].items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                cells = [f"{step_of(per_s[s]['best']):.1f}" if s in per_s else "-" for s in scheds]
+                stock = [step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")]
+                ratio = f"{step_of(per_s['herald']['best']) / min(stock):.2f}x" if stock and "herald" in per_s else "-"
+                mb = ", ".join(
+                    f"{per_s[s]['best']['comm_bytes_per_step'] / 1e6:.2f} "
+                    f"({per_s[s]['best'].get('wire_bytes_per_step', float('nan')) / 1e6:.2f})" if s in per_s else "-"
+                    for s in scheds)
+                lines.append(f"| {w} | {b} | {r} | {' | '.join(cells)} | {ratio} | {mb} |")
+    return "\n".join(lines)
+
+
 def exit_unavailable(err: Exception) -> None:
     print(f"e2e: --bandwidth needs an emulated network, which this machine cannot build: {err}", file=sys.stderr)
     raise SystemExit(2)

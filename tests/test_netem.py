@@ -377,3 +377,10 @@ def test_workloads_name_their_overrides_and_bad_ones_are_rejected() -> None:
     assert e2e.workload_args("deepfm") == ["model=deepfm"]  # any model of conf/model
     with pytest.raises(ValueError, match="--workload"):
         e2e.workload_args("gpt")
+
+
+def test_pivot_table_has_one_row_per_workload_and_link() -> None:
+    table = e2e_net.pivot_table(_fake_result()).splitlines()
+    assert len(table) == 2 + 2 * 2
+    assert table[0].startswith("| workload | link | R | torchrec_tw ms | torchrec_planner ms | herald ms |")
+    assert "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table
