@@ -138,12 +138,17 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
     return configs[k:] + configs[:k]
 
 
+LABELS = {"torchrec": "TorchRec row_wise", "torchrec_tw": "TorchRec table_wise",
+          "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald"}
+
+
 def plot(result: dict, path: Path) -> None:
     """Steady step time (best of rounds) vs bandwidth: one line per scheduler (and R), one panel per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     workloads = list(result["runs"])
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
@@ -153,16 +158,21 @@ def plot(result: dict, path: Path) -> None:
             for s in result["config"]["schedulers"]:
                 cells = [result["runs"][w].get(b, {}).get(str(r), {}).get(s) for b in bws]
                 ys = [step_of(c["best"]) if c else float("nan") for c in cells]
-                label = s if len(result["config"]["ranks"]) == 1 else f"{s} R={r}"
+                label = LABELS.get(s, s) + ("" if len(result["config"]["ranks"]) == 1 else f" R={r}")
                 ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
         ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
         ax.set_xlabel("link rate per rank (tbf, both directions)")
         ax.set_ylabel("steady step time, ms (best of rounds)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_title(w)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("herald_torchrec e2e: one network namespace per rank, gloo, CPU")
+    c = result["config"]
+    fig.suptitle(f"herald_torchrec e2e: one network namespace per rank, gloo on CPU; {c.get('steps')} steps x "
+                 f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
