@@ -10,7 +10,12 @@ and reads the run's metrics.json. Prints one JSON object:
 `comm_bytes_per_step` is what every rank together hands to torch.distributed collectives per training step for
 embeddings and sample exchange (one counting wrapper for all schedulers). `torchrec` is stock TorchRec ROW_WISE
 (the home placement Herald starts from; the issue's baseline), `torchrec_tw` stock TABLE_WISE for context. Step times on a 2-core machine with 4 ranks are dominated by CPU
-oversubscription; the byte counts do not depend on the machine.
+oversubscription; the byte counts do not depend on the machine. `torchrec_planner` is the planner free to pick any
+sharding type (`sharding.types=null`).
+
+Network mode (`--bandwidth none,1gbit,200mbit --workload wdl64,dcn --rounds 3 --plot f.png`, root + iproute2): every
+rank its own host in a network namespace behind a tc-shaped link, launched as a multi-node torchrun; adds the bytes
+really on the wire and CPU seconds per step. See benchmarks/e2e_net.py and benchmarks/netem.py.
 """
 
 from __future__ import annotations
@@ -30,42 +35,53 @@ SCHEDULER_ARGS = {
     "torchrec": ["scheduler=torchrec", "sharding.types=[row_wise]"],
     "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
     "static": ["scheduler=static"],
+    "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],
     # Herald with the tables its adaptive policy would not schedule left to TorchRec (ROW_WISE / TABLE_WISE / COLUMN_WISE)
     "herald_auto": ["scheduler=herald", "scheduler.unscheduled=auto"],
 }
 
 
-def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path) -> dict:
-    run_dir = out_dir / f"r{ranks}-{scheduler}"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "train.py",
-        *SCHEDULER_ARGS[scheduler], f"trainer.steps={args.steps}", f"trainer.batch_size={args.batch}",
-        "trainer.eval_interval=0", "trainer.log_interval=1000000", "data.val_batches=2",
+WORKLOADS = {
+    # embedding-heavy Wide & Deep: wide rows, a small MLP, so the embedding traffic dominates the step
+    "wdl64": ["model=wdl", "model.embedding_dim=64", "model.deep_layers=[64,32]"],
+    "dcn": ["model=dcn"],  # the app's default model
+}
+
+
+def workload_args(name: str) -> list[str]:
+    """Hydra overrides of a --workload: a named one above, or any model of conf/model/ with its defaults."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    if (REPO / "conf" / "model" / f"{name}.yaml").exists():
+        return [f"model={name}"]
+    models = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+    raise ValueError(f"--workload entries must be in {sorted(WORKLOADS)} or a model of conf/model {models}, got '{name}'")
+
+
+def train_overrides(scheduler: str, args: argparse.Namespace, run_dir: Path, model_args: list[str], steps: int,
+                    log_interval: int = 1_000_000) -> list[str]:
+    """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald)."""
+    return [
+        *SCHEDULER_ARGS[scheduler], f"trainer.steps={steps}", f"trainer.batch_size={args.batch}",
+        "trainer.eval_interval=0", f"trainer.log_interval={log_interval}", "data.val_batches=2",
         f"data.locality={args.locality}", f"scheduler.cache_ratio={args.cache_ratio}" if not scheduler.startswith("torchrec") else "seed=0",
-        f"model={args.model}", f"run_dir={run_dir}", *args.extra,
+        *model_args, f"run_dir={run_dir}", *args.extra,
     ]
-    t0 = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if args.phase_times:
-        env[PHASE_TIMES_ENV] = "1"
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    metrics_path = run_dir / "metrics.json"
-    if not metrics_path.exists():
-        tail = "\n".join((p.stderr or p.stdout).splitlines()[-15:])
-        raise SystemExit(f"e2e: {scheduler} on {ranks} ranks failed (exit {p.returncode}):\n{tail}")
-    m = json.loads(metrics_path.read_text())
-    print(f"[e2e] R={ranks} {scheduler:8s} {time.time() - t0:5.1f}s  bytes/step {m['comm_bytes_per_step']:.3g}", file=sys.stderr)
-    global_batch = m["global_batch"]
+
+
+def read_metrics(run_dir: Path, output: str, steps: int) -> dict:
+    """The summary of one finished run from its metrics.json (and Herald's phase times from its output)."""
+    m = json.loads((run_dir / "metrics.json").read_text())
     phases = {}
-    for line in (p.stderr + p.stdout).splitlines():  # one line per rank, printed at exit (herald modules only)
+    for line in output.splitlines():  # one line per rank, printed at exit (herald modules only)
         if PHASE_TIMES_TAG in line:
             rank_field, _, payload = line.split(PHASE_TIMES_TAG, 1)[1].strip().partition(" ")
             phases[rank_field.removeprefix("rank=")] = {
-                k: {"ms_per_step": v["ms"] / args.steps, "calls": v["calls"]} for k, v in json.loads(payload).items()
+                k: {"ms_per_step": v["ms"] / steps, "calls": v["calls"]} for k, v in json.loads(payload).items()
             }
     return ({"phases": phases} if phases else {}) | {
-        "step_ms": 1000.0 * global_batch / m["samples_per_s"],
+        "step_ms": 1000.0 * m["global_batch"] / m["samples_per_s"],
         "samples_per_s": m["samples_per_s"],
         "comm_bytes_per_step": m["comm_bytes_per_step"],
         "hit_rate": m.get("hit_rate"),
@@ -75,10 +91,38 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
     }
 
 
+def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path) -> dict:
+    """Loopback mode: all ranks on this host's loopback via `torchrun --standalone`."""
+    run_dir = out_dir / f"r{ranks}-{scheduler}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "train.py",
+        *train_overrides(scheduler, args, run_dir, [f"model={args.model}"], args.steps),
+    ]
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.phase_times:
+        env[PHASE_TIMES_ENV] = "1"
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if not (run_dir / "metrics.json").exists():
+        tail = "\n".join((p.stderr or p.stdout).splitlines()[-15:])
+        raise SystemExit(f"e2e: {scheduler} on {ranks} ranks failed (exit {p.returncode}):\n{tail}")
+    rec = read_metrics(run_dir, p.stderr + p.stdout, args.steps)
+    print(f"[e2e] R={ranks} {scheduler:8s} {time.time() - t0:5.1f}s  bytes/step {rec['comm_bytes_per_step']:.3g}", file=sys.stderr)
+    return rec
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4", help="comma list of rank counts")
-    ap.add_argument("--schedulers", default="torchrec,torchrec_tw,static,herald")
+    ap.add_argument("--schedulers", help="comma list (default: torchrec,torchrec_tw,static,herald; with --bandwidth "
+                    "also torchrec_planner)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=256, help="per-rank batch")
     ap.add_argument("--cache-ratio", type=float, default=0.1)
@@ -87,13 +131,38 @@ def main() -> None:
     ap.add_argument("--phase-times", action="store_true",
                     help=f"set {PHASE_TIMES_ENV}=1: report Herald's per-phase wall time (ms per training step, per rank)")
     ap.add_argument("--out", type=Path, help="also write the JSON here (atomically)")
+    net = ap.add_argument_group("network mode (root + iproute2; see benchmarks/e2e_net.py)")
+    net.add_argument("--bandwidth", help="comma list of per-rank link rates, e.g. none,1gbit,200mbit: every rank its own "
+                     "network namespace, linked through a bridge, shaped with tc tbf (none = same topology, unshaped)")
+    net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} or model names (default: --model)")
+    net.add_argument("--rounds", type=int, default=1, help="alternating rounds; best and median per config")
+    net.add_argument("--warmup-steps", type=int, default=10,
+                     help="steps left out of steady_step_ms and the wire/CPU per-step figures (0 = from the start line)")
+    net.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    net.add_argument("--plot", type=Path, help="step time vs bandwidth per scheduler, one panel per workload (PNG)")
+    net.add_argument("--replot", type=Path, metavar="JSON",
+                     help="run nothing: draw --plot and print the markdown table from a network-mode JSON")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
-    scheds = args.schedulers.split(",")
+    scheds = (args.schedulers or ("torchrec,torchrec_tw,torchrec_planner,static,herald" if args.bandwidth
+                                  else "torchrec,torchrec_tw,static,herald")).split(",")
     bad = [s for s in scheds if s not in SCHEDULER_ARGS]
     if bad or any(r < 1 for r in ranks) or args.steps < 1:
         raise SystemExit(f"e2e: schedulers must be in {sorted(SCHEDULER_ARGS)} (got {bad}), ranks >= 1, steps >= 1")
+    if args.replot:
+        import e2e_net
+
+        result = json.loads(args.replot.read_text())
+        if args.plot:
+            e2e_net.plot(result, args.plot)
+        print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result))
+        return
+    if args.bandwidth:
+        main_network(args, ranks, scheds)
+        return
+    if args.plot or args.workload:
+        raise SystemExit("e2e: --plot and --workload need --bandwidth (network mode)")
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="herald-e2e-") as tmp:
         for r in ranks:
@@ -111,10 +180,30 @@ def main() -> None:
     text = json.dumps(result, indent=2, default=str)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_name(f".{args.out.name}.tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, args.out)
+        write_atomic(args.out, text + "\n")
+
+
+def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) -> None:
+    """--bandwidth: the sweep on emulated networks; exit 2 if this machine cannot build them."""
+    import e2e_net
+    import netem
+
+    try:
+        save = (lambda partial: write_atomic(args.out, e2e_net.dumps(partial) + "\n")) if args.out else None
+        result = e2e_net.main_net(args, ranks, scheds, save=save)
+    except netem.NetemUnavailable as err:
+        e2e_net.exit_unavailable(err)
+    except ValueError as err:
+        raise SystemExit(f"e2e: {err}")
+    text = e2e_net.dumps(result)
+    print(text)
+    if args.out:
+        write_atomic(args.out, text + "\n")
+    if args.plot:
+        e2e_net.plot(result, args.plot)
+    print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result), file=sys.stderr)
+    if result["failures"]:
+        raise SystemExit(f"e2e: {len(result['failures'])} run(s) failed (see \"failures\" in the JSON)")
 
 
 if __name__ == "__main__":

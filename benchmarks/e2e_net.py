@@ -1,0 +1,309 @@
+"""Network mode of benchmarks/e2e.py: every rank its own host behind a shaped link (see netem.py).
+
+    .venv/bin/python benchmarks/e2e.py --bandwidth none,1gbit,200mbit --workload wdl64,dcn --ranks 2 --rounds 3 \\
+        --steps 60 --out benchmarks/results/e2e_net.json --plot benchmarks/results/e2e_net.png
+
+For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs
+`ip netns exec <rank ns> torchrun --nnodes R --node_rank r --nproc_per_node 1 --rdzv-backend c10d
+--rdzv-endpoint <rank 0 addr>:port train.py ...` for every rank at once (GLOO_SOCKET_IFNAME = the rank's veth), and
+records the app's numbers (step ms, samples/s, AUC, `comm_bytes_per_step`) with the bytes the ranks really put on
+the wire (bridge-side veth counters, headers included) and the CPU seconds of all rank processes.
+
+`step_ms` / `samples_per_s` are the app's (metrics.json: the whole training loop, first steps' warm-up included).
+`steady_step_ms`, `wire_bytes_per_step` and `cpu_s_per_step` cover steps `--warmup-steps`+1 .. `--steps` only:
+the veth counters, the clock and the rank processes' CPU times are read when the app prints its log line of step
+W and of the last step (log_interval = gcd(W, steps); output polled every 20 ms). They include DDP's dense
+all-reduce, Herald's scheduling and sample exchange, TCP/IP headers; not rendezvous, set-up, warm-up or the final
+evaluation. `*_per_step_raw` divide the whole run (interpreter start to exit) by the steps, for context.
+Rounds alternate: each runs every config once, the order rotated from round to round; best (lowest step time) and
+median per config are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import e2e
+import netem
+
+RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
+START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
+STEP_MARK = r"^step\s+{step}\s+loss"  # trainer.py's log line of step `step` (every log_interval steps)
+NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
+           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate")
+
+
+def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
+                  args: argparse.Namespace, rdzv_id: str) -> list[list[str]]:
+    """One command per rank: torchrun of one node inside the rank's namespace, gloo bound to its veth.
+
+    Node 0 hosts the rendezvous store (`is_host`): torchrun's own guess compares the endpoint with the machine's
+    hostname addresses, which the namespace addresses are not.
+    """
+    plan = net.plan
+    ranks = len(plan.rank_ns)
+    log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
+    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
+    env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
+    return [
+        [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
+         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ranks), "--node_rank", str(r),
+         "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{plan.addrs[0]}:{RDZV_PORT}",
+         "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r],
+         "--max-restarts", "0", "train.py", *overrides]
+        for r in range(ranks)
+    ]
+
+
+def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str, steps: int,
+               args: argparse.Namespace, tmp: Path, tag: str) -> dict:
+    """One run of one config on `net`: the app's numbers plus wire bytes and CPU seconds, per training step."""
+    ranks = len(net.plan.rank_ns)
+    run_dir = tmp / tag
+    net.shape(netem.parse_rate(bandwidth))
+    cmds = rank_commands(net, scheduler, e2e.workload_args(workload), steps, run_dir, args, f"{net.plan.run_id}-{tag}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
+    before, t0 = net.counters(), time.time()
+    res = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes,
+                          marks=loop_marks(args.warmup_steps, steps), pids=net.pids,
+                          probe=net.counters)
+    wall, after = time.time() - t0, net.counters()
+    if not (run_dir / "metrics.json").exists():
+        detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(res.codes, res.tails)))
+        raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
+    rec = e2e.read_metrics(run_dir, "\n".join(res.tails), steps)
+    whole = netem.wire_delta(before, after, net.plan.host_if)
+    rec |= {"steps": steps, "wire_bytes_per_step_raw": whole["total"] / steps, "cpu_s_per_step_raw": res.cpu_s / steps,
+            "wall_s": wall, "exit_codes": res.codes}
+    rec |= loop_figures(res.marks, net.plan.host_if, steps - args.warmup_steps)
+    loop_wire = rec.get("wire_bytes_per_step", float("nan"))
+    print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
+          f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
+          f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
+          f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step", file=sys.stderr)
+    return rec
+
+
+def loop_marks(warmup_steps: int, steps: int) -> dict[str, str]:
+    """Output lines to snapshot at: "start" = step `warmup_steps` done (the app's start line if 0), "end" = the last."""
+    start = STEP_MARK.format(step=warmup_steps) if warmup_steps else START_MARK
+    return {"start": start, "end": STEP_MARK.format(step=steps)}
+
+
+def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], steps: int) -> dict:
+    """Wire bytes (total and by rank), CPU seconds and wall ms per step over the `steps` between the two marks."""
+    if "start" not in marks or "end" not in marks:
+        print(f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); "
+              "only whole-run figures", file=sys.stderr)
+        return {}
+    a, b = marks["start"], marks["end"]
+    wire = netem.wire_delta(a.extra, b.extra, host_if)
+    return {
+        "wire_bytes_per_step": wire["total"] / steps,
+        "wire_bytes_per_step_by_rank": [wire[f"rank{r}"] / steps for r in range(len(host_if))],
+        "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
+        "steady_step_ms": 1000.0 * (b.t - a.t) / steps,
+    }
+
+
+def step_of(rec: dict) -> float:
+    """The step time compared: steady state where measured, else the app's (warm-up included)."""
+    return rec.get("steady_step_ms") or rec["step_ms"]
+
+
+def summarize(records: list[dict]) -> dict:
+    """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
+    best = min(records, key=step_of)
+    median = {k: statistics.median(r[k] for r in records)
+              for k in NUMERIC if all(r.get(k) is not None for r in records)}
+    return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
+
+
+def rotated(configs: list, round_index: int, rounds: int) -> list:
+    """Round k runs the configs starting k/rounds of the way in, so no config always runs first or last."""
+    if not configs:
+        return []
+    k = (round_index * max(1, len(configs) // max(rounds, 1))) % len(configs)
+    return configs[k:] + configs[:k]
+
+
+LABELS = {"torchrec": "TorchRec row_wise", "torchrec_tw": "TorchRec table_wise",
+          "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald"}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Steady step time (best of rounds) vs bandwidth: one line per scheduler (and R), one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    workloads = list(result["runs"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    bws = result["config"]["bandwidth"]
+    for ax, w in zip(axes[0], workloads):
+        for r in result["config"]["ranks"]:
+            for s in result["config"]["schedulers"]:
+                cells = [result["runs"][w].get(b, {}).get(str(r), {}).get(s) for b in bws]
+                ys = [step_of(c["best"]) if c else float("nan") for c in cells]
+                label = LABELS.get(s, s) + ("" if len(result["config"]["ranks"]) == 1 else f" R={r}")
+                ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
+        ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
+        ax.set_xlabel("link rate per rank (tbf, both directions)")
+        ax.set_ylabel("steady step time, ms (best of rounds)")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_title(w)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = result["config"]
+    fig.suptitle(f"herald_torchrec e2e: one network namespace per rank, gloo on CPU; {c.get('steps')} steps x "
+                 f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
+             save: Callable[[dict], None] | None = None) -> dict:
+    """Run the sweep on emulated networks (one per rank count); returns the result object.
+
+    `save(result)` gets the results so far after every run, so a sweep cut short still leaves its rounds behind. A
+    run that fails is reported and recorded under "failures"; the sweep goes on.
+    """
+    bandwidths = netem.parse_bandwidths(args.bandwidth)
+    workloads = [w.strip() for w in (args.workload or "").split(",") if w.strip()] or [args.model]
+    for w in workloads:
+        e2e.workload_args(w)  # ValueError naming --workload
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise ValueError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+    netem.check_prerequisites()
+    left = netem.leftover_namespaces()
+    if left:
+        print(f"[e2e-net] note: namespaces of another run, or left by a killed one, exist: {left} "
+              "(`ip netns del` those that are stale)", file=sys.stderr)
+    configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
+    records: dict[tuple, list[dict]] = {c: [] for c in configs}
+    failures: list[dict] = []
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
+        nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
+        for r, net in nets.items():
+            p = net.plan
+            print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., "
+                  f"bridge in {p.bridge_ns}", file=sys.stderr)
+        for k in range(args.rounds):
+            for c in rotated(configs, k, args.rounds):
+                w, b, r, s = c
+                try:
+                    records[c].append(run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}"))
+                except RuntimeError as err:
+                    print(f"[e2e-net] {err}", file=sys.stderr)
+                    failures.append({"round": k, "workload": w, "bandwidth": b, "ranks": r, "scheduler": s,
+                                     "error": str(err)[-4000:]})
+                if save is not None:
+                    save(assemble(records, failures, args, bandwidths, workloads, ranks, scheds))
+    return assemble(records, failures, args, bandwidths, workloads, ranks, scheds)
+
+
+def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argparse.Namespace, bandwidths: list[str],
+             workloads: list[str], ranks: list[int], scheds: list[str]) -> dict:
+    """The result object from the runs so far (configs without a successful run are left out)."""
+    runs: dict = {}
+    for (w, b, r, s), recs in records.items():
+        if recs:
+            runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
+        "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
+        "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.workload_args(w) for w in workloads},
+        "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
+        "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
+    }
+    return {"config": config, "runs": runs, "ratios": ratios(runs), "failures": failures}
+
+
+def ratios(runs: dict) -> dict:
+    """herald (and static) best step time over the best stock TorchRec config, per workload / bandwidth / R."""
+    out: dict = {}
+    for w, per_bw in runs.items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                stock = {s: step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")}
+                if not stock:
+                    continue
+                best_stock = min(stock, key=stock.get)
+                row = {"best_stock": best_stock, "best_stock_step_ms": stock[best_stock]}  # steady where measured
+                for s, v in per_s.items():
+                    if not s.startswith("torchrec"):
+                        row[f"{s}_vs_best_stock_step_time"] = step_of(v["best"]) / stock[best_stock]
+                        row[f"{s}_vs_best_stock_app_bytes"] = (
+                            v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
+                out.setdefault(w, {}).setdefault(b, {})[r] = row
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
+    config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
+    lines = ["| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
+             "app MB/step | wire MB/step | AUC | CPU s/step (median) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w, per_bw in result["runs"].items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                stock = min((step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")), default=None)
+                for s, v in per_s.items():
+                    best, med = v["best"], v["median"]
+                    ratio = f"{step_of(best) / stock:.2f}x" if stock else "-"
+                    wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
+                    cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
+                    lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
+                                 f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} |")
+    return "\n".join(lines)
+
+
+def pivot_table(result: dict) -> str:
+    """The compact README table: steady step ms (best of rounds) per scheduler in columns, one row per workload,
+    link and R, with herald's ratio to the best stock config, plus bytes per step (app / wire) per scheduler."""
+    scheds = result["config"]["schedulers"]
+    head = " | ".join(f"{s} ms" for s in scheds)
+    lines = [f"| workload | link | R | {head} | herald / best stock | MB/step app (wire): " + ", ".join(scheds) + " |",
+             "|---" * (5 + len(scheds)) + "|"]
+    for w, per_bw in result["runs"].items():
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                cells = [f"{step_of(per_s[s]['best']):.1f}" if s in per_s else "-" for s in scheds]
+                stock = [step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")]
+                ratio = f"{step_of(per_s['herald']['best']) / min(stock):.2f}x" if stock and "herald" in per_s else "-"
+                mb = ", ".join(
+                    f"{per_s[s]['best']['comm_bytes_per_step'] / 1e6:.2f} "
+                    f"({per_s[s]['best'].get('wire_bytes_per_step', float('nan')) / 1e6:.2f})" if s in per_s else "-"
+                    for s in scheds)
+                lines.append(f"| {w} | {b} | {r} | {' | '.join(cells)} | {ratio} | {mb} |")
+    return "\n".join(lines)
+
+
+def exit_unavailable(err: Exception) -> None:
+    print(f"e2e: --bandwidth needs an emulated network, which this machine cannot build: {err}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def dumps(result: dict) -> str:
+    return json.dumps(result, indent=2, default=str)

@@ -1,0 +1,413 @@
+"""An emulated cluster on one machine: one network namespace per rank, linked by veths into a bridge, shaped with tc.
+
+Why: gloo over an unshaped loopback moves bytes almost for free, so a scheme that sends fewer bytes only shows it in
+time when every rank sits behind a link of a real rate. Here each rank is its own "host":
+
+    ns <run>-r0 [eth <addr0>] --veth-- [hv0] \\
+    ns <run>-r1 [eth <addr1>] --veth-- [hv1] --- bridge, in a namespace <run>-br of its own
+    ...
+
+Shaping (`tc qdisc ... tbf`) sits on both ends of each rank's veth: the rank's end limits what it sends, the bridge's
+end what it receives, so every rank has a full-duplex link of the given rate. "none" is the same topology unshaped.
+
+Everything the run creates lives in namespaces it made (nothing is added to the root namespace), so deleting those
+namespaces removes every veth and the bridge with them; `Network` does that in `__exit__` (normal exit, exceptions,
+Ctrl-C). The bytes really on the wire are read from the bridge-side veth counters (`ip -s -j link`): what a rank sends
+is what its bridge-side veth receives, Ethernet/IP/TCP headers included.
+
+The pure parts (name and address planning, rate parsing, tc command lines, counter parsing) need no root and are
+unit-tested in tests/test_netem.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+PREFIX = "hnet"  # every namespace this module creates starts with it (and the run id)
+IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
+TBF_MIN_BURST = 256 * 1024  # bytes; must exceed a veth's largest (GSO) packet of 64 KiB, or tbf drops it
+TBF_LATENCY_MS = 100  # queueing a packet may wait before tbf drops it
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
+_UNITS = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+class NetemUnavailable(RuntimeError):
+    """This machine cannot build the emulated network (not root, no iproute2, or no network namespaces)."""
+
+
+def parse_rate(text: str) -> int | None:
+    """A tc-style rate ("1gbit", "200mbit", "500kbit") in bits per second; "none" -> None (unshaped)."""
+    t = text.strip().lower()
+    if t == "none":
+        return None
+    m = _RATE.match(t)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--bandwidth entries must be 'none' or a rate like 1gbit / 200mbit / 500kbit, got '{text}'")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def parse_bandwidths(text: str) -> list[str]:
+    """The comma list of --bandwidth, validated, in the given order, without repeats."""
+    items = [b.strip().lower() for b in text.split(",") if b.strip()]
+    if not items:
+        raise ValueError("--bandwidth needs at least one entry (none, 1gbit, 200mbit, ...)")
+    for b in items:
+        parse_rate(b)
+    return list(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class NetPlan:
+    """Names and addresses of one emulated cluster; `rank_*` lists are indexed by rank (node)."""
+
+    run_id: str
+    bridge_ns: str
+    bridge: str
+    rank_ns: tuple[str, ...]
+    rank_if: tuple[str, ...]  # the rank's end of its veth (inside rank_ns): GLOO_SOCKET_IFNAME
+    host_if: tuple[str, ...]  # the bridge's end of that veth (inside bridge_ns): where the wire counters are read
+    addrs: tuple[str, ...]
+    prefixlen: int
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return (*self.rank_ns, self.bridge_ns)
+
+
+def new_run_id() -> str:
+    """Six hex digits: short enough for 15-character interface names, random enough for concurrent runs."""
+    return secrets.token_hex(3)
+
+
+def pick_subnet(routes_text: str, token: int) -> ipaddress.IPv4Network:
+    """A 10.x.y.0/24 that overlaps none of the root namespace's routes (`ip -4 route show` text).
+
+    The ranks' addresses live only inside the run's namespaces, so a clash could not misroute anything; avoiding the
+    host's own subnets anyway keeps the addresses unambiguous in logs. `token` picks the starting candidate.
+    """
+    used = [ipaddress.ip_network(w, strict=False) for w in re.findall(r"\b\d+\.\d+\.\d+\.\d+/\d+\b", routes_text)]
+    for k in range(256 * 256):
+        i = (token + k) % (256 * 256)
+        cand = ipaddress.ip_network(f"10.{i // 256}.{i % 256}.0/24")
+        if not any(cand.overlaps(u) for u in used):
+            return cand
+    raise NetemUnavailable("no free 10.x.y.0/24 subnet for the emulated network")
+
+
+def plan_network(ranks: int, run_id: str, subnet: ipaddress.IPv4Network) -> NetPlan:
+    """Namespace, interface and address names for `ranks` hosts; hosts get .1, .2, ... of `subnet`."""
+    if ranks < 1:
+        raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    if not re.fullmatch(r"[0-9a-z]{1,8}", run_id):
+        raise ValueError(f"run id must be 1-8 lowercase letters or digits, got '{run_id}'")
+    hosts = list(subnet.hosts())
+    if ranks > len(hosts):
+        raise ValueError(f"--ranks {ranks} does not fit the subnet {subnet} ({len(hosts)} hosts)")
+    base = f"{PREFIX}{run_id}"
+    rank_if = tuple(f"e{run_id}r{r}" for r in range(ranks))
+    host_if = tuple(f"h{run_id}r{r}" for r in range(ranks))
+    bridge = f"b{run_id}"
+    for name in (*rank_if, *host_if, bridge):
+        if len(name) > IFNAME_MAX:
+            raise ValueError(f"interface name '{name}' is longer than {IFNAME_MAX} characters (shorter run id)")
+    return NetPlan(
+        run_id=run_id, bridge_ns=f"{base}-br", bridge=bridge,
+        rank_ns=tuple(f"{base}-r{r}" for r in range(ranks)), rank_if=rank_if, host_if=host_if,
+        addrs=tuple(str(hosts[r]) for r in range(ranks)), prefixlen=subnet.prefixlen,
+    )
+
+
+def setup_commands(plan: NetPlan) -> list[list[str]]:
+    """The `ip` command lines that build the topology (unshaped), in order."""
+    b = plan.bridge_ns
+    cmds = [["ip", "netns", "add", ns] for ns in plan.namespaces]
+    cmds += [["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"],
+             ["ip", "-n", b, "link", "set", plan.bridge, "up"]]
+    for ns, rif, hif, addr in zip(plan.rank_ns, plan.rank_if, plan.host_if, plan.addrs):
+        cmds += [
+            ["ip", "-n", b, "link", "add", hif, "type", "veth", "peer", "name", rif, "netns", ns],
+            ["ip", "-n", b, "link", "set", hif, "master", plan.bridge],
+            ["ip", "-n", b, "link", "set", hif, "up"],
+            ["ip", "-n", ns, "addr", "add", f"{addr}/{plan.prefixlen}", "dev", rif],
+            ["ip", "-n", ns, "link", "set", rif, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],  # torchrun's agent talks to its worker over localhost
+        ]
+    return cmds
+
+
+def tbf_burst_bytes(rate_bps: int) -> int:
+    """tbf bucket: at least 256 KiB (a GSO packet must fit) and at least 2 ms of traffic at the rate."""
+    return max(TBF_MIN_BURST, int(rate_bps / 8 * 0.002))
+
+
+def shaping_commands(plan: NetPlan, rate_bps: int | None) -> list[list[str]]:
+    """tc command lines that put both ends of every rank's veth at `rate_bps` (None: remove shaping).
+
+    `replace` and `del` make the commands idempotent, so one topology serves every bandwidth of a sweep. Removing a
+    root qdisc that is not there fails harmlessly; callers run those with check=False.
+    """
+    ends = [(ns, i) for ns, i in zip(plan.rank_ns, plan.rank_if)] + [(plan.bridge_ns, i) for i in plan.host_if]
+    if rate_bps is None:
+        return [["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"] for ns, dev in ends]
+    shape = ["tbf", "rate", f"{rate_bps}bit", "burst", str(tbf_burst_bytes(rate_bps)), "latency", f"{TBF_LATENCY_MS}ms"]
+    return [["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *shape] for ns, dev in ends]
+
+
+def parse_link_stats(json_text: str) -> dict[str, dict[str, int]]:
+    """`ip -s -j link show` output -> {ifname: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}}."""
+    out: dict[str, dict[str, int]] = {}
+    for link in json.loads(json_text or "[]"):
+        stats = link.get("stats64") or link.get("stats")
+        if not stats:
+            raise ValueError(f"no counters for {link.get('ifname')} (use `ip -s -j link show`)")
+        out[link["ifname"]] = {
+            "rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"]),
+            "rx_packets": int(stats["rx"]["packets"]), "tx_packets": int(stats["tx"]["packets"]),
+        }
+    return out
+
+
+def wire_delta(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]],
+               host_if: Sequence[str]) -> dict[str, int]:
+    """Bytes the ranks put on the wire between two counter reads: per rank (by bridge-side veth) and in total.
+
+    A rank's sends are its bridge-side veth's receives, so `rx_bytes` of the host ends is counted.
+    """
+    per = [after[i]["rx_bytes"] - before[i]["rx_bytes"] for i in host_if]
+    if any(p < 0 for p in per):
+        raise ValueError(f"interface counters went backwards: {per}")
+    return {"total": sum(per), **{f"rank{r}": p for r, p in enumerate(per)}}
+
+
+def check_prerequisites() -> None:
+    """Raise NetemUnavailable with the reason if this process cannot create namespaces, veths and qdiscs."""
+    if os.geteuid() != 0:
+        raise NetemUnavailable("the emulated network needs root (network namespaces, veth, tc)")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise NetemUnavailable(f"the emulated network needs iproute2; not found: {', '.join(missing)}")
+    probe = f"{PREFIX}probe{new_run_id()}"
+    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if p.returncode != 0:
+        raise NetemUnavailable(f"cannot create a network namespace: {p.stderr.strip()}")
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"netem: `{' '.join(cmd)}` failed: {p.stderr.strip()}")
+    return p
+
+
+class Network:
+    """Context manager owning one emulated cluster: built on enter, removed on exit, whatever ended the block.
+
+    SIGTERM and SIGHUP are turned into KeyboardInterrupt while it is open, so a killed benchmark still cleans up.
+    """
+
+    def __init__(self, ranks: int, run_id: str | None = None) -> None:
+        check_prerequisites()
+        run_id = run_id or new_run_id()
+        routes = _run(["ip", "-4", "route", "show", "table", "all"], check=False).stdout
+        self.plan = plan_network(ranks, run_id, pick_subnet(routes, int(run_id, 16)))
+        self.rate_bps: int | None = None
+        self._old_handlers: dict[int, object] = {}
+
+    def __enter__(self) -> "Network":
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, _interrupt)
+        try:
+            for cmd in setup_commands(self.plan):
+                _run(cmd)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pids(self) -> list[int]:
+        """Processes now inside the run's namespaces (`ip netns pids`)."""
+        pids = []
+        for ns in self.plan.namespaces:
+            pids += [int(x) for x in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        return pids
+
+    def kill_processes(self) -> list[int]:
+        """SIGKILL every process still inside the run's namespaces (by pid); returns the pids.
+
+        torchrun starts its worker in a session of its own, so killing the launched process group is not enough.
+        """
+        pids = self.pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def close(self) -> list[str]:
+        """Delete the run's namespaces (their veths and bridge go with them); returns what could not be removed.
+
+        Ctrl-C and SIGTERM are held back meanwhile, so a second Ctrl-C cannot interrupt the clean-up.
+        """
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self.kill_processes()
+            left = []
+            for ns in self.plan.namespaces:
+                p = _run(["ip", "netns", "del", ns], check=False)
+                if p.returncode != 0 and "No such file" not in p.stderr:
+                    left.append(f"{ns}: {p.stderr.strip()}")
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)  # type: ignore[arg-type]
+            self._old_handlers.clear()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if left:
+            print(f"netem: could not remove {left}", file=sys.stderr)
+        return left
+
+    def shape(self, rate_bps: int | None) -> None:
+        """Set every link to `rate_bps` (None: unshaped)."""
+        for cmd in shaping_commands(self.plan, rate_bps):
+            _run(cmd, check=rate_bps is not None)
+        self.rate_bps = rate_bps
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Counters of the bridge-side veths."""
+        return parse_link_stats(_run(["ip", "-n", self.plan.bridge_ns, "-s", "-j", "link", "show"]).stdout)
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        return ["ip", "netns", "exec", self.plan.rank_ns[rank]]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def leftover_namespaces() -> list[str]:
+    """Namespaces named like ours that exist now: another run's, or a run killed with SIGKILL left them behind."""
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(PREFIX)]
+
+
+def proc_cpu_seconds(stat_text: str, clk_tck: int) -> float:
+    """user+sys CPU seconds of a process from its /proc/<pid>/stat line (fields 14 and 15, after the `(comm)`)."""
+    fields = stat_text[stat_text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / clk_tck  # fields[0] is field 3 (state)
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """Summed user+sys CPU seconds of the live processes among `pids` (ones that are gone count 0)."""
+    tck, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                total += proc_cpu_seconds(f.read(), tck)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+@dataclass
+class Snapshot:
+    """What was measured when a mark first appeared in a rank's output."""
+
+    t: float  # time.monotonic()
+    cpu_s: float  # CPU seconds of the processes `pids()` named at that moment (cumulative since their start)
+    extra: object  # whatever `probe()` returned (e.g. interface counters)
+
+
+@dataclass
+class RanksResult:
+    codes: list[int | None]
+    tails: list[str]  # the last lines of each rank's output
+    cpu_s: float  # user+sys of every rank process over the whole run (set-up and evaluation included)
+    marks: dict[str, Snapshot]
+
+
+def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, timeout_s: float,
+              grace_s: float = 60.0, stop: Callable[[], object] | None = None, marks: Mapping[str, str] = {},
+              pids: Callable[[], Sequence[int]] | None = None, probe: Callable[[], object] | None = None,
+              poll_s: float = 0.02) -> RanksResult:
+    """Start one process per rank and wait for all, snapshotting when given lines appear in their output.
+
+    `marks` maps a name to a regex; the first time it matches a line of any rank's output, the CPU seconds of the
+    processes `pids()` lists at the first mark (the ranks' torchrun agents and workers) and `probe()` are recorded --
+    e.g. marks around the training loop give its CPU time and wire bytes without set-up and evaluation. A mark
+    printed just before every process exits may be missed (nothing is snapshotted after the processes are gone).
+    Each command runs in a session of its own; on a failure, a timeout or Ctrl-C the ones still running get SIGTERM
+    (torchrun passes it to its worker), then SIGKILL, then `stop()` (e.g. `Network.kill_processes`). Once one exits,
+    the others get `grace_s` to finish (a rank that failed leaves the rest blocked in a collective). The whole-run
+    CPU time is the user+sys of the reaped children (RUSAGE_CHILDREN covers descendants their parents waited for).
+    """
+    import resource
+    import tempfile
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    logs = [tempfile.NamedTemporaryFile(mode="w+", prefix="netem-rank-") for _ in cmds]
+    readers = [open(log.name) for log in logs]
+    pending = {name: re.compile(rx, re.MULTILINE) for name, rx in marks.items()}
+    seen: dict[str, Snapshot] = {}
+    partial = ["" for _ in cmds]
+    watched: list[int] = []
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, log in zip(cmds, logs):
+            procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                break
+            if any(p.returncode is not None for p in procs):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            if pending:
+                for i, rd in enumerate(readers):
+                    text = partial[i] + rd.read()
+                    complete, _, partial[i] = text.rpartition("\n")
+                    for name, rx in list(pending.items()):
+                        if rx.search(complete):
+                            if not watched and pids is not None:
+                                watched = list(pids())
+                            seen[name] = Snapshot(time.monotonic(), cpu_seconds(watched), probe() if probe else None)
+                            del pending[name]
+            time.sleep(poll_s)
+    finally:
+        alive = [p for p in procs if p.poll() is None]
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + wait_s
+            while any(p.poll() is None for p in alive) and time.monotonic() < end:
+                time.sleep(0.1)
+        if alive and stop is not None:
+            stop()
+        for rd in readers:
+            rd.close()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tails = []
+    for log in logs:
+        log.seek(0)
+        tails.append("\n".join(log.read().splitlines()[-15:]))
+        log.close()
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return RanksResult([p.returncode for p in procs], tails, cpu, seen)
