@@ -34,8 +34,6 @@ from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
 
-
-
 SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
     "table_wise": ShardingType.TABLE_WISE,
@@ -331,23 +329,19 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
-    from herald_torchrec.schedule import POLICIES
+    from herald_torchrec.schedule import runnable_policy
 
     sc, t = cfg.scheduler, cfg.trainer
-    if sc.policy not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {sc.policy!r}; choose one of {sorted(POLICIES)}")
-    if not POLICIES[sc.policy].executable:
-        runnable = sorted(n for n, p in POLICIES.items() if p.executable)
-        raise ValueError(f"scheduler.policy={sc.policy} only models traffic: the data plane runs {runnable} "
-                         "(the other policies only model traffic in benchmarks/simulate.py)")
+    runnable_policy(sc.policy)  # before the (possibly profiling) choice of unscheduled tables
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
     }
     if t.embedding_optimizer == "rowwise_adagrad":
         fused["eps"] = t.get("embedding_eps", 1e-8)
-    if hbm_cache(cfg)[1]:
-        fused["cache_load_factor"] = hbm_cache(cfg)[1]
+    _, cache_load_factor = hbm_cache(cfg)
+    if cache_load_factor:
+        fused["cache_load_factor"] = cache_load_factor
     if ctx.device.type == "cuda":
         fused["gather_uvm_cache_stats"] = True
     unsched = unscheduled_features(cfg, features, source, ctx.world_size)

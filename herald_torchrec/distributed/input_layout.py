@@ -203,14 +203,13 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
     mlen = lengths[:, layout.managed, :]  # [R, J, B]
     J = layout.managed.shape[0]
     seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
-    flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_rank_ids]) if R else np.zeros(0, np.int64)
+    flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_rank_ids])
     start_qj = exclusive_cumsum(seg.reshape(-1)).reshape(R, J)
     order = ragged_arange(start_qj.T.reshape(-1), seg.T.reshape(-1))  # (key, rank) order
     values = flat[order]
     mg = glen[layout.managed]  # [J, R*B]
     key_start = exclusive_cumsum(mg.sum(axis=1))
-    sample_start = (key_start[:, None] + np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
-                    if R * B else np.zeros((J, 0), np.int64))
+    sample_start = key_start[:, None] + np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
     return GatheredIds(glen, values, key_start, sample_start)
 
 

@@ -319,5 +319,3 @@ class ScheduledInput:
                     window.append(got)  # type: ignore[arg-type]
             window.popleft()
             yield assigned, plan, generation  # type: ignore[misc]
-
-    stream = __call__

@@ -36,7 +36,7 @@ from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
-from herald_torchrec.schedule import make_policy
+from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
@@ -138,11 +138,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
         s = self._settings
         world = self.input_stage.R
-        policy = make_policy(s["policy"], list(self.tables.rows), world, batch_per_rank,
-                             cache_ratio=s["cache_ratio"], lookahead=s["lookahead"])
-        if not policy.executable:
-            raise ValueError(f"policy {s['policy']!r} only models traffic (simulator); the data plane runs herald or static")
-        return policy
+        return make_policy(runnable_policy(s["policy"]), list(self.tables.rows), world, batch_per_rank,
+                           cache_ratio=s["cache_ratio"], lookahead=s["lookahead"])
 
     def _ownership_versions(self) -> tuple[int, ...]:
         return tuple(int(getattr(m, "ownership_version", 0)) for m in self._herald_modules)
@@ -208,7 +205,7 @@ class _Prefetched:
 
     def _run(self, stage: ScheduledInput, source: Iterator[Batch]) -> None:
         try:
-            for item in stage.stream(source):
+            for item in stage(source):
                 self._q.put(item)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
             self._q.put(e)

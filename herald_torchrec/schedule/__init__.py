@@ -41,9 +41,20 @@ def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: i
     return POLICIES[name](table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead, **kwargs)
 
 
+def runnable_policy(name: str) -> str:
+    """`name` if the data plane can execute its plans (HeraldTrainPipeline checks it before building the policy, the
+    app up front); a ValueError for an unknown policy or a counting-only one (simulator baselines)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
+    if not POLICIES[name].executable:
+        runnable = sorted(n for n, p in POLICIES.items() if p.executable)
+        raise ValueError(f"policy {name!r} only models traffic (benchmarks/simulate.py); the data plane runs {runnable}")
+    return name
+
+
 __all__ = [
     "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions", "ReplicaSync",
     "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HetPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "FaePolicy", "P2resPolicy",
     "PlanChecker",
-    "POLICIES", "make_policy",
+    "POLICIES", "make_policy", "runnable_policy",
 ]
