@@ -217,6 +217,11 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     res["a2a_bytes"] = c.snapshot(reset=True)
     empty = pc.all_to_all(torch.zeros(0, 2), [0, 0], [0, 0], "y", globally_empty=True)
     res["a2a_empty"] = (tuple(empty.shape), c.snapshot())
+    # flagged: one header element per block carries each rank's flag; blocks may be empty
+    c.reset()
+    got, worst = pc.all_to_all_flagged(torch.arange(4.0)[: sum(send_splits)] + 10 * rank, send_splits, recv_splits,
+                                       "x", flag=3 * rank + 1)
+    res["a2a_flagged"] = (got.tolist(), worst, c.snapshot())
     torch.save(res, rank_result(out_dir, rank))
 
 
@@ -254,6 +259,9 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
     assert r0["a2a"] == [0.0, 10.0, 11.0] and r1["a2a"] == [1.0, 2.0, 3.0]
     assert r0["a2a_bytes"] == {"x": 12} and r1["a2a_bytes"] == {"x": 8}
     assert r0["a2a_empty"] == ((0, 2), {})
+    # same data as the plain all-to-all, the max flag (rank 1's 4) everywhere, one header float per peer as control
+    assert r0["a2a_flagged"] == ([0.0, 10.0, 11.0], 4, {"x": 12, "control": 4})
+    assert r1["a2a_flagged"] == ([1.0, 2.0, 3.0], 4, {"x": 8, "control": 4})
 
 
 # ----------------------------------------------------------------------------------------------- TorchRec pipeline

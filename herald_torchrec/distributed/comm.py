@@ -175,15 +175,10 @@ class PlanComm:
         if send.dim() != 1 or len(send_splits) != R or len(recv_splits) != R or sum(send_splits) != send.shape[0]:
             raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {R} splits that sum to its length")
         s_spl, r_spl = np.asarray(send_splits, dtype=np.int64), np.asarray(recv_splits, dtype=np.int64)
-        ranks = np.arange(R, dtype=np.int64)
-        # block d: [header, data...] starts at d + (data sent to ranks < d)
-        s_head = ranks + np.concatenate([[0], np.cumsum(s_spl)[:-1]])
-        r_head = ranks + np.concatenate([[0], np.cumsum(r_spl)[:-1]])
-        s_data = torch.from_numpy(np.arange(s_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, s_spl)).to(send.device)
-        r_data = torch.from_numpy(np.arange(r_spl.sum(), dtype=np.int64) + np.repeat(ranks + 1, r_spl)).to(send.device)
-        buf = send.new_empty(send.shape[0] + R)
-        buf[torch.from_numpy(s_head).to(send.device)] = float(flag) if send.is_floating_point() else int(flag)
-        buf.index_copy_(0, s_data, send)
+        # block d: [header, data for rank d]: R slices and one cat, no per-element index maps
+        head = send.new_full((R, 1), float(flag) if send.is_floating_point() else int(flag))
+        blocks = send.split(s_spl.tolist())
+        buf = torch.cat([x for d in range(R) for x in (head[d], blocks[d])])
         out = send.new_empty(int(r_spl.sum()) + R)
         elem = send.element_size()
         self.counter.add(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
@@ -191,8 +186,7 @@ class PlanComm:
         work = dist.all_to_all_single(
             out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group, async_op=True
         )
-        headers = (torch.from_numpy(r_head).to(out.device), r_data)
-        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", headers, keep=buf)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", (r_spl + 1).tolist(), keep=buf)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""
@@ -231,12 +225,12 @@ class PendingAllToAll:
         out: torch.Tensor,
         work: dist.Work | None = None,
         phase_name: str = "",
-        headers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        blocks: list[int] | None = None,
         keep: torch.Tensor | None = None,
     ) -> None:
         self._out, self._work, self._phase = out, work, phase_name
         self._keep = keep  # the send buffer, alive until the collective has completed
-        self._headers = headers  # (header positions, data positions) in `out`
+        self._blocks = blocks  # flagged: the received block sizes, each [header, data...]
         self.flag = 0  # the flag's max when no headers travel (one rank)
 
     def _complete(self) -> torch.Tensor:
@@ -247,13 +241,14 @@ class PendingAllToAll:
         return self._out
 
     def wait(self) -> torch.Tensor:
-        if self._headers is not None:
+        if self._blocks is not None:
             raise ValueError("PendingAllToAll.wait: a flagged all-to-all is completed with wait_flagged()")
         return self._complete()
 
     def wait_flagged(self) -> tuple[torch.Tensor, int]:
         out = self._complete()
-        if self._headers is None:
+        if self._blocks is None:
             return out, int(self.flag)
-        head, data = self._headers
-        return out.index_select(0, data), int(out[head].max().item())
+        blocks = out.split(self._blocks)
+        flags = [int(b[0].item()) for b in blocks]
+        return torch.cat([b[1:] for b in blocks]), max(flags)

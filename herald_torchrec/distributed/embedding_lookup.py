@@ -83,10 +83,11 @@ class HeraldLookup:
         lay = lookup_layout(local, sh, self.marks, st)
         out = st.lookup(torch.from_numpy(lay.indices).to(self.device), torch.from_numpy(lay.offsets).to(self.device))
         if lay.value_src.size:
-            v = sh.values.index_select(0, torch.from_numpy(lay.value_src).to(self.device))
+            w = lay.width
+            v = sh.values.view(-1, w).index_select(0, torch.from_numpy(lay.value_src).to(self.device))
+            v = st.clip_pooled_gradient(v)  # each bag's gradient clipped, as the TBE clips its own pooled output's
             dst = torch.from_numpy(lay.out_dst).to(self.device)
-            extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, dst, v)
-            out = out + st.clip_pooled_gradient(extra.view(out.shape))  # clipped per bag, as the TBE clips its own
+            out = out.view(-1, w).index_add(0, dst, v.to(out.dtype)).view(out.shape)
         return out
 
     def apply_shared_grads(self, sh: SharedStep) -> None:
@@ -103,10 +104,10 @@ class HeraldLookup:
         if sh.send_gkey.shape[0] == 0:
             return
         lay = grad_sum_layout(sh, st)  # one gradient per key: the readers' sum, in rank order
-        summed = torch.zeros(lay.size, dtype=back.dtype, device=self.device)
-        summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), back)
+        summed = torch.zeros(lay.size // lay.width, lay.width, dtype=back.dtype, device=self.device)
+        summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), back.view(-1, lay.width))
         with phase("finish_step.apply"):
-            st.apply_summed_gradients_packed(lay.tables, lay.slots, summed)
+            st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
 
     def static_plan(self, local: LocalInput) -> Plan:
         """The plan of the `static` policy for this batch (collective: an all-gather of every rank's ids)."""

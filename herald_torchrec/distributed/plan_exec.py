@@ -334,13 +334,15 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
 @dataclass
 class LookupLayout:
     """The step's lookup, in index arrays: the TBE reads `indices` / `offsets` (exclusive ids, local slots, one bag
-    per feature and sample); the received value elements `value_src` are summed into the pooled output's flat
-    elements `out_dst` (shared ids)."""
+    per feature and sample); the received values, viewed as items of `width` floats, are gathered at `value_src`
+    and summed into the pooled output's items `out_dst` (shared ids). `width` is the dim when every table has the
+    same one (items are rows: the pooled output [B, F * dim] viewed as [B * F, dim]), else 1 (items are floats)."""
 
     indices: np.ndarray
     offsets: np.ndarray
     value_src: np.ndarray
     out_dst: np.ndarray
+    width: int = 1
 
 
 def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
@@ -356,9 +358,11 @@ def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: Row
     shared = np.flatnonzero(~ex)
     if not shared.size:
         return LookupLayout(indices, offsets, _empty(), _empty())
+    f, bag = np.divmod(local.seg[shared], B)
+    if st.uniform_dim is not None:  # rows: value row = index among the received pairs, output row = bag * F + f
+        return LookupLayout(indices, offsets, mark[shared], bag * F + f, st.uniform_dim)
     f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
     f_col = exclusive_cumsum(f_dims)  # output column of each feature
-    f, bag = np.divmod(local.seg[shared], B)
     d = f_dims[f]
     src = ragged_arange(sh.recv_off[mark[shared]], d)  # mark = index of the value among the received pairs
     dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], d)
@@ -367,23 +371,28 @@ def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: Row
 
 @dataclass
 class GradSumLayout:
-    """How an owner sums the returned shared-row gradients (laid out as `send_off`) into one gradient per key:
-    element i of the returned buffer adds into element `dst[i]` of a buffer of `size` elements, holding the keys'
-    gradients in key order; `tables` / `slots` address those keys in the store."""
+    """How an owner sums the returned shared-row gradients (laid out as `send_off`) into one gradient per key: the
+    returned buffer, viewed as items of `width` floats, adds item i into item `dst[i]` of a buffer of `size` floats
+    holding the keys' gradients in key order; `tables` / `slots` address those keys in the store. `width` is the dim
+    when every table has the same one (items are rows), else 1."""
 
     tables: np.ndarray
     slots: np.ndarray
     dst: np.ndarray
     size: int
+    width: int = 1
 
 
 def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
     """Per-key sums of the readers' gradients, in send order (readers in rank order), all tables at once."""
     keys, inv = np.unique(sh.send_gkey, return_inverse=True)
     tab = _table_of(st, keys)
+    slots = st.slot_of_all[keys].astype(np.int64)
+    if st.uniform_dim is not None:
+        return GradSumLayout(tab, slots, inv.reshape(-1), keys.shape[0] * st.uniform_dim, st.uniform_dim)
     kd = st.dims_arr[tab]
     dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], st.dims_arr[sh.send_table])
-    return GradSumLayout(tab, st.slot_of_all[keys].astype(np.int64), dst, int(kd.sum()))
+    return GradSumLayout(tab, slots, dst, int(kd.sum()))
 
 
 # ------------------------------------------------------------------------------------------------ static plan

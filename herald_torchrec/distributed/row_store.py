@@ -273,6 +273,9 @@ class RowStore(nn.Module):
             self.guest_count.append(self.guest_count_all[t])
             self._free_all[self.free_base[t] : self.free_base[t + 1]] = np.arange(self.local_rows[t] - 1, hl - 1, -1)
         self._flat = self._flat_layout()
+        self._rows2d = self._row_layout()
+        # every table has the same dim: index maps of the step's lookups and gradient sums are row-level (plan_exec)
+        self.uniform_dim: int | None = self.dims[0] if len(set(self.dims)) == 1 else None
         # HBM cache (CUDA MANAGED_CACHING only): linear cache index of (table, slot) = slot_base[table] + slot, as
         # FBGEMM's cache_hash_size_cumsum numbers the cached tables' rows (every table here is cached)
         self._cached = self.tbe.lxu_cache_weights.numel() > 0
@@ -302,6 +305,22 @@ class RowStore(nn.Module):
             n = v0.untyped_storage().nbytes() // v0.element_size()
             flat = v0.as_strided((n,), (1,), 0)
             out.append((flat, np.array([v.storage_offset() for v in views], dtype=np.int64), width))
+        return out
+
+    def _row_layout(self) -> list[tuple[torch.Tensor, np.ndarray]] | None:
+        """Per storage kind (weights, then each optimizer state): (a [rows, width] view of its whole storage, the row
+        of every table's slot 0 in it), when every table of the kind has one row width and its block starts on a row
+        boundary (the common case: one dim for all tables). Host reads and writes of rows are then row gathers and
+        scatters, with index arrays `width` times smaller than element positions. None otherwise."""
+        if self._flat is None:
+            return None
+        out = []
+        for flat, off, w in self._flat:
+            w0 = int(w[0])
+            if (w != w0).any() or (off % w0).any():
+                return None
+            n = (flat.shape[0] // w0) * w0
+            out.append((flat[:n].view(-1, w0), off // w0))
         return out
 
     # ------------------------------------------------------------------ queries
@@ -454,6 +473,11 @@ class RowStore(nn.Module):
         """Rows at (table, local slot) pairs, packed item after item into one flat float32 tensor: the row's dim
         floats, then (with_state) its optimizer state. One gather per kind for all tables (no per-table loop)."""
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        if self._rows2d is not None:  # one row gather per storage kind
+            self._sync_rows(tables, slots)
+            kinds = self._rows2d if with_state else self._rows2d[:1]
+            parts = [v.index_select(0, torch.from_numpy(base[tables] + slots).to(v.device)) for v, base in kinds]
+            return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(torch.float32).reshape(-1)
         width = self.packed_widths(tables, with_state)
         start = exclusive_cumsum(width)
         out = torch.empty(int(width.sum()), dtype=torch.float32, device=self._weights[0].device)
@@ -482,6 +506,17 @@ class RowStore(nn.Module):
     def write_packed(self, tables: np.ndarray, slots: np.ndarray, data: torch.Tensor, with_state: bool = True) -> None:
         """Inverse of `read_packed`: write packed rows (and optimizer state) to (table, local slot) pairs."""
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        if self._rows2d is not None:  # one row scatter per storage kind
+            kinds = self._rows2d if with_state else self._rows2d[:1]
+            block = data.view(tables.shape[0], sum(v.shape[1] for v, _ in kinds))
+            col = 0
+            with torch.no_grad():
+                for v, base in kinds:
+                    w = v.shape[1]
+                    v.index_copy_(0, torch.from_numpy(base[tables] + slots).to(v.device), block[:, col : col + w].to(v.dtype))
+                    col += w
+            self._invalidate_rows(tables, slots)
+            return
         width = self.packed_widths(tables, with_state)
         start = exclusive_cumsum(width)
         if self._flat is None:  # pragma: no cover - see read_packed
@@ -634,8 +669,12 @@ class RowStore(nn.Module):
             with torch.enable_grad():
                 out = self.tbe(torch.from_numpy(indices).to(dev), torch.from_numpy(offsets).to(dev))
                 g = torch.zeros_like(out)
-                pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
-                g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
+                if self.uniform_dim is not None:  # row-level: bag k of feature f is row k * F + f of g [n * F, dim]
+                    dim = self.uniform_dim
+                    g.view(-1, dim).index_copy_(0, torch.from_numpy(k * F + first[tables]).to(dev), grads.view(-1, dim).to(g))
+                else:
+                    pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
+                    g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
                 out.backward(g)
         finally:
             self.tbe.optimizer_args = args
