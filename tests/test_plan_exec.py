@@ -174,3 +174,13 @@ def test_static_plan_shares_every_non_owner_read_and_lays_out_the_lookup() -> No
     assert lay.indices.tolist() == [2]  # a:2 in rank 0's home slot 2; a:7 comes as a received value
     assert lay.offsets.tolist() == [0, 1, 1, 1, 1]  # bags (fa, s0), (fa, s1), (fb, s0), (fb, s1)
     assert lay.value_src.tolist() == [0, 1, 2, 3] and lay.out_dst.tolist() == [12, 13, 14, 15]  # row 1, cols 0-3
+
+
+def test_distinct_keys_without_a_sort() -> None:
+    marks = SharedMarks(50)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 200):
+        keys = rng.integers(0, 50, n)
+        got = marks.distinct(keys)
+        assert got.shape[0] == np.unique(keys).shape[0]
+        assert sorted(got.tolist()) == np.unique(keys).tolist()  # stale scratch from the previous round is harmless

@@ -294,6 +294,15 @@ class SharedMarks:
 
     def __init__(self, num_keys: int) -> None:
         self.by_key = np.full(int(num_keys), self.NOT_SHARED, dtype=np.int64)
+        self._last = np.zeros(int(num_keys), dtype=np.int64)  # scratch of `distinct`: never needs a reset
+
+    def distinct(self, keys: np.ndarray) -> np.ndarray:
+        """The distinct global keys among `keys`, in no particular order: O(n) with the scratch array, where
+        np.unique would sort (each key's last position is written, then read back: the positions that win are one
+        per key; entries of keys not in `keys` are never read, so stale ones do no harm)."""
+        pos = np.arange(keys.shape[0], dtype=np.int64)
+        self._last[keys] = pos
+        return keys[self._last[keys] == pos]
 
     def mark(self, sh: SharedStep) -> None:
         self.by_key[sh.marked] = self.NOT_READ_HERE
@@ -317,7 +326,7 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
             f"plan {plan.step} does not match the batch: rank {rank} reads shared row {g - st.key_base[t]} of "
             f"table {_table_name(st, t)!r} but is not among its readers"
         )
-    u = np.unique(gk)
+    u = marks.distinct(gk)
     tab = _table_of(st, u)
     own = owners_after_moves(st, ms, u)
     foreign = (marks.by_key[u] == SharedMarks.NOT_SHARED) & (own != rank)
