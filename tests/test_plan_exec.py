@@ -88,15 +88,21 @@ def test_shared_routes_are_consistent_between_ranks() -> None:
     st = stores()
     p = plan(MOVES, SHARED)
     sh = [prepare_shared(p, s, prepare_moves(p, s)) for s in st]
-    # rank 0 owns b:0 and sends it to reader 1; it reads a:2 from rank 1
-    assert sh[0].send_splits == [0, 8] and sh[0].recv_splits == [0, 4]
-    assert sh[0].send_row.tolist() == [0] and sh[0].recv_row.tolist() == [2]
-    # rank 1 sends a:2 to readers 0 and 1 (its own read takes the same path); receives b:0 (from 0), a:2 (from 1)
+    # a:2 moves 0 -> 1 and is read by 0 and 1: rank 0 (its owner before the moves) sends the value to itself, rank 1
+    # gets the row itself in the moves (a fill pair); rank 0 owns b:0 and sends its value to reader 1
+    assert sh[0].value_splits == [4, 8] and sh[0].value_gkey.tolist() == [2, 10]
+    assert sh[0].recv_splits == [4, 0] and sh[0].recv_row.tolist() == [2] and sh[0].n_fill == 0
+    assert sh[1].value_splits == [0, 0] and sh[1].recv_splits == [8, 0] and sh[1].n_fill == 1
+    assert sh[1].recv_table.tolist() == [B, A] and sh[1].recv_off.tolist() == [0, 8]  # received, then the fill
+    # gradients go to the owners after the moves: rank 1 owns a:2 (from readers 0 and 1), rank 0 owns b:0
+    assert sh[0].grad_splits == [0, 4] and sh[0].grad_idx.tolist() == [0]
+    assert sh[1].grad_splits == [8, 4] and sh[1].grad_idx.tolist() == [0, 1]
+    assert sh[0].send_splits == [0, 8] and sh[0].send_row.tolist() == [0]
     assert sh[1].send_splits == [4, 4] and sh[1].send_off.tolist() == [0, 4]
-    assert sh[1].recv_splits == [8, 4] and sh[1].recv_table.tolist() == [B, A] and sh[1].recv_off.tolist() == [0, 8]
-    for q in range(2):  # what q sends to p is what p receives from q
+    for q in range(2):  # what q sends to r is what r receives from q, for values and for gradients
         for r in range(2):
-            assert sh[q].send_splits[r] == sh[r].recv_splits[q]
+            assert sh[q].value_splits[r] == sh[r].recv_splits[q]
+            assert sh[q].grad_splits[r] == sh[r].send_splits[q]
     assert [s.n_values_out for s in sh] == [1, 1] and [s.n_grads_out for s in sh] == [1, 1]
     g = grad_sum_layout(sh[1], st[1])  # the two gradients of a:2 sum into one row of 4
     assert g.tables.tolist() == [A] and g.size == 4 and g.dst.tolist() == [0, 1, 2, 3] * 2

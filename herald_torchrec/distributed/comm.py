@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from typing import ContextManager, Iterator, Sequence
+from typing import ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -126,10 +126,11 @@ class PlanComm:
         send: torch.Tensor,
         send_splits: Sequence[int],
         recv_splits: Sequence[int],
-        kind: str,
+        kind: str | Mapping[str, int],
         globally_empty: bool = False,
     ) -> "PendingAllToAll":
-        """`all_to_all`, issued with async_op=True: the returned handle's `wait()` gives the received tensor."""
+        """`all_to_all`, issued with async_op=True: the returned handle's `wait()` gives the received tensor.
+        `kind` may be {kind: off-rank bytes} for one collective that carries several kinds of data."""
         send_splits = [int(x) for x in send_splits]
         recv_splits = [int(x) for x in recv_splits]
         R = self.world_size
@@ -147,10 +148,20 @@ class PlanComm:
             return PendingAllToAll(out)
         row_bytes = send.element_size() * (send[0].numel() if send.dim() > 1 else 1)
         off_rank = sum(n for d, n in enumerate(send_splits) if d != self.rank)
-        self.counter.add(kind, off_rank * row_bytes)
+        name = self._count(kind, off_rank * row_bytes)
         send = send.contiguous()
         work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
-        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", keep=send)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{name}", keep=send)
+
+    def _count(self, kind: str | Mapping[str, int], nbytes: int) -> str:
+        """Count one collective's off-rank payload under `kind`, or under several kinds ({kind: bytes}, for one
+        collective that carries several kinds of data); returns the name of its phase timer."""
+        if isinstance(kind, str):
+            self.counter.add(kind, nbytes)
+            return kind
+        for i, (k, b) in enumerate(kind.items()):
+            self.counter.add(k, b, call=i == 0)
+        return "+".join(kind)
 
     def all_to_all_flagged(
         self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
@@ -162,7 +173,8 @@ class PlanComm:
         return self.start_all_to_all_flagged(send, send_splits, recv_splits, kind, flag).wait_flagged()
 
     def start_all_to_all_flagged(
-        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, flag: int
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str | Mapping[str, int],
+        flag: int,
     ) -> "PendingAllToAll":
         """`all_to_all_flagged`, issued with async_op=True: the handle's `wait_flagged()` gives (data, max flag)."""
         send_splits = [int(x) for x in send_splits]
@@ -181,12 +193,12 @@ class PlanComm:
         buf = torch.cat([x for d in range(R) for x in (head[d], blocks[d])])
         out = send.new_empty(int(r_spl.sum()) + R)
         elem = send.element_size()
-        self.counter.add(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
+        name = self._count(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
         self.counter.add("control", elem * (R - 1), call=False)
         work = dist.all_to_all_single(
             out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group, async_op=True
         )
-        return PendingAllToAll(out, work, f"comm.all_to_all.{kind}", (r_spl + 1).tolist(), keep=buf)
+        return PendingAllToAll(out, work, f"comm.all_to_all.{name}", (r_spl + 1).tolist(), keep=buf)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce (a no-op on one rank)."""

@@ -6,9 +6,10 @@ the all-to-alls are issued with async_op=True, so a caller may do host work betw
 send and the split sizes come from plan_exec.py (identical on every rank, so no size exchange precedes them); a
 collective that moves nothing on any rank (`globally_empty`, known from the plan) is skipped by every rank.
 
-- `RowMoveDist`: rows + optimizer state of the step's moves (bytes counted as "moves");
-- `SharedValueDist`: owners send shared rows' values to their readers ("shared_value");
-- `SharedGradDist`: readers return those rows' gradients to the owners, the reverse routes ("shared_grad");
+- `StepExchangeDist`: the step's one forward all-to-all: the rows that move (value + optimizer state, counted as
+  "moves") and the shared rows' values sent to their readers by the owners before the moves ("shared_value");
+- `RowMoveDist`: rows + optimizer state alone (moves outside a training step: a checkpoint load sending rows home);
+- `SharedGradDist`: readers return the shared rows' gradients to the owners after the moves ("shared_grad");
 - `ErrorFlagDist`: a rank-local error raised on every rank ("control"). A step's error flag rides as one header
   element per block on the step's first all-to-all (`ErrorCheck`), so only a step without one pays an all-reduce.
 
@@ -101,21 +102,55 @@ class RowMoveDist(_StepAllToAll):
     kind = "moves"
 
 
-class SharedValueDist(_StepAllToAll):
-    """Owners send the shared rows' values (laid out as `SharedStep.send_off`) to their readers, all tables in one
-    all-to-all; the awaitable gives the received values laid out as `recv_off`."""
+def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
+    """Per peer, a's block then b's block (1-D tensors cut by their splits): one send buffer for two kinds."""
+    pa, pb = a.split(a_splits), b.split(b_splits)
+    return torch.cat([x for d in range(len(a_splits)) for x in (pa[d], pb[d])])
 
-    kind = "shared_value"
+
+def _deinterleave(out: torch.Tensor, a_splits: list[int], b_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_interleave` on the receiving side: (a's blocks, b's blocks), each in peer order."""
+    parts = out.split([n for d in range(len(a_splits)) for n in (a_splits[d], b_splits[d])])
+    return torch.cat(parts[0::2]), torch.cat(parts[1::2])
+
+
+class StepExchangeDist(_PlanAllToAll):
+    """The step's one forward all-to-all: to each peer, the rows that move there (packed as `RowStore.read_packed`
+    lays them out, in `MoveStep` send order) then the shared values its reads need from this rank (in `SharedStep`
+    value order). A shared value is sent by the row's owner *before* the moves, so values need not wait for the
+    moves to land: one collective (one synchronisation of the ranks) where moves and values took two. The awaitable
+    gives (arriving rows in `MoveStep.recv_idx` order, received values in value order), or None when the step moves
+    and shares nothing on any rank (nothing is issued)."""
+
+    def __call__(
+        self, rows: torch.Tensor, ms: MoveStep, values: torch.Tensor, sh: SharedStep, check: ErrorCheck | None = None
+    ) -> Awaitable[tuple[torch.Tensor, torch.Tensor] | None]:
+        if ms.globally_empty and sh.globally_empty:
+            return _AllToAllAwaitable(None, None, lambda out: None)
+        send = _interleave(rows, ms.send_splits, values, sh.value_splits)
+        send_splits = [a + b for a, b in zip(ms.send_splits, sh.value_splits)]
+        recv_splits = [a + b for a, b in zip(ms.recv_splits, sh.recv_splits)]
+        r, elem = self._comm.rank, send.element_size()
+        kinds = {}  # off-rank bytes by kind, for the kinds this step has on some rank
+        if not ms.globally_empty:
+            kinds["moves"] = elem * (sum(ms.send_splits) - ms.send_splits[r])
+        if not sh.globally_empty:
+            kinds["shared_value"] = elem * (sum(sh.value_splits) - sh.value_splits[r])
+        if check is not None:
+            pending = self._comm.start_all_to_all_flagged(send, send_splits, recv_splits, kinds, check.flag)
+        else:
+            pending = self._comm.start_all_to_all(send, send_splits, recv_splits, kinds)
+        return _AllToAllAwaitable(pending, check, lambda out: _deinterleave(out, ms.recv_splits, sh.recv_splits))
 
 
 class SharedGradDist(_PlanAllToAll):
-    """Readers return the gradients of the values they received (laid out as `recv_off`) to the owners: the
-    reverse routes of `SharedValueDist`; the awaitable gives them laid out as `send_off`."""
+    """Readers return the gradients of the values they read (in `SharedStep.grad_idx` order) to the owners after
+    the moves; the awaitable gives them laid out as `send_off`."""
 
     kind = "shared_grad"
 
     def __call__(self, grad: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
-        return _AllToAllAwaitable(self._start(grad, sh.recv_splits, sh.send_splits, None), None, lambda out: out)
+        return _AllToAllAwaitable(self._start(grad, sh.grad_splits, sh.send_splits, None), None, lambda out: out)
 
 
 class ErrorFlagDist:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
-from herald_torchrec.distributed.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, SharedValueDist
+from herald_torchrec.distributed.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, StepExchangeDist
 from herald_torchrec.distributed.plan_exec import (
     LocalInput,
     MoveStep,
@@ -26,7 +26,7 @@ from herald_torchrec.distributed.plan_exec import (
     static_plan,
     static_plan_keys,
 )
-from herald_torchrec.distributed.row_store import RowStore
+from herald_torchrec.distributed.row_store import RowStore, ragged_arange
 from herald_torchrec.schedule.plan import Plan
 
 
@@ -38,43 +38,61 @@ class HeraldLookup:
         self.store, self.device, self._comm = store, device, comm
         self.marks = SharedMarks(int(store.key_base[-1]))
         self._move_dist = RowMoveDist(comm)
-        self._value_dist = SharedValueDist(comm)
+        self._exchange_dist = StepExchangeDist(comm)
         self._grad_dist = SharedGradDist(comm)
 
     def apply_moves(self, ms: MoveStep, check: ErrorCheck | None) -> dict[str, int]:
-        """Every row leaves, then every row arrives (one all-to-all of rows + optimizer state, all tables at once).
-        With `check`, the all-to-all also carries the step's error flags, and any rank's error raises on every rank
-        before anything changes. Returns the rows this rank sent, by move kind."""
+        """The moves alone (outside a training step, e.g. a checkpoint load sending rows home): every row leaves, then
+        every row arrives. With `check`, any rank's error raises on every rank before anything changes. Returns the
+        rows this rank sent, by move kind."""
         if ms.globally_empty:
             return {}
+        recv = self._move_dist(self._departing(ms), ms, check).wait()
+        return self._land(ms, recv)
+
+    def exchange(self, ms: MoveStep, sh: SharedStep, training: bool, check: ErrorCheck | None) -> dict[str, int]:
+        """The step's moves and shared values in one all-to-all (values from the owners before the moves), then the
+        moves applied and the values a new owner reads taken from its store (`SharedStep.n_fill`). Sets `sh.values`
+        (value order; a leaf requiring grad when training). With `check`, the all-to-all carries the step's error
+        flags and any rank's error raises on every rank before anything changes. Returns the rows this rank sent
+        in the moves, by kind."""
+        st = self.store
+        if ms.globally_empty and sh.globally_empty:
+            sh.values = None
+            return {}
+        slots = st.slot_of_all[sh.value_gkey].astype(np.int64)
+        if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
+            raise RuntimeError("shared value sent by a rank that does not own the row")
+        values = st.read_packed(sh.value_table, slots, with_state=False)  # read before the moves
+        rows, vals = self._exchange_dist(self._departing(ms), ms, values, sh, check).wait()
+        moved = self._land(ms, rows) if not ms.globally_empty else {}
+        if sh.n_fill:  # reads of rows that arrived here in the moves
+            k = sh.recv_gkey.shape[0] - sh.n_fill
+            fill_slots = st.slot_of_all[sh.recv_gkey[k:]].astype(np.int64)
+            vals = torch.cat([vals, st.read_packed(sh.recv_table[k:], fill_slots, with_state=False)])
+        if training and not sh.globally_empty:
+            vals.requires_grad_(True)
+        sh.values = None if sh.globally_empty else vals
+        return moved
+
+    def _departing(self, ms: MoveStep) -> torch.Tensor:
+        """The rows this rank sends in the moves (value + optimizer state), in send order."""
         st = self.store
         s_tab, s_row = ms.table[ms.send_idx], ms.row[ms.send_idx]
         s_slot = st.slot_of_all[st.gkeys(s_tab, s_row)].astype(np.int64)
         if (s_slot < 0).any():  # pragma: no cover - the plan checks guarantee ownership
             raise RuntimeError("a moved row sent by a rank that does not own it")
-        send = st.read_packed(s_tab, s_slot)  # departing rows (value + optimizer state), in send order
-        recv = self._move_dist(send, ms, check).wait()
-        st.release_many(s_tab, s_row)
+        return st.read_packed(s_tab, s_slot)
+
+    def _land(self, ms: MoveStep, recv: torch.Tensor) -> dict[str, int]:
+        """Apply the moves once the rows have travelled: departing rows released, ownership updated on every rank,
+        arriving rows written to free slots."""
+        st = self.store
+        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
         st.set_owner_many(ms.table, ms.row, ms.dst)  # every rank applies every move to the global ownership map
         r_tab, r_row = ms.table[ms.recv_idx], ms.row[ms.recv_idx]
         st.write_packed(r_tab, st.allocate_many(r_tab, r_row), recv)
         return sent_by_kind(ms)
-
-    def exchange_values(self, sh: SharedStep, training: bool, check: ErrorCheck | None) -> None:
-        """Owners send the shared rows' values to their readers (one all-to-all, all tables at once) into
-        `sh.values`, a leaf requiring grad when training. With `check`, it also carries the step's error flags."""
-        if sh.globally_empty:
-            sh.values = None
-            return
-        st = self.store
-        slots = st.slot_of_all[sh.send_gkey].astype(np.int64)
-        if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
-            raise RuntimeError("shared row sent by a rank that does not own it")
-        send = st.read_packed(sh.send_table, slots, with_state=False)  # laid out as send_off
-        vals = self._value_dist(send, sh, check).wait()
-        if training:
-            vals.requires_grad_(True)
-        sh.values = vals
 
     def pooled(self, local: LocalInput, sh: SharedStep) -> torch.Tensor:
         """Pooled embeddings [B, sum of dims]: the TBE over exclusive ids, plus the received values of shared ids
@@ -97,8 +115,8 @@ class HeraldLookup:
         vals = sh.values
         grad = vals.grad if vals is not None and vals.grad is not None else None
         if grad is None:
-            grad = torch.zeros(int(sum(sh.recv_splits)), dtype=torch.float32, device=self.device)
-        grad = grad.detach()
+            grad = torch.zeros(int(self.store.dims_arr[sh.recv_table].sum()), dtype=torch.float32, device=self.device)
+        grad = self._in_grad_order(grad.detach(), sh)
         sh.values = None
         back = self._grad_dist(grad, sh).wait()  # laid out as send_off
         if sh.send_gkey.shape[0] == 0:
@@ -108,6 +126,19 @@ class HeraldLookup:
         summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), back.view(-1, lay.width))
         with phase("finish_step.apply"):
             st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
+
+    def _in_grad_order(self, grad: torch.Tensor, sh: SharedStep) -> torch.Tensor:
+        """The gradients of the values (value order: by sender before the moves) in send order (by owner after them);
+        the identity when no shared row moved (static plans), then nothing is copied."""
+        idx = sh.grad_idx
+        if idx.shape[0] == 0 or (idx == np.arange(idx.shape[0])).all():
+            return grad
+        st = self.store
+        if st.uniform_dim is not None:
+            d = st.uniform_dim
+            return grad.view(-1, d).index_select(0, torch.from_numpy(idx).to(grad.device)).view(-1)
+        pos = ragged_arange(sh.recv_off[idx], st.dims_arr[sh.recv_table[idx]])
+        return grad.index_select(0, torch.from_numpy(pos).to(grad.device))
 
     def static_plan(self, local: LocalInput) -> Plan:
         """The plan of the `static` policy for this batch (collective: an all-gather of every rank's ids)."""

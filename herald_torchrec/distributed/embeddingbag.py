@@ -7,18 +7,22 @@ Herald input-permutation stage has given this rank exactly its B samples of the 
 `output_dist` moves nothing either. All the communication of a step happens in `compute` and `finish_step`,
 driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARCHITECTURE.md §2, schedule/plan.py):
 
-(a) moves: one all-to-all of rows + optimizer state (every row leaves, then every row arrives; directories updated);
+(a) one all-to-all carries the step's moves (rows + optimizer state; every row leaves, then every row arrives;
+    directories updated) and the shared rows' values, which the owners *before* the moves send to every reader (a
+    moving row has the same value on both sides of its move; a reader that receives the row itself in the moves
+    reads it from its store once they have landed);
 (b) every local id is classified: *exclusive* (owned here after the moves and not in `plan.shared`) -> this rank's
-    FBGEMM TBE over local slots, updated by the TBE's fused optimizer in backward; *shared* -> the owner sends the
-    value to each reader (one all-to-all; the owner's own reads take the same path), readers feed the received
-    values as a leaf tensor requiring grad, sum-pooled per bag and added to the TBE's pooled output;
+    FBGEMM TBE over local slots, updated by the TBE's fused optimizer in backward; *shared* -> its value came in
+    (a) (the owner's own reads take the same path), readers feed the values as a leaf tensor requiring grad,
+    sum-pooled per bag and added to the TBE's pooled output;
 (c) `finish_step()` (called by the fused optimizer's `step()`, or at the latest by the next forward): readers return
-    their shared-row gradients (the reverse all-to-all), each owner sums them per key and applies ONE update through
-    its TBE (a forward over one-row bags, then a backward: bit-exact with the fused path).
+    their shared-row gradients to the owners after the moves (a second all-to-all), each owner sums them per key
+    and applies ONE update through its TBE (a forward over one-row bags, then a backward: bit-exact with the
+    fused path).
 
 Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
 or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`; in
-other steps the error flags ride on the first all-to-all). The per-step work is vectorised over all tables: ids,
+other steps the error flags ride on the step's all-to-all). The per-step work is vectorised over all tables: ids,
 moves and shared pairs are handled by global key (`RowStore.key_base[t] + row`) in one numpy pass each.
 A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
 but changed nothing: the module stays usable. In eval mode, or with no plan queued, the module builds the *static*
@@ -345,8 +349,8 @@ class ShardedHeraldEmbeddingBagCollection(
     def _step_impl(self, features: KeyedJaggedTensor) -> torch.Tensor:
         # Collectives must be issued in the same order on every rank: plan-level (global) checks raise alike
         # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
-        # raised on every rank together before anything moves: their flag rides on the step's first all-to-all
-        # (moves, else shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
+        # raised on every rank together before anything moves: their flag rides on the step's all-to-all (moves
+        # and shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
         if self._pending is not None:
             self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
         err: Exception | None = None
@@ -383,11 +387,9 @@ class ShardedHeraldEmbeddingBagCollection(
             if check is None:
                 with phase("step.sync_error"):
                     self._sync_error(err)
-            with phase("step.execute_moves"):
-                moved = self._exec.apply_moves(moves, check)
             training = self.training and torch.is_grad_enabled()
-            with phase("step.exchange_values"):
-                self._exec.exchange_values(shared, training, check if moves.globally_empty else None)
+            with phase("step.exchange"):
+                moved = self._exec.exchange(moves, shared, training, check)
             with phase("step.lookup"):
                 out = self._exec.pooled(local, shared)
         finally:

@@ -49,23 +49,35 @@ class MoveStep:
 
 @dataclass
 class SharedStep:
-    """One step's shared-row exchange as seen by this rank (built from the plan; identical sizes everywhere)."""
+    """One step's shared-row exchange as seen by this rank (built from the plan; identical sizes everywhere).
 
-    send_table: np.ndarray  # pairs this rank owns, in send order (by reader): table, row, global key
+    Values travel from the row's owner *before* the step's moves (a moving row has the same value on both sides of
+    its move), so they ride on the step's one forward all-to-all together with the moves; a reader that receives the
+    row itself in the moves (it is the owner after them) reads it from its store once the moves are applied (the
+    `fill` pairs: no value is sent twice). Gradients go back to the owner *after* the moves, which applies one
+    update per row. Pairs are (key, reader) pairs; `send_*` name the owner's side of the gradient return."""
+
+    send_table: np.ndarray  # pairs this rank owns after the moves, by reader: table, row, global key
     send_row: np.ndarray
     send_gkey: np.ndarray
-    send_off: np.ndarray  # float offset of each pair in the send buffer
-    send_splits: list[int]
-    recv_table: np.ndarray  # pairs this rank reads, in receive order (by owner)
+    send_off: np.ndarray  # float offset of each pair in the returned-gradient buffer
+    send_splits: list[int]  # returned-gradient floats from each reader
+    recv_table: np.ndarray  # pairs this rank reads, in value order: received by sender rank, then the fill pairs
     recv_row: np.ndarray
-    recv_off: np.ndarray
-    recv_splits: list[int]
-    n_values_out: int  # pairs sent to other ranks
-    n_grads_out: int  # pairs received from other ranks (their gradients go back)
+    recv_off: np.ndarray  # float offset of each pair in the value buffer
+    recv_splits: list[int]  # value floats received from each sender (fill pairs not included)
+    n_values_out: int  # pairs owned here after the moves with another reader (the plan's `shared_value` rows)
+    n_grads_out: int  # pairs read here whose owner after the moves is another rank (gradients sent back)
     globally_empty: bool
     marked: np.ndarray = field(default_factory=_empty)  # global keys of every shared row of the step
-    recv_gkey: np.ndarray = field(default_factory=_empty)  # global keys of the pairs received, in receive order
-    values: "object | None" = None  # received values (torch.Tensor, flat; a leaf requiring grad when training)
+    recv_gkey: np.ndarray = field(default_factory=_empty)  # global keys of the pairs read here, in value order
+    value_table: np.ndarray = field(default_factory=_empty)  # pairs whose value this rank sends, by reader
+    value_gkey: np.ndarray = field(default_factory=_empty)
+    value_splits: list[int] = field(default_factory=list)  # value floats sent to each reader
+    n_fill: int = 0  # the last n_fill pairs of the value order are read from the store after the moves
+    grad_idx: np.ndarray = field(default_factory=_empty)  # value-order positions in gradient send order (by owner)
+    grad_splits: list[int] = field(default_factory=list)  # gradient floats sent to each owner
+    values: "object | None" = None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
 
 
 @dataclass
@@ -227,13 +239,14 @@ def sent_by_kind(ms: MoveStep) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ shared rows
 def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     """Check the plan's shared rows (owners as after the moves, readers sorted and distinct; global checks) and lay
-    out this rank's part of the shared-value all-to-all (and of the reverse gradient all-to-all)."""
+    out this rank's part of the values (sent with the moves, by the owners before them) and of the gradient return
+    (to the owners after them). Call it before the step's moves are applied: it reads the current owners."""
     R, r = st.world_size, st.rank
     sh = plan.shared
     n = len(sh)
     if n == 0:
         z = _empty()
-        return SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True)
+        return SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True, value_splits=[0] * R, grad_splits=[0] * R)
     table = np.asarray(sh.table, dtype=np.int64)
     row = np.asarray(sh.row, dtype=np.int64)
     owner = np.asarray(sh.owner, dtype=np.int64)
@@ -264,23 +277,40 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     if np.unique(gkey).shape[0] != n:
         raise ValueError(f"plan {plan.step}: a row is listed twice in shared")
     p_tab, p_row, p_own, p_key = table[pair_key], row[pair_key], owner[pair_key], gkey[pair_key]
+    p_pre = st.owner_all[p_key].astype(np.int64)  # owner before the moves: it holds the value now
     p_w = st.dims_arr[p_tab]
-    send_sel, recv_sel, send_splits, recv_splits = routes(p_own, readers, p_w, r, R)
+    fill = (readers == p_own) & (p_pre != p_own)  # the reader gets the row itself in the moves
+    # values: owner before the moves -> reader (fill pairs excepted); this rank's reads = received, then its fills
+    via = np.flatnonzero(~fill)
+    v_send, v_recv, value_splits, recv_splits = routes(p_pre[via], readers[via], p_w[via], r, R)
+    v_send, v_recv = via[v_send], via[v_recv]
+    fills = np.flatnonzero(fill & (readers == r))
+    mine = np.concatenate([v_recv, fills])
+    # gradients: reader -> owner after the moves
+    g_send, g_recv, grad_splits, send_splits = routes(readers, p_own, p_w, r, R)
+    position = np.empty(readers.shape[0], dtype=np.int64)
+    position[mine] = np.arange(mine.shape[0], dtype=np.int64)
     return SharedStep(
-        send_table=p_tab[send_sel],
-        send_row=p_row[send_sel],
-        send_gkey=p_key[send_sel],
-        send_off=exclusive_cumsum(p_w[send_sel]),
+        send_table=p_tab[g_recv],
+        send_row=p_row[g_recv],
+        send_gkey=p_key[g_recv],
+        send_off=exclusive_cumsum(p_w[g_recv]),
         send_splits=send_splits,
-        recv_table=p_tab[recv_sel],
-        recv_row=p_row[recv_sel],
-        recv_off=exclusive_cumsum(p_w[recv_sel]),
+        recv_table=p_tab[mine],
+        recv_row=p_row[mine],
+        recv_off=exclusive_cumsum(p_w[mine]),
         recv_splits=recv_splits,
-        n_values_out=int((readers[send_sel] != r).sum()),
-        n_grads_out=int((p_own[recv_sel] != r).sum()),
+        n_values_out=int((readers[g_recv] != r).sum()),
+        n_grads_out=int((p_own[g_send] != r).sum()),
         globally_empty=False,
         marked=gkey,
-        recv_gkey=p_key[recv_sel],
+        recv_gkey=p_key[mine],
+        value_table=p_tab[v_send],
+        value_gkey=p_key[v_send],
+        value_splits=value_splits,
+        n_fill=int(fills.shape[0]),
+        grad_idx=position[g_send],
+        grad_splits=grad_splits,
     )
 
 
