@@ -64,7 +64,7 @@ class SharedRows:
 
 @dataclass
 class ReadVersions:
-    """Counting-only policies (executable=False) report, for every distinct (key, reader) pair of the step, the
+    """Counting-only policies (executable=False) and the replica policies report, for every distinct (key, reader) pair of the step, the
     version of the value the reader computes with (number of BSP steps whose update it contains), so that the
     checker can compare it with the true latest version. Ownership plans leave `Plan.reads` as None: the checker
     derives what every reader sees from the moves and the shared rows."""
@@ -99,6 +99,20 @@ class ReplicaSync:
     to_replicas_row: np.ndarray = field(default_factory=_i64)
     allreduce_table: np.ndarray = field(default_factory=_i64)
     allreduce_row: np.ndarray = field(default_factory=_i64)
+    # the whole replicated set, sent once (the first plan after the policy chose it): the data plane builds its
+    # replica region from it, initialised from the home copies; empty in every other step
+    replicated_table: np.ndarray = field(default_factory=_i64)
+    replicated_row: np.ndarray = field(default_factory=_i64)
+
+    def for_tables(self, lo: int, hi: int) -> "ReplicaSync":
+        """The rows of tables [lo, hi), table indices shifted to start at 0 (see `Plan.for_tables`)."""
+        out = ReplicaSync()
+        for name in ("to_home", "to_replicas", "allreduce", "replicated"):
+            t, r = getattr(self, f"{name}_table"), getattr(self, f"{name}_row")
+            m = (t >= lo) & (t < hi)
+            setattr(out, f"{name}_table", t[m] - lo)
+            setattr(out, f"{name}_row", r[m])
+        return out
 
 
 @dataclass
@@ -118,6 +132,7 @@ class Plan:
     reads: ReadVersions | None = None  # counting-only policies: version read by every (key, reader) pair
     replicas: ReplicaSync | None = None  # replica-based policies (fae, p2res): syncs and all-reduces of the step
     sched_seconds: float = 0.0  # wall time the policy spent planning this step (filled by the policy)
+    stale_reads: int = 0  # (key, reader) pairs the policy serves with an older value than the latest (het, S > 0)
 
     def assignment(self) -> np.ndarray:
         """rank of every global sample (inverse view of sample_order)."""
@@ -160,5 +175,6 @@ class Plan:
         keep = np.repeat(k, counts)
         shared = SharedRows(sh.table[k] - lo, sh.row[k], sh.owner[k],
                             np.concatenate([[0], np.cumsum(counts[k])]).astype(np.int64), sh.readers[keep])
+        replicas = None if self.replicas is None else self.replicas.for_tables(lo, hi)
         return Plan(self.step, self.num_ranks, self.batch_per_rank, self.sample_order, moves, shared, dict(self.counters),
-                    self.stateful_kinds, self.executable, None, self.sched_seconds)
+                    self.stateful_kinds, self.executable, None, replicas, self.sched_seconds)
