@@ -12,6 +12,7 @@ tests/test_distributed_parity.py checks the sharded module itself, default eps, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,10 @@ def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: flo
         assert _max_diff(states[s]["optimizer_state"], ref["optimizer_state"]) <= 1e-5, s
         assert _max_diff(states[s]["dense"], ref["dense"]) <= 1e-5, s
     assert _max_diff(states["herald"]["tables"], states["static"]["tables"]) <= 1e-5
+    # p2res really read rows through replicas (all-reduced) and the rest through home, with no stale read
+    m = json.loads((tmp_path / "p2res" / "metrics.json").read_text())
+    assert m["module_rows_by_kind"]["allreduce"] > 0 and m["module_rows_by_kind"]["shared_value"] > 0, m
+    assert m["stale_reads"] == 0 and m["comm_bytes_per_step"] > 0
     # and training moved the tables away from their (shared) initial values: the comparison is not vacuous
     init = _initial_tables()
     assert _max_diff(states["herald"]["tables"], init) > 1e-3

@@ -301,7 +301,7 @@ class PlanChecker:
             self._err(res, f"negative counter in {c}")
         if plan.read_pairs() != res.read_pairs:
             self._err(res, f"counters serve {plan.read_pairs()} reads, the step has {res.read_pairs} (key, reader) pairs")
-        if plan.executable:
+        if plan.executable and "shared_value" in c:  # ownership and replica plans (cache plans count pulls)
             remote = plan.shared.remote_reads()
             if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
                 self._err(res, f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != remote reads {remote}")
