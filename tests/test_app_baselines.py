@@ -1,0 +1,96 @@
+"""`train.py scheduler=fae|het|p2res`: the baselines run in Herald's engine, 2 gloo ranks, and report the same
+metrics as Herald. p2res's exactness (same model as stock TorchRec) is in test_app_exactness.py.
+
+Default: one quick fae run (NCF: two tables, so many samples are all-hot and the run switches between hot and cold
+batches) and one het run; `-m slow`: every model under fae and het, and het with staleness 0 ending at stock's model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_app
+
+COMMON = ["trainer.eval_interval=0", "data.val_batches=2"]
+
+
+def _run(tmp_path: Path, args: list[str]) -> dict:
+    p = run_app([*args, *COMMON, f"run_dir={tmp_path}"], nproc=2)
+    path = tmp_path / "metrics.json"
+    assert path.exists(), f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    return json.loads(path.read_text())
+
+
+def _check_common(m: dict, steps: int) -> None:
+    assert m["steps"] == steps and m["world_size"] == 2
+    assert math.isfinite(m["last_loss"]) and 0.0 < m["auc"] < 1.0 and math.isfinite(m["logloss"])
+    assert m["comm_bytes_per_step"] > 0 and 0.0 <= m["hit_rate"] <= 1.0
+    assert m["dropped_samples"] == 0
+
+
+def _check_fae(m: dict, steps: int) -> None:
+    _check_common(m, steps)
+    plan, module = m["plan_rows_by_kind"], m["module_rows_by_kind"]
+    pol = m["policy"]
+    assert pol["name"] == "fae" and pol["replicated_rows"] > 0
+    assert 0 < pol["hot_batches"] < steps  # hot batches (replicas) and cold ones (home) both ran
+    # what the data plane executed is what the scheduler planned (R = 2: 2 (R-1) rows per all-reduced row = one
+    # row per rank)
+    for k in ("hit", "shared_value", "shared_grad", "allreduce"):
+        assert module[k] == plan[k], (k, module, plan)
+    assert plan["allreduce"] > 0 and plan["shared_value"] > 0
+    assert m["stale_reads"] == 0 and 0.0 < m["fae_hot_sample_share"] < 1.0
+
+
+def _check_het(m: dict, steps: int, staleness: int) -> None:
+    _check_common(m, steps)
+    plan = m["plan_rows_by_kind"]
+    assert m["policy"]["name"] == "het" and m["policy"]["staleness"] == staleness
+    assert plan["miss_pull"] > 0 and plan["hit"] > 0 and plan["update_push"] > 0
+    assert (m["stale_reads"] > 0) == (staleness > 0)
+
+
+def test_fae_runs_hot_and_cold_batches(tmp_path: Path) -> None:
+    steps = 16
+    m = _run(tmp_path, ["scheduler=fae", "model=ncf", f"trainer.steps={steps}", "scheduler.window=4",
+                        "scheduler.profile_fraction=0.5"])
+    _check_fae(m, steps)
+    assert m["plan_rows_by_kind"]["replica_sync"] > 0  # a cold -> hot switch copied home rows to the replicas
+
+
+def test_het_staleness_zero_runs(tmp_path: Path) -> None:
+    m = _run(tmp_path, ["scheduler=het", "model=wdl", "trainer.steps=8"])
+    _check_het(m, 8, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["wdl", "ncf", "deepfm", "dcn"])
+@pytest.mark.parametrize("scheduler", ["fae", "het"])
+def test_baselines_run_every_model(tmp_path: Path, model: str, scheduler: str) -> None:
+    steps = 12
+    extra = ["scheduler.window=4", "scheduler.hot_budget=200000"] if scheduler == "fae" else []
+    m = _run(tmp_path, [f"scheduler={scheduler}", f"model={model}", f"trainer.steps={steps}", *extra])
+    if scheduler == "fae":
+        _check_fae(m, steps)
+    else:
+        _check_het(m, steps, 0)
+
+
+@pytest.mark.slow
+def test_het_staleness_zero_trains_stock_model(tmp_path: Path) -> None:
+    """HET-BSP is exact BSP: the same model as stock TorchRec ROW_WISE (SGD; Adagrad is covered by the shared path's
+    own exactness tests)."""
+    states = {}
+    for name, args in (("het", ["scheduler=het"]), ("torchrec", ["scheduler=torchrec", "sharding.types=[row_wise]"])):
+        _run(tmp_path / name, [*args, "trainer.steps=20", "trainer.embedding_optimizer=sgd", "trainer.embedding_lr=0.5",
+                               "trainer.dense_optimizer=sgd", "trainer.dense_lr=0.05", "trainer.save_final=true"])
+        states[name] = torch.load(tmp_path / name / "final_state.pt")
+    for part in ("tables", "dense"):
+        a, b = states["het"][part], states["torchrec"][part]
+        assert set(a) == set(b)
+        assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-5, part
