@@ -115,6 +115,29 @@ class ReplicaSync:
         return out
 
 
+HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL = 0, 1, 2, 3  # CacheStep.action
+
+
+@dataclass
+class CacheStep:
+    """What HET's per-worker caches do in one step (het, schedule/het_stale.py), for the data plane to execute
+    (distributed/het_cache.py). Per distinct (key, reader) pair of the step: `action` HIT (the cached copy),
+    MISS_PULL (the home/PS value + optimizer state, then cached), MISS_UNCACHED (the PS value, read without caching:
+    no room), UPDATE_PULL (the cached copy refreshed from the PS, its pending updates re-applied); `push`: after the
+    step the reader pushes its accumulated gradient to the PS (more than S pending, or uncached). `evict_*`: copies
+    dropped before the step (LRU, to make room), `evict_push` where they held pending updates (pushed first)."""
+
+    table: np.ndarray = field(default_factory=_i64)
+    row: np.ndarray = field(default_factory=_i64)
+    rank: np.ndarray = field(default_factory=_i64)
+    action: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+    push: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    evict_table: np.ndarray = field(default_factory=_i64)
+    evict_row: np.ndarray = field(default_factory=_i64)
+    evict_rank: np.ndarray = field(default_factory=_i64)
+    evict_push: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
 @dataclass
 class Plan:
     step: int
@@ -132,6 +155,7 @@ class Plan:
     reads: ReadVersions | None = None  # counting-only policies: version read by every (key, reader) pair
     replicas: ReplicaSync | None = None  # replica-based policies (fae, p2res): syncs and all-reduces of the step
     sched_seconds: float = 0.0  # wall time the policy spent planning this step (filled by the policy)
+    cache: CacheStep | None = None  # HET's caches (het): reads, pulls, pushes and evictions of the step
     stale_reads: int = 0  # (key, reader) pairs the policy serves with an older value than the latest (het, S > 0)
 
     def assignment(self) -> np.ndarray:
@@ -167,6 +191,8 @@ class Plan:
         """The part of the plan on tables [lo, hi), their indices shifted to start at 0: what one sharded module of a
         model with several Herald-managed EBCs executes (the scheduler plans all of them in one table space). The
         sample order and the counters are the whole step's."""
+        if self.cache is not None:
+            raise ValueError("het plans run with one Herald-managed EmbeddingBagCollection (its caches are not split)")
         mv, sh = self.moves, self.shared
         m = (mv.table >= lo) & (mv.table < hi)
         moves = RowMoves(mv.table[m] - lo, mv.row[m], mv.src[m], mv.dst[m], mv.kind[m])
