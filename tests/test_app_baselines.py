@@ -2,7 +2,8 @@
 metrics as Herald. p2res's exactness (same model as stock TorchRec) is in test_app_exactness.py.
 
 Default: one quick fae run (NCF: two tables, so many samples are all-hot and the run switches between hot and cold
-batches) and one het run; `-m slow`: every model under fae and het, and het with staleness 0 ending at stock's model.
+batches) and one het run with staleness 2; `-m slow`: every model under fae and het (S = 0 and 2), and het with
+staleness 0 ending at stock TorchRec's model (both fused optimizers).
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def _check_fae(m: dict, steps: int) -> None:
 
 def _check_het(m: dict, steps: int, staleness: int) -> None:
     _check_common(m, steps)
-    plan = m["plan_rows_by_kind"]
+    plan, module = m["plan_rows_by_kind"], m["module_rows_by_kind"]
     assert m["policy"]["name"] == "het" and m["policy"]["staleness"] == staleness
     assert plan["miss_pull"] > 0 and plan["hit"] > 0 and plan["update_push"] > 0
+    # the data plane's caches did what HET's model planned: same hits, pulls and pushes
+    for k in ("hit", "miss_pull", "update_pull", "update_push", "evict_push"):
+        assert module[k] == plan[k], (k, module, plan)
+    assert module["shared_value"] == 0  # every read went through the caches
     assert (m["stale_reads"] > 0) == (staleness > 0)
 
 
@@ -63,34 +68,40 @@ def test_fae_runs_hot_and_cold_batches(tmp_path: Path) -> None:
     assert m["plan_rows_by_kind"]["replica_sync"] > 0  # a cold -> hot switch copied home rows to the replicas
 
 
-def test_het_staleness_zero_runs(tmp_path: Path) -> None:
-    m = _run(tmp_path, ["scheduler=het", "model=wdl", "trainer.steps=8"])
-    _check_het(m, 8, 0)
+def test_het_with_staleness_runs(tmp_path: Path) -> None:
+    m = _run(tmp_path, ["scheduler=het", "scheduler.staleness=2", "model=wdl", "trainer.steps=8"])
+    _check_het(m, 8, 2)
+    assert m["plan_rows_by_kind"]["evict_push"] > 0  # copies with pending updates were evicted (pushed first)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["wdl", "ncf", "deepfm", "dcn"])
-@pytest.mark.parametrize("scheduler", ["fae", "het"])
+@pytest.mark.parametrize("scheduler", ["fae", "het", "het_s2"])
 def test_baselines_run_every_model(tmp_path: Path, model: str, scheduler: str) -> None:
     steps = 12
-    extra = ["scheduler.window=4", "scheduler.hot_budget=200000"] if scheduler == "fae" else []
-    m = _run(tmp_path, [f"scheduler={scheduler}", f"model={model}", f"trainer.steps={steps}", *extra])
+    extra = {"fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
+             "het": ["scheduler=het"], "het_s2": ["scheduler=het", "scheduler.staleness=2"]}[scheduler]
+    m = _run(tmp_path, [*extra, f"model={model}", f"trainer.steps={steps}"])
     if scheduler == "fae":
         _check_fae(m, steps)
     else:
-        _check_het(m, steps, 0)
+        _check_het(m, steps, 2 if scheduler == "het_s2" else 0)
 
 
 @pytest.mark.slow
-def test_het_staleness_zero_trains_stock_model(tmp_path: Path) -> None:
-    """HET-BSP is exact BSP: the same model as stock TorchRec ROW_WISE (SGD; Adagrad is covered by the shared path's
-    own exactness tests)."""
+@pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
+def test_het_staleness_zero_trains_stock_model(tmp_path: Path, optimizer: str, lr: float) -> None:
+    """HET with staleness 0 (HET-BSP) through real caches is exact BSP: the same tables, optimizer state and dense
+    parameters as stock TorchRec ROW_WISE (eps 1e-3 for Adagrad: see test_app_exactness.py)."""
+    eps = ["trainer.embedding_eps=1e-3"] if optimizer == "rowwise_adagrad" else []
     states = {}
     for name, args in (("het", ["scheduler=het"]), ("torchrec", ["scheduler=torchrec", "sharding.types=[row_wise]"])):
-        _run(tmp_path / name, [*args, "trainer.steps=20", "trainer.embedding_optimizer=sgd", "trainer.embedding_lr=0.5",
-                               "trainer.dense_optimizer=sgd", "trainer.dense_lr=0.05", "trainer.save_final=true"])
+        m = _run(tmp_path / name, [*args, *eps, "trainer.steps=30", f"trainer.embedding_optimizer={optimizer}",
+                                   f"trainer.embedding_lr={lr}", "trainer.dense_optimizer=sgd", "trainer.dense_lr=0.05",
+                                   "data.locality=0.7", "trainer.save_final=true"])
         states[name] = torch.load(tmp_path / name / "final_state.pt")
-    for part in ("tables", "dense"):
+    assert m["steps"] == 30
+    for part in ("tables", "optimizer_state", "dense"):
         a, b = states["het"][part], states["torchrec"][part]
-        assert set(a) == set(b)
-        assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-5, part
+        assert set(a) == set(b) and (a or part == "optimizer_state")
+        assert max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0) <= 1e-5, part
