@@ -105,3 +105,23 @@ def test_het_staleness_zero_trains_stock_model(tmp_path: Path, optimizer: str, l
         a, b = states["het"][part], states["torchrec"][part]
         assert set(a) == set(b) and (a or part == "optimizer_state")
         assert max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0) <= 1e-5, part
+
+
+def test_fae_reorder_moves_hot_samples_first_within_a_window() -> None:
+    """FAE's stream step on hand-made batches: same samples and batch sizes, hot samples (stream order) first."""
+    import numpy as np
+
+    from herald_torchrec.baselines import FaeReorder
+    from herald_torchrec.data.samples import Samples
+
+    def batch(ids: list[int]) -> Samples:
+        n = len(ids)
+        return Samples(np.zeros((n, 1), np.float32), np.array(ids, dtype=np.int64)[:, None], np.arange(n, dtype=np.float32))
+
+    stream = [batch([9, 1, 8, 2]), batch([3, 7, 6, 4]), batch([0, 9, 9, 9]), batch([5, 5])]  # last: short
+    fae = FaeReorder(2, lambda s: s.ids[:, 0] < 5)
+    out = [b.ids[:, 0].tolist() for b in fae(iter(stream))]
+    assert out == [[1, 2, 3, 4], [9, 8, 7, 6], [0, 9, 9, 9], [5, 5]]  # window 2: batches 0+1, then 2 (+ short 3)
+    assert fae.hot_samples == 4 and fae.samples == 8  # the window of batch 2 was left as it is (a short batch in it)
+    with pytest.raises(ValueError, match="window"):
+        FaeReorder(0, lambda s: s.ids[:, 0] < 5)

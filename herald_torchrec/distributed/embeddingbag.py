@@ -370,14 +370,19 @@ class ShardedHeraldEmbeddingBagCollection(
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._exec.static_plan(local)
+        # baselines (issue 10): replica syncs / HET's evictions and pulls (collectives driven by the plan alone, so
+        # every rank runs them), then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
         full_local, rstep, cstep = local, None, None
-        if plan.replicas is not None:  # replica syncs (collective), then the ids read through replicas set aside
-            local, rstep = self._replicas.begin(plan, local)
-        if plan.cache is not None:  # HET: evictions and pulls (collective), then every id is read from the cache
-            if self._cache is None:
-                self._cache = WorkerCache(self._store, self._comm, self.device, self.optimizer_type, self.learning_rate,
-                                          self.eps, self._cache_settings)
-            local, cstep = self._cache.begin(plan, local)
+        try:
+            if plan.replicas is not None:
+                local, rstep = self._replicas.begin(plan, local)
+            if plan.cache is not None:
+                if self._cache is None:
+                    self._cache = WorkerCache(self._store, self._comm, self.device, self.optimizer_type,
+                                              self.learning_rate, self.eps, self._cache_settings)
+                local, cstep = self._cache.begin(plan, local)
+        except ValueError as e:
+            err, local = e, None
         with phase("step.prepare_moves"):
             moves = prepare_moves(plan, self._store)  # global checks: every rank raises alike
         with phase("step.prepare_shared"):
