@@ -25,6 +25,7 @@ class CachePolicyBase(SchedulePolicy):
     executable = True  # staleness 0 (het_bsp, het with S = 0); see `runs_with`
     kinds = CACHE_KINDS
     push_all = True
+    home_path = True  # fresh steps also carry `shared` (home owner); het runs its own caches instead
 
     @classmethod
     def runs_with(cls, staleness: int = 0, **_: object) -> None:
@@ -58,12 +59,12 @@ class CachePolicyBase(SchedulePolicy):
         home = (rd.keys - self.layout.offsets[self.table_of[rd.keys]]) // self.block[self.table_of[rd.keys]]
         stale = int((ver != self.caches.V[pg] - 1).sum())  # V already counts this step's update
         shared = None
-        if stale == 0:  # exact BSP step: executable on the home path
+        if stale == 0 and self.home_path:  # exact BSP step: executable on the home path
             remote = np.bincount(rd.pair_key, weights=rd.pair_rank != home[rd.pair_key], minlength=rd.keys.shape[0]) > 0
             ids, offs, readers = rd.readers_csr(remote)
             shared = shared_rows(self.layout, self.table_of, rd.keys[ids], home[ids], offs, readers)
         plan = Plan(step=self.step, num_ranks=self.num_ranks, batch_per_rank=self.batch_per_rank, sample_order=order,
-                    counters=counters, executable=shared is not None,
+                    counters=counters, executable=shared is not None or not self.home_path,
                     reads=ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=ver), stale_reads=stale)
         if shared is not None:
             plan.shared = shared

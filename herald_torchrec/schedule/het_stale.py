@@ -113,15 +113,14 @@ class HetPolicy(CachePolicyBase):
     With S = 0 every read sees the latest value, so the run is exact BSP."""
 
     name = "het"
+    home_path = False
 
     @classmethod
     def runs_with(cls, staleness: int = 0, **_: object) -> None:  # every S runs (see the class docstring)
         return None
 
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
-        plan = super()._plan(batches)
-        plan.shared = type(plan.shared)()  # reads go through the caches, not the home path
-        plan.executable = True
+        plan = super()._plan(batches)  # no `shared`: every read goes through the caches
         cs = self.caches
         t, row = plan.reads.table, plan.reads.row
         ev = cs.evicted
