@@ -128,8 +128,8 @@ class WorkerCache:
         if mine_e.size:
             self.acc.index_fill_(0, self._acc_pos(et[mine_e], e_slots), 0.0)
             self.slot_of[st.gkeys(et[mine_e], er[mine_e])] = -1
-            for t, s in zip(et[mine_e].tolist(), e_slots.tolist()):
-                self._free[t].append(s)
+            for t in np.unique(et[mine_e]).tolist():  # one list operation per table
+                self._free[t].extend(e_slots[et[mine_e] == t].tolist())
         # 2. pulls: the PS (home) sends value + state
         pulled = action != HIT
         home = row // st.home_block_arr[tab]
@@ -143,15 +143,21 @@ class WorkerCache:
         goff = exclusive_cumsum(width[recv])
         mine = np.flatnonzero(rank == r)  # this rank's pairs (sorted by key: the plan lists pairs by key)
         gk = st.gkeys(tab[mine], row[mine])
-        for_me = {int(i): j for j, i in enumerate(recv.tolist())}
+        for_me = np.full(tab.shape[0], -1, dtype=np.int64)  # pair -> its place among the pulls received
+        for_me[recv] = np.arange(recv.shape[0], dtype=np.int64)
         ins = mine[action[mine] == MISS_PULL]
-        for t, g in zip(tab[ins].tolist(), st.gkeys(tab[ins], row[ins]).tolist()):
-            if not self._free[t]:
-                raise ValueError(f"plan {plan.step}: rank {r} has no free cache slot in table {st.tables[t].name!r}")
-            self.slot_of[g] = self._free[t].pop()
+        ins_g = st.gkeys(tab[ins], row[ins])
+        for t in np.unique(tab[ins]).tolist():  # slots from the table's free stack, one list operation per table
+            m = tab[ins] == t
+            n, free = int(m.sum()), self._free[t]
+            if n > len(free):
+                raise ValueError(f"plan {plan.step}: rank {r} has {len(free)} free cache slots in table "
+                                 f"{st.tables[t].name!r}, {n} rows arrive")
+            self.slot_of[ins_g[m]] = free[len(free) - n:][::-1]
+            del free[len(free) - n:]
         cached = mine[np.isin(action[mine], (MISS_PULL, UPDATE_PULL))]
         if cached.size:
-            j = np.array([for_me[int(i)] for i in cached], dtype=np.int64)
+            j = for_me[cached]
             pos = torch.from_numpy(ragged_arange(goff[j], width[cached])).to(self.device)
             c_tab, c_slot = tab[cached], self.slot_of[st.gkeys(tab[cached], row[cached])]
             self.copies.write_packed(c_tab, c_slot, got.index_select(0, pos))
@@ -161,7 +167,7 @@ class WorkerCache:
                 self.copies.apply_summed_gradients_packed(c_tab[up], c_slot[up], acc)
         unc = mine[action[mine] == MISS_UNCACHED]
         if unc.size:
-            j = np.array([for_me[int(i)] for i in unc], dtype=np.int64)
+            j = for_me[unc]
             d = st.dims_arr[tab[unc]]
             uncached = got.index_select(0, torch.from_numpy(ragged_arange(goff[j], d)).to(self.device))
         else:
@@ -234,14 +240,16 @@ class WorkerCache:
             self.acc.index_add_(0, self._acc_pos(rd.table[cached], rd.slot[cached]), g)
         # this rank's pushes, in its pair order: the pending gradient (cached) or the step's (uncached)
         pushing = np.flatnonzero(rd.push)
-        parts = []
-        for i in pushing.tolist():  # few per step; the buffer is built in pair order
-            if rd.slot[i] >= 0:
-                parts.append(self.acc[self._acc_pos(rd.table[i : i + 1], rd.slot[i : i + 1])])
-            else:
-                parts.append(grad[voff[i] : voff[i] + d[i]])
-        mine_push = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-        c_push = pushing[rd.slot[pushing] >= 0]
+        out_off = exclusive_cumsum(d[pushing])  # the buffer holds the pushes in pair order
+        mine_push = torch.zeros(int(d[pushing].sum()), device=self.device)
+        c = rd.slot[pushing] >= 0
+        c_push, u_push = pushing[c], pushing[~c]
+        if c_push.size:
+            mine_push.index_copy_(0, torch.from_numpy(ragged_arange(out_off[c], d[c_push])).to(self.device),
+                                  self.acc.index_select(0, self._acc_pos(rd.table[c_push], rd.slot[c_push])))
+        if u_push.size:
+            mine_push.index_copy_(0, torch.from_numpy(ragged_arange(out_off[~c], d[u_push])).to(self.device),
+                                  grad.index_select(0, torch.from_numpy(ragged_arange(voff[u_push], d[u_push])).to(self.device)))
         if c_push.size:
             self.acc.index_fill_(0, self._acc_pos(rd.table[c_push], rd.slot[c_push]), 0.0)
         tab, row, rank = (np.asarray(a, dtype=np.int64) for a in (plan_cache.table, plan_cache.row, plan_cache.rank))
