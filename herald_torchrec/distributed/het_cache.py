@@ -119,8 +119,8 @@ class WorkerCache:
         edirty = np.asarray(cs.evict_push, dtype=bool)
         mine_e = np.flatnonzero(ek == r)
         e_slots = self.slot_of[st.gkeys(et[mine_e], er[mine_e])]
-        if (e_slots < 0).any():
-            raise ValueError(f"plan {plan.step}: evicts a row rank {r} does not cache")
+        if (e_slots < 0).any():  # pragma: no cover - the control plane's caches mirror these (an internal error)
+            raise RuntimeError(f"plan {plan.step}: evicts a row rank {r} does not cache")
         if edirty.any():
             d = mine_e[edirty[mine_e]]
             g = self.acc.index_select(0, self._acc_pos(et[d], self.slot_of[st.gkeys(et[d], er[d])]))
@@ -150,8 +150,8 @@ class WorkerCache:
         for t in np.unique(tab[ins]).tolist():  # slots from the table's free stack, one list operation per table
             m = tab[ins] == t
             n, free = int(m.sum()), self._free[t]
-            if n > len(free):
-                raise ValueError(f"plan {plan.step}: rank {r} has {len(free)} free cache slots in table "
+            if n > len(free):  # pragma: no cover - same capacities as the control plane (an internal error)
+                raise RuntimeError(f"plan {plan.step}: rank {r} has {len(free)} free cache slots in table "
                                  f"{st.tables[t].name!r}, {n} rows arrive")
             self.slot_of[ins_g[m]] = free[len(free) - n:][::-1]
             del free[len(free) - n:]
