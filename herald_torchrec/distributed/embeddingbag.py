@@ -214,6 +214,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # HET's per-worker cache (het plans): distributed/het_cache.py, built by the first plan that needs it
         self._cache_settings = fp
         self._cache: WorkerCache | None = None
+        self._cache_version = 0  # the ownership_version it was built at (a checkpoint load empties the caches)
         self._cache_pending: tuple[CacheReads, Any] | None = None
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
@@ -357,7 +358,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
         # raised on every rank together before anything moves: their flag rides on the step's first all-to-all
         # (moves, else shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
-        if self._pending is not None or self._replica_pending is not None or self._cache_pending is not None:
+        if self.step_pending:
             self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
         err: Exception | None = None
         local: LocalInput | None = None
@@ -377,9 +378,10 @@ class ShardedHeraldEmbeddingBagCollection(
             if plan.replicas is not None:
                 local, rstep = self._replicas.begin(plan, local)
             if plan.cache is not None:
-                if self._cache is None:
+                if self._cache is None or self._cache_version != self.ownership_version:  # new, or rows reloaded
                     self._cache = WorkerCache(self._store, self._comm, self.device, self.optimizer_type,
                                               self.learning_rate, self.eps, self._cache_settings)
+                    self._cache_version = self.ownership_version
                 local, cstep = self._cache.begin(plan, local)
         except ValueError as e:
             err, local = e, None
@@ -450,6 +452,15 @@ class ShardedHeraldEmbeddingBagCollection(
 
         return bool(get_gradient_division())
 
+    @property
+    def step_pending(self) -> bool:
+        """A trained step whose collective updates (shared rows, replicas, HET pushes) wait for `finish_step`."""
+        return self._pending is not None or self._replica_pending is not None or self._cache_pending is not None
+
+    def drop_pending(self) -> None:
+        """Forget the pending step's updates (a load replaces the model they belong to)."""
+        self._pending = self._replica_pending = self._cache_pending = None
+
     def finish_step(self) -> None:
         """Send shared-row gradients to their owners; each owner applies one update per row with their sum.
 
@@ -511,7 +522,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
         Returns ({table: weight [rows, dim]}, {table: optimizer state [rows] (row-wise) or [rows, w]}); the state
         dict is empty for optimizers without state (EXACT_SGD). Exact: each row is non-zero on one rank only."""
-        if self._pending is not None or self._replica_pending is not None or self._cache_pending is not None:
+        if self.step_pending:
             self.finish_step()
         return self._exec.full_tables()
 
