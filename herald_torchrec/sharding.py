@@ -64,6 +64,8 @@ class ShardedSetup:
     # bytes sent by collectives the training-step counter cannot see (Herald's input stage counts its own: it may run
     # in a background thread)
     host_bytes: Callable[[], int] = field(default=lambda: 0)
+    # a step of the global training stream before ranks take their slices (fae's hot/cold reordering), or None
+    reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None
 
 
 @dataclass
@@ -72,12 +74,14 @@ class _Tally:
     hits: int = 0
     pairs: int = 0
     steps: int = 0
+    stale_reads: int = 0
 
     def add(self, plan: Plan) -> None:
         for k, v in plan.counters.items():
             self.rows[k] = self.rows.get(k, 0) + int(v)
         self.hits += int(plan.counters.get("hit", 0))
         self.pairs += plan.read_pairs()
+        self.stale_reads += int(plan.stale_reads)
         self.steps += 1
 
     def hit_rate(self) -> float:
@@ -330,9 +334,11 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy
+    from herald_torchrec import baselines
 
     sc, t = cfg.scheduler, cfg.trainer
-    runnable_policy(sc.policy)  # before the (possibly profiling) choice of unscheduled tables
+    options = baselines.policy_options(sc)
+    runnable_policy(sc.policy, **options)  # before the (possibly profiling) choice of unscheduled tables
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
@@ -368,7 +374,20 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     dense = dense_optimizer(dmp, cfg)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     stats = PlanStats()
-    pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add)
+    profile, reorder = None, None
+    if sc.policy in baselines.REPLICA_POLICIES:  # replicated rows from a profiled prefix; fae reorders the stream
+        from herald_torchrec.distributed.train_pipeline import managed_tables
+        tables = managed_tables([herald])
+        convert_one = sample_converter(features, source)
+        profile = baselines.profile_batches(cfg, source, ctx.world_size, tables, convert_one)
+        if sc.policy == "fae":
+            from herald_torchrec.schedule import make_policy
+            fae = make_policy("fae", list(tables.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio,
+                              lookahead=sc.lookahead, **options)
+            fae.profile(profile)
+            reorder = baselines.fae_reorder(fae, tables, convert_one, fae.window)
+    pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add, policy_options=options,
+                                   profile=profile)
     sched_ms = pipeline.input_stage.sched_ms
 
     def step_stats() -> dict[str, float]:
@@ -394,6 +413,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
             "dropped_samples": pipeline.input_stage.dropped_samples,
+            "stale_reads": stats.total.stale_reads,  # reads of a value older than the latest (het with S > 0)
+            **({"policy": pipeline.policy.describe()} if pipeline.policy is not None else {}),
+            **({"fae_hot_sample_share": reorder.hot_samples / max(reorder.samples, 1)} if reorder is not None else {}),
             **hbm_cache_stats(dmp),
         }
 
@@ -403,10 +425,12 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         dense_optimizer=dense,
         step_stats=step_stats, final_stats=final_stats,
         host_bytes=lambda: pipeline.input_stage.comm.counter.total_bytes(),
+        reorder=reorder,
     )
 
 
-SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {"torchrec": _torchrec, "herald": _herald, "static": _herald}
+SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {"torchrec": _torchrec, "herald": _herald, "static": _herald,
+                                                      "p2res": _herald, "fae": _herald, "het": _herald}
 
 
 def shard_model(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:

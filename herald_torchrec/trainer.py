@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,14 +59,17 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
 
 
-def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool, epochs: int | None) -> Iterator[Samples]:
-    """This rank's slice of each global batch; the training stream loops over epochs (None = forever)."""
+def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool, epochs: int | None,
+                  reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None) -> Iterator[Samples]:
+    """This rank's slice of each global batch; the training stream loops over epochs (None = forever). `reorder`
+    (the scheduler's, e.g. fae's) transforms each epoch's global batches before the slicing."""
     g = batch * ctx.world_size
     lo, hi = ctx.rank * batch, (ctx.rank + 1) * batch
     passes = itertools.count() if (train and epochs is None) else range(epochs if train else 1)
     for _ in passes:
         produced = False
-        for s in (source.train_batches(g) if train else source.val_batches(g)):
+        batches = source.train_batches(g) if train else source.val_batches(g)
+        for s in (reorder(batches) if reorder is not None else batches):
             produced = True
             yield s.take(slice(lo, hi))
         if not produced:
@@ -233,7 +236,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
     logger = Logger(run_dir, ctx.is_main)
     steps_cap = cfg.trainer.steps
-    stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs)
+    stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs,
+                           reorder=setup.reorder)
     stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
     ckpt_every = cfg.trainer.get("checkpoint_interval", 0) or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses

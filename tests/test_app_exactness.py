@@ -1,5 +1,5 @@
 """The central claim at the application level: `train.py` ends at the same model — every table, its optimizer
-state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, stock TorchRec ROW_WISE
+state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, scheduler=p2res, stock TorchRec ROW_WISE
 on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and an unscheduled one-process run over the same global batches (the reference).
 
 Why `embedding_eps=1e-3` for row-wise Adagrad: with the default 1e-8, a row read by one or two very confident
@@ -12,6 +12,7 @@ tests/test_distributed_parity.py checks the sharded module itself, default eps, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from conftest import run_app
 RUNS = {  # name: (extra args, ranks)
     "herald": (["scheduler=herald"], 2),
     "static": (["scheduler=static"], 2),
+    # P²RES: replicated rows all-reduced on every rank (distributed/replicas.py), the rest read from home
+    "p2res": (["scheduler=p2res"], 2),
     "torchrec": (["scheduler=torchrec", "sharding.types=[row_wise]"], 2),
     # four tables (tiny, mid-sized, large) left to TorchRec's TABLE_WISE / COLUMN_WISE sharding, the rest Herald's
     "herald_mixed": (["scheduler=herald", "scheduler.unscheduled=[c3,c8,c9,c20]", "sharding.types=[table_wise,column_wise]"], 2),
@@ -51,11 +54,15 @@ def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: flo
     assert len(ref["tables"]) == 26 and ref["tables"]["t_c2"].shape == (101313, 16)
     assert len(ref["optimizer_state"]) == (26 if optimizer == "rowwise_adagrad" else 0)
     assert ref["dense"], "dense parameters missing"
-    for s in ("herald", "static", "torchrec", "herald_mixed"):
+    for s in ("herald", "static", "torchrec", "herald_mixed", "p2res"):
         assert _max_diff(states[s]["tables"], ref["tables"]) <= 1e-5, s
         assert _max_diff(states[s]["optimizer_state"], ref["optimizer_state"]) <= 1e-5, s
         assert _max_diff(states[s]["dense"], ref["dense"]) <= 1e-5, s
     assert _max_diff(states["herald"]["tables"], states["static"]["tables"]) <= 1e-5
+    # p2res really read rows through replicas (all-reduced) and the rest through home, with no stale read
+    m = json.loads((tmp_path / "p2res" / "metrics.json").read_text())
+    assert m["module_rows_by_kind"]["allreduce"] > 0 and m["module_rows_by_kind"]["shared_value"] > 0, m
+    assert m["stale_reads"] == 0 and m["comm_bytes_per_step"] > 0
     # and training moved the tables away from their (shared) initial values: the comparison is not vacuous
     init = _initial_tables()
     assert _max_diff(states["herald"]["tables"], init) > 1e-3

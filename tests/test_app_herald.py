@@ -64,7 +64,7 @@ def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, msg",
     [(["scheduler.cache_ratio=1.5"], "cache_ratio"), (["scheduler.policy=nope"], "unknown scheduling policy"),
-     (["scheduler.policy=het_bsp"], "only models traffic"), (["scheduler.lookahead=-1"], "lookahead"),
+     (["scheduler=fae", "scheduler.window=0"], "window must be an integer"), (["scheduler.lookahead=-1"], "lookahead"),
      (["scheduler.unscheduled=[nope]"], "are not features of the model"),
      (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available")],
 )

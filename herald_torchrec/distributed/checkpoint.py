@@ -139,7 +139,7 @@ class HeraldCheckpoint:
     # ------------------------------------------------------------------ snapshot
     def _version(self) -> tuple:
         m = self.module
-        return (m.steps, m.ownership_version, m._pending is None)
+        return (m.steps, m.ownership_version, not m.step_pending)
 
     def invalidate(self) -> None:
         """The store was written behind the module's step counter (e.g. `load_full_tables`): refresh next time."""
@@ -150,7 +150,7 @@ class HeraldCheckpoint:
         """Fill the home-block buffers with the current rows and optimizer state (collective; see the module doc).
         A no-op when nothing changed since the last refresh or load."""
         m = self.module
-        if m._pending is not None:
+        if m.step_pending:
             m.finish_step()  # the step's shared rows get their update first (collective, like the step itself)
         if self._fresh == self._version():
             return
@@ -220,7 +220,7 @@ class HeraldCheckpoint:
         """Write home blocks (table index -> [home_len, dim] / [home_len]) into the store and reset ownership to
         home (collective). Tables not given keep their current values."""
         m, st = self.module, self.module.store
-        m._pending = None  # its gradients belong to the model being replaced
+        m.drop_pending()  # its gradients belong to the model being replaced
         m.clear_plans()
         self.send_guests_home()
         for t in range(st.num_tables):

@@ -75,6 +75,8 @@ from herald_torchrec.distributed.embedding_lookup import HeraldLookup
 from herald_torchrec.distributed.fused_optimizer import HeraldFusedOptimizer
 from herald_torchrec.distributed.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.plan_exec import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
+from herald_torchrec.distributed.het_cache import CacheReads, WorkerCache
+from herald_torchrec.distributed.replicas import ReplicaRegion, ReplicaStep
 from herald_torchrec.distributed.row_store import RowStore, TableSpec, check_cache_ratio, home_range
 from herald_torchrec.schedule.plan import Plan
 
@@ -209,6 +211,15 @@ class ShardedHeraldEmbeddingBagCollection(
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
         self._plans: deque[Plan | None] = deque()
         self._pending: SharedStep | None = None
+        # rows replicated on every rank (fae / p2res plans): distributed/replicas.py
+        self._replicas = ReplicaRegion(self._store, self._comm, self.device, self.optimizer_type, self.learning_rate,
+                                       self.eps, fp)
+        self._replica_pending: ReplicaStep | None = None
+        # HET's per-worker cache (het plans): distributed/het_cache.py, built by the first plan that needs it
+        self._cache_settings = fp
+        self._cache: WorkerCache | None = None
+        self._cache_version = 0  # the ownership_version it was built at (a checkpoint load empties the caches)
+        self._cache_pending: tuple[CacheReads, Any] | None = None
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
         install_state_dict_hooks(self)
@@ -351,7 +362,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # everywhere; rank-local failures (the input, the input against the plan) are gathered into `err` and
         # raised on every rank together before anything moves: their flag rides on the step's all-to-all (moves
         # and shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
-        if self._pending is not None:
+        if self.step_pending:
             self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
         err: Exception | None = None
         local: LocalInput | None = None
@@ -364,6 +375,20 @@ class ShardedHeraldEmbeddingBagCollection(
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._exec.static_plan(local)
+        # baselines (issue 10): replica syncs / HET's evictions and pulls (collectives driven by the plan alone, so
+        # every rank runs them), then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
+        full_local, rstep, cstep = local, None, None
+        try:
+            if plan.replicas is not None:
+                local, rstep = self._replicas.begin(plan, local)
+            if plan.cache is not None:
+                if self._cache is None or self._cache_version != self.ownership_version:  # new, or rows reloaded
+                    self._cache = WorkerCache(self._store, self._comm, self.device, self.optimizer_type,
+                                              self.learning_rate, self.eps, self._cache_settings)
+                    self._cache_version = self.ownership_version
+                local, cstep = self._cache.begin(plan, local)
+        except ValueError as e:
+            err, local = e, None
         with phase("step.prepare_moves"):
             moves = prepare_moves(plan, self._store)  # global checks: every rank raises alike
         with phase("step.prepare_shared"):
@@ -392,12 +417,24 @@ class ShardedHeraldEmbeddingBagCollection(
                 moved = self._exec.exchange(moves, shared, training, check)
             with phase("step.lookup"):
                 out = self._exec.pooled(local, shared)
+                if rstep is not None:
+                    out = self._replicas.pooled(full_local, rstep, out, training)
+                if cstep is not None:
+                    out = self._cache.pooled(cstep, out, training)
         finally:
             self._exec.marks.reset(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
         self.step_counters = {k: 0 for k in COUNTER_KINDS}
         hits, nreads = cls
+        if rstep is not None:  # replica reads are local reads
+            rh = self._replicas.hits(rstep)
+            hits, nreads = hits + rh, nreads + rh
+            self.step_counters["allreduce"] = int(rstep.table.shape[0])  # rows this rank all-reduces
+        if cstep is not None:  # HET: hits are reads of a cached copy without a pull
+            ch, cr = self._cache.hits(cstep)
+            hits, nreads = hits + ch, nreads + cr
+            self.step_counters.update(cstep.counts)
         self._reads[0], self._reads[1] = hits, nreads
         self._reads_total += self._reads
         counts = {**moved, "hit": int(hits.sum()), "shared_value": 0 if shared.globally_empty else shared.n_values_out}
@@ -405,6 +442,8 @@ class ShardedHeraldEmbeddingBagCollection(
             self.step_counters[k] += v
             self.total_counters[k] += v
         self._pending = shared if training else None
+        self._replica_pending = rstep if training else None
+        self._cache_pending = (cstep, plan.cache) if training and cstep is not None else None
         self.steps += 1
         return out
 
@@ -415,25 +454,42 @@ class ShardedHeraldEmbeddingBagCollection(
 
         return bool(get_gradient_division())
 
+    @property
+    def step_pending(self) -> bool:
+        """A trained step whose collective updates (shared rows, replicas, HET pushes) wait for `finish_step`."""
+        return self._pending is not None or self._replica_pending is not None or self._cache_pending is not None
+
+    def drop_pending(self) -> None:
+        """Forget the pending step's updates (a load replaces the model they belong to)."""
+        self._pending = self._replica_pending = self._cache_pending = None
+
     def finish_step(self) -> None:
         """Send shared-row gradients to their owners; each owner applies one update per row with their sum.
 
         Collective (every rank calls it, in the same order). Called by the fused optimizer's `step()`; a no-op
         when nothing is pending (eval forwards, or already finished)."""
-        sh = self._pending
-        self._pending = None
-        if sh is None or sh.globally_empty:
-            return
-        with phase("finish_step"):
-            self._exec.apply_shared_grads(sh)
-            self.step_counters["shared_grad"] += sh.n_grads_out
-            self.total_counters["shared_grad"] += sh.n_grads_out
+        sh, rstep, cache = self._pending, self._replica_pending, self._cache_pending
+        self._pending = self._replica_pending = self._cache_pending = None
+        if sh is not None and not sh.globally_empty:
+            with phase("finish_step"):
+                self._exec.apply_shared_grads(sh)
+                self.step_counters["shared_grad"] += sh.n_grads_out
+                self.total_counters["shared_grad"] += sh.n_grads_out
+        if rstep is not None:
+            with phase("finish_step.replicas"):
+                self._replicas.finish(rstep)
+        if cache is not None:
+            with phase("finish_step.het_cache"):
+                self._cache.finish(*cache)
 
     # ------------------------------------------------------------- exports
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused embedding optimizer (exclusive and shared rows alike)."""
         self.learning_rate = float(lr)
         self._store.tbe.set_learning_rate(self.learning_rate)
+        self._replicas.set_learning_rate(self.learning_rate)
+        if self._cache is not None:
+            self._cache.set_learning_rate(self.learning_rate)
         for g in self._optim.param_groups:
             g["lr"] = self.learning_rate
 
@@ -468,7 +524,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
         Returns ({table: weight [rows, dim]}, {table: optimizer state [rows] (row-wise) or [rows, w]}); the state
         dict is empty for optimizers without state (EXACT_SGD). Exact: each row is non-zero on one rank only."""
-        if self._pending is not None:
+        if self.step_pending:
             self.finish_step()
         return self._exec.full_tables()
 

@@ -34,7 +34,7 @@ class HeraldFusedOptimizer(CheckpointedOptimizerMixin, FusedOptimizer):
         # every row of a step is updated with the same rate.
         module = self._module_ref[0]
         lr = float(next(iter(self.param_groups))["lr"])
-        if lr != module.learning_rate and module._pending is None:
+        if lr != module.learning_rate and not module.step_pending:
             module.set_learning_rate(lr)
 
     def step(self, closure: Any = None) -> None:

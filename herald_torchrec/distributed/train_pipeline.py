@@ -37,6 +37,7 @@ from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCo
 from herald_torchrec.distributed.input_layout import ManagedTables
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule import make_policy, runnable_policy
+from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
@@ -94,7 +95,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
     background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches). The rest go to TrainPipelineSparseDist."""
+    batches); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global
+    batches, the scheduler's view) is handed to `policy.profile()` when the policy is built (fae / p2res choose
+    their replicated rows from it). The rest go to TrainPipelineSparseDist."""
 
     def __init__(
         self,
@@ -106,6 +109,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
         prefetch: int = 2,
+        policy_options: Optional[dict[str, Any]] = None,
+        profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
@@ -115,6 +120,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
                              "(shard it with HeraldEmbeddingBagCollectionSharder)")
         self._herald_modules = modules
         self._settings = scheduler_settings(modules)
+        self._policy_options, self._profile = dict(policy_options or {}), profile
         self.tables = managed_tables(modules)
         self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]
         warn_if_batch_coupled(model)
@@ -138,8 +144,11 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
         s = self._settings
         world = self.input_stage.R
-        return make_policy(runnable_policy(s["policy"]), list(self.tables.rows), world, batch_per_rank,
-                           cache_ratio=s["cache_ratio"], lookahead=s["lookahead"])
+        policy = make_policy(runnable_policy(s["policy"], **self._policy_options), list(self.tables.rows), world,
+                             batch_per_rank, cache_ratio=s["cache_ratio"], lookahead=s["lookahead"], **self._policy_options)
+        if self._profile is not None:
+            policy.profile(self._profile)
+        return policy
 
     def _ownership_versions(self) -> tuple[int, ...]:
         return tuple(int(getattr(m, "ownership_version", 0)) for m in self._herald_modules)

@@ -41,12 +41,16 @@ def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: i
     return POLICIES[name](table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead, **kwargs)
 
 
-def runnable_policy(name: str) -> str:
-    """`name` if the data plane can execute its plans (HeraldTrainPipeline checks it before building the policy, the
-    app up front); a ValueError for an unknown policy or a counting-only one (simulator baselines)."""
+def runnable_policy(name: str, **options) -> str:
+    """`name` if the data plane can execute its plans with these policy options (HeraldTrainPipeline checks it
+    before building the policy, the app up front); a ValueError for an unknown policy or a counting-only one
+    (simulator baselines)."""
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
-    if not POLICIES[name].executable:
+    runs = getattr(POLICIES[name], "runs_with", None)
+    if runs is not None:
+        runs(**options)  # raises ValueError naming the setting it cannot run
+    elif not POLICIES[name].executable:
         runnable = sorted(n for n, p in POLICIES.items() if p.executable)
         raise ValueError(f"policy {name!r} only models traffic (benchmarks/simulate.py); the data plane runs {runnable}")
     return name

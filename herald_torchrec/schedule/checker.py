@@ -5,9 +5,9 @@ array and versions). Per step it verifies:
 
 * the assignment: `sample_order` is an int64 permutation of the global batch, every rank gets exactly B samples,
   in increasing global order;
-* counting-only plans (`executable=False`): `plan.reads` lists every true (key, reader) pair exactly once, and the
+* plans that report their reads (`plan.reads`: counting-only plans, and the replica policies' plans): it lists every true (key, reader) pair exactly once, and the
   version each reader used equals the true latest version (number of earlier steps that updated the row);
-* replica plans (counting-only plans whose `reads.replica` is set: fae, p2res): the checker replays two copies of
+* replica plans (plans whose `reads.replica` is set: fae, p2res): the checker replays two copies of
   every row itself — the home copy and the replicas (identical on every rank) — from the plan's `ReplicaSync`
   (to_home / to_replicas before the step, all-reduce after it): a read of a replica (or of the home copy) older
   than the row's latest version is a stale read; a row read through replicas without an all-reduce of its
@@ -119,7 +119,7 @@ class PlanChecker:
         pk, pr = code // R, code % R  # sorted by key, then rank
         keys, kstart, kcount = np.unique(pk, return_index=True, return_counts=True)
         res.read_pairs = int(code.shape[0])
-        if plan.executable:
+        if plan.reads is None:  # ownership plans; plans that report their reads (replica policies) are replayed
             self._check_ownership(plan, res, pk, pr, keys, kstart, kcount)
         else:
             self._check_counting(plan, res, pk, pr)
@@ -301,7 +301,7 @@ class PlanChecker:
             self._err(res, f"negative counter in {c}")
         if plan.read_pairs() != res.read_pairs:
             self._err(res, f"counters serve {plan.read_pairs()} reads, the step has {res.read_pairs} (key, reader) pairs")
-        if plan.executable:
+        if plan.executable and "shared_value" in c:  # ownership and replica plans (cache plans count pulls)
             remote = plan.shared.remote_reads()
             if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
                 self._err(res, f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != remote reads {remote}")

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.cache import WorkerCaches
 from herald_torchrec.schedule.het import CachePolicyBase
+from herald_torchrec.schedule.plan import HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL, CacheStep, Plan
+from herald_torchrec.schedule.policy import split_gid
 
 
 class StaleCaches(WorkerCaches):
@@ -38,6 +41,10 @@ class StaleCaches(WorkerCaches):
         self.staleness = staleness
         self.C = np.zeros(self.n, dtype=np.int64)  # PS clock: updates pushed
         self.U = np.zeros(self.n, dtype=np.int64)  # updates made (pushed or pending)
+        # what the last `execute` did, for the data plane (Plan.cache): per pair action / push, evicted copies
+        self.action = np.zeros(0, dtype=np.int8)
+        self.push = np.zeros(0, dtype=bool)
+        self.evicted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rank, gid, dirty) per eviction batch
 
     def execute(self, pair_gid: np.ndarray, pair_rank: np.ndarray, count: np.ndarray, keys: np.ndarray,
                 pair_key: np.ndarray, step: int, push_all: bool) -> tuple[dict, np.ndarray]:
@@ -64,7 +71,10 @@ class StaleCaches(WorkerCaches):
         last_p[pos[~miss]] = step
         base_p[pos[pull]] = Cg[pull]
         own_p[pos[pull]] = pend[pull]
+        self.evicted = []
         new = self._insert(pair_rank[miss], pair_gid[miss], Cg[miss], step, c)
+        action = np.where(pull, UPDATE_PULL, HIT).astype(np.int8)
+        action[miss] = np.where(new >= 0, MISS_PULL, MISS_UNCACHED)
         new = new[new >= 0]
         own_p[new] = 0
         pend_p[new] = 0
@@ -77,6 +87,9 @@ class StaleCaches(WorkerCaches):
         own_p[hp] += 1
         pend_p[hp] += 1
         push = pend_p[hp] > S
+        pushes = ~held
+        pushes[np.flatnonzero(held)[push]] = True
+        self.action, self.push = action, pushes
         np.add.at(C, pair_gid[held][push], pend_p[hp[push]])
         pend_p[hp[push]] = 0
         np.add.at(C, pair_gid[~held], 1)
@@ -87,14 +100,37 @@ class StaleCaches(WorkerCaches):
         """An evicted copy with pending updates pushes them (`evict_push`)."""
         pend = self.slots.payload["pend"][pos]
         dirty = pend > 0
+        self.evicted.append((rank.copy(), gid.copy(), dirty))
         c["evict_push"] += int(dirty.sum())
         np.add.at(self.C, gid[dirty], pend[dirty])
 
 
 class HetPolicy(CachePolicyBase):
-    """HET with staleness bound `staleness` (S >= 0); S = 0 gives `het_bsp`'s counts exactly."""
+    """HET with staleness bound `staleness` (S >= 0); S = 0 gives `het_bsp`'s counts exactly.
+
+    Its plans are executable for any S: they carry the caches' actions (`Plan.cache`), which the data plane runs
+    with a real cache per rank (distributed/het_cache.py); no row goes through the home path (`shared` is empty).
+    With S = 0 every read sees the latest value, so the run is exact BSP."""
 
     name = "het"
+    home_path = False
+
+    @classmethod
+    def runs_with(cls, staleness: int = 0, **_: object) -> None:  # every S runs (see the class docstring)
+        return None
+
+    def _plan(self, batches: list[GlobalBatch]) -> Plan:
+        plan = super()._plan(batches)  # no `shared`: every read goes through the caches
+        cs = self.caches
+        t, row = plan.reads.table, plan.reads.row
+        ev = cs.evicted
+        er = np.concatenate([e[0] for e in ev]) if ev else np.zeros(0, dtype=np.int64)
+        eg = np.concatenate([e[1] for e in ev]) if ev else np.zeros(0, dtype=np.int64)
+        ed = np.concatenate([e[2] for e in ev]) if ev else np.zeros(0, dtype=bool)
+        et, erow = split_gid(self.layout, self.table_of, eg)
+        plan.cache = CacheStep(table=t, row=row, rank=plan.reads.rank, action=cs.action.copy(), push=cs.push.copy(),
+                               evict_table=et, evict_row=erow, evict_rank=er.astype(np.int64), evict_push=ed)
+        return plan
 
     def __init__(self, *args, staleness: int = 0, **kwargs) -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, (int, np.integer)) or staleness < 0:

@@ -64,7 +64,7 @@ class SharedRows:
 
 @dataclass
 class ReadVersions:
-    """Counting-only policies (executable=False) report, for every distinct (key, reader) pair of the step, the
+    """Counting-only policies (executable=False) and the replica policies report, for every distinct (key, reader) pair of the step, the
     version of the value the reader computes with (number of BSP steps whose update it contains), so that the
     checker can compare it with the true latest version. Ownership plans leave `Plan.reads` as None: the checker
     derives what every reader sees from the moves and the shared rows."""
@@ -99,6 +99,43 @@ class ReplicaSync:
     to_replicas_row: np.ndarray = field(default_factory=_i64)
     allreduce_table: np.ndarray = field(default_factory=_i64)
     allreduce_row: np.ndarray = field(default_factory=_i64)
+    # the whole replicated set, sent once (the first plan after the policy chose it): the data plane builds its
+    # replica region from it, initialised from the home copies; empty in every other step
+    replicated_table: np.ndarray = field(default_factory=_i64)
+    replicated_row: np.ndarray = field(default_factory=_i64)
+
+    def for_tables(self, lo: int, hi: int) -> "ReplicaSync":
+        """The rows of tables [lo, hi), table indices shifted to start at 0 (see `Plan.for_tables`)."""
+        out = ReplicaSync()
+        for name in ("to_home", "to_replicas", "allreduce", "replicated"):
+            t, r = getattr(self, f"{name}_table"), getattr(self, f"{name}_row")
+            m = (t >= lo) & (t < hi)
+            setattr(out, f"{name}_table", t[m] - lo)
+            setattr(out, f"{name}_row", r[m])
+        return out
+
+
+HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL = 0, 1, 2, 3  # CacheStep.action
+
+
+@dataclass
+class CacheStep:
+    """What HET's per-worker caches do in one step (het, schedule/het_stale.py), for the data plane to execute
+    (distributed/het_cache.py). Per distinct (key, reader) pair of the step: `action` HIT (the cached copy),
+    MISS_PULL (the home/PS value + optimizer state, then cached), MISS_UNCACHED (the PS value, read without caching:
+    no room), UPDATE_PULL (the cached copy refreshed from the PS, its pending updates re-applied); `push`: after the
+    step the reader pushes its accumulated gradient to the PS (more than S pending, or uncached). `evict_*`: copies
+    dropped before the step (LRU, to make room), `evict_push` where they held pending updates (pushed first)."""
+
+    table: np.ndarray = field(default_factory=_i64)
+    row: np.ndarray = field(default_factory=_i64)
+    rank: np.ndarray = field(default_factory=_i64)
+    action: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+    push: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    evict_table: np.ndarray = field(default_factory=_i64)
+    evict_row: np.ndarray = field(default_factory=_i64)
+    evict_rank: np.ndarray = field(default_factory=_i64)
+    evict_push: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 @dataclass
@@ -118,6 +155,8 @@ class Plan:
     reads: ReadVersions | None = None  # counting-only policies: version read by every (key, reader) pair
     replicas: ReplicaSync | None = None  # replica-based policies (fae, p2res): syncs and all-reduces of the step
     sched_seconds: float = 0.0  # wall time the policy spent planning this step (filled by the policy)
+    cache: CacheStep | None = None  # HET's caches (het): reads, pulls, pushes and evictions of the step
+    stale_reads: int = 0  # (key, reader) pairs the policy serves with an older value than the latest (het, S > 0)
 
     def assignment(self) -> np.ndarray:
         """rank of every global sample (inverse view of sample_order)."""
@@ -152,6 +191,8 @@ class Plan:
         """The part of the plan on tables [lo, hi), their indices shifted to start at 0: what one sharded module of a
         model with several Herald-managed EBCs executes (the scheduler plans all of them in one table space). The
         sample order and the counters are the whole step's."""
+        if self.cache is not None:
+            raise ValueError("het plans run with one Herald-managed EmbeddingBagCollection (its caches are not split)")
         mv, sh = self.moves, self.shared
         m = (mv.table >= lo) & (mv.table < hi)
         moves = RowMoves(mv.table[m] - lo, mv.row[m], mv.src[m], mv.dst[m], mv.kind[m])
@@ -160,5 +201,6 @@ class Plan:
         keep = np.repeat(k, counts)
         shared = SharedRows(sh.table[k] - lo, sh.row[k], sh.owner[k],
                             np.concatenate([[0], np.cumsum(counts[k])]).astype(np.int64), sh.readers[keep])
+        replicas = None if self.replicas is None else self.replicas.for_tables(lo, hi)
         return Plan(self.step, self.num_ranks, self.batch_per_rank, self.sample_order, moves, shared, dict(self.counters),
-                    self.stateful_kinds, self.executable, None, self.sched_seconds)
+                    self.stateful_kinds, self.executable, None, replicas, self.sched_seconds)

@@ -10,7 +10,11 @@ through its home (the home rank reads locally: `hit`; every other reader gets th
 each, with optimizer state).
 
 The plans carry `ReadVersions` with `replica` set and a `ReplicaSync`, from which the checker replays the home
-copies and the replicas independently (schedule/checker.py). numpy only.
+copies and the replicas independently (schedule/checker.py). They are executable (distributed/replicas.py): keys
+read through their home go through the data plane's shared path (`Plan.shared`: owner = home, as `static` plans
+them; a key read only by its home rank is exclusive), keys read through replicas are left out of `shared` and read
+from every rank's replica region; the first plan after `profile()` names the whole replicated set
+(`ReplicaSync.replicated_*`) so that the data plane can build that region. numpy only.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.directory import guest_capacity, home_blocks
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync
-from herald_torchrec.schedule.policy import SchedulePolicy, split_gid
+from herald_torchrec.schedule.policy import SchedulePolicy, shared_rows, split_gid
 
 REPLICA_KINDS = ("hit", "shared_value", "shared_grad", "allreduce", "replica_sync")
 
@@ -32,7 +36,7 @@ class ReplicaPolicyBase(SchedulePolicy):
     """Home placement + rows replicated on every rank. Subclasses choose the replicated rows (`profile`) and which
     keys of a step are read through replicas (`_replica_keys`)."""
 
-    executable = False
+    executable = True  # the data plane runs them (replica region: distributed/replicas.py)
     kinds = REPLICA_KINDS
 
     def __init__(self, *args, hot_budget: int | None = None, profile_fraction: float = 0.05, **kwargs) -> None:
@@ -54,6 +58,7 @@ class ReplicaPolicyBase(SchedulePolicy):
         self.replicated = np.zeros(n, dtype=bool)
         self.V = np.zeros(n, dtype=np.int64)  # true version of every row (steps that updated it)
         self.profiled = False
+        self.declared = False
 
     # ---- profiling --------------------------------------------------------------------------------------------
     @staticmethod
@@ -70,6 +75,7 @@ class ReplicaPolicyBase(SchedulePolicy):
         chosen = self._choose(batches)
         self.replicated[chosen] = True
         self.profiled = True
+        self.declared = False  # the next plan names the replicated set
         return np.sort(chosen)
 
     def _choose(self, batches: list[GlobalBatch]) -> np.ndarray:  # pragma: no cover - abstract
@@ -96,6 +102,14 @@ class ReplicaPolicyBase(SchedulePolicy):
         ar = rd.keys[rep_key]
         at, arow = split_gid(self.layout, self.table_of, ar)
         sync.allreduce_table, sync.allreduce_row = at, arow
+        if not self.declared:
+            sync.replicated_table, sync.replicated_row = self.rowset(np.flatnonzero(self.replicated))
+            self.declared = True
+        # keys read through their home: the shared path unless only the home rank reads them (exclusive)
+        pair_remote = ~rep & (rd.pair_rank != self.home[pg])
+        via_home = ~rep_key & (np.bincount(rd.pair_key, weights=pair_remote, minlength=rd.keys.shape[0]) > 0)
+        ids, offs, readers = rd.readers_csr(via_home)
+        shared = shared_rows(self.layout, self.table_of, rd.keys[ids], self.home[rd.keys[ids]], offs, readers)
         counters = {"hit": rd.num_pairs - remote, "shared_value": remote, "shared_grad": remote,
                     "allreduce": 2 * (self.num_ranks - 1) * int(ar.shape[0]), "replica_sync": 0}
         counters.update(extra)
@@ -103,8 +117,8 @@ class ReplicaPolicyBase(SchedulePolicy):
         reads = ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=self.V[pg].copy(), replica=rep)
         self.V[rd.keys] += 1
         return Plan(step=self.step, num_ranks=self.num_ranks, batch_per_rank=self.batch_per_rank,
-                    sample_order=self.contiguous_order(), counters=counters, executable=False, reads=reads,
-                    replicas=sync)
+                    sample_order=self.contiguous_order(), shared=shared, counters=counters, executable=True,
+                    reads=reads, replicas=sync)
 
     def _replica_keys(self, batch: GlobalBatch, keys: np.ndarray) -> tuple[np.ndarray, ReplicaSync, dict]:
         """(bool [K]: key read through replicas, syncs before the step, extra counters)."""

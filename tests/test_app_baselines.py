@@ -1,0 +1,127 @@
+"""`train.py scheduler=fae|het|p2res`: the baselines run in Herald's engine, 2 gloo ranks, and report the same
+metrics as Herald. p2res's exactness (same model as stock TorchRec) is in test_app_exactness.py.
+
+Default: one quick fae run (NCF: two tables, so many samples are all-hot and the run switches between hot and cold
+batches) and one het run with staleness 2; `-m slow`: every model under fae and het (S = 0 and 2), and het with
+staleness 0 ending at stock TorchRec's model (both fused optimizers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_app
+
+COMMON = ["trainer.eval_interval=0", "data.val_batches=2"]
+
+
+def _run(tmp_path: Path, args: list[str]) -> dict:
+    p = run_app([*args, *COMMON, f"run_dir={tmp_path}"], nproc=2)
+    path = tmp_path / "metrics.json"
+    assert path.exists(), f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    return json.loads(path.read_text())
+
+
+def _check_common(m: dict, steps: int) -> None:
+    assert m["steps"] == steps and m["world_size"] == 2
+    assert math.isfinite(m["last_loss"]) and 0.0 < m["auc"] < 1.0 and math.isfinite(m["logloss"])
+    assert m["comm_bytes_per_step"] > 0 and 0.0 <= m["hit_rate"] <= 1.0
+    assert m["dropped_samples"] == 0
+
+
+def _check_fae(m: dict, steps: int) -> None:
+    _check_common(m, steps)
+    plan, module = m["plan_rows_by_kind"], m["module_rows_by_kind"]
+    pol = m["policy"]
+    assert pol["name"] == "fae" and pol["replicated_rows"] > 0
+    assert 0 < pol["hot_batches"] < steps  # hot batches (replicas) and cold ones (home) both ran
+    # what the data plane executed is what the scheduler planned (R = 2: 2 (R-1) rows per all-reduced row = one
+    # row per rank)
+    for k in ("hit", "shared_value", "shared_grad", "allreduce"):
+        assert module[k] == plan[k], (k, module, plan)
+    assert plan["allreduce"] > 0 and plan["shared_value"] > 0
+    assert m["stale_reads"] == 0 and 0.0 < m["fae_hot_sample_share"] < 1.0
+
+
+def _check_het(m: dict, steps: int, staleness: int) -> None:
+    _check_common(m, steps)
+    plan, module = m["plan_rows_by_kind"], m["module_rows_by_kind"]
+    assert m["policy"]["name"] == "het" and m["policy"]["staleness"] == staleness
+    assert plan["miss_pull"] > 0 and plan["hit"] > 0 and plan["update_push"] > 0
+    # the data plane's caches did what HET's model planned: same hits, pulls and pushes
+    for k in ("hit", "miss_pull", "update_pull", "update_push", "evict_push"):
+        assert module[k] == plan[k], (k, module, plan)
+    assert module["shared_value"] == 0  # every read went through the caches
+    assert (m["stale_reads"] > 0) == (staleness > 0)
+
+
+def test_fae_runs_hot_and_cold_batches(tmp_path: Path) -> None:
+    steps = 16
+    m = _run(tmp_path, ["scheduler=fae", "model=ncf", f"trainer.steps={steps}", "scheduler.window=4",
+                        "scheduler.profile_fraction=0.5"])
+    _check_fae(m, steps)
+    assert m["plan_rows_by_kind"]["replica_sync"] > 0  # a cold -> hot switch copied home rows to the replicas
+
+
+def test_het_with_staleness_runs(tmp_path: Path) -> None:
+    m = _run(tmp_path, ["scheduler=het", "scheduler.staleness=2", "model=wdl", "trainer.steps=8"])
+    _check_het(m, 8, 2)
+    assert m["plan_rows_by_kind"]["evict_push"] > 0  # copies with pending updates were evicted (pushed first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["wdl", "ncf", "deepfm", "dcn"])
+@pytest.mark.parametrize("scheduler", ["fae", "het", "het_s2"])
+def test_baselines_run_every_model(tmp_path: Path, model: str, scheduler: str) -> None:
+    steps = 12
+    extra = {"fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
+             "het": ["scheduler=het"], "het_s2": ["scheduler=het", "scheduler.staleness=2"]}[scheduler]
+    m = _run(tmp_path, [*extra, f"model={model}", f"trainer.steps={steps}"])
+    if scheduler == "fae":
+        _check_fae(m, steps)
+    else:
+        _check_het(m, steps, 2 if scheduler == "het_s2" else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
+def test_het_staleness_zero_trains_stock_model(tmp_path: Path, optimizer: str, lr: float) -> None:
+    """HET with staleness 0 (HET-BSP) through real caches is exact BSP: the same tables, optimizer state and dense
+    parameters as stock TorchRec ROW_WISE (eps 1e-3 for Adagrad: see test_app_exactness.py)."""
+    eps = ["trainer.embedding_eps=1e-3"] if optimizer == "rowwise_adagrad" else []
+    states = {}
+    for name, args in (("het", ["scheduler=het"]), ("torchrec", ["scheduler=torchrec", "sharding.types=[row_wise]"])):
+        m = _run(tmp_path / name, [*args, *eps, "trainer.steps=30", f"trainer.embedding_optimizer={optimizer}",
+                                   f"trainer.embedding_lr={lr}", "trainer.dense_optimizer=sgd", "trainer.dense_lr=0.05",
+                                   "data.locality=0.7", "trainer.save_final=true"])
+        states[name] = torch.load(tmp_path / name / "final_state.pt")
+    assert m["steps"] == 30
+    for part in ("tables", "optimizer_state", "dense"):
+        a, b = states["het"][part], states["torchrec"][part]
+        assert set(a) == set(b) and (a or part == "optimizer_state")
+        assert max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0) <= 1e-5, part
+
+
+def test_fae_reorder_moves_hot_samples_first_within_a_window() -> None:
+    """FAE's stream step on hand-made batches: same samples and batch sizes, hot samples (stream order) first."""
+    import numpy as np
+
+    from herald_torchrec.baselines import FaeReorder
+    from herald_torchrec.data.samples import Samples
+
+    def batch(ids: list[int]) -> Samples:
+        n = len(ids)
+        return Samples(np.zeros((n, 1), np.float32), np.array(ids, dtype=np.int64)[:, None], np.arange(n, dtype=np.float32))
+
+    stream = [batch([9, 1, 8, 2]), batch([3, 7, 6, 4]), batch([0, 9, 9, 9]), batch([5, 5])]  # last: short
+    fae = FaeReorder(2, lambda s: s.ids[:, 0] < 5)
+    out = [b.ids[:, 0].tolist() for b in fae(iter(stream))]
+    assert out == [[1, 2, 3, 4], [9, 8, 7, 6], [0, 9, 9, 9], [5, 5]]  # window 2: batches 0+1, then 2 (+ short 3)
+    assert fae.hot_samples == 4 and fae.samples == 8  # the window of batch 2 was left as it is (a short batch in it)
+    with pytest.raises(ValueError, match="window"):
+        FaeReorder(0, lambda s: s.ids[:, 0] < 5)
