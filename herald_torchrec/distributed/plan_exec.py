@@ -1,7 +1,7 @@
 """Plan execution, host side: what one rank sends and receives in a step, prepared in numpy before any collective.
 
-The data plane of a step (embeddingbag.py) is three all-to-alls whose every split size comes from the plan, which
-is identical on every rank. This module turns (Plan, the RowStore's directories, this rank's ids) into dataclasses
+The data plane of a step (embeddingbag.py) is two all-to-alls (moves + shared values, then shared gradients) whose
+every split size comes from the plan, which is identical on every rank. This module turns (Plan, the RowStore's directories, this rank's ids) into dataclasses
 that say exactly what moves where: the row moves (`MoveStep`), the shared-row exchange (`SharedStep`), the
 classification of the local ids (exclusive / shared, hits), the index layouts of the lookup and of the shared-row
 gradient sums, and the *static* plan built from every rank's ids. It holds no process group and changes no
