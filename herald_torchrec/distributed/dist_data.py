@@ -75,31 +75,29 @@ class _PlanAllToAll:
         self._comm = comm
 
     def _start(
-        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], check: ErrorCheck | None
+        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], check: ErrorCheck | None,
+        kind: str | dict[str, int] | None = None,
     ) -> PendingAllToAll:
+        """Issue the all-to-all, counted as `kind` (default: the class's; or {kind: off-rank bytes}); with `check`,
+        it carries the step's error flags (then complete it with `wait_flagged`)."""
+        kind = self.kind if kind is None else kind
         if check is not None:
-            return self._comm.start_all_to_all_flagged(send, send_splits, recv_splits, self.kind, check.flag)
-        return self._comm.start_all_to_all(send, send_splits, recv_splits, self.kind)
+            return self._comm.start_all_to_all_flagged(send, send_splits, recv_splits, kind, check.flag)
+        return self._comm.start_all_to_all(send, send_splits, recv_splits, kind)
 
 
-class _StepAllToAll(_PlanAllToAll):
-    """The forward exchange of a step object (`MoveStep` / `SharedStep`: its send / recv splits): skipped by every
-    rank when the step is globally empty (the awaitable then gives None); with `check`, any rank's error raises
-    on every rank at `wait()`, before the caller changes anything."""
-
-    def __call__(
-        self, send: torch.Tensor | None, step: MoveStep | SharedStep, check: ErrorCheck | None = None
-    ) -> Awaitable[torch.Tensor | None]:
-        if step.globally_empty:
-            return _AllToAllAwaitable(None, None, lambda out: None)
-        return _AllToAllAwaitable(self._start(send, step.send_splits, step.recv_splits, check), check, lambda out: out)
-
-
-class RowMoveDist(_StepAllToAll):
+class RowMoveDist(_PlanAllToAll):
     """Every departing row (value + optimizer state, packed as `RowStore.read_packed` lays them out, in send order)
-    goes to its destination; the awaitable gives the arriving rows in receive order (`MoveStep.recv_idx`)."""
+    goes to its destination; the awaitable gives the arriving rows in receive order (`MoveStep.recv_idx`), or None
+    when no rank moves a row (nothing is issued). With `check`, any rank's error raises on every rank at `wait()`,
+    before the caller changes anything."""
 
     kind = "moves"
+
+    def __call__(self, send: torch.Tensor, ms: MoveStep, check: ErrorCheck | None = None) -> Awaitable[torch.Tensor | None]:
+        if ms.globally_empty:
+            return _AllToAllAwaitable(None, None, lambda out: None)
+        return _AllToAllAwaitable(self._start(send, ms.send_splits, ms.recv_splits, check), check, lambda out: out)
 
 
 def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
@@ -136,10 +134,7 @@ class StepExchangeDist(_PlanAllToAll):
             kinds["moves"] = elem * (sum(ms.send_splits) - ms.send_splits[r])
         if not sh.globally_empty:
             kinds["shared_value"] = elem * (sum(sh.value_splits) - sh.value_splits[r])
-        if check is not None:
-            pending = self._comm.start_all_to_all_flagged(send, send_splits, recv_splits, kinds, check.flag)
-        else:
-            pending = self._comm.start_all_to_all(send, send_splits, recv_splits, kinds)
+        pending = self._start(send, send_splits, recv_splits, check, kinds)
         return _AllToAllAwaitable(pending, check, lambda out: _deinterleave(out, ms.recv_splits, sh.recv_splits))
 
 

@@ -20,13 +20,14 @@ from herald_torchrec.distributed.plan_exec import (
     MoveStep,
     SharedMarks,
     SharedStep,
+    grad_send_order,
     grad_sum_layout,
     lookup_layout,
     sent_by_kind,
     static_plan,
     static_plan_keys,
 )
-from herald_torchrec.distributed.row_store import RowStore, ragged_arange
+from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import Plan
 
 
@@ -115,7 +116,7 @@ class HeraldLookup:
         vals = sh.values
         grad = vals.grad if vals is not None and vals.grad is not None else None
         if grad is None:
-            grad = torch.zeros(int(self.store.dims_arr[sh.recv_table].sum()), dtype=torch.float32, device=self.device)
+            grad = torch.zeros(int(st.dims_arr[sh.recv_table].sum()), dtype=torch.float32, device=self.device)
         grad = self._in_grad_order(grad.detach(), sh)
         sh.values = None
         back = self._grad_dist(grad, sh).wait()  # laid out as send_off
@@ -128,17 +129,13 @@ class HeraldLookup:
             st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
 
     def _in_grad_order(self, grad: torch.Tensor, sh: SharedStep) -> torch.Tensor:
-        """The gradients of the values (value order: by sender before the moves) in send order (by owner after them);
-        the identity when no shared row moved (static plans), then nothing is copied."""
-        idx = sh.grad_idx
-        if idx.shape[0] == 0 or (idx == np.arange(idx.shape[0])).all():
+        """The gradients of the values (value order: by sender before the moves) in send order (by owner after
+        them); nothing is copied when the orders agree."""
+        order = grad_send_order(sh, self.store)
+        if order is None:
             return grad
-        st = self.store
-        if st.uniform_dim is not None:
-            d = st.uniform_dim
-            return grad.view(-1, d).index_select(0, torch.from_numpy(idx).to(grad.device)).view(-1)
-        pos = ragged_arange(sh.recv_off[idx], st.dims_arr[sh.recv_table[idx]])
-        return grad.index_select(0, torch.from_numpy(pos).to(grad.device))
+        idx, width = order
+        return grad.view(-1, width).index_select(0, torch.from_numpy(idx).to(grad.device)).view(-1)
 
     def static_plan(self, local: LocalInput) -> Plan:
         """The plan of the `static` policy for this batch (collective: an all-gather of every rank's ids)."""

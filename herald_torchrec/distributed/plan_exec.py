@@ -1,14 +1,14 @@
 """Plan execution, host side: what one rank sends and receives in a step, prepared in numpy before any collective.
 
 The data plane of a step (embeddingbag.py) is two all-to-alls (moves + shared values, then shared gradients) whose
-every split size comes from the plan, which is identical on every rank. This module turns (Plan, the RowStore's directories, this rank's ids) into dataclasses
-that say exactly what moves where: the row moves (`MoveStep`), the shared-row exchange (`SharedStep`), the
-classification of the local ids (exclusive / shared, hits), the index layouts of the lookup and of the shared-row
-gradient sums, and the *static* plan built from every rank's ids. It holds no process group and changes no
-directory: every function is a pure function of arrays and of the store's directories (it reads `owner_all`,
-`slot_of_all`, `guest_count_all`, ...), so a two-rank step can be checked in one process with two RowStores
-(tests/test_plan_exec.py). Like TorchRec's sharding/*.py, it is the "who sends what" half; dist_data.py is the
-"send it" half.
+every split size comes from the plan, which is identical on every rank. This module turns (Plan, the RowStore's
+directories, this rank's ids) into dataclasses that say exactly what moves where: the row moves (`MoveStep`), the
+shared-row exchange (`SharedStep`), the classification of the local ids (exclusive / shared, hits), the index
+layouts of the lookup and of the shared-row gradient sums, and the *static* plan built from every rank's ids. It
+holds no process group and changes no directory: every function is a pure function of arrays and of the store's
+directories (it reads `owner_all`, `slot_of_all`, `guest_count_all`, ...), so a two-rank step can be checked in one
+process with two RowStores (tests/test_plan_exec.py). Like TorchRec's sharding/*.py, it is the "who sends what"
+half; dist_data.py is the "send it" half.
 
 Plan checks raise ValueError with the plan's step. Checks that only use the plan and the global directories raise
 alike on every rank (so no rank is left in a collective); checks against the local batch (`local_input`,
@@ -370,6 +370,23 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
     return np.bincount(tab[hit], minlength=T).astype(np.int64), np.bincount(tab, minlength=T).astype(np.int64)
 
 
+def value_items(sh: SharedStep, st: RowStore, pairs: np.ndarray) -> tuple[np.ndarray, int]:
+    """Where the value-order pairs `pairs` sit in the flat value buffer (or its gradient), as (item index, item
+    width): rows of the dim when every table has the same one, else float positions (width 1)."""
+    if st.uniform_dim is not None:
+        return pairs, st.uniform_dim
+    return ragged_arange(sh.recv_off[pairs], st.dims_arr[sh.recv_table[pairs]]), 1
+
+
+def grad_send_order(sh: SharedStep, st: RowStore) -> tuple[np.ndarray, int] | None:
+    """The value gradients' reorder into gradient send order (by owner after the moves) as `value_items`, or None
+    when it is the identity (no shared row moved, e.g. static plans)."""
+    idx = sh.grad_idx
+    if (idx == np.arange(idx.shape[0])).all():
+        return None
+    return value_items(sh, st, idx)
+
+
 @dataclass
 class LookupLayout:
     """The step's lookup, in index arrays: the TBE reads `indices` / `offsets` (exclusive ids, local slots, one bag
@@ -398,13 +415,12 @@ def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: Row
     if not shared.size:
         return LookupLayout(indices, offsets, _empty(), _empty())
     f, bag = np.divmod(local.seg[shared], B)
-    if st.uniform_dim is not None:  # rows: value row = index among the received pairs, output row = bag * F + f
-        return LookupLayout(indices, offsets, mark[shared], bag * F + f, st.uniform_dim)
+    src, width = value_items(sh, st, mark[shared])  # mark = index of the value among the pairs read here
+    if st.uniform_dim is not None:  # rows: output row = bag * F + f of the pooled output viewed as [B * F, dim]
+        return LookupLayout(indices, offsets, src, bag * F + f, width)
     f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
     f_col = exclusive_cumsum(f_dims)  # output column of each feature
-    d = f_dims[f]
-    src = ragged_arange(sh.recv_off[mark[shared]], d)  # mark = index of the value among the received pairs
-    dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], d)
+    dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], f_dims[f])
     return LookupLayout(indices, offsets, src, dst)
 
 
