@@ -78,7 +78,8 @@ def read_metrics(run_dir: Path, output: str, steps: int) -> dict:
         if PHASE_TIMES_TAG in line:
             rank_field, _, payload = line.split(PHASE_TIMES_TAG, 1)[1].strip().partition(" ")
             phases[rank_field.removeprefix("rank=")] = {
-                k: {"ms_per_step": v["ms"] / steps, "calls": v["calls"]} for k, v in json.loads(payload).items()
+                k: {"ms_per_step": v["ms"] / steps, "cpu_ms_per_step": v.get("cpu_ms", 0.0) / steps, "calls": v["calls"]}
+                for k, v in json.loads(payload).items()
             }
     return ({"phases": phases} if phases else {}) | {
         "step_ms": 1000.0 * m["global_batch"] / m["samples_per_s"],
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--locality", type=float, default=0.5)
     ap.add_argument("--model", default="dcn")
     ap.add_argument("--phase-times", action="store_true",
-                    help=f"set {PHASE_TIMES_ENV}=1: report Herald's per-phase wall time (ms per training step, per rank)")
+                    help=f"set {PHASE_TIMES_ENV}=1: report Herald's per-phase wall and thread CPU time (ms per training step, per rank)")
     ap.add_argument("--out", type=Path, help="also write the JSON here (atomically)")
     net = ap.add_argument_group("network mode (root + iproute2; see benchmarks/e2e_net.py)")
     net.add_argument("--bandwidth", help="comma list of per-rank link rates, e.g. none,1gbit,200mbit: every rank its own "

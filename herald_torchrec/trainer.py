@@ -210,8 +210,12 @@ def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: Dist
     return auc_logloss(lg, lb)
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
+def train(cfg: DictConfig, ctx: DistContext | None = None) -> dict[str, Any]:
+    """One run of the app (train.py's job). Without `ctx` it joins torchrun's process group and leaves it at the end;
+    with `ctx` (an initialised group, e.g. several runs in one process) the group is the caller's to close."""
     validate(cfg)
+    if ctx is not None:
+        return _train(cfg, ctx)
     ctx = init_distributed(cfg.dist_backend)
     # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
     metrics = _train(cfg, ctx)

@@ -1,9 +1,9 @@
 """`train.py scheduler=fae|het|p2res`: the baselines run in Herald's engine, 2 gloo ranks, and report the same
 metrics as Herald. p2res's exactness (same model as stock TorchRec) is in test_app_exactness.py.
 
-Default: one quick fae run (NCF: two tables, so many samples are all-hot and the run switches between hot and cold
-batches) and one het run with staleness 2; `-m slow`: every model under fae and het (S = 0 and 2), and het with
-staleness 0 ending at stock TorchRec's model (both fused optimizers).
+Default: every model under fae and under het with staleness 2 (the eight runs share one pair of ranks:
+tests/_app_helpers.py), and one het run through `torchrun train.py`; `-m slow`: every model under het with
+staleness 0, and het with staleness 0 ending at stock TorchRec's model (both fused optimizers).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _dist_helpers import run_ranks
 from conftest import run_app
 
 COMMON = ["trainer.eval_interval=0", "data.val_batches=2"]
@@ -60,32 +61,57 @@ def _check_het(m: dict, steps: int, staleness: int) -> None:
     assert (m["stale_reads"] > 0) == (staleness > 0)
 
 
-def test_fae_runs_hot_and_cold_batches(tmp_path: Path) -> None:
-    steps = 16
-    m = _run(tmp_path, ["scheduler=fae", "model=ncf", f"trainer.steps={steps}", "scheduler.window=4",
-                        "scheduler.profile_fraction=0.5"])
-    _check_fae(m, steps)
-    assert m["plan_rows_by_kind"]["replica_sync"] > 0  # a cold -> hot switch copied home rows to the replicas
+MODELS = ("wdl", "ncf", "deepfm", "dcn")
+SETTINGS = {"fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
+            "het": ["scheduler=het"], "het_s2": ["scheduler=het", "scheduler.staleness=2"]}
 
 
-def test_het_with_staleness_runs(tmp_path: Path) -> None:
+def _check(name: str, m: dict, steps: int) -> None:
+    if name == "fae":
+        _check_fae(m, steps)
+    else:
+        _check_het(m, steps, 2 if name == "het_s2" else 0)
+
+
+def _every_model(tmp_path: Path, schedulers: tuple[str, ...], steps: int) -> dict[str, dict]:
+    """Every model under each scheduler: all runs in one pair of gloo ranks (tests/_app_helpers.py)."""
+    runs = {f"{s}-{m}": [*SETTINGS[s], f"model={m}", f"trainer.steps={steps}", *COMMON]
+            for s in schedulers for m in MODELS}
+    run_ranks("_app_helpers:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
+    out = {}
+    for name in runs:
+        path = tmp_path / name / "metrics.json"
+        assert path.exists(), f"run {name} wrote no metrics.json (see {tmp_path}/rank*.log)"
+        out[name] = json.loads(path.read_text())
+    return out
+
+
+def test_fae_and_het_run_every_model(tmp_path: Path) -> None:
+    """`scheduler=fae` and `scheduler=het` (staleness 2) train all four models on 2 ranks and report Herald's
+    metrics; the data plane executed what the scheduler planned."""
+    steps = 12
+    got = _every_model(tmp_path, ("fae", "het_s2"), steps)
+    for name, m in got.items():
+        sched, model = name.split("-")
+        assert m["config"]["model"]["name"] == model
+        _check(sched, m, steps)
+    # NCF (two tables: many samples are all-hot) switches between hot and cold batches: a cold -> hot switch copied
+    # home rows to the replicas
+    assert got["fae-ncf"]["plan_rows_by_kind"]["replica_sync"] > 0
+    assert got["het_s2-wdl"]["plan_rows_by_kind"]["evict_push"] > 0  # copies with pending updates were evicted
+
+
+def test_het_staleness_runs_through_train_py(tmp_path: Path) -> None:
+    """The command line path (torchrun train.py) of a baseline, as a user runs it."""
     m = _run(tmp_path, ["scheduler=het", "scheduler.staleness=2", "model=wdl", "trainer.steps=8"])
     _check_het(m, 8, 2)
-    assert m["plan_rows_by_kind"]["evict_push"] > 0  # copies with pending updates were evicted (pushed first)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["wdl", "ncf", "deepfm", "dcn"])
-@pytest.mark.parametrize("scheduler", ["fae", "het", "het_s2"])
-def test_baselines_run_every_model(tmp_path: Path, model: str, scheduler: str) -> None:
+def test_het_bsp_runs_every_model(tmp_path: Path) -> None:
     steps = 12
-    extra = {"fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
-             "het": ["scheduler=het"], "het_s2": ["scheduler=het", "scheduler.staleness=2"]}[scheduler]
-    m = _run(tmp_path, [*extra, f"model={model}", f"trainer.steps={steps}"])
-    if scheduler == "fae":
-        _check_fae(m, steps)
-    else:
-        _check_het(m, steps, 2 if scheduler == "het_s2" else 0)
+    for name, m in _every_model(tmp_path, ("het",), steps).items():
+        _check("het", m, steps)
 
 
 @pytest.mark.slow

@@ -36,32 +36,35 @@ import torch.distributed as dist
 PHASE_TIMES_ENV = "HERALD_PHASE_TIMES"
 PHASE_TIMES_TAG = "[herald-phases]"
 _PHASES_ON = os.environ.get(PHASE_TIMES_ENV, "") not in ("", "0")
-_phase_totals: dict[str, list[float]] = {}  # name -> [seconds, calls]
+_phase_totals: dict[str, list[float]] = {}  # name -> [wall seconds, calls, CPU seconds of the calling thread]
 _NO_PHASE: ContextManager[None] = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def _timed(name: str) -> Iterator[None]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
-        acc = _phase_totals.setdefault(name, [0.0, 0])
+        acc = _phase_totals.setdefault(name, [0.0, 0, 0.0])
         acc[0] += time.perf_counter() - t0
         acc[1] += 1
+        acc[2] += time.thread_time() - c0
 
 
 def phase(name: str) -> ContextManager[None]:
-    """`with phase("x"):` adds the block's wall time to phase x when HERALD_PHASE_TIMES is set; else a shared no-op
-    context (off by default: a step must not pay for its own measurement)."""
+    """`with phase("x"):` adds the block's wall time (and the CPU time of the calling thread: a collective's wait and
+    gloo's own threads are not in it) to phase x when HERALD_PHASE_TIMES is set; else a shared no-op context (off by
+    default: a step must not pay for its own measurement)."""
     return _timed(name) if _PHASES_ON else _NO_PHASE
 
 
 def phase_times() -> dict[str, dict[str, float]]:
-    """{phase: {"ms": total, "calls": n, "ms_per_call": mean}} accumulated so far in this process."""
+    """{phase: {"ms": total wall, "cpu_ms": total CPU of the thread, "calls": n, "ms_per_call": mean wall}}
+    accumulated so far in this process."""
     return {
-        k: {"ms": round(1e3 * s, 3), "calls": int(n), "ms_per_call": round(1e3 * s / max(n, 1), 4)}
-        for k, (s, n) in sorted(_phase_totals.items())
+        k: {"ms": round(1e3 * s, 3), "cpu_ms": round(1e3 * c, 3), "calls": int(n), "ms_per_call": round(1e3 * s / max(n, 1), 4)}
+        for k, (s, n, c) in sorted(_phase_totals.items())
     }
 
 

@@ -16,6 +16,7 @@ import torch
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, StepExchangeDist
 from herald_torchrec.distributed.plan_exec import (
+    GradSumLayout,
     LocalInput,
     MoveStep,
     SharedMarks,
@@ -26,9 +27,30 @@ from herald_torchrec.distributed.plan_exec import (
     sent_by_kind,
     static_plan,
     static_plan_keys,
+    with_owner_bags,
 )
 from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import Plan
+
+
+class OwnerUpdate:
+    """A training lookup's TBE call whose backward (the fused optimizer) waits for the shared rows' summed gradients:
+    the batch's bags, then one bag per shared row this rank owns (plan_exec.with_owner_bags)."""
+
+    def __init__(self, grads: GradSumLayout, bag_rows: np.ndarray) -> None:
+        self.grads, self.bag_rows = grads, bag_rows
+        self.tbe_out: torch.Tensor | None = None  # the TBE's output (its graph applies the optimizer)
+        self.detached: torch.Tensor | None = None  # what the model reads (its .grad: the batch bags' gradients)
+
+    def backward(self, summed: torch.Tensor) -> None:
+        """One TBE backward: the model's gradients for the batch's bags (zeros if it did not backpropagate) and the
+        summed gradient of each owned shared row [keys, dim] in its bag."""
+        out, det = self.tbe_out, self.detached
+        self.tbe_out = self.detached = None
+        g = det.grad if det.grad is not None else torch.zeros_like(out)
+        dim = summed.shape[1]
+        g.view(-1, dim).index_copy_(0, torch.from_numpy(self.bag_rows).to(g.device), summed.to(g.dtype))
+        out.backward(g)
 
 
 class HeraldLookup:
@@ -95,12 +117,27 @@ class HeraldLookup:
         st.write_packed(r_tab, st.allocate_many(r_tab, r_row), recv)
         return sent_by_kind(ms)
 
-    def pooled(self, local: LocalInput, sh: SharedStep) -> torch.Tensor:
+    def pooled(self, local: LocalInput, sh: SharedStep, training: bool = False) -> torch.Tensor:
         """Pooled embeddings [B, sum of dims]: the TBE over exclusive ids, plus the received values of shared ids
-        summed into their bags (differentiable w.r.t. the received values), all features in one pass."""
+        summed into their bags (differentiable w.r.t. the received values), all features in one pass.
+
+        Training, where this rank owns shared rows after the moves (and the update can be fused, `_fuses_update`),
+        the same TBE call also holds one extra bag per owned shared row and its backward waits for
+        `apply_shared_grads`: one fused update for all rows once the readers' gradients are in, instead of the
+        TBE's backward plus a second TBE pass for the shared rows (`sh.owner_update` holds that call)."""
         st = self.store
         lay = lookup_layout(local, sh, self.marks, st)
+        update = None
+        if training and sh.send_gkey.shape[0] and self._fuses_update():
+            grads = grad_sum_layout(sh, st)
+            lay, bag_rows = with_owner_bags(lay, grads, st, local.batch_size)
+            update = OwnerUpdate(grads, bag_rows)
         out = st.lookup(torch.from_numpy(lay.indices).to(self.device), torch.from_numpy(lay.offsets).to(self.device))
+        if update is not None:  # the model sees a detached copy of the batch's bags; the TBE's graph waits
+            update.tbe_out = out
+            update.detached = out.detach().requires_grad_(True)
+            out = update.detached[: local.batch_size]
+            sh.owner_update = update
         if lay.value_src.size:
             w = lay.width
             v = sh.values.view(-1, w).index_select(0, torch.from_numpy(lay.value_src).to(self.device))
@@ -109,24 +146,33 @@ class HeraldLookup:
             out = out.view(-1, w).index_add(0, dst, v.to(out.dtype)).view(out.shape)
         return out
 
+    def _fuses_update(self) -> bool:
+        """The owner's shared-row update can ride on the TBE's own backward: rows are items (one dim for all
+        tables) and no gradient clipping (the readers clip their bags; the TBE would clip the sums again)."""
+        return self.store.uniform_dim is not None and not self.store.gradient_clipping
+
     def apply_shared_grads(self, sh: SharedStep) -> None:
         """Readers return the shared rows' gradients (a reader that did not backpropagate returns zeros); each owner
-        sums them per key and applies ONE update per row through its TBE (bit-exact with the fused path)."""
+        sums them per key and applies ONE update per row through its TBE (bit-exact with the fused path): in the
+        step's own deferred TBE backward (`pooled`), or in a separate pass over one-row bags."""
         st = self.store
-        vals = sh.values
+        vals, update = sh.values, sh.owner_update
         grad = vals.grad if vals is not None and vals.grad is not None else None
         if grad is None:
             grad = torch.zeros(int(st.dims_arr[sh.recv_table].sum()), dtype=torch.float32, device=self.device)
         grad = self._in_grad_order(grad.detach(), sh)
-        sh.values = None
+        sh.values = sh.owner_update = None
         back = self._grad_dist(grad, sh).wait()  # laid out as send_off
         if sh.send_gkey.shape[0] == 0:
             return
-        lay = grad_sum_layout(sh, st)  # one gradient per key: the readers' sum, in rank order
+        lay = update.grads if update is not None else grad_sum_layout(sh, st)  # one gradient per key: readers' sum
         summed = torch.zeros(lay.size // lay.width, lay.width, dtype=back.dtype, device=self.device)
         summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), back.view(-1, lay.width))
         with phase("finish_step.apply"):
-            st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
+            if update is not None:
+                update.backward(summed)
+            else:
+                st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
 
     def _in_grad_order(self, grad: torch.Tensor, sh: SharedStep) -> torch.Tensor:
         """The gradients of the values (value order: by sender before the moves) in send order (by owner after

@@ -416,7 +416,7 @@ class ShardedHeraldEmbeddingBagCollection(
             with phase("step.exchange"):
                 moved = self._exec.exchange(moves, shared, training, check)
             with phase("step.lookup"):
-                out = self._exec.pooled(local, shared)
+                out = self._exec.pooled(local, shared, training)
                 if rstep is not None:
                     out = self._replicas.pooled(full_local, rstep, out, training)
                 if cstep is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange, rank_within_group
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
 
 
@@ -78,6 +78,7 @@ class SharedStep:
     grad_idx: np.ndarray = field(default_factory=_empty)  # value-order positions in gradient send order (by owner)
     grad_splits: list[int] = field(default_factory=list)  # gradient floats sent to each owner
     values: "object | None" = None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
+    owner_update: "object | None" = None  # embedding_lookup.OwnerUpdate: the TBE call whose backward is deferred
 
 
 @dataclass
@@ -448,6 +449,36 @@ def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
     kd = st.dims_arr[tab]
     dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], st.dims_arr[sh.send_table])
     return GradSumLayout(tab, slots, dst, int(kd.sum()))
+
+
+def with_owner_bags(lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_size: int) -> tuple[LookupLayout, np.ndarray]:
+    """The step's lookup with one extra one-row bag per shared row this rank owns after the moves, so that ONE TBE
+    backward applies the fused optimizer to the exclusive rows and (with the readers' summed gradients) to the shared
+    ones: table t's k-th key (GradSumLayout key order) is bag B + k of t's first feature, the other extra bags are
+    empty. Shared rows never sit in the exclusive bags (every reader, the owner included, reads them through the
+    shared path), so every row still gets exactly its own gradient sum. Rows only (`st.uniform_dim`).
+
+    Returns the layout over B + n bags per feature (n = the most keys of one table; `value_src` / `out_dst` are
+    unchanged: the first B bags are the batch's) and, per key, its bag's row in the pooled output [(B + n) * F, dim]."""
+    B, F, T = batch_size, len(st.feature_table_map), st.num_tables
+    k = rank_within_group(gs.tables, T)
+    n = int(k.max()) + 1 if k.shape[0] else 0
+    feat = np.asarray(st.first_feature, dtype=np.int64)[gs.tables]
+    main = np.diff(lay.offsets).reshape(F, B)
+    extra = np.zeros((F, n), dtype=np.int64)
+    extra[feat, k] = 1
+    lengths = np.concatenate([main, extra], axis=1)
+    offsets = np.zeros(F * (B + n) + 1, dtype=np.int64)
+    np.cumsum(lengths.reshape(-1), out=offsets[1:])
+    # feature after feature: the feature's batch ids, then its extra rows (keys by feature, then k)
+    order = np.lexsort((k, feat))
+    m_cnt, e_cnt = main.sum(axis=1), extra.sum(axis=1)
+    m_pos = np.arange(lay.indices.shape[0], dtype=np.int64) + np.repeat(exclusive_cumsum(e_cnt), m_cnt)
+    e_pos = np.arange(order.shape[0], dtype=np.int64) + np.repeat(np.cumsum(m_cnt), e_cnt)
+    indices = np.empty(lay.indices.shape[0] + order.shape[0], dtype=np.int64)
+    indices[m_pos] = lay.indices
+    indices[e_pos] = gs.slots[order]
+    return LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width), (B + k) * F + feat
 
 
 # ------------------------------------------------------------------------------------------------ static plan

@@ -293,7 +293,8 @@ class ScheduledInput:
         pending_first: list[Batch | None] = [first]
 
         def draw() -> Batch | None:
-            return pending_first.pop() if pending_first else next(stream, None)
+            with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
+                return pending_first.pop() if pending_first else next(stream, None)
 
         window: deque[_Pending] = deque()
         exhausted = False

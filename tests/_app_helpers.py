@@ -1,0 +1,25 @@
+"""Several `train.py` runs in one set of gloo ranks (tests/_dist_helpers.run_ranks): the app's configurations are
+composed with Hydra's compose API from conf/ and trained one after another in the same process group, so a test of
+many models pays the ranks' start-up (imports, process group) once instead of once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from _dist_helpers import REPO_ROOT, rank_result
+
+
+def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list[str]]) -> None:
+    """Train every run (name -> Hydra overrides) in order; run `name` writes its metrics.json to out_dir/name."""
+    from hydra import compose, initialize_config_dir
+
+    from herald_torchrec.dist import init_distributed
+    from herald_torchrec.trainer import train
+
+    ctx = init_distributed("gloo")  # the harness's group
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        for name, overrides in runs.items():
+            train(compose("config", overrides=[*overrides, f"run_dir={Path(out_dir) / name}"]), ctx)
+    torch.save({"runs": list(runs)}, rank_result(out_dir, rank))
