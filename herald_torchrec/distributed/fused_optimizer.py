@@ -1,8 +1,10 @@
 """`HeraldFusedOptimizer`: a Herald-managed EBC's entry in DMP's fused optimizer (TorchRec keeps its fused
 optimizers beside their kernels, not in the sharded module, and so does this package).
 
-Exclusive rows are updated in backward by FBGEMM's fused optimizer; what is left for `step()` is the step's shared
-rows, whose update needs the readers' gradients (`ShardedHeraldEmbeddingBagCollection.finish_step`).
+FBGEMM's fused optimizer updates the rows; a shared row's update needs its readers' gradients, so `step()` finishes
+the step (`ShardedHeraldEmbeddingBagCollection.finish_step`): the gradient all-to-all, then the TBE backward that
+updates exclusive and shared rows together (deferred from `loss.backward()`; with mixed dims or gradient clipping,
+exclusive rows are updated in backward and shared rows here by a separate pass).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ if TYPE_CHECKING:
 
 
 class HeraldFusedOptimizer(CheckpointedOptimizerMixin, FusedOptimizer):
-    """The module's entry in DMP's fused optimizer: exclusive rows are updated in backward (FBGEMM's fused
-    optimizer); `step()` finishes the step's shared rows (gradient all-to-all + one update per row at its owner).
+    """The module's entry in DMP's fused optimizer: `step()` finishes the step (gradient all-to-all of the shared
+    rows + one fused update per row at its owner, see the module docstring).
     Params, state and param_groups are TorchRec's (checkpoint.py): `state_dict()` / `load_state_dict()` carry the
     row-wise optimizer state under TorchRec's keys (both collective)."""
 
