@@ -13,7 +13,9 @@ the one counter every scheduler is measured by), `step_ms` on this host's loopba
 held-out split, stale reads (the (key, reader) pairs served an older value than the latest), hit rate and the
 scheduler's planned rows by kind. Real logs: pass Hydra overrides after the options (e.g. `data=criteo
 data.path=...`); they go to every run. One JSON object on stdout (and, atomically, to --out); --plot draws bytes per
-step and AUC per system (PNG). Run helpers are benchmarks/e2e.py's.
+step and AUC per system (PNG). Run helpers are benchmarks/e2e.py's. With `--bandwidth none,200mbit` (root + iproute2)
+every system is also timed with each rank its own host behind a tc-shaped link (e2e.py's network mode): steady step
+ms and the bytes really on the wire, per rate, under "network" in the JSON.
 """
 
 from __future__ import annotations
@@ -28,16 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (benchmarks/ is not a package)
 
-SYSTEMS = {
-    "torchrec_rw": ["scheduler=torchrec", "sharding.types=[row_wise]"],
-    "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
-    "het_bsp": ["scheduler=het", "scheduler.staleness=0"],
-    "het_s2": ["scheduler=het", "scheduler.staleness=2"],
-    "het_s8": ["scheduler=het", "scheduler.staleness=8"],
-    "fae": ["scheduler=fae"],
-    "p2res": ["scheduler=p2res"],
-    "herald": ["scheduler=herald"],
-}
+SYSTEMS = {"torchrec_rw": e2e.SCHEDULER_ARGS["torchrec"],
+           **{s: e2e.SCHEDULER_ARGS[s] for s in ("torchrec_tw", "het_bsp", "het_s2", "het_s8", "fae", "p2res", "herald")}}
 e2e.SCHEDULER_ARGS.update({k: v for k, v in SYSTEMS.items() if k not in e2e.SCHEDULER_ARGS})
 
 
@@ -122,6 +116,44 @@ def markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
+def network_timing(args: argparse.Namespace, systems: list[str]) -> dict:
+    """Every system timed on emulated links (e2e_net.main_net: one network namespace per rank, tc-shaped); exits 2
+    with the reason where this machine cannot build them."""
+    import e2e_net
+    import netem
+
+    net_args = argparse.Namespace(**{**vars(args), "steps": args.net_steps, "workload": None, "timeout": 900.0,
+                                     "phase_times": False, "plot": None})
+    try:
+        return e2e_net.main_net(net_args, [args.ranks], systems)
+    except netem.NetemUnavailable as err:
+        e2e_net.exit_unavailable(err)
+    except ValueError as err:
+        raise SystemExit(f"compare: {err}")
+
+
+def network_markdown(net: dict) -> str:
+    """Steady step ms (best of rounds) per system and link rate, with the bytes really on the wire."""
+    import e2e_net
+
+    bws = net["config"]["bandwidth"]
+    head = " | ".join(f"{'unshaped' if b == 'none' else b}: step ms (wire MB)" for b in bws)
+    rows = [f"| system | {head} |", "|---|" + "---:|" * len(bws)]
+    for w, per_bw in net["runs"].items():
+        for s in net["config"]["schedulers"]:
+            cells = []
+            for b in bws:
+                c = per_bw.get(b, {}).get(str(net["config"]["ranks"][0]), {}).get(s)
+                if c is None:
+                    cells.append("failed")
+                    continue
+                best = c["best"]
+                wire = best.get("wire_bytes_per_step")
+                cells.append(f"{e2e_net.step_of(best):.1f}" + (f" ({wire / 1e6:.2f})" if wire is not None else ""))
+            rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {list(SYSTEMS)}")
@@ -134,6 +166,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the JSON here (atomically)")
     ap.add_argument("--plot", type=Path, help="bytes per step and AUC per system (PNG)")
     ap.add_argument("--replot", type=Path, metavar="JSON", help="run nothing: --plot and the table from a JSON")
+    net = ap.add_argument_group("network timing (root + iproute2; benchmarks/e2e.py's network mode)")
+    net.add_argument("--bandwidth", help="also time every system with each rank its own host behind a tc-shaped link: "
+                     "comma list of per-rank rates, e.g. none,200mbit (none = the same topology, unshaped)")
+    net.add_argument("--rounds", type=int, default=1, help="alternating rounds of the network timing (best, median)")
+    net.add_argument("--net-steps", type=int, default=60, help="steps of each network-timed run")
+    net.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the steady step time")
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run (e.g. real data)")
     args = ap.parse_args()
     args.phase_times = False  # e2e.run_one reads it
@@ -148,6 +186,8 @@ def main() -> None:
             runs = {s: run_system(s, args, Path(tmp)) for s in systems}
         cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         result = {"config": cfg, "runs": runs, "summary": summary(runs)}
+        if args.bandwidth:
+            result["network"] = network_timing(args, systems)
         text = json.dumps(result, indent=2, default=str)
         print(text)
         if args.out:
@@ -155,6 +195,8 @@ def main() -> None:
     if args.plot:
         plot(result, args.plot)
     print(markdown(result), file=sys.stderr)
+    if result.get("network"):
+        print("\n" + network_markdown(result["network"]), file=sys.stderr)
     failed = [s for s, r in result["runs"].items() if "error" in r]
     if failed and not args.replot:
         raise SystemExit(f"compare: {failed} failed (see their \"error\" in the JSON)")

@@ -39,6 +39,12 @@ SCHEDULER_ARGS = {
     "herald": ["scheduler=herald"],
     # Herald with the tables its adaptive policy would not schedule left to TorchRec (ROW_WISE / TABLE_WISE / COLUMN_WISE)
     "herald_auto": ["scheduler=herald", "scheduler.unscheduled=auto"],
+    # the systems Herald answers, trained in Herald's engine (issue 10; benchmarks/compare.py compares them all)
+    "het_bsp": ["scheduler=het", "scheduler.staleness=0"],
+    "het_s2": ["scheduler=het", "scheduler.staleness=2"],
+    "het_s8": ["scheduler=het", "scheduler.staleness=8"],
+    "fae": ["scheduler=fae"],
+    "p2res": ["scheduler=p2res"],
 }
 
 

@@ -69,12 +69,13 @@ class ReplicaRegion:
         self._settings = dict(optimizer=optimizer, learning_rate=learning_rate, eps=eps,
                               tbe_settings=dict(tbe_settings or {}))
         self.copies: RowStore | None = None  # built by the first plan that names the replicated set
-        self.slot_of = np.full(int(store.key_base[-1]), -1, dtype=np.int64)  # replica slot by global key
-        self._mark = np.full(int(store.key_base[-1]), -1, dtype=np.int64)  # step scratch by global key
+        # by global key, allocated with the first replicated set (a module that never replicates pays nothing):
+        self.slot_of: np.ndarray | None = None  # replica slot
+        self._mark: np.ndarray | None = None  # step scratch
 
     @property
     def num_rows(self) -> int:
-        return int((self.slot_of >= 0).sum())
+        return 0 if self.slot_of is None else int((self.slot_of >= 0).sum())
 
     def set_learning_rate(self, lr: float) -> None:
         self._settings["learning_rate"] = float(lr)
@@ -97,6 +98,9 @@ class ReplicaRegion:
         self.copies = RowStore(specs, rank=0, world_size=1, cache_ratio=1e-9, optimizer=s["optimizer"],
                                learning_rate=s["learning_rate"], eps=s["eps"], features_per_table=st.features_per_table,
                                device=self.device, tbe_settings=s["tbe_settings"])
+        if self.slot_of is None:
+            self.slot_of = np.full(int(st.key_base[-1]), -1, dtype=np.int64)
+            self._mark = np.full(int(st.key_base[-1]), -1, dtype=np.int64)
         self.slot_of[:] = -1
         self.slot_of[gk] = rank_within_group(tables, st.num_tables)
         self.copy_from_home(tables, rows, "replica_init")
@@ -109,7 +113,7 @@ class ReplicaRegion:
         if tables.shape[0] == 0:
             return
         gk = st.gkeys(tables, rows)
-        slots = self.slot_of[gk]
+        slots = self.slot_of[gk] if self.slot_of is not None else np.full(gk.shape[0], -1, dtype=np.int64)
         if (slots < 0).any():
             raise ValueError(f"replica plan: rows {rows[slots < 0][:5].tolist()} are synced but not replicated")
         width = st.packed_widths(tables)
@@ -145,12 +149,11 @@ class ReplicaRegion:
         gk = st.gkeys(tab, row)
         order = np.argsort(gk, kind="stable")
         tab, gk = tab[order], gk[order]
-        slot = self.slot_of[gk]
-        if self.copies is None or (slot < 0).any():
+        if self.copies is None or (self.slot_of[gk] < 0).any():
             raise ValueError(f"plan {plan.step}: rows read through replicas are not in the replicated set")
         d = st.dims_arr[tab]
         off = exclusive_cumsum(d)
-        step = ReplicaStep(tab, slot, st.slot_of_all[gk].astype(np.int64), off, int(d.sum()), np.zeros(0, np.int64))
+        step = ReplicaStep(tab, self.slot_of[gk], st.slot_of_all[gk].astype(np.int64), off, int(d.sum()), np.zeros(0, np.int64))
         if local is None:
             return None, step
         self._mark[gk] = np.arange(gk.shape[0], dtype=np.int64)
