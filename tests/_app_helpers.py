@@ -12,7 +12,8 @@ from _dist_helpers import REPO_ROOT, rank_result
 
 
 def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list[str]]) -> None:
-    """Train every run (name -> Hydra overrides) in order; run `name` writes its metrics.json to out_dir/name."""
+    """Train every run (name -> Hydra overrides) in order; run `name` writes its metrics.json to out_dir/name unless
+    its overrides name a run_dir (e.g. a resumed run in an earlier run's directory)."""
     from hydra import compose, initialize_config_dir
 
     from herald_torchrec.dist import init_distributed
@@ -21,5 +22,6 @@ def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list
     ctx = init_distributed("gloo")  # the harness's group
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         for name, overrides in runs.items():
-            train(compose("config", overrides=[*overrides, f"run_dir={Path(out_dir) / name}"]), ctx)
+            own_dir = [] if any(o.startswith("run_dir=") for o in overrides) else [f"run_dir={Path(out_dir) / name}"]
+            train(compose("config", overrides=[*overrides, *own_dir]), ctx)
     torch.save({"runs": list(runs)}, rank_result(out_dir, rank))

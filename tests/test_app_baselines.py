@@ -107,6 +107,35 @@ def test_het_staleness_runs_through_train_py(tmp_path: Path) -> None:
     _check_het(m, 8, 2)
 
 
+def test_exact_baselines_resume_to_the_same_model(tmp_path: Path) -> None:
+    """Nothing lost on interruption under the baselines: p2res (replicas), HET-BSP (caches) and fae (reordered
+    stream, replicas) stopped after a DCP checkpoint at step 10 and resumed end at the same tables, optimizer state
+    and dense parameters as the same run done in one go (the replicas and caches are rebuilt from the home rows)."""
+    from test_app_exactness import _max_diff
+
+    base = ["model=wdl", "trainer.checkpoint_interval=10", "trainer.save_final=true", "trainer.embedding_eps=1e-3",
+            *COMMON]
+    # the "interrupted" run is one configured for 10 steps, and the profiled prefix is a share of the configured
+    # steps: the default 5 % profiles ceil(0.5) = ceil(1.0) = 1 batch in both, as a real interruption would
+    settings = {"p2res": ["scheduler=p2res"], "het": SETTINGS["het"], "fae": ["scheduler=fae", "scheduler.window=4"]}
+    runs = {}
+    for s in ("p2res", "het", "fae"):
+        args = [*settings[s], *base]
+        runs[f"{s}-whole"] = [*args, "trainer.steps=20"]
+        runs[f"{s}-split"] = [*args, "trainer.steps=10"]  # "interrupted" after its checkpoint at step 10
+        runs[f"{s}-resumed"] = [*args, "trainer.steps=20", "trainer.resume=true", f"run_dir={tmp_path / f'{s}-split'}"]
+    run_ranks("_app_helpers:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
+    for s in ("p2res", "het", "fae"):
+        m = json.loads((tmp_path / f"{s}-split" / "metrics.json").read_text())
+        assert m["resumed_from_step"] == 10 and m["steps"] == 20, s
+        kinds = json.loads((tmp_path / f"{s}-whole" / "metrics.json").read_text())["plan_rows_by_kind"]
+        assert kinds["miss_pull" if s == "het" else "allreduce"] > 0, (s, kinds)  # caches / replicas were used
+        a = torch.load(tmp_path / f"{s}-whole" / "final_state.pt")
+        b = torch.load(tmp_path / f"{s}-split" / "final_state.pt")
+        for part in ("tables", "optimizer_state", "dense"):
+            assert a[part] and _max_diff(a[part], b[part]) <= 1e-5, (s, part, _max_diff(a[part], b[part]))
+
+
 @pytest.mark.slow
 def test_het_bsp_runs_every_model(tmp_path: Path) -> None:
     steps = 12
