@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange, rank_within_group
+from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
 
 
@@ -460,10 +460,8 @@ def with_owner_bags(lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_si
 
     Returns the layout over B + n bags per feature (n = the most keys of one table; `value_src` / `out_dst` are
     unchanged: the first B bags are the batch's) and, per key, its bag's row in the pooled output [(B + n) * F, dim]."""
-    B, F, T = batch_size, len(st.feature_table_map), st.num_tables
-    k = rank_within_group(gs.tables, T)
-    n = int(k.max()) + 1 if k.shape[0] else 0
-    feat = np.asarray(st.first_feature, dtype=np.int64)[gs.tables]
+    B, F = batch_size, len(st.feature_table_map)
+    k, n, feat = st.one_row_bags(gs.tables)  # the extra bags as the store's own one-row-bag updates place them
     main = np.diff(lay.offsets).reshape(F, B)
     extra = np.zeros((F, n), dtype=np.int64)
     extra[feat, k] = 1

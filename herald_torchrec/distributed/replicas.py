@@ -149,11 +149,12 @@ class ReplicaRegion:
         gk = st.gkeys(tab, row)
         order = np.argsort(gk, kind="stable")
         tab, gk = tab[order], gk[order]
-        if self.copies is None or (self.slot_of[gk] < 0).any():
+        slot = self.slot_of[gk] if self.copies is not None else None
+        if slot is None or (slot < 0).any():
             raise ValueError(f"plan {plan.step}: rows read through replicas are not in the replicated set")
         d = st.dims_arr[tab]
         off = exclusive_cumsum(d)
-        step = ReplicaStep(tab, self.slot_of[gk], st.slot_of_all[gk].astype(np.int64), off, int(d.sum()), np.zeros(0, np.int64))
+        step = ReplicaStep(tab, slot, st.slot_of_all[gk].astype(np.int64), off, int(d.sum()), np.zeros(0, np.int64))
         if local is None:
             return None, step
         self._mark[gk] = np.arange(gk.shape[0], dtype=np.int64)

@@ -635,6 +635,14 @@ class RowStore(nn.Module):
         the sum of its clipped bag gradients, as in a fused backward."""
         return _ClipPooledGradient.apply(pooled, self.max_gradient) if self.gradient_clipping else pooled
 
+    def one_row_bags(self, tables: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+        """Where a TBE call that updates given rows puts them, one row per bag: pair i (of table `tables[i]`) is bag
+        k[i] of its table's first feature feat[i], k = its rank among the pairs of its table; n = bags per feature
+        (the most pairs of one table). Returns (k, n, feat)."""
+        k = rank_within_group(tables, self.num_tables)
+        n = int(k.max()) + 1 if k.shape[0] else 0
+        return k, n, np.asarray(self.first_feature, dtype=np.int64)[tables]
+
     def apply_summed_gradients_packed(self, tables: np.ndarray, slots: np.ndarray, grads: torch.Tensor) -> None:
         """One fused-optimizer update of (table, local slot) pairs with already summed gradients (`grads`: flat,
         dims[t] floats per pair, in pair order; slots distinct within a table). Under `gradient_clipping` the sums
@@ -646,13 +654,11 @@ class RowStore(nn.Module):
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         if tables.shape[0] == 0:
             return
-        T, F = self.num_tables, len(self.feature_table_map)
-        counts = np.bincount(tables, minlength=T)
-        n = int(counts.max())
-        k = rank_within_group(tables, T)
+        F = len(self.feature_table_map)
+        k, n, feat = self.one_row_bags(tables)
         first = np.asarray(self.first_feature, dtype=np.int64)
         lengths = np.zeros(F * n, dtype=np.int64)
-        lengths[first[tables] * n + k] = 1
+        lengths[feat * n + k] = 1
         # feature-major layout: the indices of features in order, table t's only in its first feature
         indices = slots[np.argsort(tables, kind="stable")]
         offsets = np.zeros(F * n + 1, dtype=np.int64)
@@ -671,7 +677,7 @@ class RowStore(nn.Module):
                 g = torch.zeros_like(out)
                 if self.uniform_dim is not None:  # row-level: bag k of feature f is row k * F + f of g [n * F, dim]
                     dim = self.uniform_dim
-                    g.view(-1, dim).index_copy_(0, torch.from_numpy(k * F + first[tables]).to(dev), grads.view(-1, dim).to(g))
+                    g.view(-1, dim).index_copy_(0, torch.from_numpy(k * F + feat).to(dev), grads.view(-1, dim).to(g))
                 else:
                     pos = ragged_arange(k * int(feat_dims.sum()) + col_first[tables], d)
                     g.view(-1).index_copy_(0, torch.from_numpy(pos).to(dev), grads.to(g))
