@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_app
+from _dist_helpers import run_ranks
+from conftest import run_app, run_app_many
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -39,14 +40,28 @@ def test_module_traffic_equals_the_simulated_trace(tmp_path: Path) -> None:
     assert 0.0 < m["hit_rate"] < 1.0 and m["comm_bytes_per_step"] > 0 and m["sched_ms_median"] > 0
 
 
-@pytest.mark.parametrize("model", ["dcn", "wdl", "deepfm", "ncf"])
-def test_every_model_trains_under_herald(tmp_path: Path, model: str) -> None:
-    p = run_app(["scheduler=herald", f"model={model}", "trainer.steps=20", "trainer.eval_interval=0",
-                 "data.val_batches=2", "trainer.log_interval=10", f"run_dir={tmp_path}"], nproc=2)
-    assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
-    m = _metrics(tmp_path)
-    assert m["steps"] == 20 and m["config"]["scheduler"]["name"] == "herald" and 0.5 < m["auc"] <= 1.0
-    assert "hit_rate" in p.stdout and "sched_ms" in p.stdout  # progress lines carry the scheduler's view
+MODELS = ["dcn", "wdl", "deepfm", "ncf"]
+
+
+@pytest.fixture(scope="module")
+def herald_model_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every model under scheduler=herald, 2 ranks: all four runs in one pair of gloo ranks (tests/_app_helpers.py)."""
+    root = tmp_path_factory.mktemp("herald_models")
+    runs = {m: ["scheduler=herald", f"model={m}", "trainer.steps=20", "trainer.eval_interval=0", "data.val_batches=2",
+                "trainer.log_interval=10"] for m in MODELS}
+    run_ranks("_app_helpers:train_configs", root, world_size=2, timeout=900, runs=runs)
+    return root
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_trains_under_herald(herald_model_runs: Path, model: str) -> None:
+    path = herald_model_runs / model / "metrics.json"
+    assert path.exists(), f"no metrics.json (see {herald_model_runs}/rank*.log)"
+    m = json.loads(path.read_text())
+    assert m["steps"] == 20 and m["config"]["scheduler"]["name"] == "herald" and m["config"]["model"]["name"] == model
+    assert m["world_size"] == 2 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
+    log = (herald_model_runs / "rank0.log").read_text()
+    assert "hit_rate" in log and "sched_ms" in log  # progress lines carry the scheduler's view
 
 
 def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
@@ -61,14 +76,23 @@ def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
     assert m["steps"] == 20 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
 
 
-@pytest.mark.parametrize(
-    "args, msg",
-    [(["scheduler.cache_ratio=1.5"], "cache_ratio"), (["scheduler.policy=nope"], "unknown scheduling policy"),
-     (["scheduler=fae", "scheduler.window=0"], "window must be an integer"), (["scheduler.lookahead=-1"], "lookahead"),
-     (["scheduler.unscheduled=[nope]"], "are not features of the model"),
-     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available")],
-)
-def test_bad_herald_settings_are_clear_errors(tmp_path: Path, args: list[str], msg: str) -> None:
-    p = run_app(["scheduler=herald", *args, f"run_dir={tmp_path}"])
+BAD_SETTINGS = [
+    (["scheduler.cache_ratio=1.5"], "cache_ratio"), (["scheduler.policy=nope"], "unknown scheduling policy"),
+    (["scheduler=fae", "scheduler.window=0"], "window must be an integer"), (["scheduler.lookahead=-1"], "lookahead"),
+    (["scheduler.unscheduled=[nope]"], "are not features of the model"),
+    (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_setting_runs(tmp_path_factory: pytest.TempPathFactory) -> list:
+    """Every bad setting through train.py's CLI path, in one process (conftest.run_app_many)."""
+    root = tmp_path_factory.mktemp("bad_settings")
+    return run_app_many([["scheduler=herald", *args, f"run_dir={root / str(i)}"] for i, (args, _) in enumerate(BAD_SETTINGS)])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_SETTINGS)), ids=[s[1] for s in BAD_SETTINGS])
+def test_bad_herald_settings_are_clear_errors(bad_setting_runs: list, case: int) -> None:
+    p, msg = bad_setting_runs[case], BAD_SETTINGS[case][1]
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert msg in p.stderr and "Traceback" not in p.stderr

@@ -74,6 +74,18 @@ def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
     big = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.tensor([2**31 + 1] + [0] * 11), lengths=torch.ones(12, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"feature 'a': ids out of range \[2147483649\]"):
         host_slice(Batch(torch.zeros(B, 2), big, torch.zeros(B)), layout)
+    # one pass checks every managed key against its own table; carried keys' ids are not Herald's to check
+    two = ManagedTables(("ta", "tb", "tb2"), (5, 9, 6), (("a",), ("b",), ("b",)), (0,))  # b feeds 9 and 6 rows
+    lay2 = slice_layout(b, two)
+    vals = torch.tensor([0, 1, 2, 3, 4, 0, 5, 1, 2, 3, -7, 10**12])  # b has id 5 (ok) ; c (carried) anything
+    assert host_slice(Batch(torch.zeros(B, 2), KeyedJaggedTensor(keys=["a", "b", "c"], values=vals,
+                                                                lengths=torch.ones(12, dtype=torch.int32)),
+                            torch.zeros(B)), lay2).n == B
+    vals[4] = 6  # b's bound is its smallest table's (6 rows)
+    with pytest.raises(ValueError, match=r"feature 'b': ids out of range \[6\] \(its table has 6 rows\)"):
+        host_slice(Batch(torch.zeros(B, 2), KeyedJaggedTensor(keys=["a", "b", "c"], values=vals,
+                                                             lengths=torch.ones(12, dtype=torch.int32)),
+                         torch.zeros(B)), lay2)
     with pytest.raises(ValueError, match="lacks the Herald-managed features"):
         slice_layout(b, ManagedTables(("tz",), (5,), (("z",),), (0,)))
     with pytest.raises(ValueError, match="torchrec.datasets.utils.Batch"):

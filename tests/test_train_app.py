@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_app
+from conftest import run_app, run_app_many
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -29,34 +29,49 @@ def test_two_rank_training_learns(tmp_path: Path) -> None:
     assert "step    200" in p.stdout and "auc" in p.stdout
 
 
-@pytest.mark.parametrize("model", ["wdl", "deepfm", "ncf"])
-def test_each_model_runs_in_the_app(tmp_path: Path, model: str) -> None:
-    run_dir = tmp_path / model
-    p = run_app([f"model={model}", "trainer.steps=30", "trainer.log_interval=10", "data.val_batches=4", f"run_dir={run_dir}"])
+ONE_RANK_MODELS = ["wdl", "deepfm", "ncf"]
+BAD_CONFIGS = [
+    (["trainer.batch_size=0"], "trainer.batch_size must be >= 1"),
+    (["trainer.embedding_optimizer=adam"], "embedding_optimizer"),
+    (["trainer.epochs=2"], "exactly one of trainer.steps and trainer.epochs"),
+    (["data=criteo"], "needs a file"),
+    (["data.locality=2"], "locality must be in"),
+    (["scheduler.name=bogus"], "scheduler must be one of"),
+]
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Every one-rank CLI run of this module, in one process (conftest.run_app_many): the models through the app, the
+    bad configurations, the missing data file. Returns (root of their run_dirs, {name: finished run})."""
+    root = tmp_path_factory.mktemp("one_rank")
+    runs = {m: [f"model={m}", "trainer.steps=30", "trainer.log_interval=10", "data.val_batches=4", f"run_dir={root / m}"]
+            for m in ONE_RANK_MODELS}
+    runs.update({f"bad{i}": [*args, f"run_dir={root / f'bad{i}'}"] for i, (args, _) in enumerate(BAD_CONFIGS)})
+    runs["missing"] = ["data=criteo", f"data.path={root / 'nope.tsv'}", f"run_dir={root / 'missing'}"]
+    runs["eval"] = ["trainer.steps=40", "trainer.eval_interval=20", "data.val_batches=2", f"run_dir={root / 'eval'}"]
+    return root, dict(zip(runs, run_app_many(list(runs.values()))))
+
+
+@pytest.mark.parametrize("model", ONE_RANK_MODELS)
+def test_each_model_runs_in_the_app(one_rank_runs: tuple[Path, dict], model: str) -> None:
+    root, runs = one_rank_runs
+    p = runs[model]
     assert p.returncode == 0, p.stderr[-3000:]
-    m = _metrics(run_dir)
+    m = _metrics(root / model)
     assert m["steps"] == 30 and m["config"]["model"]["name"] == model and 0.5 < m["auc"] <= 1.0
+    assert "step     30" in p.stdout and "loss" in p.stdout  # progress lines, as the CLI prints them
 
 
-def test_eval_interval_records_history(tmp_path: Path) -> None:
-    p = run_app(["trainer.steps=40", "trainer.eval_interval=20", "data.val_batches=2", f"run_dir={tmp_path}"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert [h["step"] for h in _metrics(tmp_path)["eval_history"]] == [20, 40]
+def test_eval_interval_records_history(one_rank_runs: tuple[Path, dict]) -> None:
+    root, runs = one_rank_runs
+    assert runs["eval"].returncode == 0, runs["eval"].stderr[-3000:]
+    assert [h["step"] for h in _metrics(root / "eval")["eval_history"]] == [20, 40]
 
 
-@pytest.mark.parametrize(
-    "args, msg",
-    [
-        (["trainer.batch_size=0"], "trainer.batch_size must be >= 1"),
-        (["trainer.embedding_optimizer=adam"], "embedding_optimizer"),
-        (["trainer.epochs=2"], "exactly one of trainer.steps and trainer.epochs"),
-        (["data=criteo"], "needs a file"),
-        (["data.locality=2"], "locality must be in"),
-        (["scheduler.name=bogus"], "scheduler must be one of"),
-    ],
-)
-def test_bad_configuration_is_a_clear_error(tmp_path: Path, args: list[str], msg: str) -> None:
-    p = run_app([*args, f"run_dir={tmp_path}"])
+@pytest.mark.parametrize("case", range(len(BAD_CONFIGS)), ids=[a[0] for a, _ in BAD_CONFIGS])
+def test_bad_configuration_is_a_clear_error(one_rank_runs: tuple[Path, dict], case: int) -> None:
+    p, msg = one_rank_runs[1][f"bad{case}"], BAD_CONFIGS[case][1]
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert msg in p.stderr and "Traceback" not in p.stderr
 
@@ -73,6 +88,6 @@ def test_real_format_samples_train(tmp_path: Path, shared_data: Path, data: str,
     assert m["steps"] == 12 and m["config"]["data"]["name"] == data
 
 
-def test_missing_data_file_is_a_clear_error(tmp_path: Path) -> None:
-    p = run_app(["data=criteo", f"data.path={tmp_path / 'nope.tsv'}", f"run_dir={tmp_path}"])
+def test_missing_data_file_is_a_clear_error(one_rank_runs: tuple[Path, dict]) -> None:
+    p = one_rank_runs[1]["missing"]
     assert p.returncode == 2 and "nope.tsv" in p.stderr and "Traceback" not in p.stderr

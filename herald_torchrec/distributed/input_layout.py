@@ -71,10 +71,18 @@ class SliceLayout:
     def num_keys(self) -> int:
         return len(self.keys)
 
+    def __post_init__(self) -> None:
+        # per-sample byte counts, asked for several times a step (a torch dtype's size needs a tensor): once here
+        self._dense_bytes = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
+        self._fixed_bytes = self._dense_bytes + int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+
+    def dense_bytes(self) -> int:
+        """Bytes of one sample's dense features on the wire."""
+        return self._dense_bytes
+
     def fixed_bytes(self) -> int:
         """Bytes of one sample's dense features + label on the wire."""
-        dense = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
-        return dense + int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+        return self._fixed_bytes
 
     def signature(self) -> np.ndarray:
         """int64 words every rank must agree on (keys, batch size, dense / label shapes and dtypes)."""
@@ -160,17 +168,28 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
     values = kjt.values().detach().cpu().numpy().astype(np.int64, copy=False)
     if values.shape[0] != int(lengths.sum()):
         raise ValueError(f"KJT: {values.shape[0]} values but lengths sum to {int(lengths.sum())}")
-    per_key = lengths.sum(axis=1)
-    koff = exclusive_cumsum(per_key)
-    for j, k in enumerate(layout.managed):  # managed ids must address their tables (before any narrowing)
-        v = values[koff[k] : koff[k] + per_key[k]]
-        if v.size and (int(v.min()) < 0 or int(v.max()) >= layout.key_rows[j]):
-            bad = v[(v < 0) | (v >= layout.key_rows[j])][:5].tolist()
-            raise ValueError(f"feature {layout.keys[k]!r}: ids out of range {bad} (its table has {layout.key_rows[j]} rows)")
+    _check_managed_ids(values, lengths.sum(axis=1), layout)
     fixed = np.concatenate(
         [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
     ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
     return HostSlice(n, lengths, values, fixed)
+
+
+def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
+    """Managed ids must address their tables (checked before any narrowing to the wire's dtype): one pass over all
+    values against a per-value bound (keys not managed here are unbounded)."""
+    bound = np.full(layout.num_keys, np.iinfo(np.int64).max, dtype=np.int64)
+    bound[layout.managed] = layout.key_rows
+    bad = (values < 0) | (values >= np.repeat(bound, per_key))
+    managed = np.zeros(layout.num_keys, dtype=bool)
+    managed[layout.managed] = True
+    bad &= np.repeat(managed, per_key)  # carried keys' ids are not Herald's to check
+    if bad.any():
+        k = int(np.searchsorted(np.cumsum(per_key), np.flatnonzero(bad)[0], side="right"))
+        koff = exclusive_cumsum(per_key)
+        v = values[koff[k] : koff[k] + per_key[k]]
+        shown = v[(v < 0) | (v >= bound[k])][:5].tolist()
+        raise ValueError(f"feature {layout.keys[k]!r}: ids out of range {shown} (its table has {bound[k]} rows)")
 
 
 def _bytes_per_sample(t: torch.Tensor, n: int) -> np.ndarray:
@@ -271,7 +290,7 @@ def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, 
 def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:
     """A TorchRec Batch from the assembled KJT parts and the received dense / label bytes."""
     n = fixed.shape[0]
-    dense_b = int(np.prod(layout.dense_shape, dtype=np.int64)) * _itemsize(layout.dense_dtype)
+    dense_b = layout.dense_bytes()
     fixed = np.ascontiguousarray(fixed)
     dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype).reshape(n, *layout.dense_shape)
     labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype).reshape(n, *layout.label_shape)
