@@ -236,6 +236,9 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
         "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.workload_args(w) for w in workloads},
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
+        "cores": os.cpu_count(),
+        "cpu_floor": "cpu_s_per_step / cores: the step time if every core were busy with this run's work; a steady "
+                     "step near it means the run is bound by the machine's CPU, not by waits or the link",
     }
     return {"config": config, "runs": runs, "ratios": ratios(runs), "failures": failures}
 
@@ -263,8 +266,10 @@ def ratios(runs: dict) -> dict:
 def markdown_table(result: dict) -> str:
     """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
     config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
+    cores = result["config"].get("cores") or os.cpu_count() or 1
     lines = ["| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
-             "app MB/step | wire MB/step | AUC | CPU s/step (median) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
@@ -275,7 +280,8 @@ def markdown_table(result: dict) -> str:
                     wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
                     cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
                     lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
-                                 f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} |")
+                                 f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} | "
+                                 f"{1e3 * cpu / cores:.1f} |")
     return "\n".join(lines)
 
 

@@ -325,13 +325,15 @@ class SharedMarks:
 
     def __init__(self, num_keys: int) -> None:
         self.by_key = np.full(int(num_keys), self.NOT_SHARED, dtype=np.int64)
-        self._last = np.zeros(int(num_keys), dtype=np.int64)  # scratch of `distinct`: never needs a reset
+        self._last = np.zeros(int(num_keys), dtype=np.int32)  # scratch of `distinct`: never needs a reset
 
     def distinct(self, keys: np.ndarray) -> np.ndarray:
         """The distinct global keys among `keys`, in no particular order: O(n) with the scratch array, where
         np.unique would sort (each key's last position is written, then read back: the positions that win are one
         per key; entries of keys not in `keys` are never read, so stale ones do no harm)."""
-        pos = np.arange(keys.shape[0], dtype=np.int64)
+        if keys.shape[0] >= 2**31:  # positions beyond the int32 scratch (half the bytes to scatter and gather)
+            self._last = self._last.astype(np.int64)
+        pos = np.arange(keys.shape[0], dtype=self._last.dtype)
         self._last[keys] = pos
         return keys[self._last[keys] == pos]
 

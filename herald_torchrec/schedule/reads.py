@@ -23,30 +23,35 @@ SCRATCH_LIMIT = 1 << 24  # rows beyond which distinct keys are found by sorting 
 
 
 class Scratch:
-    """Reusable int64 scratch indexed by global row; never cleared (every use writes before it reads)."""
+    """Reusable scratch indexed by global row; never cleared (every use writes before it reads). It holds positions
+    of a batch's elements: int32 (half the bytes of int64 for the random scatter / gather over all rows, which is
+    what these passes cost) unless a batch has 2^31 elements or more."""
 
     def __init__(self, size: int = 0) -> None:
-        self.a = np.zeros(0, dtype=np.int64)  # allocated on first use, grown on demand
+        self.a = {np.dtype(np.int32): np.zeros(0, dtype=np.int32)}  # allocated on first use, grown on demand
 
-    def get(self, size: int) -> np.ndarray:
-        if self.a.shape[0] < size:
-            self.a = np.zeros(max(size, 1), dtype=np.int64)
-        return self.a
+    def get(self, size: int, elements: int = 0) -> np.ndarray:
+        dtype = np.dtype(np.int32 if elements < 2**31 else np.int64)
+        a = self.a.get(dtype)
+        if a is None or a.shape[0] < size:
+            a = self.a[dtype] = np.zeros(max(size, 1), dtype=dtype)
+        return a
 
 
 def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(distinct values in first-representative order, compact id of every element, count per distinct value).
+    """(distinct values in first-representative order, compact id of every element (int64), count per distinct
+    value).
 
-    `values` are non-negative and index `scratch`. Which duplicate becomes the representative does not matter to
-    callers that sort the result (`batch_keys`)."""
+    `values` are non-negative and index `scratch`, whose integer type holds positions up to len(values).
+    Which duplicate becomes the representative does not matter to callers that sort the result (`batch_keys`)."""
     n = values.shape[0]
-    ar = np.arange(n, dtype=np.int64)
+    ar = np.arange(n, dtype=scratch.dtype)
     scratch[values] = ar
     rep = scratch[values]
     is_rep = rep == ar
     uniq = values[is_rep]
-    cid_of = np.cumsum(is_rep) - 1
-    cid = cid_of[rep]
+    cid_of = np.cumsum(is_rep, dtype=scratch.dtype) - 1
+    cid = cid_of[rep].astype(np.int64)
     counts = np.bincount(cid, minlength=uniq.shape[0])
     return uniq, cid, counts
 
@@ -110,15 +115,15 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             mark = np.zeros(n_rows, dtype=bool)
             mark[gid] = True
             keys = np.flatnonzero(mark)
-            s = scratch.get(n_rows)
-            s[keys] = np.arange(keys.shape[0], dtype=np.int64)
-            cid = s[gid]
+            s = scratch.get(n_rows, keys.shape[0])
+            s[keys] = np.arange(keys.shape[0], dtype=s.dtype)
+            cid = s[gid].astype(np.int64)
             cnt = np.bincount(cid, minlength=keys.shape[0])
         elif gid.shape[0] and n_rows > SCRATCH_LIMIT:
             keys, cid, cnt = np.unique(gid, return_inverse=True, return_counts=True)
             cid = cid.astype(np.int64).reshape(-1)
         elif gid.shape[0]:
-            s = scratch.get(int(gid.max()) + 1)
+            s = scratch.get(int(gid.max()) + 1, gid.shape[0])
             uniq, cid, cnt = distinct(gid, s)
             order = np.argsort(uniq, kind="stable")
             inv = np.empty_like(order)
