@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from conftest import run_app
+from _dist_helpers import run_ranks
+from conftest import run_app, run_app_many
 from test_app_exactness import _max_diff
 
 COMMON = ["scheduler=herald", "scheduler.unscheduled=[c3]", "trainer.eval_interval=0", "data.val_batches=2",
@@ -28,11 +29,14 @@ def _read_checkpoint(ckpt: Path, tmp: Path) -> dict:
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
+    """The run in one go and the run stopped after step 10 share one pair of gloo ranks (tests/_app_helpers.py); the
+    resume is a fresh `torchrun train.py` launch, as after a real interruption."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    p = run_app([*COMMON, "trainer.steps=20", f"run_dir={whole}"], nproc=2)
-    assert (whole / "final_state.pt").exists(), p.stderr[-3000:]
-    p = run_app([*COMMON, "trainer.steps=10", f"run_dir={split}"], nproc=2)  # "interrupted" after step 10
-    assert (split / "checkpoint" / ".metadata").exists(), p.stderr[-3000:]
+    runs = {"whole": [*COMMON, "trainer.steps=20", f"run_dir={whole}"],
+            "split": [*COMMON, "trainer.steps=10", f"run_dir={split}"]}  # "interrupted" after step 10
+    run_ranks("_app_helpers:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
+    assert (whole / "final_state.pt").exists(), f"see {tmp_path}/rank*.log"
+    assert (split / "checkpoint" / ".metadata").exists(), f"see {tmp_path}/rank*.log"
     assert not (split / "checkpoint.tmp").exists() and not (split / "checkpoint.old").exists()
     at10 = _read_checkpoint(split / "checkpoint", tmp_path)
     assert at10["meta"]["step"] == 10 and at10["meta"]["identity"]["world_size"] == 2
@@ -50,12 +54,17 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
-    p = run_app([*COMMON, "trainer.steps=10", f"run_dir={tmp_path}"], nproc=1)
-    assert (tmp_path / "checkpoint" / ".metadata").exists(), p.stderr[-3000:]
-    p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={tmp_path}"], nproc=1)
-    assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     old = tmp_path / "old"  # a run_dir with only the unsharded checkpoint of earlier versions: refused, not ignored
     old.mkdir()
     torch.save({"step": 10}, old / "checkpoint.pt")
-    p = run_app([*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"], nproc=1)
+    run = tmp_path / "run"
+    first, other, from_old = run_app_many([  # in order, in one process, each through train.py's CLI path
+        [*COMMON, "trainer.steps=10", f"run_dir={run}"],
+        [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
+        [*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"],
+    ])
+    assert first.returncode == 0 and (run / "checkpoint" / ".metadata").exists(), first.stderr[-3000:]
+    p = other
+    assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = from_old
     assert p.returncode == 2 and "old-format checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
