@@ -96,7 +96,13 @@ class GlobalBatch:
             _check_range(val, self.layout.table_rows[t], t)
             self.offsets.append(off)
             self.values.append(val)
-        self.num_samples: int = int(n)  # type: ignore[arg-type]
+        self._set(self.layout, self.offsets, self.values, int(n), index)  # type: ignore[arg-type]
+
+    def _set(self, layout: TableLayout, offsets: list[np.ndarray], values: list[np.ndarray], n: int,
+             index: int | None) -> None:
+        """Every attribute of a batch, from checked arrays (the constructor's and `from_dense`'s common end)."""
+        self.layout, self.offsets, self.values = layout, offsets, values
+        self.num_samples: int = n
         self.index = index
         self._cache: dict = {}
 
@@ -112,17 +118,15 @@ class GlobalBatch:
         layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
         if ids.shape[1] != layout.num_tables:
             raise ValueError(f"GlobalBatch.from_dense: ids have {ids.shape[1]} tables, layout has {layout.num_tables}")
-        # the constructor's checks, all tables at once (per-table checks cost more than the rest of a dense batch)
-        lo, hi = ids.min(axis=0), ids.max(axis=0)
-        rows = np.asarray(layout.table_rows, dtype=np.int64)
-        for t in np.flatnonzero((lo < 0) | (hi >= rows)).tolist()[:1]:
-            _check_range(ids[:, t], layout.table_rows[t], t)
+        # the constructor's range checks, all tables at once (per table, they cost more than the rest of the batch);
+        # the CSR of single-hot ids is well-formed by construction
+        bad = np.flatnonzero((ids.min(axis=0) < 0) | (ids.max(axis=0) >= np.asarray(layout.table_rows)))
+        if bad.shape[0]:
+            _check_range(ids[:, bad[0]], layout.table_rows[bad[0]], int(bad[0]))  # raises, naming the table
         n = ids.shape[0]
         batch = cls.__new__(cls)
-        batch.layout, batch.num_samples, batch.index, batch._cache = layout, n, index, {}
-        batch.offsets = [np.arange(n + 1, dtype=np.int64)] * layout.num_tables
-        cols = np.ascontiguousarray(ids.T)
-        batch.values = list(cols)
+        batch._set(layout, [np.arange(n + 1, dtype=np.int64)] * layout.num_tables, list(np.ascontiguousarray(ids.T)),
+                   n, index)
         batch._cache["dense"] = np.ascontiguousarray(ids)
         return batch
 
