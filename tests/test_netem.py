@@ -258,7 +258,8 @@ def _fake_result() -> dict:
     runs = {w: {b: {"2": {"torchrec_tw": cfg(40.0 * k, 3e6), "torchrec_planner": cfg(50.0 * k, 3e6),
                           "herald": cfg(60.0 * k / (k * k), 0.6e6)}} for k, b in ((1, "none"), (3, "200mbit"))}
             for w in ("wdl64", "dcn")}
-    return {"config": {"bandwidth": ["none", "200mbit"], "ranks": [2], "schedulers": ["torchrec_tw", "torchrec_planner", "herald"]},
+    return {"config": {"bandwidth": ["none", "200mbit"], "ranks": [2], "schedulers": ["torchrec_tw", "torchrec_planner", "herald"],
+                       "cores": 4},
             "runs": runs}
 
 
@@ -271,7 +272,8 @@ def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
     assert r["wdl64"]["none"]["2"]["herald_vs_best_stock_app_bytes"] == pytest.approx(0.2)
     table = e2e_net.markdown_table(result).splitlines()
     assert len(table) == 2 + 2 * 2 * 3
-    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 |" in table
+    assert "CPU floor ms (CPU / 4 cores)" in table[0]  # the step time if the run's CPU kept every core busy
+    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 |" in table
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
