@@ -177,18 +177,15 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
 
 def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
     """Managed ids must address their tables (checked before any narrowing to the wire's dtype): one pass over all
-    values against a per-value bound (keys not managed here are unbounded)."""
-    bound = np.full(layout.num_keys, np.iinfo(np.int64).max, dtype=np.int64)
+    values against the bound of each value's key (carried keys' ids are not Herald's to check)."""
+    key = np.repeat(np.arange(layout.num_keys), per_key)  # the key of every value
+    bound = np.full(layout.num_keys, -1, dtype=np.int64)  # -1: a carried key
     bound[layout.managed] = layout.key_rows
-    bad = (values < 0) | (values >= np.repeat(bound, per_key))
-    managed = np.zeros(layout.num_keys, dtype=bool)
-    managed[layout.managed] = True
-    bad &= np.repeat(managed, per_key)  # carried keys' ids are not Herald's to check
+    lim = bound[key]
+    bad = (lim >= 0) & ((values < 0) | (values >= lim))
     if bad.any():
-        k = int(np.searchsorted(np.cumsum(per_key), np.flatnonzero(bad)[0], side="right"))
-        koff = exclusive_cumsum(per_key)
-        v = values[koff[k] : koff[k] + per_key[k]]
-        shown = v[(v < 0) | (v >= bound[k])][:5].tolist()
+        k = int(key[np.flatnonzero(bad)[0]])
+        shown = values[bad & (key == k)][:5].tolist()
         raise ValueError(f"feature {layout.keys[k]!r}: ids out of range {shown} (its table has {bound[k]} rows)")
 
 

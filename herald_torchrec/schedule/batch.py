@@ -68,13 +68,13 @@ class GlobalBatch:
         table_rows: Sequence[int] | TableLayout,
         index: int | None = None,
     ) -> None:
-        self.layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
-        T = self.layout.num_tables
+        layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
+        T = layout.num_tables
         if len(offsets) != T or len(values) != T:
             raise ValueError(f"GlobalBatch: expected {T} tables, got {len(offsets)} offsets and {len(values)} values")
         n = None
-        self.offsets: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
+        offs: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
         for t in range(T):
             off, val = np.asarray(offsets[t]), np.asarray(values[t])
             for name, a in (("offsets", off), ("values", val)):
@@ -93,15 +93,17 @@ class GlobalBatch:
                     f"GlobalBatch: table {t} offsets must start at 0, be non-decreasing and end at len(values)"
                     f" = {val.shape[0]}"
                 )
-            _check_range(val, self.layout.table_rows[t], t)
-            self.offsets.append(off)
-            self.values.append(val)
-        self._set(self.layout, self.offsets, self.values, int(n), index)  # type: ignore[arg-type]
+            _check_range(val, layout.table_rows[t], t)
+            offs.append(off)
+            vals.append(val)
+        self._set(layout, offs, vals, int(n), index)  # type: ignore[arg-type]
 
     def _set(self, layout: TableLayout, offsets: list[np.ndarray], values: list[np.ndarray], n: int,
              index: int | None) -> None:
         """Every attribute of a batch, from checked arrays (the constructor's and `from_dense`'s common end)."""
-        self.layout, self.offsets, self.values = layout, offsets, values
+        self.layout = layout
+        self.offsets: list[np.ndarray] = offsets
+        self.values: list[np.ndarray] = values
         self.num_samples: int = n
         self.index = index
         self._cache: dict = {}
