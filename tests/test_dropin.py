@@ -120,6 +120,7 @@ def dropin_worker(rank: int, world: int, out_dir: str, kind: str, opt: str, poli
     if herald:
         extra["plans_moved"] = sum(v for k, v in pipeline.trained_counters.items() if k in ("migrate", "evict_home", "forward"))
         extra["shared"] = pipeline.trained_counters.get("shared_value", 0)
+        extra["shared_grad"] = pipeline.trained_counters.get("shared_grad", 0)
     torch.save({"losses": losses, **extra}, rank_result(out_dir, rank))
 
 
@@ -165,3 +166,6 @@ def test_herald_dropin_equals_stock_torchrec(tmp_path: Path, opt: str, tol: floa
     assert moved > 5e-4
     herald_r0 = torch.load(rank_result(tmp_path / "herald", 0))
     assert herald_r0["shared"] > 0 and herald_r0["plans_moved"] > 0  # Herald's data plane did move and share rows
+    # every shared value sent to a reader came back as a gradient within its step (the pipeline's counters hold both)
+    herald_r1 = torch.load(rank_result(tmp_path / "herald", 1))
+    assert herald_r0["shared_grad"] + herald_r1["shared_grad"] == herald_r0["shared"] + herald_r1["shared"]

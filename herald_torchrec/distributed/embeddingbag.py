@@ -15,9 +15,9 @@ driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARC
     FBGEMM TBE over local slots, updated by the TBE's fused optimizer in its backward; *shared* -> its value came in
     (a) (the owner's own reads take the same path), readers feed the values as a leaf tensor requiring grad,
     sum-pooled per bag and added to the TBE's pooled output;
-(c) `finish_step()` (called by the fused optimizer's `step()`, or at the latest by the next forward): readers return
-    their shared-row gradients to the owners after the moves (a second all-to-all), each owner sums them per key
-    and applies ONE update through its TBE. In training the owner's shared rows are extra one-row bags of the
+(c) `finish_step()` (called by the fused optimizer's `step()` or at the end of `HeraldTrainPipeline.progress`, else
+    at the latest by the next forward): readers return their shared-row gradients to the owners after the moves (a
+    second all-to-all), each owner sums them per key and applies ONE update through its TBE. In training the owner's shared rows are extra one-row bags of the
     step's own TBE call, whose backward waits for these sums: one fused update for every row of the step
     (exclusive rows included; bit-exact with the fused path). With mixed dims or gradient clipping, exclusive rows
     are updated in the TBE's backward and shared rows by a separate pass over one-row bags.

@@ -191,6 +191,11 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             self._source = dataloader_iter
             self._scheduled = self._schedule(iter(dataloader_iter))
         out = super().progress(self._scheduled)  # type: ignore[arg-type]
+        for m in self._herald_modules:
+            # the step ends here: its shared rows' update (a no-op if the fused optimizer's step already did it).
+            # With only dense optimizers given (in-backward embedding optimizers) it would otherwise wait for the
+            # next forward, which resets the step's counters before its shared-gradient rows are counted
+            m.finish_step()
         trained = self._in_flight.popleft() if self._in_flight else None  # the plan of the batch just trained
         if trained is not None and self._on_plan is not None:
             self._on_plan(trained)
