@@ -17,10 +17,11 @@ driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARC
     sum-pooled per bag and added to the TBE's pooled output;
 (c) `finish_step()` (called by the fused optimizer's `step()` or at the end of `HeraldTrainPipeline.progress`, else
     at the latest by the next forward): readers return their shared-row gradients to the owners after the moves (a
-    second all-to-all), each owner sums them per key and applies ONE update through its TBE. In training the owner's shared rows are extra one-row bags of the
-    step's own TBE call, whose backward waits for these sums: one fused update for every row of the step
-    (exclusive rows included; bit-exact with the fused path). With mixed dims or gradient clipping, exclusive rows
-    are updated in the TBE's backward and shared rows by a separate pass over one-row bags.
+    second all-to-all), each owner sums them per key and applies ONE update through its TBE. In training the owner's
+    shared rows are extra one-row bags of the step's own TBE call, whose backward waits for these sums: one fused
+    update for every row of the step (exclusive rows included; bit-exact with the fused path). With mixed dims or
+    gradient clipping, exclusive rows are updated in the TBE's backward and shared rows by a separate pass over
+    one-row bags.
 
 Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
 or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`; in
