@@ -37,6 +37,7 @@ SCHEDULER_ARGS = {
     "static": ["scheduler=static"],
     "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],
+    "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
     # Herald with the tables its adaptive policy would not schedule left to TorchRec (ROW_WISE / TABLE_WISE / COLUMN_WISE)
     "herald_auto": ["scheduler=herald", "scheduler.unscheduled=auto"],
     # the systems Herald answers, trained in Herald's engine (issue 10; benchmarks/compare.py compares them all)

@@ -332,6 +332,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+    from herald_torchrec.distributed.scheduled_input import PLAN_ON
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy
     from herald_torchrec import baselines
@@ -339,6 +340,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     sc, t = cfg.scheduler, cfg.trainer
     options = baselines.policy_options(sc)
     runnable_policy(sc.policy, **options)  # before the (possibly profiling) choice of unscheduled tables
+    plan_on = sc.get("plan_on") or "rank0"
+    if plan_on not in PLAN_ON:
+        raise ValueError(f"scheduler.plan_on must be one of {list(PLAN_ON)} (where plans are made), got '{plan_on}'")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
@@ -387,7 +391,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             fae.profile(profile)
             reorder = baselines.fae_reorder(fae, tables, convert_one, fae.window)
     pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add, policy_options=options,
-                                   profile=profile)
+                                   profile=profile, plan_on=plan_on)
     sched_ms = pipeline.input_stage.sched_ms
 
     def step_stats() -> dict[str, float]:

@@ -7,7 +7,9 @@
 - ids of 2^31 or more are an error on every rank, never wrapped to int32;
 - one rank running out of data first stops every rank with a warning that counts the dropped samples;
 - a short last batch is dropped with a warning (drop_last);
-- batch norm in the model is a warning.
+- batch norm in the model is a warning;
+- rank 0 plans and sends each plan (plan_on="rank0", the default): every rank executes the plans every rank would
+  have computed itself (plan_on="every_rank"), and trains the same model.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | N
     return out
 
 
-def build(kind: str, batch_norm: bool = False):
+def build(kind: str, batch_norm: bool = False, **pipeline_kwargs):
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -91,7 +93,7 @@ def build(kind: str, batch_norm: bool = False):
         set_tables(dmp, init)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda p: torch.optim.SGD(p, lr=0.1))
-    return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(dmp, dense, torch.device("cpu"))
+    return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(dmp, dense, torch.device("cpu"), **pipeline_kwargs)
 
 
 def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool = True) -> None:
@@ -254,3 +256,50 @@ def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> No
     assert worst < 1e-5, worst
     r0 = torch.load(rank_result(tmp_path / "herald", 0))
     assert r0["moved_before_load"] > 0 and r0["generation"] == 1
+
+
+def plan_on_worker(rank: int, world: int, out_dir: str, plan_on: str) -> None:
+    import dataclasses
+
+    plans = []
+    dmp, pipeline = build("herald", on_plan=plans.append, plan_on=plan_on)
+    it = iter(batches(rank, 12))
+    for _ in range(12):
+        pipeline.progress(it)
+    flat = []  # every array of every plan, in field order, with its dtype
+    for p in plans:
+        for part in (p, p.moves, p.shared):
+            for f in dataclasses.fields(part):
+                v = getattr(part, f.name)
+                if hasattr(v, "dtype"):
+                    flat.append((f.name, str(v.dtype), v.tolist()))
+        flat.append(("counters", "", sorted(p.counters.items())))
+    full = {}
+    from herald_torchrec.distributed.train_pipeline import herald_modules
+
+    for m in herald_modules(dmp):  # collective, in the same order on every rank
+        w, s = m.full_tables()
+        full.update({f"{k}.w": v for k, v in w.items()})
+        full.update({f"{k}.s": v for k, v in s.items()})
+    dense = {n: p.detach().clone() for n, p in dmp.named_parameters() if "head" in n}
+    torch.save({"plans": flat, "n_plans": len(plans), "has_policy": pipeline.policy is not None,
+                "plan_bytes": pipeline.input_stage.comm.counter.snapshot().get("plan", 0),
+                "tables": full, "dense": dense}, rank_result(out_dir, rank))
+
+
+def test_rank0_plans_and_sends_the_plans_every_rank_would_make(tmp_path: Path) -> None:
+    for mode in ("rank0", "every_rank"):
+        run_ranks("test_pipeline_edges:plan_on_worker", tmp_path / mode, world_size=2, plan_on=mode)
+    r = {(m, q): torch.load(rank_result(tmp_path / m, q)) for m in ("rank0", "every_rank") for q in (0, 1)}
+    base = r["every_rank", 0]
+    assert base["n_plans"] == 12 and any(name == "row" and vals for name, _, vals in base["plans"])  # rows do move
+    for key, res in r.items():
+        assert res["plans"] == base["plans"], key  # the same plans, dtypes included, on every rank in both modes
+        for part in ("tables", "dense"):
+            assert sorted(res[part]) == sorted(base[part])
+            for k in base[part]:
+                assert torch.equal(res[part][k], base[part][k]), (key, k)  # the same model, bit for bit
+    assert r["rank0", 0]["has_policy"] and not r["rank0", 1]["has_policy"]  # one scheduler...
+    assert r["every_rank", 0]["has_policy"] and r["every_rank", 1]["has_policy"]
+    assert r["rank0", 0]["plan_bytes"] > 0 and r["rank0", 1]["plan_bytes"] == 0  # ...whose plans travel from rank 0
+    assert r["every_rank", 0]["plan_bytes"] == r["every_rank", 1]["plan_bytes"] == 0

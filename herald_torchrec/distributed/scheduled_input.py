@@ -1,26 +1,31 @@
 """The Herald input stage: from this rank's `Batch` slice of each global batch to its *assigned* samples plus the Plan.
 
 Per step, every rank:
-(1) all-gathers a 4-word header of its slice (status, samples, managed ids, uniform bag length) — end of data, short
-    batches and rank-local input errors become known to every rank here, so all ranks stop or raise together;
+(1) all-gathers a 5-word header of its slice (status, samples, managed ids, uniform bag length, plan bytes) — end
+    of data, short batches, rank-local input errors and a failed scheduler become known to every rank here, so all
+    ranks stop or raise together;
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
     to every rank, so every rank holds the ids of the whole global batch (dense features, labels and the other
     features stay put);
-(3) runs the scheduler on the current global batch and the next L (deterministic integer code: every rank computes
-    the same plan, nothing is broadcast);
+(3) plans: with `plan_on="rank0"` (the default) rank 0 alone runs the scheduler on the global batch and the next L
+    and sends the plan to the others (schedule/plan_wire.py: ~13 KB on the default workload), so a host running R
+    ranks plans once, not R times (~5 ms of CPU per step each); with `plan_on="every_rank"` every rank runs the
+    same deterministic scheduler and nothing is sent (no plan bytes, R times the CPU);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys.
 
-(2) for the batch L+1 ahead and (4) for the current batch travel as ONE all-to-all (each rank sends its ids block to
-every rank, then the samples the plan assigns to that rank); only the first L+1 gathers and the last exchanges run
-alone. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of several EBCs are
-all handled: the scheduler gets one CSR per managed table (input_layout.py).
+One all-to-all per step carries (2) for the batch L+2 ahead, the plan of the next batch and (4) for the current
+batch: a batch's plan travels one round before its samples, so every rank knows it when it cuts its send blocks
+(the plan is computed between rounds, from batches already gathered). Only the first L+1 gathers and the last
+exchanges run alone. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of
+several EBCs are all handled: the scheduler gets one CSR per managed table (input_layout.py).
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
-`comm.counter`, by the rules of traffic.py) and calls the collectives through references taken at import, so a
-run-wide counting patch of torch.distributed does not see them twice — the stage may run in a background thread
-(`HeraldTrainPipeline(prefetch=...)`), where a patch scoped to the training step would miss or mis-assign them.
+`comm.counter`, by the rules of traffic.py: the plan as "plan") and calls the collectives through references taken
+at import, so a run-wide counting patch of torch.distributed does not see them twice — the stage may run in a
+background thread (`HeraldTrainPipeline(prefetch=...)`), where a patch scoped to the training step would miss or
+mis-assign them.
 """
 
 from __future__ import annotations
@@ -52,10 +57,14 @@ from herald_torchrec.distributed.input_layout import (
 )
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
+from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
 # header word 0 of each rank's slice: what the rest holds
 DATA, END, SHORT, BAD = 1, 0, 2, -1
+PLAN_WORD = 4  # header word 4: bytes of the plan the planner sends this round (-1: its scheduler failed)
+PLANNER = 0  # the rank that plans when plans are sent (plan_on="rank0")
+PLAN_ON = ("rank0", "every_rank")
 HEADER_WORDS = 4  # status, samples, managed ids, uniform bag length (-1: lengths travel)
 
 
@@ -68,23 +77,51 @@ class _Pending:
     batch: GlobalBatch
 
 
+@dataclass
+class _Outgoing:
+    """The plan of the next batch, made between two rounds: known here (the planner, or every rank with
+    plan_on="every_rank"); `wire` is what the planner sends (None: nothing is sent); `err` a failed scheduler."""
+
+    plan: Plan | None
+    generation: int
+    wire: np.ndarray | None = None
+    err: Exception | None = None
+
+
 class ScheduledInput:
     """Iterator adapter: this rank's `Batch` slices in, (assigned `Batch`, `Plan`) out, L batches ahead.
 
     `policy_factory(batch_per_rank)` builds the scheduler once the first slice tells the batch size (the pipeline
-    builds it from the sharded modules' own settings); `reset_policy()` starts it again from the home placement
-    (after a checkpoint load reset the data plane's ownership)."""
+    builds it from the sharded modules' own settings; every rank builds it, so a bad setting raises everywhere, and
+    with plan_on="rank0" only rank 0 keeps it: `policy` is None on the others); `reset_policy()` starts it again
+    from the home placement (after a checkpoint load reset the data plane's ownership)."""
 
-    def __init__(self, tables: ManagedTables, comm: PlanComm, policy_factory: Callable[[int], SchedulePolicy]) -> None:
+    def __init__(self, tables: ManagedTables, comm: PlanComm, policy_factory: Callable[[int], SchedulePolicy],
+                 plan_on: str = "rank0") -> None:
+        if plan_on not in PLAN_ON:
+            raise ValueError(f"plan_on must be one of {PLAN_ON}, got {plan_on!r}")
         self.tables = tables
         self.comm = comm
         self.R, self.rank = comm.world_size, comm.rank
+        self.sends_plans = plan_on == "rank0" and self.R > 1  # one planner, its plans travel to the others
+        self.plans_here = not self.sends_plans or self.rank == PLANNER
         self._factory = policy_factory
-        self.policy: SchedulePolicy | None = None
+        # (generation, policy), replaced as one object by reset_policy (the stage's thread reads both at once);
+        # the generation counts resets: plans of an older one must not be executed
+        self._current: tuple[int, SchedulePolicy | None] = (0, None)
+        self.lookahead = 0
         self.layout: SliceLayout | None = None
         self.sched_ms: list[float] = []
-        self.generation = 0  # bumped by reset_policy: plans of an older generation must not be executed
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
+
+    @property
+    def policy(self) -> SchedulePolicy | None:
+        """The scheduler, on the rank(s) that plan (None before the first batch, and on the others)."""
+        return self._current[1]
+
+    @property
+    def generation(self) -> int:
+        return self._current[0]
 
     # ------------------------------------------------------------------ collectives (bytes only)
     def _all_gather_words(self, words: np.ndarray, kind: str) -> np.ndarray:
@@ -136,16 +173,18 @@ class ScheduledInput:
                 "of the same global batch"
             )
         self.layout = layout
-        self.policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
-        if self.policy.num_ranks != self.R:
-            raise ValueError(f"policy planned for {self.policy.num_ranks} ranks, but the process group has {self.R}")
+        policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
+        if policy.num_ranks != self.R:
+            raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
+        self.lookahead = policy.lookahead
+        self._current = (self.generation, policy if self.plans_here else None)
         return True
 
     def reset_policy(self) -> None:
-        """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership."""
-        self.generation += 1
-        if self.layout is not None:
-            self.policy = self._factory(self.layout.batch_size)
+        """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership.
+        Every rank calls it at the same step, so generations agree across ranks."""
+        fresh = self._factory(self.layout.batch_size) if self.layout is not None and self.plans_here else None
+        self._current = (self.generation + 1, fresh)
 
     def _raise_bad(self, status: np.ndarray, err: Exception | None) -> None:
         if err is not None:
@@ -251,18 +290,54 @@ class ScheduledInput:
         lengths, values = assigned_kjt_parts(cur.ids, lay, mine, carried)  # type: ignore[arg-type]
         return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
 
-    def _step(self, cur: _Pending | None, plan: Plan | None, nxt: Batch | None, gather: bool) -> tuple[Batch | None, _Pending | None | bool]:
-        """One collective round: the exchange of `cur` by `plan` (if any) and the gather of the slice `nxt` (if
-        `gather`). Returns (assigned batch or None, gathered pending batch, or False at the end of data)."""
-        R = self.R
-        ids_blocks_in: list[int] = [0] * R
+    def _plan_next(self, batches: list[GlobalBatch]) -> _Outgoing | None:
+        """Plan the next batch (batches: it and up to L after it) where plans are made; the planner also encodes
+        the plan for the others. A failing scheduler is returned (err), so that every rank raises together."""
+        generation, policy = self._current
+        if not self.plans_here:
+            return None
+        try:
+            with phase("input.plan"):
+                plan = policy.plan(batches)  # type: ignore[union-attr]
+            wire = encode_plan(plan) if self.sends_plans else None
+        except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
+            return _Outgoing(None, generation, err=e)
+        return _Outgoing(plan, generation, wire)
+
+    def _raise_failed_plan(self, out: _Outgoing | None, heads: np.ndarray) -> None:
+        """After the header: a scheduler that failed on some rank stops every rank (before any data moves)."""
+        if out is not None and out.err is not None:
+            raise out.err
+        failed = np.flatnonzero(heads[:, PLAN_WORD] < 0)
+        if failed.size:
+            raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
+                               "(see their error); every rank stops")
+
+    def _step(self, cur: _Pending | None, plan: Plan | None, nxt: Batch | None, gather: bool,
+              out: _Outgoing | None = None, planning: bool = False) -> tuple[Batch | None, _Pending | None | bool, tuple[Plan, int] | None]:
+        """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `nxt` (if
+        `gather`) and, if `planning`, the plan of the next batch (made here as `out`, or received from the planner).
+        Returns (assigned batch or None, gathered pending batch or False at the end of data, (plan, generation)
+        of the next batch or None)."""
+        R, r = self.R, self.rank
+        ships = planning and self.sends_plans
+        ids_blocks_in, plan_in = [0] * R, [0] * R
         gathered: _Pending | None | bool = None
-        hs = heads = None
-        my_ids = np.zeros(0, dtype=np.uint8)
+        hs = err = None
+        my_ids = wire = np.zeros(0, dtype=np.uint8)
+        if out is not None and out.err is None and out.wire is not None:  # the planner: generation, then the plan
+            wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
+            self.comm.counter.add("plan", wire.shape[0] * (R - 1), call=False)
+        plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
+        hs, head, err = self._header(nxt) if gather else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
+        head = np.append(head, plan_word)
+        heads = self._all_gather_words(head, "control") if R > 1 and (gather or planning) else head[None, :]
+        if planning:
+            self._raise_failed_plan(out, heads)
+        if ships and r != PLANNER:
+            plan_in[PLANNER] = int(heads[PLANNER, PLAN_WORD])
         if gather:
-            hs, head, err = self._header(nxt)
-            heads = self._all_gather_words(head, "control")
-            if self._check_heads(heads, hs, err):
+            if self._check_heads(heads[:, :PLAN_WORD], hs, err):
                 my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
                 ids_blocks_in = self._ids_sizes(heads)
                 self.comm.counter.add("sample_ids", my_ids.shape[0] * (R - 1), call=cur is None)
@@ -273,16 +348,24 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay, recv_pay, mine = [np.zeros(0, np.uint8)] * R, [0] * R, None
-        if my_ids.shape[0] or any(ids_blocks_in) or any(b.shape[0] for b in pay) or any(recv_pay):
-            got = self._all_to_all_bytes([np.concatenate([my_ids, p]) for p in pay],
-                                         [a + b for a, b in zip(ids_blocks_in, recv_pay)])
+        sends = [np.concatenate([my_ids, wire[: 0 if d == r else None], p]) for d, p in enumerate(pay)]
+        recv = [a + b + c for a, b, c in zip(ids_blocks_in, plan_in, recv_pay)]
+        if any(b.shape[0] for b in sends) or any(recv):
+            got = self._all_to_all_bytes(sends, recv)
         else:
             got = [np.zeros(0, np.uint8)] * R
         if gathered is None and gather:
-            g, gb = self._decode_ids(heads, [b[:n] for b, n in zip(got, ids_blocks_in)], None)  # type: ignore[arg-type]
+            g, gb = self._decode_ids(heads[:, :PLAN_WORD], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
             gathered = _Pending(hs, g, gb)  # type: ignore[arg-type]
-        out = self._assemble(cur, mine, [b[n:] for b, n in zip(got, ids_blocks_in)]) if cur is not None else None
-        return out, gathered
+        planned = None
+        if out is not None:  # planned here
+            planned = (out.plan, out.generation)
+        elif ships:  # from the planner: [generation int64, encoded plan]
+            block = got[PLANNER][ids_blocks_in[PLANNER] : ids_blocks_in[PLANNER] + plan_in[PLANNER]]
+            planned = (decode_plan(block[8:]), int(block[:8].view(np.int64)[0]))
+        rest = [b[n + m :] for b, n, m in zip(got, ids_blocks_in, plan_in)]
+        assigned = self._assemble(cur, mine, rest) if cur is not None else None
+        return assigned, gathered, planned  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the stream
     def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan, int]]:
@@ -296,27 +379,35 @@ class ScheduledInput:
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
                 return pending_first.pop() if pending_first else next(stream, None)
 
-        window: deque[_Pending] = deque()
+        window: deque[_Pending] = deque()  # gathered batches, not yet exchanged
+        planned: deque[tuple[Plan, int]] = deque()  # (plan, generation) of window[0], window[1], ... on every rank
         exhausted = False
-        for _ in range(self.policy.lookahead + 1):  # type: ignore[union-attr]
+        for _ in range(self.lookahead + 1):
             with phase("input.gather"):
-                _, got = self._step(None, None, draw(), gather=True)
+                _, got, _ = self._step(None, None, draw(), gather=True)
             if got is False:
                 exhausted = True
                 break
             window.append(got)  # type: ignore[arg-type]
+        L1 = self.lookahead + 1
         while window:
-            cur = window[0]
-            generation, policy = self.generation, self.policy
-            with phase("input.plan"):
-                plan = policy.plan([p.batch for p in window])  # type: ignore[union-attr]
-            self.sched_ms.append(plan.sched_seconds * 1e3)  # timed by the policy itself
+            # between rounds: plan the first batch without a plan, from it and the (up to) L gathered after it
+            planning = len(planned) < len(window)
+            j = len(planned)
+            out = self._plan_next([window[i].batch for i in range(j, min(j + L1, len(window)))]) if planning else None
+            cur = window[0] if planned else None
             with phase("input.exchange_and_gather"):
-                assigned, got = self._step(cur, plan, None if exhausted else draw(), gather=not exhausted)
+                assigned, got, new_plan = self._step(cur, planned[0][0] if planned else None,
+                                                     None if exhausted else draw(), not exhausted, out, planning)
+            if new_plan is not None:
+                planned.append(new_plan)
+                self.sched_ms.append(new_plan[0].sched_seconds * 1e3)  # timed by the policy itself
             if not exhausted:
                 if got is False:
                     exhausted = True
                 else:
                     window.append(got)  # type: ignore[arg-type]
-            window.popleft()
-            yield assigned, plan, generation  # type: ignore[misc]
+            if cur is not None:
+                window.popleft()
+                plan, generation = planned.popleft()
+                yield assigned, plan, generation  # type: ignore[misc]

@@ -95,7 +95,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
     background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global
+    batches); `plan_on` (default "rank0") where plans are made: rank 0 plans and sends each plan to the others
+    (~13 KB per step on the default workload; the scheduler's CPU once per step, not once per rank), or
+    "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global
     batches, the scheduler's view) is handed to `policy.profile()` when the policy is built (fae / p2res choose
     their replicated rows from it). The rest go to TrainPipelineSparseDist."""
 
@@ -109,6 +111,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
         prefetch: int = 2,
+        plan_on: str = "rank0",
         policy_options: Optional[dict[str, Any]] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
@@ -125,7 +128,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]
         warn_if_batch_coupled(model)
         group = host_group if host_group is not None else host_process_group()
-        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy)
+        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy, plan_on=plan_on)
         self._on_plan = on_plan
         if int(prefetch) < 0:
             raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
@@ -138,7 +141,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
 
     @property
     def policy(self) -> Optional[SchedulePolicy]:
-        """The scheduler (built at the first batch)."""
+        """The scheduler (built at the first batch; None on the ranks that receive their plans, see `plan_on`)."""
         return self.input_stage.policy
 
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:

@@ -1,0 +1,101 @@
+"""A `Plan` as bytes: how the one rank that plans hands each step's plan to the others.
+
+Why it exists: the scheduler is deterministic, so every rank *could* compute the same plan, but then a host running
+R ranks computes it R times (~5 ms of CPU per step and rank on the default workload). The input stage instead lets
+one rank plan and ships the plan in the all-to-all it runs anyway (distributed/scheduled_input.py), so its size
+counts: every integer array travels in the narrowest signed type that holds its values (a table index in one byte,
+a row in four, a rank in one) and is restored to its original dtype on arrival — the decoded plan equals the
+original field for field, dtypes included. The structure (dataclass fields in declaration order) is fixed, so only
+the values travel: a small JSON skeleton with the scalars and counters, then the arrays' bytes.
+
+    buf = encode_plan(plan)        # np.uint8 [n]
+    same = decode_plan(buf)        # == plan, field for field
+
+numpy only (the control plane never imports torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
+
+_TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
+_NARROW = (np.int8, np.int16, np.int32, np.int64)
+_HEAD = np.dtype("<u4")  # length of the JSON skeleton, in front of it
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """The array in the narrowest signed integer type holding its values (other dtypes as they are)."""
+    if a.dtype.kind not in "iu" or a.size == 0:
+        return a
+    lo, hi = int(a.min()), int(a.max())
+    for t in _NARROW:
+        info = np.iinfo(t)
+        if info.min <= lo and hi <= info.max:
+            return a.astype(t, copy=False)
+    return a  # uint64 beyond int64: as is
+
+
+def encode_plan(plan: Plan) -> np.ndarray:
+    """The plan as a flat uint8 array (see the module docstring)."""
+    arrays: list[np.ndarray] = []
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            if v.ndim != 1:
+                raise ValueError(f"encode_plan: plan arrays are 1-D, got shape {v.shape}")
+            w = np.ascontiguousarray(_narrow(v))
+            arrays.append(w)
+            return {"a": [v.dtype.str, w.dtype.str, int(v.shape[0])]}
+        if dataclasses.is_dataclass(v):
+            name = type(v).__name__
+            if _TYPES.get(name) is not type(v):
+                raise ValueError(f"encode_plan: unknown plan part {type(v).__qualname__}")
+            return {"d": name, "f": [walk(getattr(v, f.name)) for f in dataclasses.fields(v)]}
+        if isinstance(v, tuple):
+            return {"t": [walk(x) for x in v]}
+        if isinstance(v, dict):
+            return {"m": {str(k): walk(x) for k, x in v.items()}}
+        if isinstance(v, np.generic):
+            return v.item()
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise ValueError(f"encode_plan: cannot encode a {type(v).__name__} in a plan")
+
+    skeleton = json.dumps(walk(plan), separators=(",", ":")).encode()
+    head = np.array([len(skeleton)], dtype=_HEAD).view(np.uint8)
+    return np.concatenate([head, np.frombuffer(skeleton, dtype=np.uint8), *(a.view(np.uint8) for a in arrays)])
+
+
+def decode_plan(buf: np.ndarray) -> Plan:
+    """Inverse of `encode_plan` (the arrays are copies: the buffer may be reused)."""
+    buf = np.ascontiguousarray(buf, dtype=np.uint8)
+    n = int(buf[: _HEAD.itemsize].view(_HEAD)[0])
+    skeleton = json.loads(bytes(buf[_HEAD.itemsize : _HEAD.itemsize + n]))
+    pos = _HEAD.itemsize + n
+
+    def build(v: Any) -> Any:
+        nonlocal pos
+        if not isinstance(v, dict):
+            return v
+        if "a" in v:
+            orig, sent, length = v["a"]
+            size = np.dtype(sent).itemsize * length
+            a = buf[pos : pos + size].view(sent).astype(orig)  # a copy, in the original dtype
+            pos += size
+            return a
+        if "d" in v:
+            return _TYPES[v["d"]](*(build(x) for x in v["f"]))
+        if "t" in v:
+            return tuple(build(x) for x in v["t"])
+        return {k: build(x) for k, x in v["m"].items()}
+
+    plan = build(skeleton)
+    if pos != buf.shape[0] or not isinstance(plan, Plan):
+        raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes, {pos} read)")
+    return plan

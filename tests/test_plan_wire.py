@@ -1,0 +1,79 @@
+"""schedule/plan_wire.py: a plan survives its trip to the other ranks field for field (dtypes included), for every
+policy the data plane runs, in far fewer bytes than its int64 arrays; a malformed buffer is an error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from herald_torchrec.schedule import GlobalBatch, make_policy
+from herald_torchrec.schedule.plan import Plan, RowMoves
+from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
+
+ROWS = [5000, 300, 40, 7000]
+R, B, L = 4, 16, 2
+
+
+def trace(n: int, seed: int = 0) -> list[GlobalBatch]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):  # a skewed trace with repeats, so rows move and are shared
+        ids = np.stack([(rng.zipf(1.3, R * B) - 1) % r for r in ROWS], axis=1)
+        out.append(GlobalBatch.from_dense(ids, ROWS, index=i))
+    return out
+
+
+def assert_same(a, b, where: str = "plan") -> None:
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    else:
+        assert type(a) is type(b) and a == b, where
+
+
+@pytest.mark.parametrize("name", ["herald", "static", "fae", "p2res", "het"])
+def test_every_executable_policy_round_trips(name):
+    batches = trace(10)
+    policy = make_policy(name, ROWS, R, B, cache_ratio=0.1, lookahead=L)
+    if name in ("fae", "p2res"):
+        policy.profile(batches[:3])
+    sent = wide = 0
+    for i in range(len(batches) - L):
+        plan = policy.plan(batches[i : i + L + 1])
+        buf = encode_plan(plan)
+        assert buf.dtype == np.uint8 and buf.ndim == 1
+        got = decode_plan(buf.copy())
+        assert_same(plan, got)
+        sent += buf.shape[0]
+        wide += sum(a.nbytes for a in _arrays(plan))
+    assert sent < 0.5 * wide, (sent, wide)  # narrow integers: far less than the plan's own arrays
+
+
+def _arrays(v):
+    if isinstance(v, np.ndarray):
+        yield v
+    elif dataclasses.is_dataclass(v):
+        for f in dataclasses.fields(v):
+            yield from _arrays(getattr(v, f.name))
+
+
+def test_values_at_the_type_limits_survive():
+    big = np.array([0, 2**31 + 5, -(2**40)], dtype=np.int64)  # needs int64
+    plan = Plan(step=3, num_ranks=2, batch_per_rank=2, sample_order=np.array([3, 0, 1, 2], dtype=np.int64),
+                moves=RowMoves(table=np.array([0, 1, 2]), row=big, src=np.array([0, 1, 1]), dst=np.array([1, 0, 0]),
+                               kind=np.array([0, 1, 2], dtype=np.int8)),
+                counters={"migrate": 1, "hit": 0}, sched_seconds=0.125)
+    assert_same(plan, decode_plan(encode_plan(plan)))
+
+
+def test_malformed_buffers_are_errors():
+    buf = encode_plan(make_policy("herald", ROWS, R, B, lookahead=0).plan(trace(1)))
+    with pytest.raises(ValueError, match="malformed"):
+        decode_plan(np.concatenate([buf, np.zeros(3, dtype=np.uint8)]))
+    with pytest.raises(ValueError, match="1-D"):
+        encode_plan(Plan(step=0, num_ranks=1, batch_per_rank=1, sample_order=np.zeros((1, 1), dtype=np.int64)))
