@@ -303,3 +303,34 @@ def test_rank0_plans_and_sends_the_plans_every_rank_would_make(tmp_path: Path) -
     assert r["every_rank", 0]["has_policy"] and r["every_rank", 1]["has_policy"]
     assert r["rank0", 0]["plan_bytes"] > 0 and r["rank0", 1]["plan_bytes"] == 0  # ...whose plans travel from rank 0
     assert r["every_rank", 0]["plan_bytes"] == r["every_rank", 1]["plan_bytes"] == 0
+
+
+def failing_planner_worker(rank: int, world: int, out_dir: str) -> None:
+    from herald_torchrec.schedule.herald import HeraldPolicy
+
+    real = HeraldPolicy._plan
+
+    def fails_at_step_3(self, batches):
+        if self.step == 3:
+            raise ValueError("scheduler bug at step 3")
+        return real(self, batches)
+
+    HeraldPolicy._plan = fails_at_step_3  # only rank 0 plans (plan_on="rank0"): the others never call it
+    dmp, pipeline = build("herald")
+    it = iter(batches(rank, 12))
+    trained, error = 0, ""
+    try:
+        for _ in range(12):
+            pipeline.progress(it)
+            trained += 1
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        error = f"{type(e).__name__}: {e}"
+    torch.save({"trained": trained, "error": error}, rank_result(out_dir, rank))
+
+
+def test_a_failing_planner_stops_every_rank(tmp_path: Path) -> None:
+    run_ranks("test_pipeline_edges:failing_planner_worker", tmp_path, world_size=2)
+    r0, r1 = (torch.load(rank_result(tmp_path, q)) for q in (0, 1))
+    assert r0["error"] == "ValueError: scheduler bug at step 3"  # the planner raises its own error...
+    assert "scheduler failed on rank(s) [0]" in r1["error"]  # ...the other rank says where to look
+    assert r0["trained"] == r1["trained"] <= 3  # no rank runs ahead or hangs in a collective

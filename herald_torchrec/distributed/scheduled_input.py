@@ -74,7 +74,7 @@ class _Pending:
 
     local: HostSlice
     ids: GatheredIds
-    batch: GlobalBatch
+    batch: GlobalBatch | None  # the scheduler's view (None on ranks that receive their plans)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class ScheduledInput:
         K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
         return [(0 if h[3] >= 0 else K * B * 4) + int(h[2]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
 
-    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch]:
+    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch | None]:
         lay = self.layout
         K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
         lengths = np.empty((self.R, K, B), dtype=np.int64)
@@ -233,7 +233,8 @@ class ScheduledInput:
                 lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)
                 ids.append(b[K * B * 4 :].view(lay.ids_dtype))  # type: ignore[union-attr]
         g = gather_ids(lengths, ids, lay)  # type: ignore[arg-type]
-        return g, global_batch(g, lay, self.tables, index)  # type: ignore[arg-type]
+        # the scheduler's view, where plans are made (the ids were range-checked on their rank, in host_slice)
+        return g, global_batch(g, lay, self.tables, index) if self.plans_here else None  # type: ignore[arg-type]
 
     def _check_heads(self, heads: np.ndarray, hs: HostSlice | None, err: Exception | None) -> bool:
         """True if every rank has a full slice; else warn (what this rank drops) and return False (end of data)."""
