@@ -25,7 +25,7 @@ import numpy as np
 from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 
 _TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
-_NARROW = (np.int8, np.int16, np.int32, np.int64)
+_NARROW = tuple((np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64))
 _HEAD = np.dtype("<u4")  # length of the JSON skeleton, in front of it
 
 
@@ -34,9 +34,8 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     if a.dtype.kind not in "iu" or a.size == 0:
         return a
     lo, hi = int(a.min()), int(a.max())
-    for t in _NARROW:
-        info = np.iinfo(t)
-        if info.min <= lo and hi <= info.max:
+    for t, t_min, t_max in _NARROW:
+        if t_min <= lo and hi <= t_max:
             return a.astype(t, copy=False)
     return a  # uint64 beyond int64: as is
 
