@@ -139,7 +139,8 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
 
 
 LABELS = {"torchrec": "TorchRec row_wise", "torchrec_tw": "TorchRec table_wise",
-          "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald"}
+          "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald",
+          "herald_every_rank": "Herald, every rank plans"}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -81,6 +81,7 @@ BAD_SETTINGS = [
     (["scheduler=fae", "scheduler.window=0"], "window must be an integer"), (["scheduler.lookahead=-1"], "lookahead"),
     (["scheduler.unscheduled=[nope]"], "are not features of the model"),
     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available"),
+    (["scheduler.plan_on=everyone"], "scheduler.plan_on must be one of"),
 ]
 
 
