@@ -9,7 +9,8 @@
 - a short last batch is dropped with a warning (drop_last);
 - batch norm in the model is a warning;
 - rank 0 plans and sends each plan (plan_on="rank0", the default): every rank executes the plans every rank would
-  have computed itself (plan_on="every_rank"), and trains the same model.
+  have computed itself (plan_on="every_rank", here with the input stage in the training thread: prefetch=0), and
+  trains the same model.
 """
 
 from __future__ import annotations
@@ -258,11 +259,16 @@ def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> No
     assert r0["moved_before_load"] > 0 and r0["generation"] == 1
 
 
-def plan_on_worker(rank: int, world: int, out_dir: str, plan_on: str) -> None:
+def _plan_on_run(rank: int, plan_on: str) -> dict:
+    """12 steps of the two-EBC model with plans made as `plan_on` says: every plan (arrays with their dtypes), the
+    trained tables and dense head, whether this rank holds a scheduler and the plan bytes it sent."""
     import dataclasses
 
+    from herald_torchrec.distributed.train_pipeline import herald_modules
+
     plans = []
-    dmp, pipeline = build("herald", on_plan=plans.append, plan_on=plan_on)
+    # every_rank runs its input stage in the training thread (prefetch=0), rank0 in the background thread
+    dmp, pipeline = build("herald", on_plan=plans.append, plan_on=plan_on, prefetch=0 if plan_on == "every_rank" else 2)
     it = iter(batches(rank, 12))
     for _ in range(12):
         pipeline.progress(it)
@@ -275,22 +281,58 @@ def plan_on_worker(rank: int, world: int, out_dir: str, plan_on: str) -> None:
                     flat.append((f.name, str(v.dtype), v.tolist()))
         flat.append(("counters", "", sorted(p.counters.items())))
     full = {}
-    from herald_torchrec.distributed.train_pipeline import herald_modules
-
     for m in herald_modules(dmp):  # collective, in the same order on every rank
         w, s = m.full_tables()
         full.update({f"{k}.w": v for k, v in w.items()})
         full.update({f"{k}.s": v for k, v in s.items()})
     dense = {n: p.detach().clone() for n, p in dmp.named_parameters() if "head" in n}
-    torch.save({"plans": flat, "n_plans": len(plans), "has_policy": pipeline.policy is not None,
-                "plan_bytes": pipeline.input_stage.comm.counter.snapshot().get("plan", 0),
-                "tables": full, "dense": dense}, rank_result(out_dir, rank))
+    return {"plans": flat, "n_plans": len(plans), "has_policy": pipeline.policy is not None,
+            "plan_bytes": pipeline.input_stage.comm.counter.snapshot().get("plan", 0), "tables": full, "dense": dense}
 
 
-def test_rank0_plans_and_sends_the_plans_every_rank_would_make(tmp_path: Path) -> None:
-    for mode in ("rank0", "every_rank"):
-        run_ranks("test_pipeline_edges:plan_on_worker", tmp_path / mode, world_size=2, plan_on=mode)
-    r = {(m, q): torch.load(rank_result(tmp_path / m, q)) for m in ("rank0", "every_rank") for q in (0, 1)}
+def _failing_planner_run(rank: int) -> dict:
+    """A scheduler that raises at step 3 (only rank 0 plans): what each rank trained and raised."""
+    from herald_torchrec.schedule.herald import HeraldPolicy
+
+    real = HeraldPolicy._plan
+
+    def fails_at_step_3(self, batches):
+        if self.step == 3:
+            raise ValueError("scheduler bug at step 3")
+        return real(self, batches)
+
+    HeraldPolicy._plan = fails_at_step_3
+    try:
+        dmp, pipeline = build("herald")
+        it = iter(batches(rank, 12))
+        trained, error = 0, ""
+        try:
+            for _ in range(12):
+                pipeline.progress(it)
+                trained += 1
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+            error = f"{type(e).__name__}: {e}"
+    finally:
+        HeraldPolicy._plan = real
+    return {"trained": trained, "error": error}
+
+
+def plan_on_worker(rank: int, world: int, out_dir: str) -> None:
+    """Both plan_on modes, then a failing planner, in one pair of ranks."""
+    out = {mode: _plan_on_run(rank, mode) for mode in ("rank0", "every_rank")}
+    out["failing"] = _failing_planner_run(rank)
+    torch.save(out, rank_result(out_dir, rank))
+
+
+@pytest.fixture(scope="module")
+def plan_on_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("plan_on")
+    run_ranks("test_pipeline_edges:plan_on_worker", out, world_size=2)
+    return [torch.load(rank_result(out, q)) for q in (0, 1)]
+
+
+def test_rank0_plans_and_sends_the_plans_every_rank_would_make(plan_on_results: list[dict]) -> None:
+    r = {(m, q): plan_on_results[q][m] for m in ("rank0", "every_rank") for q in (0, 1)}
     base = r["every_rank", 0]
     assert base["n_plans"] == 12 and any(name == "row" and vals for name, _, vals in base["plans"])  # rows do move
     for key, res in r.items():
@@ -305,32 +347,8 @@ def test_rank0_plans_and_sends_the_plans_every_rank_would_make(tmp_path: Path) -
     assert r["every_rank", 0]["plan_bytes"] == r["every_rank", 1]["plan_bytes"] == 0
 
 
-def failing_planner_worker(rank: int, world: int, out_dir: str) -> None:
-    from herald_torchrec.schedule.herald import HeraldPolicy
-
-    real = HeraldPolicy._plan
-
-    def fails_at_step_3(self, batches):
-        if self.step == 3:
-            raise ValueError("scheduler bug at step 3")
-        return real(self, batches)
-
-    HeraldPolicy._plan = fails_at_step_3  # only rank 0 plans (plan_on="rank0"): the others never call it
-    dmp, pipeline = build("herald")
-    it = iter(batches(rank, 12))
-    trained, error = 0, ""
-    try:
-        for _ in range(12):
-            pipeline.progress(it)
-            trained += 1
-    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
-        error = f"{type(e).__name__}: {e}"
-    torch.save({"trained": trained, "error": error}, rank_result(out_dir, rank))
-
-
-def test_a_failing_planner_stops_every_rank(tmp_path: Path) -> None:
-    run_ranks("test_pipeline_edges:failing_planner_worker", tmp_path, world_size=2)
-    r0, r1 = (torch.load(rank_result(tmp_path, q)) for q in (0, 1))
+def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None:
+    r0, r1 = (res["failing"] for res in plan_on_results)
     assert r0["error"] == "ValueError: scheduler bug at step 3"  # the planner raises its own error...
     assert "scheduler failed on rank(s) [0]" in r1["error"]  # ...the other rank says where to look
     assert r0["trained"] == r1["trained"] <= 3  # no rank runs ahead or hangs in a collective

@@ -49,6 +49,8 @@ def test_every_executable_policy_round_trips(name):
         assert buf.dtype == np.uint8 and buf.ndim == 1
         got = decode_plan(buf.copy())
         assert_same(plan, got)
+        if name == "herald" and len(plan.shared):
+            assert short_forms(buf) == {"as", "rm"}
         sent += buf.shape[0]
         wide += sum(a.nbytes for a in _arrays(plan))
     assert sent < 0.5 * wide, (sent, wide)  # narrow integers: far less than the plan's own arrays
@@ -69,6 +71,37 @@ def test_values_at_the_type_limits_survive():
                                kind=np.array([0, 1, 2], dtype=np.int8)),
                 counters={"migrate": 1, "hit": 0}, sched_seconds=0.125)
     assert_same(plan, decode_plan(encode_plan(plan)))
+
+
+def test_plans_outside_the_short_forms_travel_as_they_are():
+    """The sample order as ranks and the readers as bitmasks only where they say the same: an order whose slices are
+    not increasing, readers unsorted, repeated or beyond bit 62 still arrive exactly."""
+    from herald_torchrec.schedule.plan import SharedRows
+
+    def shared(offsets, readers):
+        n = len(offsets) - 1
+        return SharedRows(np.arange(n), np.arange(n) * 7, np.zeros(n, dtype=np.int64), np.array(offsets), np.array(readers))
+
+    cases = [
+        (np.array([1, 0, 2, 3]), shared([0, 2, 3], [0, 1, 1])),  # rank 0's slice not increasing; CSR fine
+        (np.array([0, 1, 2, 3]), shared([0, 2, 3], [1, 0, 1])),  # readers unsorted
+        (np.array([0, 1, 2, 3]), shared([0, 2, 3], [1, 1, 0])),  # a reader twice
+        (np.array([0, 1, 2, 3]), shared([0, 1, 2], [63, 0])),  # a rank beyond the mask's bits
+        (np.array([0, 0, 2, 3]), shared([0, 0, 1], [0])),  # not a permutation; a row without readers
+    ]
+    for order, sh in cases:
+        plan = Plan(step=1, num_ranks=2, batch_per_rank=2, sample_order=order, shared=sh)
+        assert_same(plan, decode_plan(encode_plan(plan)))
+    short = Plan(step=1, num_ranks=2, batch_per_rank=2, sample_order=np.array([0, 3, 1, 2]), shared=shared([0, 2, 3], [0, 1, 1]))
+    assert_same(short, decode_plan(encode_plan(short)))
+    assert short_forms(encode_plan(short)) == {"as", "rm"} and short_forms(encode_plan(plan)) == set()
+
+
+def short_forms(buf: np.ndarray) -> set[str]:
+    """Which short forms a buffer uses: "as" (sample order as ranks), "rm" (readers as bitmasks)."""
+    n = int(buf[:4].view("<u4")[0])
+    text = bytes(buf[4 : 4 + n]).decode()
+    return {k for k in ("as", "rm") if f'"{k}":' in text}
 
 
 def test_malformed_buffers_are_errors():

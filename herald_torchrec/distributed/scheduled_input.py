@@ -8,7 +8,7 @@ Per step, every rank:
     to every rank, so every rank holds the ids of the whole global batch (dense features, labels and the other
     features stay put);
 (3) plans: with `plan_on="rank0"` (the default) rank 0 alone runs the scheduler on the global batch and the next L
-    and sends the plan to the others (schedule/plan_wire.py: ~13 KB on the default workload), so a host running R
+    and sends the plan to the others (schedule/plan_wire.py: ~11 KB on the W&D workload at R=2), so a host running R
     ranks plans once, not R times (~5 ms of CPU per step each); with `plan_on="every_rank"` every rank runs the
     same deterministic scheduler and nothing is sent (no plan bytes, R times the CPU);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
