@@ -62,10 +62,10 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 
 # header word 0 of each rank's slice: what the rest holds
 DATA, END, SHORT, BAD = 1, 0, 2, -1
-PLAN_WORD = 4  # header word 4: bytes of the plan the planner sends this round (-1: its scheduler failed)
+SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
+PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
 PLANNER = 0  # the rank that plans when plans are sent (plan_on="rank0")
 PLAN_ON = ("rank0", "every_rank")
-HEADER_WORDS = 4  # status, samples, managed ids, uniform bag length (-1: lengths travel)
 
 
 @dataclass
@@ -324,7 +324,6 @@ class ScheduledInput:
         ships = planning and self.sends_plans
         ids_blocks_in, plan_in = [0] * R, [0] * R
         gathered: _Pending | None | bool = None
-        hs = err = None
         my_ids = wire = np.zeros(0, dtype=np.uint8)
         if out is not None and out.err is None and out.wire is not None:  # the planner: generation, then the plan
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
@@ -338,7 +337,7 @@ class ScheduledInput:
         if ships and r != PLANNER:
             plan_in[PLANNER] = int(heads[PLANNER, PLAN_WORD])
         if gather:
-            if self._check_heads(heads[:, :PLAN_WORD], hs, err):
+            if self._check_heads(heads[:, :SLICE_WORDS], hs, err):
                 my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
                 ids_blocks_in = self._ids_sizes(heads)
                 self.comm.counter.add("sample_ids", my_ids.shape[0] * (R - 1), call=cur is None)
@@ -356,7 +355,7 @@ class ScheduledInput:
         else:
             got = [np.zeros(0, np.uint8)] * R
         if gathered is None and gather:
-            g, gb = self._decode_ids(heads[:, :PLAN_WORD], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
+            g, gb = self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
             gathered = _Pending(hs, g, gb)  # type: ignore[arg-type]
         planned = None
         if out is not None:  # planned here
