@@ -340,7 +340,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     sc, t = cfg.scheduler, cfg.trainer
     options = baselines.policy_options(sc)
     runnable_policy(sc.policy, **options)  # before the (possibly profiling) choice of unscheduled tables
-    plan_on = sc.get("plan_on") or "rank0"
+    plan_on = sc.get("plan_on") or "host"
     if plan_on not in PLAN_ON:
         raise ValueError(f"scheduler.plan_on must be one of {list(PLAN_ON)} (where plans are made), got '{plan_on}'")
     fused = {

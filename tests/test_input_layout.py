@@ -90,3 +90,12 @@ def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
         slice_layout(b, ManagedTables(("tz",), (5,), (("z",),), (0,)))
     with pytest.raises(ValueError, match="torchrec.datasets.utils.Batch"):
         slice_layout(object(), ManagedTables(("ta",), (5,), (("a",),), (0,)))  # type: ignore[arg-type]
+
+
+def test_who_plans_for_whom() -> None:
+    from herald_torchrec.distributed.scheduled_input import planners
+
+    hosts = np.array([5, 7, 5, 7, 9], dtype=np.int64)  # ranks 0 and 2 on one machine, 1 and 3 on another, 4 alone
+    assert planners("host", hosts).tolist() == [0, 1, 0, 1, 4]
+    assert planners("rank0", hosts).tolist() == [0] * 5
+    assert planners("every_rank", hosts).tolist() == [0, 1, 2, 3, 4]

@@ -8,9 +8,10 @@
 - one rank running out of data first stops every rank with a warning that counts the dropped samples;
 - a short last batch is dropped with a warning (drop_last);
 - batch norm in the model is a warning;
-- rank 0 plans and sends each plan (plan_on="rank0", the default): every rank executes the plans every rank would
-  have computed itself (plan_on="every_rank", here with the input stage in the training thread: prefetch=0), and
-  trains the same model.
+- the lowest rank of each machine plans for its ranks and sends them the plans (plan_on="host", the default; one
+  machine here, and two when rank 1 reports another host name), or rank 0 for all (plan_on="rank0"): every rank
+  executes the plans every rank would have computed itself (plan_on="every_rank", here with the input stage in the
+  training thread: prefetch=0), and trains the same model; a failing planner stops every rank.
 """
 
 from __future__ import annotations
@@ -259,9 +260,22 @@ def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> No
     assert r0["moved_before_load"] > 0 and r0["generation"] == 1
 
 
-def _plan_on_run(rank: int, plan_on: str) -> dict:
-    """12 steps of the two-EBC model with plans made as `plan_on` says: every plan (arrays with their dtypes), the
-    trained tables and dense head, whether this rank holds a scheduler and the plan bytes it sent."""
+def _plan_on_run(rank: int, plan_on: str, host: str | None = None) -> dict:
+    """12 steps of the two-EBC model with plans made as `plan_on` says (`host`: this rank's host name instead of the
+    machine's): every plan (arrays with their dtypes), the trained tables and dense head, whether this rank holds a
+    scheduler and the plan bytes it sent."""
+    import socket
+
+    real_hostname = socket.gethostname
+    if host is not None:
+        socket.gethostname = lambda: host  # this process only: the ranks then sit on different "machines"
+    try:
+        return _plan_on_steps(rank, plan_on)
+    finally:
+        socket.gethostname = real_hostname
+
+
+def _plan_on_steps(rank: int, plan_on: str) -> dict:
     import dataclasses
 
     from herald_torchrec.distributed.train_pipeline import herald_modules
@@ -318,8 +332,9 @@ def _failing_planner_run(rank: int) -> dict:
 
 
 def plan_on_worker(rank: int, world: int, out_dir: str) -> None:
-    """Both plan_on modes, then a failing planner, in one pair of ranks."""
-    out = {mode: _plan_on_run(rank, mode) for mode in ("rank0", "every_rank")}
+    """Every plan_on mode (host: one machine, then two), then a failing planner, in one pair of ranks."""
+    out = {mode: _plan_on_run(rank, mode) for mode in ("host", "rank0", "every_rank")}
+    out["two_hosts"] = _plan_on_run(rank, "host", host=f"machine-{rank}")
     out["failing"] = _failing_planner_run(rank)
     torch.save(out, rank_result(out_dir, rank))
 
@@ -331,8 +346,8 @@ def plan_on_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [torch.load(rank_result(out, q)) for q in (0, 1)]
 
 
-def test_rank0_plans_and_sends_the_plans_every_rank_would_make(plan_on_results: list[dict]) -> None:
-    r = {(m, q): plan_on_results[q][m] for m in ("rank0", "every_rank") for q in (0, 1)}
+def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list[dict]) -> None:
+    r = {(m, q): plan_on_results[q][m] for m in ("host", "two_hosts", "rank0", "every_rank") for q in (0, 1)}
     base = r["every_rank", 0]
     assert base["n_plans"] == 12 and any(name == "row" and vals for name, _, vals in base["plans"])  # rows do move
     for key, res in r.items():
@@ -341,10 +356,12 @@ def test_rank0_plans_and_sends_the_plans_every_rank_would_make(plan_on_results: 
             assert sorted(res[part]) == sorted(base[part])
             for k in base[part]:
                 assert torch.equal(res[part][k], base[part][k]), (key, k)  # the same model, bit for bit
-    assert r["rank0", 0]["has_policy"] and not r["rank0", 1]["has_policy"]  # one scheduler...
-    assert r["every_rank", 0]["has_policy"] and r["every_rank", 1]["has_policy"]
-    assert r["rank0", 0]["plan_bytes"] > 0 and r["rank0", 1]["plan_bytes"] == 0  # ...whose plans travel from rank 0
-    assert r["every_rank", 0]["plan_bytes"] == r["every_rank", 1]["plan_bytes"] == 0
+    for mode in ("host", "rank0"):  # one machine: one scheduler, whose plans travel from rank 0
+        assert r[mode, 0]["has_policy"] and not r[mode, 1]["has_policy"]
+        assert r[mode, 0]["plan_bytes"] > 0 and r[mode, 1]["plan_bytes"] == 0
+    for mode in ("two_hosts", "every_rank"):  # a scheduler per rank: nothing travels
+        assert r[mode, 0]["has_policy"] and r[mode, 1]["has_policy"]
+        assert r[mode, 0]["plan_bytes"] == r[mode, 1]["plan_bytes"] == 0
 
 
 def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None:

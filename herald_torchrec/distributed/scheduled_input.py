@@ -7,10 +7,12 @@ Per step, every rank:
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
     to every rank, so every rank holds the ids of the whole global batch (dense features, labels and the other
     features stay put);
-(3) plans: with `plan_on="rank0"` (the default) rank 0 alone runs the scheduler on the global batch and the next L
-    and sends the plan to the others (schedule/plan_wire.py: ~11 KB on the W&D workload at R=2), so a host running R
-    ranks plans once, not R times (~5 ms of CPU per step each); with `plan_on="every_rank"` every rank runs the
-    same deterministic scheduler and nothing is sent (no plan bytes, R times the CPU);
+(3) plans: the scheduler is deterministic, so any rank can plan for any other. With `plan_on="host"` (the
+    default) the lowest rank on each machine (by host name: the ranks that share its cores) runs it on the global
+    batch and the next L and sends the plan to the other ranks of its machine (schedule/plan_wire.py: ~11 KB on the
+    W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
+    no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
+    `plan_on="every_rank"`: every rank plans for itself and nothing is sent;
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys.
@@ -30,6 +32,8 @@ mis-assign them.
 
 from __future__ import annotations
 
+import hashlib
+import socket
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -64,8 +68,24 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 DATA, END, SHORT, BAD = 1, 0, 2, -1
 SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
-PLANNER = 0  # the rank that plans when plans are sent (plan_on="rank0")
-PLAN_ON = ("rank0", "every_rank")
+PLAN_ON = ("host", "rank0", "every_rank")
+
+
+def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:
+    """The rank that plans for each rank: the lowest rank of its host ("host"; `hosts` = a key per rank), rank 0
+    ("rank0"), or itself ("every_rank")."""
+    R = hosts.shape[0]
+    if plan_on == "every_rank":
+        return np.arange(R, dtype=np.int64)
+    if plan_on == "rank0":
+        return np.zeros(R, dtype=np.int64)
+    first = {}
+    return np.array([first.setdefault(int(h), q) for q, h in enumerate(hosts)], dtype=np.int64)
+
+
+def host_key() -> int:
+    """This machine, as an int64 every rank on it shares (a hash of the host name)."""
+    return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little", signed=True)
 
 
 @dataclass
@@ -93,18 +113,22 @@ class ScheduledInput:
 
     `policy_factory(batch_per_rank)` builds the scheduler once the first slice tells the batch size (the pipeline
     builds it from the sharded modules' own settings; every rank builds it, so a bad setting raises everywhere, and
-    with plan_on="rank0" only rank 0 keeps it: `policy` is None on the others); `reset_policy()` starts it again
-    from the home placement (after a checkpoint load reset the data plane's ownership)."""
+    only the ranks that plan keep it: `policy` is None on the others, see `plan_on` in the module docstring);
+    `reset_policy()` starts it again from the home placement (after a checkpoint load reset the data plane's
+    ownership)."""
 
     def __init__(self, tables: ManagedTables, comm: PlanComm, policy_factory: Callable[[int], SchedulePolicy],
-                 plan_on: str = "rank0") -> None:
+                 plan_on: str = "host") -> None:
         if plan_on not in PLAN_ON:
             raise ValueError(f"plan_on must be one of {PLAN_ON}, got {plan_on!r}")
         self.tables = tables
         self.comm = comm
         self.R, self.rank = comm.world_size, comm.rank
-        self.sends_plans = plan_on == "rank0" and self.R > 1  # one planner, its plans travel to the others
-        self.plans_here = not self.sends_plans or self.rank == PLANNER
+        self.plan_on = plan_on
+        # who plans for whom: set at the first batch (the hosts are gathered with the layout)
+        self.planner_of = np.arange(self.R, dtype=np.int64)
+        self.planner = self.rank  # the rank whose plans this rank executes
+        self.plan_peers = np.zeros(0, dtype=np.int64)  # the ranks this rank plans for, itself excepted
         self._factory = policy_factory
         # (generation, policy), replaced as one object by reset_policy (the stage's thread reads both at once);
         # the generation counts resets: plans of an older one must not be executed
@@ -122,6 +146,10 @@ class ScheduledInput:
     @property
     def generation(self) -> int:
         return self._current[0]
+
+    @property
+    def plans_here(self) -> bool:
+        return self.planner == self.rank
 
     # ------------------------------------------------------------------ collectives (bytes only)
     def _all_gather_words(self, words: np.ndarray, kind: str) -> np.ndarray:
@@ -159,7 +187,8 @@ class ScheduledInput:
                 words = np.concatenate([[DATA], layout.signature()])
             except ValueError as e:
                 err, words = e, np.array([BAD, 0, 0, 0], dtype=np.int64)
-        got = self._all_gather_words(words, "control")
+        got = self._all_gather_words(np.append(words, host_key()), "control")  # + the host, for `planners`
+        got, hosts = got[:, :-1], got[:, -1]
         self._raise_bad(got[:, 0], err)
         if (got[:, 0] == END).any():
             if first is not None:
@@ -173,6 +202,9 @@ class ScheduledInput:
                 "of the same global batch"
             )
         self.layout = layout
+        self.planner_of = planners(self.plan_on, hosts)
+        self.planner = int(self.planner_of[self.rank])
+        self.plan_peers = np.flatnonzero((self.planner_of == self.rank) & (np.arange(self.R) != self.rank))
         policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
@@ -300,7 +332,7 @@ class ScheduledInput:
         try:
             with phase("input.plan"):
                 plan = policy.plan(batches)  # type: ignore[union-attr]
-            wire = encode_plan(plan) if self.sends_plans else None
+            wire = encode_plan(plan) if self.plan_peers.size else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return _Outgoing(None, generation, err=e)
         return _Outgoing(plan, generation, wire)
@@ -317,25 +349,25 @@ class ScheduledInput:
     def _step(self, cur: _Pending | None, plan: Plan | None, nxt: Batch | None, gather: bool,
               out: _Outgoing | None = None, planning: bool = False) -> tuple[Batch | None, _Pending | None | bool, tuple[Plan, int] | None]:
         """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `nxt` (if
-        `gather`) and, if `planning`, the plan of the next batch (made here as `out`, or received from the planner).
-        Returns (assigned batch or None, gathered pending batch or False at the end of data, (plan, generation)
-        of the next batch or None)."""
-        R, r = self.R, self.rank
-        ships = planning and self.sends_plans
+        `gather`) and, if `planning`, the plan of the next batch (made here as `out`, or received from this rank's
+        planner). Returns (assigned batch or None, gathered pending batch or False at the end of data,
+        (plan, generation) of the next batch or None)."""
+        R, r, q = self.R, self.rank, self.planner
+        receives = planning and q != r
         ids_blocks_in, plan_in = [0] * R, [0] * R
         gathered: _Pending | None | bool = None
         my_ids = wire = np.zeros(0, dtype=np.uint8)
         if out is not None and out.err is None and out.wire is not None:  # the planner: generation, then the plan
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
-            self.comm.counter.add("plan", wire.shape[0] * (R - 1), call=False)
+            self.comm.counter.add("plan", wire.shape[0] * self.plan_peers.shape[0], call=False)
         plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
         hs, head, err = self._header(nxt) if gather else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
         head = np.append(head, plan_word)
         heads = self._all_gather_words(head, "control") if R > 1 and (gather or planning) else head[None, :]
         if planning:
             self._raise_failed_plan(out, heads)
-        if ships and r != PLANNER:
-            plan_in[PLANNER] = int(heads[PLANNER, PLAN_WORD])
+        if receives:
+            plan_in[q] = int(heads[q, PLAN_WORD])
         if gather:
             if self._check_heads(heads[:, :SLICE_WORDS], hs, err):
                 my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
@@ -348,7 +380,9 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay, recv_pay, mine = [np.zeros(0, np.uint8)] * R, [0] * R, None
-        sends = [np.concatenate([my_ids, wire[: 0 if d == r else None], p]) for d, p in enumerate(pay)]
+        to_peer = np.zeros(R, dtype=bool)
+        to_peer[self.plan_peers] = True
+        sends = [np.concatenate([my_ids, wire[: None if to_peer[d] else 0], p]) for d, p in enumerate(pay)]
         recv = [a + b + c for a, b, c in zip(ids_blocks_in, plan_in, recv_pay)]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
@@ -360,8 +394,8 @@ class ScheduledInput:
         planned = None
         if out is not None:  # planned here
             planned = (out.plan, out.generation)
-        elif ships:  # from the planner: [generation int64, encoded plan]
-            block = got[PLANNER][ids_blocks_in[PLANNER] : ids_blocks_in[PLANNER] + plan_in[PLANNER]]
+        elif receives:  # from this rank's planner: [generation int64, encoded plan]
+            block = got[q][ids_blocks_in[q] : ids_blocks_in[q] + plan_in[q]]
             planned = (decode_plan(block[8:]), int(block[:8].view(np.int64)[0]))
         rest = [b[n + m :] for b, n, m in zip(got, ids_blocks_in, plan_in)]
         assigned = self._assemble(cur, mine, rest) if cur is not None else None

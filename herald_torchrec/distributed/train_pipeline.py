@@ -95,11 +95,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
     background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches); `plan_on` (default "rank0") where plans are made: rank 0 plans and sends each plan to the others
-    (~11 KB per step on W&D at R=2; the scheduler's CPU once per step, not once per rank), or
-    "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global
-    batches, the scheduler's view) is handed to `policy.profile()` when the policy is built (fae / p2res choose
-    their replicated rows from it). The rest go to TrainPipelineSparseDist."""
+    batches); `plan_on` (default "host") where plans are made: the lowest rank of each machine plans and sends each
+    plan to the other ranks of its machine (~11 KB per step on W&D at R=2; the scheduler's CPU once per machine and
+    step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
+    deterministic scheduler, nothing is sent); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's
+    `staleness`); `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the policy
+    is built (fae / p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist."""
 
     def __init__(
         self,
@@ -111,7 +112,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
         prefetch: int = 2,
-        plan_on: str = "rank0",
+        plan_on: str = "host",
         policy_options: Optional[dict[str, Any]] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
