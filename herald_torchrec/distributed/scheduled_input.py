@@ -99,8 +99,8 @@ class _Pending:
 
 @dataclass
 class _Outgoing:
-    """The plan of the next batch, made between two rounds: known here (the planner, or every rank with
-    plan_on="every_rank"); `wire` is what the planner sends (None: nothing is sent); `err` a failed scheduler."""
+    """The plan of the next batch, made between two rounds on a rank that plans; `wire` is what it sends the ranks
+    it plans for (None: it plans for itself only); `err` a failed scheduler."""
 
     plan: Plan | None
     generation: int
