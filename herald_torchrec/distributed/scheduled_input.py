@@ -126,9 +126,8 @@ class ScheduledInput:
         self.R, self.rank = comm.world_size, comm.rank
         self.plan_on = plan_on
         # who plans for whom: set at the first batch (the hosts are gathered with the layout)
-        self.planner_of = np.arange(self.R, dtype=np.int64)
         self.planner = self.rank  # the rank whose plans this rank executes
-        self.plan_peers = np.zeros(0, dtype=np.int64)  # the ranks this rank plans for, itself excepted
+        self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
         self._factory = policy_factory
         # (generation, policy), replaced as one object by reset_policy (the stage's thread reads both at once);
         # the generation counts resets: plans of an older one must not be executed
@@ -202,9 +201,9 @@ class ScheduledInput:
                 "of the same global batch"
             )
         self.layout = layout
-        self.planner_of = planners(self.plan_on, hosts)
-        self.planner = int(self.planner_of[self.rank])
-        self.plan_peers = np.flatnonzero((self.planner_of == self.rank) & (np.arange(self.R) != self.rank))
+        planner_of = planners(self.plan_on, hosts)
+        self.planner = int(planner_of[self.rank])
+        self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)
         policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
@@ -332,7 +331,7 @@ class ScheduledInput:
         try:
             with phase("input.plan"):
                 plan = policy.plan(batches)  # type: ignore[union-attr]
-            wire = encode_plan(plan) if self.plan_peers.size else None
+            wire = encode_plan(plan) if self.plans_for.any() else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return _Outgoing(None, generation, err=e)
         return _Outgoing(plan, generation, wire)
@@ -359,7 +358,7 @@ class ScheduledInput:
         my_ids = wire = np.zeros(0, dtype=np.uint8)
         if out is not None and out.err is None and out.wire is not None:  # the planner: generation, then the plan
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
-            self.comm.counter.add("plan", wire.shape[0] * self.plan_peers.shape[0], call=False)
+            self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
         plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
         hs, head, err = self._header(nxt) if gather else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
         head = np.append(head, plan_word)
@@ -380,9 +379,7 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay, recv_pay, mine = [np.zeros(0, np.uint8)] * R, [0] * R, None
-        to_peer = np.zeros(R, dtype=bool)
-        to_peer[self.plan_peers] = True
-        sends = [np.concatenate([my_ids, wire[: None if to_peer[d] else 0], p]) for d, p in enumerate(pay)]
+        sends = [np.concatenate([my_ids, wire[: None if self.plans_for[d] else 0], p]) for d, p in enumerate(pay)]
         recv = [a + b + c for a, b, c in zip(ids_blocks_in, plan_in, recv_pay)]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)

@@ -81,12 +81,12 @@ def encode_plan(plan: Plan) -> np.ndarray:
     arrays: list[np.ndarray] = []
 
     def walk(v: Any) -> Any:
-        if isinstance(v, Plan) and type(v) is Plan:
+        if type(v) is Plan:
             rank = _assignment(v)
             if rank is not None:  # the sample order as each sample's rank
                 f = [walk(getattr(v, x.name)) if x.name != "sample_order" else None for x in dataclasses.fields(v)]
                 return {"d": "Plan", "f": f, "as": [walk(rank), v.sample_order.dtype.str]}
-        if isinstance(v, SharedRows) and type(v) is SharedRows:
+        if type(v) is SharedRows:
             mask = _reader_mask(v)
             if mask is not None:  # the reader CSR as one bitmask per row
                 return {"d": "SharedRows", "f": [walk(v.table), walk(v.row), walk(v.owner)],
