@@ -6,14 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from herald_torchrec.distributed.row_store import (
-    RowStore,
-    TableSpec,
-    check_cache_ratio,
-    guest_capacity,
-    home_range,
-    parse_optimizer,
-)
+from herald_torchrec.distributed.row_layout import check_cache_ratio, guest_capacity, home_range
+from herald_torchrec.distributed.row_store import RowStore, TableSpec, parse_optimizer
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]

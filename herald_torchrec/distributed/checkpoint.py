@@ -45,7 +45,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torchrec.distributed.types import ParameterSharding
 
 from herald_torchrec.distributed.plan_exec import prepare_moves, routes
-from herald_torchrec.distributed.row_store import exclusive_cumsum, home_range, ragged_arange
+from herald_torchrec.distributed.row_layout import exclusive_cumsum, home_range, ragged_arange
 from herald_torchrec.schedule.plan import EVICT_HOME, Plan, RowMoves
 
 if TYPE_CHECKING:  # pragma: no cover

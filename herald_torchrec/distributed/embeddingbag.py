@@ -80,7 +80,8 @@ from herald_torchrec.distributed.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.plan_exec import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
 from herald_torchrec.distributed.het_cache import CacheReads, WorkerCache
 from herald_torchrec.distributed.replicas import ReplicaRegion, ReplicaStep
-from herald_torchrec.distributed.row_store import RowStore, TableSpec, check_cache_ratio, home_range
+from herald_torchrec.distributed.row_layout import check_cache_ratio, home_range
+from herald_torchrec.distributed.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")

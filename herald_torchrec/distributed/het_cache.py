@@ -36,7 +36,8 @@ import torch
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.plan_exec import LocalInput, routes
 from herald_torchrec.distributed.replicas import drop_ids
-from herald_torchrec.distributed.row_store import RowStore, TableSpec, exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL, Plan
 
 

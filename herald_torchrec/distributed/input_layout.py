@@ -21,7 +21,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from herald_torchrec.distributed.row_store import exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 
 INT32_MAX = int(np.iinfo(np.int32).max)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from herald_torchrec.distributed.row_store import RowStore, exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
 
 

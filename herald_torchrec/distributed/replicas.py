@@ -33,7 +33,8 @@ import torch
 
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.plan_exec import LocalInput
-from herald_torchrec.distributed.row_store import RowStore, TableSpec, exclusive_cumsum, ragged_arange, rank_within_group
+from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange, rank_within_group
+from herald_torchrec.distributed.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
 
 

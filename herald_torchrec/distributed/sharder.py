@@ -52,7 +52,7 @@ from herald_torchrec.distributed.optimizer_params import (
     resolve_table_settings,
     sharder_fused_params,
 )
-from herald_torchrec.distributed.row_store import check_cache_ratio
+from herald_torchrec.distributed.row_layout import check_cache_ratio
 
 def with_row_wise(types: list[str]) -> list[str]:
     """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""
