@@ -12,7 +12,7 @@ settings a stock ROW_WISE table would get.
 
 What Herald then checks, and why (`check_settings`): Herald updates an *exclusive* row in the TBE's own fused
 backward and a *shared* row once per step through a backward of the same TBE over one-row bags carrying the row's
-summed gradient (row_store.RowStore.apply_summed_gradients_packed). A setting is exact under Herald when FBGEMM
+summed gradient (apply_summed_gradients_packed in summed_update.py). A setting is exact under Herald when FBGEMM
 applies it per row, as a function of (row, its optimizer state, its summed gradient) only: then it acts identically
 wherever the row lives. That holds for row-wise Adagrad's eps / L2 or decoupled weight decay / max_norm. Gradient
 clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's gradient (the TBE's grad_output, CPU and CUDA

@@ -1,4 +1,4 @@
-"""Where rows sit, in numpy: TorchRec's ROW_WISE home blocks, the guest capacity, and the index arithmetic of ragged rows.
+"""Where rows sit, in numpy: TorchRec's ROW_WISE home blocks, guest capacity, and index arithmetic over ragged rows.
 
 These are pure functions of sizes and arrays. The store lays its slots out by them (row_store.py), and the step
 preparation (plan_exec.py), the input stage (input_layout.py), checkpoints and the baselines' caches compute with
