@@ -10,20 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from herald_torchrec.distributed.lookup_layout import grad_sum_layout, lookup_layout
 from herald_torchrec.distributed.plan_exec import (
     SharedMarks,
     classify,
-    grad_sum_layout,
     local_input,
-    lookup_layout,
     prepare_moves,
     prepare_shared,
     routes,
     sent_by_kind,
-    static_plan,
-    static_plan_keys,
 )
 from herald_torchrec.distributed.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.static_plan import static_plan, static_plan_keys
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 
 # table a: rows 0-4 home on rank 0, 5-9 on rank 1; table b: rows 0-3 on rank 0, 4-6 on rank 1. Capacity 3 guests.

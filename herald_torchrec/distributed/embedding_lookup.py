@@ -3,9 +3,9 @@ shared rows' single update.
 
 As TorchRec's embedding_lookup.py sits between a sharded module and its kernels, this sits between
 `ShardedHeraldEmbeddingBagCollection` (which orders a step: plans, error checks, counters) and the `RowStore`
-(FBGEMM TBE + ownership directory). It reads and writes the store along the layouts that plan_exec.py prepared
-and ships the bytes with the dist objects of dist_data.py; every method is collective where its dist object is, and
-every rank calls them in the same order.
+(FBGEMM TBE + ownership directory). It reads and writes the store along the layouts that plan_exec.py and
+lookup_layout.py prepared and ships the bytes with the dist objects of dist_data.py; every method is collective where
+its dist object is, and every rank calls them in the same order.
 """
 
 from __future__ import annotations
@@ -15,27 +15,22 @@ import torch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, StepExchangeDist
-from herald_torchrec.distributed.plan_exec import (
+from herald_torchrec.distributed.lookup_layout import (
     GradSumLayout,
-    LocalInput,
-    MoveStep,
-    SharedMarks,
-    SharedStep,
     grad_send_order,
     grad_sum_layout,
     lookup_layout,
-    sent_by_kind,
-    static_plan,
-    static_plan_keys,
     with_owner_bags,
 )
+from herald_torchrec.distributed.plan_exec import LocalInput, MoveStep, SharedMarks, SharedStep, sent_by_kind
 from herald_torchrec.distributed.row_store import RowStore
+from herald_torchrec.distributed.static_plan import static_plan, static_plan_keys
 from herald_torchrec.schedule.plan import Plan
 
 
 class OwnerUpdate:
     """A training lookup's TBE call whose backward (the fused optimizer) waits for the shared rows' summed gradients:
-    the batch's bags, then one bag per shared row this rank owns (plan_exec.with_owner_bags)."""
+    the batch's bags, then one bag per shared row this rank owns (lookup_layout.with_owner_bags)."""
 
     def __init__(self, grads: GradSumLayout, bag_rows: np.ndarray) -> None:
         self.grads, self.bag_rows = grads, bag_rows

@@ -34,8 +34,9 @@ any time (they never consume a queued training plan) and runs without a schedule
 
 Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this module is the ShardedModule adapter
 (it orders a step: plans, error checks, counters); plan_exec.py prepares the step in numpy (what to send where, no
-process group); dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the
-store-side work (moves applied, values read and pooled, shared-row updates); fused_optimizer.py is the optimizer.
+process group), lookup_layout.py its lookup's index layouts, static_plan.py the plan when none is queued;
+dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the store-side work
+(moves applied, values read and pooled, shared-row updates); fused_optimizer.py is the optimizer.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move

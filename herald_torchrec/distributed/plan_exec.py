@@ -3,12 +3,12 @@
 The data plane of a step (embeddingbag.py) is two all-to-alls (moves + shared values, then shared gradients) whose
 every split size comes from the plan, which is identical on every rank. This module turns (Plan, the RowStore's
 directories, this rank's ids) into dataclasses that say exactly what moves where: the row moves (`MoveStep`), the
-shared-row exchange (`SharedStep`), the classification of the local ids (exclusive / shared, hits), the index
-layouts of the lookup and of the shared-row gradient sums, and the *static* plan built from every rank's ids. It
-holds no process group and changes no directory: every function is a pure function of arrays and of the store's
-directories (it reads `owner_all`, `slot_of_all`, `guest_count_all`, ...), so a two-rank step can be checked in one
-process with two RowStores (tests/test_plan_exec.py). Like TorchRec's sharding/*.py, it is the "who sends what"
-half; dist_data.py is the "send it" half.
+shared-row exchange (`SharedStep`), the classification of the local ids (exclusive / shared, hits); the index
+layouts of the lookup and of the shared-row gradient sums are lookup_layout.py, and the *static* plan built from
+every rank's ids is static_plan.py. It holds no process group and changes no directory: every function is a pure
+function of arrays and of the store's directories (it reads `owner_all`, `slot_of_all`, `guest_count_all`, ...), so
+a two-rank step can be checked in one process with two RowStores (tests/test_plan_exec.py). Like TorchRec's
+sharding/*.py, it is the "who sends what" half; dist_data.py is the "send it" half.
 
 Plan checks raise ValueError with the plan's step. Checks that only use the plan and the global directories raise
 alike on every rank (so no rank is left in a collective); checks against the local batch (`local_input`,
@@ -24,7 +24,7 @@ import numpy as np
 
 from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.row_store import RowStore
-from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, SharedRows
+from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan
 
 
 def _empty() -> np.ndarray:
@@ -372,150 +372,3 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
         )
     hit = (own == rank) & ~moved(ms, u)
     return np.bincount(tab[hit], minlength=T).astype(np.int64), np.bincount(tab, minlength=T).astype(np.int64)
-
-
-def value_items(sh: SharedStep, st: RowStore, pairs: np.ndarray) -> tuple[np.ndarray, int]:
-    """Where the value-order pairs `pairs` sit in the flat value buffer (or its gradient), as (item index, item
-    width): rows of the dim when every table has the same one, else float positions (width 1)."""
-    if st.uniform_dim is not None:
-        return pairs, st.uniform_dim
-    return ragged_arange(sh.recv_off[pairs], st.dims_arr[sh.recv_table[pairs]]), 1
-
-
-def grad_send_order(sh: SharedStep, st: RowStore) -> tuple[np.ndarray, int] | None:
-    """The value gradients' reorder into gradient send order (by owner after the moves) as `value_items`, or None
-    when it is the identity (no shared row moved, e.g. static plans)."""
-    idx = sh.grad_idx
-    if (idx == np.arange(idx.shape[0])).all():
-        return None
-    return value_items(sh, st, idx)
-
-
-@dataclass
-class LookupLayout:
-    """The step's lookup, in index arrays: the TBE reads `indices` / `offsets` (exclusive ids, local slots, one bag
-    per feature and sample); the received values, viewed as items of `width` floats, are gathered at `value_src`
-    and summed into the pooled output's items `out_dst` (shared ids). `width` is the dim when every table has the
-    same one (items are rows: the pooled output [B, F * dim] viewed as [B * F, dim]), else 1 (items are floats)."""
-
-    indices: np.ndarray
-    offsets: np.ndarray
-    value_src: np.ndarray
-    out_dst: np.ndarray
-    width: int = 1
-
-
-def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
-    """Index layout of the pooled output [B, sum of feature dims] for this batch (after the step's moves)."""
-    B, F = local.batch_size, local.lengths.shape[0]
-    mark = marks.by_key[local.gkeys]
-    ex = mark == SharedMarks.NOT_SHARED
-    indices = st.slot_of_all[local.gkeys[ex]].astype(np.int64)
-    if (indices < 0).any():  # pragma: no cover - guarded by classify
-        raise RuntimeError("exclusive id without a local slot after the moves")
-    offsets = np.zeros(F * B + 1, dtype=np.int64)
-    np.cumsum(np.bincount(local.seg[ex], minlength=F * B), out=offsets[1:])
-    shared = np.flatnonzero(~ex)
-    if not shared.size:
-        return LookupLayout(indices, offsets, _empty(), _empty())
-    f, bag = np.divmod(local.seg[shared], B)
-    src, width = value_items(sh, st, mark[shared])  # mark = index of the value among the pairs read here
-    if st.uniform_dim is not None:  # rows: output row = bag * F + f of the pooled output viewed as [B * F, dim]
-        return LookupLayout(indices, offsets, src, bag * F + f, width)
-    f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
-    f_col = exclusive_cumsum(f_dims)  # output column of each feature
-    dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], f_dims[f])
-    return LookupLayout(indices, offsets, src, dst)
-
-
-@dataclass
-class GradSumLayout:
-    """How an owner sums the returned shared-row gradients (laid out as `send_off`) into one gradient per key: the
-    returned buffer, viewed as items of `width` floats, adds item i into item `dst[i]` of a buffer of `size` floats
-    holding the keys' gradients in key order; `tables` / `slots` address those keys in the store. `width` is the dim
-    when every table has the same one (items are rows), else 1."""
-
-    tables: np.ndarray
-    slots: np.ndarray
-    dst: np.ndarray
-    size: int
-    width: int = 1
-
-
-def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
-    """Per-key sums of the readers' gradients, in send order (readers in rank order), all tables at once."""
-    keys, inv = np.unique(sh.send_gkey, return_inverse=True)
-    tab = _table_of(st, keys)
-    slots = st.slot_of_all[keys].astype(np.int64)
-    if st.uniform_dim is not None:
-        return GradSumLayout(tab, slots, inv.reshape(-1), keys.shape[0] * st.uniform_dim, st.uniform_dim)
-    kd = st.dims_arr[tab]
-    dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], st.dims_arr[sh.send_table])
-    return GradSumLayout(tab, slots, dst, int(kd.sum()))
-
-
-def with_owner_bags(lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_size: int) -> tuple[LookupLayout, np.ndarray]:
-    """The step's lookup with one extra one-row bag per shared row this rank owns after the moves, so that ONE TBE
-    backward applies the fused optimizer to the exclusive rows and (with the readers' summed gradients) to the shared
-    ones: table t's k-th key (GradSumLayout key order) is bag B + k of t's first feature, the other extra bags are
-    empty. Shared rows never sit in the exclusive bags (every reader, the owner included, reads them through the
-    shared path), so every row still gets exactly its own gradient sum. Rows only (`st.uniform_dim`).
-
-    Returns the layout over B + n bags per feature (n = the most keys of one table; `value_src` / `out_dst` are
-    unchanged: the first B bags are the batch's) and, per key, its bag's row in the pooled output [(B + n) * F, dim]."""
-    B, F = batch_size, len(st.feature_table_map)
-    k, n, feat = st.one_row_bags(gs.tables)  # the extra bags as the store's own one-row-bag updates place them
-    main = np.diff(lay.offsets).reshape(F, B)
-    extra = np.zeros((F, n), dtype=np.int64)
-    extra[feat, k] = 1
-    lengths = np.concatenate([main, extra], axis=1)
-    offsets = np.zeros(F * (B + n) + 1, dtype=np.int64)
-    np.cumsum(lengths.reshape(-1), out=offsets[1:])
-    # feature after feature: the feature's batch ids, then its extra rows (keys by feature, then k)
-    order = np.lexsort((k, feat))
-    m_cnt, e_cnt = main.sum(axis=1), extra.sum(axis=1)
-    m_pos = np.arange(lay.indices.shape[0], dtype=np.int64) + np.repeat(exclusive_cumsum(e_cnt), m_cnt)
-    e_pos = np.arange(order.shape[0], dtype=np.int64) + np.repeat(np.cumsum(m_cnt), e_cnt)
-    indices = np.empty(lay.indices.shape[0] + order.shape[0], dtype=np.int64)
-    indices[m_pos] = lay.indices
-    indices[e_pos] = gs.slots[order]
-    return LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width), (B + k) * F + feat
-
-
-# ------------------------------------------------------------------------------------------------ static plan
-def static_plan_keys(local: LocalInput, st: RowStore) -> np.ndarray:
-    """This rank's distinct (row, table) keys, packed as row * T + table, for the all-gather of the static plan."""
-    T = st.num_tables
-    u = np.unique(local.gkeys)  # by table, then row
-    t_u = _table_of(st, u)
-    return (u - st.key_base[t_u]) * T + t_u  # ids are < rows, so no overflow for realistic sizes
-
-
-def static_plan(gathered: list[np.ndarray], st: RowStore, batch_size: int) -> Plan:
-    """The plan of the `static` policy from every rank's `static_plan_keys` (gathered[q] from rank q): owners stay,
-    every non-owner read is shared, sample_order is the identity. Used when no plan is queued (eval batches, runs
-    without a scheduler)."""
-    R, T = st.world_size, st.num_tables
-    k_all = np.concatenate(gathered)
-    rk_all = np.concatenate([np.full(g.shape[0], q, dtype=np.int64) for q, g in enumerate(gathered)])
-    order = np.lexsort((rk_all, k_all))
-    k_all, rk_all = k_all[order], rk_all[order]
-    uk, start, cnt = np.unique(k_all, return_index=True, return_counts=True)
-    tab, row = uk % T, uk // T
-    owner = st.owner_all[st.gkeys(tab, row)].astype(np.int64)
-    excl = (cnt == 1) & (rk_all[start] == owner)
-    hit = int((rk_all == np.repeat(owner, cnt)).sum())  # (key, reader) pairs read by the owner
-    sel = np.flatnonzero(~excl)
-    readers = rk_all[np.repeat(~excl, cnt)]
-    ro = np.concatenate([[0], np.cumsum(cnt[sel])]).astype(np.int64)
-    shared = SharedRows(table=tab[sel], row=row[sel], owner=owner[sel], reader_offsets=ro, readers=readers)
-    remote = shared.remote_reads()
-    return Plan(
-        step=-1,
-        num_ranks=R,
-        batch_per_rank=batch_size,
-        sample_order=np.arange(R * batch_size, dtype=np.int64),
-        shared=shared,
-        counters={"hit": hit, "migrate": 0, "evict_home": 0, "forward": 0, "shared_value": remote,
-                  "shared_grad": remote},
-    )
