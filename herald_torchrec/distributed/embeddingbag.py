@@ -36,7 +36,8 @@ Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this mod
 (it orders a step: plans, error checks, counters); plan_exec.py prepares the step in numpy (what to send where, no
 process group), lookup_layout.py its lookup's index layouts, static_plan.py the plan when none is queued;
 dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the store-side work
-(moves applied, values read and pooled, shared-row updates); fused_optimizer.py is the optimizer.
+(moves applied, values read and pooled, shared-row updates); baseline_regions.py adds what the comparison systems'
+plans need (replicas, HET's cache); fused_optimizer.py is the optimizer.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
@@ -72,6 +73,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from herald_torchrec.distributed.baseline_regions import BaselineRegions, BaselineStep
 from herald_torchrec.distributed.checkpoint import HeraldCheckpoint, install_state_dict_hooks
 from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
 from herald_torchrec.distributed.dist_data import ErrorCheck, ErrorFlagDist
@@ -79,8 +81,6 @@ from herald_torchrec.distributed.embedding_lookup import HeraldLookup
 from herald_torchrec.distributed.fused_optimizer import HeraldFusedOptimizer
 from herald_torchrec.distributed.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.plan_exec import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
-from herald_torchrec.distributed.het_cache import CacheReads, WorkerCache
-from herald_torchrec.distributed.replicas import ReplicaRegion, ReplicaStep
 from herald_torchrec.distributed.row_layout import check_cache_ratio, home_range
 from herald_torchrec.distributed.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
@@ -216,15 +216,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
         self._plans: deque[Plan | None] = deque()
         self._pending: SharedStep | None = None
-        # rows replicated on every rank (fae / p2res plans): distributed/replicas.py
-        self._replicas = ReplicaRegion(self._store, self._comm, self.device, self.optimizer_type, self.learning_rate,
-                                       self.eps, fp)
-        self._replica_pending: ReplicaStep | None = None
-        # HET's per-worker cache (het plans): distributed/het_cache.py, built by the first plan that needs it
-        self._cache_settings = fp
-        self._cache: WorkerCache | None = None
-        self._cache_version = 0  # the ownership_version it was built at (a checkpoint load empties the caches)
-        self._cache_pending: tuple[CacheReads, Any] | None = None
+        # the comparison systems' replicas (fae / p2res) and HET's worker cache: distributed/baseline_regions.py
+        self._baselines = BaselineRegions(self._store, self._comm, self.device, self.optimizer_type,
+                                          self.learning_rate, self.eps, fp)
+        self._baseline_pending: BaselineStep | None = None
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
         install_state_dict_hooks(self)
@@ -382,16 +377,9 @@ class ShardedHeraldEmbeddingBagCollection(
             plan = self._exec.static_plan(local)
         # baselines (issue 10): replica syncs / HET's evictions and pulls (collectives driven by the plan alone, so
         # every rank runs them), then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
-        full_local, rstep, cstep = local, None, None
+        base = BaselineStep(local)
         try:
-            if plan.replicas is not None:
-                local, rstep = self._replicas.begin(plan, local)
-            if plan.cache is not None:
-                if self._cache is None or self._cache_version != self.ownership_version:  # new, or rows reloaded
-                    self._cache = WorkerCache(self._store, self._comm, self.device, self.optimizer_type,
-                                              self.learning_rate, self.eps, self._cache_settings)
-                    self._cache_version = self.ownership_version
-                local, cstep = self._cache.begin(plan, local)
+            local = self._baselines.begin(plan, local, self.ownership_version, base)
         except ValueError as e:
             err, local = e, None
         with phase("step.prepare_moves"):
@@ -422,24 +410,13 @@ class ShardedHeraldEmbeddingBagCollection(
                 moved = self._exec.exchange(moves, shared, training, check)
             with phase("step.lookup"):
                 out = self._exec.pooled(local, shared, training)
-                if rstep is not None:
-                    out = self._replicas.pooled(full_local, rstep, out, training)
-                if cstep is not None:
-                    out = self._cache.pooled(cstep, out, training)
+                out = self._baselines.pooled(base, out, training)
         finally:
             self._exec.marks.reset(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
         self.step_counters = {k: 0 for k in COUNTER_KINDS}
-        hits, nreads = cls
-        if rstep is not None:  # replica reads are local reads
-            rh = self._replicas.hits(rstep)
-            hits, nreads = hits + rh, nreads + rh
-            self.step_counters["allreduce"] = int(rstep.table.shape[0])  # rows this rank all-reduces
-        if cstep is not None:  # HET: hits are reads of a cached copy without a pull
-            ch, cr = self._cache.hits(cstep)
-            hits, nreads = hits + ch, nreads + cr
-            self.step_counters.update(cstep.counts)
+        hits, nreads = self._baselines.count(base, *cls, self.step_counters)
         self._reads[0], self._reads[1] = hits, nreads
         self._reads_total += self._reads
         counts = {**moved, "hit": int(hits.sum()), "shared_value": 0 if shared.globally_empty else shared.n_values_out}
@@ -447,8 +424,7 @@ class ShardedHeraldEmbeddingBagCollection(
             self.step_counters[k] += v
             self.total_counters[k] += v
         self._pending = shared if training else None
-        self._replica_pending = rstep if training else None
-        self._cache_pending = (cstep, plan.cache) if training and cstep is not None else None
+        self._baseline_pending = base if training and not base.empty else None
         self.steps += 1
         return out
 
@@ -462,39 +438,33 @@ class ShardedHeraldEmbeddingBagCollection(
     @property
     def step_pending(self) -> bool:
         """A trained step whose collective updates (shared rows, replicas, HET pushes) wait for `finish_step`."""
-        return self._pending is not None or self._replica_pending is not None or self._cache_pending is not None
+        return self._pending is not None or self._baseline_pending is not None
 
     def drop_pending(self) -> None:
         """Forget the pending step's updates (a load replaces the model they belong to)."""
-        self._pending = self._replica_pending = self._cache_pending = None
+        self._pending = self._baseline_pending = None
 
     def finish_step(self) -> None:
         """Send shared-row gradients to their owners; each owner applies one update per row with their sum.
 
         Collective (every rank calls it, in the same order). Called by the fused optimizer's `step()`; a no-op
         when nothing is pending (eval forwards, or already finished)."""
-        sh, rstep, cache = self._pending, self._replica_pending, self._cache_pending
-        self._pending = self._replica_pending = self._cache_pending = None
+        sh, base = self._pending, self._baseline_pending
+        self._pending = self._baseline_pending = None
         if sh is not None and not sh.globally_empty:
             with phase("finish_step"):
                 self._exec.apply_shared_grads(sh)
                 self.step_counters["shared_grad"] += sh.n_grads_out
                 self.total_counters["shared_grad"] += sh.n_grads_out
-        if rstep is not None:
-            with phase("finish_step.replicas"):
-                self._replicas.finish(rstep)
-        if cache is not None:
-            with phase("finish_step.het_cache"):
-                self._cache.finish(*cache)
+        if base is not None:
+            self._baselines.finish(base)
 
     # ------------------------------------------------------------- exports
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused embedding optimizer (exclusive and shared rows alike)."""
         self.learning_rate = float(lr)
         self._store.tbe.set_learning_rate(self.learning_rate)
-        self._replicas.set_learning_rate(self.learning_rate)
-        if self._cache is not None:
-            self._cache.set_learning_rate(self.learning_rate)
+        self._baselines.set_learning_rate(self.learning_rate)
         for g in self._optim.param_groups:
             g["lr"] = self.learning_rate
 
