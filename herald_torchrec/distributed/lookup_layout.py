@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from herald_torchrec.distributed.plan_exec import LocalInput, SharedMarks, SharedStep, _empty, _table_of
+from herald_torchrec.distributed.plan_exec import LocalInput, SharedMarks, SharedStep, empty_ids
 from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.row_store import RowStore
 
@@ -64,7 +64,7 @@ def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: Row
     np.cumsum(np.bincount(local.seg[ex], minlength=F * B), out=offsets[1:])
     shared = np.flatnonzero(~ex)
     if not shared.size:
-        return LookupLayout(indices, offsets, _empty(), _empty())
+        return LookupLayout(indices, offsets, empty_ids(), empty_ids())
     f, bag = np.divmod(local.seg[shared], B)
     src, width = value_items(sh, st, mark[shared])  # mark = index of the value among the pairs read here
     if st.uniform_dim is not None:  # rows: output row = bag * F + f of the pooled output viewed as [B * F, dim]
@@ -92,7 +92,7 @@ class GradSumLayout:
 def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
     """Per-key sums of the readers' gradients, in send order (readers in rank order), all tables at once."""
     keys, inv = np.unique(sh.send_gkey, return_inverse=True)
-    tab = _table_of(st, keys)
+    tab = st.tables_of(keys)
     slots = st.slot_of_all[keys].astype(np.int64)
     if st.uniform_dim is not None:
         return GradSumLayout(tab, slots, inv.reshape(-1), keys.shape[0] * st.uniform_dim, st.uniform_dim)

@@ -27,7 +27,8 @@ from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan
 
 
-def _empty() -> np.ndarray:
+def empty_ids() -> np.ndarray:
+    """An empty int64 index array (the default of the index fields below)."""
     return np.zeros(0, dtype=np.int64)
 
 
@@ -40,12 +41,12 @@ class MoveStep:
     send_splits: list[int]  # all-to-all splits in elements (row value + optimizer state)
     recv_splits: list[int]
     globally_empty: bool  # no move on any rank: the collective is skipped everywhere
-    table: np.ndarray = field(default_factory=_empty)  # every move: table, row, dst, kind
-    row: np.ndarray = field(default_factory=_empty)
-    dst: np.ndarray = field(default_factory=_empty)
-    kind: np.ndarray = field(default_factory=_empty)
-    gkey_sorted: np.ndarray = field(default_factory=_empty)  # moved global keys, sorted
-    dst_sorted: np.ndarray = field(default_factory=_empty)  # their destinations
+    table: np.ndarray = field(default_factory=empty_ids)  # every move: table, row, dst, kind
+    row: np.ndarray = field(default_factory=empty_ids)
+    dst: np.ndarray = field(default_factory=empty_ids)
+    kind: np.ndarray = field(default_factory=empty_ids)
+    gkey_sorted: np.ndarray = field(default_factory=empty_ids)  # moved global keys, sorted
+    dst_sorted: np.ndarray = field(default_factory=empty_ids)  # their destinations
 
 
 @dataclass
@@ -70,13 +71,13 @@ class SharedStep:
     n_values_out: int  # pairs owned here after the moves with another reader (the plan's `shared_value` rows)
     n_grads_out: int  # pairs read here whose owner after the moves is another rank (gradients sent back)
     globally_empty: bool
-    marked: np.ndarray = field(default_factory=_empty)  # global keys of every shared row of the step
-    recv_gkey: np.ndarray = field(default_factory=_empty)  # global keys of the pairs read here, in value order
-    value_table: np.ndarray = field(default_factory=_empty)  # pairs whose value this rank sends, by reader
-    value_gkey: np.ndarray = field(default_factory=_empty)
+    marked: np.ndarray = field(default_factory=empty_ids)  # global keys of every shared row of the step
+    recv_gkey: np.ndarray = field(default_factory=empty_ids)  # global keys of the pairs read here, in value order
+    value_table: np.ndarray = field(default_factory=empty_ids)  # pairs whose value this rank sends, by reader
+    value_gkey: np.ndarray = field(default_factory=empty_ids)
     value_splits: list[int] = field(default_factory=list)  # value floats sent to each reader
     n_fill: int = 0  # the last n_fill pairs of the value order are read from the store after the moves
-    grad_idx: np.ndarray = field(default_factory=_empty)  # value-order positions in gradient send order (by owner)
+    grad_idx: np.ndarray = field(default_factory=empty_ids)  # value-order positions in gradient send order (by owner)
     grad_splits: list[int] = field(default_factory=list)  # gradient floats sent to each owner
     values: "object | None" = None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
     owner_update: "object | None" = None  # embedding_lookup.OwnerUpdate: the TBE call whose backward is deferred
@@ -110,10 +111,6 @@ def routes(
 
 def _table_name(st: RowStore, t: int) -> str:
     return st.tables[int(t)].name
-
-
-def _table_of(st: RowStore, gkeys: np.ndarray) -> np.ndarray:
-    return np.searchsorted(st.key_base, gkeys, side="right").astype(np.int64) - 1
 
 
 # ------------------------------------------------------------------------------------------------------ input
@@ -162,7 +159,7 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
     R, r = st.world_size, st.rank
     mv = plan.moves
     if len(mv) == 0:
-        z = _empty()
+        z = empty_ids()
         return MoveStep(z, z, [0] * R, [0] * R, True)
     table = np.asarray(mv.table, dtype=np.int64)
     row = np.asarray(mv.row, dtype=np.int64)
@@ -247,7 +244,7 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     sh = plan.shared
     n = len(sh)
     if n == 0:
-        z = _empty()
+        z = empty_ids()
         return SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True, value_splits=[0] * R, grad_splits=[0] * R)
     table = np.asarray(sh.table, dtype=np.int64)
     row = np.asarray(sh.row, dtype=np.int64)
@@ -355,13 +352,13 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
     not_reader = marks.by_key[gk] == SharedMarks.NOT_READ_HERE
     if not_reader.any():
         g = int(gk[np.argmax(not_reader)])
-        t = int(_table_of(st, np.asarray([g]))[0])
+        t = int(st.tables_of(np.asarray([g]))[0])
         raise ValueError(
             f"plan {plan.step} does not match the batch: rank {rank} reads shared row {g - st.key_base[t]} of "
             f"table {_table_name(st, t)!r} but is not among its readers"
         )
     u = marks.distinct(gk)
-    tab = _table_of(st, u)
+    tab = st.tables_of(u)
     own = owners_after_moves(st, ms, u)
     foreign = (marks.by_key[u] == SharedMarks.NOT_SHARED) & (own != rank)
     if foreign.any():

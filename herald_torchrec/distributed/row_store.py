@@ -257,6 +257,10 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         """Global keys of (table, row) pairs: the index into the flat directory arrays."""
         return self.key_base[np.asarray(tables, dtype=np.int64)] + np.asarray(rows, dtype=np.int64)
 
+    def tables_of(self, gkeys: np.ndarray) -> np.ndarray:
+        """The table of each global key (the inverse of `gkeys` for the table part)."""
+        return np.searchsorted(self.key_base, gkeys, side="right").astype(np.int64) - 1
+
     def check_keys_many(self, tables: np.ndarray, rows: np.ndarray, what: str = "ids") -> None:
         """`check_keys` for (table, row) pairs of any tables, in one pass."""
         bad = (rows < 0) | (rows >= self.rows_arr[tables])

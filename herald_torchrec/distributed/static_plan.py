@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.distributed.plan_exec import LocalInput, _table_of
+from herald_torchrec.distributed.plan_exec import LocalInput
 from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import Plan, SharedRows
 
@@ -20,7 +20,7 @@ def static_plan_keys(local: LocalInput, st: RowStore) -> np.ndarray:
     """This rank's distinct (row, table) keys, packed as row * T + table, for the all-gather of the static plan."""
     T = st.num_tables
     u = np.unique(local.gkeys)  # by table, then row
-    t_u = _table_of(st, u)
+    t_u = st.tables_of(u)
     return (u - st.key_base[t_u]) * T + t_u  # ids are < rows, so no overflow for realistic sizes
 
 
