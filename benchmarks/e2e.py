@@ -15,7 +15,8 @@ sharding type (`sharding.types=null`).
 
 Network mode (`--bandwidth none,1gbit,200mbit --workload wdl64,dcn --rounds 3 --plot f.png`, root + iproute2): every
 rank its own host in a network namespace behind a tc-shaped link, launched as a multi-node torchrun; adds the bytes
-really on the wire and CPU seconds per step. See benchmarks/e2e_net.py and benchmarks/netem.py.
+really on the wire and CPU seconds per step, and per workload the links at which herald beats the best stock config
+(`breakeven` in the JSON, one line each at the end). See benchmarks/e2e_net.py and benchmarks/netem.py.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def main() -> None:
         result = json.loads(args.replot.read_text())
         if args.plot:
             e2e_net.plot(result, args.plot)
-        print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result))
+        print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result) + "\n\n" + e2e_net.breakeven_lines(result))
         return
     if args.bandwidth:
         main_network(args, ranks, scheds)
@@ -209,7 +210,8 @@ def main_network(args: argparse.Namespace, ranks: list[int], scheds: list[str]) 
         write_atomic(args.out, text + "\n")
     if args.plot:
         e2e_net.plot(result, args.plot)
-    print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result), file=sys.stderr)
+    print(e2e_net.markdown_table(result) + "\n\n" + e2e_net.pivot_table(result) + "\n\n" + e2e_net.breakeven_lines(result),
+          file=sys.stderr)
     if result["failures"]:
         raise SystemExit(f"e2e: {len(result['failures'])} run(s) failed (see \"failures\" in the JSON)")
 

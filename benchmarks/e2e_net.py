@@ -241,7 +241,7 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
         "cpu_floor": "cpu_s_per_step / cores: the step time if every core were busy with this run's work; a steady "
                      "step near it means the run is bound by the machine's CPU, not by waits or the link",
     }
-    return {"config": config, "runs": runs, "ratios": ratios(runs), "failures": failures}
+    return {"config": config, "runs": runs, "ratios": ratios(runs), "breakeven": breakeven(runs), "failures": failures}
 
 
 def ratios(runs: dict) -> dict:
@@ -262,6 +262,46 @@ def ratios(runs: dict) -> dict:
                             v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
                 out.setdefault(w, {}).setdefault(b, {})[r] = row
     return out
+
+
+def breakeven(runs: dict, scheduler: str = "herald", tie: float = 0.02) -> dict:
+    """Per workload and R: how `scheduler`'s best steady step compares with the best stock TorchRec config at each
+    link, fastest first (unshaped counts as the fastest): "win" below 1 - `tie` of stock's, "loss" above 1 + `tie`,
+    else "even" (within one run's noise at best). The verdict names the crossover where the links split into
+    non-wins then wins; "mixed" where they do not (noise, or no single crossover)."""
+    rate = lambda b: float("inf") if netem.parse_rate(b) is None else float(netem.parse_rate(b))  # noqa: E731
+    out: dict = {}
+    for w, per_bw in runs.items():
+        by_r: dict = {}
+        for b, per_r in per_bw.items():
+            for r, per_s in per_r.items():
+                stock = [step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")]
+                if stock and scheduler in per_s:
+                    x = step_of(per_s[scheduler]["best"]) / min(stock)
+                    status = "win" if x < 1 - tie else "loss" if x > 1 + tie else "even"
+                    by_r.setdefault(r, []).append((rate(b), b, status, x))
+        for r, links in by_r.items():
+            links.sort(key=lambda x: -x[0])
+            won = [st == "win" for _, _, st, _ in links]
+            k = won.index(True) if any(won) else len(won)  # first win, fastest first
+            if not any(won):
+                verdict = f"no win at any link tested (down to {links[-1][1]})"
+            elif all(won[k:]) and k == 0:
+                verdict = f"wins at every link tested (up to {links[0][1]})"
+            elif all(won[k:]):
+                verdict = f"wins at <= {links[k][1]}, not at >= {links[k - 1][1]}"
+            else:
+                verdict = "mixed"
+            out.setdefault(w, {})[r] = {
+                "links": {b: {"status": st, "ratio": x} for _, b, st, x in links}, "verdict": verdict}
+    return out
+
+
+def breakeven_lines(result: dict) -> str:
+    """One line per workload and R: where herald starts to beat the best stock config."""
+    found = breakeven(result["runs"])
+    return "\n".join(f"herald vs best stock, {w}, R={r}: {v['verdict']}" for w, per_r in found.items()
+                     for r, v in per_r.items())
 
 
 def markdown_table(result: dict) -> str:

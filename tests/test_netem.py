@@ -386,3 +386,26 @@ def test_pivot_table_has_one_row_per_workload_and_link() -> None:
     assert len(table) == 2 + 2 * 2
     assert table[0].startswith("| workload | link | R | torchrec_tw ms | torchrec_planner ms | herald ms |")
     assert "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table
+
+
+def test_breakeven_names_the_crossover_with_a_tie_band() -> None:
+    def cfg(step_ms: float) -> dict:
+        best = {"steady_step_ms": step_ms, "step_ms": step_ms}
+        return {"best": best, "median": best, "rounds": [best]}
+
+    def runs(herald: dict[str, float]) -> dict:
+        stock = {"none": 40.0, "2gbit": 40.0, "1gbit": 60.0, "200mbit": 150.0}
+        return {"wdl64": {b: {"2": {"torchrec_tw": cfg(stock[b]), "torchrec_planner": cfg(stock[b] + 5),
+                                    "herald": cfg(h)}} for b, h in herald.items()}}
+
+    got = e2e_net.breakeven(runs({"none": 46.0, "1gbit": 45.0, "200mbit": 55.0, "2gbit": 44.0}))["wdl64"]["2"]
+    assert got["verdict"] == "wins at <= 1gbit, not at >= 2gbit"  # links ordered by rate, not as given
+    assert got["links"]["2gbit"]["status"] == "loss" and got["links"]["200mbit"]["ratio"] == pytest.approx(55 / 150)
+    even = e2e_net.breakeven(runs({"none": 46.0, "200mbit": 151.0}))["wdl64"]["2"]
+    assert even["links"]["200mbit"]["status"] == "even"  # within 2 % of stock: not a win
+    assert even["verdict"] == "no win at any link tested (down to 200mbit)"
+    assert e2e_net.breakeven(runs({"none": 30.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"] == \
+        "wins at every link tested (up to none)"
+    assert e2e_net.breakeven(runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"] == "mixed"
+    assert "herald vs best stock, wdl64, R=2: mixed" in e2e_net.breakeven_lines(
+        {"runs": runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0})})
