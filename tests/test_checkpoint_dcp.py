@@ -76,7 +76,7 @@ def stock_dmp(opt: str, world: int, sharding: str):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from herald_torchrec.distributed.row_store import parse_optimizer
+    from herald_torchrec.distributed.optimizer_params import parse_optimizer
     from herald_torchrec.sharding import StockSharder
 
     fp = fused_params(opt)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from herald_torchrec.distributed.optimizer_params import parse_optimizer
 from herald_torchrec.distributed.row_layout import check_cache_ratio, guest_capacity, home_range
-from herald_torchrec.distributed.row_store import RowStore, TableSpec, parse_optimizer
+from herald_torchrec.distributed.row_store import RowStore, TableSpec
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]

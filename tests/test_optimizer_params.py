@@ -221,7 +221,7 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
     from torchrec.distributed.types import ShardingEnv
 
     import test_distributed_parity as P
-    from herald_torchrec.distributed.row_store import parse_optimizer
+    from herald_torchrec.distributed.optimizer_params import parse_optimizer
     from herald_torchrec.sharding import StockSharder
 
     if fp is not None:

@@ -44,8 +44,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-# SUPPORTED_OPTIMIZERS and parse_optimizer are re-exported here (they lived in this module before)
-from herald_torchrec.distributed.optimizer_params import SUPPORTED_OPTIMIZERS, check_settings, parse_optimizer  # noqa: F401
+from herald_torchrec.distributed.optimizer_params import check_settings
 from herald_torchrec.distributed.row_access import RowAccessMixin
 from herald_torchrec.distributed.row_layout import (
     check_cache_ratio,
