@@ -269,7 +269,10 @@ def breakeven(runs: dict, scheduler: str = "herald", tie: float = 0.02) -> dict:
     link, fastest first (unshaped counts as the fastest): "win" below 1 - `tie` of stock's, "loss" above 1 + `tie`,
     else "even" (within one run's noise at best). The verdict names the crossover where the links split into
     non-wins then wins; "mixed" where they do not (noise, or no single crossover)."""
-    rate = lambda b: float("inf") if netem.parse_rate(b) is None else float(netem.parse_rate(b))  # noqa: E731
+    def rate(link: str) -> float:
+        bits = netem.parse_rate(link)
+        return float("inf") if bits is None else float(bits)
+
     out: dict = {}
     for w, per_bw in runs.items():
         by_r: dict = {}

@@ -3,9 +3,9 @@
 Why it exists: the scheduler is deterministic, so every rank *could* compute the same plan, but then a machine
 running R ranks computes it R times (~5 ms of CPU per step and rank on the default workload). The input stage
 instead lets one rank per machine plan and ships the plan in the all-to-all it runs anyway
-(distributed/scheduled_input.py, `plan_on`), so its size counts: every integer array travels in the narrowest signed type that holds its values (a table index in one byte,
-a row in four, a rank in one) and is restored to its original dtype on arrival — the decoded plan equals the
-original field for field, dtypes included. The structure (dataclass fields in declaration order) is fixed, so only
+(distributed/scheduled_input.py, `plan_on`), so its size counts: every integer array travels in the narrowest
+signed type that holds its values (a table index in one byte, a row in four, a rank in one) and is restored to its
+original dtype on arrival — the decoded plan equals the original field for field, dtypes included. The structure (dataclass fields in declaration order) is fixed, so only
 the values travel: a small JSON skeleton with the scalars and counters, then the arrays' bytes. Two fields travel in
 a shorter form that says the same: the sample order as each sample's rank (its slices are increasing, so the
 ranks determine it), and the shared rows' reader CSR as one bitmask per row (readers sorted and distinct, ranks
