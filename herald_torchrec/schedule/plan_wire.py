@@ -7,10 +7,9 @@ instead lets one rank per machine plan and ships the plan in the all-to-all it r
 signed type that holds its values (a table index in one byte, a row in four, a rank in one) and is restored to its
 original dtype on arrival — the decoded plan equals the original field for field, dtypes included. The structure
 (dataclass fields in declaration order) is fixed, so only the values travel: a small JSON skeleton with the scalars
-and counters, then the arrays' bytes. Two fields travel in
-a shorter form that says the same: the sample order as each sample's rank (its slices are increasing, so the
-ranks determine it), and the shared rows' reader CSR as one bitmask per row (readers sorted and distinct, ranks
-below 63): at R=8 that is ~30 % of the plan. Plans that break those invariants travel as they are.
+and counters, then the arrays' bytes. Two fields travel in a shorter form that says the same: the sample order as
+each sample's rank (its slices are increasing, so the ranks determine it), and the shared rows' reader CSR as one
+bitmask per row (readers sorted and distinct, ranks below 63): at R=8 that is ~30 % of the plan. Plans that break those invariants travel as they are.
 
     buf = encode_plan(plan)        # np.uint8 [n]
     same = decode_plan(buf)        # == plan, field for field
