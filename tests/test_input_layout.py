@@ -19,6 +19,8 @@ from herald_torchrec.distributed.input_layout import (
     global_batch,
     host_slice,
     managed_ids,
+    received_samples,
+    sample_blocks,
     slice_layout,
 )
 
@@ -61,6 +63,51 @@ def test_global_batch_and_assigned_samples_round_trip() -> None:
         assert [v for w in want for v in w] == jt.values().tolist()
     assert torch.equal(out.dense_features, torch.cat([b0.dense_features, b1.dense_features])[mine])
     assert torch.equal(out.labels, torch.cat([b0.labels, b1.labels])[mine])
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool) -> None:
+    """A rank that does not plan never gathers the slices' ids: the samples sent to it bring their lengths (unless
+    the header said every bag has one length) and managed ids, and it rebuilds exactly their bags; blocks to a
+    planner carry only dense + label bytes and carried ids, as its gathered ids hold the rest."""
+    slices = [make_slice(1), make_slice(2)]
+    if uniform:  # every bag of length 1
+        def one_hot(seed: int) -> tuple[Batch, list[list[list[int]]]]:
+            rng = np.random.default_rng(seed)
+            bags = [[[int(rng.integers(0, 7))] for _ in range(B)] for _ in KEYS]
+            kjt = KeyedJaggedTensor(keys=KEYS, values=torch.tensor([b[0] for k in bags for b in k]),
+                                    lengths=torch.ones(len(KEYS) * B, dtype=torch.int32))
+            return Batch(torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed), bags
+        slices = [one_hot(1), one_hot(2)]
+    layout = slice_layout(slices[0][0], TABLES)
+    hs = [host_slice(b, layout) for b, _ in slices]
+    uniform_from = np.array([1 if uniform else -1] * R)
+    dest = [np.array([1, 0, 1, 1]), np.array([0, 1, 1, 0])]  # each rank's samples -> rank; rank 1 does not plan
+    with_ids = np.array([False, True])
+    got: list[list[np.ndarray]] = [[], []]
+    for q in range(R):
+        order = np.argsort(dest[q], kind="stable")
+        cut = np.concatenate([[0], np.cumsum(np.bincount(dest[q], minlength=R))])
+        blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, uniform)
+        n = np.bincount(dest[q], minlength=R)
+        managed_n = [int(hs[q].lengths[layout.managed][:, dest[q] == d].sum()) for d in range(R)]
+        carried_n = [int(hs[q].lengths[layout.carried][:, dest[q] == d].sum()) for d in range(R)]
+        lens_bytes = 0 if uniform else 4 * len(KEYS)
+        assert id_bytes.tolist() == [0, n[1] * lens_bytes + managed_n[1] * 4]  # int32 ids on the wire
+        assert [b.shape[0] for b in blocks] == [n[d] * layout.fixed_bytes() + id_bytes[d] + 8 * carried_n[d] for d in range(R)]
+        for d in range(R):
+            got[d].append(blocks[d])
+    # rank 1 rebuilds its samples: rank 0's then its own, each in local order
+    mine = [(q, i) for q in range(R) for i in range(B) if dest[q][i] == 1]
+    fixed, lengths, values = received_samples(got[1], np.array([int((d == 1).sum()) for d in dest]), uniform_from, layout)
+    out = assigned_batch(lengths, values, fixed, layout)
+    jt = out.sparse_features.to_dict()
+    for k, key in enumerate(KEYS):
+        want = [slices[q][1][k][i] for q, i in mine]
+        assert [len(w) for w in want] == jt[key].lengths().tolist()
+        assert [v for w in want for v in w] == jt[key].values().tolist()
+    assert torch.equal(out.dense_features, torch.stack([slices[q][0].dense_features[i] for q, i in mine]))
+    assert torch.equal(out.labels, torch.stack([slices[q][0].labels[i] for q, i in mine]))
 
 
 def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:

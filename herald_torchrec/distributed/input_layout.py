@@ -253,18 +253,87 @@ def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, i
     return GlobalBatch(offs, vals, lay, index)
 
 
-def carried_ids(s: HostSlice, layout: SliceLayout, samples: np.ndarray) -> np.ndarray:
-    """int64 ids of the carried keys of the given local samples, sample after sample, key after key within one."""
-    if layout.carried.shape[0] == 0 or samples.shape[0] == 0:
+def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """int64 ids of `keys` (positions in the slice's keys) of the given local samples, sample after sample, key after
+    key within one: the order in which ids travel with their samples."""
+    if keys.shape[0] == 0 or samples.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
     koff = s.key_offsets()
-    C = layout.carried.shape[0]
     within = np.zeros_like(s.lengths)
     within[:, 1:] = np.cumsum(s.lengths[:, :-1], axis=1)
-    starts = (koff[layout.carried][None, :] + within[layout.carried][:, samples].T).reshape(-1)  # (sample, key)
-    widths = s.lengths[layout.carried][:, samples].T.reshape(-1)
-    assert widths.shape[0] == samples.shape[0] * C
+    starts = (koff[keys][None, :] + within[keys][:, samples].T).reshape(-1)  # (sample, key)
+    widths = s.lengths[keys][:, samples].T.reshape(-1)
     return s.values[ragged_arange(starts, widths)]
+
+
+def carried_ids(s: HostSlice, layout: SliceLayout, samples: np.ndarray) -> np.ndarray:
+    """int64 ids of the carried keys of the given local samples, sample after sample, key after key within one."""
+    return sample_major_ids(s, layout.carried, samples)
+
+
+def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.ndarray, with_ids: np.ndarray,
+                  uniform: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """What this rank sends of its samples: one uint8 block per destination d, holding its samples
+    `order[cut[d] : cut[d + 1]]` (local indices). Every block has their dense + label bytes; where `with_ids[d]` (a
+    rank that does not plan, so it never received this slice's managed ids) then their bag lengths of every key
+    (int32 [n, K], sample-major; left out when the slice's bags all have one length, which the header told) and their
+    managed ids (the wire's dtype, sample-major); last, their carried ids (int64, sample-major).
+    Returns (blocks, bytes of lengths and managed ids in each block)."""
+    R = cut.shape[0] - 1
+    fixed = s.fixed[order].reshape(-1)
+    fb = layout.fixed_bytes()
+    car = sample_major_ids(s, layout.carried, order).view(np.uint8)
+    car_cut = 8 * np.concatenate([[0], np.cumsum(s.lengths[layout.carried][:, order].sum(axis=0))]).astype(np.int64)
+    need = with_ids[:R].any()
+    if need:
+        lens = np.zeros(0, np.uint8) if uniform else s.lengths[:, order].T.astype(np.int32).reshape(-1).view(np.uint8)
+        man = sample_major_ids(s, layout.managed, order).astype(layout.ids_dtype).view(np.uint8)
+        man_cut = layout.ids_dtype.itemsize * np.concatenate([[0], np.cumsum(s.lengths[layout.managed][:, order].sum(axis=0))]).astype(np.int64)
+        lw = 0 if uniform else 4 * layout.num_keys
+    blocks, id_bytes = [], np.zeros(R, dtype=np.int64)
+    for d in range(R):
+        a, b = int(cut[d]), int(cut[d + 1])
+        parts = [fixed[a * fb : b * fb]]
+        if with_ids[d]:
+            parts += [lens[a * lw : b * lw], man[man_cut[a] : man_cut[b]]]
+            id_bytes[d] = (b - a) * lw + int(man_cut[b] - man_cut[a])
+        parts.append(car[car_cut[a] : car_cut[b]])
+        blocks.append(np.concatenate(parts))
+    return blocks, id_bytes
+
+
+def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_from: np.ndarray,
+                     layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of `sample_blocks` on a rank that does not plan (every block holds lengths and ids): (dense + label
+    bytes [n, fixed_bytes], KJT lengths [K * n] and values, keys in the slices' order) of the received samples, in
+    source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1 (lengths sent)."""
+    K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    fixed, lens, man, car = [], [], [], []
+    for blk, n, u in zip(blocks, n_from.tolist(), uniform_from.tolist()):
+        fixed.append(blk[: n * fb])
+        at = n * fb
+        if u >= 0:
+            ln = np.full((K, n), u, dtype=np.int64)
+        else:
+            ln = blk[at : at + 4 * K * n].view(np.int32).reshape(n, K).T.astype(np.int64)
+            at += 4 * K * n
+        m = int(ln[layout.managed].sum())
+        man.append(blk[at : at + m * it].view(layout.ids_dtype).astype(np.int64))
+        car.append(blk[at + m * it :].view(np.int64))
+        lens.append(ln)
+    n_all = int(n_from.sum())
+    lens_all = np.concatenate(lens, axis=1) if lens else np.zeros((K, 0), dtype=np.int64)
+    managed = np.concatenate(man) if man else np.zeros(0, np.int64)
+    carried = np.concatenate(car) if car else np.zeros(0, np.int64)
+    start = np.zeros((K, n_all), dtype=np.int64)
+    base = 0
+    for keys, vals in ((layout.managed, managed), (layout.carried, carried)):
+        kl = lens_all[keys]  # [k, n]: sample-major within `vals`, key after key within a sample
+        start[keys] = base + exclusive_cumsum(kl.sum(axis=0))[None, :] + np.cumsum(kl, axis=0) - kl
+        base += vals.shape[0]
+    values = np.concatenate([managed, carried])[ragged_arange(start.reshape(-1), lens_all.reshape(-1))]
+    fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
+    return fixed_all, lens_all.reshape(-1), values
 
 
 def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

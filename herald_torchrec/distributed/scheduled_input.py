@@ -1,12 +1,12 @@
 """The Herald input stage: from this rank's `Batch` slice of each global batch to its *assigned* samples plus the Plan.
 
 Per step, every rank:
-(1) all-gathers a 5-word header of its slice (status, samples, managed ids, uniform bag length, plan bytes) — end
-    of data, short batches, rank-local input errors and a failed scheduler become known to every rank here, so all
-    ranks stop or raise together;
+(1) all-gathers a header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then the bytes
+    of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors and a
+    failed scheduler become known to every rank here, so all ranks stop or raise together;
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
-    to every rank, so every rank holds the ids of the whole global batch (dense features, labels and the other
-    features stay put);
+    to the ranks that plan (below), so each of them holds the ids of the whole global batch (dense features, labels
+    and the other features stay put);
 (3) plans: the scheduler is deterministic, so any rank can plan for any other. With `plan_on="host"` (the
     default) the lowest rank on each machine (by host name: the ranks that share its cores) runs it on the global
     batch and the next L and sends the plan to the other ranks of its machine (schedule/plan_wire.py: ~11 KB on the
@@ -15,7 +15,11 @@ Per step, every rank:
     `plan_on="every_rank"`: every rank plans for itself and nothing is sent;
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
-    exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys.
+    exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a
+    rank that does not plan also bring their lengths and managed ids (input_layout.sample_blocks), which it never
+    gathered; its header words told it how many bytes come. So a slice's managed ids cross the network once to each
+    planner and once with the samples that leave, instead of to every rank: with one planner per machine, (R - 1)
+    copies per step become at most H + 1 for H machines.
 
 One all-to-all per step carries (2) for the batch L+2 ahead, the plan of the next batch and (4) for the current
 batch: a batch's plan travels one round before its samples, so every rank knows it when it cuts its send blocks
@@ -52,11 +56,12 @@ from herald_torchrec.distributed.input_layout import (
     SliceLayout,
     assigned_batch,
     assigned_kjt_parts,
-    carried_ids,
     gather_ids,
     global_batch,
     host_slice,
     managed_ids,
+    received_samples,
+    sample_blocks,
     slice_layout,
 )
 from herald_torchrec.schedule.batch import GlobalBatch
@@ -68,6 +73,7 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 DATA, END, SHORT, BAD = 1, 0, 2, -1
 SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
+PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
 PLAN_ON = ("host", "rank0", "every_rank")
 
 
@@ -90,11 +96,13 @@ def host_key() -> int:
 
 @dataclass
 class _Pending:
-    """A gathered global batch waiting for its plan: this rank's slice, the global ids, the scheduler's view."""
+    """A gathered global batch waiting for its plan: this rank's slice, the global ids (on the ranks that plan), the
+    scheduler's view, and each rank's uniform bag length (header word; -1: its lengths travel)."""
 
     local: HostSlice
-    ids: GatheredIds
+    ids: GatheredIds | None  # None on ranks that receive their plans: they get the ids with the samples
     batch: GlobalBatch | None  # the scheduler's view (None on ranks that receive their plans)
+    uniform: np.ndarray
 
 
 @dataclass
@@ -128,6 +136,7 @@ class ScheduledInput:
         # who plans for whom: set at the first batch (the hosts are gathered with the layout)
         self.planner = self.rank  # the rank whose plans this rank executes
         self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
+        self.is_planner = np.ones(self.R, dtype=bool)  # the ranks that plan: only they receive every slice's ids
         self._factory = policy_factory
         # (generation, policy), replaced as one object by reset_policy (the stage's thread reads both at once);
         # the generation counts resets: plans of an older one must not be executed
@@ -204,6 +213,8 @@ class ScheduledInput:
         planner_of = planners(self.plan_on, hosts)
         self.planner = int(planner_of[self.rank])
         self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)
+        self.is_planner = np.zeros(self.R, dtype=bool)
+        self.is_planner[planner_of] = True
         policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
@@ -251,7 +262,8 @@ class ScheduledInput:
         K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
         return [(0 if h[3] >= 0 else K * B * 4) + int(h[2]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
 
-    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch | None]:
+    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch]:
+        """On a rank that plans: the global batch's ids from every rank's ids block, and the scheduler's view."""
         lay = self.layout
         K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
         lengths = np.empty((self.R, K, B), dtype=np.int64)
@@ -264,8 +276,8 @@ class ScheduledInput:
                 lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)
                 ids.append(b[K * B * 4 :].view(lay.ids_dtype))  # type: ignore[union-attr]
         g = gather_ids(lengths, ids, lay)  # type: ignore[arg-type]
-        # the scheduler's view, where plans are made (the ids were range-checked on their rank, in host_slice)
-        return g, global_batch(g, lay, self.tables, index) if self.plans_here else None  # type: ignore[arg-type]
+        # the scheduler's view (the ids were range-checked on their rank, in host_slice)
+        return g, global_batch(g, lay, self.tables, index)  # type: ignore[arg-type]
 
     def _check_heads(self, heads: np.ndarray, hs: HostSlice | None, err: Exception | None) -> bool:
         """True if every rank has a full slice; else warn (what this rank drops) and return False (end of data)."""
@@ -289,34 +301,28 @@ class ScheduledInput:
         return False
 
     # ------------------------------------------------------------------ exchange
-    def _payload(self, cur: _Pending, plan: Plan) -> tuple[list[np.ndarray], list[int], np.ndarray]:
-        """Per destination: the fixed bytes (dense + label) then the carried ids of this rank's samples the plan
-        assigns there; the bytes expected from each rank; the global indices of this rank's assigned samples."""
+    def _payload(self, cur: _Pending, plan: Plan) -> list[np.ndarray]:
+        """Per destination: this rank's samples the plan assigns there (input_layout.sample_blocks: the ranks that do
+        not plan also get their lengths and managed ids, which only the planners gathered)."""
         lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
-        assign = plan.assignment()
-        dest = assign[r * B : (r + 1) * B]
+        dest = plan.assignment()[r * B : (r + 1) * B]
         order = np.argsort(dest, kind="stable")  # by destination, global order within
-        send_n = np.bincount(dest, minlength=self.R)
-        car = carried_ids(cur.local, lay, order)  # type: ignore[arg-type]
-        car_per_sample = cur.local.lengths[lay.carried][:, order].sum(axis=0)  # type: ignore[union-attr]
-        car_cut = np.concatenate([[0], np.cumsum(np.bincount(dest[order], weights=car_per_sample, minlength=self.R))]).astype(np.int64)
-        fixed = cur.local.fixed[order]
-        f_cut = np.concatenate([[0], np.cumsum(send_n)])
-        blocks = [np.concatenate([fixed[f_cut[d] : f_cut[d + 1]].reshape(-1), car[car_cut[d] : car_cut[d + 1]].view(np.uint8)])
-                  for d in range(self.R)]
-        mine = plan.local_samples(r)  # increasing global order: by source rank, then local index
-        src = mine // B
-        car_len = cur.ids.lengths[lay.carried][:, mine].sum(axis=0) if lay.carried.shape[0] else np.zeros(mine.shape[0], np.int64)  # type: ignore[union-attr]
-        fb = lay.fixed_bytes()  # type: ignore[union-attr]
-        recv = (np.bincount(src, minlength=self.R) * fb + np.bincount(src, weights=car_len, minlength=self.R) * 8).astype(np.int64)
-        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)), call=False)
-        return blocks, recv.tolist(), mine
+        cut = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=self.R))])
+        blocks, id_bytes = sample_blocks(cur.local, lay, order, cut, ~self.is_planner, bool(cur.uniform[r] >= 0))  # type: ignore[arg-type]
+        others = np.arange(self.R) != r
+        ids_sent = int(id_bytes[others].sum())
+        self.comm.counter.add("sample_ids", ids_sent, call=False)
+        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False)
+        return blocks
 
     def _assemble(self, cur: _Pending, mine: np.ndarray, got: list[np.ndarray]) -> Batch:
+        """This rank's assigned samples (`mine`: global indices, in order) from what every rank sent it."""
         lay = self.layout
+        n_from = np.bincount(mine // lay.batch_size, minlength=self.R)  # type: ignore[union-attr]
+        if cur.ids is None:  # the samples brought their lengths and ids
+            fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)  # type: ignore[arg-type]
+            return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
         fb = lay.fixed_bytes()  # type: ignore[union-attr]
-        src = mine // lay.batch_size  # type: ignore[union-attr]
-        n_from = np.bincount(src, minlength=self.R)
         fixed = np.concatenate([g[: n * fb] for g, n in zip(got, n_from)]).reshape(mine.shape[0], fb)
         carried = np.concatenate([g[n * fb :] for g, n in zip(got, n_from)]).view(np.int64)
         lengths, values = assigned_kjt_parts(cur.ids, lay, mine, carried)  # type: ignore[arg-type]
@@ -360,9 +366,14 @@ class ScheduledInput:
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
             self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
         plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
+        if cur is not None:  # the samples' bytes per destination travel in the header: a receiver that does not
+            pay = self._payload(cur, plan)  # type: ignore[arg-type]  # plan cannot size what comes with them
+            self.comm.counter.add("samples", 0)
+        else:
+            pay = [np.zeros(0, np.uint8)] * R
         hs, head, err = self._header(nxt) if gather else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
-        head = np.append(head, plan_word)
-        heads = self._all_gather_words(head, "control") if R > 1 and (gather or planning) else head[None, :]
+        head = np.concatenate([head, [plan_word], [b.shape[0] for b in pay]])
+        heads = self._all_gather_words(head, "control") if R > 1 else head[None, :]
         if planning:
             self._raise_failed_plan(out, heads)
         if receives:
@@ -370,24 +381,24 @@ class ScheduledInput:
         if gather:
             if self._check_heads(heads[:, :SLICE_WORDS], hs, err):
                 my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
-                ids_blocks_in = self._ids_sizes(heads)
-                self.comm.counter.add("sample_ids", my_ids.shape[0] * (R - 1), call=cur is None)
+                if self.plans_here:
+                    ids_blocks_in = self._ids_sizes(heads)
+                to_planners = int(self.is_planner.sum()) - int(self.is_planner[r])
+                self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=cur is None)
             else:
                 gathered = False
-        if cur is not None:
-            pay, recv_pay, mine = self._payload(cur, plan)  # type: ignore[arg-type]
-            self.comm.counter.add("samples", 0)
-        else:
-            pay, recv_pay, mine = [np.zeros(0, np.uint8)] * R, [0] * R, None
-        sends = [np.concatenate([my_ids, wire[: None if self.plans_for[d] else 0], p]) for d, p in enumerate(pay)]
-        recv = [a + b + c for a, b, c in zip(ids_blocks_in, plan_in, recv_pay)]
+        mine = plan.local_samples(r) if cur is not None else None  # type: ignore[union-attr]  # increasing global order
+        sends = [np.concatenate([my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p])
+                 for d, p in enumerate(pay)]
+        recv = [a + b + int(c) for a, b, c in zip(ids_blocks_in, plan_in, heads[:, PAY_WORDS + r])]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
         else:
             got = [np.zeros(0, np.uint8)] * R
         if gathered is None and gather:
-            g, gb = self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
-            gathered = _Pending(hs, g, gb)  # type: ignore[arg-type]
+            g, gb = (self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
+                     if self.plans_here else (None, None))
+            gathered = _Pending(hs, g, gb, heads[:, 3].copy())  # type: ignore[arg-type]
         planned = None
         if out is not None:  # planned here
             planned = (out.plan, out.generation)
