@@ -366,8 +366,10 @@ class ScheduledInput:
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
             self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
         plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
-        if cur is not None:  # the samples' bytes per destination travel in the header: a receiver that does not
-            pay = self._payload(cur, plan)  # type: ignore[arg-type]  # plan cannot size what comes with them
+        # cut the samples first: their bytes per destination travel in the header, since a rank that does not plan
+        # cannot size the lengths and ids that come with them
+        if cur is not None:
+            pay = self._payload(cur, plan)  # type: ignore[arg-type]
             self.comm.counter.add("samples", 0)
         else:
             pay = [np.zeros(0, np.uint8)] * R
