@@ -14,13 +14,13 @@ from herald_torchrec.distributed.input_layout import (
     ManagedTables,
     assigned_batch,
     assigned_kjt_parts,
-    carried_ids,
     gather_ids,
     global_batch,
     host_slice,
     managed_ids,
     received_samples,
     sample_blocks,
+    sample_major_ids,
     slice_layout,
 )
 
@@ -51,7 +51,7 @@ def test_global_batch_and_assigned_samples_round_trip() -> None:
         assert gb.values[1][gb.offsets[1][g] : gb.offsets[1][g + 1]].tolist() == bags[1][g] + bags[2][g]
     # rank 1 is assigned global samples 0, 3, 5, 6 (some from each rank)
     mine = np.array([0, 3, 5, 6])
-    carried = np.concatenate([carried_ids(s, layout, mine[mine // B == q] % B) for q, s in enumerate((s0, s1))])
+    carried = np.concatenate([sample_major_ids(s, layout.carried, mine[mine // B == q] % B) for q, s in enumerate((s0, s1))])
     lengths, values = assigned_kjt_parts(ids, layout, mine, carried)
     fixed = np.concatenate([s0.fixed, s1.fixed])[mine]
     out = assigned_batch(lengths, values, fixed, layout)

@@ -266,11 +266,6 @@ def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.
     return s.values[ragged_arange(starts, widths)]
 
 
-def carried_ids(s: HostSlice, layout: SliceLayout, samples: np.ndarray) -> np.ndarray:
-    """int64 ids of the carried keys of the given local samples, sample after sample, key after key within one."""
-    return sample_major_ids(s, layout.carried, samples)
-
-
 def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.ndarray, with_ids: np.ndarray,
                   uniform: bool) -> tuple[list[np.ndarray], np.ndarray]:
     """What this rank sends of its samples: one uint8 block per destination d, holding its samples
@@ -282,14 +277,18 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.
     R = cut.shape[0] - 1
     fixed = s.fixed[order].reshape(-1)
     fb = layout.fixed_bytes()
-    car = sample_major_ids(s, layout.carried, order).view(np.uint8)
-    car_cut = 8 * np.concatenate([[0], np.cumsum(s.lengths[layout.carried][:, order].sum(axis=0))]).astype(np.int64)
-    need = with_ids[:R].any()
-    if need:
-        lens = np.zeros(0, np.uint8) if uniform else s.lengths[:, order].T.astype(np.int32).reshape(-1).view(np.uint8)
-        man = sample_major_ids(s, layout.managed, order).astype(layout.ids_dtype).view(np.uint8)
-        man_cut = layout.ids_dtype.itemsize * np.concatenate([[0], np.cumsum(s.lengths[layout.managed][:, order].sum(axis=0))]).astype(np.int64)
-        lw = 0 if uniform else 4 * layout.num_keys
+
+    def ids_and_cut(keys: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """The samples' ids of `keys` as bytes, and the byte offset at which each sample's ids start."""
+        per_sample = s.lengths[keys][:, order].sum(axis=0)
+        cut_bytes = dtype.itemsize * np.concatenate([[0], np.cumsum(per_sample)]).astype(np.int64)
+        return sample_major_ids(s, keys, order).astype(dtype, copy=False).view(np.uint8), cut_bytes
+
+    car, car_cut = ids_and_cut(layout.carried, np.dtype(np.int64))
+    if with_ids[:R].any():
+        man, man_cut = ids_and_cut(layout.managed, layout.ids_dtype)
+        lw = 0 if uniform else 4 * layout.num_keys  # bytes of one sample's lengths
+        lens = s.lengths[:, order].T.astype(np.int32).reshape(-1).view(np.uint8) if lw else np.zeros(0, np.uint8)
     blocks, id_bytes = [], np.zeros(R, dtype=np.int64)
     for d in range(R):
         a, b = int(cut[d]), int(cut[d + 1])
@@ -338,8 +337,8 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
 
 def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lengths int64 [K * B'], values int64) of the KJT of the samples `mine` (global indices, in order), keys in the
-    slices' order: managed ids from the gathered batch, carried ids from `carried` (as `carried_ids` lays them out,
-    samples in `mine` order)."""
+    slices' order, on a rank that plans: managed ids from the gathered batch, carried ids from `carried` (laid out as
+    `sample_major_ids` of the carried keys, samples in `mine` order)."""
     K = layout.num_keys
     lens = ids.lengths[:, mine]  # [K, B']
     start = np.zeros((K, mine.shape[0]), dtype=np.int64)

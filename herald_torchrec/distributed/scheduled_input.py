@@ -308,7 +308,8 @@ class ScheduledInput:
         dest = plan.assignment()[r * B : (r + 1) * B]
         order = np.argsort(dest, kind="stable")  # by destination, global order within
         cut = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=self.R))])
-        blocks, id_bytes = sample_blocks(cur.local, lay, order, cut, ~self.is_planner, bool(cur.uniform[r] >= 0))  # type: ignore[arg-type]
+        uniform = bool(cur.uniform[r] >= 0)
+        blocks, id_bytes = sample_blocks(cur.local, lay, order, cut, ~self.is_planner, uniform)  # type: ignore[arg-type]
         others = np.arange(self.R) != r
         ids_sent = int(id_bytes[others].sum())
         self.comm.counter.add("sample_ids", ids_sent, call=False)
