@@ -300,8 +300,9 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
         full.update({f"{k}.w": v for k, v in w.items()})
         full.update({f"{k}.s": v for k, v in s.items()})
     dense = {n: p.detach().clone() for n, p in dmp.named_parameters() if "head" in n}
+    sent = pipeline.input_stage.comm.counter.snapshot()
     return {"plans": flat, "n_plans": len(plans), "has_policy": pipeline.policy is not None,
-            "plan_bytes": pipeline.input_stage.comm.counter.snapshot().get("plan", 0), "tables": full, "dense": dense}
+            "plan_bytes": sent.get("plan", 0), "id_bytes": sent.get("sample_ids", 0), "tables": full, "dense": dense}
 
 
 def _failing_planner_run(rank: int) -> dict:
@@ -362,6 +363,32 @@ def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list
     for mode in ("two_hosts", "every_rank"):  # a scheduler per rank: nothing travels
         assert r[mode, 0]["has_policy"] and r[mode, 1]["has_policy"]
         assert r[mode, 0]["plan_bytes"] == r[mode, 1]["plan_bytes"] == 0
+
+
+def two_machines_worker(rank: int, world: int, out_dir: str) -> None:
+    """Four ranks on two "machines" of two ranks (two planners, two ranks that receive their plans), and every rank
+    planning for itself."""
+    out = {"two_machines": _plan_on_run(rank, "host", host=f"machine-{rank // 2}"), "every_rank": _plan_on_run(rank, "every_rank")}
+    torch.save(out, rank_result(out_dir, rank))
+
+
+def test_two_machines_of_two_ranks_train_what_every_rank_planning_trains(tmp_path: Path) -> None:
+    """Each machine's lowest rank plans and receives every slice's ids; the other ranks get only their samples' ids,
+    with the samples (multi-hot, so their lengths travel too). Plans and the trained model are bit for bit those of
+    every rank planning, and fewer id bytes cross between ranks (to 2 planners, not to 3 peers)."""
+    run_ranks("test_pipeline_edges:two_machines_worker", tmp_path, world_size=4)
+    res = [torch.load(rank_result(tmp_path, q)) for q in range(4)]
+    base = res[0]["every_rank"]
+    for q in range(4):
+        got = res[q]["two_machines"]
+        assert got["plans"] == base["plans"], q
+        for part in ("tables", "dense"):
+            for k in base[part]:
+                assert torch.equal(got[part][k], base[part][k]), (q, k)
+        assert got["has_policy"] == (q in (0, 2))
+    assert [res[q]["two_machines"]["plan_bytes"] > 0 for q in range(4)] == [True, False, True, False]
+    ids_now, ids_all_gather = (sum(res[q][m]["id_bytes"] for q in range(4)) for m in ("two_machines", "every_rank"))
+    assert 0 < ids_now < ids_all_gather, (ids_now, ids_all_gather)
 
 
 def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None:
