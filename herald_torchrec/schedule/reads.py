@@ -110,7 +110,7 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
         else:
             gid = batch.flat()[2]
         n_rows = batch.layout.total_rows
-        if gid.shape[0] and n_rows <= 16 * gid.shape[0]:
+        if gid.shape[0] and n_rows <= 32 * gid.shape[0]:
             # few rows for this many elements: a bitmap over all rows yields the sorted distinct keys directly
             mark = np.zeros(n_rows, dtype=bool)
             mark[gid] = True
