@@ -147,8 +147,13 @@ class GuestSlots:
             within = tie_rank - start[idx]
             take = (prio < t) | (tie & (within < (need - below)[idx]))
             return pos[take]
-        order = np.lexsort((pos, prio, idx))
-        pos, idx = pos[order], idx[order]
+        S = int(pos.max()) + 1
+        if G * P * S < 2**62:  # slots are unique: one sort of packed (group, priority, slot) values orders them all
+            packed = np.sort((idx * P + prio) * S + pos)
+            pos, idx = packed % S, packed // (P * S)
+        else:
+            order = np.lexsort((pos, prio, idx))
+            pos, idx = pos[order], idx[order]
         first = np.searchsorted(idx, np.arange(G))
         within = np.arange(pos.shape[0]) - first[idx]
         return pos[within < need[idx]]
