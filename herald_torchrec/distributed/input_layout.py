@@ -316,7 +316,10 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
         else:
             ln = blk[at : at + 4 * K * n].view(np.int32).reshape(n, K).T.astype(np.int64)
             at += 4 * K * n
-        m = int(ln[layout.managed].sum())
+        m, c = int(ln[layout.managed].sum()), int(ln[layout.carried].sum())
+        if blk.shape[0] != at + m * it + 8 * c:  # both sides are this module: a mismatch is a protocol bug
+            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                               f"{at + m * it + 8 * c}")
         man.append(blk[at : at + m * it].view(layout.ids_dtype).astype(np.int64))
         car.append(blk[at + m * it :].view(np.int64))
         lens.append(ln)
