@@ -13,13 +13,17 @@ rows_per_step (transmitted rows, both directions), bytes_per_step (dim floats pe
 state_width floats per row move), by_kind (rows per step by kind), hit_rate (reads served locally / distinct
 (key, reader) pairs), stale_reads (from the independent checker, must be 0), sched_ms_median / sched_ms_p90
 (wall time of policy.plan per global batch, this process; sched_cpu_ms_median: its CPU time, which other
-processes on a shared machine disturb less), rows_per_sample. Progress goes to stderr.
+processes on a shared machine disturb less), rows_per_sample, plan_digest (a hash of every plan in its wire
+encoding: two runs with the same digest made the same plans, so a scheduler change that should not alter the plans
+can be checked with its speed in one command). Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
+from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
 
 LOADERS = {"criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
            "avazu": ("herald_torchrec.data.avazu", "AvazuSource"),
@@ -137,6 +142,7 @@ def run_policies(args, R: int) -> dict:
     windows: dict[str, deque] = {n: deque() for n in names}
     cursor = {n: 0 for n in names}
     stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
+    digests = {n: hashlib.sha1() for n in names}  # of every plan as the wire encodes it (arrays, dtypes, counters)
     step = 0
     t_start = time.perf_counter()
     # fae / p2res choose their replicated rows from a prefix of the stream (profile_fraction of --steps)
@@ -172,6 +178,7 @@ def run_policies(args, R: int) -> dict:
             c0 = time.process_time()
             plan = pols[n].plan(list(windows[n]))
             stats[n]["cpu_ms"].append((time.process_time() - c0) * 1e3)
+            digests[n].update(encode_plan(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())  # not its timing
             if args.check:
                 checkers[n].check(plan, windows[n][0])
             if step >= args.warmup:
@@ -205,6 +212,7 @@ def run_policies(args, R: int) -> dict:
             "sched_cpu_ms_median": round(float(np.median(st["cpu_ms"])), 3) if st["cpu_ms"] else 0.0,
             "rows_per_sample": round(rows / (R * B), 4),
             "steps": step,
+            "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]

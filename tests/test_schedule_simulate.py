@@ -35,6 +35,12 @@ def test_single_run_json(capsys):
             1.0, st["rows_per_step"]) + 0.05
         assert 0.0 <= st["hit_rate"] <= 1.0
     assert "herald/het_bsp" in out["ratios"]
+    # the plan digest: the same plans give the same digest run after run, different policies different ones
+    again = sim.main(["--workers", "4", "--policies", "static,herald", "--json", *SMALL])
+    capsys.readouterr()
+    for name in ("static", "herald"):
+        assert again["policies"][name]["plan_digest"] == out["policies"][name]["plan_digest"]
+    assert len({st["plan_digest"] for st in out["policies"].values()}) == len(out["policies"])
 
 
 def test_sweep_and_plot(tmp_path, capsys):
