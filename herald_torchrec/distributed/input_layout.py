@@ -285,7 +285,7 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.
         return sample_major_ids(s, keys, order).astype(dtype, copy=False).view(np.uint8), cut_bytes
 
     car, car_cut = ids_and_cut(layout.carried, np.dtype(np.int64))
-    if with_ids[:R].any():
+    if with_ids.any():
         man, man_cut = ids_and_cut(layout.managed, layout.ids_dtype)
         lw = 0 if uniform else 4 * layout.num_keys  # bytes of one sample's lengths
         lens = s.lengths[:, order].T.astype(np.int32).reshape(-1).view(np.uint8) if lw else np.zeros(0, np.uint8)

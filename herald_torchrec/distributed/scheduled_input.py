@@ -72,6 +72,7 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 # header word 0 of each rank's slice: what the rest holds
 DATA, END, SHORT, BAD = 1, 0, 2, -1
 SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
+IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag length
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
 PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
 PLAN_ON = ("host", "rank0", "every_rank")
@@ -253,14 +254,14 @@ class ScheduledInput:
         return hs, np.array([DATA, hs.n, n_ids, uniform], dtype=np.int64), None
 
     def _ids_block(self, hs: HostSlice, head: np.ndarray) -> np.ndarray:
-        parts = [] if head[3] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
+        parts = [] if head[UNIFORM_WORD] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
         parts.append(managed_ids(hs, self.layout).view(np.uint8))  # type: ignore[arg-type]
         return np.concatenate(parts)
 
     def _ids_sizes(self, heads: np.ndarray) -> list[int]:
         lay = self.layout
         K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
-        return [(0 if h[3] >= 0 else K * B * 4) + int(h[2]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
+        return [(0 if h[UNIFORM_WORD] >= 0 else K * B * 4) + int(h[IDS_WORD]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
 
     def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch]:
         """On a rank that plans: the global batch's ids from every rank's ids block, and the scheduler's view."""
@@ -269,8 +270,8 @@ class ScheduledInput:
         lengths = np.empty((self.R, K, B), dtype=np.int64)
         ids = []
         for q, (h, b) in enumerate(zip(heads, blocks)):
-            if h[3] >= 0:
-                lengths[q] = h[3]
+            if h[UNIFORM_WORD] >= 0:
+                lengths[q] = h[UNIFORM_WORD]
                 ids.append(b.view(lay.ids_dtype))  # type: ignore[union-attr]
             else:
                 lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)
@@ -401,7 +402,7 @@ class ScheduledInput:
         if gathered is None and gather:
             g, gb = (self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
                      if self.plans_here else (None, None))
-            gathered = _Pending(hs, g, gb, heads[:, 3].copy())  # type: ignore[arg-type]
+            gathered = _Pending(hs, g, gb, heads[:, UNIFORM_WORD].copy())  # type: ignore[arg-type]
         planned = None
         if out is not None:  # planned here
             planned = (out.plan, out.generation)
