@@ -39,6 +39,9 @@ SCHEDULER_ARGS = {
     "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],
     "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
+    # the input stage's thread at the training thread's CPU priority (the default lowers it: input_priority=low)
+    "herald_normal_priority": ["scheduler=herald", "scheduler.input_priority=normal"],
+    "herald_idle_priority": ["scheduler=herald", "scheduler.input_priority=idle"],
     # Herald with the tables its adaptive policy would not schedule left to TorchRec (ROW_WISE / TABLE_WISE / COLUMN_WISE)
     "herald_auto": ["scheduler=herald", "scheduler.unscheduled=auto"],
     # the systems Herald answers, trained in Herald's engine (issue 10; benchmarks/compare.py compares them all)

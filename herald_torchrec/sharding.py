@@ -333,7 +333,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.scheduled_input import PLAN_ON
-    from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
+    from herald_torchrec.distributed.train_pipeline import INPUT_PRIORITIES, HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy
     from herald_torchrec import baselines
 
@@ -343,6 +343,10 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     plan_on = sc.get("plan_on") or "host"
     if plan_on not in PLAN_ON:
         raise ValueError(f"scheduler.plan_on must be one of {list(PLAN_ON)} (where plans are made), got '{plan_on}'")
+    input_priority = sc.get("input_priority") or "low"
+    if input_priority not in INPUT_PRIORITIES:
+        raise ValueError(f"scheduler.input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
+                         f"input stage's thread), got '{input_priority}'")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
@@ -391,7 +395,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             fae.profile(profile)
             reorder = baselines.fae_reorder(fae, tables, convert_one, fae.window)
     pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add, policy_options=options,
-                                   profile=profile, plan_on=plan_on)
+                                   profile=profile, plan_on=plan_on, input_priority=input_priority)
     sched_ms = pipeline.input_stage.sched_ms
 
     def step_stats() -> dict[str, float]:

@@ -82,6 +82,7 @@ BAD_SETTINGS = [
     (["scheduler.unscheduled=[nope]"], "are not features of the model"),
     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available"),
     (["scheduler.plan_on=everyone"], "scheduler.plan_on must be one of"),
+    (["scheduler.input_priority=high"], "scheduler.input_priority must be one of"),
 ]
 
 

@@ -17,11 +17,18 @@ serve eval batches with read-only static plans of their own, which move no rows.
 
 The input stage's collectives run on host tensors, over a gloo process group of their own (so a model trained
 with NCCL works, and the CPU tests run the same path).
+
+The background thread runs at a lower CPU priority (`input_priority`, default "low"). It works ahead of the
+training step and has slack, while the training thread is the step's critical path. Where ranks share cores with
+their input threads, the kernel then gives the training threads the cores first, and the input stage works while
+they wait on collectives. Where every thread has a core of its own, the priority changes nothing.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from collections import deque
 import warnings
@@ -98,7 +105,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     batches); `plan_on` (default "host") where plans are made: the lowest rank of each machine plans and sends each
     plan to the other ranks of its machine (~11 KB per step on W&D at R=2; the scheduler's CPU once per machine and
     step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
-    deterministic scheduler, nothing is sent); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's
+    deterministic scheduler, nothing is sent); `input_priority` (default "low") the CPU priority of the background
+    thread: "low" (nice 19), "idle" (SCHED_IDLE) or "normal" (see the module docstring); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's
     `staleness`); `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the policy
     is built (fae / p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist."""
 
@@ -113,10 +121,14 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         host_group: Optional[dist.ProcessGroup] = None,
         prefetch: int = 2,
         plan_on: str = "host",
+        input_priority: str = "low",
         policy_options: Optional[dict[str, Any]] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
+        if input_priority not in INPUT_PRIORITIES:  # before any set-up: a typo must not cost a model build
+            raise ValueError(f"HeraldTrainPipeline: input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU "
+                             f"priority of the input stage's thread), got {input_priority!r}")
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
@@ -134,6 +146,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if int(prefetch) < 0:
             raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
         self._prefetch = int(prefetch)
+        self._input_priority = input_priority
         self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
@@ -168,7 +181,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         """Batches in training order, each with its plan queued on the modules as it is drawn (in the main thread,
         so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
-        stream = self.input_stage(source) if not self._prefetch else _Prefetched(self.input_stage, source, self._prefetch)
+        stream = (self.input_stage(source) if not self._prefetch
+                  else _Prefetched(self.input_stage, source, self._prefetch, self._input_priority))
         for batch, plan, generation in stream:
             current = generation == self.input_stage.generation
             if current:
@@ -209,20 +223,47 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         return out
 
 
+INPUT_PRIORITIES = ("normal", "low", "idle")
+
+
+def set_thread_priority(priority: str) -> None:
+    """Lower the calling thread's CPU priority: "low" = nice 19, "idle" = SCHED_IDLE (runs when nothing else wants
+    the core), "normal" = leave it. Linux only, where a thread has its own nice value and scheduling policy; elsewhere,
+    or where the kernel refuses, the thread warns and keeps its priority (it must not stop training)."""
+    if priority == "normal":
+        return
+    if not sys.platform.startswith("linux"):
+        warnings.warn(f"herald input thread: input_priority={priority!r} needs Linux; the thread keeps its priority",
+                      RuntimeWarning, stacklevel=2)
+        return
+    tid = threading.get_native_id()
+    try:
+        if priority == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)  # raising one's own nice value needs no privilege
+    except OSError as e:
+        warnings.warn(f"herald input thread: could not set input_priority={priority!r} ({e}); the thread keeps its "
+                      "priority", RuntimeWarning, stacklevel=2)
+
+
 class _Prefetched:
-    """Runs `stage(source)` in a daemon thread, `depth` items ahead; yields (batch, plan, generation) in order and
-    re-raises the thread's exception in the consumer. Safe because the stage's collectives use their own gloo group
-    (no ordering to share with the data plane's) and every rank's thread issues the same sequence."""
+    """Runs `stage(source)` in a daemon thread at CPU `priority`, `depth` items ahead; yields (batch, plan,
+    generation) in order and re-raises the thread's exception in the consumer. Safe because the stage's collectives
+    use their own gloo group (no ordering to share with the data plane's) and every rank's thread issues the same
+    sequence."""
 
     _END = object()
 
-    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int) -> None:
+    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int, priority: str = "normal") -> None:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, args=(stage, source), name="herald-input", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(stage, source, priority), name="herald-input",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, stage: ScheduledInput, source: Iterator[Batch]) -> None:
+    def _run(self, stage: ScheduledInput, source: Iterator[Batch], priority: str) -> None:
         try:
+            set_thread_priority(priority)
             for item in stage(source):
                 self._q.put(item)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
