@@ -403,6 +403,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         ms = sched_ms[-cfg.trainer.log_interval :]
         if ms:
             out["sched_ms"] = float(np.median(ms))
+        waits = pipeline.input_wait_ms[-cfg.trainer.log_interval :]
+        if waits:  # the training thread's wait for its batch: ~0 while the input stage keeps ahead
+            out["input_wait_ms"] = float(np.median(waits))
         return out
 
     def final_stats(steps: int) -> dict[str, Any]:
@@ -418,6 +421,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.rows.items()},
             "sched_ms_median": float(np.median(ms)),
             "sched_ms_p90": float(np.percentile(ms, 90)),
+            "input_wait_ms_median": float(np.median(pipeline.input_wait_ms)) if pipeline.input_wait_ms else 0.0,
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
             "dropped_samples": pipeline.input_stage.dropped_samples,

@@ -62,6 +62,7 @@ def test_every_model_trains_under_herald(herald_model_runs: Path, model: str) ->
     assert m["world_size"] == 2 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
     log = (herald_model_runs / "rank0.log").read_text()
     assert "hit_rate" in log and "sched_ms" in log  # progress lines carry the scheduler's view
+    assert "input_wait_ms" in log and m["input_wait_ms_median"] >= 0.0  # and the training thread's wait for input
 
 
 def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:

@@ -40,8 +40,10 @@ def _stage_reporting_priority(seen: list):
 def test_input_thread_runs_at_its_priority_and_the_training_thread_keeps_its_own(priority: str) -> None:
     before = _thread_priority()
     seen: list = []
-    items = list(_Prefetched(_stage_reporting_priority(seen), iter(range(5)), 2, priority))
+    waits: list = []
+    items = list(_Prefetched(_stage_reporting_priority(seen), iter(range(5)), 2, priority, waits))
     assert [x for x, _, _ in items] == list(range(5))
+    assert len(waits) == 5 and all(w >= 0.0 for w in waits)  # one wait per batch, none for the end
     nice, policy = seen[0]
     if priority == "normal":
         assert (nice, policy) == before

@@ -30,6 +30,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections import deque
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -106,9 +107,13 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     plan to the other ranks of its machine (~11 KB per step on W&D at R=2; the scheduler's CPU once per machine and
     step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
     deterministic scheduler, nothing is sent); `input_priority` (default "low") the CPU priority of the background
-    thread: "low" (nice 19), "idle" (SCHED_IDLE) or "normal" (see the module docstring); `policy_options` go to the policy (e.g. fae's `hot_budget`, het's
-    `staleness`); `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the policy
-    is built (fae / p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist."""
+    thread: "low" (nice 19), "idle" (SCHED_IDLE) or "normal" (see the module docstring); `policy_options` go to
+    the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global batches, the scheduler's view) is
+    handed to `policy.profile()` when the policy is built (fae / p2res choose their replicated rows from it). The
+    rest go to TrainPipelineSparseDist.
+
+    `input_wait_ms` lists, per batch, how long the training thread waited for the background input stage (with
+    `prefetch` > 0): ~0 while the stage keeps ahead of training."""
 
     def __init__(
         self,
@@ -147,6 +152,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
         self._prefetch = int(prefetch)
         self._input_priority = input_priority
+        # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
+        # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step)
+        self.input_wait_ms: list[float] = []
         self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
@@ -182,7 +190,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
         stream = (self.input_stage(source) if not self._prefetch
-                  else _Prefetched(self.input_stage, source, self._prefetch, self._input_priority))
+                  else _Prefetched(self.input_stage, source, self._prefetch, self._input_priority, self.input_wait_ms))
         for batch, plan, generation in stream:
             current = generation == self.input_stage.generation
             if current:
@@ -255,8 +263,10 @@ class _Prefetched:
 
     _END = object()
 
-    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int, priority: str = "normal") -> None:
+    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int, priority: str = "normal",
+                 waits: Optional[list[float]] = None) -> None:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._waits = waits  # the consumer's wait for each item, ms
         self._thread = threading.Thread(target=self._run, args=(stage, source, priority), name="herald-input",
                                         daemon=True)
         self._thread.start()
@@ -275,10 +285,13 @@ class _Prefetched:
         return self
 
     def __next__(self):
+        t0 = time.perf_counter()
         item = self._q.get()
         if item is self._END:
             self._q.put(self._END)  # stay exhausted
             raise StopIteration
+        if self._waits is not None:
+            self._waits.append((time.perf_counter() - t0) * 1e3)
         if isinstance(item, BaseException):
             raise item
         return item
