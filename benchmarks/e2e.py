@@ -11,7 +11,8 @@ and reads the run's metrics.json. Prints one JSON object:
 embeddings and sample exchange (one counting wrapper for all schedulers). `torchrec` is stock TorchRec ROW_WISE
 (the home placement Herald starts from; the issue's baseline), `torchrec_tw` stock TABLE_WISE for context. Step times on a 2-core machine with 4 ranks are dominated by CPU
 oversubscription; the byte counts do not depend on the machine. `torchrec_planner` is the planner free to pick any
-sharding type (`sharding.types=null`).
+sharding type (`sharding.types=null`). `herald_normal_priority` / `herald_idle_priority` run Herald's input stage
+thread at the training thread's priority / SCHED_IDLE instead of the default nice 19 (`scheduler.input_priority`).
 
 Network mode (`--bandwidth none,1gbit,200mbit --workload wdl64,dcn --rounds 3 --plot f.png`, root + iproute2): every
 rank its own host in a network namespace behind a tc-shaped link, launched as a multi-node torchrun; adds the bytes
