@@ -333,7 +333,8 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.scheduled_input import PLAN_ON
-    from herald_torchrec.distributed.train_pipeline import INPUT_PRIORITIES, HeraldTrainPipeline, herald_modules
+    from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES
+    from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy
     from herald_torchrec import baselines
 

@@ -18,19 +18,12 @@ serve eval batches with read-only static plans of their own, which move no rows.
 The input stage's collectives run on host tensors, over a gloo process group of their own (so a model trained
 with NCCL works, and the CPU tests run the same path).
 
-The background thread runs at a lower CPU priority (`input_priority`, default "low"). It works ahead of the
-training step and has slack, while the training thread is the step's critical path. Where ranks share cores with
-their input threads, the kernel then gives the training threads the cores first, and the input stage works while
-they wait on collectives. Where every thread has a core of its own, the priority changes nothing.
+The background thread runs at a lower CPU priority (`input_priority`, default "low"; input_thread.py says why), and
+the pipeline records how long training waits for it (`input_wait_ms`).
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import sys
-import threading
-import time
 from collections import deque
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -43,6 +36,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
+from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PrefetchedInput
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.batch import GlobalBatch
@@ -190,7 +184,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
         stream = (self.input_stage(source) if not self._prefetch
-                  else _Prefetched(self.input_stage, source, self._prefetch, self._input_priority, self.input_wait_ms))
+                  else PrefetchedInput(self.input_stage, source, self._prefetch, self._input_priority, self.input_wait_ms))
         for batch, plan, generation in stream:
             current = generation == self.input_stage.generation
             if current:
@@ -229,69 +223,3 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             for k, v in m.step_counters.items():
                 self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
         return out
-
-
-INPUT_PRIORITIES = ("normal", "low", "idle")
-
-
-def set_thread_priority(priority: str) -> None:
-    """Lower the calling thread's CPU priority: "low" = nice 19, "idle" = SCHED_IDLE (runs when nothing else wants
-    the core), "normal" = leave it. Linux only, where a thread has its own nice value and scheduling policy; elsewhere,
-    or where the kernel refuses, the thread warns and keeps its priority (it must not stop training)."""
-    if priority == "normal":
-        return
-    if not sys.platform.startswith("linux"):
-        warnings.warn(f"herald input thread: input_priority={priority!r} needs Linux; the thread keeps its priority",
-                      RuntimeWarning, stacklevel=2)
-        return
-    tid = threading.get_native_id()
-    try:
-        if priority == "idle":
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)  # raising one's own nice value needs no privilege
-    except OSError as e:
-        warnings.warn(f"herald input thread: could not set input_priority={priority!r} ({e}); the thread keeps its "
-                      "priority", RuntimeWarning, stacklevel=2)
-
-
-class _Prefetched:
-    """Runs `stage(source)` in a daemon thread at CPU `priority`, `depth` items ahead; yields (batch, plan,
-    generation) in order and re-raises the thread's exception in the consumer. Safe because the stage's collectives
-    use their own gloo group (no ordering to share with the data plane's) and every rank's thread issues the same
-    sequence."""
-
-    _END = object()
-
-    def __init__(self, stage: ScheduledInput, source: Iterator[Batch], depth: int, priority: str = "normal",
-                 waits: Optional[list[float]] = None) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._waits = waits  # the consumer's wait for each item, ms
-        self._thread = threading.Thread(target=self._run, args=(stage, source, priority), name="herald-input",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, stage: ScheduledInput, source: Iterator[Batch], priority: str) -> None:
-        try:
-            set_thread_priority(priority)
-            for item in stage(source):
-                self._q.put(item)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            self._q.put(e)
-            return
-        self._q.put(self._END)
-
-    def __iter__(self) -> "_Prefetched":
-        return self
-
-    def __next__(self):
-        t0 = time.perf_counter()
-        item = self._q.get()
-        if item is self._END:
-            self._q.put(self._END)  # stay exhausted
-            raise StopIteration
-        if self._waits is not None:
-            self._waits.append((time.perf_counter() - t0) * 1e3)
-        if isinstance(item, BaseException):
-            raise item
-        return item
