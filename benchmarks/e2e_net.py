@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -140,7 +141,9 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
 
 LABELS = {"torchrec": "TorchRec row_wise", "torchrec_tw": "TorchRec table_wise",
           "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald",
-          "herald_every_rank": "Herald, every rank plans"}
+          "herald_every_rank": "Herald, every rank plans",
+          "herald_normal_priority": "Herald, input thread at normal priority",
+          "herald_idle_priority": "Herald, input thread SCHED_IDLE"}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -171,9 +174,9 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = result["config"]
-    fig.suptitle(f"herald_torchrec e2e: one network namespace per rank, gloo on CPU; {c.get('steps')} steps x "
-                 f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up",
-                 fontsize=10)
+    title = (f"herald_torchrec e2e: one network namespace per rank, gloo on CPU; {c.get('steps')} steps x "
+             f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up")
+    fig.suptitle(textwrap.fill(title, width=int(70 * len(workloads))), fontsize=10)  # one panel: two lines
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
