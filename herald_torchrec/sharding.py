@@ -7,6 +7,7 @@ and pipeline, behind the same small `ShardedSetup` surface the trainer uses.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -404,7 +405,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         ms = sched_ms[-cfg.trainer.log_interval :]
         if ms:
             out["sched_ms"] = float(np.median(ms))
-        waits = pipeline.input_wait_ms[-cfg.trainer.log_interval :]
+        waits = list(itertools.islice(reversed(pipeline.input_wait_ms), cfg.trainer.log_interval))
         if waits:  # the training thread's wait for its batch: ~0 while the input stage keeps ahead
             out["input_wait_ms"] = float(np.median(waits))
         return out
@@ -422,6 +423,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.rows.items()},
             "sched_ms_median": float(np.median(ms)),
             "sched_ms_p90": float(np.percentile(ms, 90)),
+            # over the last WAITS_KEPT batches at most
             "input_wait_ms_median": float(np.median(pipeline.input_wait_ms)) if pipeline.input_wait_ms else 0.0,
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],

@@ -20,11 +20,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, MutableSequence, Optional
 
 INPUT_PRIORITIES = ("normal", "low", "idle")
 LAG_WINDOW = 100  # batches per check of whether the input stage keeps ahead of training
 LAG_SHARE = 0.25  # warn (once) when the training thread waited this share of its time between batches
+WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
 
 
 def set_thread_priority(priority: str) -> None:
@@ -67,7 +68,7 @@ class PrefetchedInput:
     _END = object()
 
     def __init__(self, stage: Callable[[Iterator], Iterator], source: Iterator, depth: int, priority: str = "normal",
-                 waits: Optional[list[float]] = None) -> None:
+                 waits: Optional[MutableSequence[float]] = None) -> None:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._waits, self._priority = waits, priority
         self._last: Optional[float] = None  # when the previous item was handed out

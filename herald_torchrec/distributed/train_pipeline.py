@@ -36,7 +36,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
-from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PrefetchedInput
+from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.batch import GlobalBatch
@@ -106,8 +106,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     scheduler's view) is handed to `policy.profile()` when the policy is built (fae / p2res choose their replicated
     rows from it). The rest go to TrainPipelineSparseDist.
 
-    `input_wait_ms` lists, per batch, how long the training thread waited for the background input stage (with
-    `prefetch` > 0): ~0 while the stage keeps ahead of training."""
+    `input_wait_ms` holds, per batch (the last `WAITS_KEPT`), how long the training thread waited for the
+    background input stage (with `prefetch` > 0): ~0 while the stage keeps ahead of training."""
 
     def __init__(
         self,
@@ -147,8 +147,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._prefetch = int(prefetch)
         self._input_priority = input_priority
         # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
-        # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step)
-        self.input_wait_ms: list[float] = []
+        # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step).
+        # The most recent WAITS_KEPT batches only, so that a long run does not grow it without bound
+        self.input_wait_ms: deque[float] = deque(maxlen=WAITS_KEPT)
         self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
