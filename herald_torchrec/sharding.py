@@ -402,7 +402,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
 
     def step_stats() -> dict[str, float]:
         out = stats.window()
-        ms = sched_ms[-cfg.trainer.log_interval :]
+        ms = list(itertools.islice(reversed(sched_ms), cfg.trainer.log_interval))
         if ms:
             out["sched_ms"] = float(np.median(ms))
         waits = list(itertools.islice(reversed(pipeline.input_wait_ms), cfg.trainer.log_interval))

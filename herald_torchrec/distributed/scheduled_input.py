@@ -76,6 +76,7 @@ IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag 
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
 PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
 PLAN_ON = ("host", "rank0", "every_rank")
+SCHED_MS_KEPT = 100_000  # recent planning times kept, however long the run
 
 
 def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:
@@ -144,7 +145,7 @@ class ScheduledInput:
         self._current: tuple[int, SchedulePolicy | None] = (0, None)
         self.lookahead = 0
         self.layout: SliceLayout | None = None
-        self.sched_ms: list[float] = []
+        self.sched_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)  # the planning time of recent plans (bounded)
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
 
     @property
