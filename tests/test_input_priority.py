@@ -92,9 +92,11 @@ def test_an_input_stage_that_keeps_ahead_is_not_reported(monkeypatch: pytest.Mon
 
 
 def test_lag_message_names_the_cause_for_each_priority() -> None:
-    assert "input_priority='normal'" in input_thread.lag_message(5.0, 0.5, 100, "idle")
+    idle = input_thread.lag_message(5.0, 0.5, 100, "idle")
+    assert "input_priority='normal'" in idle and "slower than a training step" in idle  # both causes named
     normal = input_thread.lag_message(5.0, 0.5, 100, "normal")
-    assert "slower than a training step" in normal and "5.0 ms" in normal and "50%" in normal
+    assert "The user's iterator or the scheduler is slower than a training step" in normal
+    assert "5.0 ms" in normal and "50%" in normal and "input_priority" not in normal
 
 
 def test_bad_input_priority_is_a_clear_error_before_any_set_up() -> None:
