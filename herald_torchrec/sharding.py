@@ -402,12 +402,12 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
 
     def step_stats() -> dict[str, float]:
         out = stats.window()
-        ms = list(itertools.islice(reversed(sched_ms), cfg.trainer.log_interval))
-        if ms:
-            out["sched_ms"] = float(np.median(ms))
-        waits = list(itertools.islice(reversed(pipeline.input_wait_ms), cfg.trainer.log_interval))
-        if waits:  # the training thread's wait for its batch: ~0 while the input stage keeps ahead
-            out["input_wait_ms"] = float(np.median(waits))
+        # medians over the logging window: planning time, and the training thread's wait for its batch (~0 while
+        # the input stage keeps ahead)
+        for key, recent in (("sched_ms", sched_ms), ("input_wait_ms", pipeline.input_wait_ms)):
+            window = list(itertools.islice(reversed(recent), cfg.trainer.log_interval))
+            if window:
+                out[key] = float(np.median(window))
         return out
 
     def final_stats(steps: int) -> dict[str, Any]:
