@@ -68,10 +68,13 @@ def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool,
     passes = itertools.count() if (train and epochs is None) else range(epochs if train else 1)
     for _ in passes:
         produced = False
-        batches = source.train_batches(g) if train else source.val_batches(g)
-        for s in (reorder(batches) if reorder is not None else batches):
+        if reorder is None:  # the source cuts this rank's slice (the synthetic log makes only that)
+            slices = source.train_slices(g, lo, hi) if train else source.val_slices(g, lo, hi)
+        else:  # a reorder needs whole global batches
+            slices = (s.take(slice(lo, hi)) for s in reorder(source.train_batches(g) if train else source.val_batches(g)))
+        for s in slices:
             produced = True
-            yield s.take(slice(lo, hi))
+            yield s
         if not produced:
             raise ConfigError(
                 f"the {'training' if train else 'validation'} split has no complete global batch of {g} samples "

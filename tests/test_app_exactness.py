@@ -2,11 +2,16 @@
 state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, scheduler=p2res, stock TorchRec ROW_WISE
 on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and an unscheduled one-process run over the same global batches (the reference).
 
-Why `embedding_eps=1e-3` for row-wise Adagrad: with the default 1e-8, a row read by one or two very confident
+Why `embedding_eps=1e-2` for row-wise Adagrad: with the default 1e-8, a row read by one or two very confident
 samples takes a step of ~lr * g/|g|, so float32 summation-order noise in g (~1e-4 relative where sigmoid(z) - y is
 tiny) becomes a ~1e-3 absolute difference in that row — between any two mathematically equal runs (2 vs 4 ranks of
 the *same* static schedule differ as much as herald vs static do). A larger eps keeps the math and the code path
-and removes the ill-conditioning, so the 1e-5 comparison tests the protocol, not float32.
+and removes the ill-conditioning, so the 1e-5 comparison tests the protocol, not float32. 1e-3 was not enough: on
+the synthetic log, sample 197 of step 2 has a deep-MLP ReLU whose input is -2.9e-8, inside the ~1e-8 noise that
+the ranks' different partial sums of the dense gradient leave in the weights, so the unit is on in one correct run
+and off in another; that sample's embedding gradients then differ by ~1 %, which eps=1e-3 turns into 1.4e-4 in
+its 26 rows after 30 steps (every other sample's gradient agrees to float32). eps=1e-2 bounds a row's step to
+lr * |g| / eps, so such a flip stays under 1e-5, while a stale or lost row still shows as ~lr.
 tests/test_distributed_parity.py checks the sharded module itself, default eps, on a small model.
 """
 
@@ -40,7 +45,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
 def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: float) -> None:
-    eps = ["trainer.embedding_eps=1e-3"] if optimizer == "rowwise_adagrad" else []
+    eps = ["trainer.embedding_eps=1e-2"] if optimizer == "rowwise_adagrad" else []
     common = [*eps, "trainer.steps=30", "trainer.eval_interval=0", "data.val_batches=2",
               f"trainer.embedding_optimizer={optimizer}", f"trainer.embedding_lr={lr}", "trainer.dense_optimizer=sgd",
               "trainer.dense_lr=0.05", "trainer.save_final=true", "data.locality=0.7"]

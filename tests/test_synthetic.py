@@ -17,6 +17,35 @@ def test_deterministic_and_random_access() -> None:
     assert a.ids.dtype == np.int64 and a.ids.shape == (512, 26)
 
 
+def test_a_rank_makes_only_its_slice() -> None:
+    """A slice equals the global batch cut, costs only its own samples, and a sample is the same at any batch size."""
+    g = SyntheticCTR(SyntheticSpec(seed=2))
+    whole = g.global_batch(7, 512)
+    for lo, hi in [(0, 256), (256, 512), (100, 101), (3, 3)]:
+        part = g.batch_slice(7, 512, lo, hi)
+        assert len(part) == hi - lo
+        assert np.array_equal(part.ids, whole.ids[lo:hi]) and np.array_equal(part.dense, whole.dense[lo:hi])
+        assert np.array_equal(part.labels, whole.labels[lo:hi])
+    halves = [g.global_batch(14, 256), g.global_batch(15, 256)]  # the same log positions, batched differently
+    assert np.array_equal(np.concatenate([h.ids for h in halves]), whole.ids)
+    with pytest.raises(ValueError, match="lo <= hi <= size"):
+        g.batch_slice(7, 512, 300, 600)
+
+
+def test_source_slices_match_the_global_batches() -> None:
+    from herald_torchrec.data.source import DataSource, SyntheticSource
+
+    src = SyntheticSource(SyntheticSpec(seed=1), epoch_batches=3, val_batches=2)
+    for mine, full in [(src.train_slices(64, 32, 64), src.train_batches(64)), (src.val_slices(64, 32, 64), src.val_batches(64))]:
+        got, want = list(mine), [b.take(slice(32, 64)) for b in full]
+        assert len(got) == len(want) > 0
+        assert all(np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels) for a, b in zip(got, want))
+    # the default for other sources: cut the global batches
+    default = list(DataSource.train_slices(src, 64, 0, 16))
+    assert [len(b) for b in default] == [16, 16, 16]
+    assert np.array_equal(default[1].ids, list(src.train_batches(64))[1].ids[:16])
+
+
 def test_table_sizes_follow_criteo() -> None:
     g = SyntheticCTR(SyntheticSpec(scale=0.01))
     assert g.table_rows[2] == int(np.ceil(CRITEO_KAGGLE_ROWS[2] * 0.01))
@@ -70,3 +99,25 @@ def test_bad_spec(kwargs: dict, msg: str) -> None:
 def test_bad_batch_request() -> None:
     with pytest.raises(ValueError, match="index"):
         SyntheticCTR().global_batch(-1, 10)
+
+
+def test_trainer_draws_only_this_ranks_slice() -> None:
+    """trainer.local_samples asks the source for the rank's slice (the synthetic log then makes B samples, not R x B);
+    a reorder (fae) still gets whole global batches."""
+    import torch
+
+    from herald_torchrec.data.source import SyntheticSource
+    from herald_torchrec.dist import DistContext
+    from herald_torchrec.trainer import local_samples
+
+    src = SyntheticSource(SyntheticSpec(seed=5), epoch_batches=4, val_batches=2)
+    made = []
+    samples = src.gen.samples
+    src.gen.samples = lambda start, count: made.append(count) or samples(start, count)  # type: ignore[method-assign]
+    ctx = DistContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
+    got = list(local_samples(src, 8, ctx, train=True, epochs=1))
+    assert made == [8] * 4 and [len(b) for b in got] == [8] * 4
+    assert np.array_equal(got[2].ids, src.gen.global_batch(2, 16).ids[8:])  # batch 2 of the log: not a val batch
+    made.clear()
+    reordered = list(local_samples(src, 8, ctx, train=True, epochs=1, reorder=lambda it: reversed(list(it))))
+    assert made == [16] * 4 and np.array_equal(reordered[0].ids, got[-1].ids)

@@ -28,6 +28,15 @@ class DataSource(ABC):
     def val_batches(self, global_batch: int) -> Iterator[Samples]:
         """The held-out split, in log order."""
 
+    def train_slices(self, global_batch: int, lo: int, hi: int) -> Iterator[Samples]:
+        """Samples [lo, hi) of each training global batch (one rank's slice). A source that can make a slice on its
+        own (the synthetic log) overrides this, so a rank does not build the whole global batch to keep 1/R of it."""
+        return (b.take(slice(lo, hi)) for b in self.train_batches(global_batch))
+
+    def val_slices(self, global_batch: int, lo: int, hi: int) -> Iterator[Samples]:
+        """Samples [lo, hi) of each held-out global batch."""
+        return (b.take(slice(lo, hi)) for b in self.val_batches(global_batch))
+
     def describe(self) -> dict:
         return {"features": len(self.feature_names), "rows": int(sum(self.table_rows)), "dense": self.num_dense}
 
@@ -46,10 +55,16 @@ class SyntheticSource(DataSource):
         self.num_val = val_batches
 
     def train_batches(self, global_batch: int) -> Iterator[Samples]:
-        it = self.gen.train_indices()
-        for _ in range(self.epoch_batches):
-            yield self.gen.global_batch(next(it), global_batch)
+        return self.train_slices(global_batch, 0, global_batch)
 
     def val_batches(self, global_batch: int) -> Iterator[Samples]:
+        return self.val_slices(global_batch, 0, global_batch)
+
+    def train_slices(self, global_batch: int, lo: int, hi: int) -> Iterator[Samples]:
+        it = self.gen.train_indices()
+        for _ in range(self.epoch_batches):
+            yield self.gen.batch_slice(next(it), global_batch, lo, hi)
+
+    def val_slices(self, global_batch: int, lo: int, hi: int) -> Iterator[Samples]:
         for i in self.gen.val_indices(self.num_val):
-            yield self.gen.global_batch(i, global_batch)
+            yield self.gen.batch_slice(i, global_batch, lo, hi)

@@ -4,8 +4,10 @@ Why synthetic: the real logs are tens of GB; this generator reproduces what matt
 (per-table sizes from Criteo Kaggle, a Zipf head with a uniform tail, and *temporal locality* — ids that appear,
 burst and fade as in a chronological log) and labels from a hidden model so that AUC means something.
 
-Every global batch is a pure function of (seed, batch index): any rank, and the simulator, can produce any batch
-without state, and runs are bit-for-bit repeatable. numpy only (the control plane uses it too).
+Every sample is a pure function of (seed, position in the log): its random draws are hashes of the position
+(counter-based, like Philox), not a generator's state. So any rank, and the simulator, can produce any batch — or
+just its own slice of one, at 1/R of the cost — without state, and runs are bit-for-bit repeatable whatever the batch
+size. numpy only (the control plane uses it too).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """Stateless 64-bit mixer: a hash we can evaluate for any index, so batches need no generator state."""
     with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = np.asarray(x).astype(np.uint64, copy=False) + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
@@ -97,7 +99,16 @@ class SyntheticCTR:
         self._dense_w = hidden.normal(0.0, 0.6, size=s.num_dense)
         self._table_w = hidden.uniform(0.4, 1.0, size=self.num_tables)  # how much each field matters
         # a bijection rank -> id per table (popular ids spread over the table, not 0..k)
-        self._mult = [self._coprime(n, t) for t, n in enumerate(self.table_rows)]
+        self._mult = np.array([self._coprime(n, t) for t, n in enumerate(self.table_rows)], dtype=np.int64)
+        self._rows = np.array(self.table_rows, dtype=np.int64)
+        # trending ids: one born per `trend_life / births` samples, ages ~ exponential with mean births / 4
+        births = np.clip(self._rows // 4, 16, 256)
+        self._trend_step = np.maximum(1, s.trend_life // births)
+        self._trend_scale = births / 4.0
+        self._trend_salt = np.arange(self.num_tables, dtype=np.uint64) * np.uint64(7) + np.uint64(s.seed * 1_000_003)
+        # counter-based draws: 4 per (sample, table), 2 per dense feature, 1 for the label
+        self._draws = 4 * self.num_tables + 2 * s.num_dense + 1
+        self._salt = splitmix64(np.array([s.seed], dtype=np.uint64) ^ np.uint64(0x5EED))[0]
 
     def _coprime(self, n: int, t: int) -> int:
         m = int(splitmix64(np.array([self.spec.seed * 1000 + t]))[0] % np.uint64(max(n, 2))) | 1
@@ -106,60 +117,79 @@ class SyntheticCTR:
         return m % n if n > 1 else 0
 
     # ---- hidden ground truth -------------------------------------------------------------------------
-    def _id_effect(self, t: int, ids: np.ndarray) -> np.ndarray:
-        """Per-id hidden weight in [-1.5, 1.5]: what the embedding of that id should learn."""
-        key = ids.astype(np.uint64) * np.uint64(64) + np.uint64(t) + np.uint64(self.spec.seed) * np.uint64(7919)
+    def _id_effect(self, t: int | np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Per-id hidden weight in [-1.5, 1.5]: what the embedding of that id should learn (`t` may be a row of
+        table indices broadcast against ids [N, T])."""
+        key = ids.astype(np.uint64) * np.uint64(64) + np.asarray(t, dtype=np.uint64) + np.uint64(self.spec.seed) * np.uint64(7919)
         return (_unit(splitmix64(key)) - 0.5) * 3.0
 
     # ---- id sampling ---------------------------------------------------------------------------------
-    def _zipf_ranks(self, u: np.ndarray, n: int) -> np.ndarray:
+    def _zipf_ranks(self, u: np.ndarray, n: np.ndarray | int) -> np.ndarray:
         """Truncated Zipf(a) over ranks 0..n-1 by the continuous inverse CDF (vectorised, exact enough)."""
         a = self.spec.zipf
-        hi = (n + 1.0) ** (1.0 - a)
+        hi = (np.asarray(n, dtype=np.float64) + 1.0) ** (1.0 - a)
         x = (1.0 + u * (hi - 1.0)) ** (1.0 / (1.0 - a))
-        return np.minimum(np.floor(x).astype(np.int64) - 1, n - 1).clip(0)
+        return np.minimum(np.floor(x).astype(np.int64) - 1, np.asarray(n) - 1).clip(0)
 
-    def _ids(self, rng: np.random.Generator, t: int, pos: np.ndarray) -> np.ndarray:
-        """Ids of table t for samples at global positions pos."""
-        s, n = self.spec, self.table_rows[t]
-        m = pos.shape[0]
-        mode = rng.random(m)
-        u = rng.random(m)
-        ranks = self._zipf_ranks(u, n)
-        ids = (ranks * self._mult[t]) % n if n > 1 else np.zeros(m, dtype=np.int64)
-        tail = mode < s.tail
-        ids[tail] = rng.integers(0, n, size=int(tail.sum()))
+    def _uniforms(self, pos: np.ndarray, first: int, count: int) -> np.ndarray:
+        """[N, count] uniforms in (0, 1): draws first..first+count-1 of the samples at log positions pos. Counter
+        based (a hash of position and draw), so any sample range costs only its own draws."""
+        key = pos.astype(np.uint64)[:, None] * np.uint64(self._draws) + np.arange(first, first + count, dtype=np.uint64)
+        return ((splitmix64(key ^ self._salt) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+    def _ids(self, pos: np.ndarray) -> np.ndarray:
+        """Ids [N, T] of the samples at log positions pos (draws 0..4T-1 of each sample)."""
+        s, T, n = self.spec, self.num_tables, self._rows
+        # one [N, T] block per draw: blocks past ~128 KB come from fresh pages on every call (glibc mmap)
+        mode, rank_u, tail_u, age_u = (self._uniforms(pos, k * T, T) for k in range(4))
+        ids = self._zipf_ranks(rank_u, n) * self._mult % n  # a Zipf head spread over the table
+        tail = mode < s.tail  # uniform over the whole table
+        ids = np.where(tail, np.minimum(np.floor(tail_u * n).astype(np.int64), n - 1), ids)
+        # trending ids are born at a steady pace (one per `life / births` samples); an id's chance to be drawn
+        # decays with its age, so it bursts right after birth and fades over ~trend_life samples
         trend = (mode >= s.tail) & (mode < s.tail + s.locality)
         if trend.any():
-            # trending ids are born at a steady pace (one per `life / births` samples); an id's chance to be
-            # drawn decays with its age, so it bursts right after birth and fades over ~trend_life samples
-            births = max(16, min(n // 4, 256))
-            step = max(1, s.trend_life // births)
-            now = pos[trend] // step
-            age = np.floor(rng.exponential(births / 4.0, size=int(trend.sum()))).astype(np.int64)
+            now = pos[:, None] // self._trend_step
+            age = np.floor(-np.log(age_u) * self._trend_scale).astype(np.int64)  # exponential, mean births / 4
             born = np.maximum(now - age, 0)
-            h = splitmix64(born.astype(np.uint64) * np.uint64(131) + np.uint64(t * 7 + s.seed * 1_000_003))
-            ids[trend] = (h % np.uint64(n)).astype(np.int64)
+            h = splitmix64(born.astype(np.uint64) * np.uint64(131) + self._trend_salt)
+            ids = np.where(trend, (h % n.astype(np.uint64)).astype(np.int64), ids)
         return ids
 
     # ---- batches -------------------------------------------------------------------------------------
-    def global_batch(self, index: int, size: int) -> Samples:
-        """Samples [index*size, (index+1)*size) of the log. Pure function of (seed, index, size)."""
-        if index < 0 or size < 1:
-            raise ValueError(f"global_batch: need index >= 0 and size >= 1, got index={index}, size={size}")
-        rng = np.random.default_rng([self.spec.seed, index, size])
-        pos = np.arange(index * size, (index + 1) * size, dtype=np.int64)
-        ids = np.stack([self._ids(rng, t, pos) for t in range(self.num_tables)], axis=1)
-        dense = rng.normal(0.0, 1.0, size=(size, self.num_dense)).astype(np.float32)
-        logit = -1.0 + dense.astype(np.float64) @ self._dense_w
-        for t in range(self.num_tables):
-            logit += self._table_w[t] * self._id_effect(t, ids[:, t]) / math.sqrt(self.num_tables) * 2.0
-        if self.num_dense and self.num_tables >= 2:  # one interaction: a dense feature gates a field
-            logit += 0.5 * dense[:, 0] * self._id_effect(self.num_tables - 1, ids[:, 1])
+    def samples(self, start: int, count: int) -> Samples:
+        """Samples [start, start + count) of the log: a pure function of (seed, position), so a rank can make just
+        its slice of a global batch, and a sample is the same whatever the batch size."""
+        if start < 0 or count < 0:
+            raise ValueError(f"samples: need start >= 0 and count >= 0, got start={start}, count={count}")
+        T, D = self.num_tables, self.num_dense
+        pos = np.arange(start, start + count, dtype=np.int64)
+        ids = self._ids(pos)
+        u = self._uniforms(pos, 4 * T, 2 * D + 1)
+        dense = np.sqrt(-2.0 * np.log(u[:, :D])) * np.cos(2.0 * math.pi * u[:, D : 2 * D])  # Box-Muller normals
+        effects = self._id_effect(np.arange(T), ids)
+        logit = -1.0 + dense @ self._dense_w + effects @ self._table_w / math.sqrt(T) * 2.0
+        if D and T >= 2:  # one interaction: a dense feature gates a field
+            logit += 0.5 * dense[:, 0] * self._id_effect(T - 1, ids[:, 1])
         p = 1.0 / (1.0 + np.exp(-logit))
-        labels = (rng.random(size) < p).astype(np.float32)
+        labels = (u[:, 2 * D] < p).astype(np.float32)
         # dense features are shown to the model as log(1 + max(x, 0))-like non-negative values, as in Criteo
         return Samples(dense=np.log1p(np.exp(dense)).astype(np.float32), ids=ids, labels=labels)
+
+    def global_batch(self, index: int, size: int) -> Samples:
+        """Samples [index*size, (index+1)*size) of the log."""
+        if index < 0 or size < 1:
+            raise ValueError(f"global_batch: need index >= 0 and size >= 1, got index={index}, size={size}")
+        return self.samples(index * size, size)
+
+    def batch_slice(self, index: int, size: int, lo: int, hi: int) -> Samples:
+        """Samples [lo, hi) of global batch `index` of `size` samples: `global_batch(index, size).take(slice(lo,
+        hi))` at the cost of hi - lo samples (a rank makes its own slice only)."""
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(f"batch_slice: need 0 <= lo <= hi <= size, got lo={lo}, hi={hi}, size={size}")
+        if index < 0:
+            raise ValueError(f"batch_slice: need index >= 0, got {index}")
+        return self.samples(index * size + lo, hi - lo)
 
     def is_validation(self, index: int) -> bool:
         return index % self.spec.val_every == self.spec.val_every - 1
