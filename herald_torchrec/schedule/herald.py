@@ -192,11 +192,8 @@ class HeraldPolicy(SchedulePolicy):
                 cm = c.reshape(K, R)
                 W = (cm > 0) * self._wtype(2)
                 W[ki, own] += (cm[ki, own] == 0) * self._wtype(self.owner_weight)
-                if v.cols is not None:  # sum the per-key rows of every sample's keys, one key column at a time
-                    sc = W[v.cols[0]]
-                    for j in range(1, v.cols.shape[0]):
-                        sc += W[v.cols[j]]
-                    sc = sc.astype(np.float32)
+                if v.cols is not None:  # sum the per-key rows of every sample's keys ([S, N, R] -> [N, R], in order)
+                    sc = np.add.reduce(W[v.cols], axis=0).astype(np.float32)
                 else:
                     sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
                                      weights=W[ec].ravel(), minlength=N * R).reshape(N, R)
