@@ -6,7 +6,9 @@
 For each (R, scheduler) it runs `torchrun --nproc_per_node R train.py scheduler=S ...` on the same synthetic trace
 and reads the run's metrics.json. Prints one JSON object:
 {"config": {...}, "runs": {R: {S: {"step_ms": x, "samples_per_s": x, "comm_bytes_per_step": x, "hit_rate": x,
-"sched_ms_median": x, "auc": x}}}, "ratios": {R: {"herald_vs_torchrec_bytes": x, ...}}}.
+"sched_ms_median": x, "input_wait_ms_median": x, "auc": x}}}, "ratios": {R: {"herald_vs_torchrec_bytes": x, ...}}}
+(`input_wait_ms_median`, herald only: the training thread's median wait for its batch; well above ~0.1 ms the input
+stage does not keep ahead of training).
 `comm_bytes_per_step` is what every rank together hands to torch.distributed collectives per training step for
 embeddings and sample exchange (one counting wrapper for all schedulers). `torchrec` is stock TorchRec ROW_WISE
 (the home placement Herald starts from; the issue's baseline), `torchrec_tw` stock TABLE_WISE for context. Step times on a 2-core machine with 4 ranks are dominated by CPU
@@ -99,6 +101,8 @@ def read_metrics(run_dir: Path, output: str, steps: int) -> dict:
         "comm_bytes_per_step": m["comm_bytes_per_step"],
         "hit_rate": m.get("hit_rate"),
         "sched_ms_median": m.get("sched_ms_median"),
+        # herald: the training thread's median wait for its batch; well above ~0.1 ms, the input stage lags training
+        "input_wait_ms_median": m.get("input_wait_ms_median"),
         "rows_by_kind_per_step": m.get("rows_by_kind_per_step"),
         "auc": m["auc"],
     }

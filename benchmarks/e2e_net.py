@@ -42,7 +42,7 @@ RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold
 START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
 STEP_MARK = r"^step\s+{step}\s+loss"  # trainer.py's log line of step `step` (every log_interval steps)
 NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
-           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate")
+           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate", "input_wait_ms_median")
 
 
 def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
@@ -92,7 +92,9 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
           f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
           f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
-          f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step", file=sys.stderr)
+          f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step"
+          + (f"  input wait {rec['input_wait_ms_median']:.2f} ms" if rec.get("input_wait_ms_median") is not None else ""),
+          file=sys.stderr)
     return rec
 
 

@@ -123,6 +123,10 @@ def test_summary_reports_the_fastest_round_and_medians() -> None:
     assert s["best"]["step_ms"] == 50.0 and s["best"]["auc"] == 0.7  # the fastest round's own numbers
     assert s["median"]["step_ms"] == 60.0 and s["median"]["auc"] == 0.7 and s["median"]["wire_bytes_per_step"] == 500
     assert len(s["rounds"]) == 3
+    # herald's runs carry the training thread's median wait for its batch; stock runs have none (not a 0)
+    waits = e2e_net.summarize([rec | {"input_wait_ms_median": w} for w in (0.5, 0.02, 7.0)])
+    assert waits["best"]["input_wait_ms_median"] == 0.5 and waits["median"]["input_wait_ms_median"] == 0.5
+    assert "input_wait_ms_median" not in s["best"] and "input_wait_ms_median" not in s["median"]
 
 
 def test_proc_cpu_seconds_parses_user_and_sys() -> None:
