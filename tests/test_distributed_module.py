@@ -222,6 +222,17 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     got, worst = pc.all_to_all_flagged(torch.arange(4.0)[: sum(send_splits)] + 10 * rank, send_splits, recv_splits,
                                        "x", flag=3 * rank + 1)
     res["a2a_flagged"] = (got.tolist(), worst, c.snapshot())
+    # flagged, per-peer parts (the step's moves + values): rank d's block is its parts in order, one copy to send;
+    # received per rank as views. Rank 0 sends [0] + [100, 101] to itself and [1, 2] + [] to rank 1; rank 1 sends
+    # [10, 11] + [110] to rank 0 and nothing to itself.
+    c.reset()
+    v = torch.tensor([100.0, 101.0]) + 10 * rank
+    parts = ([[torch.tensor([0.0]), v], [torch.tensor([1.0, 2.0]), v[:0]]] if rank == 0
+             else [[torch.tensor([10.0, 11.0]), v[:1]], [v[:0], v[:0]]])
+    pend = pc.start_all_to_all_flagged_parts(parts, [3, 3] if rank == 0 else [2, 0], {"moves": 8, "shared_value": 4},
+                                             flag=rank + 5)
+    blocks, worst = pend.wait_flagged_parts()
+    res["a2a_parts"] = ([b.tolist() for b in blocks], worst, c.snapshot())
     torch.save(res, rank_result(out_dir, rank))
 
 
@@ -262,6 +273,9 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
     # same data as the plain all-to-all, the max flag (rank 1's 4) everywhere, one header float per peer as control
     assert r0["a2a_flagged"] == ([0.0, 10.0, 11.0], 4, {"x": 12, "control": 4})
     assert r1["a2a_flagged"] == ([1.0, 2.0, 3.0], 4, {"x": 8, "control": 4})
+    assert r0["a2a_parts"][:2] == ([[0.0, 100.0, 101.0], [10.0, 11.0, 110.0]], 6)
+    assert r1["a2a_parts"][:2] == ([[1.0, 2.0], []], 6)
+    assert r0["a2a_parts"][2] == {"moves": 8, "shared_value": 4, "control": 4}  # the caller's off-rank bytes + headers
 
 
 # ----------------------------------------------------------------------------------------------- TorchRec pipeline

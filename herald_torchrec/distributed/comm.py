@@ -181,25 +181,39 @@ class PlanComm:
     ) -> "PendingAllToAll":
         """`all_to_all_flagged`, issued with async_op=True: the handle's `wait_flagged()` gives (data, max flag)."""
         send_splits = [int(x) for x in send_splits]
+        if send.dim() != 1 or len(send_splits) != self.world_size or sum(send_splits) != send.shape[0]:
+            raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {self.world_size} splits that sum to its length")
+        return self.start_all_to_all_flagged_parts([[b] for b in send.split(send_splits)], recv_splits, kind, flag)
+
+    def start_all_to_all_flagged_parts(
+        self, parts: Sequence[Sequence[torch.Tensor]], recv_splits: Sequence[int], kind: str | Mapping[str, int],
+        flag: int,
+    ) -> "PendingAllToAll":
+        """`start_all_to_all_flagged` with rank d's block given as the 1-D tensors `parts[d]` (one dtype): the header
+        and every part go into the send buffer in one copy, so a caller that sends several kinds of data to each
+        peer does not concatenate them first. `wait_flagged_parts()` gives the received blocks one by one."""
         recv_splits = [int(x) for x in recv_splits]
         R = self.world_size
+        if len(parts) != R or len(recv_splits) != R or any(x.dim() != 1 for p in parts for x in p):
+            raise ValueError(f"all_to_all_flagged: need {R} lists of 1-D tensors and {R} receive splits")
+        sizes = [sum(int(x.shape[0]) for x in p) for p in parts]
         if R == 1:
-            pending = self.start_all_to_all(send, send_splits, recv_splits, kind)
+            pending = self.start_all_to_all(torch.cat(list(parts[0])), sizes, recv_splits, kind)
             pending.flag = int(flag)
             return pending
-        if send.dim() != 1 or len(send_splits) != R or len(recv_splits) != R or sum(send_splits) != send.shape[0]:
-            raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {R} splits that sum to its length")
-        s_spl, r_spl = np.asarray(send_splits, dtype=np.int64), np.asarray(recv_splits, dtype=np.int64)
-        # block d: [header, data for rank d]: R slices and one cat, no per-element index maps
-        head = send.new_full((R, 1), float(flag) if send.is_floating_point() else int(flag))
-        blocks = send.split(s_spl.tolist())
-        buf = torch.cat([x for d in range(R) for x in (head[d], blocks[d])])
-        out = send.new_empty(int(r_spl.sum()) + R)
-        elem = send.element_size()
-        name = self._count(kind, elem * int(s_spl.sum() - s_spl[self.rank]))
+        like = next(x for p in parts for x in p) if any(len(p) for p in parts) else None
+        if like is None:
+            raise ValueError("all_to_all_flagged: every rank's block needs at least one (possibly empty) tensor")
+        # block d: [header, parts for rank d]: one cat, no per-element index maps
+        head = like.new_full((R, 1), float(flag) if like.is_floating_point() else int(flag))
+        buf = torch.cat([x for d in range(R) for x in (head[d], *parts[d])])
+        r_spl = np.asarray(recv_splits, dtype=np.int64)
+        out = like.new_empty(int(r_spl.sum()) + R)
+        elem = like.element_size()
+        name = self._count(kind, elem * (sum(sizes) - sizes[self.rank]))
         self.counter.add("control", elem * (R - 1), call=False)
         work = dist.all_to_all_single(
-            out, buf, (r_spl + 1).tolist(), (s_spl + 1).tolist(), group=self.group, async_op=True
+            out, buf, (r_spl + 1).tolist(), [n + 1 for n in sizes], group=self.group, async_op=True
         )
         return PendingAllToAll(out, work, f"comm.all_to_all.{name}", (r_spl + 1).tolist(), keep=buf)
 
@@ -264,6 +278,14 @@ class PendingAllToAll:
         out = self._complete()
         if self._blocks is None:
             return out, int(self.flag)
+        blocks, worst = self.wait_flagged_parts()
+        return torch.cat(blocks), worst
+
+    def wait_flagged_parts(self) -> tuple[list[torch.Tensor], int]:
+        """(the data received from each rank, in rank order, as views; max of the flags over ranks)."""
+        out = self._complete()
+        if self._blocks is None:  # one rank: no headers travelled
+            return [out], int(self.flag)
         blocks = out.split(self._blocks)
         worst = int(torch.stack([b[0] for b in blocks]).max().item())  # one host read (a sync on CUDA), not R
-        return torch.cat([b[1:] for b in blocks]), worst
+        return [b[1:] for b in blocks], worst

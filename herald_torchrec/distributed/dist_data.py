@@ -49,20 +49,24 @@ def raise_step_error(err: Exception | None, worst_flag: int) -> None:
 
 
 class _AllToAllAwaitable(Awaitable[W]):
-    """Completes a `PendingAllToAll`; with an `ErrorCheck`, raises the step's error on every rank first."""
+    """Completes a `PendingAllToAll`; with an `ErrorCheck`, raises the step's error on every rank first. With
+    `recv_splits`, `done` gets the data from each rank as a list (views, no copy) instead of one tensor."""
 
-    def __init__(self, pending: PendingAllToAll | None, check: ErrorCheck | None, done: Callable[[torch.Tensor], W]) -> None:
+    def __init__(self, pending: PendingAllToAll | None, check: ErrorCheck | None, done: Callable[[torch.Tensor], W],
+                 recv_splits: list[int] | None = None) -> None:
         super().__init__()
-        self._pending, self._check, self._done = pending, check, done
+        self._pending, self._check, self._done, self._recv = pending, check, done, recv_splits
 
     def _wait_impl(self) -> W:
         if self._pending is None:  # globally empty: nothing was issued
             return self._done(None)  # type: ignore[arg-type]
         if self._check is not None:
-            out, worst = self._pending.wait_flagged()
+            out, worst = self._pending.wait_flagged_parts() if self._recv is not None else self._pending.wait_flagged()
             raise_step_error(self._check.err, worst)
         else:
             out = self._pending.wait()
+            if self._recv is not None:
+                out = list(out.split(self._recv))
         return self._done(out)
 
 
@@ -100,16 +104,17 @@ class RowMoveDist(_PlanAllToAll):
         return _AllToAllAwaitable(self._start(send, ms.send_splits, ms.recv_splits, check), check, lambda out: out)
 
 
-def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
-    """Per peer, a's block then b's block (1-D tensors cut by their splits): one send buffer for two kinds."""
-    pa, pb = a.split(a_splits), b.split(b_splits)
-    return torch.cat([x for d in range(len(a_splits)) for x in (pa[d], pb[d])])
+def _per_peer(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> list[list[torch.Tensor]]:
+    """Per peer, a's block then b's block (1-D tensors cut by their splits, as views): two kinds in one send."""
+    return [list(x) for x in zip(a.split(a_splits), b.split(b_splits))]
 
 
-def _deinterleave(out: torch.Tensor, a_splits: list[int], b_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `_interleave` on the receiving side: (a's blocks, b's blocks), each in peer order."""
-    parts = out.split([n for d in range(len(a_splits)) for n in (a_splits[d], b_splits[d])])
-    return torch.cat(parts[0::2]), torch.cat(parts[1::2])
+def _deinterleave(blocks: list[torch.Tensor], a_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The receiving side of `_per_peer`: from each peer's block (a's part, then b's), (a's parts, b's parts), each
+    in peer order: one copy each."""
+    heads = [blk[:n] for blk, n in zip(blocks, a_splits)]
+    tails = [blk[n:] for blk, n in zip(blocks, a_splits)]
+    return torch.cat(heads), torch.cat(tails)
 
 
 class StepExchangeDist(_PlanAllToAll):
@@ -125,17 +130,20 @@ class StepExchangeDist(_PlanAllToAll):
     ) -> Awaitable[tuple[torch.Tensor, torch.Tensor] | None]:
         if ms.globally_empty and sh.globally_empty:
             return _AllToAllAwaitable(None, None, lambda out: None)
-        send = _interleave(rows, ms.send_splits, values, sh.value_splits)
-        send_splits = [a + b for a, b in zip(ms.send_splits, sh.value_splits)]
+        parts = _per_peer(rows, ms.send_splits, values, sh.value_splits)
         recv_splits = [a + b for a, b in zip(ms.recv_splits, sh.recv_splits)]
-        r, elem = self._comm.rank, send.element_size()
+        r, elem = self._comm.rank, values.element_size()
         kinds = {}  # off-rank bytes by kind, for the kinds this step has on some rank
         if not ms.globally_empty:
             kinds["moves"] = elem * (sum(ms.send_splits) - ms.send_splits[r])
         if not sh.globally_empty:
             kinds["shared_value"] = elem * (sum(sh.value_splits) - sh.value_splits[r])
-        pending = self._start(send, send_splits, recv_splits, check, kinds)
-        return _AllToAllAwaitable(pending, check, lambda out: _deinterleave(out, ms.recv_splits, sh.recv_splits))
+        if check is not None:  # the flag headers and both kinds go into the send buffer in one copy
+            pending = self._comm.start_all_to_all_flagged_parts(parts, recv_splits, kinds, check.flag)
+        else:
+            send_splits = [a + b for a, b in zip(ms.send_splits, sh.value_splits)]
+            pending = self._start(torch.cat([x for p in parts for x in p]), send_splits, recv_splits, None, kinds)
+        return _AllToAllAwaitable(pending, check, lambda blocks: _deinterleave(blocks, ms.recv_splits), recv_splits)
 
 
 class SharedGradDist(_PlanAllToAll):
