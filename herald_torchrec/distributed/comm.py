@@ -275,11 +275,8 @@ class PendingAllToAll:
         return self._complete()
 
     def wait_flagged(self) -> tuple[torch.Tensor, int]:
-        out = self._complete()
-        if self._blocks is None:
-            return out, int(self.flag)
         blocks, worst = self.wait_flagged_parts()
-        return torch.cat(blocks), worst
+        return (blocks[0] if self._blocks is None else torch.cat(blocks)), worst  # one rank: the buffer itself
 
     def wait_flagged_parts(self) -> tuple[list[torch.Tensor], int]:
         """(the data received from each rank, in rank order, as views; max of the flags over ranks)."""
