@@ -187,6 +187,58 @@ def test_pick_victims_matches_a_sort(top):
     assert got == want
 
 
+@pytest.mark.parametrize("seed,pushed_share", [(0, 0.2), (1, 0.2), (2, 0.9), (3, 0.9)])
+def test_pick_victims_with_a_floor_matches_without(seed, pushed_share):
+    """The floor (a lower bound of the priority) only narrows the candidates: same victims as a full selection,
+    with many ties, pinned members, priorities pushed far above their floor, and groups that cannot fill `need`."""
+    rng = np.random.default_rng(seed)
+    G = 9
+    cap = rng.integers(0, 400, G)
+    gs = GuestSlots(cap, 5000, payload=("last",))
+    keys = rng.permutation(5000)
+    k = 0
+    for g in range(G):
+        n = int(rng.integers(0, cap[g] + 1))
+        pos = gs.add(keys[k : k + n], np.full(n, g))
+        gs.payload["last"][pos] = rng.integers(0, 300, n)  # a recency: many members share a value
+        k += n
+    last = gs.payload["last"]
+    step = 299
+    pushed = rng.random(5000) < pushed_share  # e.g. read again in the lookahead window: priority far above the floor
+    pinned = rng.random(5000) < 0.1
+
+    def prio(p):
+        key = gs.slot[p]
+        out = last[p] + 1 + pushed[key] * 10_000
+        return np.where((last[p] == step) | pinned[key], -1, out)
+
+    groups = np.arange(G)
+    need = rng.integers(0, 60, G)
+    need[0] = cap[0] + 5  # more than the group holds
+    full = set(gs.slot[gs.pick_victims(groups, need, prio)].tolist())
+    fast = gs.slot[gs.pick_victims(groups, need, prio, floor=last)]
+    assert len(fast) == len(set(fast.tolist()))
+    assert set(fast.tolist()) == full
+
+
+def test_directory_keeps_each_guests_last_use_per_slot():
+    rng = np.random.default_rng(1)
+    d = OwnershipDirectory([300, 50, 7], num_ranks=3, cache_ratio=0.2)
+    n = d.layout.total_rows
+    for step in range(60):
+        d.touch(rng.choice(n, 40, replace=False), step)
+        gid = rng.choice(n, 30, replace=False)
+        dst = rng.integers(0, 3, 30)
+        g = d.group(dst, gid)
+        ok = (dst == d.home[gid]) | (np.bincount(g, minlength=d.slots.num_groups)[g] <= 1)
+        gid, dst = gid[ok], dst[ok]
+        fits = (dst == d.home[gid]) | (d.slots.fill[d.group(dst, gid)] < d.slots.cap[d.group(dst, gid)])
+        d.apply_moves(gid[fits], dst[fits])
+        members = d.slots.slot[d.slots.slot >= 0]
+        np.testing.assert_array_equal(d.slots.payload["last_use"][d.slots.pos_of[members]], d.last_use[members])
+    assert d.guests().sum() > 0
+
+
 # ---- LAIA -------------------------------------------------------------------------------------------------------
 def test_balanced_assign_exact_sizes_and_optimum_when_obvious():
     R, B = 4, 8

@@ -249,7 +249,7 @@ class HeraldPolicy(SchedulePolicy):
         window = [self.keys_of(x) for x in batches[1:]]
         for j in range(len(window), 0, -1):
             nu[window[j - 1].keys] = j
-        d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
+        d.touch(keys, self.step)  # also pins this step's keys: they are never eviction victims
         victims, room = self._make_room(keys, own, home, want, single, nu)
         v_src = d.owner[victims].astype(np.int64)
         v_dst = d.home[victims].astype(np.int64)
@@ -305,6 +305,7 @@ class HeraldPolicy(SchedulePolicy):
             p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
             return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
 
+
         # Cancelling an arrival whose row is a guest elsewhere also cancels that departure, which its group may
         # have counted on: each round settles one link of such chains (cancelling rows that come from home first,
         # which breaks them). Every round cancels at least one arrival, so this ends.
@@ -320,7 +321,7 @@ class HeraldPolicy(SchedulePolicy):
                 break
             left = deficit
             if it < victim_rounds:
-                vpos = d.slots.pick_victims(gneed, deficit[gneed], prio)
+                vpos = d.slots.pick_victims(gneed, deficit[gneed], prio, d.slots.payload["last_use"])  # prio > last use
                 v = d.slots.slot[vpos]
                 if v.shape[0]:
                     picked[v] = True
