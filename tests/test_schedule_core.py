@@ -7,6 +7,7 @@ import pytest
 
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, guest_capacity
+from herald_torchrec.schedule.eviction import EvictionPool
 from herald_torchrec.schedule.laia import balanced_assign
 from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
 
@@ -188,37 +189,60 @@ def test_pick_victims_matches_a_sort(top):
 
 
 @pytest.mark.parametrize("seed,pushed_share", [(0, 0.2), (1, 0.2), (2, 0.9), (3, 0.9)])
-def test_pick_victims_with_a_floor_matches_without(seed, pushed_share):
-    """The floor (a lower bound of the priority) only narrows the candidates: same victims as a full selection,
-    with many ties, pinned members, priorities pushed far above their floor, and groups that cannot fill `need`."""
+def test_eviction_pool_picks_what_a_full_selection_picks(seed, pushed_share):
+    """Over a run of steps (reads raise floors, rows leave and come back with old floors, victims leave), the pool's
+    victims equal a full selection's, with ties, pinned members, priorities far above their floor, groups smaller
+    than a pool and groups that cannot fill `need`; small pools make rebuilds and overflows frequent."""
     rng = np.random.default_rng(seed)
-    G = 9
-    cap = rng.integers(0, 400, G)
-    gs = GuestSlots(cap, 5000, payload=("last",))
-    keys = rng.permutation(5000)
-    k = 0
-    for g in range(G):
-        n = int(rng.integers(0, cap[g] + 1))
-        pos = gs.add(keys[k : k + n], np.full(n, g))
-        gs.payload["last"][pos] = rng.integers(0, 300, n)  # a recency: many members share a value
-        k += n
-    last = gs.payload["last"]
-    step = 299
-    pushed = rng.random(5000) < pushed_share  # e.g. read again in the lookahead window: priority far above the floor
-    pinned = rng.random(5000) < 0.1
+    G, n_keys = 6, 3000
+    cap = np.array([40, 3, 200, 90, 0, 120])
+    gs = GuestSlots(cap, n_keys, payload=("last",))
+    pool = EvictionPool(gs, "last", size=16)
+    group_of = np.full(n_keys, -1)
+    floor = np.full(n_keys, -1, dtype=np.int64)  # the row's last use, wherever it is
+    pushed = rng.random(n_keys) < pushed_share  # e.g. read again in the lookahead window
 
-    def prio(p):
-        key = gs.slot[p]
-        out = last[p] + 1 + pushed[key] * 10_000
-        return np.where((last[p] == step) | pinned[key], -1, out)
+    def arrive(keys, g):
+        pos = gs.add(keys, np.full(keys.shape[0], g))
+        gs.payload["last"][pos] = floor[keys]
+        group_of[keys] = g
+        pool.arrived(pos)
 
-    groups = np.arange(G)
-    need = rng.integers(0, 60, G)
-    need[0] = cap[0] + 5  # more than the group holds
-    full = set(gs.slot[gs.pick_victims(groups, need, prio)].tolist())
-    fast = gs.slot[gs.pick_victims(groups, need, prio, floor=last)]
-    assert len(fast) == len(set(fast.tolist()))
-    assert set(fast.tolist()) == full
+    for g in range(G):  # fill
+        free = np.flatnonzero(group_of < 0)
+        arrive(rng.choice(free, int(cap[g]), replace=False), g)
+    for step in range(1, 60):
+        read = rng.choice(n_keys, 150, replace=False)  # reads: the floor only grows
+        floor[read] = step
+        pos = gs.pos_of[read]
+        gs.payload["last"][pos[pos >= 0]] = step
+        pinned = rng.random(n_keys) < 0.05
+
+        def prio(p):
+            key = gs.slot[p]
+            return np.where((gs.payload["last"][p] == step) | pinned[key], -1,
+                            gs.payload["last"][p] + 1 + pushed[key] * 10_000)
+
+        groups = np.arange(G)
+        need = rng.integers(0, 25, G)
+        need[step % G] = cap[step % G] + 2  # more than the group holds
+        want = np.sort(gs.slot[gs.pick_victims(groups, need, prio)])
+        got = gs.slot[pool.pick(groups, need, prio)]
+        np.testing.assert_array_equal(np.sort(got), want)
+        # the victims leave; as many rows arrive, some with old floors (a forwarded guest keeps its last use)
+        left = group_of[want]
+        gs.remove(want, left)
+        group_of[want] = -1
+        for g in range(G):
+            room = int(gs.cap[g] - gs.fill[g])
+            back = want[left == g][:room] if step % 3 == 0 else want[:0]  # rows that left and come back at once
+            if back.shape[0]:
+                arrive(back, g)
+            room -= back.shape[0]
+            if room:
+                free = np.flatnonzero(group_of < 0)
+                arrive(rng.choice(free, room, replace=False), g)
+    assert pool.rebuilds > 0
 
 
 def test_directory_keeps_each_guests_last_use_per_slot():

@@ -113,30 +113,17 @@ class GuestSlots:
         out[order] = pos
         return out
 
-    def pick_victims(self, groups: np.ndarray, need: np.ndarray, priority: "callable",
-                     floor: np.ndarray | None = None) -> np.ndarray:
+    def pick_victims(self, groups: np.ndarray, need: np.ndarray, priority: "callable") -> np.ndarray:
         """Slots of the `need[i]` lowest-priority members of each `groups[i]`.
 
         `priority(pos)` gives an int64 per member slot: lower is evicted first; values < 0 mark members that must
         stay (they are never picked). Ties go to the lower slot. Fewer are returned where a group lacks candidates.
-
-        `floor` (optional, int64 per slot, >= -1, e.g. the last use kept in a payload) is a lower bound of every
-        member's priority (priority >= floor where priority >= 0), so that the priority is computed for a few candidates per group (`_floor_candidates`)
-        instead of every member: victims are few (the step's arrivals) but the groups are whole caches, and a
-        priority for every member at every step made a full cache cost more than the rest of the plan.
-        The result is the same either way.
+        O(members of the groups); `eviction.EvictionPool` gives the same victims from a few candidates per group.
         """
         keep = need > 0
         groups, need = groups[keep], need[keep]
         if groups.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        if floor is not None:
-            pos, idx, prio = self._floor_candidates(groups, need, floor, priority)
-            ok = prio >= 0
-            pos, idx, prio = pos[ok], idx[ok], prio[ok]
-            if pos.shape[0] == 0:
-                return pos
-            return self._lowest(pos, idx, prio, need)
         pos, idx = self.ranges_idx(groups)
         prio = priority(pos)
         ok = prio >= 0
@@ -176,35 +163,6 @@ class GuestSlots:
         first = np.searchsorted(idx, np.arange(G))
         within = np.arange(pos.shape[0]) - first[idx]
         return pos[within < need[idx]]
-
-    def _floor_candidates(self, groups: np.ndarray, need: np.ndarray, floor: np.ndarray,
-                          priority: "callable") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Members (slots, index into `groups`, priority) among which `pick_victims` finds every victim.
-
-        A histogram of `floor` per group (64 bins) gives each group the lowest bin edge `tau` below which it has a
-        few times `need` members; they are the candidates. Every other member's priority is >= tau, so if a group
-        has `need` candidates of priority < tau, its victims are among them; a group without (its oldest members
-        are pinned or pushed back by their priority) gets all its members."""
-        G = groups.shape[0]
-        pos, idx = self.ranges_idx(groups)
-        f = floor[pos] + 1  # >= 0
-        top = int(f.max()) if f.shape[0] else 0
-        shift = (top >> 6).bit_length()  # 64 bins or fewer
-        nb = (top >> shift) + 1
-        bins = f >> shift
-        cum = np.cumsum(np.bincount(idx * nb + bins, minlength=G * nb).reshape(G, nb), axis=1)
-        k = np.minimum(4 * need + 16, cum[:, -1])
-        thr = np.argmax(cum >= k[:, None], axis=1)  # the bin where a group reaches k members
-        inside = bins <= thr[idx]
-        cpos, cidx = pos[inside], idx[inside]
-        tau = ((thr + 1) << shift) - 1  # outside the candidates: (floor + 1) >> shift > thr, so priority >= tau
-        prio = priority(cpos)
-        short = np.bincount(cidx[(prio >= 0) & (prio < tau[cidx])], minlength=G) < need
-        if short.any():  # these groups' other members too
-            rest = ~inside & short[idx]
-            cpos, cidx = np.concatenate([cpos, pos[rest]]), np.concatenate([cidx, idx[rest]])
-            prio = np.concatenate([prio, priority(pos[rest])])
-        return cpos, cidx, prio
 
     def ranges_idx(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Like `ranges` but returns the index into `groups` of every slot."""
@@ -248,8 +206,7 @@ class OwnershipDirectory:
         self.home = (local // self.block[tab]).astype(np.int32)
         self.owner = self.home.copy()
         self.last_use = np.full(n, -1, dtype=np.int32)  # step of the last read (steps < 2^31)
-        # each guest's last use also per slot: the eviction's floor (GuestSlots.pick_victims) reads it without a
-        # gather by row
+        # each guest's last use also per slot: it bounds the eviction priority (eviction.EvictionPool)
         self.slots = GuestSlots(np.tile(self.capacity, R), n, payload=("last_use",))
 
     @property
@@ -273,12 +230,13 @@ class OwnershipDirectory:
         pos = self.slots.pos_of[gid]
         self.slots.payload["last_use"][pos[pos >= 0]] = step
 
-    def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
-        """Apply moves simultaneously: every row leaves its owner, then arrives at dst (capacity checked)."""
+    def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Apply moves simultaneously: every row leaves its owner, then arrives at dst (capacity checked). Returns
+        the slots of the rows that arrived as guests."""
         gid = np.asarray(gid, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         if gid.shape[0] == 0:
-            return
+            return np.zeros(0, dtype=np.int64)
         src = self.owner[gid].astype(np.int64)
         leave = src != self.home[gid]
         self.slots.remove(gid[leave], self.group(src[leave], gid[leave]))
@@ -286,6 +244,7 @@ class OwnershipDirectory:
         self.owner[gid] = dst.astype(np.int32)
         pos = self.slots.add(gid[arrive], self.group(dst[arrive], gid[arrive]))
         self.slots.payload["last_use"][pos] = self.last_use[gid[arrive]]
+        return pos
 
     def occupancy(self) -> dict:
         """Guest occupancy summary: guests / capacity over all (rank, table) groups with capacity."""

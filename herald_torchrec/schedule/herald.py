@@ -36,6 +36,7 @@ import numpy as np
 
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.eviction import EvictionPool
 from herald_torchrec.schedule.laia import balanced_assign
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
@@ -82,6 +83,7 @@ class HeraldPolicy(SchedulePolicy):
         elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
             raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
+        self.eviction = EvictionPool(self.directory.slots, "last_use")  # victims without a pass over full caches
         T = self.layout.num_tables
         self._refine_arg = refine
         self.refine = 0 if refine is None else int(refine)  # set by profile() when None
@@ -273,7 +275,7 @@ class HeraldPolicy(SchedulePolicy):
         ids, offs, readers = rd.readers_csr(~exclusive)
         shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
         # ---- apply -------------------------------------------------------------------------------------------
-        d.apply_moves(mv_gid, mv_dst)
+        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
         o = np.argsort(mv_gid, kind="stable")
         t, row = split_gid(self.layout, d.table, mv_gid[o])
         moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
@@ -321,7 +323,7 @@ class HeraldPolicy(SchedulePolicy):
                 break
             left = deficit
             if it < victim_rounds:
-                vpos = d.slots.pick_victims(gneed, deficit[gneed], prio, d.slots.payload["last_use"])  # prio > last use
+                vpos = self.eviction.pick(gneed, deficit[gneed], prio)  # prio > last use (the pool's floor)
                 v = d.slots.slot[vpos]
                 if v.shape[0]:
                     picked[v] = True
