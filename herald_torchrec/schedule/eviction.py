@@ -41,6 +41,8 @@ class EvictionPool:
         self.keys = np.zeros((G, self.size), dtype=np.int64)
         self.count = np.zeros(G, dtype=np.int64)
         self.rebuilds = 0  # groups rebuilt from their members (a cost counter, for tests and profiling)
+        # the group of every slot (the groups' regions are fixed)
+        self.group_of_slot = np.repeat(np.arange(G, dtype=np.int32), slots.cap)
 
     @property
     def floor(self) -> np.ndarray:
@@ -52,11 +54,11 @@ class EvictionPool:
         pool; a pool that would overflow is emptied (tau = -1)."""
         if pos.shape[0] == 0:
             return
-        g = np.searchsorted(self.slots.base, pos, side="right") - 1
-        low = self.floor[pos] < self.tau[g]
+        low = self.floor[pos] < self.tau[self.group_of_slot[pos]]
         if not low.any():
             return
-        pos, g = pos[low], g[low]
+        pos = pos[low]
+        g = self.group_of_slot[pos].astype(np.int64)
         order = np.argsort(g, kind="stable")
         pos, g = pos[order], g[order]
         a = np.bincount(g, minlength=self.tau.shape[0])
