@@ -38,7 +38,10 @@ class EvictionPool:
         self.slots, self.floor_name, self.size = slots, floor, int(size)
         G = slots.num_groups
         self.tau = np.full(G, -1, dtype=np.int64)  # empty pools: no member has a floor below -1 (floors are >= -1)
-        self.keys = np.zeros((G, self.size), dtype=np.int64)
+        # pools only for groups bigger than a pool (the others take the full selection): at most one key per slot
+        big = slots.cap > self.size
+        self.row = np.cumsum(big) - 1  # a big group's row of `keys`
+        self.keys = np.zeros((int(big.sum()), self.size), dtype=np.int64)
         self.count = np.zeros(G, dtype=np.int64)
         self.rebuilds = 0  # groups rebuilt from their members (a cost counter, for tests and profiling)
         # the group of every slot (the groups' regions are fixed)
@@ -69,7 +72,7 @@ class EvictionPool:
             pos, g = pos[keep], g[keep]
             a[over] = 0
         within = np.arange(g.shape[0]) - (np.cumsum(a) - a)[g]
-        self.keys[g, self.count[g] + within] = self.slots.slot[pos]
+        self.keys[self.row[g], self.count[g] + within] = self.slots.slot[pos]
         self.count += a
 
     def _rebuild(self, groups: np.ndarray) -> None:
@@ -84,7 +87,7 @@ class EvictionPool:
                 tau = int(np.partition(fl, self.size)[self.size])  # fewer than `size` members lie below it
                 take = np.flatnonzero(fl < tau)
             self.tau[g], self.count[g] = tau, take.shape[0]
-            self.keys[g, : take.shape[0]] = sl.slot[lo + take]
+            self.keys[self.row[g], : take.shape[0]] = sl.slot[lo + take]
         self.rebuilds += groups.shape[0]
 
     # ---- choosing ------------------------------------------------------------------------------------------------
@@ -94,7 +97,7 @@ class EvictionPool:
         n = self.count[groups]
         rows = np.repeat(np.arange(groups.shape[0]), n)
         col = np.arange(rows.shape[0]) - np.repeat(np.cumsum(n) - n, n)
-        keys = self.keys[groups[rows], col]
+        keys = self.keys[self.row[groups[rows]], col]
         pos = sl.pos_of[keys].astype(np.int64)
         g = groups[rows]
         live = (pos >= sl.base[g]) & (pos < sl.base[g] + sl.fill[g])
@@ -105,7 +108,7 @@ class EvictionPool:
         if not live.all():  # compact: drop rows read again (their floor only grows) and rows that left
             kept = np.bincount(rows[live], minlength=groups.shape[0])
             within = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)
-            self.keys[groups[rows[live]], within] = keys[live]
+            self.keys[self.row[groups[rows[live]]], within] = keys[live]
             self.count[groups] = kept
         return pos[live], rows[live]
 
