@@ -148,10 +148,10 @@ class GuestSlots:
             within = tie_rank - start[idx]
             take = (prio < t) | (tie & (within < (need - below)[idx]))
             return pos[take]
-        return self._lowest(pos, idx, prio, need)
+        return self.lowest_per_group(pos, idx, prio, need)
 
     @staticmethod
-    def _lowest(pos: np.ndarray, idx: np.ndarray, prio: np.ndarray, need: np.ndarray) -> np.ndarray:
+    def lowest_per_group(pos: np.ndarray, idx: np.ndarray, prio: np.ndarray, need: np.ndarray) -> np.ndarray:
         """Per group index i, the `need[i]` members of lowest (priority, slot) among (pos, idx, prio >= 0)."""
         G, P, S = need.shape[0], int(prio.max()) + 1, int(pos.max()) + 1
         if G * P * S < 2**62:  # slots are unique: one sort of packed (group, priority, slot) values orders them all

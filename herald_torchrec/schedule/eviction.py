@@ -9,12 +9,13 @@ tables 5x larger 10.8 ms at step 5,000, still growing. Real tables are 100x larg
 The priority is bounded below by a per-slot *floor* that only grows while a row stays in its group (herald: its last
 use, `GuestSlots.payload["last_use"]`). For every group g the pool keeps a threshold `tau[g]` and a list of keys
 holding **every member whose floor is below tau[g]** (plus stale keys: rows read again or gone since, dropped when
-met; a row that left and came back may be listed twice, counted once). Every other member has priority >= floor >= tau[g], so if the pool holds `need` members of priority < tau[g],
-the `need` lowest of the group are among them: the pool alone decides, and the result is exactly a full selection's.
-A group whose pool cannot decide is rebuilt from its members (one pass over its slot region: O(members) but rare —
-after ~`size` victims); a group that still cannot decide (most of its oldest members pinned or needed soon), and
-every group of at most `size` slots, takes the full selection. Rows arriving with a floor below their group's threshold (a forwarded guest keeps its last use)
-join its pool (`arrived`); a pool that overflows is emptied with tau = -1, which keeps the invariant.
+met; a row that left and came back may be listed twice, counted once). Every other member has priority >= floor >=
+tau[g], so if the pool holds `need` members of priority < tau[g], the `need` lowest of the group are among them: the
+pool alone decides, and the result is exactly a full selection's. A group whose pool cannot decide is rebuilt from
+its members (one pass over its slot region: O(members) but rare, after ~`size` victims); a group that still cannot
+decide (most of its oldest members pinned or needed soon), and every group of at most `size` slots, takes the full
+selection. Rows arriving with a floor below their group's threshold (a forwarded guest keeps its last use) join its
+pool (`arrived`); a pool that overflows is emptied with tau = -1, which keeps the invariant.
 numpy only.
 """
 
@@ -132,7 +133,7 @@ class EvictionPool:
                 d = np.flatnonzero(decided)
                 sel = ok & decided[idx]
                 remap = np.cumsum(decided) - 1
-                out.append(self.slots._lowest(pos[sel], remap[idx[sel]], prio[sel], need[d]))
+                out.append(self.slots.lowest_per_group(pos[sel], remap[idx[sel]], prio[sel], need[d]))
             groups, need = groups[~decided], need[~decided]
             if attempt == 0 and groups.shape[0]:
                 self._rebuild(groups)

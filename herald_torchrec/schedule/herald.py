@@ -307,7 +307,6 @@ class HeraldPolicy(SchedulePolicy):
             p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
             return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
 
-
         # Cancelling an arrival whose row is a guest elsewhere also cancels that departure, which its group may
         # have counted on: each round settles one link of such chains (cancelling rows that come from home first,
         # which breaks them). Every round cancels at least one arrival, so this ends.
