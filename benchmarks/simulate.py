@@ -13,7 +13,8 @@ rows_per_step (transmitted rows, both directions), bytes_per_step (dim floats pe
 state_width floats per row move), by_kind (rows per step by kind), hit_rate (reads served locally / distinct
 (key, reader) pairs), stale_reads (from the independent checker, must be 0), sched_ms_median / sched_ms_p90
 (wall time of policy.plan per global batch, this process; sched_cpu_ms_median: its CPU time, which other
-processes on a shared machine disturb less), rows_per_sample, plan_digest (a hash of every plan in its wire
+processes on a shared machine disturb less; sched_cpu_ms_last_quarter: the median over the last quarter of the steps,
+where a cost that grows as the caches fill shows), rows_per_sample, plan_digest (a hash of every plan in its wire
 encoding: two runs with the same digest made the same plans, so a scheduler change that should not alter the plans
 can be checked with its speed in one command). Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
@@ -210,6 +211,8 @@ def run_policies(args, R: int) -> dict:
             "sched_ms_median": round(float(np.median(st["ms"])), 3) if st["ms"] else 0.0,
             "sched_ms_p90": round(float(np.percentile(st["ms"], 90)), 3) if st["ms"] else 0.0,
             "sched_cpu_ms_median": round(float(np.median(st["cpu_ms"])), 3) if st["cpu_ms"] else 0.0,
+            "sched_cpu_ms_last_quarter": (round(float(np.median(st["cpu_ms"][-max(1, len(st["cpu_ms"]) // 4):])), 3)
+                                          if st["cpu_ms"] else 0.0),
             "rows_per_sample": round(rows / (R * B), 4),
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step

@@ -30,7 +30,7 @@ def test_single_run_json(capsys):
     for name, st in out["policies"].items():
         assert st["stale_reads"] == 0 and "check_errors" not in st
         assert set(st) >= {"rows_per_step", "bytes_per_step", "by_kind", "hit_rate", "stale_reads",
-                           "sched_ms_median", "sched_ms_p90", "rows_per_sample"}
+                           "sched_ms_median", "sched_ms_p90", "sched_cpu_ms_last_quarter", "rows_per_sample"}
         assert abs(st["rows_per_step"] - sum(v for k, v in st["by_kind"].items() if k != "hit")) < 1e-6 * max(
             1.0, st["rows_per_step"]) + 0.05
         assert 0.0 <= st["hit_rate"] <= 1.0
