@@ -81,7 +81,7 @@ class GuestSlots:
         self.pos_of[keys] = -1
         holes = np.sort(pos[pos < self.base[groups] + new_fill[groups]])
         ug = np.flatnonzero(d)
-        tail_pos, _ = _concat_ranges(self.base[ug] + new_fill[ug], d[ug])
+        tail_pos, _ = concat_ranges(self.base[ug] + new_fill[ug], d[ug])
         movers = tail_pos[self.slot[tail_pos] >= 0]
         if holes.shape[0] != movers.shape[0]:  # pragma: no cover - invariant
             raise RuntimeError("GuestSlots.remove: hole/mover mismatch")
@@ -167,10 +167,10 @@ class GuestSlots:
     def ranges_idx(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Like `ranges` but returns the index into `groups` of every slot."""
         n = self.fill[groups]
-        return _concat_ranges(self.base[groups], n)
+        return concat_ranges(self.base[groups], n)
 
 
-def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenation of arange(s, s+n) for every (s, n), and the index of the range of each element."""
     lengths = np.asarray(lengths, dtype=np.int64)
     tot = int(lengths.sum())
@@ -183,8 +183,7 @@ class OwnershipDirectory:
     """Owner rank of every row of every table, home placement, guest capacity and replacement state.
 
     Rows are addressed by global id (`TableLayout`: gid = offsets[t] + row). `owner`, `home` are int32 [rows],
-    `last_use` int32 [rows] (step of the last read, -1 never; set with `touch`, which keeps the guests' copy per slot
-    in `slots.payload["last_use"]`), `table` int16 [rows]. Guests of rank r in table t form group r*T + t of
+    `last_use` int32 [rows] (step of the last read, -1 never), `table` int16 [rows]. Guests of rank r in table t form group r*T + t of
     `slots`; `guests()` returns their count [R, T].
     """
 
@@ -206,8 +205,7 @@ class OwnershipDirectory:
         self.home = (local // self.block[tab]).astype(np.int32)
         self.owner = self.home.copy()
         self.last_use = np.full(n, -1, dtype=np.int32)  # step of the last read (steps < 2^31)
-        # each guest's last use also per slot: it bounds the eviction priority (eviction.EvictionPool)
-        self.slots = GuestSlots(np.tile(self.capacity, R), n, payload=("last_use",))
+        self.slots = GuestSlots(np.tile(self.capacity, R), n)
 
     @property
     def num_tables(self) -> int:
@@ -224,12 +222,6 @@ class OwnershipDirectory:
     def is_guest(self, gid: np.ndarray) -> np.ndarray:
         return self.owner[gid] != self.home[gid]
 
-    def touch(self, gid: np.ndarray, step: int) -> None:
-        """Rows read at `step`: their last use, by row and (guests) by slot."""
-        self.last_use[gid] = step
-        pos = self.slots.pos_of[gid]
-        self.slots.payload["last_use"][pos[pos >= 0]] = step
-
     def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Apply moves simultaneously: every row leaves its owner, then arrives at dst (capacity checked). Returns
         the slots of the rows that arrived as guests."""
@@ -242,9 +234,7 @@ class OwnershipDirectory:
         self.slots.remove(gid[leave], self.group(src[leave], gid[leave]))
         arrive = dst != self.home[gid]
         self.owner[gid] = dst.astype(np.int32)
-        pos = self.slots.add(gid[arrive], self.group(dst[arrive], gid[arrive]))
-        self.slots.payload["last_use"][pos] = self.last_use[gid[arrive]]
-        return pos
+        return self.slots.add(gid[arrive], self.group(dst[arrive], gid[arrive]))
 
     def occupancy(self) -> dict:
         """Guest occupancy summary: guests / capacity over all (rank, table) groups with capacity."""

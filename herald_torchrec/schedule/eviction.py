@@ -6,8 +6,8 @@ slot first among ties). Computing that priority for every member of every full g
 the default W&D trace at R=2 the plan took 3.1 ms once the caches were full against 1.5 ms before, and with the
 tables 5x larger 10.8 ms at step 5,000, still growing. Real tables are 100x larger.
 
-The priority is bounded below by a per-slot *floor* that only grows while a row stays in its group (herald: its last
-use, `GuestSlots.payload["last_use"]`). For every group g the pool keeps a threshold `tau[g]` and a list of keys
+The priority is bounded below by a per-row *floor* that only grows while a row stays in its group (herald: its last
+use, `OwnershipDirectory.last_use`, read through each slot's key). For every group g the pool keeps a threshold `tau[g]` and a list of keys
 holding **every member whose floor is below tau[g]** (plus stale keys: rows read again or gone since, dropped when
 met; a row that left and came back may be listed twice, counted once). Every other member has priority >= floor >=
 tau[g], so if the pool holds `need` members of priority < tau[g], the `need` lowest of the group are among them: the
@@ -25,18 +25,20 @@ from typing import Callable
 
 import numpy as np
 
-from herald_torchrec.schedule.directory import GuestSlots
+from herald_torchrec.schedule.directory import GuestSlots, concat_ranges
 
 POOL_SIZE = 256  # keys kept per group: a rebuild every ~POOL_SIZE victims of the group (or its rows' reads)
 
 
 class EvictionPool:
-    """The low-floor members of every group of `slots`; `floor` names the per-slot payload bounding the priority."""
+    """The low-floor members of every group of `slots`. `floor[key]` bounds the priority of member `key` from below;
+    the array is read as it is at each call (the caller updates it in place)."""
 
-    def __init__(self, slots: GuestSlots, floor: str, size: int = POOL_SIZE) -> None:
-        if floor not in slots.payload:
-            raise ValueError(f"EvictionPool: the slots carry no payload {floor!r} (have {sorted(slots.payload)})")
-        self.slots, self.floor_name, self.size = slots, floor, int(size)
+    def __init__(self, slots: GuestSlots, floor: np.ndarray, size: int = POOL_SIZE) -> None:
+        if floor.ndim != 1 or floor.shape[0] != slots.pos_of.shape[0]:
+            raise ValueError(f"EvictionPool: floor needs one value per key ({slots.pos_of.shape[0]}), got shape "
+                             f"{floor.shape}")
+        self.slots, self.floor, self.size = slots, floor, int(size)
         G = slots.num_groups
         self.tau = np.full(G, -1, dtype=np.int64)  # empty pools: no member has a floor below -1 (floors are >= -1)
         # pools only for groups bigger than a pool (the others take the full selection): at most one key per slot
@@ -48,17 +50,13 @@ class EvictionPool:
         # the group of every slot (the groups' regions are fixed)
         self.group_of_slot = np.repeat(np.arange(G, dtype=np.int32), slots.cap)
 
-    @property
-    def floor(self) -> np.ndarray:
-        return self.slots.payload[self.floor_name]
-
     # ---- keeping the invariant -----------------------------------------------------------------------------------
     def arrived(self, pos: np.ndarray) -> None:
         """Rows just added at slots `pos` (their floor already set): those below their group's threshold join its
         pool; a pool that would overflow is emptied (tau = -1)."""
         if pos.shape[0] == 0:
             return
-        low = self.floor[pos] < self.tau[self.group_of_slot[pos]]
+        low = self.floor[self.slots.slot[pos]] < self.tau[self.group_of_slot[pos]]
         if not low.any():
             return
         pos = pos[low]
@@ -78,10 +76,10 @@ class EvictionPool:
 
     def _rebuild(self, groups: np.ndarray) -> None:
         """Refill the pools of `groups` from their members: the `size` lowest floors (all, if fewer)."""
-        sl, f = self.slots, self.floor
+        sl = self.slots
         for g in groups.tolist():
             lo, n = int(sl.base[g]), int(sl.fill[g])
-            fl = f[lo : lo + n]
+            fl = self.floor[sl.slot[lo : lo + n]]
             if n <= self.size:
                 tau, take = np.iinfo(np.int64).max, np.arange(n)
             else:
@@ -95,21 +93,19 @@ class EvictionPool:
     def _candidates(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot, index into `groups`) of the live pool members of `groups`; stale keys are dropped for good."""
         sl = self.slots
-        n = self.count[groups]
-        rows = np.repeat(np.arange(groups.shape[0]), n)
-        col = np.arange(rows.shape[0]) - np.repeat(np.cumsum(n) - n, n)
-        keys = self.keys[self.row[groups[rows]], col]
-        pos = sl.pos_of[keys].astype(np.int64)
+        col, rows = concat_ranges(np.zeros(groups.shape[0], dtype=np.int64), self.count[groups])
         g = groups[rows]
-        live = (pos >= sl.base[g]) & (pos < sl.base[g] + sl.fill[g])
-        live[live] = self.floor[pos[live]] < self.tau[g[live]]
+        keys = self.keys[self.row[g], col]
+        pos = sl.pos_of[keys].astype(np.int64)
+        live = (pos >= sl.base[g]) & (pos < sl.base[g] + sl.fill[g]) & (self.floor[keys] < self.tau[g])
         at = np.flatnonzero(live)
-        o = np.argsort(pos[at], kind="stable")
-        live[at[o[1:][pos[at[o[1:]]] == pos[at[o[:-1]]]]]] = False  # a row that left and came back is listed twice
+        p = pos[at]
+        o = np.argsort(p, kind="stable")
+        live[at[o[1:][p[o[1:]] == p[o[:-1]]]]] = False  # a row that left and came back is listed twice
         if not live.all():  # compact: drop rows read again (their floor only grows) and rows that left
             kept = np.bincount(rows[live], minlength=groups.shape[0])
-            within = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)
-            self.keys[self.row[groups[rows[live]]], within] = keys[live]
+            within, _ = concat_ranges(np.zeros(groups.shape[0], dtype=np.int64), kept)
+            self.keys[self.row[g[live]], within] = keys[live]
             self.count[groups] = kept
         return pos[live], rows[live]
 

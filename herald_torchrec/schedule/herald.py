@@ -83,7 +83,7 @@ class HeraldPolicy(SchedulePolicy):
         elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
             raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
-        self.eviction = EvictionPool(self.directory.slots, "last_use")  # victims without a pass over full caches
+        self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)  # victims without a pass over full caches
         T = self.layout.num_tables
         self._refine_arg = refine
         self.refine = 0 if refine is None else int(refine)  # set by profile() when None
@@ -251,7 +251,7 @@ class HeraldPolicy(SchedulePolicy):
         window = [self.keys_of(x) for x in batches[1:]]
         for j in range(len(window), 0, -1):
             nu[window[j - 1].keys] = j
-        d.touch(keys, self.step)  # also pins this step's keys: they are never eviction victims
+        d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
         victims, room = self._make_room(keys, own, home, want, single, nu)
         v_src = d.owner[victims].astype(np.int64)
         v_dst = d.home[victims].astype(np.int64)
@@ -322,7 +322,7 @@ class HeraldPolicy(SchedulePolicy):
                 break
             left = deficit
             if it < victim_rounds:
-                vpos = self.eviction.pick(gneed, deficit[gneed], prio)  # prio > last use (the pool's floor)
+                vpos = self.eviction.pick(gneed, deficit[gneed], prio)  # prio > last use: the pool's floor
                 v = d.slots.slot[vpos]
                 if v.shape[0]:
                     picked[v] = True

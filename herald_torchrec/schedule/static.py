@@ -33,7 +33,7 @@ class StaticPolicy(SchedulePolicy):
         exclusive = (rd.count == 1) & np.bincount(rd.pair_key, weights=pair_local, minlength=rd.keys.shape[0]).astype(bool)
         ids, offs, readers = rd.readers_csr(~exclusive)
         shared = shared_rows(self.layout, d.table, rd.keys[ids], own[ids], offs, readers)
-        d.touch(rd.keys, self.step)
+        d.last_use[rd.keys] = self.step
         remote = shared.remote_reads()
         counters = {"hit": int(pair_local.sum()), "migrate": 0, "evict_home": 0, "forward": 0,
                     "shared_value": remote, "shared_grad": remote}
