@@ -29,21 +29,27 @@ TABLES = ManagedTables(("ta", "tbc"), (10, 7), (("a",), ("b", "c")), (0,))
 B, R = 4, 2
 
 
-def make_slice(seed: int) -> tuple[Batch, list[list[list[int]]]]:
+def make_slice(seed: int, length: int | None = None) -> tuple[Batch, list[list[list[int]]]]:
+    """A slice with bags of random lengths 0..2, or all of one `length` (the layout's uniform fast paths)."""
     rng = np.random.default_rng(seed)
-    bags = [[list(rng.integers(0, 7, rng.integers(0, 3))) for _ in range(B)] for _ in KEYS]  # bags[key][sample]
+    bags = [[list(rng.integers(0, 7, rng.integers(0, 3) if length is None else length)) for _ in range(B)]
+            for _ in KEYS]  # bags[key][sample]
     lengths = torch.tensor([len(b) for k in bags for b in k], dtype=torch.int32)
     values = torch.tensor([v for k in bags for b in k for v in b], dtype=torch.int64)
     kjt = KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths)
     return Batch(torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed), bags
 
 
-def test_global_batch_and_assigned_samples_round_trip() -> None:
-    (b0, bags0), (b1, bags1) = make_slice(1), make_slice(2)
+@pytest.mark.parametrize("length", [None, 1, 2, 0])
+def test_global_batch_and_assigned_samples_round_trip(length: int | None) -> None:
+    """Bags of mixed lengths (ragged index arithmetic), or all of one length (one reshape per step: single-hot data
+    takes the scheduler's dense path): the same samples, key by key."""
+    (b0, bags0), (b1, bags1) = make_slice(1, length), make_slice(2, length)
     layout = slice_layout(b0, TABLES)
     assert layout.managed.tolist() == [0, 1, 2] and layout.carried.tolist() == [3]
     s0, s1 = host_slice(b0, layout), host_slice(b1, layout)
     ids = gather_ids(np.stack([s0.lengths, s1.lengths]), [managed_ids(s0, layout), managed_ids(s1, layout)], layout)
+    assert ids.uniform == (-1 if length is None else length)
     gb = global_batch(ids, layout, TABLES)
     bags = [bags0[k] + bags1[k] for k in range(len(KEYS))]  # global samples: rank 0's then rank 1's
     for g in range(R * B):
@@ -65,34 +71,29 @@ def test_global_batch_and_assigned_samples_round_trip() -> None:
     assert torch.equal(out.labels, torch.cat([b0.labels, b1.labels])[mine])
 
 
-@pytest.mark.parametrize("uniform", [False, True])
-def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool) -> None:
+@pytest.mark.parametrize("uniform", [False, True, 2])
+def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool | int) -> None:
     """A rank that does not plan never gathers the slices' ids: the samples sent to it bring their lengths (unless
     the header said every bag has one length) and managed ids, and it rebuilds exactly their bags; blocks to a
     planner carry only dense + label bytes and carried ids, as its gathered ids hold the rest."""
     slices = [make_slice(1), make_slice(2)]
-    if uniform:  # every bag of length 1
-        def one_hot(seed: int) -> tuple[Batch, list[list[list[int]]]]:
-            rng = np.random.default_rng(seed)
-            bags = [[[int(rng.integers(0, 7))] for _ in range(B)] for _ in KEYS]
-            kjt = KeyedJaggedTensor(keys=KEYS, values=torch.tensor([b[0] for k in bags for b in k]),
-                                    lengths=torch.ones(len(KEYS) * B, dtype=torch.int32))
-            return Batch(torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed), bags
-        slices = [one_hot(1), one_hot(2)]
+    u = int(uniform)  # True: every bag of length 1; 2: of length 2
+    if uniform is not False:
+        slices = [make_slice(1, u), make_slice(2, u)]
     layout = slice_layout(slices[0][0], TABLES)
     hs = [host_slice(b, layout) for b, _ in slices]
-    uniform_from = np.array([1 if uniform else -1] * R)
+    uniform_from = np.array([u if uniform is not False else -1] * R)
     dest = [np.array([1, 0, 1, 1]), np.array([0, 1, 1, 0])]  # each rank's samples -> rank; rank 1 does not plan
     with_ids = np.array([False, True])
     got: list[list[np.ndarray]] = [[], []]
     for q in range(R):
         order = np.argsort(dest[q], kind="stable")
         cut = np.concatenate([[0], np.cumsum(np.bincount(dest[q], minlength=R))])
-        blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, uniform)
+        blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, uniform is not False)
         n = np.bincount(dest[q], minlength=R)
         managed_n = [int(hs[q].lengths[layout.managed][:, dest[q] == d].sum()) for d in range(R)]
         carried_n = [int(hs[q].lengths[layout.carried][:, dest[q] == d].sum()) for d in range(R)]
-        lens_bytes = 0 if uniform else 4 * len(KEYS)
+        lens_bytes = 0 if uniform is not False else 4 * len(KEYS)
         assert id_bytes.tolist() == [0, n[1] * lens_bytes + managed_n[1] * 4]  # int32 ids on the wire
         assert [b.shape[0] for b in blocks] == [n[d] * layout.fixed_bytes() + id_bytes[d] + 8 * carried_n[d] for d in range(R)]
         for d in range(R):

@@ -178,7 +178,12 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
 def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
     """Managed ids must address their tables (checked before any narrowing to the wire's dtype): one pass over all
     values against the bound of each value's key (carried keys' ids are not Herald's to check)."""
-    key = np.repeat(np.arange(layout.num_keys), per_key)  # the key of every value
+    K = layout.num_keys
+    if per_key.size and (per_key == per_key[0]).all():  # as many ids per key: a [K, n] block, one bound per row
+        block = values.reshape(K, -1)[layout.managed]
+        if not ((block < 0) | (block >= layout.key_rows[:, None])).any():
+            return
+    key = np.repeat(np.arange(K), per_key)  # the key of every value
     bound = np.full(layout.num_keys, -1, dtype=np.int64)  # -1: a carried key
     bound[layout.managed] = layout.key_rows
     lim = bound[key]
@@ -196,10 +201,22 @@ def _bytes_per_sample(t: torch.Tensor, n: int) -> np.ndarray:
 
 def managed_ids(s: HostSlice, layout: SliceLayout) -> np.ndarray:
     """The ids of the managed keys, key after key (ManagedTables.keys() order), as the wire's dtype."""
+    if uniform_length(s.lengths) >= 0:  # key-major [K, n * u] values: the managed keys' rows
+        return s.values.reshape(layout.num_keys, -1)[layout.managed].astype(layout.ids_dtype).reshape(-1)
     per_key = s.lengths.sum(axis=1)
     koff = exclusive_cumsum(per_key)
     idx = ragged_arange(koff[layout.managed], per_key[layout.managed])
     return s.values[idx].astype(layout.ids_dtype)
+
+
+def uniform_length(lengths: np.ndarray) -> int:
+    """The one length of every bag in `lengths`, or -1 if they differ (or there are none). Single-hot data (every
+    bag of length 1) is the common case; the layout functions below take one reshape for it instead of ragged
+    index arithmetic, with the same results."""
+    if lengths.size == 0:
+        return -1
+    u = int(lengths.flat[0])
+    return u if (lengths == u).all() else -1
 
 
 @dataclass
@@ -210,14 +227,21 @@ class GatheredIds:
     values: np.ndarray  # int64: managed ids, managed key after key, global samples in order
     key_start: np.ndarray  # int64 [J]: where each managed key's ids start in `values`
     sample_start: np.ndarray  # int64 [J, R*B]: start of each (managed key, sample) bag in `values`
+    uniform: int = -1  # the one bag length of every key and sample (values is then [J, R*B, uniform]), else -1
 
 
 def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: SliceLayout) -> GatheredIds:
     """Assemble the global batch from every rank's lengths [R, K, B] and managed ids (key-major per rank)."""
     R, K, B = lengths.shape
+    J = layout.managed.shape[0]
+    u = uniform_length(lengths)
+    if u >= 0:  # every bag of one length (single-hot data): each rank's ids are a [J, B * u] block
+        values = np.stack([np.asarray(v).reshape(J, B * u) for v in per_rank_ids], axis=1).astype(np.int64).reshape(-1)
+        key_start = np.arange(J, dtype=np.int64) * (R * B * u)
+        sample_start = key_start[:, None] + np.arange(R * B, dtype=np.int64) * u
+        return GatheredIds(np.full((K, R * B), u, dtype=np.int64), values, key_start, sample_start, u)
     glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
     mlen = lengths[:, layout.managed, :]  # [R, J, B]
-    J = layout.managed.shape[0]
     seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
     flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_rank_ids])
     start_qj = exclusive_cumsum(seg.reshape(-1)).reshape(R, J)
@@ -236,8 +260,9 @@ def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, i
     mg = ids.lengths[layout.managed]  # [J, N]
     N = mg.shape[1]
     one_key = all(k.shape[0] == 1 for k in layout.table_keys)
-    if one_key and (mg == 1).all():
-        cols = np.stack([ids.values[ids.key_start[k[0]] : ids.key_start[k[0]] + N] for k in layout.table_keys], axis=1)
+    if one_key and (ids.uniform == 1 or (ids.uniform < 0 and (mg == 1).all())):
+        first = np.array([int(k[0]) for k in layout.table_keys], dtype=np.int64)
+        cols = ids.values.reshape(-1, N)[first].T  # [N, tables]: every key's ids are N consecutive values
         return GlobalBatch.from_dense(np.ascontiguousarray(cols), lay, index)
     offs, vals = [], []
     for keys in layout.table_keys:
@@ -258,6 +283,9 @@ def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.
     key within one: the order in which ids travel with their samples."""
     if keys.shape[0] == 0 or samples.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
+    u = uniform_length(s.lengths)
+    if u >= 0:  # the slice's values are a [K, n, u] block
+        return s.values.reshape(s.lengths.shape[0], s.n, u)[keys][:, samples].transpose(1, 0, 2).reshape(-1)
     koff = s.key_offsets()
     within = np.zeros_like(s.lengths)
     within[:, 1:] = np.cumsum(s.lengths[:, :-1], axis=1)
@@ -278,10 +306,15 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.
     fixed = s.fixed[order].reshape(-1)
     fb = layout.fixed_bytes()
 
+    u = uniform_length(s.lengths)
+
     def ids_and_cut(keys: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         """The samples' ids of `keys` as bytes, and the byte offset at which each sample's ids start."""
-        per_sample = s.lengths[keys][:, order].sum(axis=0)
-        cut_bytes = dtype.itemsize * np.concatenate([[0], np.cumsum(per_sample)]).astype(np.int64)
+        if u >= 0:
+            cut_bytes = dtype.itemsize * keys.shape[0] * u * np.arange(order.shape[0] + 1, dtype=np.int64)
+        else:
+            per_sample = s.lengths[keys][:, order].sum(axis=0)
+            cut_bytes = dtype.itemsize * np.concatenate([[0], np.cumsum(per_sample)]).astype(np.int64)
         return sample_major_ids(s, keys, order).astype(dtype, copy=False).view(np.uint8), cut_bytes
 
     car, car_cut = ids_and_cut(layout.carried, np.dtype(np.int64))
@@ -307,6 +340,9 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
     bytes [n, fixed_bytes], KJT lengths [K * n] and values, keys in the slices' order) of the received samples, in
     source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1 (lengths sent)."""
     K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    u = int(uniform_from[0]) if len(uniform_from) else -1
+    if u >= 0 and (np.asarray(uniform_from) == u).all():
+        return _received_uniform(blocks, n_from, u, layout)
     fixed, lens, man, car = [], [], [], []
     for blk, n, u in zip(blocks, n_from.tolist(), uniform_from.tolist()):
         fixed.append(blk[: n * fb])
@@ -343,6 +379,14 @@ def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, 
     slices' order, on a rank that plans: managed ids from the gathered batch, carried ids from `carried` (laid out as
     `sample_major_ids` of the carried keys, samples in `mine` order)."""
     K = layout.num_keys
+    u = ids.uniform
+    if u >= 0:  # [K, B', u] blocks: the managed keys' from the gathered [J, N, u], the carried from [B', C, u]
+        n, J, C = mine.shape[0], layout.managed.shape[0], layout.carried.shape[0]
+        values = np.empty((K, n, u), dtype=np.int64)
+        values[layout.managed] = ids.values.reshape(J, ids.lengths.shape[1], u)[:, mine]
+        if C:
+            values[layout.carried] = carried.reshape(n, C, u).transpose(1, 0, 2)
+        return np.full(K * n, u, dtype=np.int64), values.reshape(-1)
     lens = ids.lengths[:, mine]  # [K, B']
     start = np.zeros((K, mine.shape[0]), dtype=np.int64)
     base_carried = ids.values.shape[0]
@@ -353,6 +397,32 @@ def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, 
     source = np.concatenate([ids.values, carried]) if carried.shape[0] else ids.values
     values = source[ragged_arange(start.reshape(-1), lens.reshape(-1))]
     return lens.reshape(-1), values
+
+
+def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
+                      layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`received_samples` where every source's bags have the one length u: each block is [n, fixed] bytes, then
+    [n, J, u] managed ids (wire dtype), then [n, C, u] carried ids (int64), so the KJT's [K, n, u] values are two
+    transposes."""
+    K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    J, C = layout.managed.shape[0], layout.carried.shape[0]
+    fixed, man, car = [], [], []
+    for blk, n in zip(blocks, n_from.tolist()):
+        m = n * J * u * it
+        if blk.shape[0] != n * fb + m + 8 * n * C * u:  # both sides are this module: a mismatch is a protocol bug
+            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                               f"{n * fb + m + 8 * n * C * u}")
+        fixed.append(blk[: n * fb])
+        man.append(blk[n * fb : n * fb + m].view(layout.ids_dtype).reshape(n, J, u))
+        car.append(blk[n * fb + m :].view(np.int64).reshape(n, C, u))
+    n_all = int(n_from.sum())
+    values = np.empty((K, n_all, u), dtype=np.int64)
+    if n_all:
+        values[layout.managed] = np.concatenate(man).transpose(1, 0, 2)
+        if C:
+            values[layout.carried] = np.concatenate(car).transpose(1, 0, 2)
+    fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
+    return fixed_all, np.full(K * n_all, u, dtype=np.int64), values.reshape(-1)
 
 
 def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:
