@@ -10,6 +10,8 @@ its dist object is, and every rank calls them in the same order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -35,17 +37,44 @@ class OwnerUpdate:
     def __init__(self, grads: GradSumLayout, bag_rows: np.ndarray) -> None:
         self.grads, self.bag_rows = grads, bag_rows
         self.tbe_out: torch.Tensor | None = None  # the TBE's output (its graph applies the optimizer)
-        self.detached: torch.Tensor | None = None  # what the model reads (its .grad: the batch bags' gradients)
+        self.detached: torch.Tensor | None = None  # what the model reads, as a leaf (its .grad: the bags' gradients)
+        self.bags_grad: torch.Tensor | None = None  # or the bags' gradient, handed over by `_AddSharedValues`
 
     def backward(self, summed: torch.Tensor) -> None:
         """One TBE backward: the model's gradients for the batch's bags (zeros if it did not backpropagate) and the
         summed gradient of each owned shared row [keys, dim] in its bag."""
-        out, det = self.tbe_out, self.detached
-        self.tbe_out = self.detached = None
-        g = det.grad if det.grad is not None else torch.zeros_like(out)
+        out, det, g = self.tbe_out, self.detached, self.bags_grad
+        self.tbe_out = self.detached = self.bags_grad = None
+        if g is None:
+            g = det.grad if det is not None and det.grad is not None else torch.zeros_like(out)
         dim = summed.shape[1]
         g.view(-1, dim).index_copy_(0, torch.from_numpy(self.bag_rows).to(g.device), summed.to(g.dtype))
         out.backward(g)
+
+
+class _AddSharedValues(torch.autograd.Function):
+    """Pooled bags += received shared values, in place (no copy of the batch's pooled output):
+    `bags.view(-1, width)[dst[i]] += values[i]`. Backward: the values' gradient is the bags' gradient at `dst`; the
+    bags' own gradient passes on, or, for a TBE call whose backward waits for the owner's update (`sink`, an
+    `OwnerUpdate`; `bags` is then a detached alias of the TBE's output), is handed to it."""
+
+    @staticmethod
+    def forward(ctx: Any, bags: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, width: int,
+                sink: "OwnerUpdate | None") -> torch.Tensor:
+        bags.view(-1, width).index_add_(0, dst, values.to(bags.dtype))
+        ctx.mark_dirty(bags)
+        ctx.save_for_backward(dst)
+        ctx.width, ctx.sink, ctx.values_dtype = width, sink, values.dtype
+        return bags
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None]:
+        (dst,) = ctx.saved_tensors
+        g_values = grad.reshape(-1, ctx.width).index_select(0, dst).to(ctx.values_dtype)
+        if ctx.sink is not None:
+            ctx.sink.bags_grad = grad
+            return None, g_values, None, None, None
+        return grad, g_values, None, None, None
 
 
 class HeraldLookup:
@@ -128,18 +157,23 @@ class HeraldLookup:
             lay, bag_rows = with_owner_bags(lay, grads, st, local.batch_size)
             update = OwnerUpdate(grads, bag_rows)
         out = st.lookup(torch.from_numpy(lay.indices).to(self.device), torch.from_numpy(lay.offsets).to(self.device))
-        if update is not None:  # the model sees a detached copy of the batch's bags; the TBE's graph waits
+        values = lay.value_src.size > 0
+        if update is not None:  # the model sees a detached alias of the batch's bags; the TBE's graph waits
             update.tbe_out = out
-            update.detached = out.detach().requires_grad_(True)
-            out = update.detached[: local.batch_size]
             sh.owner_update = update
-        if lay.value_src.size:
+            out = out.detach()
+            if not values:  # a leaf whose .grad is the bags' gradient (else _AddSharedValues hands it over)
+                update.detached = out.requires_grad_(True)
+        if values:
             w = lay.width
             v = sh.values.view(-1, w).index_select(0, torch.from_numpy(lay.value_src).to(self.device))
             v = st.clip_pooled_gradient(v)  # each bag's gradient clipped, as the TBE clips its own pooled output's
             dst = torch.from_numpy(lay.out_dst).to(self.device)
-            out = out.view(-1, w).index_add(0, dst, v.to(out.dtype)).view(out.shape)
-        return out
+            if torch.is_grad_enabled() and (v.requires_grad or out.requires_grad):
+                out = _AddSharedValues.apply(out, v, dst, w, update)
+            else:
+                out.view(-1, w).index_add_(0, dst, v.to(out.dtype))
+        return out[: local.batch_size] if update is not None else out
 
     def _fuses_update(self) -> bool:
         """The owner's shared-row update can ride on the TBE's own backward: rows are items (one dim for all
