@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
-from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
+from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
 
 LOADERS = {"criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
            "avazu": ("herald_torchrec.data.avazu", "AvazuSource"),
@@ -179,7 +179,7 @@ def run_policies(args, R: int) -> dict:
             c0 = time.process_time()
             plan = pols[n].plan(list(windows[n]))
             stats[n]["cpu_ms"].append((time.process_time() - c0) * 1e3)
-            digests[n].update(encode_plan(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())  # not its timing
+            digests[n].update(encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())  # not its timing
             if args.check:
                 checkers[n].check(plan, windows[n][0])
             if step >= args.warmup:

@@ -10,7 +10,7 @@ import pytest
 
 from herald_torchrec.schedule import GlobalBatch, make_policy
 from herald_torchrec.schedule.plan import Plan, RowMoves
-from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
+from herald_torchrec.schedule.plan_wire import FLAT_FIELDS_MATCH, decode_plan, encode_plan
 
 ROWS = [5000, 300, 40, 7000]
 R, B, L = 4, 16, 2
@@ -98,15 +98,28 @@ def test_plans_outside_the_short_forms_travel_as_they_are():
 
 
 def short_forms(buf: np.ndarray) -> set[str]:
-    """Which short forms a buffer uses: "as" (sample order as ranks), "rm" (readers as bitmasks)."""
-    n = int(buf[:4].view("<u4")[0])
-    text = bytes(buf[4 : 4 + n]).decode()
+    """Which short forms a buffer uses: "as" (sample order as ranks), "rm" (readers as bitmasks); the flat form
+    (first byte 1) uses both."""
+    if buf[0] == 1:
+        return {"as", "rm"}
+    n = int(buf[1:5].view("<u4")[0])
+    text = bytes(buf[5 : 5 + n]).decode()
     return {k for k in ("as", "rm") if f'"{k}":' in text}
+
+
+def test_the_flat_form_knows_every_plan_field():
+    """The flat form writes Plan / RowMoves / SharedRows field by field: a new field must be added to it (until
+    then such plans would silently take the general form, and this fails)."""
+    assert FLAT_FIELDS_MATCH
+    plan = make_policy("herald", ROWS, R, B, lookahead=0).plan(trace(1))
+    assert encode_plan(plan)[0] == 1  # an ownership plan takes the flat form
 
 
 def test_malformed_buffers_are_errors():
     buf = encode_plan(make_policy("herald", ROWS, R, B, lookahead=0).plan(trace(1)))
     with pytest.raises(ValueError, match="malformed"):
         decode_plan(np.concatenate([buf, np.zeros(3, dtype=np.uint8)]))
+    with pytest.raises(ValueError, match="malformed"):
+        decode_plan(np.concatenate([[7], buf[1:]]).astype(np.uint8))  # an unknown form
     with pytest.raises(ValueError, match="1-D"):
         encode_plan(Plan(step=0, num_ranks=1, batch_per_rank=1, sample_order=np.zeros((1, 1), dtype=np.int64)))

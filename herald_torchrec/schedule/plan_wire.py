@@ -11,6 +11,12 @@ and counters, then the arrays' bytes. Two fields travel in a shorter form that s
 each sample's rank (its slices are increasing, so the ranks determine it), and the shared rows' reader CSR as one
 bitmask per row (readers sorted and distinct, ranks below 63): at R=8 that is ~30 % of the plan. Plans that break those invariants travel as they are.
 
+Most plans (every ownership policy's: no read versions, replicas or cache step, both short forms apply) travel in
+a flat form: one small JSON list of the scalars, counters and dtypes, then the ten arrays in a fixed order. It holds
+the same as the general form (a skeleton of the dataclass tree) in a fraction of its Python work, which matters
+because the planner encodes and every other rank of its machine decodes one plan per step. The first byte says
+which form follows.
+
     buf = encode_plan(plan)        # np.uint8 [n]
     same = decode_plan(buf)        # == plan, field for field
 
@@ -29,7 +35,16 @@ from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, Replica
 
 _TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
 _NARROW = tuple((np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64))
-_HEAD = np.dtype("<u4")  # length of the JSON skeleton, in front of it
+_HEAD = np.dtype("<u4")  # length of the JSON skeleton (or of the flat form's JSON list), in front of it
+_TREE, _FLAT = 0, 1  # the buffer's first byte: which form follows
+# the flat form writes these fields by name: a plan type with other fields travels in the general form
+FLAT_FIELDS_MATCH = (
+    tuple(f.name for f in dataclasses.fields(Plan)) == ("step", "num_ranks", "batch_per_rank", "sample_order", "moves",
+                                                       "shared", "counters", "stateful_kinds", "executable", "reads",
+                                                       "replicas", "sched_seconds", "cache", "stale_reads")
+    and tuple(f.name for f in dataclasses.fields(RowMoves)) == ("table", "row", "src", "dst", "kind")
+    and tuple(f.name for f in dataclasses.fields(SharedRows)) == ("table", "row", "owner", "reader_offsets", "readers")
+)
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -76,8 +91,87 @@ def _readers_from_mask(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0], np.cumsum(np.bincount(row, minlength=mask.shape[0]))]), rank
 
 
+def _scalar(v: Any) -> Any:
+    """A JSON scalar with the type the general form would restore (numpy scalars as Python ones), else raise."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError
+
+
+def _encode_flat(plan: Plan) -> np.ndarray | None:
+    """The flat form (module docstring), or None where the plan needs the general one."""
+    if (not FLAT_FIELDS_MATCH or type(plan) is not Plan or plan.reads is not None or plan.replicas is not None or plan.cache is not None
+            or type(plan.moves) is not RowMoves or type(plan.shared) is not SharedRows
+            or type(plan.stateful_kinds) is not tuple):
+        return None
+    mv, sh = plan.moves, plan.shared
+    fields = (mv.table, mv.row, mv.src, mv.dst, mv.kind, sh.table, sh.row, sh.owner)
+    if any(type(a) is not np.ndarray or a.ndim != 1 for a in (plan.sample_order, *fields, sh.reader_offsets, sh.readers)):
+        return None
+    n_mv, n_sh = mv.table.shape[0], sh.table.shape[0]
+    if any(a.shape[0] != n_mv for a in fields[:5]) or any(a.shape[0] != n_sh for a in fields[5:]):
+        return None
+    rank = _assignment(plan)
+    if rank is None:
+        return None
+    if n_sh:
+        mask = _reader_mask(sh)
+        if mask is None:
+            return None
+    elif sh.reader_offsets.shape[0] == 1 and sh.reader_offsets[0] == 0 and sh.readers.shape[0] == 0:
+        mask = np.zeros(0, dtype=np.int64)
+    else:
+        return None
+    try:
+        head = [_scalar(plan.step), _scalar(plan.num_ranks), _scalar(plan.batch_per_rank), _scalar(plan.executable),
+                _scalar(plan.stale_reads), _scalar(plan.sched_seconds),
+                {str(k): _scalar(v) for k, v in plan.counters.items()}, [_scalar(k) for k in plan.stateful_kinds]]
+    except (TypeError, AttributeError):
+        return None
+    arrays = [np.ascontiguousarray(_narrow(a)) for a in (rank, *fields, mask)]
+    originals = (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
+    meta = json.dumps(head + [n_mv, n_sh, [a.dtype.str for a in originals], [a.dtype.str for a in arrays]],
+                      separators=(",", ":")).encode()
+    return np.concatenate([np.array([_FLAT], dtype=np.uint8), np.array([len(meta)], dtype=_HEAD).view(np.uint8),
+                           np.frombuffer(meta, dtype=np.uint8), *(a.view(np.uint8) for a in arrays)])
+
+
+def _decode_flat(buf: np.ndarray) -> Plan:
+    n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
+    pos = 1 + _HEAD.itemsize + n
+    step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(bytes(buf[1 + _HEAD.itemsize : pos]))
+    out = []
+    for i, length in enumerate([len(orig) and R * B] + [n_mv] * 5 + [n_sh] * 4):  # assignment, moves, shared, mask
+        size = np.dtype(sent[i]).itemsize * length
+        out.append(buf[pos : pos + size].view(sent[i]))
+        pos += size
+    if pos != buf.shape[0]:
+        raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes, {pos} read)")
+    rank, mask = out[0], out[9]
+    if n_sh:
+        offsets, readers = _readers_from_mask(mask.astype(np.int64))
+    else:
+        offsets, readers = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    a = [x.astype(o) for x, o in zip(out[1:9], orig[1:9])]  # copies, in the original dtypes
+    return Plan(step=step, num_ranks=R, batch_per_rank=B, sample_order=np.argsort(rank, kind="stable").astype(orig[0]),
+                moves=RowMoves(*a[:5]), shared=SharedRows(*a[5:], offsets.astype(orig[9]), readers.astype(orig[10])),
+                counters=counters, stateful_kinds=tuple(kinds), executable=executable, sched_seconds=seconds,
+                stale_reads=stale)
+
+
 def encode_plan(plan: Plan) -> np.ndarray:
-    """The plan as a flat uint8 array (see the module docstring)."""
+    """The plan as a uint8 array (see the module docstring): the flat form where it applies, else the general one."""
+    flat = _encode_flat(plan)
+    if flat is not None:
+        return flat
+    return np.concatenate([np.array([_TREE], dtype=np.uint8), encode_plan_tree(plan)])
+
+
+def encode_plan_tree(plan: Plan) -> np.ndarray:
+    """The general form alone (no leading form byte): the JSON skeleton of the dataclass tree, then the arrays. Also
+    what `benchmarks/simulate.py` hashes into `plan_digest`, so digests compare across versions of the wire."""
     arrays: list[np.ndarray] = []
 
     def walk(v: Any) -> Any:
@@ -120,9 +214,13 @@ def encode_plan(plan: Plan) -> np.ndarray:
 def decode_plan(buf: np.ndarray) -> Plan:
     """Inverse of `encode_plan` (the arrays are copies: the buffer may be reused)."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    n = int(buf[: _HEAD.itemsize].view(_HEAD)[0])
-    skeleton = json.loads(bytes(buf[_HEAD.itemsize : _HEAD.itemsize + n]))
-    pos = _HEAD.itemsize + n
+    if buf.shape[0] < 1 + _HEAD.itemsize or buf[0] not in (_TREE, _FLAT):
+        raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes)")
+    if buf[0] == _FLAT:
+        return _decode_flat(buf)
+    n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
+    skeleton = json.loads(bytes(buf[1 + _HEAD.itemsize : 1 + _HEAD.itemsize + n]))
+    pos = 1 + _HEAD.itemsize + n
 
     def build(v: Any) -> Any:
         nonlocal pos
