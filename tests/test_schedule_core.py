@@ -271,6 +271,31 @@ def test_balanced_assign_exact_sizes_and_optimum_when_obvious():
         balanced_assign(np.zeros((10, 4)), 3)
 
 
+@pytest.mark.parametrize("first", [0, 1])
+def test_two_ranks_take_the_one_pass_with_the_rounds_answer(first):
+    """At R=2 balanced_assign skips the general rounds (laia._two_ranks); on scores with many ties, all-equal rows,
+    one-sided preferences, negative and float scores it assigns exactly what the rounds assign."""
+    from herald_torchrec.schedule import laia
+
+    rng = np.random.default_rng(first)
+    rot = np.array([first, 1 - first])
+    for trial in range(300):
+        B = int(rng.integers(1, 40))
+        kind = trial % 4
+        if kind == 0:  # small integers: ties everywhere
+            score = rng.integers(-3, 4, (2 * B, 2)).astype(np.float64)
+        elif kind == 1:  # one column preferred by most
+            score = np.stack([rng.integers(0, 5, 2 * B), rng.integers(2, 9, 2 * B)], axis=1).astype(np.float64)
+        elif kind == 2:  # floats of both signs
+            score = rng.normal(0, 10, (2 * B, 2))
+        else:  # rows of equal scores, some exactly balanced
+            score = np.repeat(rng.integers(0, 3, (2 * B, 1)), 2, axis=1).astype(np.float64)
+        got = balanced_assign(score, B, first=first)
+        sc = np.roll(score.astype(np.float32), -first, axis=1)
+        np.testing.assert_array_equal(got, laia._rounds(sc, B, rot))
+        assert (np.bincount(got, minlength=2) == B).all()
+
+
 def test_balanced_assign_ties_follow_the_rotation():
     a0 = balanced_assign(np.zeros((4, 2)), 2, first=0)
     a1 = balanced_assign(np.zeros((4, 2)), 2, first=1)

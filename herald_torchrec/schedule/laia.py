@@ -23,6 +23,39 @@ def balanced_assign(score: np.ndarray, batch_per_rank: int, first: int = 0) -> n
     sc = np.asarray(score).astype(np.float32)  # our working copy (rounds mask columns in place)
     if first % R:
         sc = np.roll(sc, -(first % R), axis=1)  # column j is rank rot[j]
+    if R == 2 and N:
+        return _two_ranks(sc, B, rot)
+    return _rounds(sc, B, rot)
+
+
+def _key(best: np.ndarray, regret: np.ndarray, bval: np.ndarray, scale: float) -> np.ndarray:
+    """Acceptance order within a round: rank, then regret descending, then score descending (sorted stably, so
+    sample order breaks the remaining ties)."""
+    return best * (4.0 * scale * scale + 4.0 * scale) - regret.astype(np.float64) * (2.0 * scale + 1.0) - bval
+
+
+def _two_ranks(sc: np.ndarray, B: int, rot: np.ndarray) -> np.ndarray:
+    """`_rounds` for two ranks in one pass: the first round (every sample bids for its better column, ties to the
+    first) either fills both exactly or overfills one column, which keeps its B best bids; the second round sends
+    every other sample to the other column. The same arithmetic as `_rounds`, hence the same assignment."""
+    N = sc.shape[0]
+    s0, s1 = sc[:, 0], sc[:, 1]
+    best = (s1 > s0).astype(np.int64)  # argmax: ties go to column 0
+    n1 = int(best.sum())
+    if n1 == B:
+        return rot[best]
+    bval = np.where(best == 1, s1, s0)
+    regret = bval - np.where(best == 1, s0, s1)
+    order = np.argsort(_key(best, regret, bval, float(np.abs(sc).max()) + 1.0), kind="stable")
+    c = 1 if n1 > B else 0  # the overfilled column
+    col = np.full(N, 1 - c, dtype=np.int64)
+    col[order[best[order] == c][:B]] = c
+    return rot[col]
+
+
+def _rounds(sc: np.ndarray, B: int, rot: np.ndarray) -> np.ndarray:
+    """The bidding rounds (module docstring) on float32 scores whose column j is rank rot[j]."""
+    N, R = sc.shape
     room = np.full(R, B, dtype=np.int64)
     out = np.full(N, -1, dtype=np.int64)
     todo = None
@@ -52,8 +85,7 @@ def balanced_assign(score: np.ndarray, batch_per_rank: int, first: int = 0) -> n
             acc = ar
         else:
             # rank, then regret desc, then score desc; a stable sort keeps sample order among equals
-            key = best * (4.0 * scale * scale + 4.0 * scale) - regret.astype(np.float64) * (2.0 * scale + 1.0) - bval
-            order = np.argsort(key, kind="stable")
+            order = np.argsort(_key(best, regret, bval, scale), kind="stable")
             b_sorted = best[order]
             start = np.cumsum(cnt) - cnt
             within = ar - start[b_sorted]
