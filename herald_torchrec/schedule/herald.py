@@ -182,23 +182,26 @@ class HeraldPolicy(SchedulePolicy):
             a = np.argmax(score, axis=1)
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
-        ki = np.arange(K)
+        kio = own * K + np.arange(K)  # dense: each key's owner cell in rank-major [R, K] counts
         for _ in range(self.refine):
             ea = a[es]
-            code = v.ecR + ea
+            # (key, rank) read counts: rank-major [R, K] on the dense path (each rank's row of per-key scores is then
+            # one contiguous array to gather from), key-major [K, R] for the reader lists below
+            code = ea * K + ec if dense else v.ecR + ea
             c = np.bincount(code, minlength=K * R)
             # the sample's own rank: its keys that nobody else reads there
             self_only = c[code] == 1
             corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
             if dense:
-                cm = c.reshape(K, R)
-                W = (cm > 0) * self._wtype(2)
-                W[ki, own] += (cm[ki, own] == 0) * self._wtype(self.owner_weight)
-                if v.cols is not None:  # sum the per-key rows of every sample's keys ([S, N, R] -> [N, R], in order)
-                    sc = np.add.reduce(W[v.cols], axis=0).astype(np.float32)
+                W = (c > 0) * self._wtype(2)  # [R * K]: the score of key k at rank r
+                W[kio] += (c[kio] == 0) * self._wtype(self.owner_weight)
+                if v.cols is not None:  # per rank, the sum over a sample's keys ([S, N] gathers, summed in order)
+                    sc = np.empty((N, R), dtype=np.float32)
+                    for r in range(R):
+                        sc[:, r] = np.add.reduce(W[r * K : (r + 1) * K][v.cols], axis=0)
                 else:
                     sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
-                                     weights=W[ec].ravel(), minlength=N * R).reshape(N, R)
+                                     weights=W.reshape(R, K).T[ec].ravel(), minlength=N * R).reshape(N, R)
             else:
                 nz = np.flatnonzero(c)
                 kk, rr = nz // R, nz % R
