@@ -109,6 +109,10 @@ def routes(
     return send, recv, send_splits, recv_splits
 
 
+_KNOWN_KIND = np.zeros(max(MOVE_KIND_NAMES) + 1, dtype=bool)  # a table lookup: np.isin sorts, every step
+_KNOWN_KIND[list(MOVE_KIND_NAMES)] = True
+
+
 def _table_name(st: RowStore, t: int) -> str:
     return st.tables[int(t)].name
 
@@ -175,7 +179,7 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
         raise ValueError(f"plan {plan.step}: move src/dst rank out of range [0, {R})")
     if (src == dst).any():
         raise ValueError(f"plan {plan.step}: move with src == dst")
-    if not np.isin(kind, list(MOVE_KIND_NAMES)).all():
+    if kind.min() < 0 or kind.max() >= _KNOWN_KIND.shape[0] or not _KNOWN_KIND[kind].all():
         raise ValueError(f"plan {plan.step}: unknown move kind in {np.unique(kind).tolist()}")
     st.check_keys_many(table, row, f"plan {plan.step}: moved rows")
     gkey = st.gkeys(table, row)
