@@ -147,8 +147,9 @@ def test_het_bsp_runs_every_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
 def test_het_staleness_zero_trains_stock_model(tmp_path: Path, optimizer: str, lr: float) -> None:
     """HET with staleness 0 (HET-BSP) through real caches is exact BSP: the same tables, optimizer state and dense
-    parameters as stock TorchRec ROW_WISE (eps 1e-3 for Adagrad: see test_app_exactness.py)."""
-    eps = ["trainer.embedding_eps=1e-3"] if optimizer == "rowwise_adagrad" else []
+    parameters as stock TorchRec ROW_WISE (eps 1e-2 for Adagrad, as in test_app_exactness.py, whose docstring says
+    why: with 1e-3 one sample on a ReLU kink within float32 noise leaves 1.4e-4 in its rows after 30 steps, here too)."""
+    eps = ["trainer.embedding_eps=1e-2"] if optimizer == "rowwise_adagrad" else []
     states = {}
     for name, args in (("het", ["scheduler=het"]), ("torchrec", ["scheduler=torchrec", "sharding.types=[row_wise]"])):
         m = _run(tmp_path / name, [*args, *eps, "trainer.steps=30", f"trainer.embedding_optimizer={optimizer}",
