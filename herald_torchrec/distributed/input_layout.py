@@ -138,6 +138,7 @@ class HostSlice:
     lengths: np.ndarray
     values: np.ndarray
     fixed: np.ndarray  # uint8 [n, fixed_bytes]: dense features then label, per sample
+    uniform: int = -1  # the one length of every bag (`uniform_length`), else -1: computed once per slice
 
     def key_offsets(self) -> np.ndarray:
         return exclusive_cumsum(self.lengths.sum(axis=1))
@@ -172,7 +173,7 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
     fixed = np.concatenate(
         [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
     ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
-    return HostSlice(n, lengths, values, fixed)
+    return HostSlice(n, lengths, values, fixed, uniform_length(lengths))
 
 
 def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
@@ -201,7 +202,7 @@ def _bytes_per_sample(t: torch.Tensor, n: int) -> np.ndarray:
 
 def managed_ids(s: HostSlice, layout: SliceLayout) -> np.ndarray:
     """The ids of the managed keys, key after key (ManagedTables.keys() order), as the wire's dtype."""
-    if uniform_length(s.lengths) >= 0:  # key-major [K, n * u] values: the managed keys' rows
+    if s.uniform >= 0:  # key-major [K, n * u] values: the managed keys' rows
         return s.values.reshape(layout.num_keys, -1)[layout.managed].astype(layout.ids_dtype).reshape(-1)
     per_key = s.lengths.sum(axis=1)
     koff = exclusive_cumsum(per_key)
@@ -283,7 +284,7 @@ def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.
     key within one: the order in which ids travel with their samples."""
     if keys.shape[0] == 0 or samples.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    u = uniform_length(s.lengths)
+    u = s.uniform
     if u >= 0:  # the slice's values are a [K, n, u] block
         return s.values.reshape(s.lengths.shape[0], s.n, u)[keys][:, samples].transpose(1, 0, 2).reshape(-1)
     koff = s.key_offsets()
@@ -306,7 +307,7 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.
     fixed = s.fixed[order].reshape(-1)
     fb = layout.fixed_bytes()
 
-    u = uniform_length(s.lengths)
+    u = s.uniform
 
     def ids_and_cut(keys: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         """The samples' ids of `keys` as bytes, and the byte offset at which each sample's ids start."""

@@ -249,10 +249,8 @@ class ScheduledInput:
             return None, np.array([BAD, 0, 0, 0], dtype=np.int64), e
         if hs.n < lay.batch_size:  # type: ignore[union-attr]
             return hs, np.array([SHORT, hs.n, 0, 0], dtype=np.int64), None
-        u = hs.lengths.reshape(-1)
-        uniform = int(u[0]) if u.size and (u == u[0]).all() else -1
         n_ids = int(hs.lengths[lay.managed].sum())  # type: ignore[union-attr]
-        return hs, np.array([DATA, hs.n, n_ids, uniform], dtype=np.int64), None
+        return hs, np.array([DATA, hs.n, n_ids, hs.uniform], dtype=np.int64), None
 
     def _ids_block(self, hs: HostSlice, head: np.ndarray) -> np.ndarray:
         parts = [] if head[UNIFORM_WORD] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]

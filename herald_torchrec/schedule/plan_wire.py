@@ -92,7 +92,7 @@ def _readers_from_mask(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _scalar(v: Any) -> Any:
-    """A JSON scalar with the type the general form would restore (numpy scalars as Python ones), else raise."""
+    """A plan scalar as JSON holds it (numpy scalars as Python ones), in both forms; TypeError for anything else."""
     if isinstance(v, np.generic):
         return v.item()
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -143,7 +143,7 @@ def _decode_flat(buf: np.ndarray) -> Plan:
     pos = 1 + _HEAD.itemsize + n
     step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(bytes(buf[1 + _HEAD.itemsize : pos]))
     out = []
-    for i, length in enumerate([len(orig) and R * B] + [n_mv] * 5 + [n_sh] * 4):  # assignment, moves, shared, mask
+    for i, length in enumerate([R * B] + [n_mv] * 5 + [n_sh] * 4):  # assignment, moves, shared, mask
         size = np.dtype(sent[i]).itemsize * length
         out.append(buf[pos : pos + size].view(sent[i]))
         pos += size
@@ -200,11 +200,10 @@ def encode_plan_tree(plan: Plan) -> np.ndarray:
             return {"t": [walk(x) for x in v]}
         if isinstance(v, dict):
             return {"m": {str(k): walk(x) for k, x in v.items()}}
-        if isinstance(v, np.generic):
-            return v.item()
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        raise ValueError(f"encode_plan: cannot encode a {type(v).__name__} in a plan")
+        try:
+            return _scalar(v)
+        except TypeError:
+            raise ValueError(f"encode_plan: cannot encode a {type(v).__name__} in a plan") from None
 
     skeleton = json.dumps(walk(plan), separators=(",", ":")).encode()
     head = np.array([len(skeleton)], dtype=_HEAD).view(np.uint8)
