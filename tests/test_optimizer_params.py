@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
 from _dist_helpers import rank_result, run_ranks
 from test_distributed_module import make_ebc, make_module

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode  # 1.6 .. 1.9 (tbe.config only from 1.7)
 from torchrec.distributed.types import ParameterSharding
 from torchrec.distributed.utils import (
     add_params_from_parameter_sharding,
