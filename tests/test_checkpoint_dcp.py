@@ -431,3 +431,24 @@ def test_single_process_state_dict_and_bad_input() -> None:
     opt = m.fused_optimizer.state_dict()["state"]
     assert sorted(opt) == ["embedding_bags.t0.weight", "embedding_bags.t1.weight"]
     assert sorted(opt["embedding_bags.t0.weight"]) == ["t0.momentum1"]
+
+
+def test_shard_placements_name_the_gpus_ranks_use() -> None:
+    """A plan made for one GPU per rank (placement cuda:r) on ranks that share one GPU: every placement names a GPU
+    that exists, this rank's own names its device, so ShardedTensor accepts the home block (seen failing on an H200
+    with two ranks on one GPU). CPU placements are left as they are."""
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    from herald_torchrec.distributed.checkpoint import _on_used_devices
+
+    gpus = max(torch.cuda.device_count(), 1)
+    planned = [ShardMetadata(shard_offsets=[10 * r, 0], shard_sizes=[10, 4], placement=f"rank:{r}/cuda:{r}")
+               for r in range(gpus + 2)]
+    for rank in range(gpus + 2):
+        own = torch.device("cuda", rank % gpus)
+        placed = _on_used_devices(planned, rank, own)
+        assert [str(s.placement) for s in placed] == [f"rank:{r}/cuda:{r % gpus}" for r in range(gpus + 2)]
+        assert [s.shard_offsets for s in placed] == [s.shard_offsets for s in planned]
+        assert [s.shard_sizes for s in placed] == [s.shard_sizes for s in planned]
+    cpu = [ShardMetadata(shard_offsets=[0, 0], shard_sizes=[10, 4], placement="rank:0/cpu")]
+    assert _on_used_devices(cpu, 0, torch.device("cpu")) is cpu

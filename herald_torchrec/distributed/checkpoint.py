@@ -63,17 +63,41 @@ def state_key(table: str) -> str:
     return f"{table}.momentum1"
 
 
-def _row_wise_shards(rows: int, dim: int, world_size: int, device: torch.device, ps: ParameterSharding | None) -> list[ShardMetadata]:
-    """The table's ROW_WISE shards: the plan's sharding_spec if it has one, else the home blocks (TorchRec's split)."""
+def _row_wise_shards(
+    rows: int, dim: int, world_size: int, rank: int, device: torch.device, ps: ParameterSharding | None
+) -> list[ShardMetadata]:
+    """The table's ROW_WISE shards: the plan's sharding_spec if it has one, else the home blocks (TorchRec's split),
+    placed where the ranks' home blocks really are (`_on_used_devices`)."""
     spec = getattr(ps, "sharding_spec", None) if ps is not None else None
     shards = getattr(spec, "shards", None)
     if shards:
-        return list(shards)
+        return _on_used_devices(list(shards), rank, device)
     out = []
     for r in range(world_size):
         lo, hi = home_range(rows, world_size, r)
         dev = f"cuda:{r}" if device.type == "cuda" else device.type
         out.append(ShardMetadata(shard_offsets=[lo, 0], shard_sizes=[hi - lo, dim], placement=f"rank:{r}/{dev}"))
+    return _on_used_devices(out, rank, device)
+
+
+def _on_used_devices(shards: list[ShardMetadata], rank: int, device: torch.device) -> list[ShardMetadata]:
+    """Shards whose CUDA placements name GPUs that exist: this rank's own shard names `device` (where its home block
+    is), another rank's names its planned GPU modulo the GPUs there are. A plan made for one GPU per rank (placement
+    cuda:r) therefore fits ranks that share GPUs (`init_distributed` puts local rank r on GPU r % GPUs), where
+    ShardedTensor would otherwise reject the home block ("Local shard tensor device does not match"). Where ranks
+    follow that rule, every rank computes the same placements, so the global metadata agrees across ranks."""
+    if device.type != "cuda":
+        return shards
+    gpus = max(torch.cuda.device_count(), 1)
+    out = []
+    for s in shards:
+        p = s.placement
+        if p is None or p.device().type != "cuda":
+            out.append(s)
+            continue
+        idx = device.index if p.rank() == rank and device.index is not None else (p.device().index or 0) % gpus
+        out.append(ShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes),
+                                 placement=f"rank:{p.rank()}/cuda:{idx}"))
     return out
 
 
@@ -113,7 +137,7 @@ class HeraldCheckpoint:
         self.states: list[ShardedTensor | torch.Tensor] = []  # <t>.momentum1, [rows] (row-wise optimizers only)
         for t, name in enumerate(module.table_names):
             rows, dim, hl = st.rows[t], st.dims[t], st.home_len[t]
-            shards = _row_wise_shards(rows, dim, R, module.device, (sharding or {}).get(name))
+            shards = _row_wise_shards(rows, dim, R, r, module.device, (sharding or {}).get(name))
             mine = [s for s in shards if s.placement is not None and s.placement.rank() == r]
             if mine and (int(mine[0].shard_offsets[0]), int(mine[0].shard_sizes[0])) != (st.home_lo[t], hl) and hl:
                 raise ValueError(f"table {name!r}: the plan's shard on rank {r} is not its home block")
