@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from omegaconf import DictConfig
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -232,7 +233,24 @@ def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
     tables and Herald's MANAGED_CACHING tables on CUDA); absent keys leave the planner's / module's defaults."""
     sc = cfg.get("sharding") or {}
     clf = sc.get("cache_load_factor")
-    return sc.get("compute_kernel"), (None if clf is None else float(clf))
+    kernel = sc.get("compute_kernel")
+    if kernel is not None:
+        kernel = str(kernel)
+        known = sorted(k.value for k in EmbeddingComputeKernel)
+        if kernel not in known:
+            raise ValueError(f"sharding.compute_kernel: unknown {kernel!r}; choose from {known}")
+    if clf is not None and not 0.0 < float(clf) <= 1.0:
+        raise ValueError(f"sharding.cache_load_factor must be in (0, 1] (the share of a table's rows the HBM cache "
+                         f"holds), got {clf}")
+    return kernel, (None if clf is None else float(clf))
+
+
+def check_kernel_device(kernel: str | None, device: torch.device) -> None:
+    """TorchRec's UVM kernels keep tables in CUDA unified memory: on CPU its planner finds no kernel for any table and
+    fails with a long trace, so say here which setting cannot work and what to use."""
+    if kernel is not None and "uvm" in kernel and device.type != "cuda":
+        raise ValueError(f"sharding.compute_kernel={kernel} keeps the tables in CUDA unified memory and needs a GPU; "
+                         f"this run is on {device.type}: use fused, or leave sharding.compute_kernel out")
 
 
 def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
@@ -264,6 +282,7 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
     types = stock_sharding_types(cfg)
     kernel, clf = hbm_cache(cfg)
+    check_kernel_device(kernel, ctx.device)
     constraints = {
         table_name(n): ParameterConstraints(sharding_types=types, compute_kernels=[kernel] if kernel else None,
                                             cache_params=CacheParams(load_factor=clf) if clf else None)
