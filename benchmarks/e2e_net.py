@@ -42,7 +42,8 @@ RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold
 START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
 STEP_MARK = r"^step\s+{step}\s+loss"  # trainer.py's log line of step `step` (every log_interval steps)
 NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
-           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate", "input_wait_ms_median")
+           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate", "input_wait_ms_median",
+           *(f"cpu_ms_per_step_{k}" for k in netem.THREAD_KINDS))
 
 
 def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
@@ -117,6 +118,9 @@ def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], ste
         "wire_bytes_per_step_by_rank": [wire[f"rank{r}"] / steps for r in range(len(host_if))],
         "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
         "steady_step_ms": 1000.0 * (b.t - a.t) / steps,
+        # the same CPU by kind of thread, all ranks: training threads, Herald's input threads, the rest (gloo, agents)
+        **({f"cpu_ms_per_step_{k}": 1000.0 * v / steps for k, v in netem.thread_cpu_delta(a.threads, b.threads).items()}
+           if b.threads else {}),
     }
 
 
@@ -240,6 +244,8 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
         "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.workload_args(w) for w in workloads},
+        "thread_figures": "cpu_ms_per_step_{training,input,other}: the steady CPU by kind of thread, all ranks "
+                          "(training = each rank's main thread, input = Herald's input stage, other = gloo, torchrun)",
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
         "cores": os.cpu_count(),
@@ -312,13 +318,20 @@ def breakeven_lines(result: dict) -> str:
                      for r, v in per_r.items())
 
 
+def by_thread(rec: dict) -> str:
+    """"training / input / other" CPU ms per step (all ranks), or "-" where the run did not measure threads."""
+    vals = [rec.get(f"cpu_ms_per_step_{k}") for k in netem.THREAD_KINDS]
+    return " / ".join(f"{v:.1f}" for v in vals) if all(v is not None for v in vals) else "-"
+
+
 def markdown_table(result: dict) -> str:
     """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
     config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
     cores = result["config"].get("cores") or os.cpu_count() or 1
     lines = ["| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
-             f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) | "
+             "CPU ms/step by thread: training / input / other (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
@@ -330,7 +343,7 @@ def markdown_table(result: dict) -> str:
                     cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
                     lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
                                  f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} | "
-                                 f"{1e3 * cpu / cores:.1f} |")
+                                 f"{1e3 * cpu / cores:.1f} | {by_thread(med)} |")
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 PREFIX = "hnet"  # every namespace this module creates starts with it (and the run id)
@@ -324,6 +324,56 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
+INPUT_THREAD = "herald-input"  # the OS name Herald gives its input stage's thread (distributed/input_thread.py)
+THREAD_KINDS = ("training", "input", "other")
+THREAD_POLL_S = 0.25  # how often run_ranks reads the threads' CPU between marks (a thread that ends loses < this)
+
+
+def _is_launcher(pid: int) -> bool:
+    """A torchrun agent (it starts the training process), not a rank's training process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(a.endswith(b"torchrun") or a == b"torch.distributed.run" for a in argv)
+
+
+def thread_cpu_seconds(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds of every thread of the live processes among `pids`, by (pid, tid), each with its kind:
+    `training` (a training process's main thread), `input` (Herald's input stage, named INPUT_THREAD) or `other`
+    (gloo's threads, torchrun's agents, the rest). Read from /proc/<pid>/task/<tid>/schedstat (ns on the CPU)."""
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in pids:
+        launcher = _is_launcher(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            kind = "input" if name == INPUT_THREAD else "training" if int(tid) == pid and not launcher else "other"
+            out[(pid, int(tid))] = (kind, ns / 1e9)
+    return out
+
+
+def thread_cpu_delta(a: Mapping[tuple[int, int], tuple[str, float]],
+                     b: Mapping[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by kind of thread between two readings: each thread in `b` counts what it used since `a` (all of
+    it if it started in between). `run_ranks` keeps the last reading of threads that ended (an input stage whose data
+    ran out) in its snapshots; a thread missing from `b` counts nothing."""
+    out = dict.fromkeys(THREAD_KINDS, 0.0)
+    for key, (kind, sec) in b.items():
+        out[kind] += sec - (a[key][1] if key in a else 0.0)
+    return out
+
+
 @dataclass
 class Snapshot:
     """What was measured when a mark first appeared in a rank's output."""
@@ -331,6 +381,7 @@ class Snapshot:
     t: float  # time.monotonic()
     cpu_s: float  # CPU seconds of the processes `pids()` named at that moment (cumulative since their start)
     extra: object  # whatever `probe()` returned (e.g. interface counters)
+    threads: dict = field(default_factory=dict)  # `thread_cpu_seconds` of those processes
 
 
 @dataclass
@@ -366,6 +417,8 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
     seen: dict[str, Snapshot] = {}
     partial = ["" for _ in cmds]
     watched: list[int] = []
+    threads: dict = {}  # the latest `thread_cpu_seconds` of every thread seen since the first mark
+    threads_read = 0.0
     procs: list[subprocess.Popen] = []
     try:
         for cmd, log in zip(cmds, logs):
@@ -385,8 +438,13 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
                         if rx.search(complete):
                             if not watched and pids is not None:
                                 watched = list(pids())
-                            seen[name] = Snapshot(time.monotonic(), cpu_seconds(watched), probe() if probe else None)
+                            threads.update(thread_cpu_seconds(watched))
+                            seen[name] = Snapshot(time.monotonic(), cpu_seconds(watched), probe() if probe else None,
+                                                  dict(threads))
                             del pending[name]
+            if watched and time.monotonic() - threads_read >= THREAD_POLL_S:  # threads that end keep their last read
+                threads.update(thread_cpu_seconds(watched))
+                threads_read = time.monotonic()
             time.sleep(poll_s)
     finally:
         alive = [p for p in procs if p.poll() is None]

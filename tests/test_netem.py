@@ -257,6 +257,8 @@ def _fake_result() -> dict:
         best = {"step_ms": step_ms + 5, "steady_step_ms": step_ms, "samples_per_s": 512e3 / step_ms, "auc": 0.7, "comm_bytes_per_step": app,
                 "wire_bytes_per_step": 3 * app, "wire_bytes_per_step_raw": 4 * app, "cpu_s_per_step": 0.05,
                 "cpu_s_per_step_raw": 0.3}
+        if app < 1e6:  # herald's runs measured their threads
+            best |= {"cpu_ms_per_step_training": 30.0, "cpu_ms_per_step_input": 12.5, "cpu_ms_per_step_other": 7.5}
         return {"best": best, "median": best, "rounds": [best]}
 
     runs = {w: {b: {"2": {"torchrec_tw": cfg(40.0 * k, 3e6), "torchrec_planner": cfg(50.0 * k, 3e6),
@@ -277,7 +279,8 @@ def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
     table = e2e_net.markdown_table(result).splitlines()
     assert len(table) == 2 + 2 * 2 * 3
     assert "CPU floor ms (CPU / 4 cores)" in table[0]  # the step time if the run's CPU kept every core busy
-    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 |" in table
+    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 | 30.0 / 12.5 / 7.5 |" in table
+    assert "| dcn | 200mbit | 2 | torchrec_tw | 125.0 | 120.0 | 1.00x | 3.00 | 9.00 | 0.7000 | 0.050 | 12.5 | - |" in table
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -413,3 +416,45 @@ def test_breakeven_names_the_crossover_with_a_tie_band() -> None:
     assert e2e_net.breakeven(runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"] == "mixed"
     assert "herald vs best stock, wdl64, R=2: mixed" in e2e_net.breakeven_lines(
         {"runs": runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0})})
+
+
+def test_thread_cpu_split_names_the_input_thread() -> None:
+    """The benchmark's CPU split by thread: this process's main thread counts as `training`, a thread that names
+    itself like Herald's input stage as `input`; the split adds up to the process's CPU."""
+    import threading
+    import time
+
+    from herald_torchrec.distributed.input_thread import OS_THREAD_NAME, name_os_thread
+
+    assert OS_THREAD_NAME == netem.INPUT_THREAD
+    spin_s = 0.3
+    ready, done = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        name_os_thread(OS_THREAD_NAME)
+        ready.set()
+        end = time.thread_time() + spin_s
+        while time.thread_time() < end:
+            pass
+        done.wait()  # alive until the snapshot: a finished thread leaves /proc
+
+    before = netem.thread_cpu_seconds([os.getpid()])
+    t = threading.Thread(target=spin)
+    t.start()
+    ready.wait()
+    end = time.thread_time() + 0.1
+    while time.thread_time() < end:
+        pass
+    time.sleep(spin_s)
+    after = netem.thread_cpu_seconds([os.getpid()])
+    done.set()
+    t.join()
+    d = netem.thread_cpu_delta(before, after)
+    assert set(d) == set(netem.THREAD_KINDS)
+    assert d["input"] >= 0.9 * spin_s  # a thread started between the readings counts all its CPU
+    assert d["training"] >= 0.09
+    assert all(v >= 0 for v in d.values())
+    gone = {k: v for k, v in after.items() if v[0] != "input"}  # the input thread ended before a third reading
+    assert netem.thread_cpu_delta(after, gone)["input"] == 0.0
+    assert not netem._is_launcher(os.getpid())
+    assert netem.thread_cpu_seconds([2**22 + 12345]) == {}  # no such process

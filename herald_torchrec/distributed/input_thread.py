@@ -49,6 +49,22 @@ def set_thread_priority(priority: str) -> None:
                       "priority", RuntimeWarning, stacklevel=2)
 
 
+OS_THREAD_NAME = "herald-input"  # what `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm show for the input thread
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the OS as well (Python's thread names are Python's only), so that per-thread
+    CPU tools (`top -H`, benchmarks/e2e.py's thread split) can tell Herald's input thread from the training thread.
+    Linux only (15 characters at most), best effort: naming never stops training."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 def lag_message(wait_ms: float, share: float, batches: int, priority: str) -> str:
     """What a lagging input stage means, and what to change."""
     head = (f"HeraldTrainPipeline: over the last {batches} batches the training thread waited {wait_ms:.1f} ms per "
@@ -82,6 +98,7 @@ class PrefetchedInput:
 
     def _run(self, stage: Callable[[Iterator], Iterator], source: Iterator, priority: str) -> None:
         try:
+            name_os_thread(OS_THREAD_NAME)
             set_thread_priority(priority)
             for item in stage(source):
                 self._q.put(item)
