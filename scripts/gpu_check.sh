@@ -60,7 +60,9 @@ bench() {
   one_run wdl64_torchrec_uvm 1 model=wdl model.embedding_dim=64 "${stock[@]}" || rc=1
   one_run wdl64_herald 1 model=wdl model.embedding_dim=64 "${herald[@]}" || rc=1
   if [ "${BENCH_HBM:-1}" = 1 ]; then one_run dcn_torchrec_hbm 1 model=dcn scheduler=torchrec || rc=1; fi  # stock, tables in HBM
-  if [ "${BENCH_R2:-1}" = 1 ]; then  # two ranks sharing the one GPU (gloo over CUDA tensors): not a real 2-GPU figure
+  # two ranks sharing the one GPU (gloo over CUDA tensors): not a real 2-GPU figure. Both get the same cache lines over
+  # all ranks (Herald's TBEs hold 1 + R * ratio of the rows in all); metrics.json's hbm_cache_* are all-rank totals
+  if [ "${BENCH_R2:-1}" = 1 ]; then
     local hclf2
     hclf2=$("$PY" -c "print(round($clf / 2 / (0.5 + $ratio), 6))")
     one_run dcn_torchrec_uvm_r2 2 model=dcn "${stock[@]}" || true

@@ -102,3 +102,19 @@ def test_bad_herald_settings_are_clear_errors(bad_setting_runs: list, case: int)
     p, msg = bad_setting_runs[case], BAD_SETTINGS[case][1]
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert msg in p.stderr and "Traceback" not in p.stderr
+
+
+def test_hbm_cache_summary_of_all_rank_totals() -> None:
+    """metrics.json's hbm_cache_* come from totals summed over ranks (sharding.hbm_cache_stats all-reduces them):
+    the hit rate is over every rank's unique ids, the lines are all ranks' lines; no cache, no keys; a cache without
+    counters reports its lines and no hit rate."""
+    import torch
+
+    from herald_torchrec.sharding import cache_summary
+
+    two_ranks = torch.tensor([2.0, 2.0, 39104 + 28448, 1000.0 + 600.0, 100.0 + 300.0], dtype=torch.float64)
+    assert cache_summary(two_ranks) == {"hbm_cache_hit_rate": 0.75, "hbm_cache_lines": 67552,
+                                        "hbm_cache_unique_ids": 1600, "hbm_cache_unique_misses": 400}
+    assert cache_summary(torch.zeros(5, dtype=torch.float64)) == {}
+    no_counters = torch.tensor([2.0, 1.0, 500.0, 10.0, 1.0], dtype=torch.float64)
+    assert cache_summary(no_counters) == {"hbm_cache_lines": 500, "hbm_cache_hit_rate": None}
