@@ -239,10 +239,15 @@ def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
         known = sorted(k.value for k in EmbeddingComputeKernel)
         if kernel not in known:
             raise ValueError(f"sharding.compute_kernel: unknown {kernel!r}; choose from {known}")
-    if clf is not None and not 0.0 < float(clf) <= 1.0:
-        raise ValueError(f"sharding.cache_load_factor must be in (0, 1] (the share of a table's rows the HBM cache "
-                         f"holds), got {clf}")
-    return kernel, (None if clf is None else float(clf))
+    if clf is not None:
+        try:
+            clf = float(clf)
+        except (TypeError, ValueError):
+            clf = float("nan")  # reported below with the value as given
+        if not 0.0 < clf <= 1.0:
+            raise ValueError(f"sharding.cache_load_factor must be a number in (0, 1] (the share of a table's rows the "
+                             f"HBM cache holds), got {sc.get('cache_load_factor')!r}")
+    return kernel, clf
 
 
 def check_kernel_device(kernel: str | None, device: torch.device) -> None:

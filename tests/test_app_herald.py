@@ -86,7 +86,8 @@ BAD_SETTINGS = [
     (["scheduler.input_priority=high"], "scheduler.input_priority must be one of"),
     (["scheduler=torchrec", "+sharding.compute_kernel=fused_uvm_caching"], "needs a GPU"),
     (["scheduler=torchrec", "+sharding.compute_kernel=bogus"], "sharding.compute_kernel: unknown 'bogus'"),
-    (["+sharding.cache_load_factor=0"], "sharding.cache_load_factor must be in (0, 1]"),
+    (["+sharding.cache_load_factor=0"], "sharding.cache_load_factor must be a number in (0, 1]"),
+    (["+sharding.cache_load_factor=lots"], "got 'lots'"),
 ]
 
 
