@@ -10,7 +10,6 @@
 #                       export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_check.sh info cuda bench
 set -euo pipefail
 ARCH=${1:-90}
-here=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 bash ../shared/tools/gpu-wheels.sh >/dev/null
@@ -31,4 +30,3 @@ tar -C "$site" -cf - . | xz -T2 -6 > "$work/site.tar.xz"
 split -n 2 -d -a 2 "$work/site.tar.xz" "$work/site.part-"
 mv "$work/site.part-00" .gpusite/p0/ && mv "$work/site.part-01" .gpusite/p1/
 ls -la .gpusite/p0 .gpusite/p1
-cd "$here"
