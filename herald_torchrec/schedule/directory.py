@@ -92,7 +92,7 @@ class GuestSlots:
             self.pos_of[moved] = holes
             for a in self.payload.values():
                 a[holes] = a[movers]
-        self.fill = new_fill
+        self.fill[:] = new_fill  # in place: the compiled kernels hold its address (schedule/native.py)
 
     def add(self, keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """Append keys to their groups (caller guarantees room); returns their slots (in the input order)."""
@@ -108,7 +108,7 @@ class GuestSlots:
         pos = self.base[g] + self.fill[g] + within
         self.slot[pos] = k
         self.pos_of[k] = pos
-        self.fill = self.fill + a
+        self.fill += a
         out = np.empty_like(pos)
         out[order] = pos
         return out

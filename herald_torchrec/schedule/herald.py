@@ -34,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from herald_torchrec.schedule import native
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.eviction import EvictionPool
@@ -111,6 +112,12 @@ class HeraldPolicy(SchedulePolicy):
         n = self.layout.total_rows
         self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)  # 1..L, 0 = not in window
         self._picked = np.zeros(n, dtype=bool)
+        # the compiled kernels (schedule/native.py), fixed for the policy's life: the eviction pool's state must be
+        # kept by one implementation
+        self._native = (native.DirectoryArrays(self.directory, self.eviction, self.next_use, self._picked)
+                        if native.enabled() and native.DirectoryArrays.supported(self.directory, self.eviction,
+                                                                                 self.next_use, self._picked)
+                        else None)
         # w(c) for c = 0..N: weight of an owned key read by c samples of the batch
         c = np.arange(self.global_batch + 1, dtype=np.float64)
         self._geo = ((self.num_ranks - 1) / self.num_ranks) ** np.maximum(c - 1, 0)
@@ -174,14 +181,18 @@ class HeraldPolicy(SchedulePolicy):
         if es.shape[0] == 0:
             return np.repeat(np.arange(R, dtype=np.int64), B)
         own = (own_k - first) % R
+        # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
+        dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
+        if dense and native.enabled():  # the same arithmetic, compiled (schedule/native.py)
+            a = native.assign(N, R, B, K, es, ec, v.w0, 0 if v.cols is None else v.cols.shape[0], own, self.refine, self.owner_weight, self.stay_bonus,
+                              self._wtype is np.int16)
+            return (a + first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
         if self.refine == 0:
             a = balanced_assign(score, B)
         else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
             a = np.argmax(score, axis=1)
-        # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
-        dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
         kio = own * K + np.arange(K)  # dense: each key's owner cell in rank-major [R, K] counts
         for _ in range(self.refine):
             ea = a[es]
@@ -255,7 +266,11 @@ class HeraldPolicy(SchedulePolicy):
         for j in range(len(window), 0, -1):
             nu[window[j - 1].keys] = j
         d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
-        victims, room = self._make_room(keys, own, home, want, single, nu)
+        if self._native is not None:
+            want = np.ascontiguousarray(want, dtype=np.int64)
+            victims, room = self._native.make_room(keys, own, home, want, single, self.step, self.lookahead + 1)
+        else:
+            victims, room = self._make_room(keys, own, home, want, single, nu)
         v_src = d.owner[victims].astype(np.int64)
         v_dst = d.home[victims].astype(np.int64)
         v_kind = np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)
@@ -278,7 +293,10 @@ class HeraldPolicy(SchedulePolicy):
         ids, offs, readers = rd.readers_csr(~exclusive)
         shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
         # ---- apply -------------------------------------------------------------------------------------------
-        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
+        if self._native is not None:
+            self._native.apply_moves(mv_gid, mv_dst)
+        else:
+            self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
         o = np.argsort(mv_gid, kind="stable")
         t, row = split_gid(self.layout, d.table, mv_gid[o])
         moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])

@@ -7,7 +7,7 @@ costs ~2 ms and np.unique ~7 ms on the reference machine. So:
   only the distinct keys. Every element gets the compact id `cid` of its key (index into the sorted keys).
 * `step_reads` marks every (key, rank) code in a dense [K, R] bitmap; its set cells, read in row-major order, are
   the distinct (key, reader) pairs already sorted by key, then rank. Above `DENSE_LIMIT` cells it sorts codes.
-All arrays are int64 (ids never pass through float). numpy only.
+All arrays are int64 (ids never pass through float). numpy, or the same passes compiled (`native`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from herald_torchrec.schedule import native
 
 DENSE_LIMIT = 1 << 23  # cells of the dense [K, R] count matrix (64 MiB of int64); beyond it, sort
 
@@ -29,6 +31,7 @@ class Scratch:
 
     def __init__(self, size: int = 0) -> None:
         self.a = {np.dtype(np.int32): np.zeros(0, dtype=np.int32)}  # allocated on first use, grown on demand
+        self._mark = np.zeros(0, dtype=np.uint8)  # all zero between uses (the compiled batch_keys leaves it so)
 
     def get(self, size: int, elements: int = 0) -> np.ndarray:
         dtype = np.dtype(np.int32 if elements < 2**31 else np.int64)
@@ -36,6 +39,12 @@ class Scratch:
         if a is None or a.shape[0] < size:
             a = self.a[dtype] = np.zeros(max(size, 1), dtype=dtype)
         return a
+
+    def mark(self, size: int) -> np.ndarray:
+        """uint8 [>= size], all zero; whoever uses it must leave it all zero."""
+        if self._mark.shape[0] < size:
+            self._mark = np.zeros(max(size, 1), dtype=np.uint8)
+        return self._mark
 
 
 def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,7 +119,9 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
         else:
             gid = batch.flat()[2]
         n_rows = batch.layout.total_rows
-        if gid.shape[0] and n_rows <= 32 * gid.shape[0]:
+        if gid.shape[0] and n_rows <= 32 * gid.shape[0] and gid.shape[0] < 2**31 and native.enabled():
+            keys, cid, cnt = native.batch_keys(gid, n_rows, scratch.mark(n_rows), scratch.get(n_rows, gid.shape[0]))
+        elif gid.shape[0] and n_rows <= 32 * gid.shape[0]:
             # few rows for this many elements: a bitmap over all rows yields the sorted distinct keys directly
             mark = np.zeros(n_rows, dtype=bool)
             mark[gid] = True
@@ -166,6 +177,10 @@ def step_reads(bk: BatchKeys, sample_rank: np.ndarray, num_ranks: int) -> StepRe
         code = (bk.cid.reshape(-1, bk.width) * R + sample_rank[:, None]).ravel()
     else:
         code = bk.cid * R + sample_rank[bk.smp]
+    if K * R <= DENSE_LIMIT and native.enabled():
+        count, start, pk, pr = native.step_reads(bk.cid, bk.width, None if bk.width is not None else bk.smp,
+                                                 sample_rank, K, R)
+        return StepReads(bk.keys, count, start, pk, pr)
     if K * R <= DENSE_LIMIT:
         mark = np.zeros(K * R, dtype=bool)
         mark[code] = True

@@ -1,0 +1,648 @@
+// Compiled kernels of the Herald scheduler (control plane): the same arithmetic as the numpy code they replace,
+// operation for operation, so plans are bit-identical (tests compare plan digests of both paths).
+//
+// Built on first use by herald_torchrec/schedule/native.py (a C ABI loaded with ctypes: no torch, no Python
+// headers). Floating point must not be contracted (FMA) or reassociated: compile with -ffp-contract=off and
+// without -ffast-math. Every array is C-contiguous; ids and counts are int64.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// np.argsort(key, kind="stable") of float64 keys.
+// (key, index) pairs sorted: the index breaks ties, which is what a stable sort does.
+void stable_order(const std::vector<double>& key, std::vector<int64_t>& order) {
+  std::vector<std::pair<double, int64_t>> kv(key.size());
+  for (size_t i = 0; i < key.size(); ++i) kv[i] = {key[i], static_cast<int64_t>(i)};
+  std::sort(kv.begin(), kv.end());
+  order.resize(key.size());
+  for (size_t i = 0; i < kv.size(); ++i) order[i] = kv[i].second;
+}
+
+// laia._key: rank, then regret descending, then score descending.
+inline double accept_key(int64_t best, float regret, float bval, double scale) {
+  const double c1 = 4.0 * scale * scale + 4.0 * scale;
+  const double c2 = 2.0 * scale + 1.0;
+  return static_cast<double>(best) * c1 - static_cast<double>(regret) * c2 - static_cast<double>(bval);
+}
+
+double abs_max_scale(const float* sc, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(sc[i]));
+  return static_cast<double>(m) + 1.0;
+}
+
+// laia._two_ranks (rot = identity).
+void two_ranks(const float* sc, int64_t N, int64_t B, int64_t* out) {
+  int64_t n1 = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    out[n] = sc[2 * n + 1] > sc[2 * n] ? 1 : 0;
+    n1 += out[n];
+  }
+  if (n1 == B) return;
+  const double scale = abs_max_scale(sc, 2 * N);
+  std::vector<double> key(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = out[n];
+    const float bval = sc[2 * n + b];
+    const float regret = bval - sc[2 * n + 1 - b];
+    key[n] = accept_key(b, regret, bval, scale);
+  }
+  std::vector<int64_t> order;
+  stable_order(key, order);
+  const int64_t c = n1 > B ? 1 : 0;  // the overfilled column keeps its B best bids
+  std::vector<int64_t> col(N, 1 - c);
+  int64_t taken = 0;
+  for (int64_t i = 0; i < N && taken < B; ++i) {
+    const int64_t s = order[i];
+    if (out[s] == c) {
+      col[s] = c;
+      ++taken;
+    }
+  }
+  std::copy(col.begin(), col.end(), out);
+}
+
+// laia._rounds (rot = identity): bidding rounds on float32 scores [N, R].
+void rounds(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
+  const float neg = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> room(R, B), todo(N);
+  std::iota(todo.begin(), todo.end(), int64_t{0});
+  std::fill(out, out + N, int64_t{-1});
+  const double scale = N ? abs_max_scale(sc, N * R) : 1.0;
+  std::vector<int64_t> best, order, cnt(R), keep;
+  std::vector<float> bval, regret;
+  std::vector<double> key;
+  std::vector<char> open(R);
+  while (true) {
+    const int64_t n = static_cast<int64_t>(todo.size());
+    if (n == 0) break;
+    int64_t nopen = 0, last_open = -1;
+    for (int64_t r = 0; r < R; ++r) {
+      open[r] = room[r] > 0;
+      if (open[r]) ++nopen, last_open = r;
+    }
+    if (nopen == 1) {
+      for (int64_t s : todo) out[s] = last_open;
+      break;
+    }
+    best.assign(n, 0);
+    bval.assign(n, 0.0f);
+    regret.assign(n, 0.0f);
+    std::fill(cnt.begin(), cnt.end(), int64_t{0});
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = sc + todo[i] * R;
+      int64_t b = 0;
+      float bv = open[0] ? row[0] : neg;
+      for (int64_t r = 1; r < R; ++r) {
+        const float v = open[r] ? row[r] : neg;
+        if (v > bv) bv = v, b = r;
+      }
+      float second = neg;
+      for (int64_t r = 0; r < R; ++r) {
+        if (r == b) continue;
+        const float v = open[r] ? row[r] : neg;
+        second = std::max(second, v);
+      }
+      best[i] = b;
+      bval[i] = bv;
+      regret[i] = bv - second;
+      ++cnt[b];
+    }
+    bool fits = true;
+    for (int64_t r = 0; r < R; ++r) fits = fits && cnt[r] <= room[r];
+    keep.assign(n, 1);
+    if (fits) {
+      for (int64_t i = 0; i < n; ++i) out[todo[i]] = best[i], --room[best[i]], keep[i] = 0;
+    } else {
+      key.resize(n);
+      for (int64_t i = 0; i < n; ++i) key[i] = accept_key(best[i], regret[i], bval[i], scale);
+      stable_order(key, order);
+      std::vector<int64_t> within(R, 0);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = order[j];
+        const int64_t b = best[i];
+        if (within[b]++ < room[b]) out[todo[i]] = b, keep[i] = 0;
+      }
+      for (int64_t i = 0; i < n; ++i)
+        if (!keep[i]) --room[best[i]];
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (keep[i]) todo[m++] = todo[i];
+    todo.resize(m);
+  }
+}
+
+void balanced(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
+  if (R == 2 && N) {
+    two_ranks(sc, N, B, out);
+  } else {
+    rounds(sc, N, R, B, out);
+  }
+}
+
+// One refine round's per-key scores need, per (key, rank) cell, the count of the key's elements assigned there;
+// cells are key-major [K, R] here (a sample's keys then touch R adjacent cells), numpy's are rank-major: the
+// counts and scores are the same numbers, and every float sum runs in numpy's order.
+template <typename WT>
+void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
+                   int64_t S, const int64_t* own, int64_t refine, WT two, WT ow_t, double owner_weight,
+                   double stay_bonus, int64_t* a) {
+  std::vector<int32_t> c(K * R);
+  std::vector<double> corr(N), sc64;
+  std::vector<float> sc(N * R);
+  std::vector<WT> W(K * R);
+  std::vector<int64_t> acc(R);
+  std::vector<float> facc(R);
+  for (int64_t round = 0; round < refine; ++round) {
+    std::fill(c.begin(), c.end(), 0);
+    for (int64_t i = 0; i < E; ++i) ++c[ec[i] * R + a[es[i]]];
+    std::fill(corr.begin(), corr.end(), 0.0);
+    for (int64_t i = 0; i < E; ++i) {
+      const int64_t k = ec[i], r = a[es[i]];
+      if (c[k * R + r] == 1) corr[es[i]] += (own[k] == r ? owner_weight : 0.0) - 2.0;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t* ck = c.data() + k * R;
+      WT* wk = W.data() + k * R;
+      for (int64_t r = 0; r < R; ++r) wk[r] = ck[r] > 0 ? two : (own[k] == r ? ow_t : WT(0));
+    }
+    if (S > 0) {  // single-hot, elements sample-major (S per sample): per rank, the sum over the sample's keys
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t* keys = ec + n * S;
+        if constexpr (std::is_same_v<WT, float>) {  // float32 sums in key order, as numpy's axis-0 reduce
+          const float* w = W.data() + keys[0] * R;
+          for (int64_t r = 0; r < R; ++r) facc[r] = w[r];
+          for (int64_t s = 1; s < S; ++s) {
+            w = W.data() + keys[s] * R;
+            for (int64_t r = 0; r < R; ++r) facc[r] += w[r];
+          }
+          for (int64_t r = 0; r < R; ++r) sc[n * R + r] = facc[r];
+        } else {  // small integers: exact in any order
+          std::fill(acc.begin(), acc.end(), int64_t{0});
+          for (int64_t s = 0; s < S; ++s) {
+            const WT* w = W.data() + keys[s] * R;
+            for (int64_t r = 0; r < R; ++r) acc[r] += w[r];
+          }
+          for (int64_t r = 0; r < R; ++r) sc[n * R + r] = static_cast<float>(acc[r]);
+        }
+        float& x = sc[n * R + a[n]];
+        x = static_cast<float>(static_cast<double>(x) + (corr[n] + stay_bonus));
+      }
+    } else {  // jagged: float64 sums in element order, then float32 for the assignment
+      sc64.assign(N * R, 0.0);
+      for (int64_t i = 0; i < E; ++i) {
+        const WT* w = W.data() + ec[i] * R;
+        double* o = sc64.data() + es[i] * R;
+        for (int64_t r = 0; r < R; ++r) o[r] += static_cast<double>(w[r]);
+      }
+      for (int64_t n = 0; n < N; ++n) sc64[n * R + a[n]] += corr[n] + stay_bonus;
+      for (int64_t j = 0; j < N * R; ++j) sc[j] = static_cast<float>(sc64[j]);
+    }
+    balanced(sc.data(), N, R, B, a);
+  }
+}
+
+}  // namespace
+
+
+// ---- guest slots, eviction pool, capacity (directory.GuestSlots, eviction.EvictionPool, HeraldPolicy._make_room) ----
+// The state stays in the policy's numpy arrays; these functions read and update them in place.
+struct Slots {
+  int64_t G;
+  const int64_t* cap;
+  const int64_t* base;
+  int64_t* fill;
+  int64_t* slot;
+  int32_t* pos_of;
+};
+
+struct Pool {
+  int64_t size;
+  int64_t* tau;
+  const int64_t* row;
+  int64_t* keys;  // [big groups, size]
+  int64_t* count;
+  const int32_t* group_of_slot;
+  int64_t* rebuilds;
+};
+
+struct Prio {  // HeraldPolicy._make_room.prio: lower is evicted first; -1 = stays (read this step, or already picked)
+  const int16_t* nu;
+  const int32_t* last;
+  const uint8_t* picked;
+  int64_t step, L1;
+  int64_t operator()(int64_t key) const {
+    const int64_t lu = last[key];
+    if (lu == step || picked[key]) return -1;
+    const int64_t n = nu[key];
+    return (n > 0 ? L1 - n : 0) * (step + 2) + lu + 1;
+  }
+};
+
+// The `need` members of lowest (priority, slot) among (prio, pos) candidates with prio >= 0, appended to out.
+void take_lowest(std::vector<std::pair<int64_t, int64_t>>& cand, int64_t need, std::vector<int64_t>& out) {
+  if (static_cast<int64_t>(cand.size()) > need) {
+    std::nth_element(cand.begin(), cand.begin() + need, cand.end());
+    cand.resize(need);
+  }
+  for (auto& c : cand) out.push_back(c.second);
+}
+
+// GuestSlots.pick_victims for one group: a pass over its members.
+void full_selection(const Slots& sl, int64_t g, int64_t need, const Prio& prio, std::vector<int64_t>& out) {
+  std::vector<std::pair<int64_t, int64_t>> cand;
+  for (int64_t p = sl.base[g]; p < sl.base[g] + sl.fill[g]; ++p) {
+    const int64_t pr = prio(sl.slot[p]);
+    if (pr >= 0) cand.push_back({pr, p});
+  }
+  take_lowest(cand, need, out);
+}
+
+// EvictionPool._rebuild for one group: the `size` lowest floors (all, if fewer).
+void rebuild(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g) {
+  const int64_t lo = sl.base[g], n = sl.fill[g];
+  int64_t* keys = pool.keys + pool.row[g] * pool.size;
+  int64_t tau;
+  if (n <= pool.size) {
+    tau = std::numeric_limits<int64_t>::max();
+  } else {
+    std::vector<int32_t> fl(n);
+    for (int64_t i = 0; i < n; ++i) fl[i] = floor[sl.slot[lo + i]];
+    std::nth_element(fl.begin(), fl.begin() + pool.size, fl.end());
+    tau = fl[pool.size];
+  }
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t key = sl.slot[lo + i];
+    if (floor[key] < tau) keys[c++] = key;
+  }
+  pool.tau[g] = tau;
+  pool.count[g] = c;
+  ++*pool.rebuilds;
+}
+
+// EvictionPool._candidates for one group: live members (stale keys dropped for good, duplicates once).
+void pool_candidates(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, std::vector<int64_t>& pos) {
+  int64_t* keys = pool.keys + pool.row[g] * pool.size;
+  const int64_t lo = sl.base[g], hi = sl.base[g] + sl.fill[g], tau = pool.tau[g];
+  pos.clear();
+  int64_t kept = 0;
+  for (int64_t i = 0; i < pool.count[g]; ++i) {
+    const int64_t key = keys[i];
+    const int64_t p = sl.pos_of[key];
+    if (p >= lo && p < hi && floor[key] < tau) keys[kept++] = key, pos.push_back(p);
+  }
+  // a row that left and came back is listed twice: keep its first listing
+  std::vector<int64_t> sorted(pos);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    std::vector<int64_t> seen;
+    int64_t m = 0;
+    std::vector<int64_t> uniq;
+    for (int64_t i = 0; i < kept; ++i) {
+      const int64_t p = pos[i];
+      if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;  // rare: few duplicates
+      seen.push_back(p);
+      keys[m++] = keys[i];
+      uniq.push_back(p);
+    }
+    kept = m;
+    pos.swap(uniq);
+  }
+  pool.count[g] = kept;
+}
+
+// EvictionPool.pick for one group: exactly the full selection's victims, from the pool where it can decide.
+void pick_group(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, int64_t need, const Prio& prio,
+                std::vector<int64_t>& out) {
+  if (need <= 0) return;
+  if (sl.cap[g] <= pool.size) {
+    full_selection(sl, g, need, prio, out);
+    return;
+  }
+  std::vector<int64_t> pos;
+  std::vector<std::pair<int64_t, int64_t>> cand;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    pool_candidates(sl, pool, floor, g, pos);
+    cand.clear();
+    for (int64_t p : pos) {
+      const int64_t pr = prio(sl.slot[p]);
+      if (pr >= 0 && pr < pool.tau[g]) cand.push_back({pr, p});
+    }
+    if (static_cast<int64_t>(cand.size()) >= need) {
+      take_lowest(cand, need, out);
+      return;
+    }
+    if (attempt == 0) rebuild(sl, pool, floor, g);
+  }
+  full_selection(sl, g, need, prio, out);
+}
+
+void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector<int64_t>& groups) {
+  if (keys.empty()) return;
+  std::vector<int64_t> d(sl.G, 0), holes;
+  for (int64_t g : groups) ++d[g];
+  std::vector<int64_t> pos(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    pos[i] = sl.pos_of[keys[i]];
+    if (pos[i] < 0) throw std::runtime_error("GuestSlots.remove: key is not a member");
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    sl.slot[pos[i]] = -1;
+    sl.pos_of[keys[i]] = -1;
+    if (pos[i] < sl.base[groups[i]] + sl.fill[groups[i]] - d[groups[i]]) holes.push_back(pos[i]);
+  }
+  std::sort(holes.begin(), holes.end());
+  size_t h = 0;
+  for (int64_t g = 0; g < sl.G; ++g) {
+    if (!d[g]) continue;
+    const int64_t nf = sl.fill[g] - d[g];
+    for (int64_t p = sl.base[g] + nf; p < sl.base[g] + sl.fill[g]; ++p) {
+      if (sl.slot[p] < 0) continue;
+      if (h >= holes.size()) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
+      const int64_t key = sl.slot[p];
+      sl.slot[holes[h]] = key;
+      sl.slot[p] = -1;
+      sl.pos_of[key] = static_cast<int32_t>(holes[h]);
+      ++h;
+    }
+    sl.fill[g] = nf;
+  }
+  if (h != holes.size()) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
+}
+
+// GuestSlots.add: append keys to their groups (stable by group); returns their slots in input order.
+void slots_add(Slots& sl, const std::vector<int64_t>& keys, const std::vector<int64_t>& groups, int64_t* out) {
+  std::vector<int64_t> a(sl.G, 0), next(sl.G);
+  for (int64_t g : groups) ++a[g];
+  for (int64_t g = 0; g < sl.G; ++g) {
+    if (sl.fill[g] + a[g] > sl.cap[g]) throw std::runtime_error("GuestSlots.add: group over capacity");
+    next[g] = sl.base[g] + sl.fill[g];
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int64_t p = next[groups[i]]++;
+    sl.slot[p] = keys[i];
+    sl.pos_of[keys[i]] = static_cast<int32_t>(p);
+    out[i] = p;
+  }
+  for (int64_t g = 0; g < sl.G; ++g) sl.fill[g] += a[g];
+}
+
+// EvictionPool.arrived: rows just added at `pos` (floor set) join their group's pool if below its threshold.
+void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64_t* pos, int64_t n) {
+  std::vector<int64_t> a(sl.G, 0);
+  std::vector<int64_t> low;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = pool.group_of_slot[pos[i]];
+    if (floor[sl.slot[pos[i]]] < pool.tau[g]) low.push_back(pos[i]), ++a[g];
+  }
+  if (low.empty()) return;
+  std::vector<char> over(sl.G, 0);
+  for (int64_t g = 0; g < sl.G; ++g)
+    if (a[g] && pool.count[g] + a[g] > pool.size) over[g] = 1, pool.tau[g] = -1, pool.count[g] = 0;
+  // stable by group, as numpy's argsort(kind="stable"): within a group, arrival order
+  std::vector<int64_t> order(low.size());
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return pool.group_of_slot[low[x]] < pool.group_of_slot[low[y]];
+  });
+  for (int64_t i : order) {
+    const int64_t g = pool.group_of_slot[low[i]];
+    if (over[g]) continue;
+    pool.keys[pool.row[g] * pool.size + pool.count[g]++] = sl.slot[low[i]];
+  }
+}
+
+extern "C" {
+
+int herald_kernels_version() { return 2; }
+
+// Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
+static std::string last_error;
+const char* herald_last_error() { return last_error.c_str(); }
+
+// HeraldPolicy._make_room: eviction victims so that every guest group fits after the step's moves; cancels (in
+// `want`) the least valuable arrivals of groups that cannot make room. Step keys [K] (sorted global rows) with
+// their current owner, home and wanted owner; `single` = read by one rank. Writes the victims (sorted global
+// rows, at most `max_victims`) and their count, and the room left per group [G] (a lower bound).
+int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
+                     const uint8_t* single, int64_t R, int64_t T, const int16_t* table, const int32_t* owner,
+                     const int16_t* nu, const int32_t* last, uint8_t* picked, int64_t step, int64_t L1,
+                     const int64_t* cap, const int64_t* base, int64_t* fill, int64_t* slot, int32_t* pos_of,
+                     int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
+                     const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims, int64_t max_victims,
+                     int64_t* n_victims, int64_t* room) {
+  try {
+    const int64_t G = R * T;
+    Slots sl{G, cap, base, fill, slot, pos_of};
+    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
+    Prio prio{nu, last, picked, step, L1};
+    std::vector<int64_t> tk(K), freed(G, 0), deficit(G), left(G), chosen, vpos, arr, arr_g;
+    for (int64_t i = 0; i < K; ++i) tk[i] = table[keys[i]];
+    const int victim_rounds = 2;
+    bool done = false;
+    for (int64_t it = 0; it < K + 2; ++it) {
+      std::fill(deficit.begin(), deficit.end(), int64_t{0});
+      arr.clear();
+      arr_g.clear();
+      for (int64_t i = 0; i < K; ++i) {
+        if (want[i] == own[i]) continue;
+        if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i]), ++deficit[arr_g.back()];
+        if (own[i] != home[i]) --deficit[own[i] * T + tk[i]];
+      }
+      bool any = false;
+      for (int64_t g = 0; g < G; ++g) {
+        deficit[g] += fill[g] - freed[g] - cap[g];
+        any = any || deficit[g] > 0;
+      }
+      if (!any) {
+        done = true;
+        break;
+      }
+      left = deficit;
+      if (it < victim_rounds) {
+        vpos.clear();
+        for (int64_t g = 0; g < G; ++g)
+          if (deficit[g] > 0) pick_group(sl, pool, last, g, deficit[g], prio, vpos);
+        if (!vpos.empty()) {
+          for (int64_t p : vpos) {
+            const int64_t v = slot[p];
+            picked[v] = 1;
+            chosen.push_back(v);
+            const int64_t vg = static_cast<int64_t>(owner[v]) * T + table[v];
+            ++freed[vg];
+            --left[vg];
+          }
+          bool fits = true;
+          for (int64_t g = 0; g < G; ++g) fits = fits && left[g] <= 0;
+          if (fits) {
+            deficit = left;
+            done = true;
+            break;
+          }
+        }
+      }
+      // keep the most valuable arrivals: single-reader migrations, then keys used again soon; among equals keep
+      // those leaving a guest slot and drop those coming from home
+      struct C { int64_t g, val, from_home, key, i; };
+      std::vector<C> cand;
+      for (size_t j = 0; j < arr.size(); ++j) {
+        const int64_t i = arr[j], g = arr_g[j];
+        if (left[g] <= 0) continue;
+        const int64_t val = (single[i] ? 2 : 0) + (nu[keys[i]] > 0 ? 1 : 0);
+        cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
+      }
+      std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
+        if (x.g != y.g) return x.g < y.g;
+        if (x.val != y.val) return x.val < y.val;
+        if (x.from_home != y.from_home) return x.from_home < y.from_home;
+        return x.key < y.key;
+      });
+      for (size_t j = 0; j < cand.size();) {
+        size_t e = j;
+        while (e < cand.size() && cand[e].g == cand[j].g) ++e;
+        const int64_t n_in = static_cast<int64_t>(e - j), keep = n_in - left[cand[j].g];
+        for (size_t q = j; q < e; ++q)
+          if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
+        j = e;
+      }
+    }
+    if (!done) throw std::runtime_error("herald: capacity resolution did not converge");
+    for (int64_t v : chosen) picked[v] = 0;
+    if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald: too many victims");
+    std::sort(chosen.begin(), chosen.end());
+    std::copy(chosen.begin(), chosen.end(), victims);
+    *n_victims = static_cast<int64_t>(chosen.size());
+    for (int64_t g = 0; g < G; ++g) room[g] = -deficit[g];
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// OwnershipDirectory.apply_moves + EvictionPool.arrived: every row leaves its owner, then arrives at dst.
+int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_t T, const int16_t* table,
+                       int32_t* owner, const int32_t* home, int64_t G, const int64_t* cap, const int64_t* base,
+                       int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size, int64_t* tau,
+                       const int64_t* row, int64_t* pool_keys, int64_t* pool_count, const int32_t* group_of_slot,
+                       const int32_t* floor) {
+  try {
+    Slots sl{G, cap, base, fill, slot, pos_of};
+    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
+    std::vector<int64_t> k, g;
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t src = owner[gid[i]];
+      if (src != home[gid[i]]) k.push_back(gid[i]), g.push_back(src * T + table[gid[i]]);
+    }
+    slots_remove(sl, k, g);
+    k.clear();
+    g.clear();
+    for (int64_t i = 0; i < M; ++i) {
+      if (dst[i] != home[gid[i]]) k.push_back(gid[i]), g.push_back(dst[i] * T + table[gid[i]]);
+      owner[gid[i]] = static_cast<int32_t>(dst[i]);
+    }
+    std::vector<int64_t> pos(k.size());
+    slots_add(sl, k, g, pos.data());
+    pool_arrived(sl, pool, floor, pos.data(), static_cast<int64_t>(pos.size()));
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// balanced_assign(score, B) with first = 0 on float32 scores [N, R].
+void herald_balanced_assign(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
+  balanced(sc, N, R, B, out);
+}
+
+// HeraldPolicy.assign in rotated rank coordinates, on the dense path: the first LAIA pass (score = bincount of
+// w0 by (sample, owner)), then `refine` rounds of balanced best response. `own` is every key's owner (rotated),
+// es / ec every scheduled element's sample and key index; S > 0: single-hot, S elements per sample, sample-major.
+// w_int16: the per-key scores are small integers (numpy int16), else float32. Writes the assignment to `a`.
+void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
+                   const double* w0, int64_t S, const int64_t* own, int64_t refine,
+                   double owner_weight, double stay_bonus, int w_int16, int64_t* a) {
+  std::vector<double> score(N * R, 0.0);
+  for (int64_t i = 0; i < E; ++i) score[es[i] * R + own[ec[i]]] += w0[i];
+  if (refine == 0) {
+    std::vector<float> sc(score.begin(), score.end());
+    balanced(sc.data(), N, R, B, a);
+    return;
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    const double* row = score.data() + n * R;
+    a[n] = std::max_element(row, row + R) - row;  // the first maximum, as np.argmax
+  }
+  if (w_int16) {
+    refine_rounds<int16_t>(N, R, B, K, E, es, ec, S, own, refine, int16_t(2),
+                           static_cast<int16_t>(owner_weight), owner_weight, stay_bonus, a);
+  } else {
+    refine_rounds<float>(N, R, B, K, E, es, ec, S, own, refine, 2.0f, static_cast<float>(owner_weight),
+                         owner_weight, stay_bonus, a);
+  }
+}
+
+// reads.batch_keys, bitmap path: distinct sorted keys of `gid` (values in [0, n_rows)), the index of every
+// element's key, and the count per key. `mark` (uint8 [n_rows]) must be all zero and is left all zero; `pos`
+// (int32 [n_rows]) is scratch. Returns K; keys / count need room for min(E, n_rows) entries.
+int64_t herald_batch_keys(const int64_t* gid, int64_t E, int64_t n_rows, uint8_t* mark, int32_t* pos,
+                          int64_t* keys, int64_t* cid, int64_t* count) {
+  for (int64_t i = 0; i < E; ++i) mark[gid[i]] = 1;
+  int64_t K = 0;
+  int64_t g = 0;
+  for (; g + 8 <= n_rows; g += 8) {  // eight rows at a time: most words of the bitmap are empty
+    uint64_t w;
+    std::memcpy(&w, mark + g, 8);
+    if (!w) continue;
+    for (int64_t j = g; j < g + 8; ++j)
+      if (mark[j]) pos[j] = static_cast<int32_t>(K), keys[K++] = j, mark[j] = 0;
+  }
+  for (; g < n_rows; ++g)
+    if (mark[g]) pos[g] = static_cast<int32_t>(K), keys[K++] = g, mark[g] = 0;
+  std::fill(count, count + K, int64_t{0});
+  for (int64_t i = 0; i < E; ++i) {
+    cid[i] = pos[gid[i]];
+    ++count[cid[i]];
+  }
+  return K;
+}
+
+// reads.step_reads, dense path: distinct (key, rank) pairs sorted by key then rank, for element keys `cid` and
+// element ranks (`width` > 0: sample-major [N, width] elements, rank of the sample; else `smp` gives the sample).
+// `mark` is uint8 scratch of K * R cells (any content). Writes count / start per key; returns the pair count.
+int64_t herald_step_reads(const int64_t* cid, int64_t E, int64_t width, const int64_t* smp, const int64_t* sample_rank,
+                          int64_t K, int64_t R, uint8_t* mark, int64_t* count, int64_t* start, int64_t* pair_key,
+                          int64_t* pair_rank) {
+  std::memset(mark, 0, static_cast<size_t>(K * R));
+  if (width > 0) {
+    for (int64_t i = 0, n = 0; i < E; i += width, ++n) {
+      const int64_t r = sample_rank[n];
+      for (int64_t j = i; j < i + width; ++j) mark[cid[j] * R + r] = 1;
+    }
+  } else {
+    for (int64_t i = 0; i < E; ++i) mark[cid[i] * R + sample_rank[smp[i]]] = 1;
+  }
+  int64_t P = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    start[k] = P;
+    const uint8_t* m = mark + k * R;
+    for (int64_t r = 0; r < R; ++r)
+      if (m[r]) pair_key[P] = k, pair_rank[P] = r, ++P;
+    count[k] = P - start[k];
+  }
+  return P;
+}
+
+}  // extern "C"

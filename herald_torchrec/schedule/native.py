@@ -1,0 +1,244 @@
+"""Compiled kernels for the scheduler's hottest loops (`_kernels.cpp`), with the numpy code as the fallback.
+
+Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (issue 9); in numpy it is ~100
+passes over 10^4-element arrays, each a few microseconds. The kernels do the same arithmetic in single passes and
+give bit-identical plans (tests compare plan digests of both paths, on every policy setting that reaches them).
+
+Built on first use with the system C++ compiler into a cache directory (`$HERALD_NATIVE_DIR`, default
+`~/.cache/herald_torchrec`), named by a hash of the source and flags, written atomically (ranks building at once
+do not collide); loaded with ctypes — a C ABI on numpy buffers, no torch and no Python headers, so the control
+plane stays torch-free. `make setup` builds it once. `HERALD_NATIVE=0` turns it off (numpy only); `=1` makes a
+failed build an error instead of a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("_kernels.cpp")
+ENV, DIR_ENV = "HERALD_NATIVE", "HERALD_NATIVE_DIR"
+# no FMA contraction, no fast-math: the kernels must round exactly as numpy does
+FLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
+VERSION = 2  # herald_kernels_version() of the source this module expects
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+# Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
+# wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
+# pool's arrays are checked once (`supports_directory`) and their addresses kept (`DirectoryArrays`).
+_i64p = _f64p = _f32p = _u8p = _i32p = _i16p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+SIGNATURES = {
+    "herald_kernels_version": ([], ctypes.c_int),
+    "herald_balanced_assign": ([_f32p, _i64, _i64, _i64, _i64p], None),
+    "herald_assign": ([_i64, _i64, _i64, _i64, _i64, _i64p, _i64p, _f64p, _i64, _i64p, _i64, ctypes.c_double,
+                       ctypes.c_double, ctypes.c_int, _i64p], None),
+    "herald_batch_keys": ([_i64p, _i64, _i64, _u8p, _i32p, _i64p, _i64p, _i64p], _i64),
+    "herald_last_error": ([], ctypes.c_char_p),
+    "herald_make_room": ([_i64, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64, _i16p, _i32p, _i16p, _i32p, _u8p, _i64,
+                          _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i64p,
+                          _i64p, _i64, _i64p, _i64p], ctypes.c_int),
+    "herald_apply_moves": ([_i64, _i64p, _i64p, _i64, _i16p, _i32p, _i32p, _i64, _i64p, _i64p, _i64p, _i64p, _i32p,
+                            _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i32p], ctypes.c_int),
+    "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
+}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "herald_torchrec")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path() -> Path:
+    """Where the built kernels live for this source, these flags and this platform."""
+    h = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + sys.platform.encode()).hexdigest()[:16]
+    return _cache_dir() / f"herald_kernels_{h}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels (if not already built) and return the library's path; RuntimeError if it cannot."""
+    out = library_path()
+    if out.exists() and not force:
+        return out
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        p = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{cxx} failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a rank loading it never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    for name, (args, res) in SIGNATURES.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, res
+    if lib.herald_kernels_version() != VERSION:
+        raise RuntimeError(f"kernels version {lib.herald_kernels_version()}, expected {VERSION}")
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (turned off with HERALD_NATIVE=0, or unavailable: warned once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    mode = os.environ.get(ENV, "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return None
+    try:
+        _lib = _load()
+    except (OSError, RuntimeError) as e:
+        if mode in ("1", "on", "true", "yes"):
+            raise RuntimeError(f"herald: {ENV}={mode} but the scheduler's compiled kernels are unavailable: {e}") from e
+        warnings.warn(f"herald: the scheduler's compiled kernels are unavailable ({e}); using numpy (same plans, "
+                      f"more CPU per step). Set {ENV}=0 to silence this.", stacklevel=2)
+    return _lib
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the kernels on (loading them if needed) or off for this process (tests compare both paths)."""
+    global _lib, _tried
+    if enabled:
+        _tried, _lib = True, _load()
+    else:
+        _tried, _lib = True, None
+
+
+def enabled() -> bool:
+    return lib() is not None
+
+
+# ---- wrappers (numpy in, numpy out) ------------------------------------------------------------------------------
+def _c(a: np.ndarray, dtype) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _p(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's first element (the caller keeps the array alive)."""
+    return a.ctypes.data
+
+
+def balanced_assign(score: np.ndarray, batch_per_rank: int) -> np.ndarray:
+    """laia.balanced_assign(score, B) with first = 0."""
+    sc = _c(score, np.float32)
+    N, R = sc.shape
+    out = np.empty(N, dtype=np.int64)
+    lib().herald_balanced_assign(_p(sc), N, R, int(batch_per_rank), _p(out))
+    return out
+
+
+def assign(N: int, R: int, B: int, K: int, es: np.ndarray, ec: np.ndarray, w0: np.ndarray, per_sample: int,
+           own: np.ndarray, refine: int, owner_weight: float, stay_bonus: float, w_int16: bool) -> np.ndarray:
+    """HeraldPolicy.assign's dense path in rotated coordinates (see the kernel's comment); per_sample > 0: single-hot
+    elements, that many per sample, sample-major."""
+    a = np.empty(N, dtype=np.int64)
+    es, ec, w0, own = _c(es, np.int64), _c(ec, np.int64), _c(w0, np.float64), _c(own, np.int64)
+    lib().herald_assign(N, R, B, K, es.shape[0], _p(es), _p(ec), _p(w0), int(per_sample), _p(own), int(refine),
+                        float(owner_weight), float(stay_bonus), int(w_int16), _p(a))
+    return a
+
+
+def batch_keys(gid: np.ndarray, n_rows: int, mark: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted distinct keys, index of every element's key, count per key) of `gid` (values in [0, n_rows)).
+    `mark`: uint8 [>= n_rows], all zero (left so); `pos`: int32 [>= n_rows] scratch."""
+    g = _c(gid, np.int64)
+    E = g.shape[0]
+    cap = min(E, n_rows)
+    keys, cnt, cid = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.empty(E, dtype=np.int64)
+    K = lib().herald_batch_keys(_p(g), E, n_rows, _p(mark), _p(pos), _p(keys), _p(cid), _p(cnt))
+    return keys[:K], cid, cnt[:K]
+
+
+def step_reads(cid: np.ndarray, width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray, K: int,
+               R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(count, start, pair_key, pair_rank) of reads.step_reads' dense path."""
+    c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
+    E = c.shape[0]
+    count, start = np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int64)
+    pk, pr = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
+    s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
+    mark = np.empty(K * R, dtype=np.uint8)
+    P = lib().herald_step_reads(_p(c), E, int(width or 0), _p(s), _p(rk), K, R, _p(mark), _p(count), _p(start),
+                                _p(pk), _p(pr))
+    return count, start, pk[:P], pr[:P]
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(lib().herald_last_error().decode())
+
+
+class DirectoryArrays:
+    """The addresses of a HeraldPolicy's ownership directory, guest slots, eviction pool, next-use and picked arrays,
+    which the capacity kernels update in place. Those arrays are never replaced while the kernels keep the
+    directory (numpy's GuestSlots.remove / add, which replace `fill`, are not called then)."""
+
+    def __init__(self, directory, pool, next_use: np.ndarray, picked: np.ndarray) -> None:
+        d, sl = directory, directory.slots
+        self.arrays = (d.table, d.owner, d.home, d.last_use, sl.cap, sl.base, sl.fill, sl.slot, sl.pos_of, pool.tau,
+                       pool.row, pool.keys, pool.count, pool.group_of_slot, next_use, picked)  # kept alive here
+        (self.table, self.owner, self.home, self.last_use, self.cap, self.base, self.fill, self.slot, self.pos_of,
+         self.tau, self.row, self.pool_keys, self.pool_count, self.group_of_slot, self.next_use,
+         self.picked) = (_p(a) for a in self.arrays)
+        self.R, self.T, self.G, self.pool_size, self.pool = d.num_ranks, d.num_tables, sl.num_groups, pool.size, pool
+
+    @staticmethod
+    def supported(directory, pool, next_use: np.ndarray, picked: np.ndarray) -> bool:
+        """Whether the kernels can work on these arrays in place (their dtypes and layout)."""
+        d, sl = directory, directory.slots
+        want = ((d.table, np.int16), (d.owner, np.int32), (d.home, np.int32), (d.last_use, np.int32),
+                (sl.cap, np.int64), (sl.base, np.int64), (sl.fill, np.int64), (sl.slot, np.int64),
+                (sl.pos_of, np.int32), (pool.tau, np.int64), (pool.row, np.int64), (pool.keys, np.int64),
+                (pool.count, np.int64), (pool.group_of_slot, np.int32), (next_use, np.int16), (picked, np.bool_))
+        return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in want)
+
+    def make_room(self, keys, own, home, want, single, step: int, L1: int) -> tuple[np.ndarray, np.ndarray]:
+        """HeraldPolicy._make_room (cancellations written to `want`, int64); returns (victims, room)."""
+        K = keys.shape[0]
+        keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
+        victims, nv = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        room, rb = np.empty(self.G, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        _check(lib().herald_make_room(
+            K, _p(keys), _p(own), _p(home), _p(want), _p(single), self.R, self.T, self.table, self.owner,
+            self.next_use, self.last_use, self.picked, int(step), int(L1), self.cap, self.base, self.fill, self.slot,
+            self.pos_of, self.pool_size, self.tau, self.row, self.pool_keys, self.pool_count, self.group_of_slot,
+            _p(rb), _p(victims), victims.shape[0], _p(nv), _p(room)))
+        self.pool.rebuilds += int(rb[0])
+        return victims[: int(nv[0])], room
+
+    def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
+        """OwnershipDirectory.apply_moves, then EvictionPool.arrived."""
+        gid, dst = _c(gid, np.int64), _c(dst, np.int64)
+        _check(lib().herald_apply_moves(
+            gid.shape[0], _p(gid), _p(dst), self.T, self.table, self.owner, self.home, self.G, self.cap, self.base,
+            self.fill, self.slot, self.pos_of, self.pool_size, self.tau, self.row, self.pool_keys, self.pool_count,
+            self.group_of_slot, self.last_use))

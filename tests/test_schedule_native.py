@@ -1,0 +1,145 @@
+"""The scheduler's compiled kernels (schedule/native.py) against the numpy code they replace: the same plans, step by
+step, byte for byte, and the same ownership directory, on every path the kernels take (single-hot and jagged
+batches, 2..8 ranks, refine rounds, integer and float per-key scores, small eviction pools that rebuild and
+overflow, the lookahead). A kernel that rounded, broke a tie or ordered a slot differently fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native
+from herald_torchrec.schedule import herald as herald_mod
+from herald_torchrec.schedule.eviction import EvictionPool
+from herald_torchrec.schedule.laia import balanced_assign
+from herald_torchrec.schedule.plan_wire import encode_plan_tree
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="no C++ compiler here: the numpy path is the only one")
+
+ROWS = [40, 300, 7, 1200, 90]
+
+
+@pytest.fixture
+def numpy_only():
+    """Run a block with the kernels off, then turn them back on."""
+    native.set_enabled(False)
+    try:
+        yield
+    finally:
+        native.set_enabled(True)
+
+
+def _single_hot(rng: np.random.Generator, n: int, skew: float = 1.3) -> np.ndarray:
+    # skewed ids: a hot head read by many samples, a long tail (so keys are shared, migrate and get evicted)
+    return np.stack([np.minimum(rng.zipf(skew, n) - 1, r - 1) for r in ROWS], axis=1).astype(np.int64)
+
+
+def _jagged(rng: np.random.Generator, n: int) -> GlobalBatch:
+    offs, vals = [], []
+    for r in ROWS:
+        lens = rng.integers(0, 4, n)  # empty bags and multi-hot ones; a bag may read a key twice
+        offs.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        vals.append(np.minimum(rng.zipf(1.3, int(lens.sum())) - 1, r - 1).astype(np.int64))
+    return GlobalBatch(offs, vals, ROWS)
+
+
+def _trace(kind: str, R: int, B: int, steps: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    if kind == "dense":
+        return [_single_hot(rng, R * B) for _ in range(steps)]
+    return [_jagged(rng, R * B) for _ in range(steps)]
+
+
+def _batch(item, index: int) -> GlobalBatch:
+    if isinstance(item, GlobalBatch):  # fresh objects per run: a batch caches policy views
+        return GlobalBatch(item.offsets, item.values, ROWS, index=index)
+    return GlobalBatch.from_dense(item, ROWS, index=index)
+
+
+def _run(trace, R: int, B: int, L: int, **kw) -> tuple[list[bytes], object]:
+    pol = make_policy("herald", ROWS, R, B, kw.pop("cache_ratio", 0.1), L, tables="all", **kw)
+    chk = PlanChecker(ROWS, R, B, pol.cache_ratio)
+    plans = []
+    for i in range(len(trace) - L):
+        window = [_batch(trace[j], j) for j in range(i, i + L + 1)]
+        plan = pol.plan(window)
+        chk.check(plan, window[0])
+        plans.append(encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())
+    assert chk.stale_reads == 0 and not chk.errors
+    return plans, pol
+
+
+def _compare(trace, R: int, B: int, L: int, **kw) -> None:
+    native.set_enabled(True)
+    got, pol_c = _run(trace, R, B, L, **dict(kw))
+    assert pol_c._native is not None  # the kernels ran
+    native.set_enabled(False)
+    try:
+        want, pol_n = _run(trace, R, B, L, **dict(kw))
+    finally:
+        native.set_enabled(True)
+    assert pol_n._native is None
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a == b, f"plan {step} differs"
+    dc, dn = pol_c.directory, pol_n.directory
+    for name in ("owner", "last_use"):
+        np.testing.assert_array_equal(getattr(dc, name), getattr(dn, name))
+    for name in ("fill", "slot", "pos_of"):  # the same slot of every guest: slots break eviction ties
+        np.testing.assert_array_equal(getattr(dc.slots, name), getattr(dn.slots, name))
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+@pytest.mark.parametrize("refine", [0, 2])
+def test_single_hot_plans_equal(R, refine):
+    _compare(_trace("dense", R, 16, 40, seed=R), R, 16, 3, refine=refine)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_jagged_plans_equal(R):
+    _compare(_trace("jagged", R, 12, 30, seed=10 + R), R, 12, 2, refine=2)
+
+
+def test_float_scores_plans_equal():
+    # an owner weight that is not a whole number makes the per-key scores float32: sums must round as numpy's
+    _compare(_trace("dense", 4, 16, 30, seed=7), 4, 16, 2, refine=2, owner_weight=1.3, stay_bonus=0.7)
+    _compare(_trace("jagged", 2, 12, 24, seed=8), 2, 12, 2, refine=1, owner_weight=0.3)
+
+
+def test_small_pools_plans_equal(monkeypatch):
+    # pools of 4 keys: rebuilds and overflows every few steps; a tight cache makes every group evict
+    monkeypatch.setattr(herald_mod, "EvictionPool", functools.partial(EvictionPool, size=4))
+    _compare(_trace("dense", 2, 32, 60, seed=3), 2, 32, 4, refine=1, cache_ratio=0.05)
+    _compare(_trace("jagged", 4, 8, 40, seed=4), 4, 8, 3, refine=0, cache_ratio=0.05)
+
+
+def test_no_lookahead_and_no_forward():
+    _compare(_trace("dense", 2, 16, 20, seed=5), 2, 16, 0, refine=1)
+    _compare(_trace("dense", 3, 16, 20, seed=6), 3, 16, 2, refine=1, forward=False)
+
+
+@pytest.mark.parametrize("R", [2, 3, 5])
+def test_balanced_assign_equal(R):
+    rng = np.random.default_rng(R)
+    B = 9
+    for scores in (rng.integers(0, 4, (R * B, R)).astype(np.float32),  # many ties
+                   rng.normal(size=(R * B, R)).astype(np.float32)):
+        np.testing.assert_array_equal(native.balanced_assign(scores, B), balanced_assign(scores, B))
+
+
+def test_kernel_errors_raise():
+    # the directory refuses an arrival beyond a group's capacity, as numpy's GuestSlots.add does
+    pol = make_policy("herald", ROWS, 2, 4, 0.01, 0, tables="all")
+    assert pol._native is not None
+    cap = int(pol.directory.capacity[0])
+    gid = np.arange(cap + 1, dtype=np.int64)  # rows of table 0 homed on rank 0, all sent to rank 1
+    with pytest.raises(RuntimeError, match="over capacity"):
+        pol._native.apply_moves(gid, np.ones(cap + 1, dtype=np.int64))
+
+
+def test_off_switch(numpy_only):
+    assert not native.enabled()
+    pol = make_policy("herald", ROWS, 2, 4, 0.1, 0)
+    assert pol._native is None
