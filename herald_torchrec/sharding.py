@@ -369,6 +369,28 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     return [n for n in features.names if n in set(names)]
 
 
+NATIVE = ("auto", "on", "off")
+
+
+def use_native_kernels(setting: str) -> None:
+    """`scheduler.native`: the scheduler's compiled kernels (schedule/native.py) where they build (auto), always
+    (on: an error if they cannot), or never (off: numpy only). Plans are the same either way."""
+    from herald_torchrec.schedule import native
+
+    if setting not in NATIVE:
+        raise ValueError(f"scheduler.native must be one of {list(NATIVE)} (the scheduler's compiled kernels), got "
+                         f"'{setting}'")
+    if setting == "auto":
+        native.reset()
+    elif setting == "off":
+        native.set_enabled(False)
+    elif setting == "on":
+        try:
+            native.set_enabled(True)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"scheduler.native=on, but the scheduler's compiled kernels are unavailable: {e}") from e
+
+
 def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
     """Herald-managed tables: our sharder (ROW_WISE home placement, the scheduler's settings) + HeraldTrainPipeline,
     which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
@@ -390,6 +412,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     if input_priority not in INPUT_PRIORITIES:
         raise ValueError(f"scheduler.input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
                          f"input stage's thread), got '{input_priority}'")
+    use_native_kernels(sc.get("native") or "auto")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,

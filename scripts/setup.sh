@@ -49,4 +49,8 @@ if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec; print('[setup] o
   echo "[setup] fbgemm must match torch's minor version (2.11<->1.6 ... 2.13<->1.8 ... 2.14<->1.9). Remove $VENV and retry." >&2
   exit 1
 fi
+# the scheduler's compiled kernels (schedule/native.py builds them on first use otherwise; without a C++ compiler the
+# scheduler runs its numpy code: the same plans, more CPU per step)
+"$VENV/bin/python" -c "from herald_torchrec.schedule import native; print('[setup] scheduler kernels:', native.build())" \
+  || echo "[setup] note: the scheduler's compiled kernels did not build (no C++ compiler?); it will use numpy" >&2
 touch "$STAMP"

@@ -143,3 +143,21 @@ def test_off_switch(numpy_only):
     assert not native.enabled()
     pol = make_policy("herald", ROWS, 2, 4, 0.1, 0)
     assert pol._native is None
+
+
+def test_app_setting():
+    """`scheduler.native` in the app: off -> numpy, on -> the kernels, auto -> HERALD_NATIVE's default (on here)."""
+    from herald_torchrec.sharding import use_native_kernels
+
+    try:
+        use_native_kernels("off")
+        assert not native.enabled()
+        use_native_kernels("on")
+        assert native.enabled()
+        use_native_kernels("off")
+        use_native_kernels("auto")
+        assert native.enabled()
+        with pytest.raises(ValueError, match="scheduler.native must be one of"):
+            use_native_kernels("sometimes")
+    finally:
+        native.set_enabled(True)

@@ -133,6 +133,12 @@ def set_enabled(enabled: bool) -> None:
         _tried, _lib = True, None
 
 
+def reset() -> None:
+    """Back to the default: HERALD_NATIVE decides again at the next use."""
+    global _lib, _tried
+    _tried, _lib = False, None
+
+
 def enabled() -> bool:
     return lib() is not None
 
