@@ -1,4 +1,5 @@
-"""Control plane: the scheduler (numpy only — never imports torch). See docs/scheduler.md.
+"""Control plane: the scheduler (numpy, and compiled kernels in schedule/native.py — never imports torch).
+See docs/scheduler.md.
 
     from herald_torchrec.schedule import GlobalBatch, make_policy, PlanChecker
     policy = make_policy("herald", table_rows, num_ranks=8, batch_per_rank=256, cache_ratio=0.1, lookahead=4)

@@ -7,7 +7,7 @@ last use, slot position per row, plus the guest slots (R x sum(capacity)).
 
 `GuestSlots` keeps the guests of every (rank, table) group packed at the front of a fixed region so that a group's
 members can be listed without scanning the table; removals are vectorised swap-removes, insertions appends.
-numpy only.
+numpy only (the kernels in native.py do the same for HeraldPolicy).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ its members (one pass over its slot region: O(members) but rare, after ~`size` v
 decide (most of its oldest members pinned or needed soon), and every group of at most `size` slots, takes the full
 selection. Rows arriving with a floor below their group's threshold (a forwarded guest keeps its last use) join its
 pool (`arrived`); a pool that overflows is emptied with tau = -1, which keeps the invariant.
-numpy only.
+numpy only (native.py has the same pool, compiled, for HeraldPolicy).
 """
 
 from __future__ import annotations

@@ -184,8 +184,9 @@ class HeraldPolicy(SchedulePolicy):
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
         if dense and native.enabled():  # the same arithmetic, compiled (schedule/native.py)
-            a = native.assign(N, R, B, K, es, ec, v.w0, 0 if v.cols is None else v.cols.shape[0], own, self.refine, self.owner_weight, self.stay_bonus,
-                              self._wtype is np.int16)
+            per_sample = 0 if v.cols is None else v.cols.shape[0]
+            a = native.assign(N, R, B, K, es, ec, v.w0, per_sample, own, self.refine, self.owner_weight,
+                              self.stay_bonus, self._wtype is np.int16)
             return (a + first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)

@@ -5,7 +5,7 @@ vectorised: in rounds, every unassigned sample bids for its best rank among thos
 bids with the largest *regret* (best minus second-best score: what the sample loses if sent elsewhere), then the
 highest score, then the lowest sample index. Every round fills at least one rank or assigns every sample, so there
 are at most R rounds. Ties between ranks go to the first rank in the rotation first, first+1, ... (by batch id), so
-that no rank is favoured across steps. numpy only.
+that no rank is favoured across steps. numpy (native.balanced_assign: the same, compiled).
 """
 
 from __future__ import annotations

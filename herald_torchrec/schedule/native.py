@@ -173,7 +173,8 @@ def assign(N: int, R: int, B: int, K: int, es: np.ndarray, ec: np.ndarray, w0: n
     return a
 
 
-def batch_keys(gid: np.ndarray, n_rows: int, mark: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def batch_keys(gid: np.ndarray, n_rows: int, mark: np.ndarray,
+               pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sorted distinct keys, index of every element's key, count per key) of `gid` (values in [0, n_rows)).
     `mark`: uint8 [>= n_rows], all zero (left so); `pos`: int32 [>= n_rows] scratch."""
     g = _c(gid, np.int64)
