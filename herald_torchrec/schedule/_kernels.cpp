@@ -425,11 +425,102 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 2; }
+int herald_kernels_version() { return 3; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
 const char* herald_last_error() { return last_error.c_str(); }
+
+// HeraldPolicy._plan, ownership: where every read key should live after the step. A key read by one rank only moves
+// there; a shared key stays with its owner when the owner reads it, else moves to the reader with the most
+// elements reading it (ties: lowest rank). Pairs (pk, pr) are the step's distinct (key, reader) pairs sorted by key
+// then rank; elements are `cid` with their sample's rank (width > 0: sample-major, else `smp`). Writes want, single
+// (one reader) and sole (the first reader).
+void herald_decide(int64_t K, const int64_t* own, const int64_t* count, const int64_t* start, const int64_t* pr,
+                   int64_t E, const int64_t* cid, int64_t width, const int64_t* smp, const int64_t* sample_rank,
+                   int64_t R, int64_t* want, uint8_t* single, int64_t* sole) {
+  std::vector<int64_t> far_idx(K, -1);
+  int64_t F = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    bool owner_reads = false;
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p) owner_reads = owner_reads || pr[p] == own[k];
+    single[k] = count[k] == 1;
+    sole[k] = pr[start[k]];
+    want[k] = own[k];
+    if (single[k] && !owner_reads) want[k] = sole[k];
+    if (!single[k] && !owner_reads) far_idx[k] = F++;
+  }
+  if (F == 0) return;
+  std::vector<int64_t> cnt(F * R, 0);
+  auto count_at = [&](int64_t i, int64_t r) {
+    const int64_t f = far_idx[cid[i]];
+    if (f >= 0) ++cnt[f * R + r];
+  };
+  if (width > 0) {
+    for (int64_t i = 0, n = 0; i < E; i += width, ++n)
+      for (int64_t j = i; j < i + width; ++j) count_at(j, sample_rank[n]);
+  } else {
+    for (int64_t i = 0; i < E; ++i) count_at(i, sample_rank[smp[i]]);
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    if (far_idx[k] < 0) continue;
+    const int64_t* c = cnt.data() + far_idx[k] * R;
+    want[k] = std::max_element(c, c + R) - c;  // the first maximum: lowest rank
+  }
+}
+
+// HeraldPolicy._plan, assembly: the moves (migrations of read keys, then victims; sorted by row for the plan, in
+// that order for the directory), the shared keys' reader CSR, and the hit / remote pair counts. Outputs sized by
+// the caller: moves K + V, shared K (+1 offsets), readers = the step's pairs. Returns the number of moves; writes n_shared,
+// n_readers, hit and remote to `counts` [4].
+int64_t herald_assemble(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* want, const uint8_t* single,
+                        const int64_t* sole, const int64_t* count, const int64_t* start, const int64_t* pr,
+                        int64_t V, const int64_t* victims, const int64_t* v_src,
+                        const int64_t* v_dst, const int8_t* v_kind, int8_t migrate_kind, const int16_t* table_of,
+                        const int64_t* offsets, int64_t* apply_gid, int64_t* apply_dst, int64_t* mv_table,
+                        int64_t* mv_row, int64_t* mv_src, int64_t* mv_dst, int8_t* mv_kind, int64_t* sh_table,
+                        int64_t* sh_row, int64_t* sh_owner, int64_t* sh_offsets, int64_t* sh_readers,
+                        int64_t* counts) {
+  // moves in the directory's order: migrations (keys ascending), then victims (ascending)
+  int64_t M = 0;
+  std::vector<int64_t> mig;
+  for (int64_t k = 0; k < K; ++k)
+    if (want[k] != own[k]) mig.push_back(k), apply_gid[M] = keys[k], apply_dst[M] = want[k], ++M;
+  for (int64_t v = 0; v < V; ++v) apply_gid[M] = victims[v], apply_dst[M] = v_dst[v], ++M;
+  // the plan's order: by row (both lists are sorted and disjoint: a merge)
+  size_t a = 0;
+  int64_t b = 0, m = 0;
+  auto put = [&](int64_t gid, int64_t src, int64_t dst, int8_t kind) {
+    const int64_t t = table_of[gid];
+    mv_table[m] = t, mv_row[m] = gid - offsets[t], mv_src[m] = src, mv_dst[m] = dst, mv_kind[m] = kind, ++m;
+  };
+  while (a < mig.size() || b < V) {
+    if (b >= V || (a < mig.size() && keys[mig[a]] < victims[b])) {
+      const int64_t k = mig[a++];
+      put(keys[k], own[k], want[k], migrate_kind);
+    } else {
+      put(victims[b], v_src[b], v_dst[b], v_kind[b]);
+      ++b;
+    }
+  }
+  // shared keys: every read key but those read only by their (unmoved or arriving) owner
+  int64_t S = 0, nr = 0, hit = 0, remote = 0;
+  sh_offsets[0] = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const bool moved = want[k] != own[k];
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p) {
+      if (want[k] == pr[p] && !moved) ++hit;
+      if (want[k] != pr[p]) ++remote;
+    }
+    if (single[k] && sole[k] == want[k]) continue;  // exclusive
+    const int64_t t = table_of[keys[k]];
+    sh_table[S] = t, sh_row[S] = keys[k] - offsets[t], sh_owner[S] = want[k];
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p) sh_readers[nr++] = pr[p];
+    sh_offsets[++S] = nr;
+  }
+  counts[0] = S, counts[1] = nr, counts[2] = hit, counts[3] = remote;
+  return M;
+}
 
 // HeraldPolicy._make_room: eviction victims so that every guest group fits after the step's moves; cancels (in
 // `want`) the least valuable arrivals of groups that cannot make room. Step keys [K] (sorted global rows) with

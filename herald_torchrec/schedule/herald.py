@@ -39,7 +39,7 @@ from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.eviction import EvictionPool
 from herald_torchrec.schedule.laia import balanced_assign
-from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves
+from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
 from herald_torchrec.schedule.tables import TableSelection, default_budget_ms, select_tables
@@ -247,20 +247,11 @@ class HeraldPolicy(SchedulePolicy):
         own = own_k
         home = d.home[keys].astype(np.int64)
         pk, pr = rd.pair_key, rd.pair_rank
-        owner_reads = np.zeros(K, dtype=bool)
-        owner_reads[pk[own[pk] == pr]] = True
-        single = rd.count == 1
-        sole = pr[rd.start]  # the reader of single-reader keys (first reader otherwise)
-        want = own.copy()
-        m_single = single & ~owner_reads
-        want[m_single] = sole[m_single]
-        far = ~single & ~owner_reads
-        if far.any():  # shared key whose owner does not read it: move to the reader with most samples
-            fidx = np.cumsum(far) - 1
-            el = far[bk.cid]
-            F = int(far.sum())
-            cnt = np.bincount(fidx[bk.cid[el]] * R + bk.element_ranks(sample_rank)[el], minlength=F * R).reshape(F, R)
-            want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+        if self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
+            want, single, sole = native.decide(own, rd.count, rd.start, pr, bk.cid, bk.width,
+                                               None if bk.width is not None else bk.smp, sample_rank, R)
+        else:
+            want, single, sole = self._decide(bk, rd, own, sample_rank)
         # lookahead window: next use (1..L) of every key read in it
         nu = self.next_use
         window = [self.keys_of(x) for x in batches[1:]]
@@ -268,7 +259,6 @@ class HeraldPolicy(SchedulePolicy):
             nu[window[j - 1].keys] = j
         d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
         if self._native is not None:
-            want = np.ascontiguousarray(want, dtype=np.int64)
             victims, room = self._native.make_room(keys, own, home, want, single, self.step, self.lookahead + 1)
         else:
             victims, room = self._make_room(keys, own, home, want, single, nu)
@@ -279,6 +269,8 @@ class HeraldPolicy(SchedulePolicy):
             self._forward(victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room)
         for w in window:
             nu[w.keys] = 0
+        if self._native is not None:
+            return self._assemble_native(sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind)
         # ---- moves -------------------------------------------------------------------------------------------
         mig = np.flatnonzero(want != own)
         mv_gid = np.concatenate([keys[mig], victims])
@@ -294,16 +286,50 @@ class HeraldPolicy(SchedulePolicy):
         ids, offs, readers = rd.readers_csr(~exclusive)
         shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
         # ---- apply -------------------------------------------------------------------------------------------
-        if self._native is not None:
-            self._native.apply_moves(mv_gid, mv_dst)
-        else:
-            self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
+        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
         o = np.argsort(mv_gid, kind="stable")
         t, row = split_gid(self.layout, d.table, mv_gid[o])
         moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
         counters = {"hit": hit, "migrate": int(mig.shape[0]),
                     "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
                     "shared_value": remote, "shared_grad": remote}
+        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
+                    moves=moves, shared=shared, counters=counters)
+
+    def _decide(self, bk: BatchKeys, rd, own: np.ndarray, sample_rank: np.ndarray):
+        """(want, single, sole) per read key: the owner it should have after the step (module docstring, 3.),
+        whether one rank reads it, and its first reader."""
+        R, K = self.num_ranks, rd.keys.shape[0]
+        pk, pr = rd.pair_key, rd.pair_rank
+        owner_reads = np.zeros(K, dtype=bool)
+        owner_reads[pk[own[pk] == pr]] = True
+        single = rd.count == 1
+        sole = pr[rd.start]  # the reader of single-reader keys (first reader otherwise)
+        want = own.copy()
+        m_single = single & ~owner_reads
+        want[m_single] = sole[m_single]
+        far = ~single & ~owner_reads
+        if far.any():  # shared key whose owner does not read it: move to the reader with most samples
+            fidx = np.cumsum(far) - 1
+            el = far[bk.cid]
+            F = int(far.sum())
+            cnt = np.bincount(fidx[bk.cid[el]] * R + bk.element_ranks(sample_rank)[el], minlength=F * R).reshape(F, R)
+            want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+        return want, single, sole
+
+    def _assemble_native(self, sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind) -> Plan:
+        """The moves, the shared rows and the counters of the plan (the numpy tail of `_plan`, compiled), and the
+        moves applied to the directory."""
+        R, B, d = self.num_ranks, self.batch_per_rank, self.directory
+        a = native.assemble(rd.keys, own, want, single, sole, rd.count, rd.start, rd.pair_rank, victims, v_src, v_dst,
+                            v_kind, MIGRATE, d.table, self.layout.offsets)
+        self._native.apply_moves(a["apply_gid"], a["apply_dst"])
+        moves = RowMoves(table=a["table"], row=a["row"], src=a["src"], dst=a["dst"], kind=a["kind"])
+        shared = SharedRows(table=a["sh_table"], row=a["sh_row"], owner=a["sh_owner"],
+                            reader_offsets=a["sh_offsets"], readers=a["sh_readers"])
+        counters = {"hit": a["hit"], "migrate": int(a["apply_gid"].shape[0] - victims.shape[0]),
+                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
+                    "shared_value": a["remote"], "shared_grad": a["remote"]}
         return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
                     moves=moves, shared=shared, counters=counters)
 

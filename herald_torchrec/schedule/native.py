@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("_kernels.cpp")
 ENV, DIR_ENV = "HERALD_NATIVE", "HERALD_NATIVE_DIR"
 # no FMA contraction, no fast-math: the kernels must round exactly as numpy does
 FLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
-VERSION = 2  # herald_kernels_version() of the source this module expects
+VERSION = 3  # herald_kernels_version() of the source this module expects
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -52,6 +52,11 @@ SIGNATURES = {
                           _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_apply_moves": ([_i64, _i64p, _i64p, _i64, _i16p, _i32p, _i32p, _i64, _i64p, _i64p, _i64p, _i64p, _i32p,
                             _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i32p], ctypes.c_int),
+    "herald_decide": ([_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64p, _u8p, _i64p],
+                      None),
+    "herald_assemble": ([_i64, _i64p, _i64p, _i64p, _u8p, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64p,
+                         _i64p, _i64p, ctypes.c_int8, _i16p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p,
+                         _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
 }
 
@@ -199,6 +204,45 @@ def step_reads(cid: np.ndarray, width: int | None, smp: np.ndarray | None, sampl
     return count, start, pk[:P], pr[:P]
 
 
+def decide(own: np.ndarray, count: np.ndarray, start: np.ndarray, pair_rank: np.ndarray, cid: np.ndarray,
+           width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray,
+           R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment)."""
+    K = own.shape[0]
+    own, count, start, pr = _c(own, np.int64), _c(count, np.int64), _c(start, np.int64), _c(pair_rank, np.int64)
+    c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
+    s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
+    want, sole, single = np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int64), np.empty(K, dtype=np.bool_)
+    lib().herald_decide(K, _p(own), _p(count), _p(start), _p(pr), c.shape[0], _p(c), int(width or 0), _p(s), _p(rk),
+                        R, _p(want), _p(single), _p(sole))
+    return want, single, sole
+
+
+def assemble(keys, own, want, single, sole, count, start, pair_rank, victims, v_src, v_dst, v_kind,
+             migrate_kind: int, table_of: np.ndarray, offsets: np.ndarray) -> dict:
+    """HeraldPolicy._plan's assembly: the moves (by row for the plan, `apply_*` in the directory's order), the shared
+    rows' CSR and the hit / remote pair counts."""
+    K, V, P = keys.shape[0], victims.shape[0], pair_rank.shape[0]
+    ins = [_c(a, np.int64) for a in (keys, own, want)] + [_c(single, np.bool_)] + [
+        _c(a, np.int64) for a in (sole, count, start, pair_rank, victims, v_src, v_dst)]
+    vk, offs = _c(v_kind, np.int8), _c(offsets, np.int64)
+    n = K + V
+    out = {name: np.empty(n, dtype=np.int64) for name in ("apply_gid", "apply_dst", "table", "row", "src", "dst")}
+    out["kind"] = np.empty(n, dtype=np.int8)
+    sh = {name: np.empty(K, dtype=np.int64) for name in ("sh_table", "sh_row", "sh_owner")}
+    sh["sh_offsets"], sh["sh_readers"] = np.empty(K + 1, dtype=np.int64), np.empty(P, dtype=np.int64)
+    counts = np.zeros(4, dtype=np.int64)
+    M = lib().herald_assemble(
+        K, *(_p(a) for a in ins[:8]), V, *(_p(a) for a in ins[8:]), _p(vk), int(migrate_kind), _p(table_of),
+        _p(offs), *(_p(out[k]) for k in ("apply_gid", "apply_dst", "table", "row", "src", "dst", "kind")),
+        *(_p(sh[k]) for k in ("sh_table", "sh_row", "sh_owner", "sh_offsets", "sh_readers")), _p(counts))
+    S, nr, hit, remote = (int(x) for x in counts)
+    res = {k: v[:M] for k, v in out.items()}
+    res.update(sh_table=sh["sh_table"][:S], sh_row=sh["sh_row"][:S], sh_owner=sh["sh_owner"][:S],
+               sh_offsets=sh["sh_offsets"][: S + 1], sh_readers=sh["sh_readers"][:nr], hit=hit, remote=remote)
+    return res
+
+
 def _check(rc: int) -> None:
     if rc != 0:
         raise RuntimeError(lib().herald_last_error().decode())
@@ -231,6 +275,8 @@ class DirectoryArrays:
     def make_room(self, keys, own, home, want, single, step: int, L1: int) -> tuple[np.ndarray, np.ndarray]:
         """HeraldPolicy._make_room (cancellations written to `want`, int64); returns (victims, room)."""
         K = keys.shape[0]
+        if want.dtype != np.int64 or not want.flags.c_contiguous or not want.flags.writeable:
+            raise ValueError("make_room: `want` must be a writeable C-contiguous int64 array (it is updated in place)")
         keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
         victims, nv = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
         room, rb = np.empty(self.G, dtype=np.int64), np.zeros(1, dtype=np.int64)
