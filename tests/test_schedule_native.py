@@ -161,3 +161,23 @@ def test_app_setting():
             use_native_kernels("sometimes")
     finally:
         native.set_enabled(True)
+
+
+def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
+    """No C++ compiler (and nothing built yet): the scheduler warns once and runs numpy; HERALD_NATIVE=1 makes it an
+    error that says why."""
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))  # an empty cache: the kernels would have to be built
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    try:
+        native.reset()
+        with pytest.warns(UserWarning, match="compiled kernels are unavailable .*no C\\+\\+ compiler.*using numpy"):
+            assert not native.enabled()
+        assert make_policy("herald", ROWS, 2, 4, 0.1, 0)._native is None
+        monkeypatch.setenv(native.ENV, "1")
+        native.reset()
+        with pytest.raises(RuntimeError, match="HERALD_NATIVE=1 but .* no C\\+\\+ compiler"):
+            native.enabled()
+    finally:
+        monkeypatch.delenv(native.ENV, raising=False)
+        monkeypatch.delenv(native.DIR_ENV)
+        native.set_enabled(True)
