@@ -49,8 +49,8 @@ if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec; print('[setup] o
   echo "[setup] fbgemm must match torch's minor version (2.11<->1.6 ... 2.13<->1.8 ... 2.14<->1.9). Remove $VENV and retry." >&2
   exit 1
 fi
-# the scheduler's compiled kernels (schedule/native.py builds them on first use otherwise; without a C++ compiler the
-# scheduler runs its numpy code: the same plans, more CPU per step)
-"$VENV/bin/python" -c "from herald_torchrec.schedule import native; print('[setup] scheduler kernels:', native.build())" \
-  || echo "[setup] note: the scheduler's compiled kernels did not build (no C++ compiler?); it will use numpy" >&2
+# the compiled kernels (herald_torchrec/_native.py builds them on first use otherwise; without a C++ compiler Herald
+# runs its numpy code: the same results, more CPU per step)
+"$VENV/bin/python" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import step_kernels as s; print('[setup] compiled kernels:', native.build(), s.KERNELS.build())" \
+  || echo "[setup] note: the compiled kernels did not build (no C++ compiler?); Herald will use its numpy code" >&2
 touch "$STAMP"

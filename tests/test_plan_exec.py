@@ -188,3 +188,45 @@ def test_distinct_keys_without_a_sort() -> None:
         got = marks.distinct(keys)
         assert got.shape[0] == np.unique(keys).shape[0]
         assert sorted(got.tolist()) == np.unique(keys).tolist()  # stale scratch from the previous round is harmless
+
+
+def test_compiled_step_preparation_matches_numpy() -> None:
+    """distributed/step_kernels.py: classify and the row lookup layout give numpy's arrays (moves, shared keys read
+    here and not, fills, repeated ids, empty bags), and a batch the plan does not allow still raises numpy's error."""
+    from herald_torchrec.schedule import native
+    from herald_torchrec.distributed import step_kernels
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    tables = [TableSpec("a", 10, 4), TableSpec("b", 7, 4)]  # one dim: lookup items are rows
+    st = RowStore(tables, 0, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad")
+    p = plan(MOVES, SHARED + [(B, 6, 1, [0, 1])], batch=3)
+    loc = local_input(np.array([2, 0, 2, 7, 5, 1, 6, 6], dtype=np.int64), np.array([2, 2, 0, 1, 0, 3]), 2, 3,
+                      np.array([0, 1]), st, FEATURES)
+    ms = prepare_moves(p, st)
+    sh = prepare_shared(p, st, ms)
+    marks = SharedMarks(int(st.key_base[-1]))
+    marks.mark(sh)
+    try:
+        cls = classify(p, loc, ms, marks, st)
+        native.set_enabled(False)
+        cls_np = classify(p, loc, ms, marks, st)
+        # the lookup runs once the moves are applied (HeraldLookup._land)
+        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
+        st.set_owner_many(ms.table, ms.row, ms.dst)
+        st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+        want = [cls_np, lookup_layout(loc, sh, marks, st)]
+        native.set_enabled(True)
+        got = [cls, lookup_layout(loc, sh, marks, st)]
+        for g, w in zip(got[0], want[0]):
+            np.testing.assert_array_equal(g, w)
+        assert got[0][0].tolist() == [1, 1] and got[0][1].tolist() == [3, 3]  # a:0 and b:1 are hits
+        for f in ("indices", "offsets", "value_src", "out_dst", "width"):
+            np.testing.assert_array_equal(getattr(got[1], f), getattr(want[1], f))
+        bad = local_input(np.array([8], dtype=np.int64), np.array([1, 0, 0, 0, 0, 0]), 2, 3, np.array([0, 1]), st,
+                          FEATURES)
+        with pytest.raises(ValueError, match="owned by rank 1 after the moves and not in plan.shared"):
+            classify(p, bad, ms, marks, st)
+        assert not marks.seen.any()  # the kernel's scratch is left clean, also when it declines
+    finally:
+        native.set_enabled(True)

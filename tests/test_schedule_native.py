@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import pytest
 
+from herald_torchrec import _native
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native
 from herald_torchrec.schedule import herald as herald_mod
 from herald_torchrec.schedule.eviction import EvictionPool
@@ -167,7 +168,7 @@ def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
     """No C++ compiler (and nothing built yet): the scheduler warns once and runs numpy; HERALD_NATIVE=1 makes it an
     error that says why."""
     monkeypatch.setenv(native.DIR_ENV, str(tmp_path))  # an empty cache: the kernels would have to be built
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(_native, "_compiler", lambda: None)
     try:
         native.reset()
         with pytest.warns(UserWarning, match="compiled kernels are unavailable .*no C\\+\\+ compiler.*using numpy"):
@@ -175,7 +176,7 @@ def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
         assert make_policy("herald", ROWS, 2, 4, 0.1, 0)._native is None
         monkeypatch.setenv(native.ENV, "1")
         native.reset()
-        with pytest.raises(RuntimeError, match="HERALD_NATIVE=1 but .* no C\\+\\+ compiler"):
+        with pytest.raises(RuntimeError, match="HERALD_NATIVE=on but .* no C\\+\\+ compiler"):
             native.enabled()
     finally:
         monkeypatch.delenv(native.ENV, raising=False)

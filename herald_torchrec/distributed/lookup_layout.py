@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from herald_torchrec.distributed import step_kernels
 from herald_torchrec.distributed.plan_exec import LocalInput, SharedMarks, SharedStep, empty_ids
 from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.row_store import RowStore
@@ -55,6 +56,10 @@ class LookupLayout:
 def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
     """Index layout of the pooled output [B, sum of feature dims] for this batch (after the step's moves)."""
     B, F = local.batch_size, local.lengths.shape[0]
+    if st.uniform_dim is not None:  # rows: the same layout, compiled (None: kernels off, or numpy raises below)
+        fast = step_kernels.lookup_layout(local.gkeys, local.seg, marks.by_key, st.slot_of_all, B, F)
+        if fast is not None:
+            return LookupLayout(*fast, st.uniform_dim) if fast[2].shape[0] else LookupLayout(*fast)
     mark = marks.by_key[local.gkeys]
     ex = mark == SharedMarks.NOT_SHARED
     indices = st.slot_of_all[local.gkeys[ex]].astype(np.int64)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from herald_torchrec.distributed import step_kernels
 from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.row_store import RowStore
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan
@@ -328,6 +329,7 @@ class SharedMarks:
     def __init__(self, num_keys: int) -> None:
         self.by_key = np.full(int(num_keys), self.NOT_SHARED, dtype=np.int64)
         self._last = np.zeros(int(num_keys), dtype=np.int32)  # scratch of `distinct`: never needs a reset
+        self.seen = np.zeros(int(num_keys), dtype=np.uint8)  # scratch of the compiled classify: all zero between uses
 
     def distinct(self, keys: np.ndarray) -> np.ndarray:
         """The distinct global keys among `keys`, in no particular order: O(n) with the scratch array, where
@@ -353,6 +355,10 @@ def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st
     is exclusive or this rank is the owner reading a shared key) and the distinct keys read here."""
     T, rank = st.num_tables, st.rank
     gk = local.gkeys
+    fast = step_kernels.classify(gk, marks.by_key, st.owner_all, ms.gkey_sorted, ms.dst_sorted, st.key_base, rank,
+                                 marks.seen)
+    if fast is not None:  # the same counts, compiled; a batch the plan does not allow goes on below, to raise
+        return fast
     not_reader = marks.by_key[gk] == SharedMarks.NOT_READ_HERE
     if not_reader.any():
         g = int(gk[np.argmax(not_reader)])

@@ -2,41 +2,28 @@
 
 Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (issue 9); in numpy it is ~100
 passes over 10^4-element arrays, each a few microseconds. The kernels do the same arithmetic in single passes and
-give bit-identical plans (tests compare plan digests of both paths, on every policy setting that reaches them).
-
-Built on first use with the system C++ compiler into a cache directory (`$HERALD_NATIVE_DIR`, default
-`~/.cache/herald_torchrec`), named by a hash of the source and flags, written atomically (ranks building at once
-do not collide); loaded with ctypes — a C ABI on numpy buffers, no torch and no Python headers, so the control
-plane stays torch-free. `make setup` builds it once. `HERALD_NATIVE=0` turns it off (numpy only); `=1` makes a
-failed build an error instead of a warning.
+give bit-identical plans (tests compare every plan of both paths, on every policy setting that reaches them).
+Built and switched as every kernel set of the project (`herald_torchrec/_native.py`: built on first use with the
+system C++ compiler, `HERALD_NATIVE=0` turns them off); a C ABI on numpy buffers loaded with ctypes, so the control
+plane stays torch-free, and the GIL is released while a kernel runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).with_name("_kernels.cpp")
-ENV, DIR_ENV = "HERALD_NATIVE", "HERALD_NATIVE_DIR"
-# no FMA contraction, no fast-math: the kernels must round exactly as numpy does
-FLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
-VERSION = 3  # herald_kernels_version() of the source this module expects
+from herald_torchrec import _native
+from herald_torchrec._native import DIR_ENV, ENV  # noqa: F401  (re-exported: the switch and the cache directory)
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+SOURCE = Path(__file__).with_name("_kernels.cpp")
+VERSION = 3  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
-# pool's arrays are checked once (`supports_directory`) and their addresses kept (`DirectoryArrays`).
+# pool's arrays are checked once (`DirectoryArrays.supported`) and their addresses kept.
 _i64p = _f64p = _f32p = _u8p = _i32p = _i16p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
@@ -60,88 +47,31 @@ SIGNATURES = {
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
 }
 
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "herald_torchrec")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
+KERNELS = _native.Kernels(SOURCE, SIGNATURES, VERSION, "the scheduler's", "herald_kernels")
 
 
 def library_path() -> Path:
-    """Where the built kernels live for this source, these flags and this platform."""
-    h = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + sys.platform.encode()).hexdigest()[:16]
-    return _cache_dir() / f"herald_kernels_{h}.so"
+    return KERNELS.library_path()
 
 
 def build(force: bool = False) -> Path:
-    """Compile the kernels (if not already built) and return the library's path; RuntimeError if it cannot."""
-    out = library_path()
-    if out.exists() and not force:
-        return out
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        p = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"{cxx} failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: a rank loading it never sees half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _load() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
-    for name, (args, res) in SIGNATURES.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, res
-    if lib.herald_kernels_version() != VERSION:
-        raise RuntimeError(f"kernels version {lib.herald_kernels_version()}, expected {VERSION}")
-    return lib
+    """Compile the scheduler's kernels (if not already built) and return the library's path."""
+    return KERNELS.build(force)
 
 
 def lib() -> ctypes.CDLL | None:
     """The loaded kernels, or None (turned off with HERALD_NATIVE=0, or unavailable: warned once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    mode = os.environ.get(ENV, "auto").strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return None
-    try:
-        _lib = _load()
-    except (OSError, RuntimeError) as e:
-        if mode in ("1", "on", "true", "yes"):
-            raise RuntimeError(f"herald: {ENV}={mode} but the scheduler's compiled kernels are unavailable: {e}") from e
-        warnings.warn(f"herald: the scheduler's compiled kernels are unavailable ({e}); using numpy (same plans, "
-                      f"more CPU per step). Set {ENV}=0 to silence this.", stacklevel=2)
-    return _lib
+    return KERNELS.get()
 
 
 def set_enabled(enabled: bool) -> None:
-    """Turn the kernels on (loading them if needed) or off for this process (tests compare both paths)."""
-    global _lib, _tried
-    if enabled:
-        _tried, _lib = True, _load()
-    else:
-        _tried, _lib = True, None
+    """Turn every kernel set on (loading it now) or off for this process (tests compare both paths)."""
+    _native.set_mode(bool(enabled))
 
 
 def reset() -> None:
     """Back to the default: HERALD_NATIVE decides again at the next use."""
-    global _lib, _tried
-    _tried, _lib = False, None
+    _native.set_mode(None)
 
 
 def enabled() -> bool:

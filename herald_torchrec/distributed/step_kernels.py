@@ -1,0 +1,72 @@
+"""Compiled kernels for the data plane's step preparation (`_step_kernels.cpp`), with the numpy code as the fallback.
+
+Why: this preparation runs in the training thread, on the step's critical path, as ~15 numpy passes per function
+over the rank's few thousand ids (issue 9). The kernels give the same arrays in one pass; where the numpy code would
+raise (a plan that does not match the batch), a kernel says so and the caller runs its numpy code, which raises
+with its message. Built and switched with the scheduler's kernels (`herald_torchrec/_native.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from herald_torchrec import _native
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+SIGNATURES = {
+    "herald_step_version": ([], ctypes.c_int),
+    "herald_step_classify": ([_i64, _p, _p, _p, _i64, _p, _p, _i64, _p, _i64, _p, _p, _p], ctypes.c_int),
+    "herald_step_lookup_layout": ([_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
+}
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 1, "the data plane's",
+                          "herald_step")
+
+
+def lib() -> ctypes.CDLL | None:
+    return KERNELS.get()
+
+
+def _a(a: np.ndarray, dtype) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def classify(gk: np.ndarray, by_key: np.ndarray, owner_all: np.ndarray, moved: np.ndarray, moved_dst: np.ndarray,
+             key_base: np.ndarray, rank: int, seen: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """plan_exec.classify's (hits, reads) per table, or None where its numpy code must run (kernels off, or an id
+    the plan does not allow: numpy raises). `seen`: uint8 [keys], all zero (left so)."""
+    k = lib()
+    if k is None or by_key.dtype != np.int64 or owner_all.dtype != np.int32:
+        return None
+    T = key_base.shape[0] - 1
+    g, mv, md, kb = _a(gk, np.int64), _a(moved, np.int64), _a(moved_dst, np.int64), _a(key_base, np.int64)
+    hits, reads = np.empty(T, dtype=np.int64), np.empty(T, dtype=np.int64)
+    rc = k.herald_step_classify(g.shape[0], _ptr(g), _ptr(by_key), _ptr(owner_all), mv.shape[0], _ptr(mv), _ptr(md),
+                                T, _ptr(kb), int(rank), _ptr(seen), _ptr(hits), _ptr(reads))
+    return (hits, reads) if rc == 0 else None
+
+
+def lookup_layout(gk: np.ndarray, seg: np.ndarray, by_key: np.ndarray, slot_of_all: np.ndarray, B: int,
+                  F: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """lookup_layout.lookup_layout's (indices, offsets, value_src, out_dst) for row items, or None where its numpy
+    code must run."""
+    k = lib()
+    if k is None or by_key.dtype != np.int64 or slot_of_all.dtype != np.int32:
+        return None
+    g, s = _a(gk, np.int64), _a(seg, np.int64)
+    n = g.shape[0]
+    indices, offsets = np.empty(n, dtype=np.int64), np.empty(F * B + 1, dtype=np.int64)
+    src, dst, counts = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    rc = k.herald_step_lookup_layout(n, _ptr(g), _ptr(s), _ptr(by_key), _ptr(slot_of_all), int(B), int(F),
+                                     _ptr(indices), _ptr(offsets), _ptr(src), _ptr(dst), _ptr(counts))
+    if rc != 0:
+        return None
+    ne, ns = int(counts[0]), int(counts[1])
+    return indices[:ne], offsets, src[:ns], dst[:ns]
