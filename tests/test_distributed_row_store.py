@@ -120,3 +120,51 @@ def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> No
     # untouched rows did not move
     assert torch.equal(summed.weights(0)[0], fused.weights(0)[0])
     summed.apply_summed_gradients([None, None], [None, None])  # nothing to do
+
+
+def test_compiled_directory_updates_match_numpy() -> None:
+    """distributed/step_kernels.py: release / set_owner / allocate leave the same directory (slots, keys, free-slot
+    stacks, owners, guest counts) as the numpy code, over random rounds of guests arriving and leaving; bad input
+    still raises numpy's errors and changes nothing."""
+    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.schedule import native
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    stores = {}
+    try:
+        for on in (True, False):
+            native.set_enabled(on)
+            rng = np.random.default_rng(1)  # the same rounds for both
+            s = make(rank=0, ratio=0.5)
+            guests: set[tuple[int, int]] = set()
+            for _ in range(30):  # rows homed on rank 1 arrive as guests of rank 0 and leave again
+                leave = [g for g in sorted(guests) if rng.random() < 0.4]
+                if leave:
+                    t, r = np.array(leave).T
+                    s.release_many(t, r)
+                    s.set_owner_many(t, r, np.ones(len(leave), dtype=np.int64))
+                    guests -= set(leave)
+                cand = [(t, r) for t in (0, 1) for r in range(TABLES[t].rows) if s.owner[t][r] == 1]
+                room = [s.capacity[t] - s.num_guests(t) for t in (0, 1)]
+                come = []
+                for c in cand:
+                    if rng.random() < 0.3 and room[c[0]] > 0:
+                        room[c[0]] -= 1
+                        come.append(c)
+                if come:
+                    t, r = np.array(come).T
+                    s.set_owner_many(t, r, np.zeros(len(come), dtype=np.int64))
+                    s.allocate_many(t, r)
+                    guests |= set(come)
+            with pytest.raises(ValueError, match="already owns"):
+                s.allocate_many(np.array([0]), np.array([0]))
+            with pytest.raises(ValueError, match="does not own departing keys"):
+                s.release_many(np.array([0]), np.array([9]))
+            stores[on] = s
+    finally:
+        native.set_enabled(True)
+    a, b = stores[True], stores[False]
+    for name in ("slot_of_all", "key_of_all", "owner_all", "guest_count_all", "_free_all", "_free_top"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert a.num_guests(0) + a.num_guests(1) > 0 and step_kernels._store_ok(a)  # guests moved; the kernels ran

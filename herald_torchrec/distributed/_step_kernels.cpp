@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 1; }
+int herald_step_version() { return 2; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -72,6 +72,69 @@ int herald_step_lookup_layout(int64_t n, const int64_t* gk, const int64_t* seg, 
   }
   for (int64_t j = 0; j < F * B; ++j) offsets[j + 1] += offsets[j];
   counts[0] = ne, counts[1] = ns;
+  return 0;
+}
+
+// ---- the store's directory (row_store.RowStore): every call checks first and changes nothing if it declines ----
+
+// RowStore.release_many: this rank gives up (table, row) pairs; freed guest slots go back on their table's stack in
+// reverse item order (so the next arrivals take them in item order). Writes the released slots. Returns 0, or 1 if
+// this rank does not own one of them.
+int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* key_base,
+                        const int64_t* slot_base, const int64_t* home_len, const int64_t* free_base, int64_t T,
+                        int32_t* slot_of_all, int64_t* key_of_all, int64_t* free_all, int64_t* free_top,
+                        int64_t* slots) {
+  for (int64_t i = 0; i < n; ++i) {
+    slots[i] = slot_of_all[key_base[tables[i]] + keys[i]];
+    if (slots[i] < 0) return 1;
+  }
+  std::vector<int64_t> n_out(T, 0), k(T, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] >= home_len[tables[i]]) ++n_out[tables[i]];
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = tables[i], s = slots[i];
+    slot_of_all[key_base[t] + keys[i]] = -1;
+    key_of_all[slot_base[t] + s] = -1;
+    if (s >= home_len[t]) free_all[free_base[t] + free_top[t] + n_out[t] - 1 - k[t]++] = s;
+  }
+  for (int64_t t = 0; t < T; ++t) free_top[t] += n_out[t];
+  return 0;
+}
+
+// RowStore.set_owner_many: the global ownership map and the per-(table, rank) guest counts [T, R].
+void herald_step_set_owner(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* ranks,
+                           const int64_t* key_base, const int64_t* home_block, int64_t R, int32_t* owner_all,
+                           int64_t* guest_count) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = tables[i], g = key_base[t] + keys[i], home = keys[i] / home_block[t], old = owner_all[g];
+    if (old != home) --guest_count[t * R + old];
+    if (ranks[i] != home) ++guest_count[t * R + ranks[i]];
+    owner_all[g] = static_cast<int32_t>(ranks[i]);
+  }
+}
+
+// RowStore.allocate_many: arriving (table, row) pairs get their home slot, or a free guest slot (in item order).
+// Writes the slots. Returns 0, or 1 (a row out of range, one already owned here, or too few free guest slots).
+int herald_step_allocate(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* rows,
+                         const int64_t* key_base, const int64_t* slot_base, const int64_t* home_lo,
+                         const int64_t* home_len, const int64_t* free_base, int64_t T, int32_t* slot_of_all,
+                         int64_t* key_of_all, const int64_t* free_all, int64_t* free_top, int64_t* slots) {
+  std::vector<int64_t> n_guest(T, 0), k(T, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = tables[i], r = keys[i];
+    if (r < 0 || r >= rows[t] || slot_of_all[key_base[t] + r] >= 0) return 1;
+    if (!(r >= home_lo[t] && r < home_lo[t] + home_len[t])) ++n_guest[t];
+  }
+  for (int64_t t = 0; t < T; ++t)
+    if (n_guest[t] > free_top[t]) return 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = tables[i], r = keys[i];
+    const bool home = r >= home_lo[t] && r < home_lo[t] + home_len[t];
+    slots[i] = home ? r - home_lo[t] : free_all[free_base[t] + free_top[t] - 1 - k[t]++];
+    slot_of_all[key_base[t] + r] = static_cast<int32_t>(slots[i]);
+    key_of_all[slot_base[t] + slots[i]] = r;
+  }
+  for (int64_t t = 0; t < T; ++t) free_top[t] -= n_guest[t];
   return 0;
 }
 

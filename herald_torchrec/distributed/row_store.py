@@ -44,6 +44,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from herald_torchrec.distributed import step_kernels
 from herald_torchrec.distributed.optimizer_params import check_settings
 from herald_torchrec.distributed.row_access import RowAccessMixin
 from herald_torchrec.distributed.row_layout import (
@@ -278,6 +279,9 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
     def allocate_many(self, tables: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """`allocate` for (table, row) pairs of any tables; within a table, guests take free slots in item order."""
         tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+        fast = step_kernels.allocate(self, tables, keys)  # compiled; None: numpy below (it raises on bad input)
+        if fast is not None:
+            return fast
         self.check_keys_many(tables, keys, "arriving keys")
         gk = self.key_base[tables] + keys
         owned = self.slot_of_all[gk] >= 0
@@ -313,6 +317,9 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         """`release` for (table, row) pairs of any tables; within a table, freed guest slots are pushed in reverse
         item order (so the next arrivals take them in item order)."""
         tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+        fast = step_kernels.release(self, tables, keys)  # compiled; None: numpy below (it raises on bad input)
+        if fast is not None:
+            return fast
         gk = self.key_base[tables] + keys
         slots = self.slot_of_all[gk].astype(np.int64)
         if (slots < 0).any():
@@ -338,6 +345,8 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         """`set_owner` for (table, row) pairs of any tables (each pair at most once)."""
         tables, keys = np.asarray(tables, dtype=np.int64), np.asarray(keys, dtype=np.int64)
         ranks = np.asarray(ranks, dtype=np.int64)
+        if step_kernels.set_owner(self, tables, keys, ranks):  # compiled
+            return
         gk = self.key_base[tables] + keys
         home = keys // self.home_block_arr[tables]
         old = self.owner_all[gk].astype(np.int64)

@@ -21,8 +21,11 @@ SIGNATURES = {
     "herald_step_version": ([], ctypes.c_int),
     "herald_step_classify": ([_i64, _p, _p, _p, _i64, _p, _p, _i64, _p, _i64, _p, _p, _p], ctypes.c_int),
     "herald_step_lookup_layout": ([_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
+    "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
+    "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _i64, _p, _p], None),
+    "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 1, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 2, "the data plane's",
                           "herald_step")
 
 
@@ -70,3 +73,48 @@ def lookup_layout(gk: np.ndarray, seg: np.ndarray, by_key: np.ndarray, slot_of_a
         return None
     ne, ns = int(counts[0]), int(counts[1])
     return indices[:ne], offsets, src[:ns], dst[:ns]
+
+
+def _store_ok(st) -> bool:
+    """The store's directory arrays have the kernels' dtypes and layout (they are updated in place)."""
+    want = ((st.slot_of_all, np.int32), (st.key_of_all, np.int64), (st.owner_all, np.int32),
+            (st.guest_count_all, np.int64), (st._free_all, np.int64), (st._free_top, np.int64))
+    return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in want)
+
+
+def release(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """RowStore.release_many's slots (the directory updated), or None where its numpy code must run."""
+    k = lib()
+    if k is None or not _store_ok(st):
+        return None
+    t, r = _a(tables, np.int64), _a(keys, np.int64)
+    slots = np.empty(t.shape[0], dtype=np.int64)
+    rc = k.herald_step_release(t.shape[0], _ptr(t), _ptr(r), _ptr(st.key_base), _ptr(st.slot_base),
+                               _ptr(st._home_len_arr), _ptr(st.free_base), st.num_tables, _ptr(st.slot_of_all),
+                               _ptr(st.key_of_all), _ptr(st._free_all), _ptr(st._free_top), _ptr(slots))
+    return slots if rc == 0 else None
+
+
+def set_owner(st, tables: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> bool:
+    """RowStore.set_owner_many; False where its numpy code must run."""
+    k = lib()
+    if k is None or not _store_ok(st):
+        return False
+    t, r, q = _a(tables, np.int64), _a(keys, np.int64), _a(ranks, np.int64)
+    k.herald_step_set_owner(t.shape[0], _ptr(t), _ptr(r), _ptr(q), _ptr(st.key_base), _ptr(st.home_block_arr),
+                            st.world_size, _ptr(st.owner_all), _ptr(st.guest_count_all))
+    return True
+
+
+def allocate(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """RowStore.allocate_many's slots (the directory updated), or None where its numpy code must run (it raises)."""
+    k = lib()
+    if k is None or not _store_ok(st):
+        return None
+    t, r = _a(tables, np.int64), _a(keys, np.int64)
+    slots = np.empty(t.shape[0], dtype=np.int64)
+    rc = k.herald_step_allocate(t.shape[0], _ptr(t), _ptr(r), _ptr(st.rows_arr), _ptr(st.key_base),
+                                _ptr(st.slot_base), _ptr(st._home_lo_arr), _ptr(st._home_len_arr), _ptr(st.free_base),
+                                st.num_tables, _ptr(st.slot_of_all), _ptr(st.key_of_all), _ptr(st._free_all),
+                                _ptr(st._free_top), _ptr(slots))
+    return slots if rc == 0 else None
