@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from herald_torchrec.distributed.lookup_layout import grad_sum_layout, lookup_layout
+from herald_torchrec.distributed.lookup_layout import grad_sum_layout, lookup_layout, with_owner_bags
 from herald_torchrec.distributed.plan_exec import (
     SharedMarks,
     classify,
@@ -215,9 +215,14 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
         st.set_owner_many(ms.table, ms.row, ms.dst)
         st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
-        want = [cls_np, lookup_layout(loc, sh, marks, st)]
+        lay_np = lookup_layout(loc, sh, marks, st)
+        want = [cls_np, lay_np, with_owner_bags(lay_np, grad_sum_layout(sh, st), st, 3)]
         native.set_enabled(True)
-        got = [cls, lookup_layout(loc, sh, marks, st)]
+        lay = lookup_layout(loc, sh, marks, st)
+        got = [cls, lay, with_owner_bags(lay, grad_sum_layout(sh, st), st, 3)]
+        assert sh.send_gkey.shape[0] and got[2][1].tolist() == want[2][1].tolist()  # rank 0 owns b:0, read by 1
+        for f in ("indices", "offsets", "value_src", "out_dst", "width"):
+            np.testing.assert_array_equal(getattr(got[2][0], f), getattr(want[2][0], f))
         for g, w in zip(got[0], want[0]):
             np.testing.assert_array_equal(g, w)
         assert got[0][0].tolist() == [1, 1] and got[0][1].tolist() == [3, 3]  # a:0 and b:1 are hits

@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 2; }
+int herald_step_version() { return 3; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -136,6 +136,41 @@ int herald_step_allocate(int64_t n, const int64_t* tables, const int64_t* keys, 
   }
   for (int64_t t = 0; t < T; ++t) free_top[t] -= n_guest[t];
   return 0;
+}
+
+// lookup_layout.with_owner_bags: the batch's F x B bags plus n one-row bags per feature, one per shared row this rank
+// owns (key i of table t: bag B + k_i of t's first feature, k_i its rank among t's keys). Writes the new offsets
+// (F * (B + n) + 1; room for F * (B + nk) + 1), indices (ne + nk) and each key's bag row (B + k_i) * F + feature;
+// returns n.
+int64_t herald_step_owner_bags(int64_t B, int64_t F, const int64_t* offsets, const int64_t* indices, int64_t nk,
+                               const int64_t* tables, const int64_t* slots, const int64_t* first_feature, int64_t T,
+                               int64_t* offsets_new, int64_t* indices_new, int64_t* bag_rows) {
+  std::vector<int64_t> k_of(T, 0), k(nk), feat(nk), start(F + 1, 0);
+  int64_t n = 0;
+  for (int64_t i = 0; i < nk; ++i) {
+    k[i] = k_of[tables[i]]++;
+    feat[i] = first_feature[tables[i]];
+    n = std::max(n, k[i] + 1);
+    ++start[feat[i] + 1];
+    bag_rows[i] = (B + k[i]) * F + feat[i];
+  }
+  for (int64_t f = 0; f < F; ++f) start[f + 1] += start[f];
+  std::vector<int64_t> by_feat(nk), fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < nk; ++i) by_feat[fill[feat[i]]++] = i;  // keys by feature, in key order (= k order)
+  int64_t pos = 0, bag = 0;
+  offsets_new[0] = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t b = 0; b < B; ++b, ++bag) {
+      for (int64_t j = offsets[f * B + b]; j < offsets[f * B + b + 1]; ++j) indices_new[pos++] = indices[j];
+      offsets_new[bag + 1] = pos;
+    }
+    const int64_t m = start[f + 1] - start[f];  // this feature's extra rows: bags 0..m-1 of its n
+    for (int64_t j = 0; j < n; ++j, ++bag) {
+      if (j < m) indices_new[pos++] = slots[by_feat[start[f] + j]];
+      offsets_new[bag + 1] = pos;
+    }
+  }
+  return n;
 }
 
 }  // extern "C"

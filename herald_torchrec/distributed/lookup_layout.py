@@ -116,6 +116,10 @@ def with_owner_bags(lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_si
     Returns the layout over B + n bags per feature (n = the most keys of one table; `value_src` / `out_dst` are
     unchanged: the first B bags are the batch's) and, per key, its bag's row in the pooled output [(B + n) * F, dim]."""
     B, F = batch_size, len(st.feature_table_map)
+    fast = step_kernels.owner_bags(lay.offsets, lay.indices, gs.tables, gs.slots, st.first_feature, B, F)
+    if fast is not None:  # the same layout, compiled
+        offsets, indices, bag_rows = fast
+        return LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width), bag_rows
     k, n, feat = st.one_row_bags(gs.tables)  # the extra bags as the store's own one-row-bag updates place them
     main = np.diff(lay.offsets).reshape(F, B)
     extra = np.zeros((F, n), dtype=np.int64)

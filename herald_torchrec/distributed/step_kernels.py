@@ -23,9 +23,10 @@ SIGNATURES = {
     "herald_step_lookup_layout": ([_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _i64, _p, _p], None),
+    "herald_step_owner_bags": ([_i64, _i64, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p], _i64),
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 2, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 3, "the data plane's",
                           "herald_step")
 
 
@@ -118,3 +119,18 @@ def allocate(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
                                 st.num_tables, _ptr(st.slot_of_all), _ptr(st.key_of_all), _ptr(st._free_all),
                                 _ptr(st._free_top), _ptr(slots))
     return slots if rc == 0 else None
+
+
+def owner_bags(offsets: np.ndarray, indices: np.ndarray, tables: np.ndarray, slots: np.ndarray,
+               first_feature: np.ndarray, B: int, F: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """lookup_layout.with_owner_bags' (offsets, indices, bag rows), or None where its numpy code must run."""
+    k = lib()
+    if k is None:
+        return None
+    o, ix, t, sl, ff = (_a(a, np.int64) for a in (offsets, indices, tables, slots, first_feature))
+    nk = t.shape[0]
+    offs = np.empty(F * (B + nk) + 1, dtype=np.int64)
+    idx, rows = np.empty(ix.shape[0] + nk, dtype=np.int64), np.empty(nk, dtype=np.int64)
+    n = k.herald_step_owner_bags(int(B), int(F), _ptr(o), _ptr(ix), nk, _ptr(t), _ptr(sl), _ptr(ff), ff.shape[0],
+                                 _ptr(offs), _ptr(idx), _ptr(rows))
+    return offs[: F * (B + n) + 1], idx, rows
