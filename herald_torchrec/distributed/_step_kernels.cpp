@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 3; }
+int herald_step_version() { return 4; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -80,10 +80,11 @@ int herald_step_lookup_layout(int64_t n, const int64_t* gk, const int64_t* seg, 
 // RowStore.release_many: this rank gives up (table, row) pairs; freed guest slots go back on their table's stack in
 // reverse item order (so the next arrivals take them in item order). Writes the released slots. Returns 0, or 1 if
 // this rank does not own one of them.
-int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* key_base,
-                        const int64_t* slot_base, const int64_t* home_len, const int64_t* free_base, int64_t T,
-                        int32_t* slot_of_all, int64_t* key_of_all, int64_t* free_all, int64_t* free_top,
-                        int64_t* slots) {
+// (The same parameters as herald_step_allocate: `rows` and `home_lo` are not needed here.)
+int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* /*rows*/,
+                        const int64_t* key_base, const int64_t* slot_base, const int64_t* /*home_lo*/,
+                        const int64_t* home_len, const int64_t* free_base, int64_t T, int32_t* slot_of_all,
+                        int64_t* key_of_all, int64_t* free_all, int64_t* free_top, int64_t* slots) {
   for (int64_t i = 0; i < n; ++i) {
     slots[i] = slot_of_all[key_base[tables[i]] + keys[i]];
     if (slots[i] < 0) return 1;

@@ -21,12 +21,12 @@ SIGNATURES = {
     "herald_step_version": ([], ctypes.c_int),
     "herald_step_classify": ([_i64, _p, _p, _p, _i64, _p, _p, _i64, _p, _i64, _p, _p, _p], ctypes.c_int),
     "herald_step_lookup_layout": ([_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
-    "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
+    "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _i64, _p, _p], None),
     "herald_step_owner_bags": ([_i64, _i64, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p], _i64),
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 3, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 4, "the data plane's",
                           "herald_step")
 
 
@@ -83,17 +83,24 @@ def _store_ok(st) -> bool:
     return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in want)
 
 
-def release(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
-    """RowStore.release_many's slots (the directory updated), or None where its numpy code must run."""
+def _slot_update(name: str, st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """herald_step_release / herald_step_allocate on the store's directory: the slots, or None where the numpy code
+    must run (kernels off, or input it rejects: nothing was changed)."""
     k = lib()
     if k is None or not _store_ok(st):
         return None
     t, r = _a(tables, np.int64), _a(keys, np.int64)
     slots = np.empty(t.shape[0], dtype=np.int64)
-    rc = k.herald_step_release(t.shape[0], _ptr(t), _ptr(r), _ptr(st.key_base), _ptr(st.slot_base),
-                               _ptr(st._home_len_arr), _ptr(st.free_base), st.num_tables, _ptr(st.slot_of_all),
-                               _ptr(st.key_of_all), _ptr(st._free_all), _ptr(st._free_top), _ptr(slots))
+    rc = getattr(k, name)(t.shape[0], _ptr(t), _ptr(r), _ptr(st.rows_arr), _ptr(st.key_base), _ptr(st.slot_base),
+                          _ptr(st._home_lo_arr), _ptr(st._home_len_arr), _ptr(st.free_base), st.num_tables,
+                          _ptr(st.slot_of_all), _ptr(st.key_of_all), _ptr(st._free_all), _ptr(st._free_top),
+                          _ptr(slots))
     return slots if rc == 0 else None
+
+
+def release(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """RowStore.release_many's slots (the directory updated), or None where its numpy code must run."""
+    return _slot_update("herald_step_release", st, tables, keys)
 
 
 def set_owner(st, tables: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> bool:
@@ -109,16 +116,7 @@ def set_owner(st, tables: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> bo
 
 def allocate(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
     """RowStore.allocate_many's slots (the directory updated), or None where its numpy code must run (it raises)."""
-    k = lib()
-    if k is None or not _store_ok(st):
-        return None
-    t, r = _a(tables, np.int64), _a(keys, np.int64)
-    slots = np.empty(t.shape[0], dtype=np.int64)
-    rc = k.herald_step_allocate(t.shape[0], _ptr(t), _ptr(r), _ptr(st.rows_arr), _ptr(st.key_base),
-                                _ptr(st.slot_base), _ptr(st._home_lo_arr), _ptr(st._home_len_arr), _ptr(st.free_base),
-                                st.num_tables, _ptr(st.slot_of_all), _ptr(st.key_of_all), _ptr(st._free_all),
-                                _ptr(st._free_top), _ptr(slots))
-    return slots if rc == 0 else None
+    return _slot_update("herald_step_allocate", st, tables, keys)
 
 
 def owner_bags(offsets: np.ndarray, indices: np.ndarray, tables: np.ndarray, slots: np.ndarray,
