@@ -161,6 +161,11 @@ def test_compiled_directory_updates_match_numpy() -> None:
                 s.allocate_many(np.array([0]), np.array([0]))
             with pytest.raises(ValueError, match="does not own departing keys"):
                 s.release_many(np.array([0]), np.array([9]))
+            for bad in (lambda: s.set_owner_many(np.array([2]), np.array([0]), np.array([0])),  # no table 2
+                        lambda: s.release_many(np.array([0]), np.array([10])),  # table a has 10 rows
+                        lambda: s.allocate_many(np.array([-1]), np.array([0]))):
+                with pytest.raises((IndexError, ValueError)):  # numpy's own error; the kernels decline
+                    bad()
             stores[on] = s
     finally:
         native.set_enabled(True)

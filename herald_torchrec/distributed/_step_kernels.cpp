@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 4; }
+int herald_step_version() { return 5; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -80,12 +80,13 @@ int herald_step_lookup_layout(int64_t n, const int64_t* gk, const int64_t* seg, 
 // RowStore.release_many: this rank gives up (table, row) pairs; freed guest slots go back on their table's stack in
 // reverse item order (so the next arrivals take them in item order). Writes the released slots. Returns 0, or 1 if
 // this rank does not own one of them.
-// (The same parameters as herald_step_allocate: `rows` and `home_lo` are not needed here.)
-int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* /*rows*/,
+// (The same parameters as herald_step_allocate; `home_lo` is not needed here.) Also 1 for a table or row out of range.
+int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* rows,
                         const int64_t* key_base, const int64_t* slot_base, const int64_t* /*home_lo*/,
                         const int64_t* home_len, const int64_t* free_base, int64_t T, int32_t* slot_of_all,
                         int64_t* key_of_all, int64_t* free_all, int64_t* free_top, int64_t* slots) {
   for (int64_t i = 0; i < n; ++i) {
+    if (tables[i] < 0 || tables[i] >= T || keys[i] < 0 || keys[i] >= rows[tables[i]]) return 1;
     slots[i] = slot_of_all[key_base[tables[i]] + keys[i]];
     if (slots[i] < 0) return 1;
   }
@@ -102,16 +103,21 @@ int herald_step_release(int64_t n, const int64_t* tables, const int64_t* keys, c
   return 0;
 }
 
-// RowStore.set_owner_many: the global ownership map and the per-(table, rank) guest counts [T, R].
-void herald_step_set_owner(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* ranks,
-                           const int64_t* key_base, const int64_t* home_block, int64_t R, int32_t* owner_all,
-                           int64_t* guest_count) {
+// RowStore.set_owner_many: the global ownership map and the per-(table, rank) guest counts [T, R]. Returns 0, or 1
+// (nothing changed) for a table, row or rank out of range.
+int herald_step_set_owner(int64_t n, const int64_t* tables, const int64_t* keys, const int64_t* ranks,
+                          const int64_t* rows, const int64_t* key_base, const int64_t* home_block, int64_t T,
+                          int64_t R, int32_t* owner_all, int64_t* guest_count) {
+  for (int64_t i = 0; i < n; ++i)
+    if (tables[i] < 0 || tables[i] >= T || keys[i] < 0 || keys[i] >= rows[tables[i]] || ranks[i] < 0 || ranks[i] >= R)
+      return 1;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = tables[i], g = key_base[t] + keys[i], home = keys[i] / home_block[t], old = owner_all[g];
     if (old != home) --guest_count[t * R + old];
     if (ranks[i] != home) ++guest_count[t * R + ranks[i]];
     owner_all[g] = static_cast<int32_t>(ranks[i]);
   }
+  return 0;
 }
 
 // RowStore.allocate_many: arriving (table, row) pairs get their home slot, or a free guest slot (in item order).
@@ -123,7 +129,7 @@ int herald_step_allocate(int64_t n, const int64_t* tables, const int64_t* keys, 
   std::vector<int64_t> n_guest(T, 0), k(T, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = tables[i], r = keys[i];
-    if (r < 0 || r >= rows[t] || slot_of_all[key_base[t] + r] >= 0) return 1;
+    if (t < 0 || t >= T || r < 0 || r >= rows[t] || slot_of_all[key_base[t] + r] >= 0) return 1;
     if (!(r >= home_lo[t] && r < home_lo[t] + home_len[t])) ++n_guest[t];
   }
   for (int64_t t = 0; t < T; ++t)

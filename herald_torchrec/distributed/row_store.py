@@ -320,6 +320,7 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         fast = step_kernels.release(self, tables, keys)  # compiled; None: numpy below (it raises on bad input)
         if fast is not None:
             return fast
+        self.check_keys_many(tables, keys, "departing keys")
         gk = self.key_base[tables] + keys
         slots = self.slot_of_all[gk].astype(np.int64)
         if (slots < 0).any():

@@ -22,11 +22,11 @@ SIGNATURES = {
     "herald_step_classify": ([_i64, _p, _p, _p, _i64, _p, _p, _i64, _p, _i64, _p, _p, _p], ctypes.c_int),
     "herald_step_lookup_layout": ([_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
-    "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _i64, _p, _p], None),
+    "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _p], ctypes.c_int),
     "herald_step_owner_bags": ([_i64, _i64, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p], _i64),
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 4, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 5, "the data plane's",
                           "herald_step")
 
 
@@ -104,14 +104,14 @@ def release(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
 
 
 def set_owner(st, tables: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> bool:
-    """RowStore.set_owner_many; False where its numpy code must run."""
+    """RowStore.set_owner_many; False where its numpy code must run (kernels off, or input out of range)."""
     k = lib()
     if k is None or not _store_ok(st):
         return False
     t, r, q = _a(tables, np.int64), _a(keys, np.int64), _a(ranks, np.int64)
-    k.herald_step_set_owner(t.shape[0], _ptr(t), _ptr(r), _ptr(q), _ptr(st.key_base), _ptr(st.home_block_arr),
-                            st.world_size, _ptr(st.owner_all), _ptr(st.guest_count_all))
-    return True
+    return k.herald_step_set_owner(t.shape[0], _ptr(t), _ptr(r), _ptr(q), _ptr(st.rows_arr), _ptr(st.key_base),
+                                   _ptr(st.home_block_arr), st.num_tables, st.world_size, _ptr(st.owner_all),
+                                   _ptr(st.guest_count_all)) == 0
 
 
 def allocate(st, tables: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
