@@ -211,6 +211,15 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         cls = classify(p, loc, ms, marks, st)
         native.set_enabled(False)
         cls_np = classify(p, loc, ms, marks, st)
+        for r, s in enumerate(stores()):  # both ranks' sides of the moves, compiled and not
+            a = prepare_moves(p, s)
+            native.set_enabled(True)
+            b = prepare_moves(p, s)
+            native.set_enabled(False)
+            for f in ("send_idx", "recv_idx", "send_splits", "recv_splits", "globally_empty", "gkey_sorted",
+                      "dst_sorted", "table", "row", "dst", "kind"):
+                np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"rank {r}: {f}")
+            assert len(b.send_idx) + len(b.recv_idx) > 0
         # the lookup runs once the moves are applied (HeraldLookup._land)
         st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
         st.set_owner_many(ms.table, ms.row, ms.dst)

@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 5; }
+int herald_step_version() { return 6; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -178,6 +178,55 @@ int64_t herald_step_owner_bags(int64_t B, int64_t F, const int64_t* offsets, con
     }
   }
   return n;
+}
+
+// plan_exec.prepare_moves: the plan's M moves checked against the ownership map and the guest capacities, then this
+// rank's part of the moves all-to-all: the moves it sends (by destination, stable) and receives (by source, stable),
+// the splits in elements (`width` per move) and the moved keys sorted with their destinations. Returns 0, or 1 for
+// a plan the numpy code rejects (table, rank, kind or row out of range, src == dst, a row not owned by src, an
+// evict_home that does not go home, a guest group over capacity, a row moving twice): nothing is written then that
+// the caller uses.
+int herald_step_prepare_moves(int64_t M, const int64_t* table, const int64_t* row, const int64_t* src,
+                              const int64_t* dst, const int64_t* kind, const int64_t* width, int64_t T, int64_t R,
+                              int64_t rank, const int64_t* rows, const int64_t* key_base, const int32_t* owner_all,
+                              const int64_t* home_block, const int64_t* guest_count, const int64_t* capacity,
+                              const uint8_t* known_kind, int64_t n_kinds, int64_t evict_home, int64_t* send_idx,
+                              int64_t* recv_idx, int64_t* splits /* send [R], then recv [R] */, int64_t* gkey_sorted,
+                              int64_t* dst_sorted, int64_t* counts /* n_send, n_recv */) {
+  std::vector<int64_t> gc(guest_count, guest_count + T * R);
+  std::vector<std::pair<int64_t, int64_t>> gk(M);
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t t = table[i];
+    if (t < 0 || t >= T || src[i] < 0 || src[i] >= R || dst[i] < 0 || dst[i] >= R || src[i] == dst[i]) return 1;
+    if (kind[i] < 0 || kind[i] >= n_kinds || !known_kind[kind[i]] || row[i] < 0 || row[i] >= rows[t]) return 1;
+    const int64_t g = key_base[t] + row[i], home = row[i] / home_block[t];
+    if (owner_all[g] != src[i]) return 1;
+    if (kind[i] == evict_home && (dst[i] != home || src[i] == home)) return 1;
+    if (src[i] != home) --gc[t * R + src[i]];
+    if (dst[i] != home) ++gc[t * R + dst[i]];
+    gk[i] = {g, i};
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t q = 0; q < R; ++q)
+      if (gc[t * R + q] > capacity[t]) return 1;
+  std::sort(gk.begin(), gk.end());
+  for (int64_t i = 1; i < M; ++i)
+    if (gk[i].first == gk[i - 1].first) return 1;
+  for (int64_t i = 0; i < M; ++i) gkey_sorted[i] = gk[i].first, dst_sorted[i] = dst[gk[i].second];
+  // routes: counting sorts by peer keep the plan's order within a peer (numpy's stable argsort)
+  std::fill(splits, splits + 2 * R, int64_t{0});
+  std::vector<int64_t> ns(R + 1, 0), nr(R + 1, 0);
+  for (int64_t i = 0; i < M; ++i) {
+    if (src[i] == rank) ++ns[dst[i] + 1], splits[dst[i]] += width[i];
+    if (dst[i] == rank) ++nr[src[i] + 1], splits[R + src[i]] += width[i];
+  }
+  for (int64_t q = 0; q < R; ++q) ns[q + 1] += ns[q], nr[q + 1] += nr[q];
+  counts[0] = ns[R], counts[1] = nr[R];
+  for (int64_t i = 0; i < M; ++i) {
+    if (src[i] == rank) send_idx[ns[dst[i]]++] = i;
+    if (dst[i] == rank) recv_idx[nr[src[i]]++] = i;
+  }
+  return 0;
 }
 
 }  // extern "C"

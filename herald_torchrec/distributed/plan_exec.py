@@ -174,6 +174,11 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
     if not (table.shape == row.shape == src.shape == dst.shape == kind.shape):
         raise ValueError(f"plan {plan.step}: moves arrays differ in length")
     T = st.num_tables
+    if table.min() >= 0 and table.max() < T:  # the same checks and layout, compiled (None: numpy below raises)
+        fast = step_kernels.prepare_moves(st, table, row, src, dst, kind, st.packed_widths(table), _KNOWN_KIND,
+                                          EVICT_HOME)
+        if fast is not None:
+            return MoveStep(*fast[:4], False, table, row, dst, kind, *fast[4:])
     if table.min() < 0 or table.max() >= T:
         raise ValueError(f"plan {plan.step}: move table index out of range [0, {T})")
     if src.min() < 0 or src.max() >= R or dst.min() < 0 or dst.max() >= R:

@@ -24,9 +24,11 @@ SIGNATURES = {
     "herald_step_release": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_set_owner": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _p], ctypes.c_int),
     "herald_step_owner_bags": ([_i64, _i64, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p], _i64),
+    "herald_step_prepare_moves": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _i64,
+                                   _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 5, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 6, "the data plane's",
                           "herald_step")
 
 
@@ -132,3 +134,25 @@ def owner_bags(offsets: np.ndarray, indices: np.ndarray, tables: np.ndarray, slo
     n = k.herald_step_owner_bags(int(B), int(F), _ptr(o), _ptr(ix), nk, _ptr(t), _ptr(sl), _ptr(ff), ff.shape[0],
                                  _ptr(offs), _ptr(idx), _ptr(rows))
     return offs[: F * (B + n) + 1], idx, rows
+
+
+def prepare_moves(st, table: np.ndarray, row: np.ndarray, src: np.ndarray, dst: np.ndarray, kind: np.ndarray,
+                  width: np.ndarray, known_kind: np.ndarray, evict_home: int):
+    """plan_exec.prepare_moves' (send_idx, recv_idx, send_splits, recv_splits, gkey_sorted, dst_sorted), or None where
+    its numpy code must run (kernels off, or a plan it rejects: it raises)."""
+    k = lib()
+    if k is None or st.owner_all.dtype != np.int32:
+        return None
+    M, R = table.shape[0], st.world_size
+    a = [_a(x, np.int64) for x in (table, row, src, dst, kind, width)]
+    kk = _a(known_kind, np.uint8)
+    cap = _a(st.capacity, np.int64)
+    send, recv, splits = np.empty(M, dtype=np.int64), np.empty(M, dtype=np.int64), np.empty(2 * R, dtype=np.int64)
+    gks, dsts, counts = np.empty(M, dtype=np.int64), np.empty(M, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    rc = k.herald_step_prepare_moves(M, *(_ptr(x) for x in a), st.num_tables, R, st.rank, _ptr(st.rows_arr),
+                                     _ptr(st.key_base), _ptr(st.owner_all), _ptr(st.home_block_arr),
+                                     _ptr(st.guest_count_all), _ptr(cap), _ptr(kk), kk.shape[0], int(evict_home),
+                                     _ptr(send), _ptr(recv), _ptr(splits), _ptr(gks), _ptr(dsts), _ptr(counts))
+    if rc != 0:
+        return None
+    return send[: counts[0]], recv[: counts[1]], splits[:R].tolist(), splits[R:].tolist(), gks, dsts
