@@ -41,7 +41,7 @@ SCHEDULER_ARGS = {
     "static": ["scheduler=static"],
     "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],
-    "herald_numpy": ["scheduler=herald", "scheduler.native=off"],  # the scheduler without its compiled kernels
+    "herald_numpy": ["scheduler=herald", "scheduler.native=off"],  # Herald without its compiled kernels (numpy only)
     "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
     # the input stage's thread at the training thread's CPU priority (the default lowers it: input_priority=low)
     "herald_normal_priority": ["scheduler=herald", "scheduler.input_priority=normal"],

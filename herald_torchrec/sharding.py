@@ -373,22 +373,18 @@ NATIVE = ("auto", "on", "off")
 
 
 def use_native_kernels(setting: str) -> None:
-    """`scheduler.native`: the scheduler's compiled kernels (schedule/native.py) where they build (auto), always
-    (on: an error if they cannot), or never (off: numpy only). Plans are the same either way."""
-    from herald_torchrec.schedule import native
+    """`scheduler.native`: Herald's compiled kernels (the scheduler's and the data plane's, herald_torchrec/_native.py)
+    where they build (auto), always (on: an error if they cannot), or never (off: numpy only). The plans and the
+    model are the same either way."""
+    from herald_torchrec import _native
 
     if setting not in NATIVE:
-        raise ValueError(f"scheduler.native must be one of {list(NATIVE)} (the scheduler's compiled kernels), got "
+        raise ValueError(f"scheduler.native must be one of {list(NATIVE)} (Herald's compiled kernels), got "
                          f"'{setting}'")
-    if setting == "auto":
-        native.reset()
-    elif setting == "off":
-        native.set_enabled(False)
-    elif setting == "on":
-        try:
-            native.set_enabled(True)
-        except (OSError, RuntimeError) as e:
-            raise ValueError(f"scheduler.native=on, but the scheduler's compiled kernels are unavailable: {e}") from e
+    try:
+        _native.set_mode({"auto": None, "on": True, "off": False}[setting])
+    except (OSError, RuntimeError) as e:  # only `on` loads now
+        raise ValueError(f"scheduler.native=on, but Herald's compiled kernels are unavailable: {e}") from e
 
 
 def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:

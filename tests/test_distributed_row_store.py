@@ -127,14 +127,14 @@ def test_compiled_directory_updates_match_numpy() -> None:
     stacks, owners, guest counts) as the numpy code, over random rounds of guests arriving and leaving; bad input
     still raises numpy's errors and changes nothing."""
     from herald_torchrec.distributed import step_kernels
-    from herald_torchrec.schedule import native
+    from herald_torchrec import _native
 
     if step_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     stores = {}
     try:
         for on in (True, False):
-            native.set_enabled(on)
+            _native.set_mode(on)
             rng = np.random.default_rng(1)  # the same rounds for both
             s = make(rank=0, ratio=0.5)
             guests: set[tuple[int, int]] = set()
@@ -168,7 +168,7 @@ def test_compiled_directory_updates_match_numpy() -> None:
                     bad()
             stores[on] = s
     finally:
-        native.set_enabled(True)
+        _native.set_mode(True)
     a, b = stores[True], stores[False]
     for name in ("slot_of_all", "key_of_all", "owner_all", "guest_count_all", "_free_all", "_free_top"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)

@@ -193,7 +193,7 @@ def test_distinct_keys_without_a_sort() -> None:
 def test_compiled_step_preparation_matches_numpy() -> None:
     """distributed/step_kernels.py: classify and the row lookup layout give numpy's arrays (moves, shared keys read
     here and not, fills, repeated ids, empty bags), and a batch the plan does not allow still raises numpy's error."""
-    from herald_torchrec.schedule import native
+    from herald_torchrec import _native
     from herald_torchrec.distributed import step_kernels
 
     if step_kernels.lib() is None:
@@ -209,13 +209,13 @@ def test_compiled_step_preparation_matches_numpy() -> None:
     marks.mark(sh)
     try:
         cls = classify(p, loc, ms, marks, st)
-        native.set_enabled(False)
+        _native.set_mode(False)
         cls_np = classify(p, loc, ms, marks, st)
         for r, s in enumerate(stores()):  # both ranks' sides of the moves, compiled and not
             a = prepare_moves(p, s)
-            native.set_enabled(True)
+            _native.set_mode(True)
             b = prepare_moves(p, s)
-            native.set_enabled(False)
+            _native.set_mode(False)
             for f in ("send_idx", "recv_idx", "send_splits", "recv_splits", "globally_empty", "gkey_sorted",
                       "dst_sorted", "table", "row", "dst", "kind"):
                 np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"rank {r}: {f}")
@@ -226,7 +226,7 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
         lay_np = lookup_layout(loc, sh, marks, st)
         want = [cls_np, lay_np, with_owner_bags(lay_np, grad_sum_layout(sh, st), st, 3)]
-        native.set_enabled(True)
+        _native.set_mode(True)
         lay = lookup_layout(loc, sh, marks, st)
         got = [cls, lay, with_owner_bags(lay, grad_sum_layout(sh, st), st, 3)]
         assert sh.send_gkey.shape[0] and got[2][1].tolist() == want[2][1].tolist()  # rank 0 owns b:0, read by 1
@@ -243,4 +243,4 @@ def test_compiled_step_preparation_matches_numpy() -> None:
             classify(p, bad, ms, marks, st)
         assert not marks.seen.any()  # the kernel's scratch is left clean, also when it declines
     finally:
-        native.set_enabled(True)
+        _native.set_mode(True)

@@ -26,11 +26,11 @@ ROWS = [40, 300, 7, 1200, 90]
 @pytest.fixture
 def numpy_only():
     """Run a block with the kernels off, then turn them back on."""
-    native.set_enabled(False)
+    _native.set_mode(False)
     try:
         yield
     finally:
-        native.set_enabled(True)
+        _native.set_mode(True)
 
 
 def _single_hot(rng: np.random.Generator, n: int, skew: float = 1.3) -> np.ndarray:
@@ -74,14 +74,14 @@ def _run(trace, R: int, B: int, L: int, **kw) -> tuple[list[bytes], object]:
 
 
 def _compare(trace, R: int, B: int, L: int, **kw) -> None:
-    native.set_enabled(True)
+    _native.set_mode(True)
     got, pol_c = _run(trace, R, B, L, **dict(kw))
     assert pol_c._native is not None  # the kernels ran
-    native.set_enabled(False)
+    _native.set_mode(False)
     try:
         want, pol_n = _run(trace, R, B, L, **dict(kw))
     finally:
-        native.set_enabled(True)
+        _native.set_mode(True)
     assert pol_n._native is None
     for step, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"plan {step} differs"
@@ -161,24 +161,24 @@ def test_app_setting():
         with pytest.raises(ValueError, match="scheduler.native must be one of"):
             use_native_kernels("sometimes")
     finally:
-        native.set_enabled(True)
+        _native.set_mode(True)
 
 
 def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
     """No C++ compiler (and nothing built yet): the scheduler warns once and runs numpy; HERALD_NATIVE=1 makes it an
     error that says why."""
-    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))  # an empty cache: the kernels would have to be built
+    monkeypatch.setenv(_native.DIR_ENV, str(tmp_path))  # an empty cache: the kernels would have to be built
     monkeypatch.setattr(_native, "_compiler", lambda: None)
     try:
-        native.reset()
+        _native.set_mode(None)
         with pytest.warns(UserWarning, match="compiled kernels are unavailable .*no C\\+\\+ compiler.*using numpy"):
             assert not native.enabled()
         assert make_policy("herald", ROWS, 2, 4, 0.1, 0)._native is None
-        monkeypatch.setenv(native.ENV, "1")
-        native.reset()
+        monkeypatch.setenv(_native.ENV, "1")
+        _native.set_mode(None)
         with pytest.raises(RuntimeError, match="HERALD_NATIVE=on but .* no C\\+\\+ compiler"):
             native.enabled()
     finally:
-        monkeypatch.delenv(native.ENV, raising=False)
-        monkeypatch.delenv(native.DIR_ENV)
-        native.set_enabled(True)
+        monkeypatch.delenv(_native.ENV, raising=False)
+        monkeypatch.delenv(_native.DIR_ENV)
+        _native.set_mode(True)

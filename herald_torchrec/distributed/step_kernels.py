@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from herald_torchrec import _native
+from herald_torchrec._native import address as _ptr, contiguous as _a
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -34,14 +35,6 @@ KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATU
 
 def lib() -> ctypes.CDLL | None:
     return KERNELS.get()
-
-
-def _a(a: np.ndarray, dtype) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=dtype)
-
-
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
 
 
 def classify(gk: np.ndarray, by_key: np.ndarray, owner_all: np.ndarray, moved: np.ndarray, moved_dst: np.ndarray,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from herald_torchrec import _native
-from herald_torchrec._native import DIR_ENV, ENV  # noqa: F401  (re-exported: the switch and the cache directory)
+from herald_torchrec._native import address as _p, contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
 VERSION = 3  # herald_kernels_version() of the source this module expects
@@ -50,28 +50,9 @@ SIGNATURES = {
 KERNELS = _native.Kernels(SOURCE, SIGNATURES, VERSION, "the scheduler's", "herald_kernels")
 
 
-def library_path() -> Path:
-    return KERNELS.library_path()
-
-
-def build(force: bool = False) -> Path:
-    """Compile the scheduler's kernels (if not already built) and return the library's path."""
-    return KERNELS.build(force)
-
-
 def lib() -> ctypes.CDLL | None:
     """The loaded kernels, or None (turned off with HERALD_NATIVE=0, or unavailable: warned once)."""
     return KERNELS.get()
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn every kernel set on (loading it now) or off for this process (tests compare both paths)."""
-    _native.set_mode(bool(enabled))
-
-
-def reset() -> None:
-    """Back to the default: HERALD_NATIVE decides again at the next use."""
-    _native.set_mode(None)
 
 
 def enabled() -> bool:
@@ -79,15 +60,6 @@ def enabled() -> bool:
 
 
 # ---- wrappers (numpy in, numpy out) ------------------------------------------------------------------------------
-def _c(a: np.ndarray, dtype) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=dtype)
-
-
-def _p(a: np.ndarray) -> int:
-    """The address of a C-contiguous array's first element (the caller keeps the array alive)."""
-    return a.ctypes.data
-
-
 def balanced_assign(score: np.ndarray, batch_per_rank: int) -> np.ndarray:
     """laia.balanced_assign(score, B) with first = 0."""
     sc = _c(score, np.float32)
