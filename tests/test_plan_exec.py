@@ -244,3 +244,56 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         assert not marks.seen.any()  # the kernel's scratch is left clean, also when it declines
     finally:
         _native.set_mode(True)
+
+
+SHARED_STEP_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "send_splits", "recv_table", "recv_row",
+                      "recv_off", "recv_splits", "n_values_out", "n_grads_out", "globally_empty", "marked", "recv_gkey",
+                      "value_table", "value_gkey", "value_splits", "n_fill", "grad_idx", "grad_splits")
+
+
+def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
+    """step_kernels.prepare_shared against the numpy code: every rank's SharedStep, field by field, for 3 ranks and
+    the Herald scheduler's own plans over skewed batches (moves, forwards, fills, owners reading their rows), the
+    stores' directories updated between steps as the lookup does; a plan it rejects still raises numpy's error."""
+    from herald_torchrec import _native
+    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.schedule import GlobalBatch, make_policy
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    R, Bs, L, rows = 3, 8, 2, [40, 300, 7, 120]
+    st = [RowStore([TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)], r, R, cache_ratio=0.1,
+                   optimizer="exact_rowwise_adagrad") for r in range(R)]
+    pol = make_policy("herald", rows, R, Bs, 0.1, L, tables="all")
+    rng = np.random.default_rng(3)
+    batches = [GlobalBatch.from_dense(np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1),
+                                      rows, index=i) for i in range(14)]
+    fills = shared_pairs = 0
+    try:
+        for s in range(len(batches) - L):
+            p = pol.plan(batches[s : s + L + 1])
+            steps = []
+            for r in range(R):
+                ms = prepare_moves(p, st[r])
+                _native.set_mode(True)
+                got = prepare_shared(p, st[r], ms)
+                _native.set_mode(False)
+                want = prepare_shared(p, st[r], ms)
+                _native.set_mode(True)  # the policy plans with its kernels
+                for f in SHARED_STEP_FIELDS:
+                    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"step {s} rank {r}: {f}")
+                fills += got.n_fill
+                shared_pairs += got.recv_gkey.shape[0]
+                steps.append(ms)
+            for r, ms in enumerate(steps):  # the moves applied, as HeraldLookup._land does
+                st[r].release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
+                st[r].set_owner_many(ms.table, ms.row, ms.dst)
+                st[r].allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+        assert fills > 0 and shared_pairs > 50  # the plans exercised fills and many shared reads
+        _native.set_mode(True)
+        for r in range(R):  # rejected by the kernel, raised by numpy: a reader listed twice
+            bad = plan([], [(A, 2, 0, [1, 1])])
+            with pytest.raises(ValueError, match="sorted and distinct"):
+                prepare_shared(bad, stores()[0], prepare_moves(bad, stores()[0]))
+    finally:
+        _native.set_mode(True)

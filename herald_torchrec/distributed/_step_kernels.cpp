@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 6; }
+int herald_step_version() { return 7; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -226,6 +226,98 @@ int herald_step_prepare_moves(int64_t M, const int64_t* table, const int64_t* ro
     if (src[i] == rank) send_idx[ns[dst[i]]++] = i;
     if (dst[i] == rank) recv_idx[nr[src[i]]++] = i;
   }
+  return 0;
+}
+
+// plan_exec.prepare_shared: the plan's n shared rows (P (row, reader) pairs, readers in CSR `ro`) checked against the
+// ownership map as it is after the moves (`moved`: the step's moved keys, sorted, with their destinations), then
+// this rank's part of the values' all-to-all (owner before the moves -> reader; a reader that becomes the owner in
+// the moves "fills" from its store instead) and of the gradients' return (reader -> owner after the moves). Each
+// route is a counting sort by peer, stable in pair order (numpy's routes()). `out` holds, P entries each unless
+// said: gkey [n], send_table, send_row, send_gkey, send_off, recv_table, recv_row, recv_gkey, recv_off, value_table,
+// value_gkey, grad_idx, then send_splits, recv_splits, value_splits, grad_splits [R each], then the counts n_send,
+// n_recv, n_value, n_grad, n_values_out, n_grads_out, n_fill. Returns 0, or 1 for a plan the numpy code rejects or
+// handles itself (rows not strictly increasing by key): nothing is written then that the caller uses.
+int herald_step_prepare_shared(int64_t n, const int64_t* table, const int64_t* row, const int64_t* owner,
+                               const int64_t* ro, int64_t P, const int64_t* readers, int64_t T, int64_t R,
+                               int64_t rank, const int64_t* rows, const int64_t* key_base, const int32_t* owner_all,
+                               const int64_t* dims, int64_t M, const int64_t* moved, const int64_t* moved_dst,
+                               int64_t* out) {
+  if (ro[0] != 0 || ro[n] != P) return 1;
+  int64_t* gkey = out;
+  int64_t *send_table = gkey + n, *send_row = send_table + P, *send_gkey = send_row + P, *send_off = send_gkey + P;
+  int64_t *recv_table = send_off + P, *recv_row = recv_table + P, *recv_gkey = recv_row + P, *recv_off = recv_gkey + P;
+  int64_t *value_table = recv_off + P, *value_gkey = value_table + P, *grad_idx = value_gkey + P;
+  int64_t *send_splits = grad_idx + P, *recv_splits = send_splits + R, *value_splits = recv_splits + R;
+  int64_t *grad_splits = value_splits + R, *counts = grad_splits + R;
+  std::vector<int64_t> pre(n);  // owner before the moves
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t t = table[k];
+    if (t < 0 || t >= T || owner[k] < 0 || owner[k] >= R || row[k] < 0 || row[k] >= rows[t]) return 1;
+    if (ro[k + 1] - ro[k] < 1) return 1;
+    const int64_t g = key_base[t] + row[k];
+    if (k && g <= gkey[k - 1]) return 1;
+    gkey[k] = g;
+    pre[k] = owner_all[g];
+    int64_t after = pre[k];
+    const int64_t* p = std::lower_bound(moved, moved + M, g);
+    if (p != moved + M && *p == g) after = moved_dst[p - moved];
+    if (after != owner[k]) return 1;
+    for (int64_t j = ro[k]; j < ro[k + 1]; ++j)
+      if (readers[j] < 0 || readers[j] >= R || (j > ro[k] && readers[j] <= readers[j - 1])) return 1;
+  }
+  // counting sorts by peer: values sent (pre == rank, by reader) and received (reader == rank, by pre) over the
+  // pairs that are not fills; gradients sent (reader == rank, by owner) and received (owner == rank, by reader)
+  std::vector<int64_t> vs(R + 1, 0), vr(R + 1, 0), gs(R + 1, 0), gr(R + 1, 0);
+  std::fill(send_splits, send_splits + 4 * R, int64_t{0});
+  int64_t n_fill = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t w = dims[table[k]], own = owner[k];
+    for (int64_t j = ro[k]; j < ro[k + 1]; ++j) {
+      const int64_t q = readers[j];
+      const bool fill = q == own && pre[k] != own;
+      if (!fill && pre[k] == rank) ++vs[q + 1], value_splits[q] += w;
+      if (!fill && q == rank) ++vr[pre[k] + 1], recv_splits[pre[k]] += w;
+      if (fill && q == rank) ++n_fill;
+      if (q == rank) ++gs[own + 1], grad_splits[own] += w;
+      if (own == rank) ++gr[q + 1], send_splits[q] += w;
+    }
+  }
+  for (int64_t q = 0; q < R; ++q) vs[q + 1] += vs[q], vr[q + 1] += vr[q], gs[q + 1] += gs[q], gr[q + 1] += gr[q];
+  const int64_t n_value = vs[R], n_recv = vr[R] + n_fill, n_grad = gs[R], n_send = gr[R];
+  std::vector<int64_t> position(P, -1);
+  int64_t fill_at = vr[R], n_values_out = 0, n_grads_out = 0;
+  std::vector<int64_t> grad_pair(n_grad);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t t = table[k], own = owner[k];
+    for (int64_t j = ro[k]; j < ro[k + 1]; ++j) {
+      const int64_t q = readers[j];
+      const bool fill = q == own && pre[k] != own;
+      if (!fill && pre[k] == rank) {
+        const int64_t i = vs[q]++;
+        value_table[i] = t, value_gkey[i] = gkey[k];
+      }
+      if (q == rank) {
+        const int64_t i = fill ? fill_at++ : vr[pre[k]]++;
+        recv_table[i] = t, recv_row[i] = row[k], recv_gkey[i] = gkey[k], recv_off[i] = dims[t];
+        position[j] = i;
+        grad_pair[gs[own]++] = j;
+        n_grads_out += own != rank;
+      }
+      if (own == rank) {
+        const int64_t i = gr[q]++;
+        send_table[i] = t, send_row[i] = row[k], send_gkey[i] = gkey[k], send_off[i] = dims[t];
+        n_values_out += q != rank;
+      }
+    }
+  }
+  for (int64_t i = 0; i < n_grad; ++i) grad_idx[i] = position[grad_pair[i]];
+  int64_t acc = 0;  // widths -> exclusive offsets
+  for (int64_t i = 0; i < n_send; ++i) std::swap(acc, send_off[i]), acc += send_off[i];
+  acc = 0;
+  for (int64_t i = 0; i < n_recv; ++i) std::swap(acc, recv_off[i]), acc += recv_off[i];
+  counts[0] = n_send, counts[1] = n_recv, counts[2] = n_value, counts[3] = n_grad;
+  counts[4] = n_values_out, counts[5] = n_grads_out, counts[6] = n_fill;
   return 0;
 }
 

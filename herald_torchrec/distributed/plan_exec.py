@@ -261,6 +261,9 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     owner = np.asarray(sh.owner, dtype=np.int64)
     ro = np.asarray(sh.reader_offsets, dtype=np.int64)
     readers = np.asarray(sh.readers, dtype=np.int64)
+    fast = step_kernels.prepare_shared(st, table, row, owner, ro, readers, ms.gkey_sorted, ms.dst_sorted)
+    if fast is not None:  # the same checks and layout, compiled (None: numpy below raises or handles unsorted rows)
+        return SharedStep(globally_empty=False, **fast)
     T = st.num_tables
     if not (table.shape == row.shape == owner.shape) or ro.shape[0] != n + 1 or ro[0] != 0 or ro[-1] != readers.shape[0]:
         raise ValueError(f"plan {plan.step}: malformed shared rows (array lengths / reader_offsets)")

@@ -28,8 +28,10 @@ SIGNATURES = {
     "herald_step_prepare_moves": ([_i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _i64,
                                    _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
+    "herald_step_prepare_shared": ([_i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p,
+                                    _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 6, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 7, "the data plane's",
                           "herald_step")
 
 
@@ -149,3 +151,37 @@ def prepare_moves(st, table: np.ndarray, row: np.ndarray, src: np.ndarray, dst: 
     if rc != 0:
         return None
     return send[: counts[0]], recv[: counts[1]], splits[:R].tolist(), splits[R:].tolist(), gks, dsts
+
+
+SHARED_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "recv_table", "recv_row", "recv_gkey", "recv_off",
+                 "value_table", "value_gkey", "grad_idx")  # P entries each, in the kernel's order
+SHARED_SPLITS = ("send_splits", "recv_splits", "value_splits", "grad_splits")  # R each
+
+
+def prepare_shared(st, table: np.ndarray, row: np.ndarray, owner: np.ndarray, reader_offsets: np.ndarray,
+                   readers: np.ndarray, moved: np.ndarray, moved_dst: np.ndarray) -> dict | None:
+    """plan_exec.prepare_shared's arrays and counts (a dict of SharedStep's fields, `marked` included), or None where
+    its numpy code must run (kernels off, or a plan it rejects: it raises)."""
+    k = lib()
+    n = table.shape[0]
+    if k is None or st.owner_all.dtype != np.int32 or not (row.shape[0] == owner.shape[0] == n == reader_offsets.shape[0] - 1):
+        return None
+    t, r, o, ro, q = (_a(x, np.int64) for x in (table, row, owner, reader_offsets, readers))
+    mv, md, dims = _a(moved, np.int64), _a(moved_dst, np.int64), _a(st.dims_arr, np.int64)
+    P, R, F = q.shape[0], st.world_size, len(SHARED_FIELDS)
+    out = np.empty(n + F * P + 4 * R + 7, dtype=np.int64)
+    rc = k.herald_step_prepare_shared(n, _ptr(t), _ptr(r), _ptr(o), _ptr(ro), P, _ptr(q), st.num_tables, R, st.rank,
+                                      _ptr(st.rows_arr), _ptr(st.key_base), _ptr(st.owner_all), _ptr(dims),
+                                      mv.shape[0], _ptr(mv), _ptr(md), _ptr(out))
+    if rc != 0:
+        return None
+    c = out[n + F * P + 4 * R :].tolist()
+    n_send, n_recv, n_value, n_grad = c[:4]
+    size = {"send": n_send, "recv": n_recv, "value": n_value, "grad": n_grad}
+    got = {"marked": out[:n]}
+    for i, name in enumerate(SHARED_FIELDS):
+        got[name] = out[n + i * P : n + i * P + size[name.split("_")[0]]]
+    for i, name in enumerate(SHARED_SPLITS):
+        got[name] = out[n + F * P + i * R : n + F * P + (i + 1) * R].tolist()
+    got["n_values_out"], got["n_grads_out"], got["n_fill"] = c[4:]
+    return got
