@@ -297,3 +297,31 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
                 prepare_shared(bad, stores()[0], prepare_moves(bad, stores()[0]))
     finally:
         _native.set_mode(True)
+
+
+def test_compiled_local_input_matches_numpy() -> None:
+    """step_kernels.local_input against the numpy code: global keys and bags of jagged batches (empty and multi-hot
+    bags), in the module's key order and permuted; an id out of range still raises numpy's error."""
+    from herald_torchrec import _native
+    from herald_torchrec.distributed import step_kernels
+
+    st = stores()[0]
+    rng = np.random.default_rng(5)
+    for order in ([0, 1], [1, 0]):
+        lens = rng.integers(0, 4, 2 * 6)  # KJT layout: key-major [2, 6]
+        kjt_rows = [st.rows[o] for o in order]  # key k of the KJT feeds module feature order[k]
+        vals = np.concatenate([rng.integers(0, kjt_rows[k], int(lens[k * 6 : (k + 1) * 6].sum())) for k in range(2)])
+        index = np.array([order.index(0), order.index(1)])
+        got = local_input(vals, lens, 2, 6, index, st, FEATURES)
+        _native.set_mode(False)
+        try:
+            want = local_input(vals, lens, 2, 6, index, st, FEATURES)
+        finally:
+            _native.set_mode(True)
+        for f in ("values", "lengths", "gkeys", "seg"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"order {order}: {f}")
+        assert got.gkeys.shape[0] > 6
+        if step_kernels.lib() is not None:  # the kernel took this batch (it did not decline to numpy)
+            assert step_kernels.local_input(want.values, want.lengths, st.feature_table_arr, st, 6) is not None
+    with pytest.raises(ValueError, match=r"feature 'fa' \(table 'a', 10 rows\): ids out of range \[-1\]"):
+        ids(st, [[-1], []], [[1], []])

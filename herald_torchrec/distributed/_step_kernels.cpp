@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 7; }
+int herald_step_version() { return 8; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -319,6 +319,27 @@ int herald_step_prepare_shared(int64_t n, const int64_t* table, const int64_t* r
   counts[0] = n_send, counts[1] = n_recv, counts[2] = n_value, counts[3] = n_grad;
   counts[4] = n_values_out, counts[5] = n_grads_out, counts[6] = n_fill;
   return 0;
+}
+
+// plan_exec.local_input, for a KJT whose keys are the module's features in its order: every id range-checked
+// against its feature's table, then its global key and its bag (`seg` = feature * B + sample). Returns 0, or 1 if
+// the lengths do not add up to the values or an id is out of range (the numpy code raises, naming it).
+int herald_step_local_input(int64_t n, const int64_t* values, int64_t F, int64_t B, const int64_t* lengths,
+                            const int64_t* ftab, const int64_t* rows, const int64_t* key_base, int64_t* gkeys,
+                            int64_t* seg) {
+  int64_t i = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t lim = rows[ftab[f]], base = key_base[ftab[f]];
+    for (int64_t b = f * B; b < (f + 1) * B; ++b) {
+      const int64_t len = lengths[b];
+      if (len < 0 || len > n - i) return 1;
+      for (int64_t e = i + len; i < e; ++i) {
+        if (values[i] < 0 || values[i] >= lim) return 1;
+        gkeys[i] = values[i] + base, seg[i] = b;
+      }
+    }
+  }
+  return i == n ? 0 : 1;
 }
 
 }  // extern "C"

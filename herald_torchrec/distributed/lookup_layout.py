@@ -74,7 +74,7 @@ def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: Row
     src, width = value_items(sh, st, mark[shared])  # mark = index of the value among the pairs read here
     if st.uniform_dim is not None:  # rows: output row = bag * F + f of the pooled output viewed as [B * F, dim]
         return LookupLayout(indices, offsets, src, bag * F + f, width)
-    f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
+    f_dims = st.dims_arr[st.feature_table_arr]
     f_col = exclusive_cumsum(f_dims)  # output column of each feature
     dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], f_dims[f])
     return LookupLayout(indices, offsets, src, dst)

@@ -135,13 +135,16 @@ def local_input(
     if lens.shape[0] != B * K:
         raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {K} keys x batch {B}")
     lens = lens.reshape(K, B)
+    ftab = st.feature_table_arr
     if K == F and (index == np.arange(F)).all():  # the module's features, in its order: use the KJT as it is
         values, lengths = vals, lens
     else:
         per_key_len = lens.sum(axis=1)
         values = vals[ragged_arange(exclusive_cumsum(per_key_len)[index], per_key_len[index])]
         lengths = lens[index]
-    ftab = np.asarray(st.feature_table_map, dtype=np.int64)
+    fast = step_kernels.local_input(values, lengths, ftab, st, B)
+    if fast is not None:  # the same checks and keys, compiled (None: numpy below raises)
+        return LocalInput(B, values, lengths, *fast)
     flen = lengths.sum(axis=1)
     bad = (values < 0) | (values >= np.repeat(st.rows_arr[ftab], flen))
     if bad.any():

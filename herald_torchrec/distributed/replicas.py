@@ -179,7 +179,7 @@ class ReplicaRegion:
         if not mark.shape[0]:
             return out
         B = local.batch_size
-        f_dims = st.dims_arr[np.asarray(st.feature_table_map, dtype=np.int64)]
+        f_dims = st.dims_arr[st.feature_table_arr]
         f_col = exclusive_cumsum(f_dims)
         f, bag = np.divmod(local.seg[via], B)
         d = f_dims[f]

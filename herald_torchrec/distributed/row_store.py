@@ -176,6 +176,7 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.free_base = np.concatenate([[0], np.cumsum(self.capacity)]).astype(np.int64)
         # per table, as arrays (index them with an array of tables)
         self.rows_arr = np.array(self.rows, dtype=np.int64)
+        self.feature_table_arr = np.array(self.feature_table_map, dtype=np.int64)  # table of each feature
         self.home_block_arr = np.array([home_block(r, world_size) for r in self.rows], dtype=np.int64)
         self._home_lo_arr = np.array(self.home_lo, dtype=np.int64)
         self._home_len_arr = np.array(self.home_len, dtype=np.int64)

@@ -30,8 +30,9 @@ SIGNATURES = {
     "herald_step_allocate": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_prepare_shared": ([_i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p,
                                     _p], ctypes.c_int),
+    "herald_step_local_input": ([_i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 7, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 8, "the data plane's",
                           "herald_step")
 
 
@@ -151,6 +152,20 @@ def prepare_moves(st, table: np.ndarray, row: np.ndarray, src: np.ndarray, dst: 
     if rc != 0:
         return None
     return send[: counts[0]], recv[: counts[1]], splits[:R].tolist(), splits[R:].tolist(), gks, dsts
+
+
+def local_input(values: np.ndarray, lengths: np.ndarray, ftab: np.ndarray, st, B: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """plan_exec.local_input's (gkeys, seg) for features in the module's order, or None where its numpy code must run
+    (kernels off, or ids it rejects: it raises)."""
+    k = lib()
+    if k is None:
+        return None
+    v, ln, ft = _a(values, np.int64), _a(lengths, np.int64), _a(ftab, np.int64)
+    n = v.shape[0]
+    gkeys, seg = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    rc = k.herald_step_local_input(n, _ptr(v), ft.shape[0], int(B), _ptr(ln), _ptr(ft), _ptr(st.rows_arr),
+                                   _ptr(st.key_base), _ptr(gkeys), _ptr(seg))
+    return (gkeys, seg) if rc == 0 else None
 
 
 SHARED_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "recv_table", "recv_row", "recv_gkey", "recv_off",
