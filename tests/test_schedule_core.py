@@ -34,6 +34,20 @@ def test_from_dense_is_csr_single_hot():
     np.testing.assert_array_equal(gid, (ids + off[:-1]).ravel())
 
 
+def test_from_dense_takes_the_callers_columns():
+    """`columns`: the caller's contiguous ids per table (no transposed copy), the same batch; malformed ones raise."""
+    ids = dense_ids(12)
+    cols = [np.ascontiguousarray(ids[:, t]) for t in range(3)]
+    b = GlobalBatch.from_dense(ids, ROWS, columns=cols, range_checked=True)
+    ref = GlobalBatch.from_dense(ids, ROWS)
+    for t in range(3):
+        assert b.values[t] is cols[t]
+        np.testing.assert_array_equal(b.values[t], ref.values[t])
+    np.testing.assert_array_equal(b.flat()[2], ref.flat()[2])
+    with pytest.raises(ValueError, match="columns must be 3 int64 arrays of 12 ids"):
+        GlobalBatch.from_dense(ids, ROWS, columns=cols[:2])
+
+
 def test_jagged_batch_flat_and_take():
     offs = [np.array([0, 2, 2, 3], dtype=np.int64), np.array([0, 1, 2, 3], dtype=np.int64)]
     vals = [np.array([1, 4, 0], dtype=np.int64), np.array([7, 7, 39], dtype=np.int64)]

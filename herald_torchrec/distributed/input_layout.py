@@ -227,8 +227,16 @@ class GatheredIds:
     lengths: np.ndarray  # int64 [K, R*B]: lengths of every key for every global sample
     values: np.ndarray  # int64: managed ids, managed key after key, global samples in order
     key_start: np.ndarray  # int64 [J]: where each managed key's ids start in `values`
-    sample_start: np.ndarray  # int64 [J, R*B]: start of each (managed key, sample) bag in `values`
+    bag_start: np.ndarray | None  # int64 [J, R*B]: start of each (managed key, sample) bag; None: from `uniform`
     uniform: int = -1  # the one bag length of every key and sample (values is then [J, R*B, uniform]), else -1
+
+    @property
+    def sample_start(self) -> np.ndarray:
+        """int64 [J, R*B]: start of each (managed key, sample) bag in `values` (of one-length bags: arithmetic, made
+        only where a layout needs it; single-hot batches never do)."""
+        if self.bag_start is None:
+            self.bag_start = self.key_start[:, None] + np.arange(self.lengths.shape[1], dtype=np.int64) * self.uniform
+        return self.bag_start
 
 
 def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: SliceLayout) -> GatheredIds:
@@ -237,10 +245,11 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
     J = layout.managed.shape[0]
     u = uniform_length(lengths)
     if u >= 0:  # every bag of one length (single-hot data): each rank's ids are a [J, B * u] block
-        values = np.stack([np.asarray(v).reshape(J, B * u) for v in per_rank_ids], axis=1).astype(np.int64).reshape(-1)
+        values = np.empty((J, R, B * u), dtype=np.int64)
+        for q, v in enumerate(per_rank_ids):  # widened to int64 as it is copied in
+            values[:, q] = np.asarray(v).reshape(J, B * u)
         key_start = np.arange(J, dtype=np.int64) * (R * B * u)
-        sample_start = key_start[:, None] + np.arange(R * B, dtype=np.int64) * u
-        return GatheredIds(np.full((K, R * B), u, dtype=np.int64), values, key_start, sample_start, u)
+        return GatheredIds(np.full((K, R * B), u, dtype=np.int64), values.reshape(-1), key_start, None, u)
     glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
     mlen = lengths[:, layout.managed, :]  # [R, J, B]
     seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
@@ -258,13 +267,16 @@ def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, i
     """The scheduler's view: per managed table, the CSR of the ids every global sample reads in it (a table fed by
     several keys reads them all, key after key). Single-hot data takes the dense fast path."""
     lay = tables.layout
-    mg = ids.lengths[layout.managed]  # [J, N]
-    N = mg.shape[1]
+    N = ids.lengths.shape[1]
     one_key = all(k.shape[0] == 1 for k in layout.table_keys)
-    if one_key and (ids.uniform == 1 or (ids.uniform < 0 and (mg == 1).all())):
+    if one_key and (ids.uniform == 1 or (ids.uniform < 0 and (ids.lengths[layout.managed] == 1).all())):
         first = np.array([int(k[0]) for k in layout.table_keys], dtype=np.int64)
-        cols = ids.values.reshape(-1, N)[first].T  # [N, tables]: every key's ids are N consecutive values
-        return GlobalBatch.from_dense(np.ascontiguousarray(cols), lay, index)
+        per_key = ids.values.reshape(-1, N)  # [J, N]: every key's ids are N consecutive values
+        cols = [per_key[j] for j in first.tolist()]
+        # the ids were range-checked on their ranks (host_slice); each table's ids are already one contiguous row
+        return GlobalBatch.from_dense(np.ascontiguousarray(per_key[first].T), lay, index, columns=cols,
+                                      range_checked=True)
+    mg = ids.lengths[layout.managed]  # [J, N]
     offs, vals = [], []
     for keys in layout.table_keys:
         cnt = mg[keys].sum(axis=0)

@@ -110,8 +110,11 @@ class GlobalBatch:
 
     # ---- constructors -----------------------------------------------------------------------------------
     @classmethod
-    def from_dense(cls, ids: np.ndarray, table_rows: Sequence[int] | TableLayout, index: int | None = None):
-        """Single-hot ids [N, T] (int64) -> CSR with one id per sample and table."""
+    def from_dense(cls, ids: np.ndarray, table_rows: Sequence[int] | TableLayout, index: int | None = None, *,
+                   columns: Sequence[np.ndarray] | None = None, range_checked: bool = False):
+        """Single-hot ids [N, T] (int64) -> CSR with one id per sample and table. A caller that holds each table's
+        ids as a contiguous int64 array already passes them as `columns` (no transposed copy), and one that has
+        range-checked every id says so (`range_checked`: the input stage checks them on the rank that drew them)."""
         ids = np.asarray(ids)
         if ids.dtype != np.int64:
             raise ValueError(f"GlobalBatch.from_dense: ids must be int64 (never float), got {ids.dtype}")
@@ -122,13 +125,17 @@ class GlobalBatch:
             raise ValueError(f"GlobalBatch.from_dense: ids have {ids.shape[1]} tables, layout has {layout.num_tables}")
         # the constructor's range checks, all tables at once (per table, they cost more than the rest of the batch);
         # the CSR of single-hot ids is well-formed by construction
-        bad = np.flatnonzero((ids.min(axis=0) < 0) | (ids.max(axis=0) >= np.asarray(layout.table_rows)))
-        if bad.shape[0]:
-            _check_range(ids[:, bad[0]], layout.table_rows[bad[0]], int(bad[0]))  # raises, naming the table
+        if not range_checked:
+            bad = np.flatnonzero((ids.min(axis=0) < 0) | (ids.max(axis=0) >= np.asarray(layout.table_rows)))
+            if bad.shape[0]:
+                _check_range(ids[:, bad[0]], layout.table_rows[bad[0]], int(bad[0]))  # raises, naming the table
         n = ids.shape[0]
+        if columns is None:
+            columns = list(np.ascontiguousarray(ids.T))
+        elif len(columns) != layout.num_tables or any(c.shape != (n,) or c.dtype != np.int64 for c in columns):
+            raise ValueError(f"GlobalBatch.from_dense: columns must be {layout.num_tables} int64 arrays of {n} ids")
         batch = cls.__new__(cls)
-        batch._set(layout, [np.arange(n + 1, dtype=np.int64)] * layout.num_tables, list(np.ascontiguousarray(ids.T)),
-                   n, index)
+        batch._set(layout, [np.arange(n + 1, dtype=np.int64)] * layout.num_tables, list(columns), n, index)
         batch._cache["dense"] = np.ascontiguousarray(ids)
         return batch
 
