@@ -325,3 +325,40 @@ def test_compiled_local_input_matches_numpy() -> None:
             assert step_kernels.local_input(want.values, want.lengths, st.feature_table_arr, st, 6) is not None
     with pytest.raises(ValueError, match=r"feature 'fa' \(table 'a', 10 rows\): ids out of range \[-1\]"):
         ids(st, [[-1], []], [[1], []])
+
+
+def test_compiled_gather_add_is_index_add_bit_for_bit() -> None:
+    """The pooled output's shared values added by the compiled loop (`_GatherAddSharedValues`) against index_select
+    + `_AddSharedValues` (torch's index_add_): the same bags and the same values' gradient, bit for bit (repeated
+    values and repeated bags included: the adds run in the same order), with the bags' gradient passed on or handed
+    to the owner's deferred update."""
+    import torch
+
+    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed.embedding_lookup import OwnerUpdate, _AddSharedValues, _GatherAddSharedValues
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    rng = np.random.default_rng(7)
+    w, n_bags, n_vals, n = 8, 40, 30, 500
+    src, dst = rng.integers(0, n_vals, n), rng.integers(0, n_bags, n)
+    base = torch.from_numpy(rng.standard_normal((n_bags // 4, 4 * w)).astype(np.float32))
+    vals0 = torch.from_numpy(rng.standard_normal((n_vals, w)).astype(np.float32))
+    up = torch.from_numpy(rng.standard_normal((n_bags // 4, 4 * w)).astype(np.float32))
+    for sink in (False, True):
+        got = []
+        for fused in (False, True):
+            bags_leaf = base.clone().requires_grad_(True)
+            vals = vals0.clone().requires_grad_(True)
+            bags = bags_leaf * 1.0  # a non-leaf, as the TBE's output is
+            upd = OwnerUpdate(None, np.zeros(0, dtype=np.int64)) if sink else None
+            if fused:
+                out = _GatherAddSharedValues.apply(bags, vals, src, dst, upd)
+            else:
+                v = vals.index_select(0, torch.from_numpy(src))
+                out = _AddSharedValues.apply(bags, v, torch.from_numpy(dst), w, upd)
+            (out * up).sum().backward()
+            handed = upd.bags_grad if sink else bags_leaf.grad
+            got.append((out.detach().clone(), vals.grad.clone(), handed.clone()))
+        for a, b, what in zip(*got, ("bags", "values' gradient", "bags' gradient")):
+            assert torch.equal(a, b), f"sink={sink}: {what} differ"

@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 8; }
+int herald_step_version() { return 9; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -340,6 +340,18 @@ int herald_step_local_input(int64_t n, const int64_t* values, int64_t F, int64_t
     }
   }
   return i == n ? 0 : 1;
+}
+
+// out[out_idx[i]] += in[in_idx[i]] (rows of `width` floats; in_idx null: row i), i = 0..n-1 in order: torch's
+// index_add_ / index_select backward on the CPU add in the same order, so the sums are bit for bit theirs, without
+// a gathered copy and without index_add_'s per-row dispatch. Indices are the caller's, already in range.
+void herald_step_gather_add(int64_t n, const int64_t* out_idx, const int64_t* in_idx, int64_t width, const float* in,
+                            float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* a = in + (in_idx ? in_idx[i] : i) * width;
+    float* o = out + out_idx[i] * width;
+    for (int64_t c = 0; c < width; ++c) o[c] += a[c];
+  }
 }
 
 }  // extern "C"

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from herald_torchrec.distributed import step_kernels
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, StepExchangeDist
 from herald_torchrec.distributed.lookup_layout import (
@@ -71,6 +72,32 @@ class _AddSharedValues(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None]:
         (dst,) = ctx.saved_tensors
         g_values = grad.reshape(-1, ctx.width).index_select(0, dst).to(ctx.values_dtype)
+        if ctx.sink is not None:
+            ctx.sink.bags_grad = grad
+            return None, g_values, None, None, None
+        return grad, g_values, None, None, None
+
+
+class _GatherAddSharedValues(torch.autograd.Function):
+    """`_AddSharedValues` with the gather fused in, on the CPU: `bags.view(-1, w)[dst[i]] += values[src[i]]` by a
+    compiled loop (step_kernels.gather_add), in index_add_'s order, so the sums are the same bit for bit; backward,
+    the values' gradient is summed the same way (`g[src[i]] += grad[dst[i]]`, as index_select's backward would).
+    No gathered copy of the values, and none of index_add_'s per-row dispatch, in either direction."""
+
+    @staticmethod
+    def forward(ctx: Any, bags: torch.Tensor, values: torch.Tensor, src: np.ndarray, dst: np.ndarray,
+                sink: "OwnerUpdate | None") -> torch.Tensor:
+        step_kernels.gather_add(bags.view(-1, values.shape[1]), dst, values, src)
+        ctx.mark_dirty(bags)
+        ctx.src, ctx.dst, ctx.sink, ctx.values_shape = src, dst, sink, values.shape
+        return bags
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None]:
+        g_values = torch.zeros(ctx.values_shape, dtype=grad.dtype, device=grad.device)
+        g = grad.reshape(-1, ctx.values_shape[1]).contiguous()
+        if not step_kernels.gather_add(g_values, ctx.src, g, ctx.dst):  # pragma: no cover - checked in forward
+            g_values.index_add_(0, torch.from_numpy(ctx.src), g.index_select(0, torch.from_numpy(ctx.dst)))
         if ctx.sink is not None:
             ctx.sink.bags_grad = grad
             return None, g_values, None, None, None
@@ -164,7 +191,13 @@ class HeraldLookup:
             out = out.detach()
             if not values:  # a leaf whose .grad is the bags' gradient (else _AddSharedValues hands it over)
                 update.detached = out.requires_grad_(True)
-        if values:
+        if values and self._gathers_in_place(out, sh.values):
+            vals = sh.values.view(-1, lay.width)
+            if torch.is_grad_enabled() and (vals.requires_grad or out.requires_grad):
+                out = _GatherAddSharedValues.apply(out, vals, lay.value_src, lay.out_dst, update)
+            else:
+                step_kernels.gather_add(out.view(-1, lay.width), lay.out_dst, vals, lay.value_src)
+        elif values:
             w = lay.width
             v = sh.values.view(-1, w).index_select(0, torch.from_numpy(lay.value_src).to(self.device))
             v = st.clip_pooled_gradient(v)  # each bag's gradient clipped, as the TBE clips its own pooled output's
@@ -174,6 +207,13 @@ class HeraldLookup:
             else:
                 out.view(-1, w).index_add_(0, dst, v.to(out.dtype))
         return out[: local.batch_size] if update is not None else out
+
+    def _gathers_in_place(self, out: torch.Tensor, values: torch.Tensor) -> bool:
+        """The shared values can be gathered and added by the compiled loop (`_GatherAddSharedValues`): host tensors
+        of float32, contiguous, and no per-bag gradient clipping of the values (that needs the gathered copy)."""
+        return (not self.store.gradient_clipping and out.device.type == "cpu" and out.dtype == torch.float32
+                and values.dtype == torch.float32 and out.is_contiguous() and values.is_contiguous()
+                and step_kernels.lib() is not None)
 
     def _fuses_update(self) -> bool:
         """The owner's shared-row update can ride on the TBE's own backward: rows are items (one dim for all
@@ -196,7 +236,9 @@ class HeraldLookup:
             return
         lay = update.grads if update is not None else grad_sum_layout(sh, st)  # one gradient per key: readers' sum
         summed = torch.zeros(lay.size // lay.width, lay.width, dtype=back.dtype, device=self.device)
-        summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), back.view(-1, lay.width))
+        rows = back.view(-1, lay.width)
+        if not step_kernels.gather_add(summed, lay.dst, rows, None):  # the same sums, in the same order, compiled
+            summed.index_add_(0, torch.from_numpy(lay.dst).to(self.device), rows)
         with phase("finish_step.apply"):
             if update is not None:
                 update.backward(summed)

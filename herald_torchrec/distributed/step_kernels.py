@@ -12,6 +12,7 @@ import ctypes
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from herald_torchrec import _native
 from herald_torchrec._native import address as _ptr, contiguous as _a
@@ -31,8 +32,9 @@ SIGNATURES = {
     "herald_step_prepare_shared": ([_i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p,
                                     _p], ctypes.c_int),
     "herald_step_local_input": ([_i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
+    "herald_step_gather_add": ([_i64, _p, _p, _i64, _p, _p], None),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 8, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 9, "the data plane's",
                           "herald_step")
 
 
@@ -200,3 +202,19 @@ def prepare_shared(st, table: np.ndarray, row: np.ndarray, owner: np.ndarray, re
         got[name] = out[n + F * P + i * R : n + F * P + (i + 1) * R].tolist()
     got["n_values_out"], got["n_grads_out"], got["n_fill"] = c[4:]
     return got
+
+
+def gather_add(out, out_idx: np.ndarray, inp, in_idx: np.ndarray | None) -> bool:
+    """out.view(-1, w)[out_idx[i]] += inp.view(-1, w)[in_idx[i]] for every i in order (in_idx None: row i), for
+    contiguous float32 CPU tensors of the same row width w, in place; False (nothing done) where torch must do it
+    (kernels off, another device or dtype). Indices must be in range: the callers' layouts guarantee it."""
+    k = lib()
+    if (k is None or out.device.type != "cpu" or inp.device.type != "cpu" or out.dtype != torch.float32
+            or inp.dtype != torch.float32 or not out.is_contiguous()
+            or not inp.is_contiguous() or out.dim() != 2 or inp.dim() != 2 or out.shape[1] != inp.shape[1]):
+        return False
+    o = _a(out_idx, np.int64)
+    i = None if in_idx is None else _a(in_idx, np.int64)
+    k.herald_step_gather_add(o.shape[0], _ptr(o), None if i is None else _ptr(i), out.shape[1], inp.data_ptr(),
+                             out.data_ptr())
+    return True
