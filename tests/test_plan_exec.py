@@ -252,7 +252,8 @@ SHARED_STEP_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "send_s
 
 
 def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
-    """step_kernels.prepare_shared against the numpy code: every rank's SharedStep, field by field, for 3 ranks and
+    """step_kernels.prepare_shared (and the owners' gradient-sum keys) against the numpy code: every rank's
+    SharedStep and GradSumLayout, field by field, for 3 ranks and
     the Herald scheduler's own plans over skewed batches (moves, forwards, fills, owners reading their rows), the
     stores' directories updated between steps as the lookup does; a plan it rejects still raises numpy's error."""
     from herald_torchrec import _native
@@ -268,7 +269,7 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
     rng = np.random.default_rng(3)
     batches = [GlobalBatch.from_dense(np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1),
                                       rows, index=i) for i in range(14)]
-    fills = shared_pairs = 0
+    fills = shared_pairs = owned = 0
     try:
         for s in range(len(batches) - L):
             p = pol.plan(batches[s : s + L + 1])
@@ -279,9 +280,14 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
                 got = prepare_shared(p, st[r], ms)
                 _native.set_mode(False)
                 want = prepare_shared(p, st[r], ms)
+                gs_np = grad_sum_layout(want, st[r])
                 _native.set_mode(True)  # the policy plans with its kernels
                 for f in SHARED_STEP_FIELDS:
                     np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"step {s} rank {r}: {f}")
+                gs = grad_sum_layout(got, st[r])  # the owner's per-key sums, compiled and not
+                for f in ("tables", "slots", "dst", "size", "width"):
+                    np.testing.assert_array_equal(getattr(gs, f), getattr(gs_np, f), err_msg=f"step {s} rank {r}: {f}")
+                owned += gs.tables.shape[0]
                 fills += got.n_fill
                 shared_pairs += got.recv_gkey.shape[0]
                 steps.append(ms)
@@ -289,7 +295,7 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
                 st[r].release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
                 st[r].set_owner_many(ms.table, ms.row, ms.dst)
                 st[r].allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
-        assert fills > 0 and shared_pairs > 50  # the plans exercised fills and many shared reads
+        assert fills > 0 and shared_pairs > 50 and owned > 20  # fills, many shared reads, owners summing gradients
         _native.set_mode(True)
         for r in range(R):  # rejected by the kernel, raised by numpy: a reader listed twice
             bad = plan([], [(A, 2, 0, [1, 1])])

@@ -12,7 +12,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 9; }
+int herald_step_version() { return 10; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -352,6 +352,26 @@ void herald_step_gather_add(int64_t n, const int64_t* out_idx, const int64_t* in
     float* o = out + out_idx[i] * width;
     for (int64_t c = 0; c < width; ++c) o[c] += a[c];
   }
+}
+
+// lookup_layout.grad_sum_layout, rows: the distinct keys of the n returned gradients, sorted (`keys`), each
+// gradient's key index (`inv`), and each key's table and local slot. Returns the number of distinct keys.
+int64_t herald_step_grad_sum(int64_t n, const int64_t* gkey, int64_t T, const int64_t* key_base,
+                             const int32_t* slot_of_all, int64_t* keys, int64_t* inv, int64_t* tab, int64_t* slots) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [gkey](int64_t a, int64_t b) { return gkey[a] < gkey[b]; });
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t g = gkey[order[j]];
+    if (k == 0 || keys[k - 1] != g) {
+      keys[k] = g;
+      tab[k] = std::upper_bound(key_base, key_base + T + 1, g) - key_base - 1;
+      slots[k++] = slot_of_all[g];
+    }
+    inv[order[j]] = k - 1;
+  }
+  return k;
 }
 
 }  // extern "C"

@@ -96,9 +96,13 @@ class GradSumLayout:
 
 def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
     """Per-key sums of the readers' gradients, in send order (readers in rank order), all tables at once."""
-    keys, inv = np.unique(sh.send_gkey, return_inverse=True)
-    tab = st.tables_of(keys)
-    slots = st.slot_of_all[keys].astype(np.int64)
+    fast = step_kernels.grad_sum_keys(st, sh.send_gkey) if st.uniform_dim is not None else None
+    if fast is not None:  # the same keys, compiled (one sort of the returned pairs)
+        keys, inv, tab, slots = fast
+    else:
+        keys, inv = np.unique(sh.send_gkey, return_inverse=True)
+        tab = st.tables_of(keys)
+        slots = st.slot_of_all[keys].astype(np.int64)
     if st.uniform_dim is not None:
         return GradSumLayout(tab, slots, inv.reshape(-1), keys.shape[0] * st.uniform_dim, st.uniform_dim)
     kd = st.dims_arr[tab]

@@ -33,8 +33,9 @@ SIGNATURES = {
                                     _p], ctypes.c_int),
     "herald_step_local_input": ([_i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_gather_add": ([_i64, _p, _p, _i64, _p, _p], None),
+    "herald_step_grad_sum": ([_i64, _p, _i64, _p, _p, _p, _p, _p, _p], _i64),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 9, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 10, "the data plane's",
                           "herald_step")
 
 
@@ -154,6 +155,20 @@ def prepare_moves(st, table: np.ndarray, row: np.ndarray, src: np.ndarray, dst: 
     if rc != 0:
         return None
     return send[: counts[0]], recv[: counts[1]], splits[:R].tolist(), splits[R:].tolist(), gks, dsts
+
+
+def grad_sum_keys(st, send_gkey: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """lookup_layout.grad_sum_layout's (sorted distinct keys, each gradient's key index, the keys' tables and local
+    slots), or None where its numpy code must run (kernels off)."""
+    k = lib()
+    if k is None or st.slot_of_all.dtype != np.int32:
+        return None
+    g = _a(send_gkey, np.int64)
+    n = g.shape[0]
+    keys, inv, tab, slots = (np.empty(n, dtype=np.int64) for _ in range(4))
+    m = k.herald_step_grad_sum(n, _ptr(g), st.num_tables, _ptr(st.key_base), _ptr(st.slot_of_all), _ptr(keys),
+                               _ptr(inv), _ptr(tab), _ptr(slots))
+    return keys[:m], inv, tab[:m], slots[:m]
 
 
 def local_input(values: np.ndarray, lengths: np.ndarray, ftab: np.ndarray, st, B: int) -> tuple[np.ndarray, np.ndarray] | None:
