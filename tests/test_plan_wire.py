@@ -123,3 +123,42 @@ def test_malformed_buffers_are_errors():
         decode_plan(np.concatenate([[7], buf[1:]]).astype(np.uint8))  # an unknown form
     with pytest.raises(ValueError, match="1-D"):
         encode_plan(Plan(step=0, num_ranks=1, batch_per_rank=1, sample_order=np.zeros((1, 1), dtype=np.int64)))
+
+
+def test_compiled_wire_gives_the_same_bytes_and_plans():
+    """The flat form's compiled passes (schedule/native.py: the assignment, the reader masks, the narrowing and its
+    inverse) against the numpy code: the same bytes from every plan, and the same plan back, dtypes included (the
+    scheduler's plans, values at the type limits, empty moves and shared rows, narrow original dtypes); where a short
+    form does not apply, both paths agree on the general form."""
+    from herald_torchrec import _native
+    from herald_torchrec.schedule import native
+    from herald_torchrec.schedule.plan import SharedRows
+
+    if not native.enabled():
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    policy = make_policy("herald", ROWS, R, B, cache_ratio=0.1, lookahead=L)
+    batches = trace(8, seed=4)
+    plans = [policy.plan(batches[i : i + L + 1]) for i in range(len(batches) - L)]
+    big = np.array([0, 2**31 + 5, -(2**40)], dtype=np.int64)
+    plans.append(Plan(step=3, num_ranks=2, batch_per_rank=2, sample_order=np.array([3, 0, 1, 2], dtype=np.int32),
+                      moves=RowMoves(table=np.array([0, 1, 2], dtype=np.uint8), row=big, src=np.array([0, 1, 1]),
+                                     dst=np.array([1, 0, 0]), kind=np.array([0, 1, 2], dtype=np.int8)),
+                      shared=SharedRows(np.array([1, 4]), np.array([-300, 70000]), np.array([1, 0], dtype=np.int16),
+                                        np.array([0, 2, 3], dtype=np.int32), np.array([0, 1, 1], dtype=np.int16)),
+                      counters={"migrate": 1}))
+    plans.append(Plan(step=4, num_ranks=2, batch_per_rank=2, sample_order=np.array([0, 3, 1, 2])))  # nothing moves
+    plans.append(Plan(step=5, num_ranks=2, batch_per_rank=2, sample_order=np.array([1, 0, 2, 3])))  # general form
+    assert sum(len(p.shared) for p in plans) > 20 and sum(len(p.moves) for p in plans) > 5
+    for i, plan in enumerate(plans):
+        got = encode_plan(plan)
+        _native.set_mode(False)
+        try:
+            want = encode_plan(plan)
+            back_np = decode_plan(want)
+        finally:
+            _native.set_mode(True)
+        assert np.array_equal(got, want), f"plan {i}: the compiled encoding differs"
+        back = decode_plan(got)
+        assert_same(plan, back, f"plan {i}")
+        assert_same(back_np, back, f"plan {i}")
+    assert encode_plan(plans[0])[0] == 1 and encode_plan(plans[-1])[0] == 0

@@ -425,7 +425,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 3; }
+int herald_kernels_version() { return 4; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -734,6 +734,100 @@ int64_t herald_step_reads(const int64_t* cid, int64_t E, int64_t width, const in
     count[k] = P - start[k];
   }
   return P;
+}
+
+// ---- the plan's flat wire form (plan_wire.py): the same bytes as its numpy code --------------------------------
+
+// plan_wire._assignment: each global sample's rank (n = R * B) from the sample order, where it determines it (every
+// rank's slice increasing, a permutation). Returns 0, or 1: the plan travels in the general form.
+int herald_wire_assignment(int64_t R, int64_t B, const int64_t* so, int64_t* rank) {
+  const int64_t n = R * B;
+  if (n == 0) return 1;
+  std::fill(rank, rank + n, int64_t{-1});
+  for (int64_t q = 0, i = 0; q < R; ++q)
+    for (int64_t b = 0; b < B; ++b, ++i) {
+      const int64_t v = so[i];
+      if (v < 0 || v >= n || (b > 0 && v <= so[i - 1]) || rank[v] >= 0) return 1;
+      rank[v] = q;
+    }
+  return 0;
+}
+
+// plan_wire._reader_mask: each of the n shared rows' readers as one bitmask, where the CSR says the same (readers
+// sorted and distinct, ranks 0..62, every row read). Returns 0, or 1: the plan travels in the general form.
+int herald_wire_reader_mask(int64_t n, const int64_t* ro, int64_t P, const int64_t* rd, int64_t* mask) {
+  if (n == 0 || ro[0] != 0 || ro[n] != P) return 1;
+  for (int64_t k = 0; k < n; ++k) {
+    if (ro[k + 1] - ro[k] < 1) return 1;
+    int64_t m = 0;
+    for (int64_t j = ro[k]; j < ro[k + 1]; ++j) {
+      if (rd[j] < 0 || rd[j] > 62 || (j > ro[k] && rd[j] <= rd[j - 1])) return 1;
+      m += int64_t{1} << rd[j];
+    }
+    mask[k] = m;
+  }
+  return 0;
+}
+
+// plan_wire._narrow of k int64 arrays, written back to back into `out`: each in the narrowest of int8 / int16 /
+// int32 / int64 that holds its values; `sizes[i]` gets its item size. Returns the bytes written.
+int64_t herald_wire_pack(int64_t k, const int64_t* const* arrays, const int64_t* lens, uint8_t* out, int64_t* sizes) {
+  int64_t pos = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t* a = arrays[i];
+    const int64_t n = lens[i];
+    int64_t lo = 0, hi = 0;
+    if (n) lo = *std::min_element(a, a + n), hi = *std::max_element(a, a + n);
+    const int64_t size = (lo >= INT8_MIN && hi <= INT8_MAX) ? 1 : (lo >= INT16_MIN && hi <= INT16_MAX) ? 2
+                         : (lo >= INT32_MIN && hi <= INT32_MAX) ? 4 : 8;
+    sizes[i] = size;
+    uint8_t* o = out + pos;
+    if (size == 1) for (int64_t j = 0; j < n; ++j) reinterpret_cast<int8_t*>(o)[j] = static_cast<int8_t>(a[j]);
+    if (size == 2) for (int64_t j = 0; j < n; ++j) reinterpret_cast<int16_t*>(o)[j] = static_cast<int16_t>(a[j]);
+    if (size == 4) for (int64_t j = 0; j < n; ++j) reinterpret_cast<int32_t*>(o)[j] = static_cast<int32_t>(a[j]);
+    if (size == 8) std::memcpy(o, a, static_cast<size_t>(n) * 8);
+    pos += n * size;
+  }
+  return pos;
+}
+
+// The inverse: k arrays of item sizes `sizes` (1, 2, 4, 8), back to back from `buf`, widened to int64.
+void herald_wire_unpack(int64_t k, const uint8_t* buf, const int64_t* lens, const int64_t* sizes, int64_t* const* outs) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t n = lens[i], size = sizes[i];
+    int64_t* o = outs[i];
+    if (size == 1) for (int64_t j = 0; j < n; ++j) o[j] = reinterpret_cast<const int8_t*>(buf)[j];
+    if (size == 2) for (int64_t j = 0; j < n; ++j) { int16_t v; std::memcpy(&v, buf + 2 * j, 2); o[j] = v; }
+    if (size == 4) for (int64_t j = 0; j < n; ++j) { int32_t v; std::memcpy(&v, buf + 4 * j, 4); o[j] = v; }
+    if (size == 8) std::memcpy(o, buf, static_cast<size_t>(n) * 8);
+    buf += n * size;
+  }
+}
+
+// plan_wire._readers_from_mask: the reader CSR of n bitmasks (each row's readers increasing), ranks below R.
+// Returns the pairs, or -1 for a mask with a bit at R or above (the numpy code decodes it).
+int64_t herald_wire_readers(int64_t n, int64_t R, const int64_t* mask, int64_t* offsets, int64_t* readers) {
+  int64_t P = 0;
+  offsets[0] = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    if (R < 63 && (mask[k] >> R) != 0) return -1;
+    for (int64_t r = 0; r < R && r < 63; ++r)
+      if ((mask[k] >> r) & 1) readers[P++] = r;
+    offsets[k + 1] = P;
+  }
+  return P;
+}
+
+// np.argsort(rank, kind="stable") of ranks in [0, R): a counting sort. Returns 0, or 1 for a rank out of range.
+int herald_wire_sample_order(int64_t n, int64_t R, const int64_t* rank, int64_t* order) {
+  std::vector<int64_t> start(R + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (rank[i] < 0 || rank[i] >= R) return 1;
+    ++start[rank[i] + 1];
+  }
+  for (int64_t q = 0; q < R; ++q) start[q + 1] += start[q];
+  for (int64_t i = 0; i < n; ++i) order[start[rank[i]]++] = i;
+  return 0;
 }
 
 }  // extern "C"

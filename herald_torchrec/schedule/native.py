@@ -19,7 +19,7 @@ from herald_torchrec import _native
 from herald_torchrec._native import address as _p, contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 3  # herald_kernels_version() of the source this module expects
+VERSION = 4  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -45,6 +45,12 @@ SIGNATURES = {
                          _i64p, _i64p, ctypes.c_int8, _i16p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p,
                          _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
+    "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
+    "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
+    "herald_wire_unpack": ([_i64, _u8p, _i64p, _i64p, ctypes.c_void_p], None),
+    "herald_wire_readers": ([_i64, _i64, _i64p, _i64p, _i64p], _i64),
+    "herald_wire_sample_order": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
 }
 
 KERNELS = _native.Kernels(SOURCE, SIGNATURES, VERSION, "the scheduler's", "herald_kernels")
@@ -197,3 +203,55 @@ class DirectoryArrays:
             gid.shape[0], _p(gid), _p(dst), self.T, self.table, self.owner, self.home, self.G, self.cap, self.base,
             self.fill, self.slot, self.pos_of, self.pool_size, self.tau, self.row, self.pool_keys, self.pool_count,
             self.group_of_slot, self.last_use))
+
+
+# ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
+def _addresses(arrays: list[np.ndarray]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(arrays))(*(_p(a) for a in arrays))
+
+
+def wire_assignment(sample_order: np.ndarray, R: int, B: int) -> np.ndarray | None:
+    """plan_wire._assignment (each sample's rank), or None where the sample order does not determine it."""
+    so = _c(sample_order, np.int64)
+    rank = np.empty(R * B, dtype=np.int64)
+    return rank if lib().herald_wire_assignment(int(R), int(B), _p(so), _p(rank)) == 0 else None
+
+
+def wire_reader_mask(reader_offsets: np.ndarray, readers: np.ndarray) -> np.ndarray | None:
+    """plan_wire._reader_mask (each shared row's readers as a bitmask), or None where it would not say the same."""
+    ro, rd = _c(reader_offsets, np.int64), _c(readers, np.int64)
+    n = ro.shape[0] - 1
+    mask = np.empty(max(n, 0), dtype=np.int64)
+    return mask if n >= 0 and lib().herald_wire_reader_mask(n, _p(ro), rd.shape[0], _p(rd), _p(mask)) == 0 else None
+
+
+def wire_pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """plan_wire._narrow of every array, back to back: (the bytes, each array's item size)."""
+    a = [_c(x, np.int64) for x in arrays]
+    lens = np.array([x.shape[0] for x in a], dtype=np.int64)
+    out, sizes = np.empty(int(lens.sum()) * 8, dtype=np.uint8), np.empty(len(a), dtype=np.int64)
+    n = lib().herald_wire_pack(len(a), _addresses(a), _p(lens), _p(out), _p(sizes))
+    return out[:n], sizes.tolist()
+
+
+def wire_unpack(buf: np.ndarray, lens: list[int], sizes: list[int]) -> list[np.ndarray]:
+    """The inverse of `wire_pack`: int64 copies of the arrays in `buf` (item sizes `sizes`)."""
+    outs = [np.empty(n, dtype=np.int64) for n in lens]
+    b, n, z = _c(buf, np.uint8), np.asarray(lens, dtype=np.int64), np.asarray(sizes, dtype=np.int64)  # kept alive
+    lib().herald_wire_unpack(len(outs), _p(b), _p(n), _p(z), _addresses(outs))
+    return outs
+
+
+def wire_readers(mask: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """plan_wire._readers_from_mask for readers below R: (reader_offsets, readers), or None (a bit at R or above)."""
+    m = _c(mask, np.int64)
+    offsets, readers = np.empty(m.shape[0] + 1, dtype=np.int64), np.empty(m.shape[0] * min(R, 63), dtype=np.int64)
+    P = lib().herald_wire_readers(m.shape[0], int(R), _p(m), _p(offsets), _p(readers))
+    return (offsets, readers[:P]) if P >= 0 else None
+
+
+def wire_sample_order(rank: np.ndarray, R: int) -> np.ndarray | None:
+    """np.argsort(rank, kind="stable") for ranks in [0, R), or None for a rank out of range."""
+    r = _c(rank, np.int64)
+    order = np.empty(r.shape[0], dtype=np.int64)
+    return order if lib().herald_wire_sample_order(r.shape[0], int(R), _p(r), _p(order)) == 0 else None

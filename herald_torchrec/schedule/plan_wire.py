@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from herald_torchrec.schedule import native
 from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 
 _TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
@@ -47,6 +48,15 @@ FLAT_FIELDS_MATCH = (
 )
 
 
+_SIGNED = {np.dtype(t).itemsize: np.dtype(t).str for t in (np.int8, np.int16, np.int32, np.int64)}
+
+
+def _compiled_ints(*arrays: np.ndarray) -> bool:
+    """The compiled wire passes apply: the kernels are on and every array holds integers int64 can hold."""
+    return native.enabled() and all(a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)
+                                    for a in arrays)
+
+
 def _narrow(a: np.ndarray) -> np.ndarray:
     """The array in the narrowest signed integer type holding its values (other dtypes as they are)."""
     if a.dtype.kind not in "iu" or a.size == 0:
@@ -61,7 +71,11 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 def _assignment(plan: Plan) -> np.ndarray | None:
     """Each global sample's rank, if it determines the sample order (every rank's slice increasing, a permutation)."""
     so, R, B = plan.sample_order, plan.num_ranks, plan.batch_per_rank
-    if so.ndim != 1 or so.shape[0] != R * B or so.shape[0] == 0 or so.min() < 0 or so.max() >= so.shape[0]:
+    if so.ndim != 1 or so.shape[0] != R * B or so.shape[0] == 0:
+        return None
+    if _compiled_ints(so):
+        return native.wire_assignment(so, R, B)
+    if so.min() < 0 or so.max() >= so.shape[0]:
         return None
     if B > 1 and not (np.diff(so.reshape(R, B), axis=1) > 0).all():
         return None
@@ -75,6 +89,8 @@ def _reader_mask(sh: SharedRows) -> np.ndarray | None:
     ro, rd, n = sh.reader_offsets, sh.readers, sh.row.shape[0]
     if ro.ndim != 1 or rd.ndim != 1 or ro.shape[0] != n + 1 or n == 0 or ro[0] != 0 or ro[-1] != rd.shape[0]:
         return None
+    if _compiled_ints(ro, rd):
+        return native.wire_reader_mask(ro, rd)
     counts = np.diff(ro)
     if (counts < 1).any() or rd.min() < 0 or rd.max() > 62:
         return None
@@ -130,32 +146,51 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
                 {str(k): _scalar(v) for k, v in plan.counters.items()}, [_scalar(k) for k in plan.stateful_kinds]]
     except (TypeError, AttributeError):
         return None
-    arrays = [np.ascontiguousarray(_narrow(a)) for a in (rank, *fields, mask)]
+    wide = (rank, *fields, mask)
+    if _compiled_ints(*fields):  # every array narrowed and packed in one pass; an empty one keeps its dtype
+        data, sizes = native.wire_pack(list(wide))
+        sent = [_SIGNED[z] if a.shape[0] else a.dtype.str for a, z in zip(wide, sizes)]
+        parts = [data]
+    else:
+        arrays = [np.ascontiguousarray(_narrow(a)) for a in wide]
+        sent, parts = [a.dtype.str for a in arrays], [a.view(np.uint8) for a in arrays]
     originals = (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
-    meta = json.dumps(head + [n_mv, n_sh, [a.dtype.str for a in originals], [a.dtype.str for a in arrays]],
-                      separators=(",", ":")).encode()
+    meta = json.dumps(head + [n_mv, n_sh, [a.dtype.str for a in originals], sent], separators=(",", ":")).encode()
     return np.concatenate([np.array([_FLAT], dtype=np.uint8), np.array([len(meta)], dtype=_HEAD).view(np.uint8),
-                           np.frombuffer(meta, dtype=np.uint8), *(a.view(np.uint8) for a in arrays)])
+                           np.frombuffer(meta, dtype=np.uint8), *parts])
 
 
 def _decode_flat(buf: np.ndarray) -> Plan:
     n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
     pos = 1 + _HEAD.itemsize + n
     step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(bytes(buf[1 + _HEAD.itemsize : pos]))
-    out = []
-    for i, length in enumerate([R * B] + [n_mv] * 5 + [n_sh] * 4):  # assignment, moves, shared, mask
-        size = np.dtype(sent[i]).itemsize * length
-        out.append(buf[pos : pos + size].view(sent[i]))
-        pos += size
+    lens, start = [R * B] + [n_mv] * 5 + [n_sh] * 4, pos  # assignment, moves, shared, mask
+    types = [np.dtype(t) for t in sent]
+    pos += sum(t.itemsize * n for t, n in zip(types, lens))
     if pos != buf.shape[0]:
         raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes, {pos} read)")
+    compiled = native.enabled() and all(t.kind == "i" for t in types)
+    if compiled:  # widened to int64 in one pass (copies)
+        out = native.wire_unpack(buf[start:], lens, [t.itemsize for t in types])
+    else:
+        out, at = [], start
+        for t, n in zip(types, lens):
+            out.append(buf[at : at + t.itemsize * n].view(t))
+            at += t.itemsize * n
     rank, mask = out[0], out[9]
-    if n_sh:
+    csr = native.wire_readers(mask, R) if compiled and n_sh else None
+    if csr is not None:
+        offsets, readers = csr
+    elif n_sh:
         offsets, readers = _readers_from_mask(mask.astype(np.int64))
     else:
         offsets, readers = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    a = [x.astype(o) for x, o in zip(out[1:9], orig[1:9])]  # copies, in the original dtypes
-    return Plan(step=step, num_ranks=R, batch_per_rank=B, sample_order=np.argsort(rank, kind="stable").astype(orig[0]),
+    # copies, in the original dtypes (the compiled arrays are copies already)
+    a = [x if compiled and np.dtype(o) == x.dtype else x.astype(o) for x, o in zip(out[1:9], orig[1:9])]
+    order = native.wire_sample_order(rank, R) if compiled else None
+    if order is None:
+        order = np.argsort(rank, kind="stable")
+    return Plan(step=step, num_ranks=R, batch_per_rank=B, sample_order=order.astype(orig[0], copy=False),
                 moves=RowMoves(*a[:5]), shared=SharedRows(*a[5:], offsets.astype(orig[9]), readers.astype(orig[10])),
                 counters=counters, stateful_kinds=tuple(kinds), executable=executable, sched_seconds=seconds,
                 stale_reads=stale)
