@@ -147,3 +147,47 @@ def test_who_plans_for_whom() -> None:
     assert planners("host", hosts).tolist() == [0, 1, 0, 1, 4]
     assert planners("rank0", hosts).tolist() == [0] * 5
     assert planners("every_rank", hosts).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("u, ids64", [(1, False), (2, False), (1, True)])
+def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
+    """The samples' blocks and their reassembly compiled (step_kernels.sample_blocks_uniform / received_uniform)
+    against the numpy code: the same bytes per destination and the same received arrays, for one-length bags of
+    length 1 and 2, int32 and int64 ids on the wire, blocks with and without managed ids."""
+    import dataclasses
+
+    from herald_torchrec import _native
+    from herald_torchrec.distributed import step_kernels
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    slices = [make_slice(5, u), make_slice(6, u)]
+    layout = slice_layout(slices[0][0], TABLES)
+    if ids64:
+        layout = dataclasses.replace(layout, ids_dtype=np.dtype(np.int64))
+    hs = [host_slice(b, layout) for b, _ in slices]
+    dest = [np.array([1, 1, 0, 1]), np.array([0, 1, 0, 0])]
+    with_ids = np.array([False, True])
+    n_to_1 = np.array([int((d == 1).sum()) for d in dest])
+    results = []
+    for compiled in (True, False):
+        _native.set_mode(compiled)
+        try:
+            to_1 = []
+            for q in range(R):
+                order = np.argsort(dest[q], kind="stable")
+                cut = np.concatenate([[0], np.cumsum(np.bincount(dest[q], minlength=R))])
+                blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, True)
+                results.append(([b.copy() for b in blocks], id_bytes.copy()))
+                to_1.append(blocks[1])
+            results.append(received_samples(to_1, n_to_1, np.array([u, u]), layout))
+        finally:
+            _native.set_mode(True)
+    half = len(results) // 2
+    for got, want in zip(results[:half], results[half:]):
+        for g, w in zip(got, want):
+            if isinstance(g, list):
+                assert len(g) == len(w) and all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g, w))
+            else:
+                assert np.array_equal(g, w) and g.dtype == w.dtype and g.shape == w.shape
+    assert results[half - 1][0].shape == (int(n_to_1.sum()), layout.fixed_bytes())

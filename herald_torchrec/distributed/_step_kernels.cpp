@@ -4,6 +4,7 @@
 // the caller then runs the numpy code, which raises with its own message.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -12,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 10; }
+int herald_step_version() { return 11; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -372,6 +373,80 @@ int64_t herald_step_grad_sum(int64_t n, const int64_t* gkey, int64_t T, const in
     inv[order[j]] = k - 1;
   }
   return k;
+}
+
+// ---- the input stage's samples, every bag of one length u (input_layout.py) ------------------------------------
+namespace {
+// ids of sample s for keys `keys` (positions in the slice's K keys), sample-major, narrowed to `it` bytes
+uint8_t* put_ids(uint8_t* o, const int64_t* values, int64_t n, int64_t u, const int64_t* keys, int64_t nk,
+                 int64_t s, int64_t it) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t* v = values + (keys[j] * n + s) * u;
+    for (int64_t e = 0; e < u; ++e, o += it) {
+      if (it == 4) {
+        const int32_t x = static_cast<int32_t>(v[e]);
+        std::memcpy(o, &x, 4);
+      } else {
+        std::memcpy(o, v + e, 8);
+      }
+    }
+  }
+  return o;
+}
+}  // namespace
+
+// input_layout.sample_blocks for a slice of n samples whose bags all have length u (its values are [K, n, u]):
+// block d holds samples order[cut[d] : cut[d + 1]]: their dense + label bytes (`fixed` [n, fb]), then, where
+// with_ids[d], their managed ids (the wire's `it` bytes, sample-major), then their carried ids (int64, sample-major).
+// The blocks are written back to back into `out`; `sizes` [R] and `id_bytes` [R] get each block's bytes and its
+// managed ids' bytes.
+void herald_step_sample_blocks(int64_t n, int64_t fb, const uint8_t* fixed, const int64_t* values, int64_t u,
+                               int64_t J, const int64_t* managed, int64_t C, const int64_t* carried, int64_t it,
+                               const int64_t* order, int64_t R, const int64_t* cut, const uint8_t* with_ids,
+                               uint8_t* out, int64_t* sizes, int64_t* id_bytes) {
+  uint8_t* o = out;
+  for (int64_t d = 0; d < R; ++d) {
+    uint8_t* start = o;
+    for (int64_t i = cut[d]; i < cut[d + 1]; ++i, o += fb) std::memcpy(o, fixed + order[i] * fb, fb);
+    uint8_t* ids = o;
+    if (with_ids[d])
+      for (int64_t i = cut[d]; i < cut[d + 1]; ++i) o = put_ids(o, values, n, u, managed, J, order[i], it);
+    id_bytes[d] = o - ids;
+    for (int64_t i = cut[d]; i < cut[d + 1]; ++i) o = put_ids(o, values, n, u, carried, C, order[i], 8);
+    sizes[d] = o - start;
+  }
+}
+
+// input_layout._received_uniform: from each source's block (`blocks[q]`, n_from[q] samples: [n, fb] bytes, then
+// [n, J, u] managed ids of `it` bytes, then [n, C, u] carried int64 ids), the received samples' dense + label bytes
+// [n_all, fb] and KJT values [K, n_all, u] (int64), in source order.
+void herald_step_received_uniform(int64_t R, const uint8_t* const* blocks, const int64_t* n_from, int64_t fb,
+                                  int64_t u, int64_t J, const int64_t* managed, int64_t C, const int64_t* carried,
+                                  int64_t it, uint8_t* fixed, int64_t* values) {
+  int64_t n_all = 0;
+  for (int64_t q = 0; q < R; ++q) n_all += n_from[q];
+  for (int64_t q = 0, at = 0; q < R; ++q) {
+    const int64_t n = n_from[q];
+    const uint8_t* b = blocks[q];
+    std::memcpy(fixed + at * fb, b, n * fb);
+    b += n * fb;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < J; ++j) {
+        int64_t* v = values + (managed[j] * n_all + at + i) * u;
+        for (int64_t e = 0; e < u; ++e, b += it) {
+          if (it == 4) {
+            int32_t x;
+            std::memcpy(&x, b, 4);
+            v[e] = x;
+          } else {
+            std::memcpy(v + e, b, 8);
+          }
+        }
+      }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < C; ++c, b += 8 * u) std::memcpy(values + (carried[c] * n_all + at + i) * u, b, 8 * u);
+    at += n;
+  }
 }
 
 }  // extern "C"

@@ -21,6 +21,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from herald_torchrec.distributed import step_kernels
 from herald_torchrec.distributed.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
 
@@ -316,6 +317,11 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.
     managed ids (the wire's dtype, sample-major); last, their carried ids (int64, sample-major).
     Returns (blocks, bytes of lengths and managed ids in each block)."""
     R = cut.shape[0] - 1
+    if s.uniform >= 0 and uniform:  # the same blocks, compiled (None: kernels off)
+        fast = step_kernels.sample_blocks_uniform(s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried,
+                                                  layout.ids_dtype, order, cut, with_ids)
+        if fast is not None:
+            return fast
     fixed = s.fixed[order].reshape(-1)
     fb = layout.fixed_bytes()
 
@@ -416,26 +422,31 @@ def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
                       layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`received_samples` where every source's bags have the one length u: each block is [n, fixed] bytes, then
     [n, J, u] managed ids (wire dtype), then [n, C, u] carried ids (int64), so the KJT's [K, n, u] values are two
-    transposes."""
+    transposes (or one compiled pass)."""
     K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
     J, C = layout.managed.shape[0], layout.carried.shape[0]
+    for blk, n in zip(blocks, n_from.tolist()):
+        if blk.shape[0] != n * (fb + J * u * it + 8 * C * u):  # both sides are this module: a mismatch is a bug
+            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                               f"{n * (fb + J * u * it + 8 * C * u)}")
+    n_all = int(n_from.sum())
+    lengths = np.full(K * n_all, u, dtype=np.int64)
+    fast = step_kernels.received_uniform(list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype)
+    if fast is not None:  # the same arrays, compiled
+        return fast[0], lengths, fast[1]
     fixed, man, car = [], [], []
     for blk, n in zip(blocks, n_from.tolist()):
         m = n * J * u * it
-        if blk.shape[0] != n * fb + m + 8 * n * C * u:  # both sides are this module: a mismatch is a protocol bug
-            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
-                               f"{n * fb + m + 8 * n * C * u}")
         fixed.append(blk[: n * fb])
         man.append(blk[n * fb : n * fb + m].view(layout.ids_dtype).reshape(n, J, u))
         car.append(blk[n * fb + m :].view(np.int64).reshape(n, C, u))
-    n_all = int(n_from.sum())
     values = np.empty((K, n_all, u), dtype=np.int64)
     if n_all:
         values[layout.managed] = np.concatenate(man).transpose(1, 0, 2)
         if C:
             values[layout.carried] = np.concatenate(car).transpose(1, 0, 2)
     fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
-    return fixed_all, np.full(K * n_all, u, dtype=np.int64), values.reshape(-1)
+    return fixed_all, lengths, values.reshape(-1)
 
 
 def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:

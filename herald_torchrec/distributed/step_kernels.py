@@ -34,8 +34,11 @@ SIGNATURES = {
     "herald_step_local_input": ([_i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
     "herald_step_gather_add": ([_i64, _p, _p, _i64, _p, _p], None),
     "herald_step_grad_sum": ([_i64, _p, _i64, _p, _p, _p, _p, _p, _p], _i64),
+    "herald_step_sample_blocks": ([_i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _p],
+                                  None),
+    "herald_step_received_uniform": ([_i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _i64, _p, _p], None),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 10, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 11, "the data plane's",
                           "herald_step")
 
 
@@ -233,3 +236,39 @@ def gather_add(out, out_idx: np.ndarray, inp, in_idx: np.ndarray | None) -> bool
     k.herald_step_gather_add(o.shape[0], _ptr(o), None if i is None else _ptr(i), out.shape[1], inp.data_ptr(),
                              out.data_ptr())
     return True
+
+
+def sample_blocks_uniform(fixed: np.ndarray, values: np.ndarray, n: int, u: int, managed: np.ndarray,
+                          carried: np.ndarray, ids_dtype: np.dtype, order: np.ndarray, cut: np.ndarray,
+                          with_ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """input_layout.sample_blocks for a slice whose bags all have length u (values [K, n, u] int64): (the blocks,
+    views of one buffer; their managed ids' bytes), or None where its numpy code must run (kernels off)."""
+    k = lib()
+    if k is None or ids_dtype.itemsize not in (4, 8):
+        return None
+    fx, v, m, c = _a(fixed, np.uint8), _a(values, np.int64), _a(managed, np.int64), _a(carried, np.int64)
+    o, ct, w = _a(order, np.int64), _a(cut, np.int64), _a(with_ids, np.uint8)
+    R, fb, J, C, it = ct.shape[0] - 1, fx.shape[1] if fx.ndim == 2 else 0, m.shape[0], c.shape[0], ids_dtype.itemsize
+    out = np.empty(o.shape[0] * (fb + u * (J * it + C * 8)), dtype=np.uint8)
+    sizes, id_bytes = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.int64)
+    k.herald_step_sample_blocks(int(n), fb, _ptr(fx), _ptr(v), int(u), J, _ptr(m), C, _ptr(c), it, _ptr(o), R,
+                                _ptr(ct), _ptr(w), _ptr(out), _ptr(sizes), _ptr(id_bytes))
+    ends = np.cumsum(sizes).tolist()
+    return [out[e - z : e] for e, z in zip(ends, sizes.tolist())], id_bytes
+
+
+def received_uniform(blocks: list[np.ndarray], n_from: np.ndarray, fb: int, K: int, u: int, managed: np.ndarray,
+                     carried: np.ndarray, ids_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """input_layout._received_uniform's (dense + label bytes [n_all, fb], values [K * n_all * u] int64) from blocks
+    whose sizes the caller checked, or None where its numpy code must run (kernels off)."""
+    k = lib()
+    if k is None or ids_dtype.itemsize not in (4, 8):
+        return None
+    bs = [_a(b, np.uint8) for b in blocks]  # kept alive for the call
+    nf, m, c = _a(n_from, np.int64), _a(managed, np.int64), _a(carried, np.int64)
+    n_all = int(nf.sum())
+    fixed, values = np.empty((n_all, fb), dtype=np.uint8), np.empty(K * n_all * u, dtype=np.int64)
+    k.herald_step_received_uniform(len(bs), (ctypes.c_void_p * len(bs))(*(_ptr(b) for b in bs)), _ptr(nf), int(fb),
+                                   int(u), m.shape[0], _ptr(m), c.shape[0], _ptr(c), ids_dtype.itemsize, _ptr(fixed),
+                                   _ptr(values))
+    return fixed, values
