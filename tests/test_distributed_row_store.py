@@ -173,3 +173,37 @@ def test_compiled_directory_updates_match_numpy() -> None:
     for name in ("slot_of_all", "key_of_all", "owner_all", "guest_count_all", "_free_all", "_free_top"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     assert a.num_guests(0) + a.num_guests(1) > 0 and step_kernels._store_ok(a)  # guests moved; the kernels ran
+
+
+def test_compiled_row_reads_and_writes_match_torch() -> None:
+    """read_packed / write_packed through step_kernels.rows against the torch path (index_select / index_copy_ per
+    storage kind): the same packed floats, with and without optimizer state, and the same storage after a write."""
+    from herald_torchrec import _native
+    from herald_torchrec.distributed import step_kernels
+
+    if step_kernels.lib() is None:
+        pytest.skip("no C++ compiler here: the torch path is the only one")
+    rng = np.random.default_rng(11)
+    stores = [RowStore([TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3,
+                       optimizer="exact_rowwise_adagrad") for _ in range(2)]  # one dim: the row layout
+    init = [rng.standard_normal(tuple(v.shape)).astype(np.float32) for v, _ in stores[0]._rows2d]
+    for st in stores:  # the same contents in both
+        with torch.no_grad():
+            for (v, _), x in zip(st._rows2d, init):
+                v.copy_(torch.from_numpy(x))
+        assert len(st._rows2d) == 2  # weights and the row-wise state: both kinds travel
+    tables = np.array([0, 1, 1, 0, 1], dtype=np.int64)
+    slots = np.array([2, 0, 3, 2, 1], dtype=np.int64)
+    got = {}
+    for compiled, st in zip((True, False), stores):
+        _native.set_mode(compiled)
+        try:
+            reads = [st.read_packed(tables, slots, with_state=w) for w in (True, False)]
+            data = torch.from_numpy(rng.standard_normal(reads[0].shape[0]).astype(np.float32)) if compiled else got["data"]
+            got["data"] = data
+            st.write_packed(tables[:3], slots[:3], data[: reads[0].shape[0] // 5 * 3])
+            got[compiled] = reads + [v.clone() for v, _ in st._rows2d]
+        finally:
+            _native.set_mode(True)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)

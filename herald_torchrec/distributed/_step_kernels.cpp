@@ -13,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 11; }
+int herald_step_version() { return 12; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -446,6 +446,26 @@ void herald_step_received_uniform(int64_t R, const uint8_t* const* blocks, const
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c, b += 8 * u) std::memcpy(values + (carried[c] * n_all + at + i) * u, b, 8 * u);
     at += n;
+  }
+}
+
+// RowStore.read_packed / write_packed on host storage (row_access.py, the row-layout path): item i is table t[i]'s
+// local slot s[i]; its packed floats are the row of every storage kind k in turn (`widths[k]` floats at row
+// base_k[t] + s of kind k's [rows, width] float32 storage `kinds[k]`). `write` = 0: storage -> packed, 1: packed ->
+// storage. Indices are the caller's, already checked.
+void herald_step_rows(int64_t n, const int64_t* tables, const int64_t* slots, int64_t K, float* const* kinds,
+                      const int64_t* widths, const int64_t* const* bases, float* packed, int write) {
+  int64_t item = 0;
+  for (int64_t k = 0; k < K; ++k) item += widths[k];
+  for (int64_t i = 0; i < n; ++i) {
+    float* p = packed + i * item;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t w = widths[k];
+      float* row = kinds[k] + (bases[k][tables[i]] + slots[i]) * w;
+      if (write) std::memcpy(row, p, w * sizeof(float));
+      else std::memcpy(p, row, w * sizeof(float));
+      p += w;
+    }
   }
 }
 

@@ -37,8 +37,9 @@ SIGNATURES = {
     "herald_step_sample_blocks": ([_i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _p],
                                   None),
     "herald_step_received_uniform": ([_i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _i64, _p, _p], None),
+    "herald_step_rows": ([_i64, _p, _p, _i64, _p, _p, _p, _p, ctypes.c_int], None),
 }
-KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 11, "the data plane's",
+KERNELS = _native.Kernels(Path(__file__).with_name("_step_kernels.cpp"), SIGNATURES, 12, "the data plane's",
                           "herald_step")
 
 
@@ -272,3 +273,23 @@ def received_uniform(blocks: list[np.ndarray], n_from: np.ndarray, fb: int, K: i
                                    int(u), m.shape[0], _ptr(m), c.shape[0], _ptr(c), ids_dtype.itemsize, _ptr(fixed),
                                    _ptr(values))
     return fixed, values
+
+
+def rows(kinds: list, tables: np.ndarray, slots: np.ndarray, packed: torch.Tensor, write: bool) -> bool:
+    """RowStore.read_packed (write False: storage -> `packed`) or write_packed (True) on the row layout: `kinds`
+    [(a [rows, width] storage, the row of every table's slot 0 in it)], `packed` [n * item] float32 and contiguous.
+    False (nothing done) where torch must do it: kernels off, or a storage that is not a contiguous float32 host
+    tensor. Indices must be in range: the callers' directories guarantee it."""
+    k = lib()
+    if k is None or packed.device.type != "cpu" or packed.dtype != torch.float32 or not packed.is_contiguous() or any(
+            v.device.type != "cpu" or v.dtype != torch.float32 or not v.is_contiguous() for v, _ in kinds):
+        return False
+    t, s = _a(tables, np.int64), _a(slots, np.int64)
+    if packed.numel() != t.shape[0] * sum(v.shape[1] for v, _ in kinds) or s.shape != t.shape:
+        return False  # torch raises its own error
+    bases = [_a(b, np.int64) for _, b in kinds]  # kept alive for the call
+    K = len(kinds)
+    widths = np.array([v.shape[1] for v, _ in kinds], dtype=np.int64)
+    k.herald_step_rows(t.shape[0], _ptr(t), _ptr(s), K, (ctypes.c_void_p * K)(*(v.data_ptr() for v, _ in kinds)),
+                       _ptr(widths), (ctypes.c_void_p * K)(*(_ptr(b) for b in bases)), packed.data_ptr(), int(write))
+    return True
