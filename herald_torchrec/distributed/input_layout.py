@@ -266,7 +266,8 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
 
 def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
     """The scheduler's view: per managed table, the CSR of the ids every global sample reads in it (a table fed by
-    several keys reads them all, key after key). Single-hot data takes the dense fast path."""
+    several keys reads them all, key after key). Single-hot data takes the dense fast path. The ids must have been
+    range-checked (`host_slice` does it on the rank that drew them): the fast path does not check them again."""
     lay = tables.layout
     N = ids.lengths.shape[1]
     one_key = all(k.shape[0] == 1 for k in layout.table_keys)
