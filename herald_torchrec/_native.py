@@ -1,10 +1,11 @@
 """Compiled kernels, built on first use and loaded with ctypes: the one switch and build cache they share.
 
 Herald's host work per step is many small numpy passes (issue 9); where one matters, a C++ kernel does the same
-arithmetic in one pass: `schedule/native.py` (the planner) and `distributed/step_kernels.py` (the data plane's step
-preparation). Each is a C ABI on numpy buffers (no torch, no Python headers), compiled with the system C++ compiler
-into a cache directory (`$HERALD_NATIVE_DIR`, default `~/.cache/herald_torchrec`) under a hash of its source and
-flags, written atomically (ranks building at once do not collide). `make setup` builds them once.
+arithmetic in one pass: `schedule/native.py` (the planner) and `distributed/step_kernels.py` (the data plane's host
+work; some of its kernels take host torch tensors' data pointers). Each is a C ABI on raw buffers (no torch, no
+Python headers), compiled with the system C++ compiler into a cache directory (`$HERALD_NATIVE_DIR`, default
+`~/.cache/herald_torchrec`) under a hash of its source and flags, written atomically (ranks building at once do not
+collide). `make setup` builds them once.
 
 One switch for all of them: `HERALD_NATIVE=0` (app: `scheduler.native=off`) runs numpy only; `=1` (`on`) makes a
 failed build an error; otherwise (`auto`) a kernel set that cannot be built warns once and its numpy code runs.
@@ -47,6 +48,11 @@ def address(a: np.ndarray) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(a))
     except (TypeError, ValueError):
         return a.ctypes.data
+
+
+def addresses(arrays) -> ctypes.Array:
+    """A C array of `address`es (`void**`), for kernels that take a list of arrays; the caller keeps them alive."""
+    return (ctypes.c_void_p * len(arrays))(*(address(a) for a in arrays))
 
 
 def _cache_dir() -> Path:

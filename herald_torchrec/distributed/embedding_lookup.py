@@ -211,9 +211,7 @@ class HeraldLookup:
     def _gathers_in_place(self, out: torch.Tensor, values: torch.Tensor) -> bool:
         """The shared values can be gathered and added by the compiled loop (`_GatherAddSharedValues`): host tensors
         of float32, contiguous, and no per-bag gradient clipping of the values (that needs the gathered copy)."""
-        return (not self.store.gradient_clipping and out.device.type == "cpu" and out.dtype == torch.float32
-                and values.dtype == torch.float32 and out.is_contiguous() and values.is_contiguous()
-                and step_kernels.lib() is not None)
+        return not self.store.gradient_clipping and step_kernels.on_host(out, values)
 
     def _fuses_update(self) -> bool:
         """The owner's shared-row update can ride on the TBE's own backward: rows are items (one dim for all

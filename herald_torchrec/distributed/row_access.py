@@ -176,10 +176,9 @@ class RowAccessMixin:
         if self._rows2d is not None:  # one row gather per storage kind
             self._sync_rows(tables, slots)
             kinds = self._rows2d if with_state else self._rows2d[:1]
-            if kinds[0][0].device.type == "cpu":  # host storage: one compiled pass (False: torch below)
-                out = torch.empty(tables.shape[0] * sum(v.shape[1] for v, _ in kinds), dtype=torch.float32)
-                if step_kernels.rows(kinds, tables, slots, out, write=False):
-                    return out
+            out = step_kernels.read_rows(kinds, tables, slots)  # host storage: one compiled pass (None: torch)
+            if out is not None:
+                return out
             parts = [v.index_select(0, torch.from_numpy(base[tables] + slots).to(v.device)) for v, base in kinds]
             return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(torch.float32).reshape(-1)
         width = self.packed_widths(tables, with_state)
@@ -212,7 +211,7 @@ class RowAccessMixin:
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         if self._rows2d is not None:  # one row scatter per storage kind
             kinds = self._rows2d if with_state else self._rows2d[:1]
-            if step_kernels.rows(kinds, tables, slots, data, write=True):  # host storage: one compiled pass
+            if step_kernels.write_rows(kinds, tables, slots, data):  # host storage: one compiled pass
                 self._invalidate_rows(tables, slots)
                 return
             block = data.view(tables.shape[0], sum(v.shape[1] for v, _ in kinds))

@@ -1,9 +1,11 @@
-"""Compiled kernels for the data plane's step preparation (`_step_kernels.cpp`), with the numpy code as the fallback.
+"""Compiled kernels for the data plane's host work (`_step_kernels.cpp`), with the numpy / torch code as the fallback.
 
-Why: this preparation runs in the training thread, on the step's critical path, as ~15 numpy passes per function
-over the rank's few thousand ids (issue 9). The kernels give the same arrays in one pass; where the numpy code would
-raise (a plan that does not match the batch), a kernel says so and the caller runs its numpy code, which raises
-with its message. Built and switched with the scheduler's kernels (`herald_torchrec/_native.py`).
+Why: the step's preparation runs in the training thread, on the step's critical path, as ~15 numpy passes per
+function over the rank's few thousand ids (issue 9); the input stage's sample blocks likewise. The kernels give the
+same arrays in one pass; where the numpy code would raise (a plan that does not match the batch), a kernel says so
+and the caller runs its numpy code, which raises with its message. A few take contiguous float32 host tensors
+(`on_host`): the shared values' gather-and-add and the store's packed row reads and writes, in torch's order, so
+the bits are torch's. Built and switched with the scheduler's kernels (`herald_torchrec/_native.py`).
 """
 
 from __future__ import annotations
@@ -223,15 +225,19 @@ def prepare_shared(st, table: np.ndarray, row: np.ndarray, owner: np.ndarray, re
     return got
 
 
+def on_host(*tensors: torch.Tensor) -> bool:
+    """The kernels are on and every tensor is a contiguous float32 host tensor, as the tensor kernels below need."""
+    return lib() is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                     for t in tensors)
+
+
 def gather_add(out, out_idx: np.ndarray, inp, in_idx: np.ndarray | None) -> bool:
     """out.view(-1, w)[out_idx[i]] += inp.view(-1, w)[in_idx[i]] for every i in order (in_idx None: row i), for
     contiguous float32 CPU tensors of the same row width w, in place; False (nothing done) where torch must do it
     (kernels off, another device or dtype). Indices must be in range: the callers' layouts guarantee it."""
-    k = lib()
-    if (k is None or out.device.type != "cpu" or inp.device.type != "cpu" or out.dtype != torch.float32
-            or inp.dtype != torch.float32 or not out.is_contiguous()
-            or not inp.is_contiguous() or out.dim() != 2 or inp.dim() != 2 or out.shape[1] != inp.shape[1]):
+    if not on_host(out, inp) or out.dim() != 2 or inp.dim() != 2 or out.shape[1] != inp.shape[1]:
         return False
+    k = lib()
     o = _a(out_idx, np.int64)
     i = None if in_idx is None else _a(in_idx, np.int64)
     k.herald_step_gather_add(o.shape[0], _ptr(o), None if i is None else _ptr(i), out.shape[1], inp.data_ptr(),
@@ -269,27 +275,38 @@ def received_uniform(blocks: list[np.ndarray], n_from: np.ndarray, fb: int, K: i
     nf, m, c = _a(n_from, np.int64), _a(managed, np.int64), _a(carried, np.int64)
     n_all = int(nf.sum())
     fixed, values = np.empty((n_all, fb), dtype=np.uint8), np.empty(K * n_all * u, dtype=np.int64)
-    k.herald_step_received_uniform(len(bs), (ctypes.c_void_p * len(bs))(*(_ptr(b) for b in bs)), _ptr(nf), int(fb),
+    k.herald_step_received_uniform(len(bs), _native.addresses(bs), _ptr(nf), int(fb),
                                    int(u), m.shape[0], _ptr(m), c.shape[0], _ptr(c), ids_dtype.itemsize, _ptr(fixed),
                                    _ptr(values))
     return fixed, values
 
 
-def rows(kinds: list, tables: np.ndarray, slots: np.ndarray, packed: torch.Tensor, write: bool) -> bool:
-    """RowStore.read_packed (write False: storage -> `packed`) or write_packed (True) on the row layout: `kinds`
-    [(a [rows, width] storage, the row of every table's slot 0 in it)], `packed` [n * item] float32 and contiguous.
-    False (nothing done) where torch must do it: kernels off, or a storage that is not a contiguous float32 host
-    tensor. Indices must be in range: the callers' directories guarantee it."""
-    k = lib()
-    if k is None or packed.device.type != "cpu" or packed.dtype != torch.float32 or not packed.is_contiguous() or any(
-            v.device.type != "cpu" or v.dtype != torch.float32 or not v.is_contiguous() for v, _ in kinds):
+def _rows(kinds: list, tables: np.ndarray, slots: np.ndarray, packed: torch.Tensor, write: bool) -> bool:
+    """herald_step_rows between the row layout's storages `kinds` [(a [rows, width] storage, the row of every
+    table's slot 0 in it)] and `packed` [n * item]; False (nothing done) where torch must do it: kernels off, or a
+    tensor that is not a contiguous float32 host tensor. Indices must be in range: the callers' directories
+    guarantee it."""
+    if not on_host(packed, *(v for v, _ in kinds)):
         return False
     t, s = _a(tables, np.int64), _a(slots, np.int64)
     if packed.numel() != t.shape[0] * sum(v.shape[1] for v, _ in kinds) or s.shape != t.shape:
         return False  # torch raises its own error
     bases = [_a(b, np.int64) for _, b in kinds]  # kept alive for the call
-    K = len(kinds)
     widths = np.array([v.shape[1] for v, _ in kinds], dtype=np.int64)
-    k.herald_step_rows(t.shape[0], _ptr(t), _ptr(s), K, (ctypes.c_void_p * K)(*(v.data_ptr() for v, _ in kinds)),
-                       _ptr(widths), (ctypes.c_void_p * K)(*(_ptr(b) for b in bases)), packed.data_ptr(), int(write))
+    lib().herald_step_rows(t.shape[0], _ptr(t), _ptr(s), len(kinds),
+                           (ctypes.c_void_p * len(kinds))(*(v.data_ptr() for v, _ in kinds)), _ptr(widths),
+                           _native.addresses(bases), packed.data_ptr(), int(write))
     return True
+
+
+def read_rows(kinds: list, tables: np.ndarray, slots: np.ndarray) -> torch.Tensor | None:
+    """RowStore.read_packed on the row layout: the packed float32 rows, or None where torch must read them."""
+    if not on_host(*(v for v, _ in kinds)):
+        return None
+    out = torch.empty(tables.shape[0] * sum(v.shape[1] for v, _ in kinds), dtype=torch.float32)
+    return out if _rows(kinds, tables, slots, out, write=False) else None
+
+
+def write_rows(kinds: list, tables: np.ndarray, slots: np.ndarray, packed: torch.Tensor) -> bool:
+    """RowStore.write_packed on the row layout; False (nothing written) where torch must write them."""
+    return _rows(kinds, tables, slots, packed, write=True)

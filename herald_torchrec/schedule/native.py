@@ -206,10 +206,6 @@ class DirectoryArrays:
 
 
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
-def _addresses(arrays: list[np.ndarray]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(arrays))(*(_p(a) for a in arrays))
-
-
 def wire_assignment(sample_order: np.ndarray, R: int, B: int) -> np.ndarray | None:
     """plan_wire._assignment (each sample's rank), or None where the sample order does not determine it."""
     so = _c(sample_order, np.int64)
@@ -230,7 +226,7 @@ def wire_pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     a = [_c(x, np.int64) for x in arrays]
     lens = np.array([x.shape[0] for x in a], dtype=np.int64)
     out, sizes = np.empty(int(lens.sum()) * 8, dtype=np.uint8), np.empty(len(a), dtype=np.int64)
-    n = lib().herald_wire_pack(len(a), _addresses(a), _p(lens), _p(out), _p(sizes))
+    n = lib().herald_wire_pack(len(a), _native.addresses(a), _p(lens), _p(out), _p(sizes))
     return out[:n], sizes.tolist()
 
 
@@ -238,7 +234,7 @@ def wire_unpack(buf: np.ndarray, lens: list[int], sizes: list[int]) -> list[np.n
     """The inverse of `wire_pack`: int64 copies of the arrays in `buf` (item sizes `sizes`)."""
     outs = [np.empty(n, dtype=np.int64) for n in lens]
     b, n, z = _c(buf, np.uint8), np.asarray(lens, dtype=np.int64), np.asarray(sizes, dtype=np.int64)  # kept alive
-    lib().herald_wire_unpack(len(outs), _p(b), _p(n), _p(z), _addresses(outs))
+    lib().herald_wire_unpack(len(outs), _p(b), _p(n), _p(z), _native.addresses(outs))
     return outs
 
 
