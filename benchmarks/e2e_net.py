@@ -37,6 +37,7 @@ from typing import Callable
 
 import e2e
 import netem
+from herald_torchrec.dist import cpu_blocks
 
 RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
 START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
@@ -58,14 +59,30 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
     log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
     overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
     env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
+    cpus = host_cpus(args.host_cpus, ranks)
     return [
-        [*net.exec_prefix(r), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
+        [*net.exec_prefix(r), *(["taskset", "-c", ",".join(map(str, cpus[r]))] if cpus else []), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
          sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ranks), "--node_rank", str(r),
          "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{plan.addrs[0]}:{RDZV_PORT}",
          "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r],
          "--max-restarts", "0", "train.py", *overrides]
         for r in range(ranks)
     ]
+
+
+def host_cpus(mode: str, ranks: int) -> list[list[int]] | None:
+    """The cores of each emulated host: "shared" (None: every host may use every core, as ranks of one machine do),
+    or "split" (disjoint blocks, one per host, as separate machines have; the app's `cpu_affinity` binds nothing
+    then, since each host runs one local rank)."""
+    if mode == "shared":
+        return None
+    if mode != "split":
+        raise ValueError(f"--host-cpus must be shared or split, got '{mode}'")
+    blocks = cpu_blocks(list(os.sched_getaffinity(0)), ranks)
+    if blocks is None:
+        raise ValueError(f"--host-cpus split needs at least as many cores as ranks: {len(os.sched_getaffinity(0))} "
+                         f"cores for R={ranks}")
+    return blocks
 
 
 def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str, steps: int,
@@ -204,6 +221,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
         e2e.workload_args(w)  # ValueError naming --workload
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    for r in ranks:
+        host_cpus(args.host_cpus, r)  # ValueError naming --host-cpus
     if not 0 <= args.warmup_steps < args.steps:
         raise ValueError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     netem.check_prerequisites()

@@ -22,7 +22,7 @@ from herald_torchrec.data import build_source
 from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
-from herald_torchrec.dist import DistContext, init_distributed, shutdown
+from herald_torchrec.dist import CPU_AFFINITY, DistContext, init_distributed, shutdown
 from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
@@ -83,6 +83,9 @@ def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool,
 
 
 def validate(cfg: DictConfig) -> None:
+    affinity = cfg.get("cpu_affinity", "off")
+    if affinity is not False and affinity not in CPU_AFFINITY:
+        raise ConfigError(f"cpu_affinity must be one of {CPU_AFFINITY}, got {affinity!r}")
     t = cfg.trainer
     if t.batch_size < 1:
         raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
@@ -219,7 +222,7 @@ def train(cfg: DictConfig, ctx: DistContext | None = None) -> dict[str, Any]:
     validate(cfg)
     if ctx is not None:
         return _train(cfg, ctx)
-    ctx = init_distributed(cfg.dist_backend)
+    ctx = init_distributed(cfg.dist_backend, cfg.get("cpu_affinity", "off"))
     # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
     metrics = _train(cfg, ctx)
     shutdown()
@@ -236,7 +239,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     setup = shard_model(model, features, source, cfg, ctx)
     say(
         f"[herald] {cfg.model.name} on {cfg.data.name} ({source.describe()}), {ctx.world_size} rank(s) x "
-        f"batch {cfg.trainer.batch_size}, backend {ctx.backend}, scheduler {setup.name}, run_dir {run_dir}"
+        f"batch {cfg.trainer.batch_size}, backend {ctx.backend}"
+        + ("" if ctx.cpus is None else f" (rank 0 bound to cores {list(ctx.cpus)})")
+        + f", scheduler {setup.name}, run_dir {run_dir}"
     )
     start = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else 0
     if start:

@@ -188,7 +188,8 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         def exec_prefix(self, r: int) -> list[str]:
             return ["ip", "netns", "exec", self.plan.rank_ns[r]]
 
-    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2)
+    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2,
+                              host_cpus="shared")
     cmds = e2e_net.rank_commands(FakeNet(), "torchrec_planner", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
     for r, c in enumerate(cmds):
         assert c[:4] == ["ip", "netns", "exec", FakeNet.plan.rank_ns[r]]
@@ -202,6 +203,16 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         assert {"scheduler=torchrec", "sharding.types=null", "model=wdl", "model.embedding_dim=64",
                 "model.deep_layers=[64,32]", "trainer.steps=7", "trainer.batch_size=64",
                 "trainer.log_interval=1"} <= set(tail)  # gcd(2, 7): the log lines of steps 2 and 7 are the marks
+        assert "taskset" not in c  # shared: every emulated host may use every core
+    if len(os.sched_getaffinity(0)) >= 2:  # split: each host its own block of cores, disjoint
+        args.host_cpus = "split"
+        cmds = e2e_net.rank_commands(FakeNet(), "herald", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
+        blocks = [c[c.index("taskset") + 2] for c in cmds]
+        assert all(c[4:6] == ["taskset", "-c"] for c in cmds)
+        cores = [set(map(int, b.split(","))) for b in blocks]
+        assert not cores[0] & cores[1] and cores[0] | cores[1] <= os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match="at least as many cores as ranks"):
+        e2e_net.host_cpus("split", len(os.sched_getaffinity(0)) + 1)
 
 
 def test_without_root_the_benchmark_says_so_and_exits_2(monkeypatch: pytest.MonkeyPatch,
@@ -368,7 +379,7 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
     monkeypatch.setattr(netem, "leftover_namespaces", lambda: [])
     monkeypatch.setattr(e2e_net, "run_config", fake_run)
     saved = []
-    args = argparse.Namespace(bandwidth="none,200mbit", workload="dcn", model="dcn", rounds=3, steps=20,
+    args = argparse.Namespace(bandwidth="none,200mbit", workload="dcn", model="dcn", rounds=3, steps=20, host_cpus="shared",
                               warmup_steps=5, out=None, plot=None)
     result = e2e_net.main_net(args, [2], ["torchrec_tw", "static", "herald"], save=saved.append)
     assert len(calls) == 3 * 6 and len(saved) == 18

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from conftest import run_app, run_app_many
+from herald_torchrec.dist import cpu_blocks
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -27,6 +29,8 @@ def test_two_rank_training_learns(tmp_path: Path) -> None:
     assert m["samples_per_s"] > 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "TensorBoard events missing"
     assert "step    200" in p.stdout and "auc" in p.stdout
+    blocks = cpu_blocks(list(os.sched_getaffinity(0)), 2)  # cpu_affinity=auto (the default) binds where it can
+    assert (f"rank 0 bound to cores {blocks[0]}" in p.stdout) == (blocks is not None), p.stdout[:2000]
 
 
 ONE_RANK_MODELS = ["wdl", "deepfm", "ncf"]
@@ -37,6 +41,7 @@ BAD_CONFIGS = [
     (["data=criteo"], "needs a file"),
     (["data.locality=2"], "locality must be in"),
     (["scheduler.name=bogus"], "scheduler must be one of"),
+    (["cpu_affinity=yes"], "cpu_affinity must be one of"),
 ]
 
 
