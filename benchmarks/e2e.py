@@ -158,7 +158,7 @@ def main() -> None:
                      help="steps left out of steady_step_ms and the wire/CPU per-step figures (0 = from the start line)")
     net.add_argument("--host-cpus", default="shared", choices=("shared", "split"),
                      help="shared: the emulated hosts share the machine's cores (ranks of one machine); split: each "
-                          "host gets its own block of cores, as separate machines have (needs cores >= ranks)")
+                          "host gets its own block of cores, as separate machines have (hosts share a core when there are more)")
     net.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     net.add_argument("--plot", type=Path, help="step time vs bandwidth per scheduler, one panel per workload (PNG)")
     net.add_argument("--replot", type=Path, metavar="JSON",

@@ -4,7 +4,9 @@ the CPU cores each local rank runs on.
 Why bind cores: on a CPU-only machine, R ranks of one host each run a training thread, gloo's threads and (Herald) an
 input thread. Left to the OS, these threads migrate between cores and evict each other's caches; bound to disjoint
 blocks of cores (local rank i on the i-th block) every scheduler's step got ~25 % faster on the 2-core CI machine
-(DCN, R=2: table_wise 29-31 -> 22-23 ms, herald 33-35 -> 25-26 ms; docs/performance.md, session 17). torchrun's
+(DCN, R=2: table_wise 29-31 -> 22-23 ms, herald 33-35 -> 25-26 ms; docs/performance.md, session 17). It costs
+Herald some of its lead in one way: the rank that plans for the others (`plan_on`) can no longer spill onto an idle
+core, so Herald's ratio to table_wise does not improve with it. torchrun's
 own `--numa-binding` places ranks next to their GPUs; on CPU it has nothing to go by, hence this.
 """
 
@@ -35,20 +37,23 @@ class DistContext:
 CPU_AFFINITY = ("auto", "off")
 
 
-def cpu_blocks(cpus: list[int], local_world_size: int) -> list[list[int]] | None:
-    """Disjoint, contiguous, near-equal blocks of `cpus` (sorted), one per local rank; None when there are fewer
-    CPUs than local ranks (blocks would have to overlap: binding then only takes the OS's freedom away)."""
+def cpu_blocks(cpus: list[int], local_world_size: int) -> list[list[int]]:
+    """One block of `cpus` (sorted) per local rank: disjoint, contiguous and near-equal when there are at least as
+    many CPUs as ranks; otherwise one CPU each, shared by at most ceil(ranks / CPUs) neighbouring ranks (R=4 on the
+    2-core machine, DCN: table_wise 61.7 -> 53-55 ms, herald 70-72 -> 66 ms, whole runs of 500 steps)."""
     cpus = sorted(cpus)
     n, L = len(cpus), local_world_size
-    if L < 1 or n < L:
-        return None
+    if n == 0 or L < 1:
+        raise ValueError(f"cpu_blocks: {n} CPUs for {L} local ranks")
+    if n < L:
+        return [[cpus[i * n // L]] for i in range(L)]
     return [cpus[i * n // L : (i + 1) * n // L] for i in range(L)]
 
 
 def bind_local_rank(mode: str | bool, local_rank: int, local_world_size: int) -> list[int] | None:
     """Bind this process (every thread it has, and so every thread it starts later) to its block of the CPUs it may
-    use (`cpu_blocks`). `mode`: "auto" binds when several ranks share the machine and each can have a core of its
-    own; "off" (or False, as YAML reads `off`) never binds. Returns the CPUs bound to, or None."""
+    use (`cpu_blocks`). `mode`: "auto" binds when several ranks share the machine; "off" (or False, as YAML reads
+    `off`) never binds. Returns the CPUs bound to, or None."""
     if mode is False or mode == "off":
         return None
     if mode != "auto":
@@ -56,8 +61,6 @@ def bind_local_rank(mode: str | bool, local_rank: int, local_world_size: int) ->
     if local_world_size <= 1 or not hasattr(os, "sched_setaffinity"):
         return None
     blocks = cpu_blocks(list(os.sched_getaffinity(0)), local_world_size)
-    if blocks is None:
-        return None
     mine = set(blocks[local_rank % local_world_size])
     for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) would bind the calling thread only
         try:

@@ -25,8 +25,11 @@ def test_cpu_blocks_are_disjoint_contiguous_and_cover_the_cpus() -> None:
             assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
 
 
-def test_fewer_cpus_than_local_ranks_binds_nothing() -> None:
-    assert cpu_blocks([0, 1], 4) is None
+def test_more_local_ranks_than_cpus_share_cores_evenly() -> None:
+    assert cpu_blocks([0, 1], 4) == [[0], [0], [1], [1]]
+    assert cpu_blocks([4, 2, 3], 5) == [[2], [2], [3], [3], [4]]
+    with pytest.raises(ValueError):
+        cpu_blocks([], 2)
 
 
 def test_off_and_single_rank_leave_the_process_alone() -> None:
