@@ -1,9 +1,13 @@
 """The Herald input stage: from this rank's `Batch` slice of each global batch to its *assigned* samples plus the Plan.
 
 Per step, every rank:
-(1) all-gathers a header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then the bytes
-    of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors and a
-    failed scheduler become known to every rank here, so all ranks stop or raise together;
+(1) learns every rank's header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then
+    the bytes of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors
+    and a failed scheduler become known to every rank here, so all ranks stop or raise together. In steady state the
+    first 5 words came with the previous round's all-to-all (a 40-byte trailer per rank: each slice is parsed a
+    round before it is gathered, each plan made a round before it travels) and the sample bytes are computed by the
+    receiver from the plan (every bag of one length: a fixed size per sample), so the round is one collective;
+    otherwise (the first rounds, slices whose lengths travel) the words are all-gathered first;
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
     to the ranks that plan (below), so each of them holds the ids of the whole global batch (dense features, labels
     and the other features stay put);
@@ -21,10 +25,11 @@ Per step, every rank:
     planner and once with the samples that leave, instead of to every rank: with one planner per machine, (R - 1)
     copies per step become at most H + 1 for H machines.
 
-One all-to-all per step carries (2) for the batch L+2 ahead, the plan of the next batch and (4) for the current
-batch: a batch's plan travels one round before its samples, so every rank knows it when it cuts its send blocks
-(the plan is computed between rounds, from batches already gathered). Only the first L+1 gathers and the last
-exchanges run alone. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of
+One all-to-all per step carries (2) for the batch L+3 ahead, the plan of the next batch, (4) for the current
+batch and the next round's header words: a batch's plan travels one round before its samples, so every rank knows
+it when it cuts its send blocks (the plan is computed two rounds ahead, from batches already gathered). Only the
+first L+2 gathers and the last exchanges run alone. Each rank holds L+3 gathered global batches (one more than
+the lookahead needs, for the plans made a round early) and one parsed slice of its own. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of
 several EBCs are all handled: the scheduler gets one CSR per managed table (input_layout.py).
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
@@ -75,6 +80,7 @@ SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, unif
 IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag length
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
 PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
+TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice and plan words, riding on this round's all-to-all
 PLAN_ON = ("host", "rank0", "every_rank")
 SCHED_MS_KEPT = 100_000  # recent planning times kept, however long the run
 
@@ -147,6 +153,7 @@ class ScheduledInput:
         self.layout: SliceLayout | None = None
         self.sched_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)  # the planning time of recent plans (bounded)
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
+        self._ahead_samples = 0  # samples of the slice drawn a round ahead (dropped too if the data ends first)
 
     @property
     def policy(self) -> SchedulePolicy | None:
@@ -285,7 +292,7 @@ class ScheduledInput:
         status = heads[:, 0]
         if (status == DATA).all():
             return True
-        mine = hs.n if hs is not None else 0
+        mine = (hs.n if hs is not None else 0) + self._ahead_samples  # with the slice drawn a round ahead
         self.dropped_samples += mine
         if (status == SHORT).any():
             why = "short last batch" + "es" * int((status == SHORT).sum() > 1) + " (" + ", ".join(
@@ -352,12 +359,37 @@ class ScheduledInput:
             raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
                                "(see their error); every rank stops")
 
-    def _step(self, cur: _Pending | None, plan: Plan | None, nxt: Batch | None, gather: bool,
-              out: _Outgoing | None = None, planning: bool = False) -> tuple[Batch | None, _Pending | None | bool, tuple[Plan, int] | None]:
-        """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `nxt` (if
-        `gather`) and, if `planning`, the plan of the next batch (made here as `out`, or received from this rank's
-        planner). Returns (assigned batch or None, gathered pending batch or False at the end of data,
-        (plan, generation) of the next batch or None)."""
+    def _recv_sizes(self, cur: _Pending, plan: Plan) -> list[int] | None:
+        """Bytes of `cur`'s samples each rank sends this rank by `plan`, computed here: every slice whose bags all
+        have one length (its header word) sends a fixed number of bytes per sample. None if some slice's lengths
+        travel: its sizes then come with the header."""
+        if (cur.uniform < 0).any():
+            return None
+        lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
+        n_from = np.bincount(plan.local_samples(r) // B, minlength=self.R)
+        return [int(n) * self._sample_bytes(int(u), bool(self.is_planner[r])) for n, u in zip(n_from, cur.uniform)]
+
+    def _sample_bytes(self, u: int, planner: bool) -> int:
+        """Bytes of one sample of a slice with bags of one length `u`, sent to a rank that plans or not
+        (input_layout.sample_blocks)."""
+        lay = self.layout
+        ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize  # type: ignore[union-attr]
+        return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8  # type: ignore[union-attr]
+
+    def _step(self, cur: _Pending | None, plan: Plan | None, gather: bool,
+              parsed: tuple[HostSlice | None, np.ndarray, Exception | None] | None,
+              out: _Outgoing | None = None, planning: bool = False, known: np.ndarray | None = None,
+              trailer: np.ndarray | None = None) -> tuple[Batch | None, _Pending | None | bool, tuple[Plan, int] | None, np.ndarray | None]:
+        """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `parsed` (this
+        rank's next slice, parsed by `_header`, if `gather`) and, if `planning`, the plan of a later batch (made here
+        as `out`, or received from this rank's planner).
+
+        The round's header words (each rank's slice status, plan bytes and sample bytes) come from an all-gather,
+        unless the previous round brought them (`known`: [R, PAY_WORDS], its trailers) and this rank can size what
+        it receives from the plan alone (`_recv_sizes`): then the round is a single all-to-all. `trailer` (this
+        rank's header words of the next round, every rank or none) rides on this round's all-to-all.
+        Returns (assigned batch or None, gathered pending batch or False at the end of data, (plan, generation) of
+        the planned batch or None, the next round's header words from the trailers or None)."""
         R, r, q = self.R, self.rank, self.planner
         receives = planning and q != r
         ids_blocks_in, plan_in = [0] * R, [0] * R
@@ -374,9 +406,24 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay = [np.zeros(0, np.uint8)] * R
-        hs, head, err = self._header(nxt) if gather else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
+        hs, head, err = parsed if gather and parsed is not None else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
         head = np.concatenate([head, [plan_word], [b.shape[0] for b in pay]])
-        heads = self._all_gather_words(head, "control") if R > 1 else head[None, :]
+        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, plan))  # type: ignore[arg-type]
+        if sizes is not None:  # the header came with the previous round: no all-gather
+            checked = slice(0, PAY_WORDS) if gather else slice(PLAN_WORD, PAY_WORDS)  # no gather: its words unused
+            if not np.array_equal(known[r, checked], head[checked]):  # type: ignore[index]
+                raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
+                                   f"differs from what the previous round announced {known[r].tolist()}")  # type: ignore[index]
+            if cur is not None and [b.shape[0] for b in pay] != [
+                    int(n) * self._sample_bytes(int(cur.uniform[r]), bool(self.is_planner[d]))
+                    for d, n in enumerate(np.bincount(plan.assignment()[r * self.layout.batch_size:(r + 1) * self.layout.batch_size],  # type: ignore[union-attr]
+                                                      minlength=R))]:
+                raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute")
+            heads = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
+            heads[:, :PAY_WORDS] = known
+            heads[:, PAY_WORDS + r] = sizes
+        else:
+            heads = self._all_gather_words(head, "control") if R > 1 else head[None, :]
         if planning:
             self._raise_failed_plan(out, heads)
         if receives:
@@ -391,13 +438,19 @@ class ScheduledInput:
             else:
                 gathered = False
         mine = plan.local_samples(r) if cur is not None else None  # type: ignore[union-attr]  # increasing global order
-        sends = [np.concatenate([my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p])
+        tb = trailer.astype(np.int64).view(np.uint8) if trailer is not None else np.zeros(0, np.uint8)
+        if trailer is not None:
+            self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
+        sends = [np.concatenate([tb, my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p])
                  for d, p in enumerate(pay)]
-        recv = [a + b + int(c) for a, b, c in zip(ids_blocks_in, plan_in, heads[:, PAY_WORDS + r])]
+        t = tb.shape[0]
+        recv = [t + a + b + int(c) for a, b, c in zip(ids_blocks_in, plan_in, heads[:, PAY_WORDS + r])]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
         else:
             got = [np.zeros(0, np.uint8)] * R
+        following = np.stack([g[:t].view(np.int64) for g in got]) if trailer is not None else None
+        got = [g[t:] for g in got]
         if gathered is None and gather:
             g, gb = (self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
                      if self.plans_here else (None, None))
@@ -410,46 +463,70 @@ class ScheduledInput:
             planned = (decode_plan(block[8:]), int(block[:8].view(np.int64)[0]))
         rest = [b[n + m :] for b, n, m in zip(got, ids_blocks_in, plan_in)]
         assigned = self._assemble(cur, mine, rest) if cur is not None else None
-        return assigned, gathered, planned  # type: ignore[return-value]
+        return assigned, gathered, planned, following  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the stream
     def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan, int]]:
-        """(assigned batch, its plan, the scheduler generation that planned it), in training order."""
+        """(assigned batch, its plan, the scheduler generation that planned it), in training order.
+
+        Steady state, one all-to-all per round: each plan is made a round before it travels (so its size, and the
+        next slice's header words, parsed a round ahead, ride on the round before as a trailer), which keeps one
+        gathered batch more than the lookahead needs."""
         first = next(stream, None)
         if self.layout is None and not self._setup(first):
             return
         pending_first: list[Batch | None] = [first]
 
-        def draw() -> Batch | None:
+        def draw() -> tuple[HostSlice | None, np.ndarray, Exception | None]:
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
-                return pending_first.pop() if pending_first else next(stream, None)
+                batch = pending_first.pop() if pending_first else next(stream, None)
+            return self._header(batch)
 
         window: deque[_Pending] = deque()  # gathered batches, not yet exchanged
         planned: deque[tuple[Plan, int]] = deque()  # (plan, generation) of window[0], window[1], ... on every rank
         exhausted = False
-        for _ in range(self.lookahead + 1):
+        for _ in range(self.lookahead + 2):
             with phase("input.gather"):
-                _, got, _ = self._step(None, None, draw(), gather=True)
+                _, got, _, _ = self._step(None, None, True, draw())
             if got is False:
                 exhausted = True
                 break
             window.append(got)  # type: ignore[arg-type]
         L1 = self.lookahead + 1
+
+        def plan_of(j: int) -> _Outgoing | None:  # window[j]'s plan, from it and the (up to) L gathered after it
+            return self._plan_next([window[i].batch for i in range(j, min(j + L1, len(window)))])
+
+        next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
+        next_out = plan_of(0) if next_planning else None
+        ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
+        known = None  # the next round's header words, where the previous round's trailers brought them
+        trailers = self.R > 1
         while window:
-            # between rounds: plan the first batch without a plan, from it and the (up to) L gathered after it
-            planning = len(planned) < len(window)
-            j = len(planned)
-            out = self._plan_next([window[i].batch for i in range(j, min(j + L1, len(window)))]) if planning else None
+            planning, out, parsed = next_planning, next_out, ahead
+            j = len(planned) + int(planning)  # the first batch without a plan once this round's has travelled
+            next_planning = j < len(window)
+            next_out = plan_of(j) if next_planning else None
+            gather = not exhausted
+            ahead = draw() if gather else None
+            trailer = None
+            if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
+                slice_words = ahead[1] if ahead is not None else np.array([END, 0, 0, 0], dtype=np.int64)
+                failed = next_out is not None and next_out.err is not None
+                nbytes = 0 if next_out is None or next_out.wire is None or failed else 8 + next_out.wire.shape[0]
+                trailer = np.concatenate([slice_words, [-1 if failed else nbytes]])
             cur = window[0] if planned else None
+            self._ahead_samples = ahead[0].n if ahead is not None and ahead[0] is not None else 0
             with phase("input.exchange_and_gather"):
-                assigned, got, new_plan = self._step(cur, planned[0][0] if planned else None,
-                                                     None if exhausted else draw(), not exhausted, out, planning)
+                assigned, got, new_plan, known = self._step(cur, planned[0][0] if planned else None, gather, parsed,
+                                                            out, planning, known, trailer)
             if new_plan is not None:
                 planned.append(new_plan)
                 self.sched_ms.append(new_plan[0].sched_seconds * 1e3)  # timed by the policy itself
             if not exhausted:
                 if got is False:
                     exhausted = True
+                    ahead = None
                 else:
                     window.append(got)  # type: ignore[arg-type]
             if cur is not None:
