@@ -308,9 +308,9 @@ class ScheduledInput:
         return False
 
     # ------------------------------------------------------------------ exchange
-    def _payload(self, cur: _Pending, plan: Plan) -> list[np.ndarray]:
+    def _payload(self, cur: _Pending, plan: Plan) -> tuple[list[np.ndarray], np.ndarray]:
         """Per destination: this rank's samples the plan assigns there (input_layout.sample_blocks: the ranks that do
-        not plan also get their lengths and managed ids, which only the planners gathered)."""
+        not plan also get their lengths and managed ids, which only the planners gathered), and how many."""
         lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
         dest = plan.assignment()[r * B : (r + 1) * B]
         order = np.argsort(dest, kind="stable")  # by destination, global order within
@@ -321,7 +321,7 @@ class ScheduledInput:
         ids_sent = int(id_bytes[others].sum())
         self.comm.counter.add("sample_ids", ids_sent, call=False)
         self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False)
-        return blocks
+        return blocks, np.diff(cut)
 
     def _assemble(self, cur: _Pending, mine: np.ndarray, got: list[np.ndarray]) -> Batch:
         """This rank's assigned samples (`mine`: global indices, in order) from what every rank sent it."""
@@ -399,13 +399,13 @@ class ScheduledInput:
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
             self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
         plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
-        # cut the samples first: their bytes per destination travel in the header, since a rank that does not plan
-        # cannot size the lengths and ids that come with them
+        # cut the samples first: their bytes per destination travel in the header (unless receivers compute them: one
+        # bag length), since a rank that does not plan cannot size the lengths and ids that come with them
         if cur is not None:
-            pay = self._payload(cur, plan)  # type: ignore[arg-type]
+            pay, n_to = self._payload(cur, plan)  # type: ignore[arg-type]
             self.comm.counter.add("samples", 0)
         else:
-            pay = [np.zeros(0, np.uint8)] * R
+            pay, n_to = [np.zeros(0, np.uint8)] * R, np.zeros(R, dtype=np.int64)
         hs, head, err = parsed if gather and parsed is not None else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
         head = np.concatenate([head, [plan_word], [b.shape[0] for b in pay]])
         sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, plan))  # type: ignore[arg-type]
@@ -415,9 +415,7 @@ class ScheduledInput:
                 raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
                                    f"differs from what the previous round announced {known[r].tolist()}")  # type: ignore[index]
             if cur is not None and [b.shape[0] for b in pay] != [
-                    int(n) * self._sample_bytes(int(cur.uniform[r]), bool(self.is_planner[d]))
-                    for d, n in enumerate(np.bincount(plan.assignment()[r * self.layout.batch_size:(r + 1) * self.layout.batch_size],  # type: ignore[union-attr]
-                                                      minlength=R))]:
+                    int(n) * self._sample_bytes(int(cur.uniform[r]), bool(self.is_planner[d])) for d, n in enumerate(n_to)]:
                 raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute")
             heads = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
             heads[:, :PAY_WORDS] = known
