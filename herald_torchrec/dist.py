@@ -37,6 +37,14 @@ class DistContext:
 CPU_AFFINITY = ("auto", "off")
 
 
+def affinity_mode(value: str | bool) -> str:
+    """`cpu_affinity` as one of CPU_AFFINITY (YAML reads `off` as False); ValueError for anything else."""
+    mode = "off" if value is False else value
+    if mode not in CPU_AFFINITY:
+        raise ValueError(f"cpu_affinity must be one of {CPU_AFFINITY}, got {value!r}")
+    return mode  # type: ignore[return-value]
+
+
 def cpu_blocks(cpus: list[int], local_world_size: int) -> list[list[int]]:
     """One block of `cpus` (sorted) per local rank: disjoint, contiguous and near-equal when there are at least as
     many CPUs as ranks; otherwise one CPU each, shared by at most ceil(ranks / CPUs) neighbouring ranks (R=4 on the
@@ -54,11 +62,7 @@ def bind_local_rank(mode: str | bool, local_rank: int, local_world_size: int) ->
     """Bind this process (every thread it has, and so every thread it starts later) to its block of the CPUs it may
     use (`cpu_blocks`). `mode`: "auto" binds when several ranks share the machine; "off" (or False, as YAML reads
     `off`) never binds. Returns the CPUs bound to, or None."""
-    if mode is False or mode == "off":
-        return None
-    if mode != "auto":
-        raise ValueError(f"cpu_affinity must be one of {CPU_AFFINITY}, got {mode!r}")
-    if local_world_size <= 1 or not hasattr(os, "sched_setaffinity"):
+    if affinity_mode(mode) == "off" or local_world_size <= 1 or not hasattr(os, "sched_setaffinity"):
         return None
     blocks = cpu_blocks(list(os.sched_getaffinity(0)), local_world_size)
     mine = set(blocks[local_rank % local_world_size])

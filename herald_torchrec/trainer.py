@@ -22,7 +22,7 @@ from herald_torchrec.data import build_source
 from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
-from herald_torchrec.dist import CPU_AFFINITY, DistContext, init_distributed, shutdown
+from herald_torchrec.dist import DistContext, affinity_mode, init_distributed, shutdown
 from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
@@ -83,9 +83,10 @@ def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool,
 
 
 def validate(cfg: DictConfig) -> None:
-    affinity = cfg.get("cpu_affinity", "off")
-    if affinity is not False and affinity not in CPU_AFFINITY:
-        raise ConfigError(f"cpu_affinity must be one of {CPU_AFFINITY}, got {affinity!r}")
+    try:
+        affinity_mode(cfg.get("cpu_affinity", "off"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     t = cfg.trainer
     if t.batch_size < 1:
         raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")

@@ -115,13 +115,26 @@ class _Pending:
 
 @dataclass
 class _Outgoing:
-    """The plan of the next batch, made between two rounds on a rank that plans; `wire` is what it sends the ranks
-    it plans for (None: it plans for itself only); `err` a failed scheduler."""
+    """A plan made on a rank that plans, a round before it travels; `wire` is what it sends the ranks it plans for
+    (None: it plans for itself only); `err` a failed scheduler."""
 
     plan: Plan | None
     generation: int
     wire: np.ndarray | None = None
     err: Exception | None = None
+
+
+GENERATION_BYTES = 8  # the scheduler generation (int64) in front of a sent plan
+
+
+def plan_word(out: _Outgoing | None) -> int:
+    """The header word of the plan a round carries from this rank: the bytes it sends (generation, then the encoded
+    plan), 0 if none, -1 if its scheduler failed."""
+    if out is None:
+        return 0
+    if out.err is not None:
+        return -1
+    return 0 if out.wire is None else GENERATION_BYTES + out.wire.shape[0]
 
 
 class ScheduledInput:
@@ -359,15 +372,15 @@ class ScheduledInput:
             raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
                                "(see their error); every rank stops")
 
-    def _recv_sizes(self, cur: _Pending, plan: Plan) -> list[int] | None:
-        """Bytes of `cur`'s samples each rank sends this rank by `plan`, computed here: every slice whose bags all
-        have one length (its header word) sends a fixed number of bytes per sample. None if some slice's lengths
-        travel: its sizes then come with the header."""
+    def _recv_sizes(self, cur: _Pending, mine: np.ndarray) -> list[int] | None:
+        """Bytes of `cur`'s samples each rank sends this rank (`mine`: the global indices its plan assigns here),
+        computed here: every slice whose bags all have one length (its header word) sends a fixed number of bytes
+        per sample. None if some slice's lengths travel: its sizes then come with the header."""
         if (cur.uniform < 0).any():
             return None
-        lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
-        n_from = np.bincount(plan.local_samples(r) // B, minlength=self.R)
-        return [int(n) * self._sample_bytes(int(u), bool(self.is_planner[r])) for n, u in zip(n_from, cur.uniform)]
+        n_from = np.bincount(mine // self.layout.batch_size, minlength=self.R)  # type: ignore[union-attr]
+        planner = bool(self.is_planner[self.rank])
+        return [int(n) * self._sample_bytes(int(u), planner) for n, u in zip(n_from, cur.uniform)]
 
     def _sample_bytes(self, u: int, planner: bool) -> int:
         """Bytes of one sample of a slice with bags of one length `u`, sent to a rank that plans or not
@@ -395,10 +408,9 @@ class ScheduledInput:
         ids_blocks_in, plan_in = [0] * R, [0] * R
         gathered: _Pending | None | bool = None
         my_ids = wire = np.zeros(0, dtype=np.uint8)
-        if out is not None and out.err is None and out.wire is not None:  # the planner: generation, then the plan
-            wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])
+        if plan_word(out) > 0:  # the planner: generation, then the plan
+            wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])  # type: ignore[union-attr]
             self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
-        plan_word = -1 if out is not None and out.err is not None else wire.shape[0]
         # cut the samples first: their bytes per destination travel in the header (unless receivers compute them: one
         # bag length), since a rank that does not plan cannot size the lengths and ids that come with them
         if cur is not None:
@@ -406,9 +418,10 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay, n_to = [np.zeros(0, np.uint8)] * R, np.zeros(R, dtype=np.int64)
-        hs, head, err = parsed if gather and parsed is not None else (None, np.array([END, 0, 0, 0], dtype=np.int64), None)
-        head = np.concatenate([head, [plan_word], [b.shape[0] for b in pay]])
-        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, plan))  # type: ignore[arg-type]
+        hs, head, err = parsed if gather and parsed is not None else self._header(None)
+        head = np.concatenate([head, [plan_word(out)], [b.shape[0] for b in pay]])
+        mine = plan.local_samples(r) if cur is not None else None  # type: ignore[union-attr]  # increasing global order
+        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, mine))  # type: ignore[arg-type]
         if sizes is not None:  # the header came with the previous round: no all-gather
             checked = slice(0, PAY_WORDS) if gather else slice(PLAN_WORD, PAY_WORDS)  # no gather: its words unused
             if not np.array_equal(known[r, checked], head[checked]):  # type: ignore[index]
@@ -435,7 +448,6 @@ class ScheduledInput:
                 self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=cur is None)
             else:
                 gathered = False
-        mine = plan.local_samples(r) if cur is not None else None  # type: ignore[union-attr]  # increasing global order
         tb = trailer.astype(np.int64).view(np.uint8) if trailer is not None else np.zeros(0, np.uint8)
         if trailer is not None:
             self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
@@ -509,10 +521,7 @@ class ScheduledInput:
             ahead = draw() if gather else None
             trailer = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                slice_words = ahead[1] if ahead is not None else np.array([END, 0, 0, 0], dtype=np.int64)
-                failed = next_out is not None and next_out.err is not None
-                nbytes = 0 if next_out is None or next_out.wire is None or failed else 8 + next_out.wire.shape[0]
-                trailer = np.concatenate([slice_words, [-1 if failed else nbytes]])
+                trailer = np.concatenate([(ahead or self._header(None))[1], [plan_word(next_out)]])
             cur = window[0] if planned else None
             self._ahead_samples = ahead[0].n if ahead is not None and ahead[0] is not None else 0
             with phase("input.exchange_and_gather"):
