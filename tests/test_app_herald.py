@@ -84,6 +84,7 @@ BAD_SETTINGS = [
     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available"),
     (["scheduler.plan_on=everyone"], "scheduler.plan_on must be one of"),
     (["scheduler.input_priority=high"], "scheduler.input_priority must be one of"),
+    (["scheduler.prefetch=-1"], "scheduler.prefetch must be an integer >= 0"),
     (["scheduler.native=maybe"], "scheduler.native must be one of"),
     (["scheduler=torchrec", "+sharding.compute_kernel=fused_uvm_caching"], "needs a GPU"),
     (["scheduler=torchrec", "+sharding.compute_kernel=bogus"], "sharding.compute_kernel: unknown 'bogus'"),

@@ -103,3 +103,10 @@ def test_bad_input_priority_is_a_clear_error_before_any_set_up() -> None:
     with pytest.raises(ValueError, match=r"input_priority must be one of \['normal', 'low', 'idle'\].*'lowest'"):
         HeraldTrainPipeline(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
                             input_priority="lowest")
+
+
+@pytest.mark.parametrize("prefetch", [-1, 2.5, "4", True])
+def test_bad_prefetch_is_a_clear_error_before_any_set_up(prefetch) -> None:
+    with pytest.raises(ValueError, match=r"prefetch must be an integer >= 0 .*got " + repr(prefetch).replace(".", r"\.")):
+        HeraldTrainPipeline(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
+                            prefetch=prefetch)

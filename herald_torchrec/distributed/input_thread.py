@@ -7,6 +7,15 @@ thread is the step's critical path. The thread therefore runs at a lower CPU pri
 and the input stage in their waits (collectives, the other ranks). Where every thread has a core of its own, the
 priority changes nothing.
 
+The queue is deep (`PREFETCH` batches by default, `scheduler.prefetch` in the app): the stage's work per batch
+varies (a plan with many evictions, the user's iterator, a rank whose input thread waits for another's in the
+stage's collective) and its thread gets the CPU only where the training threads leave it some, so a deep queue lets
+it catch up in the training threads' long waits instead of making them wait in its slow rounds. The plans do not
+depend on the depth (the same batches, in the same order, planned by the same scheduler); a deeper queue holds more
+assigned batches (a few MB at most) and, after a checkpoint load in the same process, runs more of the batches
+already drawn with static plans. Measured on this project's 2-core machine (docs/performance.md, session 18):
+a queue of 8 or 16 against the former 2 gave the shorter step in 8 of 10 alternating pairs, ~3 % on average.
+
 A stage that does not keep ahead (starved of CPU at its priority, or slower than a training step) makes the training
 thread wait for its batches: `PrefetchedInput` records every wait and warns once when, over a window of batches,
 the training thread spent a large share of its time waiting.
@@ -25,6 +34,7 @@ from typing import Callable, Iterator, MutableSequence, Optional
 INPUT_PRIORITIES = ("normal", "low", "idle")
 LAG_WINDOW = 100  # batches per check of whether the input stage keeps ahead of training
 LAG_SHARE = 0.25  # warn (once) when the training thread waited this share of its time between batches
+PREFETCH = 16  # batches the background input stage runs ahead of training by default (see above)
 WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
 
 

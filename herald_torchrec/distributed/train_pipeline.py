@@ -36,7 +36,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
-from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, WAITS_KEPT, PrefetchedInput
+from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PREFETCH, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.batch import GlobalBatch
@@ -95,9 +95,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
 
     Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
-    `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches a
-    background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches); `plan_on` (default "host") where plans are made: the lowest rank of each machine plans and sends each
+    `host_group` overrides the gloo group of the input stage; `prefetch` (default `PREFETCH`) is how many batches
+    a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
+    batches; input_thread.py says why the default is deep); `plan_on` (default "host") where plans are made: the lowest rank of each machine plans and sends each
     plan to the other ranks of its machine (~11 KB per step on W&D at R=2; the scheduler's CPU once per machine and
     step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
     deterministic scheduler, nothing is sent); `input_priority` (default "low") the CPU priority of the background
@@ -118,7 +118,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         *args: Any,
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
-        prefetch: int = 2,
+        prefetch: int = PREFETCH,
         plan_on: str = "host",
         input_priority: str = "low",
         policy_options: Optional[dict[str, Any]] = None,
@@ -128,6 +128,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if input_priority not in INPUT_PRIORITIES:  # before any set-up: a typo must not cost a model build
             raise ValueError(f"HeraldTrainPipeline: input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU "
                              f"priority of the input stage's thread), got {input_priority!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError("HeraldTrainPipeline: prefetch must be an integer >= 0 (batches scheduled ahead; 0 = in "
+                             f"the training thread), got {prefetch!r}")
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
@@ -142,9 +145,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         group = host_group if host_group is not None else host_process_group()
         self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy, plan_on=plan_on)
         self._on_plan = on_plan
-        if int(prefetch) < 0:
-            raise ValueError(f"HeraldTrainPipeline: prefetch must be >= 0 (0 = schedule in the training thread), got {prefetch}")
-        self._prefetch = int(prefetch)
+        self._prefetch = prefetch
         self._input_priority = input_priority
         # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
         # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step).
