@@ -193,7 +193,9 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = result["config"]
-    title = (f"herald_torchrec e2e: one network namespace per rank, gloo on CPU; {c.get('steps')} steps x "
+    cores = {"split": "each host on cores of its own", "shared": "the hosts sharing the machine's cores"}.get(
+        c.get("host_cpus") or "shared", "")
+    title = (f"herald_torchrec e2e: one network namespace per rank, {cores}, gloo on CPU; {c.get('steps')} steps x "
              f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up")
     fig.suptitle(textwrap.fill(title, width=int(70 * len(workloads))), fontsize=10)  # one panel: two lines
     fig.tight_layout()
