@@ -463,13 +463,14 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add, policy_options=options,
                                    profile=profile, plan_on=plan_on, input_priority=input_priority,
                                    prefetch=prefetch)
-    sched_ms = pipeline.input_stage.sched_ms
+    sched_ms, sched_cpu_ms = pipeline.input_stage.sched_ms, pipeline.input_stage.sched_cpu_ms
 
     def step_stats() -> dict[str, float]:
         out = stats.window()
-        # medians over the logging window: planning time, and the training thread's wait for its batch (~0 while
-        # the input stage keeps ahead)
-        for key, recent in (("sched_ms", sched_ms), ("input_wait_ms", pipeline.input_wait_ms)):
+        # medians over the logging window: planning time (wall, and the planner's CPU on a rank that plans), and the
+        # training thread's wait for its batch (~0 while the input stage keeps ahead)
+        for key, recent in (("sched_ms", sched_ms), ("sched_cpu_ms", sched_cpu_ms),
+                            ("input_wait_ms", pipeline.input_wait_ms)):
             window = list(itertools.islice(reversed(recent), cfg.trainer.log_interval))
             if window:
                 out[key] = float(np.median(window))
@@ -488,6 +489,8 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
             "rows_by_kind_per_step": {k: v / max(steps, 1) for k, v in stats.total.rows.items()},
             "sched_ms_median": float(np.median(ms)),
             "sched_ms_p90": float(np.percentile(ms, 90)),
+            # the planner's CPU per plan on this rank (0 on a rank that receives its plans)
+            "sched_cpu_ms_median": float(np.median(sched_cpu_ms)) if sched_cpu_ms else 0.0,
             # over the last WAITS_KEPT batches at most
             "input_wait_ms_median": float(np.median(pipeline.input_wait_ms)) if pipeline.input_wait_ms else 0.0,
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),

@@ -38,6 +38,8 @@ def test_module_traffic_equals_the_simulated_trace(tmp_path: Path) -> None:
     assert executed == {k: simulated.get(k, 0) for k in executed}, (executed, simulated)
     assert executed["migrate"] > 0 and executed["shared_value"] > 0 and executed["hit"] > 0
     assert 0.0 < m["hit_rate"] < 1.0 and m["comm_bytes_per_step"] > 0 and m["sched_ms_median"] > 0
+    # rank 0 plans (plan_on=host): the planner's own CPU, never more than its wall time
+    assert 0 < m["sched_cpu_ms_median"] <= m["sched_ms_median"] * 1.05
 
 
 MODELS = ["dcn", "wdl", "deepfm", "ncf"]
@@ -61,7 +63,7 @@ def test_every_model_trains_under_herald(herald_model_runs: Path, model: str) ->
     assert m["steps"] == 20 and m["config"]["scheduler"]["name"] == "herald" and m["config"]["model"]["name"] == model
     assert m["world_size"] == 2 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
     log = (herald_model_runs / "rank0.log").read_text()
-    assert "hit_rate" in log and "sched_ms" in log  # progress lines carry the scheduler's view
+    assert "hit_rate" in log and "sched_ms" in log and "sched_cpu_ms" in log  # progress lines carry the scheduler's view
     assert "input_wait_ms" in log and m["input_wait_ms_median"] >= 0.0  # and the training thread's wait for input
 
 

@@ -79,7 +79,7 @@ def lag_message(wait_ms: float, share: float, batches: int, priority: str) -> st
     """What a lagging input stage means, and what to change."""
     head = (f"HeraldTrainPipeline: over the last {batches} batches the training thread waited {wait_ms:.1f} ms per "
             f"batch ({share:.0%} of its time) for the input stage, which is not keeping ahead of training. ")
-    slow = "the user's iterator or the scheduler is slower than a training step (see sched_ms)"
+    slow = "the user's iterator or the scheduler is slower than a training step (see sched_ms, and sched_cpu_ms for the planner's own CPU)"
     if priority != "normal":
         return head + (f"Its thread runs at input_priority={priority!r}: on cores busy with other work it may get "
                        "too little CPU (try input_priority='normal', scheduler.input_priority=normal in the app), "

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -165,6 +166,9 @@ class ScheduledInput:
         self.lookahead = 0
         self.layout: SliceLayout | None = None
         self.sched_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)  # the planning time of recent plans (bounded)
+        # the planner's own CPU time per plan (this thread's), on the ranks that plan: sched_ms is wall time, which
+        # also counts the waits of a low-priority thread for a core the training threads hold
+        self.sched_cpu_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
         self._ahead_samples = 0  # samples of the slice drawn a round ahead (dropped too if the data ends first)
 
@@ -357,7 +361,9 @@ class ScheduledInput:
             return None
         try:
             with phase("input.plan"):
+                cpu = time.thread_time()
                 plan = policy.plan(batches)  # type: ignore[union-attr]
+                self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
             wire = encode_plan(plan) if self.plans_for.any() else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return _Outgoing(None, generation, err=e)
