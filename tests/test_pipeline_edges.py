@@ -11,7 +11,7 @@
 - the lowest rank of each machine plans for its ranks and sends them the plans (plan_on="host", the default; one
   machine here, and two when rank 1 reports another host name), or rank 0 for all (plan_on="rank0"): every rank
   executes the plans every rank would have computed itself (plan_on="every_rank", here with the input stage in the
-  training thread: prefetch=0; rank0 2 batches ahead, host the default 16), and trains the same model; a failing
+  training thread: prefetch=0; rank0 2 batches ahead, the default; host 16), and trains the same model; a failing
   planner stops every rank.
 """
 
@@ -284,9 +284,9 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
 
     plans = []
     # every_rank runs its input stage in the training thread (prefetch=0), rank0 in the background thread 2 batches
-    # ahead, host as deep as the default (16: the whole 12-batch stream is drawn ahead); the plans must not differ
-    depth = {"every_rank": {"prefetch": 0}, "rank0": {"prefetch": 2}}.get(plan_on, {})
-    dmp, pipeline = build("herald", on_plan=plans.append, plan_on=plan_on, **depth)
+    # ahead (the default), host 16 ahead (the whole 12-batch stream is drawn ahead); the plans must not differ
+    depth = {"every_rank": 0, "rank0": 2}.get(plan_on, 16)
+    dmp, pipeline = build("herald", on_plan=plans.append, plan_on=plan_on, prefetch=depth)
     it = iter(batches(rank, 12))
     for _ in range(12):
         pipeline.progress(it)

@@ -7,14 +7,12 @@ thread is the step's critical path. The thread therefore runs at a lower CPU pri
 and the input stage in their waits (collectives, the other ranks). Where every thread has a core of its own, the
 priority changes nothing.
 
-The queue is deep (`PREFETCH` batches by default, `scheduler.prefetch` in the app): the stage's work per batch
-varies (a plan with many evictions, the user's iterator, a rank whose input thread waits for another's in the
-stage's collective) and its thread gets the CPU only where the training threads leave it some, so a deep queue lets
-it catch up in the training threads' long waits instead of making them wait in its slow rounds. The plans do not
-depend on the depth (the same batches, in the same order, planned by the same scheduler); a deeper queue holds more
-assigned batches (a few MB at most) and, after a checkpoint load in the same process, runs more of the batches
-already drawn with static plans. Measured on this project's 2-core machine (docs/performance.md, session 18):
-a queue of 8 or 16 against the former 2 gave the shorter step in 8 of 10 alternating pairs, ~3 % on average.
+The queue is short (`PREFETCH` = 2 batches by default; `scheduler.prefetch` in the app). Deeper queues (8, 16)
+gave the e2e benchmark a ~3 % shorter step in 8 of 10 alternating pairs but not the app's own bound run, and they
+keep the thread inside its collectives for longer after the training loop stops drawing: where a user's loop ends
+over an endless iterator, the process then aborts at exit (a daemon thread inside a gloo collective cannot stop
+with the interpreter; the README's adoption example: 5 of 6 runs at 16, none of 6 at 2). docs/performance.md,
+session 18, has the runs. The plans do not depend on the depth.
 
 A stage that does not keep ahead (starved of CPU at its priority, or slower than a training step) makes the training
 thread wait for its batches: `PrefetchedInput` records every wait and warns once when, over a window of batches,
@@ -34,7 +32,7 @@ from typing import Callable, Iterator, MutableSequence, Optional
 INPUT_PRIORITIES = ("normal", "low", "idle")
 LAG_WINDOW = 100  # batches per check of whether the input stage keeps ahead of training
 LAG_SHARE = 0.25  # warn (once) when the training thread waited this share of its time between batches
-PREFETCH = 16  # batches the background input stage runs ahead of training by default (see above)
+PREFETCH = 2  # batches the background input stage runs ahead of training by default (see above)
 WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
 
 
