@@ -393,7 +393,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.scheduled_input import PLAN_ON
-    from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PREFETCH
+    from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PREFETCH, prefetch_depth
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy
     from herald_torchrec import baselines
@@ -408,10 +408,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     if input_priority not in INPUT_PRIORITIES:
         raise ValueError(f"scheduler.input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
                          f"input stage's thread), got '{input_priority}'")
-    prefetch = sc.get("prefetch", PREFETCH)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError("scheduler.prefetch must be an integer >= 0 (batches the input stage schedules ahead of "
-                         f"training; 0 = in the training thread), got '{prefetch}'")
+    prefetch = prefetch_depth(sc.get("prefetch", PREFETCH), "scheduler.prefetch")
     use_native_kernels(sc.get("native") or "auto")
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",

@@ -36,6 +36,15 @@ PREFETCH = 2  # batches the background input stage runs ahead of training by def
 WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
 
 
+def prefetch_depth(value: object, what: str = "prefetch") -> int:
+    """`value` as a queue depth (an integer >= 0; `what` names the setting in the error), or a clear ValueError:
+    2.5 must not become 2, nor True become 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0 (batches the input stage schedules ahead of training; "
+                         f"0 = in the training thread), got {value!r}")
+    return value
+
+
 def set_thread_priority(priority: str) -> None:
     """Lower the calling thread's CPU priority: "low" = nice 19, "idle" = SCHED_IDLE (runs when nothing else wants
     the core), "normal" = leave it. Linux only, where a thread has its own nice value and scheduling policy; elsewhere,
@@ -77,7 +86,8 @@ def lag_message(wait_ms: float, share: float, batches: int, priority: str) -> st
     """What a lagging input stage means, and what to change."""
     head = (f"HeraldTrainPipeline: over the last {batches} batches the training thread waited {wait_ms:.1f} ms per "
             f"batch ({share:.0%} of its time) for the input stage, which is not keeping ahead of training. ")
-    slow = "the user's iterator or the scheduler is slower than a training step (see sched_ms, and sched_cpu_ms for the planner's own CPU)"
+    slow = ("the user's iterator or the scheduler is slower than a training step (see sched_ms, and sched_cpu_ms for "
+            "the planner's own CPU)")
     if priority != "normal":
         return head + (f"Its thread runs at input_priority={priority!r}: on cores busy with other work it may get "
                        "too little CPU (try input_priority='normal', scheduler.input_priority=normal in the app), "

@@ -36,7 +36,13 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
-from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PREFETCH, WAITS_KEPT, PrefetchedInput
+from herald_torchrec.distributed.input_thread import (
+    INPUT_PRIORITIES,
+    PREFETCH,
+    WAITS_KEPT,
+    PrefetchedInput,
+    prefetch_depth,
+)
 from herald_torchrec.distributed.scheduled_input import ScheduledInput
 from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.batch import GlobalBatch
@@ -95,11 +101,11 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
 
     Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
-    `host_group` overrides the gloo group of the input stage; `prefetch` (default `PREFETCH`) is how many batches
+    `host_group` overrides the gloo group of the input stage; `prefetch` (default `PREFETCH`, 2) is how many batches
     a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches; input_thread.py says why the default is deep); `plan_on` (default "host") where plans are made: the lowest rank of each machine plans and sends each
-    plan to the other ranks of its machine (~11 KB per step on W&D at R=2; the scheduler's CPU once per machine and
-    step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
+    batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the
+    lowest rank of each machine plans and sends each plan to the other ranks of its machine (~11 KB per step on
+    W&D at R=2; the scheduler's CPU once per machine and step, not once per rank), "rank0" (rank 0 plans for every rank) or "every_rank" (each rank runs the same
     deterministic scheduler, nothing is sent); `input_priority` (default "low") the CPU priority of the background
     thread (with `prefetch` > 0): "low" (nice 19), "idle" (SCHED_IDLE) or "normal" (input_thread.py says why);
     `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global batches, the
@@ -128,9 +134,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if input_priority not in INPUT_PRIORITIES:  # before any set-up: a typo must not cost a model build
             raise ValueError(f"HeraldTrainPipeline: input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU "
                              f"priority of the input stage's thread), got {input_priority!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError("HeraldTrainPipeline: prefetch must be an integer >= 0 (batches scheduled ahead; 0 = in "
-                             f"the training thread), got {prefetch!r}")
+        prefetch = prefetch_depth(prefetch, "HeraldTrainPipeline: prefetch")
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
