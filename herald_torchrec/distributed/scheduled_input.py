@@ -29,8 +29,9 @@ One all-to-all per step carries (2) for the batch L+3 ahead, the plan of the nex
 batch and the next round's header words: a batch's plan travels one round before its samples, so every rank knows
 it when it cuts its send blocks (the plan is computed two rounds ahead, from batches already gathered). Only the
 first L+2 gathers and the last exchanges run alone. Each rank holds L+3 gathered global batches (one more than
-the lookahead needs, for the plans made a round early) and one parsed slice of its own. Multi-hot and variable-length bags, empty bags, a key read by several tables and tables of
-several EBCs are all handled: the scheduler gets one CSR per managed table (input_layout.py).
+the lookahead needs, for the plans made a round early) and one parsed slice of its own. Multi-hot and
+variable-length bags, empty bags, a key read by several tables and tables of several EBCs are all handled: the
+scheduler gets one CSR per managed table (input_layout.py).
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
 `comm.counter`, by the rules of traffic.py: the plan as "plan") and calls the collectives through references taken
@@ -340,10 +341,10 @@ class ScheduledInput:
         self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False)
         return blocks, np.diff(cut)
 
-    def _assemble(self, cur: _Pending, mine: np.ndarray, got: list[np.ndarray]) -> Batch:
-        """This rank's assigned samples (`mine`: global indices, in order) from what every rank sent it."""
+    def _assemble(self, cur: _Pending, mine: np.ndarray, n_from: np.ndarray, got: list[np.ndarray]) -> Batch:
+        """This rank's assigned samples (`mine`: global indices, in order; `n_from`: how many from each rank) from
+        what every rank sent it."""
         lay = self.layout
-        n_from = np.bincount(mine // lay.batch_size, minlength=self.R)  # type: ignore[union-attr]
         if cur.ids is None:  # the samples brought their lengths and ids
             fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)  # type: ignore[arg-type]
             return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
@@ -378,13 +379,12 @@ class ScheduledInput:
             raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
                                "(see their error); every rank stops")
 
-    def _recv_sizes(self, cur: _Pending, mine: np.ndarray) -> list[int] | None:
-        """Bytes of `cur`'s samples each rank sends this rank (`mine`: the global indices its plan assigns here),
+    def _recv_sizes(self, cur: _Pending, n_from: np.ndarray) -> list[int] | None:
+        """Bytes of `cur`'s samples each rank sends this rank (`n_from`: how many of them its plan assigns here),
         computed here: every slice whose bags all have one length (its header word) sends a fixed number of bytes
         per sample. None if some slice's lengths travel: its sizes then come with the header."""
         if (cur.uniform < 0).any():
             return None
-        n_from = np.bincount(mine // self.layout.batch_size, minlength=self.R)  # type: ignore[union-attr]
         planner = bool(self.is_planner[self.rank])
         return [int(n) * self._sample_bytes(int(u), planner) for n, u in zip(n_from, cur.uniform)]
 
@@ -426,8 +426,11 @@ class ScheduledInput:
             pay, n_to = [np.zeros(0, np.uint8)] * R, np.zeros(R, dtype=np.int64)
         hs, head, err = parsed if gather and parsed is not None else self._header(None)
         head = np.concatenate([head, [plan_word(out)], [b.shape[0] for b in pay]])
-        mine = plan.local_samples(r) if cur is not None else None  # type: ignore[union-attr]  # increasing global order
-        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, mine))  # type: ignore[arg-type]
+        mine = n_from = None  # the global indices the plan assigns here (increasing), and how many from each rank
+        if cur is not None:
+            mine = plan.local_samples(r)  # type: ignore[union-attr]
+            n_from = np.bincount(mine // self.layout.batch_size, minlength=R)  # type: ignore[union-attr]
+        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, n_from))  # type: ignore[arg-type]
         if sizes is not None:  # the header came with the previous round: no all-gather
             checked = slice(0, PAY_WORDS) if gather else slice(PLAN_WORD, PAY_WORDS)  # no gather: its words unused
             if not np.array_equal(known[r, checked], head[checked]):  # type: ignore[index]
@@ -476,9 +479,9 @@ class ScheduledInput:
             planned = (out.plan, out.generation)
         elif receives:  # from this rank's planner: [generation int64, encoded plan]
             block = got[q][ids_blocks_in[q] : ids_blocks_in[q] + plan_in[q]]
-            planned = (decode_plan(block[8:]), int(block[:8].view(np.int64)[0]))
+            planned = (decode_plan(block[GENERATION_BYTES:]), int(block[:GENERATION_BYTES].view(np.int64)[0]))
         rest = [b[n + m :] for b, n, m in zip(got, ids_blocks_in, plan_in)]
-        assigned = self._assemble(cur, mine, rest) if cur is not None else None
+        assigned = self._assemble(cur, mine, n_from, rest) if cur is not None else None  # type: ignore[arg-type]
         return assigned, gathered, planned, following  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the stream
