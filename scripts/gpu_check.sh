@@ -8,6 +8,8 @@
 #   suite: the regular test suite (not slow), distributed / parity files first -> $OUT/suite.log
 # Needs python3 with torch (CUDA), fbgemm_gpu, torchrec, hydra importable (PYTHONPATH), cwd = the project root.
 # A phase that fails is reported and the next one still runs; the exit status is the number of failed phases.
+# DEADLINE (epoch seconds, optional): the suite phase is cut to end 10 s before it, so that a device call with a hard
+# limit still brings back every log (the suite's log then ends where it was stopped).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PY:-python3}
@@ -17,10 +19,13 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 failed=0
 
 info() {
-  { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  { nvidia-smi -L; nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PY" -c "import sys, torch, fbgemm_gpu, torchrec; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| fbgemm_gpu', getattr(fbgemm_gpu, '__version__', '?'), '| torchrec', getattr(torchrec, '__version__', '?'),
 '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    # the compiled kernels once, before pytest's workers and the ranks would each build them
+    "$PY" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import step_kernels as s
+print('compiled kernels:', native.KERNELS.build(), s.KERNELS.build())"
   } 2>&1 | tee "$OUT/info.txt"
 }
 
@@ -102,8 +107,21 @@ suite() {
   # pytest-xdist where the machine has it (the device image does): 4 workers ran the suite in 4 min 15 s on an H200 host
   "$PY" -c "import xdist" 2>/dev/null && par=(-n "${SUITE_WORKERS:-4}")
   "$PY" -c "import pytest_timeout" 2>/dev/null && par+=(--timeout 300)
-  timeout "${SUITE_S:-540}" "$PY" -m pytest -q -m "not slow and not cuda" -p no:cacheprovider -rfE \
-    "${par[@]}" "${first[@]}" $rest 2>&1 | tee "$OUT/suite.log"
+  local limit=${SUITE_S:-540}
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - $(date +%s) - 10))
+    [ "$left" -lt "$limit" ] && limit=$left
+    [ "$limit" -le 30 ] && { echo "suite: skipped, ${limit}s left before DEADLINE" | tee "$OUT/suite.log"; return 1; }
+  fi
+  echo "suite: ${limit}s at most"
+  # -v: each test's outcome is logged as it ends (with workers, pytest's own summary only comes at the very end, and
+  # a suite cut by the limit would name no failure); the terminal gets the failures and the totals
+  timeout "$limit" "$PY" -m pytest -v -m "not slow and not cuda" -p no:cacheprovider -rfE \
+    "${par[@]}" "${first[@]}" $rest >"$OUT/suite.log" 2>&1
+  local rc=$?
+  grep -E "(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/suite.log" | tail -n 40
+  [ $rc -eq 124 ] && echo "suite: stopped at its limit (${limit}s); $(grep -cE ' PASSED ' "$OUT/suite.log") passed so far"
+  return $rc
 }
 
 for phase in "${@:-info cuda bench suite}"; do

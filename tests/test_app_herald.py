@@ -88,7 +88,8 @@ BAD_SETTINGS = [
     (["scheduler.input_priority=high"], "scheduler.input_priority must be one of"),
     (["scheduler.prefetch=-1"], "scheduler.prefetch must be an integer >= 0"),
     (["scheduler.native=maybe"], "scheduler.native must be one of"),
-    (["scheduler=torchrec", "+sharding.compute_kernel=fused_uvm_caching"], "needs a GPU"),
+    # dist_backend=gloo: a CPU run even where a GPU is visible (there, auto would train this valid setting on CUDA)
+    (["dist_backend=gloo", "scheduler=torchrec", "+sharding.compute_kernel=fused_uvm_caching"], "needs a GPU"),
     (["scheduler=torchrec", "+sharding.compute_kernel=bogus"], "sharding.compute_kernel: unknown 'bogus'"),
     (["+sharding.cache_load_factor=0"], "sharding.cache_load_factor must be a number in (0, 1]"),
     (["+sharding.cache_load_factor=lots"], "got 'lots'"),
