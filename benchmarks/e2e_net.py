@@ -239,7 +239,8 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
             for c in rotated(configs, k, args.rounds):
                 w, b, r, s = c
                 try:
-                    records[c].append(run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}"))
+                    rec = run_config(nets[r], w, b, s, args.steps, args, Path(tmp), f"{k}-{w}-{b}-{r}-{s}")
+                    records[c].append(rec | {"round": k})
                 except RuntimeError as err:
                     print(f"[e2e-net] {err}", file=sys.stderr)
                     failures.append({"round": k, "workload": w, "bandwidth": b, "ranks": r, "scheduler": s,
@@ -270,8 +271,27 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
     return {"config": config, "runs": runs, "ratios": ratios(runs), "breakeven": breakeven(runs), "failures": failures}
 
 
+def round_ratios(per_s: dict, scheduler: str) -> list[float]:
+    """`scheduler`'s step time over the best stock config's of the same round, round by round: the pairs ran minutes
+    apart, so a machine whose speed drifts during a long run (10-15 % here) moves both sides of each ratio alike,
+    where best against best can pair rounds far apart. Rounds without that scheduler or any stock run are left out;
+    records without a round number (older result files) count in the order they ran."""
+    by_round: dict[int, dict[str, float]] = {}
+    for name, v in per_s.items():
+        for i, rec in enumerate(v["rounds"]):
+            by_round.setdefault(int(rec.get("round", i)), {})[name] = step_of(rec)
+    out = []
+    for k in sorted(by_round):
+        got = by_round[k]
+        stock = [t for n, t in got.items() if n.startswith("torchrec")]
+        if scheduler in got and stock:
+            out.append(got[scheduler] / min(stock))
+    return out
+
+
 def ratios(runs: dict) -> dict:
-    """herald (and static) best step time over the best stock TorchRec config, per workload / bandwidth / R."""
+    """herald (and static) best step time over the best stock TorchRec config, per workload / bandwidth / R; and the
+    same ratio round by round (`round_ratios`) with its median."""
     out: dict = {}
     for w, per_bw in runs.items():
         for b, per_r in per_bw.items():
@@ -286,6 +306,9 @@ def ratios(runs: dict) -> dict:
                         row[f"{s}_vs_best_stock_step_time"] = step_of(v["best"]) / stock[best_stock]
                         row[f"{s}_vs_best_stock_app_bytes"] = (
                             v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
+                        by_round = round_ratios(per_s, s)
+                        row[f"{s}_vs_best_stock_by_round"] = by_round
+                        row[f"{s}_vs_best_stock_median_round"] = statistics.median(by_round) if by_round else None
                 out.setdefault(w, {}).setdefault(b, {})[r] = row
     return out
 
@@ -367,14 +390,20 @@ def pivot_table(result: dict) -> str:
     link and R, with herald's ratio to the best stock config, plus bytes per step (app / wire) per scheduler."""
     scheds = result["config"]["schedulers"]
     head = " | ".join(f"{s} ms" for s in scheds)
-    lines = [f"| workload | link | R | {head} | herald / best stock | MB/step app (wire): " + ", ".join(scheds) + " |",
+    lines = [f"| workload | link | R | {head} | herald / best stock: best of rounds (each round) | MB/step app (wire): "
+             + ", ".join(scheds) + " |",
              "|---" * (5 + len(scheds)) + "|"]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
                 cells = [f"{step_of(per_s[s]['best']):.1f}" if s in per_s else "-" for s in scheds]
                 stock = [step_of(v["best"]) for s, v in per_s.items() if s.startswith("torchrec")]
-                ratio = f"{step_of(per_s['herald']['best']) / min(stock):.2f}x" if stock and "herald" in per_s else "-"
+                ratio = "-"
+                if stock and "herald" in per_s:
+                    ratio = f"{step_of(per_s['herald']['best']) / min(stock):.2f}x"
+                    each = round_ratios(per_s, "herald")
+                    if len(each) > 1:
+                        ratio += " (" + ", ".join(f"{x:.2f}" for x in each) + ")"
                 mb = ", ".join(
                     f"{per_s[s]['best']['comm_bytes_per_step'] / 1e6:.2f} "
                     f"({per_s[s]['best'].get('wire_bytes_per_step', float('nan')) / 1e6:.2f})" if s in per_s else "-"

@@ -402,7 +402,29 @@ def test_pivot_table_has_one_row_per_workload_and_link() -> None:
     table = e2e_net.pivot_table(_fake_result()).splitlines()
     assert len(table) == 2 + 2 * 2
     assert table[0].startswith("| workload | link | R | torchrec_tw ms | torchrec_planner ms | herald ms |")
-    assert "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table
+    assert "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table  # one round
+
+
+def test_round_ratios_pair_the_runs_of_each_round() -> None:
+    """A machine that slows down during the run: best against best pairs stock's fast first round with herald's
+    slower later one; round by round each ratio compares runs minutes apart."""
+    def cfg(steps: list[float], rounds: list[int] | None = None) -> dict:
+        recs = [{"steady_step_ms": t, "step_ms": t, "comm_bytes_per_step": 1e6, "wire_bytes_per_step": 2e6}
+                | ({} if rounds is None else {"round": k})
+                for t, k in zip(steps, rounds or range(len(steps)))]
+        return {"best": min(recs, key=e2e_net.step_of), "median": recs[0], "rounds": recs}
+
+    per_s = {"torchrec_tw": cfg([20.0, 22.0, 24.0]), "torchrec_planner": cfg([25.0, 21.0, 26.0]),
+             "herald": cfg([21.0, 22.0, 24.0])}
+    assert e2e_net.round_ratios(per_s, "herald") == pytest.approx([21 / 20, 22 / 21, 24 / 24])
+    row = e2e_net.ratios({"dcn": {"none": {"2": per_s}}})["dcn"]["none"]["2"]
+    assert row["herald_vs_best_stock_step_time"] == pytest.approx(21 / 20)
+    assert row["herald_vs_best_stock_median_round"] == pytest.approx(22 / 21)
+    # a round that failed for herald drops out; numbered rounds pair by number, not by position
+    per_s["herald"] = cfg([22.0, 24.0], rounds=[1, 2])
+    assert e2e_net.round_ratios(per_s, "herald") == pytest.approx([22 / 21, 1.0])
+    table = e2e_net.pivot_table({"config": {"schedulers": list(per_s)}, "runs": {"dcn": {"none": {"2": per_s}}}})
+    assert "| 1.10x (1.05, 1.00) |" in table
 
 
 def test_breakeven_names_the_crossover_with_a_tie_band() -> None:
