@@ -43,6 +43,9 @@ SCHEDULER_ARGS = {
     "herald": ["scheduler=herald"],
     "herald_numpy": ["scheduler=herald", "scheduler.native=off"],  # Herald without its compiled kernels (numpy only)
     "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
+    # the input stage 16 batches ahead instead of the default 2 (session 19's A/B: no gain, the stage cannot run ahead
+    # on a saturated core at either depth)
+    "herald_prefetch16": ["scheduler=herald", "scheduler.prefetch=16"],
     # the input stage's thread at the training thread's CPU priority (the default lowers it: input_priority=low)
     "herald_normal_priority": ["scheduler=herald", "scheduler.input_priority=normal"],
     "herald_idle_priority": ["scheduler=herald", "scheduler.input_priority=idle"],

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
 
@@ -71,3 +72,43 @@ class Logger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+
+
+def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """FBGEMM's HBM-cache counters of the model's cached TBEs (those built with gather_uvm_cache_stats), summed over
+    every rank: the hit rate over unique ids per lookup (1 - unique misses / unique ids) and the cache lines of all
+    ranks together. Ranks may split the rows unevenly (stock's planner places whole tables), so only all-rank totals
+    compare across schedulers. Collective where torch.distributed runs more than one rank: call it on every rank."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    # TorchRec's sharded EBC keeps its lookups (and their TBEs) in a plain list, outside `modules()`
+    found = {id(m): m for m in model.modules()}
+    for owner in list(found.values()):
+        for lookup in getattr(owner, "_lookups", None) or []:
+            found.update((id(m), m) for m in lookup.modules())
+    every = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    cached = [m for m in every if m.lxu_cache_weights.numel()]
+    tbes = [m for m in cached if getattr(m, "gather_uvm_cache_stats", False)]
+    totals = torch.zeros(5, dtype=torch.float64)  # ranks with a cache, ranks with counters, lines, unique, misses
+    if cached:
+        totals[0] = 1.0
+        totals[2] = float(sum(m.lxu_cache_state.numel() for m in (tbes or cached)))
+    if tbes:
+        st = sum(m.uvm_cache_stats.double().cpu() for m in tbes)
+        totals[1], totals[3], totals[4] = 1.0, float(st[2]), float(st[3])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)  # CPU tensor: gloo, or the gloo side of "cpu:gloo,cuda:nccl"
+    return cache_summary(totals)
+
+
+def cache_summary(totals: torch.Tensor) -> dict[str, Any]:
+    """metrics.json's `hbm_cache_*` from all-rank totals [ranks with a cache, ranks with counters, lines, unique ids,
+    unique misses]: nothing without a cache; lines and no hit rate where a cache has no counters (say so rather than
+    report nothing)."""
+    has_cache, has_counters, lines, uniq, misses = (float(x) for x in totals)
+    if not has_cache:
+        return {}
+    if has_counters < has_cache:
+        return {"hbm_cache_lines": int(lines), "hbm_cache_hit_rate": None}
+    return {"hbm_cache_hit_rate": 1.0 - misses / max(uniq, 1.0), "hbm_cache_lines": int(lines),
+            "hbm_cache_unique_ids": int(uniq), "hbm_cache_unique_misses": int(misses)}

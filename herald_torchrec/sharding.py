@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from omegaconf import DictConfig
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -32,6 +31,8 @@ from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext
+from herald_torchrec.metrics import hbm_cache_stats
+from herald_torchrec.model_state import load_torchrec_tables
 from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.schedule.plan import Plan
@@ -108,53 +109,6 @@ class PlanStats:
         return out
 
 
-def _is_dense(key: str, value: Any) -> bool:
-    return ".ebc." not in key and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
-
-
-def full_state(setup: ShardedSetup, ctx: DistContext) -> dict[str, Any]:
-    """final_state.pt's layout (collective; complete on rank 0): full unsharded tables, their optimizer state, and
-    every dense parameter — the same for every scheduler (all read through DMP.state_dict() and the fused optimizer's
-    state_dict(), which Herald's modules present as TorchRec's ROW_WISE shards), so runs compare tensor by tensor."""
-    weights, states = full_tables(setup.model, ctx)
-    dense = {k: v.detach().cpu().clone() for k, v in setup.model.state_dict().items() if _is_dense(k, v)}
-    return {"tables": weights, "optimizer_state": states, "dense": dense}
-
-
-def _torchrec_sharded_tensors(dmp: torch.nn.Module) -> Iterator[tuple[str, str, ShardedTensor]]:
-    """TorchRec's sharded tables and their fused-optimizer state as ("weight" | "state", table name, ShardedTensor).
-    A rank lists only what it holds: a TABLE_WISE table's optimizer state exists only where the table lives."""
-    for k, v in dmp.state_dict().items():
-        if isinstance(v, ShardedTensor) and k.endswith(".weight"):
-            yield "weight", k.split(".")[-2], v
-    for k, v in dmp.fused_optimizer.state_dict()["state"].items():
-        for sv in (v.values() if isinstance(v, dict) else []):
-            if isinstance(sv, ShardedTensor):
-                yield "state", k.split(".")[-2], sv
-
-
-def full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Assemble the sharded tables (stock and Herald alike) and fused-optimizer state into full tensors (collective; result on rank 0).
-
-    Every rank sends its local shards with their offsets: which keys a rank has differs between ranks, so per-key
-    collectives would not line up."""
-    mine = [(kind, name, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
-            for kind, name, st in _torchrec_sharded_tensors(dmp) for sh in st.local_shards()]
-    parts: list = [None] * ctx.world_size if ctx.is_main else None
-    if ctx.world_size > 1:
-        dist.gather_object(mine, parts, dst=0)
-    else:
-        parts = [mine]
-    weights: dict[str, torch.Tensor] = {}
-    states: dict[str, torch.Tensor] = {}
-    for kind, key, offsets, tensor, size in (x for p in (parts or []) for x in p):
-        out = weights if kind == "weight" else states
-        full = out.setdefault(key, torch.zeros(size, dtype=tensor.dtype))
-        full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
-    states = {k: v.reshape(-1) if v.dim() > 1 and v.shape[-1] == 1 else v for k, v in states.items()}
-    return weights, states
-
-
 def stock_sharding_types(cfg: DictConfig, model_parallel_only: bool = False) -> list[str] | None:
     """`sharding.types` as TorchRec values (None: the planner may pick any type)."""
     types = cfg.sharding.get("types")
@@ -197,27 +151,6 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
     return lambda it: (convert(s) for s in it)
 
 
-def _copy_into_shards(st: ShardedTensor, full: torch.Tensor) -> None:
-    full = full.reshape(st.size())
-    for shard in st.local_shards():
-        idx = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
-        shard.tensor.copy_(full[idx])
-
-
-@torch.no_grad()
-def _load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
-    """Full tables (and fused-optimizer state) into TorchRec's shards, for the tables named in `weights`. Used for the
-    initial tables (TorchRec draws its own otherwise: every scheduler starts from the same model and, being exact,
-    ends at the same model) and for resuming from a checkpoint."""
-    for kind, name, st in _torchrec_sharded_tensors(dmp):
-        if name not in weights:
-            continue
-        if kind == "weight":
-            _copy_into_shards(st, weights[name])
-        elif states and name in states:
-            _copy_into_shards(st, states[name])
-
-
 def planner_topology(ctx: DistContext) -> Topology:
     """The planner's topology. Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r
     on GPU r % GPUs), shard placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor
@@ -258,46 +191,6 @@ def check_kernel_device(kernel: str | None, device: torch.device) -> None:
                          f"this run is on {device.type}: use fused, or leave sharding.compute_kernel out")
 
 
-def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:
-    """FBGEMM's HBM-cache counters of the model's cached TBEs (those built with gather_uvm_cache_stats), summed over
-    every rank: the hit rate over unique ids per lookup (1 - unique misses / unique ids) and the cache lines of all
-    ranks together. Ranks may split the rows unevenly (stock's planner places whole tables), so only all-rank totals
-    compare across schedulers. Collective where torch.distributed runs more than one rank: call it on every rank."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    # TorchRec's sharded EBC keeps its lookups (and their TBEs) in a plain list, outside `modules()`
-    found = {id(m): m for m in model.modules()}
-    for owner in list(found.values()):
-        for lookup in getattr(owner, "_lookups", None) or []:
-            found.update((id(m), m) for m in lookup.modules())
-    every = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
-    cached = [m for m in every if m.lxu_cache_weights.numel()]
-    tbes = [m for m in cached if getattr(m, "gather_uvm_cache_stats", False)]
-    totals = torch.zeros(5, dtype=torch.float64)  # ranks with a cache, ranks with counters, lines, unique, misses
-    if cached:
-        totals[0] = 1.0
-        totals[2] = float(sum(m.lxu_cache_state.numel() for m in (tbes or cached)))
-    if tbes:
-        st = sum(m.uvm_cache_stats.double().cpu() for m in tbes)
-        totals[1], totals[3], totals[4] = 1.0, float(st[2]), float(st[3])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)  # CPU tensor: gloo, or the gloo side of "cpu:gloo,cuda:nccl"
-    return cache_summary(totals)
-
-
-def cache_summary(totals: torch.Tensor) -> dict[str, Any]:
-    """metrics.json's `hbm_cache_*` from all-rank totals [ranks with a cache, ranks with counters, lines, unique ids,
-    unique misses]: nothing without a cache; lines and no hit rate where a cache has no counters (say so rather than
-    report nothing)."""
-    has_cache, has_counters, lines, uniq, misses = (float(x) for x in totals)
-    if not has_cache:
-        return {}
-    if has_counters < has_cache:
-        return {"hbm_cache_lines": int(lines), "hbm_cache_hit_rate": None}
-    return {"hbm_cache_hit_rate": 1.0 - misses / max(uniq, 1.0), "hbm_cache_lines": int(lines),
-            "hbm_cache_unique_ids": int(uniq), "hbm_cache_unique_misses": int(misses)}
-
-
 def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
     init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
@@ -319,7 +212,7 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=sharders
     )
-    _load_torchrec_tables(dmp, init)
+    load_torchrec_tables(dmp, init)
     dense = dense_optimizer(dmp, cfg)
     pipeline = TrainPipelineSparseDist(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), ctx.device, execute_all_batches=True)
     convert = batch_converter(features, source)
@@ -440,7 +333,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=[sharder]
     )
-    _load_torchrec_tables(dmp, init)  # the unscheduled tables' shards (TorchRec draws its own values otherwise)
+    load_torchrec_tables(dmp, init)  # the unscheduled tables' shards (TorchRec draws its own values otherwise)
     (herald,) = herald_modules(dmp)
     dense = dense_optimizer(dmp, cfg)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from herald_torchrec.data import build_source
-from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.dist import DistContext, affinity_mode, init_distributed, shutdown
@@ -27,7 +26,8 @@ from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
-from herald_torchrec.sharding import ShardedSetup, full_state, shard_model
+from herald_torchrec.model_state import full_state
+from herald_torchrec.sharding import ShardedSetup, shard_model
 
 CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
 # what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
@@ -326,7 +326,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if cfg.trainer.save_final:
-        state = full_state(setup, ctx)
+        state = full_state(setup.model, ctx)
         if ctx.is_main:
             save_torch_atomic(run_dir / "final_state.pt", state)
     if ctx.is_main:

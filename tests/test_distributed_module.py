@@ -17,7 +17,7 @@ DIMS = (4, 8)
 
 
 def make_ebc(weighted: bool = False, pooling=None):
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
     kw = {} if pooling is None else {"pooling": pooling}
     tables = [

@@ -228,7 +228,7 @@ class WorkerCache:
     # ------------------------------------------------------------------ after backward
     def finish(self, rd: CacheReads, plan_cache) -> None:
         """Apply every reader's gradient to its copy, push where the plan says (collective)."""
-        st, r = self.store, self.store.rank
+        st = self.store
         vals, rd.values = rd.values, None
         d = st.dims_arr[rd.table]
         grad = vals.grad.detach() if vals is not None and vals.grad is not None else torch.zeros(int(d.sum()), device=self.device)

@@ -243,7 +243,7 @@ class HeraldPolicy(SchedulePolicy):
         own_k = d.owner[bk.keys].astype(np.int64)
         sample_rank = self.assign(b, bk, own_k)
         rd = step_reads(bk, sample_rank, R)
-        keys, K = rd.keys, rd.keys.shape[0]
+        keys = rd.keys
         own = own_k
         home = d.home[keys].astype(np.int64)
         pk, pr = rd.pair_key, rd.pair_rank
