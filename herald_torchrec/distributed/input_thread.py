@@ -8,11 +8,12 @@ and the input stage in their waits (collectives, the other ranks). Where every t
 priority changes nothing.
 
 The queue is short (`PREFETCH` = 2 batches by default; `scheduler.prefetch` in the app). Deeper queues (8, 16)
-gave the e2e benchmark a ~3 % shorter step in 8 of 10 alternating pairs but not the app's own bound run, and they
-keep the thread inside its collectives for longer after the training loop stops drawing: where a user's loop ends
-over an endless iterator, the process then aborts at exit (a daemon thread inside a gloo collective cannot stop
-with the interpreter; the README's adoption example: 5 of 6 runs at 16, none of 6 at 2). docs/performance.md,
-session 18, has the runs. The plans do not depend on the depth.
+gave the e2e benchmark a ~3 % shorter step in 8 of 10 alternating pairs in session 18, none in session 19's A/B,
+and not the app's own bound run (docs/performance.md, sessions 18-19). The plans do not depend on the depth.
+
+`PrefetchedInput.close()` stops the stage early (`HeraldTrainPipeline.close()`): a daemon thread left inside a gloo
+collective when the interpreter exits aborts the process (a user's loop over an endless iterator: 4 of 6 runs at
+depth 2 and most at 16 did, before the pipeline closed itself at exit).
 
 A stage that does not keep ahead (starved of CPU at its priority, or slower than a training step) makes the training
 thread wait for its batches: `PrefetchedInput` records every wait and warns once when, over a window of batches,
@@ -34,6 +35,7 @@ LAG_WINDOW = 100  # batches per check of whether the input stage keeps ahead of 
 LAG_SHARE = 0.25  # warn (once) when the training thread waited this share of its time between batches
 PREFETCH = 2  # batches the background input stage runs ahead of training by default (see above)
 WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
+CLOSE_TIMEOUT_S = 30.0  # how long close() waits for the stage to end (its last rounds need every rank to close)
 
 
 def prefetch_depth(value: object, what: str = "prefetch") -> int:
@@ -99,14 +101,16 @@ class PrefetchedInput:
     """Runs `stage(source)` in a daemon thread at CPU `priority`, `depth` items ahead; yields its items (batch,
     plan, generation) in order and re-raises the thread's exception in the consumer. Safe for the input stage
     because its collectives use their own gloo group (no ordering to share with the data plane's) and every rank's
-    thread issues the same sequence. `waits` (if given) gets the consumer's wait for each item, in ms."""
+    thread issues the same sequence. `waits` (if given) gets the consumer's wait for each item, in ms; `stop` (if
+    given) asks the stage to end early (`close`)."""
 
     _END = object()
 
     def __init__(self, stage: Callable[[Iterator], Iterator], source: Iterator, depth: int, priority: str = "normal",
-                 waits: Optional[MutableSequence[float]] = None) -> None:
+                 waits: Optional[MutableSequence[float]] = None, stop: Optional[Callable[[], None]] = None) -> None:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._waits, self._priority = waits, priority
+        self._waits, self._priority, self._stop = waits, priority, stop
+        self._closed = False
         self._last: Optional[float] = None  # when the previous item was handed out
         self._window = [0.0, 0.0, 0]  # waited s, elapsed s, batches since the last check
         self._warned = False
@@ -128,7 +132,31 @@ class PrefetchedInput:
     def __iter__(self) -> "PrefetchedInput":
         return self
 
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Ask the stage to stop (`stop`), take and drop what it still hands over (so it never blocks on a full
+        queue) until it ends, and wait for its thread: True if it ended within `timeout` seconds. The stage's last
+        rounds are collectives, so this ends only where every rank closes its stream; an error the stage meets
+        while stopping (a rank already gone) ends it too. Afterwards the iterator is exhausted."""
+        self._closed = True
+        if self._stop is not None:
+            self._stop()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                item = self._q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if item is self._END or isinstance(item, BaseException):
+                break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
     def __next__(self):
+        if self._closed:
+            raise StopIteration
         t0 = time.perf_counter()
         item = self._q.get()
         if item is self._END:

@@ -76,8 +76,8 @@ from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
-# header word 0 of each rank's slice: what the rest holds
-DATA, END, SHORT, BAD = 1, 0, 2, -1
+# header word 0 of each rank's slice: what the rest holds (CLOSED: the rank's pipeline is closing, `request_stop`)
+DATA, END, SHORT, BAD, CLOSED = 1, 0, 2, -1, 3
 SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
 IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag length
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
@@ -172,6 +172,15 @@ class ScheduledInput:
         self.sched_cpu_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)
         self.dropped_samples = 0  # this rank's samples dropped at the end of data (uneven or short slices)
         self._ahead_samples = 0  # samples of the slice drawn a round ahead (dropped too if the data ends first)
+        self._stop = False  # request_stop(): set by the training thread, read by the stage's (a bool, no lock needed)
+
+    def request_stop(self) -> None:
+        """End the stream early, at a round every rank agrees on: from its next slice on, this rank draws nothing
+        more from its iterator and announces CLOSED instead; every rank then ends its stream as at the end of data
+        (the batches already gathered are still exchanged, so every rank runs the same collectives), without the
+        uneven-end warning. For `HeraldTrainPipeline.close()`, where the user's iterator is endless: a background stage
+        left inside a collective when the interpreter exits aborts the process. It stays stopped."""
+        self._stop = True
 
     @property
     def policy(self) -> SchedulePolicy | None:
@@ -310,6 +319,8 @@ class ScheduledInput:
         status = heads[:, 0]
         if (status == DATA).all():
             return True
+        if (status == CLOSED).any():  # a pipeline closing (request_stop): asked for, so nothing to warn about
+            return False
         mine = (hs.n if hs is not None else 0) + self._ahead_samples  # with the slice drawn a round ahead
         self.dropped_samples += mine
         if (status == SHORT).any():
@@ -497,6 +508,8 @@ class ScheduledInput:
         pending_first: list[Batch | None] = [first]
 
         def draw() -> tuple[HostSlice | None, np.ndarray, Exception | None]:
+            if self._stop:  # closing: no more slices from the user's (possibly endless) iterator
+                return None, np.array([CLOSED, 0, 0, 0], dtype=np.int64), None
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
                 batch = pending_first.pop() if pending_first else next(stream, None)
             return self._header(batch)

@@ -20,12 +20,20 @@ with NCCL works, and the CPU tests run the same path).
 
 The background thread runs at a lower CPU priority (`input_priority`, default "low"; input_thread.py says why), and
 the pipeline records how long training waits for it (`input_wait_ms`).
+
+`close()` stops that thread at a round every rank agrees on (collective: every rank, after the same number of
+`progress()` calls, before `destroy_process_group()`). A loop over an endless iterator otherwise ends with the
+thread inside a gloo collective, and the process aborts at exit ("terminate called without an active exception",
+SIGABRT: torchrun reports the job failed): the pipeline closes itself at interpreter exit for a script that did not,
+with a shorter wait. A stream that ended (a finite iterator, an epoch) needs nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 from collections import deque
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -37,6 +45,7 @@ from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.input_layout import ManagedTables
 from herald_torchrec.distributed.input_thread import (
+    CLOSE_TIMEOUT_S,
     INPUT_PRIORITIES,
     PREFETCH,
     WAITS_KEPT,
@@ -48,6 +57,17 @@ from herald_torchrec.schedule import make_policy, runnable_policy
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
+
+EXIT_CLOSE_TIMEOUT_S = 10.0  # close() at interpreter exit waits this long for the other ranks' stages
+_RUNNING: "weakref.WeakSet[HeraldTrainPipeline]" = weakref.WeakSet()  # pipelines with a background stage, unclosed
+_exit_hook = False
+
+
+def _close_at_exit() -> None:
+    """Close the pipelines a script left with a background input stage (registered when the first one starts, so
+    it runs before exit hooks registered earlier, e.g. by torch.distributed's set-up)."""
+    for pipeline in list(_RUNNING):
+        pipeline.close(timeout=EXIT_CLOSE_TIMEOUT_S)
 
 
 def herald_modules(model: torch.nn.Module) -> list[ShardedHeraldEmbeddingBagCollection]:
@@ -158,6 +178,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
+        self._prefetched: Optional[PrefetchedInput] = None  # the background stage of the current stream
+        self._closed = False
         self._ownership = self._ownership_versions()
         self.trained_counters: dict[str, int] = {}  # this rank's rows by kind over training steps (not eval)
 
@@ -189,8 +211,16 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         """Batches in training order, each with its plan queued on the modules as it is drawn (in the main thread,
         so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
-        stream = (self.input_stage(source) if not self._prefetch
-                  else PrefetchedInput(self.input_stage, source, self._prefetch, self._input_priority, self.input_wait_ms))
+        global _exit_hook
+        if not self._prefetch:
+            stream = self.input_stage(source)
+        else:
+            stream = self._prefetched = PrefetchedInput(self.input_stage, source, self._prefetch, self._input_priority,
+                                                        self.input_wait_ms, stop=self.input_stage.request_stop)
+            _RUNNING.add(self)
+            if not _exit_hook:
+                atexit.register(_close_at_exit)
+                _exit_hook = True
         for batch, plan, generation in stream:
             current = generation == self.input_stage.generation
             if current:
@@ -201,7 +231,24 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             self._in_flight.append(plan if current else None)
             yield batch
 
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the background input stage (module docstring): collective, every rank after the same number of
+        `progress()` calls. The batches it had scheduled ahead are dropped, so the pipeline trains no more after it
+        (evaluation, `state_dict()` and checkpoints are unaffected). Idempotent; a no-op without a background stage."""
+        if self._closed:
+            return
+        self._closed = True
+        _RUNNING.discard(self)
+        stage, self._prefetched = self._prefetched, None
+        if stage is not None and not stage.close(timeout):
+            warnings.warn(f"HeraldTrainPipeline.close(): the input stage did not stop within {timeout:.0f} s (close() "
+                          "is collective: every rank calls it after the same number of progress() calls); its thread "
+                          "is left running", RuntimeWarning, stacklevel=2)
+
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        if self._closed:
+            raise RuntimeError("HeraldTrainPipeline.progress: the pipeline is closed (close() was called) and trains "
+                               "no more: the batches its input stage had scheduled ahead were dropped")
         if not self._model.training:
             raise ValueError("HeraldTrainPipeline.progress trains: call model.train() first; evaluate with a plain "
                              "forward or torchrec's EvalPipelineSparseDist (they never touch training plans)")
