@@ -89,6 +89,13 @@ batches = iter(data(rank))  # RandomRecDataset: endless
 for _ in range({steps}):
     pipeline.progress(batches)
 out = {{"steps": {steps}}}
+if {close}:  # another iterator while this one still has batches scheduled: refused, and the old one goes on
+    try:
+        pipeline.progress(iter(data(rank)))
+        out["switch"] = "trained"
+    except ValueError as e:
+        out["switch"] = str(e)
+    pipeline.progress(batches)
 if {close}:
     pipeline.close()
     pipeline.close()  # idempotent
@@ -141,8 +148,12 @@ def test_a_loop_over_an_endless_iterator_exits_cleanly_without_close(tmp_path: P
 
 
 def test_close_stops_the_stage_and_the_pipeline_trains_no_more(tmp_path: Path) -> None:
+    """Also: switching to another iterator mid-stream is refused (the old one trains on), since the scheduler has
+    already moved rows for the batches it planned ahead; before, the data plane failed a few steps later with
+    'plan N: table t0 row R moves from rank 1 but is owned by rank 0'."""
     for r, (code, text, res) in enumerate(_run_loop(tmp_path, prefetch=2, close=True)):
         assert code == 0, f"rank {r} exited with {code}:\n{text[-3000:]}"
         assert res["input_threads_alive"] == 0
+        assert "a different iterator while the previous one still has batches scheduled" in res["switch"]
         assert "the pipeline is closed" in res["progress_after_close"]
         assert res["state_keys"] > 0

@@ -180,6 +180,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._scheduled: Optional[Iterator[Batch]] = None
         self._prefetched: Optional[PrefetchedInput] = None  # the background stage of the current stream
         self._closed = False
+        self._stream_ended = True  # the current iterator's stream ran to its end (or there is none yet)
         self._ownership = self._ownership_versions()
         self.trained_counters: dict[str, int] = {}  # this rank's rows by kind over training steps (not eval)
 
@@ -221,6 +222,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             if not _exit_hook:
                 atexit.register(_close_at_exit)
                 _exit_hook = True
+        self._stream_ended = False
         for batch, plan, generation in stream:
             current = generation == self.input_stage.generation
             if current:
@@ -230,6 +232,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
                     m.set_plan(None)
             self._in_flight.append(plan if current else None)
             yield batch
+        self._stream_ended = True
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the background input stage (module docstring): collective, every rank after the same number of
@@ -261,6 +264,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             self._in_flight = deque([None] * len(self._in_flight))
             self._ownership = versions
         if dataloader_iter is not self._source:
+            if not self._stream_ended:  # else the scheduler's view of who owns which row would no longer hold
+                raise ValueError(
+                    "HeraldTrainPipeline.progress: a different iterator while the previous one still has batches "
+                    "scheduled: the input stage plans ahead, and the scheduler has already moved rows for batches of "
+                    "the previous iterator that would never train. Pass the same iterator until progress() raises "
+                    "StopIteration (an epoch), then the next one")
             self._source = dataloader_iter
             self._scheduled = self._schedule(iter(dataloader_iter))
         out = super().progress(self._scheduled)  # type: ignore[arg-type]
