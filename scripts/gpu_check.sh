@@ -3,8 +3,9 @@
 #   bash scripts/gpu_check.sh info cuda bench suite
 #   info : GPU, torch / fbgemm_gpu / torchrec versions                      -> $OUT/info.txt
 #   cuda : the `cuda`-marked tests (tests/test_cuda_parity.py)              -> $OUT/cuda_tests.log
-#   bench: train.py step time + FBGEMM HBM-cache hit rate, herald vs stock TorchRec FUSED_UVM_CACHING with the same
-#          cache size, world size 1 (and 2 ranks sharing the GPU over gloo)   -> $OUT/bench.json, $OUT/bench.log
+#   bench: train.py step time (whole run; steady = the progress windows after the first) + FBGEMM HBM-cache hit
+#          rate, herald vs stock TorchRec FUSED_UVM_CACHING with the same cache size, world size 1 (and 2 ranks
+#          sharing the GPU over gloo)                                      -> $OUT/bench.json, $OUT/bench.log
 #   suite: the regular test suite (not slow), distributed / parity files first -> $OUT/suite.log
 # Needs python3 with torch (CUDA), fbgemm_gpu, torchrec, hydra importable (PYTHONPATH), cwd = the project root.
 # A phase that fails is reported and the next one still runs; the exit status is the number of failed phases.
@@ -78,9 +79,14 @@ bench() {
 }
 
 summarise() {
-  "$PY" - "$OUT/bench.json" <<'EOF'
-import json, sys
+  "$PY" - "$OUT/bench.json" "$OUT/bench.log" <<'EOF'
+import json, re, statistics, sys
 from pathlib import Path
+# steady state: the median of the progress lines' samples/s after the first window (which holds the warm-up)
+windows = {}
+for part in re.split(r"^=== ", Path(sys.argv[2]).read_text(), flags=re.M)[1:]:
+    windows[part.split(":")[0]] = [float(m.group(1)) for m in
+                                   re.finditer(r"^step\s+\d+\s+loss \S+\s+(\d+) samples/s", part, re.M)]
 out = {}
 for d in sorted(Path("/tmp/gpu_bench").glob("*")):
     f = d / "metrics.json"
@@ -93,6 +99,8 @@ for d in sorted(Path("/tmp/gpu_bench").glob("*")):
                                    "hbm_cache_unique_misses", "auc", "steps", "world_size", "global_batch",
                                    "samples_per_s", "hit_rate", "comm_bytes_per_step", "embedding_kernels")}
     keep["step_ms"] = 1e3 * m["global_batch"] / sps if sps == sps and sps > 0 else None
+    later = windows.get(d.name, [])[1:]
+    keep["steady_step_ms"] = 1e3 * m["global_batch"] / statistics.median(later) if later else None
     out[d.name] = keep
 Path(sys.argv[1]).write_text(json.dumps(out, indent=1))
 print(json.dumps(out, indent=1))
