@@ -49,15 +49,21 @@ def rank_result(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / f"result_rank{rank}.pt"
 
 
+def rank_env(world_size: int) -> dict[str, str]:
+    """The environment of `world_size` local gloo ranks (each process adds its RANK): a fresh port on loopback."""
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+    return env
+
+
 def run_ranks(target: str, out_dir: str | Path, world_size: int = 2, timeout: float = 300.0, **kwargs) -> list[Path]:
     """Run `target` on `world_size` gloo ranks; return each rank's result file (raises if one is missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     code = _BOOT.format(tests=str(TESTS_DIR), root=str(REPO_ROOT), paths=[p for p in sys.path if p], target=target, out_dir=str(out_dir),
                         kwargs=json.dumps(kwargs))
-    env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = rank_env(world_size)
     procs, logs = [], []
     for r in range(world_size):
         log = open(out_dir / f"rank{r}.log", "w+b")

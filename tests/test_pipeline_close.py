@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _dist_helpers import REPO_ROOT, TESTS_DIR, free_port
+from _dist_helpers import REPO_ROOT, TESTS_DIR, rank_env
 from herald_torchrec.distributed.input_thread import PrefetchedInput
 
 
@@ -118,8 +117,7 @@ def _run_loop(out_dir: Path, prefetch: int, close: bool, steps: int = 12) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     code = _LOOP.format(tests=str(TESTS_DIR), root=str(REPO_ROOT), prefetch=prefetch, steps=steps, close=close,
                         out_dir=str(out_dir))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = rank_env(2)
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = []
