@@ -10,6 +10,7 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy
+from herald_torchrec.schedule.herald import HeraldPolicy
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan
 
 NAMES = sorted(POLICIES)
@@ -330,3 +331,23 @@ def test_herald_plans_bags_that_read_a_key_more_often_than_there_are_samples():
     assert max(np.bincount(b.values[0]).max() for b in batches) > 8
     plans, chk = run("herald", rows, batches, 2, 4, cache_ratio=0.5)
     assert len(plans) == 6 and chk.stale_reads == 0
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_forward_prediction_is_skipped_only_where_it_cannot_forward(R, monkeypatch):
+    """Two ranks skip `_forward` (a forwarded guest needs a third rank): running it anyway must give the same plans,
+    on a trace small enough that guests are evicted while the next batch reads them. With three ranks the same
+    trace forwards rows, so the comparison can tell the difference."""
+    rows, raw = synthetic_trace(R, 8, 30, locality=0.9)
+
+    def plans(force: bool):
+        if force:
+            monkeypatch.setattr(HeraldPolicy, "_forwards", property(lambda self: self.forward))
+        out = run("herald", rows, make_batches(rows, raw), R, 8, cache_ratio=0.05, lookahead=2)[0]
+        monkeypatch.undo()
+        return out
+
+    skipped, forced = plans(False), plans(True)
+    assert [plan_signature(p) for p in skipped] == [plan_signature(p) for p in forced]
+    forwarded = sum(int(p.counters["forward"]) for p in forced)
+    assert (forwarded == 0) if R == 2 else (forwarded > 0)
