@@ -29,6 +29,8 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,10 +52,18 @@ class _Scheduled:
     es: np.ndarray  # sample of every scheduled element
     ec: np.ndarray  # its key, as an index into the batch's sorted keys
     K: int  # number of keys of the batch
-    cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major)
-    esR: np.ndarray  # es * R
-    ecR: np.ndarray  # ec * R
+    cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major; a view of ec)
     w0: np.ndarray  # first-pass LAIA weight of every element
+    R: int  # ranks
+
+    # only the numpy path reads these: made on first use
+    @functools.cached_property
+    def esR(self) -> np.ndarray:
+        return self.es * self.R
+
+    @functools.cached_property
+    def ecR(self) -> np.ndarray:
+        return self.ec * self.R
 
 
 class HeraldPolicy(SchedulePolicy):
@@ -112,6 +122,7 @@ class HeraldPolicy(SchedulePolicy):
         n = self.layout.total_rows
         self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)  # 1..L, 0 = not in window
         self._picked = np.zeros(n, dtype=bool)
+        self._es_cache: dict[tuple[int, int], np.ndarray] = {}
         # the compiled kernels (schedule/native.py), fixed for the policy's life: the eviction pool's state must be
         # kept by one implementation
         self._native = (native.DirectoryArrays(self.directory, self.eviction, self.next_use, self._picked)
@@ -144,6 +155,15 @@ class HeraldPolicy(SchedulePolicy):
         return self.selection
 
     # ---- per batch --------------------------------------------------------------------------------------------
+    def _sample_of_element(self, n: int, width: int) -> np.ndarray:
+        """[0]*width + [1]*width + ... (n samples): the same for every single-hot batch, so made once (read-only)."""
+        es = self._es_cache.get((n, width))
+        if es is None:
+            es = np.repeat(np.arange(n, dtype=np.int64), width)
+            es.setflags(write=False)
+            self._es_cache = {(n, width): es}  # one shape at a time: the selection or batch size rarely changes
+        return es
+
     def _sched(self, b: GlobalBatch) -> "_Scheduled":
         """The batch's elements in the scheduled tables (cached per batch and selection). Keys keep their index
         into the batch's sorted keys: the unscheduled (small) tables add few keys, compacting would cost more."""
@@ -155,9 +175,9 @@ class HeraldPolicy(SchedulePolicy):
             cols = None
             if bk.width is not None:  # single-hot: take the scheduled columns of the [N, T] key ids
                 cols_idx = np.flatnonzero(self.scheduled)
-                cols = np.ascontiguousarray(bk.cid.reshape(-1, bk.width).T[cols_idx])  # [S, N]
-                ec = cols.T.ravel()  # sample-major
-                es = np.repeat(np.arange(b.num_samples, dtype=np.int64), cols_idx.shape[0])
+                ec = bk.cid.reshape(-1, bk.width)[:, cols_idx].ravel()  # sample-major
+                cols = ec.reshape(b.num_samples, cols_idx.shape[0]).T  # [S, N]
+                es = self._sample_of_element(b.num_samples, cols_idx.shape[0])
                 if es.shape[0] == 0:
                     cols = None
             else:
@@ -166,7 +186,7 @@ class HeraldPolicy(SchedulePolicy):
             # first-pass weight of every element (its key's batch count; multi-hot bags can read a key more often
             # than there are samples: such keys weigh as much as one read by every sample)
             w0 = self._geo[np.minimum(bk.count, self.global_batch)][ec]
-            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, es * R, ec * R, w0)
+            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, w0, R)
             b._cache[key] = hit
         return hit
 
