@@ -30,7 +30,6 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Sequence
 
