@@ -285,7 +285,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
-    from herald_torchrec.distributed.scheduled_input import PLAN_ON
+    from herald_torchrec.distributed.input_round import PLAN_ON
     from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PREFETCH, prefetch_depth
     from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline, herald_modules
     from herald_torchrec.schedule import runnable_policy

@@ -141,7 +141,7 @@ def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
 
 
 def test_who_plans_for_whom() -> None:
-    from herald_torchrec.distributed.scheduled_input import planners
+    from herald_torchrec.distributed.input_round import planners
 
     hosts = np.array([5, 7, 5, 7, 9], dtype=np.int64)  # ranks 0 and 2 on one machine, 1 and 3 on another, 4 alone
     assert planners("host", hosts).tolist() == [0, 1, 0, 1, 4]

@@ -42,12 +42,9 @@ mis-assign them.
 
 from __future__ import annotations
 
-import hashlib
-import socket
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -57,86 +54,45 @@ from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.input_layout import (
-    GatheredIds,
     HostSlice,
     ManagedTables,
     SliceLayout,
     assigned_batch,
     assigned_kjt_parts,
-    gather_ids,
-    global_batch,
-    host_slice,
-    managed_ids,
     received_samples,
     sample_blocks,
     slice_layout,
+)
+from herald_torchrec.distributed.input_round import (
+    BAD,
+    CLOSED,
+    DATA,
+    END,
+    GENERATION_BYTES,
+    PAY_WORDS,
+    PLAN_ON,
+    PLAN_WORD,
+    SHORT,
+    SLICE_WORDS,
+    TRAILER_BYTES,
+    UNIFORM_WORD,
+    Outgoing,
+    Pending,
+    decode_ids,
+    host_key,
+    ids_block,
+    ids_sizes,
+    plan_word,
+    planners,
+    raise_bad,
+    slice_header,
 )
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
-# header word 0 of each rank's slice: what the rest holds (CLOSED: the rank's pipeline is closing, `request_stop`)
-DATA, END, SHORT, BAD, CLOSED = 1, 0, 2, -1, 3
-SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
-IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag length
-PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
-PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
-TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice and plan words, riding on this round's all-to-all
-PLAN_ON = ("host", "rank0", "every_rank")
 SCHED_MS_KEPT = 100_000  # recent planning times kept, however long the run
-
-
-def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:
-    """The rank that plans for each rank: the lowest rank of its host ("host"; `hosts` = a key per rank), rank 0
-    ("rank0"), or itself ("every_rank")."""
-    R = hosts.shape[0]
-    if plan_on == "every_rank":
-        return np.arange(R, dtype=np.int64)
-    if plan_on == "rank0":
-        return np.zeros(R, dtype=np.int64)
-    first = {}
-    return np.array([first.setdefault(int(h), q) for q, h in enumerate(hosts)], dtype=np.int64)
-
-
-def host_key() -> int:
-    """This machine, as an int64 every rank on it shares (a hash of the host name)."""
-    return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little", signed=True)
-
-
-@dataclass
-class _Pending:
-    """A gathered global batch waiting for its plan: this rank's slice, the global ids (on the ranks that plan), the
-    scheduler's view, and each rank's uniform bag length (header word; -1: its lengths travel)."""
-
-    local: HostSlice
-    ids: GatheredIds | None  # None on ranks that receive their plans: they get the ids with the samples
-    batch: GlobalBatch | None  # the scheduler's view (None on ranks that receive their plans)
-    uniform: np.ndarray
-
-
-@dataclass
-class _Outgoing:
-    """A plan made on a rank that plans, a round before it travels; `wire` is what it sends the ranks it plans for
-    (None: it plans for itself only); `err` a failed scheduler."""
-
-    plan: Plan | None
-    generation: int
-    wire: np.ndarray | None = None
-    err: Exception | None = None
-
-
-GENERATION_BYTES = 8  # the scheduler generation (int64) in front of a sent plan
-
-
-def plan_word(out: _Outgoing | None) -> int:
-    """The header word of the plan a round carries from this rank: the bytes it sends (generation, then the encoded
-    plan), 0 if none, -1 if its scheduler failed."""
-    if out is None:
-        return 0
-    if out.err is not None:
-        return -1
-    return 0 if out.wire is None else GENERATION_BYTES + out.wire.shape[0]
 
 
 class ScheduledInput:
@@ -233,7 +189,7 @@ class ScheduledInput:
                 err, words = e, np.array([BAD, 0, 0, 0], dtype=np.int64)
         got = self._all_gather_words(np.append(words, host_key()), "control")  # + the host, for `planners`
         got, hosts = got[:, :-1], got[:, -1]
-        self._raise_bad(got[:, 0], err)
+        raise_bad(got[:, 0], err)
         if (got[:, 0] == END).any():
             if first is not None:
                 warnings.warn(f"herald input (rank {self.rank}): ranks {np.flatnonzero(got[:, 0] == END).tolist()} "
@@ -264,58 +220,10 @@ class ScheduledInput:
         fresh = self._factory(self.layout.batch_size) if self.layout is not None and self.plans_here else None
         self._current = (self.generation + 1, fresh)
 
-    def _raise_bad(self, status: np.ndarray, err: Exception | None) -> None:
-        if err is not None:
-            raise err
-        if (status == BAD).any():
-            q = int(np.flatnonzero(status == BAD)[0])
-            raise ValueError(f"rank {q} rejected its input batch (see its error); every rank stops")
-
     # ------------------------------------------------------------------ gather
-    def _header(self, batch: Batch | None) -> tuple[HostSlice | None, np.ndarray, Exception | None]:
-        """Parse this rank's next slice; its header words say what the others can expect from it."""
-        lay = self.layout
-        if batch is None:
-            return None, np.array([END, 0, 0, 0], dtype=np.int64), None
-        try:
-            hs = host_slice(batch, lay)  # type: ignore[arg-type]
-        except ValueError as e:
-            return None, np.array([BAD, 0, 0, 0], dtype=np.int64), e
-        if hs.n < lay.batch_size:  # type: ignore[union-attr]
-            return hs, np.array([SHORT, hs.n, 0, 0], dtype=np.int64), None
-        n_ids = int(hs.lengths[lay.managed].sum())  # type: ignore[union-attr]
-        return hs, np.array([DATA, hs.n, n_ids, hs.uniform], dtype=np.int64), None
-
-    def _ids_block(self, hs: HostSlice, head: np.ndarray) -> np.ndarray:
-        parts = [] if head[UNIFORM_WORD] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
-        parts.append(managed_ids(hs, self.layout).view(np.uint8))  # type: ignore[arg-type]
-        return np.concatenate(parts)
-
-    def _ids_sizes(self, heads: np.ndarray) -> list[int]:
-        lay = self.layout
-        K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
-        return [(0 if h[UNIFORM_WORD] >= 0 else K * B * 4) + int(h[IDS_WORD]) * lay.ids_dtype.itemsize for h in heads]  # type: ignore[union-attr]
-
-    def _decode_ids(self, heads: np.ndarray, blocks: list[np.ndarray], index: int | None) -> tuple[GatheredIds, GlobalBatch]:
-        """On a rank that plans: the global batch's ids from every rank's ids block, and the scheduler's view."""
-        lay = self.layout
-        K, B = lay.num_keys, lay.batch_size  # type: ignore[union-attr]
-        lengths = np.empty((self.R, K, B), dtype=np.int64)
-        ids = []
-        for q, (h, b) in enumerate(zip(heads, blocks)):
-            if h[UNIFORM_WORD] >= 0:
-                lengths[q] = h[UNIFORM_WORD]
-                ids.append(b.view(lay.ids_dtype))  # type: ignore[union-attr]
-            else:
-                lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)
-                ids.append(b[K * B * 4 :].view(lay.ids_dtype))  # type: ignore[union-attr]
-        g = gather_ids(lengths, ids, lay)  # type: ignore[arg-type]
-        # the scheduler's view (the ids were range-checked on their rank, in host_slice)
-        return g, global_batch(g, lay, self.tables, index)  # type: ignore[arg-type]
-
     def _check_heads(self, heads: np.ndarray, hs: HostSlice | None, err: Exception | None) -> bool:
         """True if every rank has a full slice; else warn (what this rank drops) and return False (end of data)."""
-        self._raise_bad(heads[:, 0], err)
+        raise_bad(heads[:, 0], err)
         status = heads[:, 0]
         if (status == DATA).all():
             return True
@@ -337,7 +245,7 @@ class ScheduledInput:
         return False
 
     # ------------------------------------------------------------------ exchange
-    def _payload(self, cur: _Pending, plan: Plan) -> tuple[list[np.ndarray], np.ndarray]:
+    def _payload(self, cur: Pending, plan: Plan) -> tuple[list[np.ndarray], np.ndarray]:
         """Per destination: this rank's samples the plan assigns there (input_layout.sample_blocks: the ranks that do
         not plan also get their lengths and managed ids, which only the planners gathered), and how many."""
         lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
@@ -352,7 +260,7 @@ class ScheduledInput:
         self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False)
         return blocks, np.diff(cut)
 
-    def _assemble(self, cur: _Pending, mine: np.ndarray, n_from: np.ndarray, got: list[np.ndarray]) -> Batch:
+    def _assemble(self, cur: Pending, mine: np.ndarray, n_from: np.ndarray, got: list[np.ndarray]) -> Batch:
         """This rank's assigned samples (`mine`: global indices, in order; `n_from`: how many from each rank) from
         what every rank sent it."""
         lay = self.layout
@@ -365,7 +273,7 @@ class ScheduledInput:
         lengths, values = assigned_kjt_parts(cur.ids, lay, mine, carried)  # type: ignore[arg-type]
         return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
 
-    def _plan_next(self, batches: list[GlobalBatch]) -> _Outgoing | None:
+    def _plan_next(self, batches: list[GlobalBatch]) -> Outgoing | None:
         """Plan the next batch (batches: it and up to L after it) where plans are made; the planner also encodes
         the plan for the others. A failing scheduler is returned (err), so that every rank raises together."""
         generation, policy = self._current
@@ -378,10 +286,10 @@ class ScheduledInput:
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
             wire = encode_plan(plan) if self.plans_for.any() else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
-            return _Outgoing(None, generation, err=e)
-        return _Outgoing(plan, generation, wire)
+            return Outgoing(None, generation, err=e)
+        return Outgoing(plan, generation, wire)
 
-    def _raise_failed_plan(self, out: _Outgoing | None, heads: np.ndarray) -> None:
+    def _raise_failed_plan(self, out: Outgoing | None, heads: np.ndarray) -> None:
         """After the header: a scheduler that failed on some rank stops every rank (before any data moves)."""
         if out is not None and out.err is not None:
             raise out.err
@@ -390,7 +298,7 @@ class ScheduledInput:
             raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
                                "(see their error); every rank stops")
 
-    def _recv_sizes(self, cur: _Pending, n_from: np.ndarray) -> list[int] | None:
+    def _recv_sizes(self, cur: Pending, n_from: np.ndarray) -> list[int] | None:
         """Bytes of `cur`'s samples each rank sends this rank (`n_from`: how many of them its plan assigns here),
         computed here: every slice whose bags all have one length (its header word) sends a fixed number of bytes
         per sample. None if some slice's lengths travel: its sizes then come with the header."""
@@ -406,10 +314,10 @@ class ScheduledInput:
         ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize  # type: ignore[union-attr]
         return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8  # type: ignore[union-attr]
 
-    def _step(self, cur: _Pending | None, plan: Plan | None, gather: bool,
+    def _step(self, cur: Pending | None, plan: Plan | None, gather: bool,
               parsed: tuple[HostSlice | None, np.ndarray, Exception | None] | None,
-              out: _Outgoing | None = None, planning: bool = False, known: np.ndarray | None = None,
-              trailer: np.ndarray | None = None) -> tuple[Batch | None, _Pending | None | bool, tuple[Plan, int] | None, np.ndarray | None]:
+              out: Outgoing | None = None, planning: bool = False, known: np.ndarray | None = None,
+              trailer: np.ndarray | None = None) -> tuple[Batch | None, Pending | None | bool, tuple[Plan, int] | None, np.ndarray | None]:
         """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `parsed` (this
         rank's next slice, parsed by `_header`, if `gather`) and, if `planning`, the plan of a later batch (made here
         as `out`, or received from this rank's planner).
@@ -423,7 +331,7 @@ class ScheduledInput:
         R, r, q = self.R, self.rank, self.planner
         receives = planning and q != r
         ids_blocks_in, plan_in = [0] * R, [0] * R
-        gathered: _Pending | None | bool = None
+        gathered: Pending | None | bool = None
         my_ids = wire = np.zeros(0, dtype=np.uint8)
         if plan_word(out) > 0:  # the planner: generation, then the plan
             wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])  # type: ignore[union-attr]
@@ -435,7 +343,7 @@ class ScheduledInput:
             self.comm.counter.add("samples", 0)
         else:
             pay, n_to = [np.zeros(0, np.uint8)] * R, np.zeros(R, dtype=np.int64)
-        hs, head, err = parsed if gather and parsed is not None else self._header(None)
+        hs, head, err = parsed if gather and parsed is not None else slice_header(None, self.layout)  # type: ignore[arg-type]
         head = np.concatenate([head, [plan_word(out)], [b.shape[0] for b in pay]])
         mine = n_from = None  # the global indices the plan assigns here (increasing), and how many from each rank
         if cur is not None:
@@ -461,9 +369,9 @@ class ScheduledInput:
             plan_in[q] = int(heads[q, PLAN_WORD])
         if gather:
             if self._check_heads(heads[:, :SLICE_WORDS], hs, err):
-                my_ids = self._ids_block(hs, head)  # type: ignore[arg-type]
+                my_ids = ids_block(hs, head, self.layout)  # type: ignore[arg-type]
                 if self.plans_here:
-                    ids_blocks_in = self._ids_sizes(heads)
+                    ids_blocks_in = ids_sizes(heads, self.layout)  # type: ignore[arg-type]
                 to_planners = int(self.is_planner.sum()) - int(self.is_planner[r])
                 self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=cur is None)
             else:
@@ -482,9 +390,10 @@ class ScheduledInput:
         following = np.stack([g[:t].view(np.int64) for g in got]) if trailer is not None else None
         got = [g[t:] for g in got]
         if gathered is None and gather:
-            g, gb = (self._decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], None)
+            g, gb = (decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], self.layout,  # type: ignore[arg-type]
+                                 self.tables, None)
                      if self.plans_here else (None, None))
-            gathered = _Pending(hs, g, gb, heads[:, UNIFORM_WORD].copy())  # type: ignore[arg-type]
+            gathered = Pending(hs, g, gb, heads[:, UNIFORM_WORD].copy())  # type: ignore[arg-type]
         planned = None
         if out is not None:  # planned here
             planned = (out.plan, out.generation)
@@ -512,9 +421,9 @@ class ScheduledInput:
                 return None, np.array([CLOSED, 0, 0, 0], dtype=np.int64), None
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
                 batch = pending_first.pop() if pending_first else next(stream, None)
-            return self._header(batch)
+            return slice_header(batch, self.layout)  # type: ignore[arg-type]
 
-        window: deque[_Pending] = deque()  # gathered batches, not yet exchanged
+        window: deque[Pending] = deque()  # gathered batches, not yet exchanged
         planned: deque[tuple[Plan, int]] = deque()  # (plan, generation) of window[0], window[1], ... on every rank
         exhausted = False
         for _ in range(self.lookahead + 2):
@@ -526,7 +435,7 @@ class ScheduledInput:
             window.append(got)  # type: ignore[arg-type]
         L1 = self.lookahead + 1
 
-        def plan_of(j: int) -> _Outgoing | None:  # window[j]'s plan, from it and the (up to) L gathered after it
+        def plan_of(j: int) -> Outgoing | None:  # window[j]'s plan, from it and the (up to) L gathered after it
             return self._plan_next([window[i].batch for i in range(j, min(j + L1, len(window)))])
 
         next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
@@ -543,7 +452,7 @@ class ScheduledInput:
             ahead = draw() if gather else None
             trailer = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                trailer = np.concatenate([(ahead or self._header(None))[1], [plan_word(next_out)]])
+                trailer = np.concatenate([(ahead or slice_header(None, self.layout))[1], [plan_word(next_out)]])  # type: ignore[arg-type]
             cur = window[0] if planned else None
             self._ahead_samples = ahead[0].n if ahead is not None and ahead[0] is not None else 0
             with phase("input.exchange_and_gather"):
