@@ -98,18 +98,23 @@ def raise_bad(status: np.ndarray, err: Exception | None) -> None:
         raise ValueError(f"rank {q} rejected its input batch (see its error); every rank stops")
 
 
+def slice_words(status: int, samples: int = 0, ids: int = 0, uniform: int = 0) -> np.ndarray:
+    """A slice's SLICE_WORDS header words: its status, samples, managed ids and one bag length (-1: lengths travel)."""
+    return np.array([status, samples, ids, uniform], dtype=np.int64)
+
+
 def slice_header(batch: Batch | None, lay: SliceLayout) -> tuple[HostSlice | None, np.ndarray, Exception | None]:
     """Parse this rank's next slice; its header words say what the others can expect from it."""
     if batch is None:
-        return None, np.array([END, 0, 0, 0], dtype=np.int64), None
+        return None, slice_words(END), None
     try:
         hs = host_slice(batch, lay)
     except ValueError as e:
-        return None, np.array([BAD, 0, 0, 0], dtype=np.int64), e
+        return None, slice_words(BAD), e
     if hs.n < lay.batch_size:
-        return hs, np.array([SHORT, hs.n, 0, 0], dtype=np.int64), None
+        return hs, slice_words(SHORT, hs.n), None
     n_ids = int(hs.lengths[lay.managed].sum())
-    return hs, np.array([DATA, hs.n, n_ids, hs.uniform], dtype=np.int64), None
+    return hs, slice_words(DATA, hs.n, n_ids, hs.uniform), None
 
 
 def ids_block(hs: HostSlice, head: np.ndarray, lay: SliceLayout) -> np.ndarray:

@@ -86,6 +86,7 @@ from herald_torchrec.distributed.input_round import (
     planners,
     raise_bad,
     slice_header,
+    slice_words,
 )
 from herald_torchrec.schedule.batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
@@ -180,13 +181,13 @@ class ScheduledInput:
         err: Exception | None = None
         layout = None
         if first is None:
-            words = np.array([END, 0, 0, 0], dtype=np.int64)
+            words = slice_words(END)
         else:
             try:
                 layout = slice_layout(first, self.tables)
                 words = np.concatenate([[DATA], layout.signature()])
             except ValueError as e:
-                err, words = e, np.array([BAD, 0, 0, 0], dtype=np.int64)
+                err, words = e, slice_words(BAD)
         got = self._all_gather_words(np.append(words, host_key()), "control")  # + the host, for `planners`
         got, hosts = got[:, :-1], got[:, -1]
         raise_bad(got[:, 0], err)
@@ -418,7 +419,7 @@ class ScheduledInput:
 
         def draw() -> tuple[HostSlice | None, np.ndarray, Exception | None]:
             if self._stop:  # closing: no more slices from the user's (possibly endless) iterator
-                return None, np.array([CLOSED, 0, 0, 0], dtype=np.int64), None
+                return None, slice_words(CLOSED), None
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
                 batch = pending_first.pop() if pending_first else next(stream, None)
             return slice_header(batch, self.layout)  # type: ignore[arg-type]

@@ -126,11 +126,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the
     lowest rank of each machine plans and sends each plan to the other ranks of its machine (~11 KB per step on
     W&D at R=2; the scheduler's CPU once per machine and step, not once per rank), "rank0" (rank 0 plans for every
-    rank) or "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `input_priority` (default "low") the CPU priority of the background
-    thread (with `prefetch` > 0): "low" (nice 19), "idle" (SCHED_IDLE) or "normal" (input_thread.py says why);
-    `policy_options` go to the policy (e.g. fae's `hot_budget`, het's `staleness`); `profile` (global batches, the
-    scheduler's view) is handed to `policy.profile()` when the policy is built (fae / p2res choose their replicated
-    rows from it). The rest go to TrainPipelineSparseDist.
+    rank) or "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `input_priority`
+    (default "low") the CPU priority of the background thread (with `prefetch` > 0): "low" (nice 19), "idle"
+    (SCHED_IDLE) or "normal" (input_thread.py says why); `policy_options` go to the policy (e.g. fae's
+    `hot_budget`, het's `staleness`); `profile` (global batches, the scheduler's view) is handed to
+    `policy.profile()` when the policy is built (fae / p2res choose their replicated rows from it). The rest go to
+    TrainPipelineSparseDist.
 
     `input_wait_ms` holds, per batch (the last `WAITS_KEPT`), how long the training thread waited for the
     background input stage (with `prefetch` > 0): ~0 while the stage keeps ahead of training."""
