@@ -24,7 +24,7 @@ def quiet_known_noise() -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     quiet_known_noise()
-    from herald_torchrec.trainer import ConfigError, summary_line, train
+    from herald_torchrec.app.trainer import ConfigError, summary_line, train
 
     try:
         metrics = train(cfg)

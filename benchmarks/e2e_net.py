@@ -37,11 +37,11 @@ from typing import Callable
 
 import e2e
 import netem
-from herald_torchrec.dist import cpu_blocks
+from herald_torchrec.app.runtime import cpu_blocks
 
 RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
-START_MARK = r"^\[herald\] \S+ on "  # trainer.py: printed after sharding, before the first step
-STEP_MARK = r"^step\s+{step}\s+loss"  # trainer.py's log line of step `step` (every log_interval steps)
+START_MARK = r"^\[herald\] \S+ on "  # app/trainer.py: printed after sharding, before the first step
+STEP_MARK = r"^step\s+{step}\s+loss"  # app/trainer.py's log line of step `step` (every log_interval steps)
 NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
            "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate", "input_wait_ms_median",
            *(f"cpu_ms_per_step_{k}" for k in netem.THREAD_KINDS))
@@ -73,7 +73,7 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
 def host_cpus(mode: str, ranks: int) -> list[list[int]] | None:
     """The cores of each emulated host: "shared" (None: every host may use every core, as ranks of one machine do),
     or "split" (a block each, disjoint when there are at least as many cores as hosts, as separate machines have;
-    herald_torchrec.dist.cpu_blocks). The app's `cpu_affinity` binds nothing here: each host runs one local rank."""
+    herald_torchrec.app.runtime.cpu_blocks). The app's `cpu_affinity` binds nothing here: each host runs one local rank."""
     if mode == "shared":
         return None
     if mode != "split":

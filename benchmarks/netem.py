@@ -324,7 +324,7 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
-INPUT_THREAD = "herald-input"  # the OS name Herald gives its input stage's thread (distributed/input_thread.py)
+INPUT_THREAD = "herald-input"  # the OS name Herald gives its input stage's thread (distributed/train_pipeline/input_thread.py)
 THREAD_KINDS = ("training", "input", "other")
 THREAD_POLL_S = 0.25  # how often run_ranks reads the threads' CPU between marks (a thread that ends loses < this)
 

@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return HeraldEmbeddingBagCollectionSharder
     if name == "HeraldTrainPipeline":
-        from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline
+        from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline
 
         return HeraldTrainPipeline
     raise AttributeError(f"module 'herald_torchrec' has no attribute {name!r}")

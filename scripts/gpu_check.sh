@@ -25,7 +25,7 @@ info() {
 '| fbgemm_gpu', getattr(fbgemm_gpu, '__version__', '?'), '| torchrec', getattr(torchrec, '__version__', '?'),
 '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
     # the compiled kernels once, before pytest's workers and the ranks would each build them
-    "$PY" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import step_kernels as s
+    "$PY" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import host_kernels as s
 print('compiled kernels:', native.KERNELS.build(), s.KERNELS.build())"
   } 2>&1 | tee "$OUT/info.txt"
 }

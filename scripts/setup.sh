@@ -51,6 +51,6 @@ if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec; print('[setup] o
 fi
 # the compiled kernels (herald_torchrec/_native.py builds them on first use otherwise; without a C++ compiler Herald
 # runs its numpy code: the same results, more CPU per step)
-"$VENV/bin/python" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import step_kernels as s; print('[setup] compiled kernels:', native.KERNELS.build(), s.KERNELS.build())" \
+"$VENV/bin/python" -c "from herald_torchrec.schedule import native; from herald_torchrec.distributed import host_kernels as s; print('[setup] compiled kernels:', native.KERNELS.build(), s.KERNELS.build())" \
   || echo "[setup] note: the compiled kernels did not build (no C++ compiler?); Herald will use its numpy code" >&2
 touch "$STAMP"

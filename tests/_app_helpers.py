@@ -16,8 +16,8 @@ def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list
     its overrides name a run_dir (e.g. a resumed run in an earlier run's directory)."""
     from hydra import compose, initialize_config_dir
 
-    from herald_torchrec.dist import init_distributed
-    from herald_torchrec.trainer import train
+    from herald_torchrec.app.runtime import init_distributed
+    from herald_torchrec.app.trainer import train
 
     ctx = init_distributed("gloo")  # the harness's group
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):

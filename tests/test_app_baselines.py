@@ -167,7 +167,7 @@ def test_fae_reorder_moves_hot_samples_first_within_a_window() -> None:
     """FAE's stream step on hand-made batches: same samples and batch sizes, hot samples (stream order) first."""
     import numpy as np
 
-    from herald_torchrec.baselines import FaeReorder
+    from herald_torchrec.app.baselines import FaeReorder
     from herald_torchrec.data.samples import Samples
 
     def batch(ids: list[int]) -> Samples:

@@ -29,7 +29,7 @@ from conftest import run_app
 RUNS = {  # name: (extra args, ranks)
     "herald": (["scheduler=herald"], 2),
     "static": (["scheduler=static"], 2),
-    # P²RES: replicated rows all-reduced on every rank (distributed/replicas.py), the rest read from home
+    # P²RES: replicated rows all-reduced on every rank (distributed/comparison/replicas.py), the rest read from home
     "p2res": (["scheduler=p2res"], 2),
     "torchrec": (["scheduler=torchrec", "sharding.types=[row_wise]"], 2),
     # four tables (tiny, mid-sized, large) left to TorchRec's TABLE_WISE / COLUMN_WISE sharding, the rest Herald's
@@ -86,7 +86,7 @@ def _initial_tables() -> dict[str, torch.Tensor]:
 
     from herald_torchrec.data import build_source
     from herald_torchrec.models import TrainModel, build_model
-    from herald_torchrec.trainer import model_features, model_kwargs
+    from herald_torchrec.app.trainer import model_features, model_kwargs
 
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["data.locality=0.7"])

@@ -116,7 +116,7 @@ def test_hbm_cache_summary_of_all_rank_totals() -> None:
     counters reports its lines and no hit rate."""
     import torch
 
-    from herald_torchrec.metrics import cache_summary
+    from herald_torchrec.app.metrics import cache_summary
 
     two_ranks = torch.tensor([2.0, 2.0, 39104 + 28448, 1000.0 + 600.0, 100.0 + 300.0], dtype=torch.float64)
     assert cache_summary(two_ranks) == {"hbm_cache_hit_rate": 0.75, "hbm_cache_lines": 67552,

@@ -76,8 +76,8 @@ def stock_dmp(opt: str, world: int, sharding: str):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from herald_torchrec.distributed.optimizer_params import parse_optimizer
-    from herald_torchrec.sharding import StockSharder
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
+    from herald_torchrec.app.model_setup import StockSharder
 
     fp = fused_params(opt)
     fp["optimizer"] = parse_optimizer(fp["optimizer"])
@@ -439,7 +439,7 @@ def test_shard_placements_name_the_gpus_ranks_use() -> None:
     with two ranks on one GPU). CPU placements are left as they are."""
     from torch.distributed._shard.metadata import ShardMetadata
 
-    from herald_torchrec.distributed.checkpoint import _on_used_devices
+    from herald_torchrec.distributed.state.checkpoint import _on_used_devices
 
     gpus = max(torch.cuda.device_count(), 1)
     planned = [ShardMetadata(shard_offsets=[10 * r, 0], shard_sizes=[10, 4], placement=f"rank:{r}/cuda:{r}")

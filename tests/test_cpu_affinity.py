@@ -1,4 +1,4 @@
-"""Binding each local rank to its own cores (herald_torchrec/dist.py, `cpu_affinity`): the blocks are disjoint and
+"""Binding each local rank to its own cores (herald_torchrec/app/runtime.py, `cpu_affinity`): the blocks are disjoint and
 cover the machine, and binding reaches every thread of the process (those started before it too), which is what
 the kernel reports per thread id. The binding runs in a child process so that the test process keeps its CPUs."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from herald_torchrec.dist import bind_local_rank, cpu_blocks
+from herald_torchrec.app.runtime import bind_local_rank, cpu_blocks
 
 
 def test_cpu_blocks_are_disjoint_contiguous_and_cover_the_cpus() -> None:
@@ -47,7 +47,7 @@ def test_a_bad_mode_is_a_clear_error() -> None:
 
 _CHILD = """
 import json, os, threading
-from herald_torchrec.dist import bind_local_rank, cpu_blocks
+from herald_torchrec.app.runtime import bind_local_rank, cpu_blocks
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()  # a thread that exists before the binding
 cpus = sorted(os.sched_getaffinity(0))

@@ -53,7 +53,7 @@ OPTIMIZERS = ("exact_rowwise_adagrad", "exact_sgd")
 def _twin_stores(opt: str):
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
-    from herald_torchrec.distributed.row_store import RowStore, TableSpec
+    from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
     specs = [TableSpec("a", 300, 8), TableSpec("b", 500, 16)]
     kw = dict(rank=0, world_size=2, cache_ratio=0.2, optimizer=opt, learning_rate=0.05, features_per_table=[1, 2],

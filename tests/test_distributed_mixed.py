@@ -53,7 +53,7 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     import test_distributed_parity as P
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection
-    from herald_torchrec.distributed.train_pipeline import herald_modules
+    from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
     from _pipeline_helpers import Batch, Wrap, drain
 
     batches = P.make_batches(world, 12)

@@ -264,7 +264,7 @@ def run_reference(opt: str, batches: list[dict], world: int, division: bool) -> 
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from herald_torchrec.distributed.optimizer_params import parse_optimizer
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 
     tables = init_tables()
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
@@ -397,7 +397,7 @@ def run_torchrec(opt: str, batches: list[dict], rank: int, world: int) -> dict:
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.types import ShardingEnv, ShardingType
 
-    from herald_torchrec.distributed.optimizer_params import parse_optimizer
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 
     class RowWiseSharder(EmbeddingBagCollectionSharder):  # the stock sharder offers ROW_WISE on CUDA only
         def sharding_types(self, compute_device_type: str) -> list[str]:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from herald_torchrec.distributed.optimizer_params import parse_optimizer
-from herald_torchrec.distributed.row_layout import check_cache_ratio, guest_capacity, home_range
-from herald_torchrec.distributed.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
+from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, guest_capacity, home_range
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]
@@ -123,13 +123,13 @@ def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> No
 
 
 def test_compiled_directory_updates_match_numpy() -> None:
-    """distributed/step_kernels.py: release / set_owner / allocate leave the same directory (slots, keys, free-slot
+    """distributed/host_kernels.py: release / set_owner / allocate leave the same directory (slots, keys, free-slot
     stacks, owners, guest counts) as the numpy code, over random rounds of guests arriving and leaving; bad input
     still raises numpy's errors and changes nothing."""
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
     from herald_torchrec import _native
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     stores = {}
     try:
@@ -172,16 +172,16 @@ def test_compiled_directory_updates_match_numpy() -> None:
     a, b = stores[True], stores[False]
     for name in ("slot_of_all", "key_of_all", "owner_all", "guest_count_all", "_free_all", "_free_top"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-    assert a.num_guests(0) + a.num_guests(1) > 0 and step_kernels._store_ok(a)  # guests moved; the kernels ran
+    assert a.num_guests(0) + a.num_guests(1) > 0 and host_kernels._store_ok(a)  # guests moved; the kernels ran
 
 
 def test_compiled_row_reads_and_writes_match_torch() -> None:
-    """read_packed / write_packed through step_kernels.rows against the torch path (index_select / index_copy_ per
+    """read_packed / write_packed through host_kernels.rows against the torch path (index_select / index_copy_ per
     storage kind): the same packed floats, with and without optimizer state, and the same storage after a write."""
     from herald_torchrec import _native
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the torch path is the only one")
     rng = np.random.default_rng(11)
     stores = [RowStore([TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3,

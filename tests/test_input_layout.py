@@ -10,7 +10,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from herald_torchrec.distributed.input_layout import (
+from herald_torchrec.distributed.train_pipeline.input_layout import (
     ManagedTables,
     assigned_batch,
     assigned_kjt_parts,
@@ -141,7 +141,7 @@ def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
 
 
 def test_who_plans_for_whom() -> None:
-    from herald_torchrec.distributed.input_round import planners
+    from herald_torchrec.distributed.train_pipeline.input_round import planners
 
     hosts = np.array([5, 7, 5, 7, 9], dtype=np.int64)  # ranks 0 and 2 on one machine, 1 and 3 on another, 4 alone
     assert planners("host", hosts).tolist() == [0, 1, 0, 1, 4]
@@ -151,15 +151,15 @@ def test_who_plans_for_whom() -> None:
 
 @pytest.mark.parametrize("u, ids64", [(1, False), (2, False), (1, True)])
 def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
-    """The samples' blocks and their reassembly compiled (step_kernels.sample_blocks_uniform / received_uniform)
+    """The samples' blocks and their reassembly compiled (host_kernels.sample_blocks_uniform / received_uniform)
     against the numpy code: the same bytes per destination and the same received arrays, for one-length bags of
     length 1 and 2, int32 and int64 ids on the wire, blocks with and without managed ids."""
     import dataclasses
 
     from herald_torchrec import _native
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     slices = [make_slice(5, u), make_slice(6, u)]
     layout = slice_layout(slices[0][0], TABLES)

@@ -1,4 +1,4 @@
-"""The input stage's background thread (herald_torchrec/distributed/input_thread.py): it runs at a lower CPU
+"""The input stage's background thread (herald_torchrec/distributed/train_pipeline/input_thread.py): it runs at a lower CPU
 priority than the training thread (`input_priority`), records how long training waits for it, and says so once
 when it does not keep ahead.
 
@@ -17,9 +17,9 @@ import warnings
 import pytest
 import torch
 
-from herald_torchrec.distributed import input_thread
-from herald_torchrec.distributed.input_thread import INPUT_PRIORITIES, PrefetchedInput
-from herald_torchrec.distributed.train_pipeline import HeraldTrainPipeline
+from herald_torchrec.distributed.train_pipeline import input_thread
+from herald_torchrec.distributed.train_pipeline.input_thread import INPUT_PRIORITIES, PrefetchedInput
+from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
 

@@ -456,7 +456,7 @@ def test_thread_cpu_split_names_the_input_thread() -> None:
     import threading
     import time
 
-    from herald_torchrec.distributed.input_thread import OS_THREAD_NAME, name_os_thread
+    from herald_torchrec.distributed.train_pipeline.input_thread import OS_THREAD_NAME, name_os_thread
 
     assert OS_THREAD_NAME == netem.INPUT_THREAD
     spin_s = 0.3

@@ -46,7 +46,7 @@ def _in_backward(ebc, cls, kwargs: dict) -> None:
 )
 def test_unsupported_settings_raise_from_sharder_and_module(settings: dict, name: str) -> None:
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
-    from herald_torchrec.distributed.row_store import RowStore, TableSpec
+    from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
     with pytest.raises(ValueError, match=name):
         HeraldEmbeddingBagCollectionSharder(fused_params=settings)
@@ -86,7 +86,7 @@ def test_in_backward_optimizer_is_checked_by_the_module() -> None:
 def test_resolution_follows_torchrec_precedence() -> None:
     from torchrec.optim import RowWiseAdagrad
 
-    from herald_torchrec.distributed.optimizer_params import resolve_table_settings
+    from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 
     ebc = make_ebc()
     assert resolve_table_settings(ebc, None) == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
@@ -221,8 +221,8 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
     from torchrec.distributed.types import ShardingEnv
 
     import test_distributed_parity as P
-    from herald_torchrec.distributed.optimizer_params import parse_optimizer
-    from herald_torchrec.sharding import StockSharder
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
+    from herald_torchrec.app.model_setup import StockSharder
 
     if fp is not None:
         fp = {**fp, "optimizer": parse_optimizer(fp["optimizer"])}
@@ -316,7 +316,7 @@ def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> No
     """FBGEMM clips each pooled bag's gradient before summing per row (CPU and CUDA alike): a row read by two bags
     with gradient 0.1 each, max_gradient 0.15, moves by 0.2. Herald's readers clip their shared values' bag
     gradients the same way (clip_pooled_gradient) and the owner applies the sum unclipped."""
-    from herald_torchrec.distributed.row_store import RowStore, TableSpec
+    from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
     st = RowStore([TableSpec("t", 4, 4)], 0, 1, optimizer="exact_sgd", learning_rate=1.0,
                   tbe_settings={"gradient_clipping": True, "max_gradient": 0.15})

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from _dist_helpers import REPO_ROOT, TESTS_DIR, rank_env
-from herald_torchrec.distributed.input_thread import PrefetchedInput
+from herald_torchrec.distributed.train_pipeline.input_thread import PrefetchedInput
 
 
 def _endless_stage(stopped: threading.Event):

@@ -280,7 +280,7 @@ def _plan_on_run(rank: int, plan_on: str, host: str | None = None) -> dict:
 def _plan_on_steps(rank: int, plan_on: str) -> dict:
     import dataclasses
 
-    from herald_torchrec.distributed.train_pipeline import herald_modules
+    from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
 
     plans = []
     # every_rank runs its input stage in the training thread (prefetch=0), rank0 in the background thread 2 batches
@@ -311,7 +311,7 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
 
 def _failing_planner_run(rank: int) -> dict:
     """A scheduler that raises at step 3 (only rank 0 plans): what each rank trained and raised."""
-    from herald_torchrec.schedule.herald import HeraldPolicy
+    from herald_torchrec.schedule.herald.planner import HeraldPolicy
 
     real = HeraldPolicy._plan
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from herald_torchrec.distributed.lookup_layout import grad_sum_layout, lookup_layout, with_owner_bags
-from herald_torchrec.distributed.plan_exec import (
+from herald_torchrec.distributed.step.lookup_layout import grad_sum_layout, lookup_layout, with_owner_bags
+from herald_torchrec.distributed.step.prepare import (
     SharedMarks,
     classify,
     local_input,
@@ -20,8 +20,8 @@ from herald_torchrec.distributed.plan_exec import (
     routes,
     sent_by_kind,
 )
-from herald_torchrec.distributed.row_store import RowStore, TableSpec
-from herald_torchrec.distributed.static_plan import static_plan, static_plan_keys
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.step.static_plan import static_plan, static_plan_keys
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 
 # table a: rows 0-4 home on rank 0, 5-9 on rank 1; table b: rows 0-3 on rank 0, 4-6 on rank 1. Capacity 3 guests.
@@ -191,12 +191,12 @@ def test_distinct_keys_without_a_sort() -> None:
 
 
 def test_compiled_step_preparation_matches_numpy() -> None:
-    """distributed/step_kernels.py: classify and the row lookup layout give numpy's arrays (moves, shared keys read
+    """distributed/host_kernels.py: classify and the row lookup layout give numpy's arrays (moves, shared keys read
     here and not, fills, repeated ids, empty bags), and a batch the plan does not allow still raises numpy's error."""
     from herald_torchrec import _native
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     tables = [TableSpec("a", 10, 4), TableSpec("b", 7, 4)]  # one dim: lookup items are rows
     st = RowStore(tables, 0, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad")
@@ -252,15 +252,15 @@ SHARED_STEP_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "send_s
 
 
 def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
-    """step_kernels.prepare_shared (and the owners' gradient-sum keys) against the numpy code: every rank's
+    """host_kernels.prepare_shared (and the owners' gradient-sum keys) against the numpy code: every rank's
     SharedStep and GradSumLayout, field by field, for 3 ranks and
     the Herald scheduler's own plans over skewed batches (moves, forwards, fills, owners reading their rows), the
     stores' directories updated between steps as the lookup does; a plan it rejects still raises numpy's error."""
     from herald_torchrec import _native
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
     from herald_torchrec.schedule import GlobalBatch, make_policy
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     R, Bs, L, rows = 3, 8, 2, [40, 300, 7, 120]
     st = [RowStore([TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)], r, R, cache_ratio=0.1,
@@ -306,10 +306,10 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
 
 
 def test_compiled_local_input_matches_numpy() -> None:
-    """step_kernels.local_input against the numpy code: global keys and bags of jagged batches (empty and multi-hot
+    """host_kernels.local_input against the numpy code: global keys and bags of jagged batches (empty and multi-hot
     bags), in the module's key order and permuted; an id out of range still raises numpy's error."""
     from herald_torchrec import _native
-    from herald_torchrec.distributed import step_kernels
+    from herald_torchrec.distributed import host_kernels
 
     st = stores()[0]
     rng = np.random.default_rng(5)
@@ -327,8 +327,8 @@ def test_compiled_local_input_matches_numpy() -> None:
         for f in ("values", "lengths", "gkeys", "seg"):
             np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"order {order}: {f}")
         assert got.gkeys.shape[0] > 6
-        if step_kernels.lib() is not None:  # the kernel took this batch (it did not decline to numpy)
-            assert step_kernels.local_input(want.values, want.lengths, st.feature_table_arr, st, 6) is not None
+        if host_kernels.lib() is not None:  # the kernel took this batch (it did not decline to numpy)
+            assert host_kernels.local_input(want.values, want.lengths, st.feature_table_arr, st, 6) is not None
     with pytest.raises(ValueError, match=r"feature 'fa' \(table 'a', 10 rows\): ids out of range \[-1\]"):
         ids(st, [[-1], []], [[1], []])
 
@@ -340,10 +340,10 @@ def test_compiled_gather_add_is_index_add_bit_for_bit() -> None:
     to the owner's deferred update."""
     import torch
 
-    from herald_torchrec.distributed import step_kernels
-    from herald_torchrec.distributed.embedding_lookup import OwnerUpdate, _AddSharedValues, _GatherAddSharedValues
+    from herald_torchrec.distributed import host_kernels
+    from herald_torchrec.distributed.step.embedding_lookup import OwnerUpdate, _AddSharedValues, _GatherAddSharedValues
 
-    if step_kernels.lib() is None:
+    if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     rng = np.random.default_rng(7)
     w, n_bags, n_vals, n = 8, 40, 30, 500

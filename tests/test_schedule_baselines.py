@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
-from herald_torchrec.schedule.fae import FaePolicy
+from herald_torchrec.schedule.baselines.fae import FaePolicy
 from test_schedule_policies import jagged_trace, make_batches, run, synthetic_trace
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, guest_capacity
-from herald_torchrec.schedule.eviction import EvictionPool
-from herald_torchrec.schedule.laia import balanced_assign
+from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
 
 ROWS = [5, 40, 1000]
@@ -289,7 +289,7 @@ def test_balanced_assign_exact_sizes_and_optimum_when_obvious():
 def test_two_ranks_take_the_one_pass_with_the_rounds_answer(first):
     """At R=2 balanced_assign skips the general rounds (laia._two_ranks); on scores with many ties, all-equal rows,
     one-sided preferences, negative and float scores it assigns exactly what the rounds assign."""
-    from herald_torchrec.schedule import laia
+    from herald_torchrec.schedule.herald import laia
 
     rng = np.random.default_rng(first)
     rot = np.array([first, 1 - first])

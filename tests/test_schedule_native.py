@@ -13,9 +13,9 @@ import pytest
 
 from herald_torchrec import _native
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native
-from herald_torchrec.schedule import herald as herald_mod
-from herald_torchrec.schedule.eviction import EvictionPool
-from herald_torchrec.schedule.laia import balanced_assign
+from herald_torchrec.schedule.herald import planner as herald_mod
+from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.plan_wire import encode_plan_tree
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="no C++ compiler here: the numpy path is the only one")
@@ -148,7 +148,7 @@ def test_off_switch(numpy_only):
 
 def test_app_setting():
     """`scheduler.native` in the app: off -> numpy, on -> the kernels, auto -> HERALD_NATIVE's default (on here)."""
-    from herald_torchrec.sharding import use_native_kernels
+    from herald_torchrec.app.model_setup import use_native_kernels
 
     try:
         use_native_kernels("off")

@@ -10,7 +10,7 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy
-from herald_torchrec.schedule.herald import HeraldPolicy
+from herald_torchrec.schedule.herald.planner import HeraldPolicy
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan
 
 NAMES = sorted(POLICIES)

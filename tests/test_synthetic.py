@@ -107,8 +107,8 @@ def test_trainer_draws_only_this_ranks_slice() -> None:
     import torch
 
     from herald_torchrec.data.source import SyntheticSource
-    from herald_torchrec.dist import DistContext
-    from herald_torchrec.trainer import local_samples
+    from herald_torchrec.app.runtime import DistContext
+    from herald_torchrec.app.trainer import local_samples
 
     src = SyntheticSource(SyntheticSpec(seed=5), epoch_batches=4, val_batches=2)
     made = []

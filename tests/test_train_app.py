@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import run_app, run_app_many
-from herald_torchrec.dist import cpu_blocks
+from herald_torchrec.app.runtime import cpu_blocks
 
 
 def _metrics(run_dir: Path) -> dict:

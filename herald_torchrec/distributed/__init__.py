@@ -4,7 +4,7 @@ Imports torch / torchrec / fbgemm (unlike the control plane in herald_torchrec.s
 
 from herald_torchrec.distributed.comm import CommCounter, PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
-from herald_torchrec.distributed.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.distributed.sharder import HeraldEmbeddingBagCollectionSharder
 
 __all__ = [

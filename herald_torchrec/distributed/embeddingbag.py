@@ -33,10 +33,10 @@ plan itself (an all-gather of the local ids; owners never move, every non-owner 
 any time (they never consume a queued training plan) and runs without a scheduler work.
 
 Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this module is the ShardedModule adapter
-(it orders a step: plans, error checks, counters); plan_exec.py prepares the step in numpy (what to send where, no
+(it orders a step: plans, error checks, counters); step/prepare.py prepares the step in numpy (what to send where, no
 process group), lookup_layout.py its lookup's index layouts, static_plan.py the plan when none is queued;
 dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the store-side work
-(moves applied, values read and pooled, shared-row updates); baseline_regions.py adds what the comparison systems'
+(moves applied, values read and pooled, shared-row updates); comparison/regions.py adds what the comparison systems'
 plans need (replicas, HET's cache); fused_optimizer.py is the optimizer.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
@@ -73,16 +73,16 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.baseline_regions import BaselineRegions, BaselineStep
-from herald_torchrec.distributed.checkpoint import HeraldCheckpoint, install_state_dict_hooks
+from herald_torchrec.distributed.comparison.regions import BaselineRegions, BaselineStep
+from herald_torchrec.distributed.state.checkpoint import HeraldCheckpoint, install_state_dict_hooks
 from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
-from herald_torchrec.distributed.dist_data import ErrorCheck, ErrorFlagDist
-from herald_torchrec.distributed.embedding_lookup import HeraldLookup
-from herald_torchrec.distributed.fused_optimizer import HeraldFusedOptimizer
-from herald_torchrec.distributed.optimizer_params import resolve_table_settings
-from herald_torchrec.distributed.plan_exec import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
-from herald_torchrec.distributed.row_layout import check_cache_ratio, home_range
-from herald_torchrec.distributed.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.step.dist_data import ErrorCheck, ErrorFlagDist
+from herald_torchrec.distributed.step.embedding_lookup import HeraldLookup
+from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimizer
+from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
+from herald_torchrec.distributed.step.prepare import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
+from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
@@ -216,7 +216,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
         self._plans: deque[Plan | None] = deque()
         self._pending: SharedStep | None = None
-        # the comparison systems' replicas (fae / p2res) and HET's worker cache: distributed/baseline_regions.py
+        # the comparison systems' replicas (fae / p2res) and HET's worker cache: distributed/comparison/regions.py
         self._baselines = BaselineRegions(self._store, self._comm, self.device, self.optimizer_type,
                                           self.learning_rate, self.eps, fp)
         self._baseline_pending: BaselineStep | None = None

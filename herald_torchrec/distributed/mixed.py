@@ -30,7 +30,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.checkpoint import install_mixed_state_dict_hooks
+from herald_torchrec.distributed.state.checkpoint import install_mixed_state_dict_hooks
 from herald_torchrec.distributed.embeddingbag import (
     HeraldEmbeddingBagCollectionContext,
     ShardedHeraldEmbeddingBagCollection,

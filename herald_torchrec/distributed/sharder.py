@@ -47,12 +47,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection, sub_collection
-from herald_torchrec.distributed.optimizer_params import (
+from herald_torchrec.distributed.storage.optimizer_params import (
     DEFAULT_FUSED_PARAMS,
     resolve_table_settings,
     sharder_fused_params,
 )
-from herald_torchrec.distributed.row_layout import check_cache_ratio
+from herald_torchrec.distributed.storage.row_layout import check_cache_ratio
 
 def with_row_wise(types: list[str]) -> list[str]:
     """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.checker import PlanChecker
 from herald_torchrec.schedule.directory import OwnershipDirectory
-from herald_torchrec.schedule.fae import FaePolicy
-from herald_torchrec.schedule.greedy import HeraldGreedyPolicy
-from herald_torchrec.schedule.herald import HeraldPolicy
-from herald_torchrec.schedule.het import HetBspPolicy
-from herald_torchrec.schedule.het_stale import HetPolicy
-from herald_torchrec.schedule.p2res import P2resPolicy
+from herald_torchrec.schedule.baselines.fae import FaePolicy
+from herald_torchrec.schedule.baselines.greedy import HeraldGreedyPolicy
+from herald_torchrec.schedule.herald.planner import HeraldPolicy
+from herald_torchrec.schedule.baselines.het_bsp import HetBspPolicy
+from herald_torchrec.schedule.baselines.het import HetPolicy
+from herald_torchrec.schedule.baselines.p2res import P2resPolicy
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy
-from herald_torchrec.schedule.static import StaticPolicy
+from herald_torchrec.schedule.baselines.static import StaticPolicy
 
 POLICIES: dict[str, type[SchedulePolicy]] = {
     "static": StaticPolicy,

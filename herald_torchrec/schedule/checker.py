@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import guest_capacity, home_blocks
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, ReplicaSync
 

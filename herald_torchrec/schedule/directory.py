@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.batch import TableLayout
+from herald_torchrec.schedule.global_batch import TableLayout
 
 
 def guest_capacity(table_rows: Sequence[int], cache_ratio: float) -> np.ndarray:

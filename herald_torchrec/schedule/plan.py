@@ -120,8 +120,8 @@ HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL = 0, 1, 2, 3  # CacheStep.action
 
 @dataclass
 class CacheStep:
-    """What HET's per-worker caches do in one step (het, schedule/het_stale.py), for the data plane to execute
-    (distributed/het_cache.py). Per distinct (key, reader) pair of the step: `action` HIT (the cached copy),
+    """What HET's per-worker caches do in one step (het, schedule/baselines/het.py), for the data plane to execute
+    (distributed/comparison/het_cache.py). Per distinct (key, reader) pair of the step: `action` HIT (the cached copy),
     MISS_PULL (the home/PS value + optimizer state, then cached), MISS_UNCACHED (the PS value, read without caching:
     no room), UPDATE_PULL (the cached copy refreshed from the PS, its pending updates re-applied); `push`: after the
     step the reader pushes its accumulated gradient to the PS (more than S pending, or uncached). `evict_*`: copies

@@ -3,7 +3,7 @@
 Why it exists: the scheduler is deterministic, so every rank *could* compute the same plan, but then a machine
 running R ranks computes it R times (~5 ms of CPU per step and rank on the default workload). The input stage
 instead lets one rank per machine plan and ships the plan in the all-to-all it runs anyway
-(distributed/scheduled_input.py, `plan_on`), so its size counts: every integer array travels in the narrowest
+(distributed/train_pipeline/input_stage.py, `plan_on`), so its size counts: every integer array travels in the narrowest
 signed type that holds its values (a table index in one byte, a row in four, a rank in one) and is restored to its
 original dtype on arrival — the decoded plan equals the original field for field, dtypes included. The structure
 (dataclass fields in declaration order) is fixed, so only the values travel: a small JSON skeleton with the scalars

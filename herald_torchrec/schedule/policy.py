@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import check_cache_ratio
 from herald_torchrec.schedule.plan import Plan, SharedRows
 from herald_torchrec.schedule.reads import BatchKeys, Scratch, StepReads, batch_keys, step_reads

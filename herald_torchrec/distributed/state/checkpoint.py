@@ -1,0 +1,421 @@
+"""Checkpoints of Herald-managed tables the TorchRec way: `state_dict` / `load_state_dict` and the fused optimizer's
+state in TorchRec's ROW_WISE layout, so that `torch.distributed.checkpoint` (DCP) saves and restores them like any
+TorchRec-sharded table, and checkpoints cross-load between Herald and stock TorchRec runs.
+
+Why a translation layer: a Herald module keeps its rows in one FBGEMM TBE per rank, in *slot* order, and a row may
+currently live on another rank (a guest there). The TBE's own tensors therefore mean nothing outside this run. What
+a checkpoint holds instead, per table `<t>` (exactly TorchRec's ROW_WISE keys, shapes and ShardedTensor metadata):
+
+* `<prefix>embedding_bags.<t>.weight`: ShardedTensor [rows, dim]; shard r = rank r's home block (the plan's
+  sharding_spec), holding the *current* value of every home row, wherever it lives now;
+* fused optimizer: `state["<fqn>.embedding_bags.<t>.weight"]["<t>.momentum1"]` (row-wise Adagrad): ShardedTensor
+  [rows] with the same row split; SGD keeps no state (an empty dict per table, as TorchRec's fused optimizer).
+
+The local shards are snapshot buffers of the home block. A *refresh* fills them: home rows present here are copied
+from their home slots, rows away as guests are fetched from their owners (one all-to-all of the guest rows; none
+when no rank holds a guest). A refresh is therefore collective — every rank must call `state_dict()` /
+`fused_optimizer.state_dict()` together, as DCP's save does anyway. It runs only when the module changed since the
+last one (training step, load), so a DCP load into the buffers is never overwritten before it is applied.
+
+Loading (TorchRec's idiom: `sd = dmp.state_dict(); dcp.load(sd, ...); dmp.load_state_dict(sd)`, same for
+`dmp.fused_optimizer`) writes the values into the home rows after every guest has gone home (one all-to-all of the
+guest rows with their optimizer state, so values not being loaded are kept): ownership is back at the home placement
+on every rank, directories and guest counts coherent, queued plans are dropped with the pending step (its shared-row
+gradients belong to the model being replaced), and `module.ownership_version` is incremented so that a train
+pipeline rebuilds its scheduler from the home placement. Loading is collective too.
+
+Costs and caveats: the buffers are one extra copy of each rank's home blocks (and row-wise state) on the module's
+device. Take checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
+optimizer's `step()` would), so a `state_dict()` between forward and backward would drop that step's shared-row
+gradients. Optimizer wrappers that copy `.state` once at construction (torchrec's `OptimizerWrapper`) see the
+buffers refreshed only by a later `dmp.state_dict()` / `dmp.fused_optimizer.state_dict()`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torchrec.distributed.types import ParameterSharding
+
+from herald_torchrec.distributed.step.prepare import prepare_moves, routes
+from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, home_range, ragged_arange
+from herald_torchrec.schedule.plan import EVICT_HOME, Plan, RowMoves
+
+if TYPE_CHECKING:  # pragma: no cover
+    from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
+
+STORE_PREFIX = "_store."  # the module's TBE internals: never in a state dict
+
+
+def weight_key(table: str) -> str:
+    return f"embedding_bags.{table}.weight"
+
+
+def state_key(table: str) -> str:
+    """TorchRec's name of a row-wise optimizer state (EmbeddingFusedOptimizer: `<table>.momentum1`)."""
+    return f"{table}.momentum1"
+
+
+def _row_wise_shards(
+    rows: int, dim: int, world_size: int, rank: int, device: torch.device, ps: ParameterSharding | None
+) -> list[ShardMetadata]:
+    """The table's ROW_WISE shards: the plan's sharding_spec if it has one, else the home blocks (TorchRec's split),
+    placed where the ranks' home blocks really are (`_on_used_devices`)."""
+    spec = getattr(ps, "sharding_spec", None) if ps is not None else None
+    shards = getattr(spec, "shards", None)
+    if shards:
+        return _on_used_devices(list(shards), rank, device)
+    out = []
+    for r in range(world_size):
+        lo, hi = home_range(rows, world_size, r)
+        dev = f"cuda:{r}" if device.type == "cuda" else device.type
+        out.append(ShardMetadata(shard_offsets=[lo, 0], shard_sizes=[hi - lo, dim], placement=f"rank:{r}/{dev}"))
+    return _on_used_devices(out, rank, device)
+
+
+def _on_used_devices(shards: list[ShardMetadata], rank: int, device: torch.device) -> list[ShardMetadata]:
+    """Shards whose CUDA placements name GPUs that exist: this rank's own shard names `device` (where its home block
+    is), another rank's names its planned GPU modulo the GPUs there are. A plan made for one GPU per rank (placement
+    cuda:r) therefore fits ranks that share GPUs (`init_distributed` puts local rank r on GPU r % GPUs), where
+    ShardedTensor would otherwise reject the home block ("Local shard tensor device does not match"). Where ranks
+    follow that rule, every rank computes the same placements, so the global metadata agrees across ranks."""
+    if device.type != "cuda":
+        return shards
+    gpus = max(torch.cuda.device_count(), 1)
+    out = []
+    for s in shards:
+        p = s.placement
+        if p is None or p.device().type != "cuda":
+            out.append(s)
+            continue
+        idx = device.index if p.rank() == rank and device.index is not None else (p.device().index or 0) % gpus
+        out.append(ShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes),
+                                 placement=f"rank:{p.rank()}/cuda:{idx}"))
+    return out
+
+
+def _sharded(local: torch.Tensor, shards: list[ShardMetadata], size: tuple[int, ...], rank: int, pg: Any) -> ShardedTensor:
+    """A ShardedTensor over `shards` whose shard on this rank is `local` (no communication, as TorchRec builds its own).
+    Without torch.distributed (a single-process module) the one home block is the whole table: `local` itself."""
+    if not dist.is_initialized():
+        return local  # type: ignore[return-value]
+    mine = [s for s in shards if s.placement is not None and s.placement.rank() == rank]
+    if len(mine) > 1:
+        raise ValueError(f"ROW_WISE sharding lists {len(mine)} shards on rank {rank}; Herald's home block is one")
+    meta = ShardedTensorMetadata(
+        shards_metadata=shards, size=torch.Size(size), tensor_properties=TensorProperties(dtype=local.dtype)
+    )
+    local_shards = [Shard(tensor=local, metadata=mine[0])] if mine else []
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, meta, process_group=pg)
+
+
+class HeraldCheckpoint:
+    """The checkpoint view of one `ShardedHeraldEmbeddingBagCollection`: home-block snapshot buffers wrapped in
+    ROW_WISE ShardedTensors, their refresh (collective) and the load into the store (collective).
+
+    Attached to the module at construction (`module._checkpoint`); `install_state_dict_hooks` makes the module's
+    `state_dict` / `load_state_dict` go through it, `HeraldFusedOptimizer` takes its params and state from it."""
+
+    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", sharding: dict[str, ParameterSharding] | None) -> None:
+        self._module_ref = [module]  # as HeraldFusedOptimizer holds it (the module owns this object)
+        st = module.store
+        R, r = module.world_size, module.rank
+        pg = module._env.process_group
+        if any(w > 1 for w in st.state_widths):
+            raise ValueError(f"checkpoint: optimizer state of width {max(st.state_widths)} per row is not supported")
+        self.has_state = any(w == 1 for w in st.state_widths)
+        self.home_w: list[torch.Tensor] = []
+        self.home_s: list[torch.Tensor] = []
+        self.weights: list[ShardedTensor | torch.Tensor] = []  # <t>.weight, [rows, dim]
+        self.states: list[ShardedTensor | torch.Tensor] = []  # <t>.momentum1, [rows] (row-wise optimizers only)
+        for t, name in enumerate(module.table_names):
+            rows, dim, hl = st.rows[t], st.dims[t], st.home_len[t]
+            shards = _row_wise_shards(rows, dim, R, r, module.device, (sharding or {}).get(name))
+            mine = [s for s in shards if s.placement is not None and s.placement.rank() == r]
+            if mine and (int(mine[0].shard_offsets[0]), int(mine[0].shard_sizes[0])) != (st.home_lo[t], hl) and hl:
+                raise ValueError(f"table {name!r}: the plan's shard on rank {r} is not its home block")
+            w = torch.zeros(hl, dim, dtype=torch.float32, device=module.device)
+            self.home_w.append(w)
+            self.weights.append(_sharded(w, shards, (rows, dim), r, pg))
+            s = torch.zeros(hl, dtype=torch.float32, device=module.device)
+            self.home_s.append(s)
+            if self.has_state:
+                row_shards = [
+                    ShardMetadata(shard_offsets=[int(x.shard_offsets[0])], shard_sizes=[int(x.shard_sizes[0])],
+                                  placement=x.placement)
+                    for x in shards
+                ]
+                self.states.append(_sharded(s, row_shards, (rows,), r, pg))
+        self._fresh: tuple | None = None  # module version of the buffers' snapshot (None: never taken)
+        self._load_prefix = ""
+
+    @property
+    def module(self) -> "ShardedHeraldEmbeddingBagCollection":
+        return self._module_ref[0]
+
+    # ------------------------------------------------------------------ snapshot
+    def _version(self) -> tuple:
+        m = self.module
+        return (m.steps, m.ownership_version, not m.step_pending)
+
+    def invalidate(self) -> None:
+        """The store was written behind the module's step counter (e.g. `load_full_tables`): refresh next time."""
+        self._fresh = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Fill the home-block buffers with the current rows and optimizer state (collective; see the module doc).
+        A no-op when nothing changed since the last refresh or load."""
+        m = self.module
+        if m.step_pending:
+            m.finish_step()  # the step's shared rows get their update first (collective, like the step itself)
+        if self._fresh == self._version():
+            return
+        st = m.store
+        for t in range(st.num_tables):
+            hl = st.home_len[t]
+            if hl == 0:
+                continue
+            w, s = st.read_slots(t, np.arange(hl))  # rows away leave stale slots: overwritten below
+            self.home_w[t].copy_(w)
+            if self.has_state:
+                self.home_s[t].copy_(s.reshape(-1))
+        self._fetch_guests()
+        self._fresh = self._version()
+
+    def _guests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row living away from home, in global-key order: (table, row, owner, home rank) — the same on every
+        rank (the ownership map is global). O(rows) numpy work per table holding guests, only at checkpoint time."""
+        st = self.module.store
+        parts = []
+        for t in np.flatnonzero(st.guest_count_all.sum(axis=1)).tolist():
+            home = np.arange(st.rows[t], dtype=np.int64) // st.home_block_arr[t]
+            away = np.flatnonzero(st.owner[t] != home)
+            parts.append((np.full(away.shape[0], t, dtype=np.int64), away, st.owner[t][away].astype(np.int64), home[away]))
+        if not parts:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z, z
+        return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+
+    def _fetch_guests(self) -> None:
+        """Copy every guest row (value + state) from its owner into its home rank's buffers (no ownership change):
+        one all-to-all, owner -> home rank, split sizes known everywhere."""
+        m, st = self.module, self.module.store
+        if not st.guest_count_all.any():
+            return
+        tab, row, owner, home = self._guests()
+        width = st.packed_widths(tab)
+        send, recv, send_splits, recv_splits = routes(owner, home, width, m.rank, m.world_size)
+        buf = st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64))
+        got = m._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
+        r_tab, r_row, r_width = tab[recv], row[recv], width[recv]
+        start = exclusive_cumsum(r_width)
+        for t in np.unique(r_tab).tolist():
+            sel = np.flatnonzero(r_tab == t)
+            w, d = int(r_width[sel[0]]), st.dims[t]
+            block = got[torch.from_numpy(ragged_arange(start[sel], r_width[sel])).to(got.device)].view(-1, w)
+            idx = torch.from_numpy(r_row[sel] - st.home_lo[t]).to(got.device)
+            self.home_w[t].index_copy_(0, idx, block[:, :d])
+            if self.has_state:
+                self.home_s[t].index_copy_(0, idx, block[:, d])
+
+    # ---------------------------------------------------------------------- load
+    def send_guests_home(self) -> None:
+        """Every guest row (value + optimizer state) moves back to its home rank, as a plan of evictions executed
+        by the module itself (collective; no communication when no rank holds a guest)."""
+        m, st = self.module, self.module.store
+        if not st.guest_count_all.any():
+            return
+        tab, row, owner, home = self._guests()
+        moves = RowMoves(table=tab, row=row, src=owner, dst=home, kind=np.full(tab.shape[0], EVICT_HOME, dtype=np.int8))
+        plan = Plan(step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64),
+                    moves=moves)
+        m._exec.apply_moves(prepare_moves(plan, st), None)
+
+    @torch.no_grad()
+    def load(self, weights: dict[int, torch.Tensor] | None = None, states: dict[int, torch.Tensor] | None = None) -> None:
+        """Write home blocks (table index -> [home_len, dim] / [home_len]) into the store and reset ownership to
+        home (collective). Tables not given keep their current values."""
+        m, st = self.module, self.module.store
+        m.drop_pending()  # its gradients belong to the model being replaced
+        m.clear_plans()
+        self.send_guests_home()
+        for t in range(st.num_tables):
+            hl = st.home_len[t]
+            w = (weights or {}).get(t)
+            s = (states or {}).get(t) if self.has_state else None
+            if hl == 0 or (w is None and s is None):
+                continue
+            slots = np.arange(hl)
+            if w is None:  # only the optimizer state: the weights stay (the buffers keep what DCP put there)
+                st.write_slots(t, slots, st.read_slots(t, slots)[0], s.reshape(hl, 1))
+            else:
+                st.write_slots(t, slots, w, None if s is None else s.reshape(hl, 1))
+                if w is not self.home_w[t]:
+                    self.home_w[t].copy_(w)
+            if s is not None and s is not self.home_s[t]:
+                self.home_s[t].copy_(s.reshape(-1))
+        m.ownership_version += 1
+        # the buffers now hold the loaded rows (and, for tables not loaded, their last snapshot): a DCP load of the
+        # optimizer state into them right after a model load must survive until it is applied
+        self._fresh = self._version()
+
+    def home_block(self, t: int, value: Any, what: str) -> torch.Tensor:
+        """This rank's home block of table t from a state-dict value: a ShardedTensor whose local shard is exactly
+        the home block (DCP reshards into Herald's own state dict, so that is what a DCP load gives), or a full
+        unsharded tensor (e.g. from `dcp_to_torch_save` or an unsharded EBC)."""
+        st = self.module.store
+        name = self.module.table_names[t]
+        lo, hl = st.home_lo[t], st.home_len[t]
+        full = (st.rows[t], st.dims[t]) if what == "weight" else (st.rows[t],)
+        if tuple(value.shape) != full:
+            raise ValueError(f"table {name!r}: checkpoint {what} has shape {tuple(value.shape)}, expected {full}")
+        if isinstance(value, ShardedTensor):
+            shards = value.local_shards()
+            got = [(int(s.metadata.shard_offsets[0]), int(s.metadata.shard_sizes[0])) for s in shards]
+            if hl == 0 and all(n == 0 for _, n in got):
+                return torch.zeros((0,) + full[1:], device=self.module.device)
+            if got != [(lo, hl)]:
+                raise ValueError(
+                    f"table {name!r}: the {what} ShardedTensor's local shards {got} are not rank "
+                    f"{self.module.rank}'s home block {(lo, hl)}; load it through DCP into this model's own state_dict()"
+                )
+            return shards[0].tensor.reshape((hl,) + full[1:])
+        return value.detach()[lo : lo + hl]
+
+
+# ------------------------------------------------------------------------------------------------ module hooks
+def install_state_dict_hooks(module: nn.Module) -> None:
+    """`state_dict()` gives TorchRec's keys (no TBE internals); `load_state_dict()` writes home rows and resets
+    ownership. `_FORCE_STATE_DICT_LOAD` makes DMP call the module's own `load_state_dict` (with its hooks)."""
+    module._FORCE_STATE_DICT_LOAD = True
+    module._register_state_dict_hook(_state_dict_hook)
+    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+    module.register_load_state_dict_post_hook(_load_post_hook)
+
+
+def _state_dict_hook(module: nn.Module, destination: dict, prefix: str, local_metadata: Any) -> None:
+    ck: HeraldCheckpoint = module._checkpoint
+    for k in [k for k in destination if k.startswith(prefix + STORE_PREFIX)]:
+        del destination[k]
+    ck.refresh()
+    for name, w in zip(module.table_names, ck.weights):
+        destination[prefix + weight_key(name)] = w
+
+
+def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                   missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    ck: HeraldCheckpoint = module._checkpoint
+    ck._load_prefix = prefix
+    internals = [k for k in state_dict if k.startswith(prefix + STORE_PREFIX)]
+    for k in internals:
+        del state_dict[k]  # slot-ordered FBGEMM internals: loading them would scramble the tables
+    if internals:
+        error_msgs.append(
+            f"{prefix or 'the module'}: the state dict holds FBGEMM internals of a Herald module ({internals[0]}, ...), "
+            f"which are in slot order; save with this version (keys {prefix}embedding_bags.<table>.weight)"
+        )
+    weights = {}
+    for t, name in enumerate(module.table_names):
+        key = prefix + weight_key(name)
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        try:
+            weights[t] = ck.home_block(t, state_dict.pop(key), "weight")
+        except ValueError as e:
+            error_msgs.append(str(e))
+    if weights and not error_msgs:
+        ck.load(weights=weights)
+
+
+def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    internal = module._checkpoint._load_prefix + STORE_PREFIX
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not k.startswith(internal)]
+
+
+# ------------------------------------------------------------------------------------------ fused optimizer
+class CheckpointedOptimizerMixin:
+    """For `HeraldFusedOptimizer`: its `state` (what `KeyedOptimizer.state_dict()` and `CombinedOptimizer` read) is
+    refreshed before it is read — collective, see the module doc — and `post_load_state_dict` writes loaded state
+    home. Combined optimizers read `.state` directly, never this optimizer's `state_dict()`, hence the property."""
+
+    _module_ref: list
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        if self.__dict__.get("_checkpoint_ready"):
+            self._module_ref[0]._checkpoint.refresh()
+        return self.__dict__["_herald_state"]
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self.__dict__["_herald_state"] = value
+
+    def post_load_state_dict(self) -> None:
+        module = self._module_ref[0]
+        ck: HeraldCheckpoint = module._checkpoint
+        if ck.has_state:
+            ck.load(states=dict(enumerate(ck.home_s)))
+        lr = float(next(iter(self.param_groups))["lr"])
+        if lr != module.learning_rate:
+            module.set_learning_rate(lr)
+
+
+def optimizer_layout(ck: HeraldCheckpoint) -> tuple[dict, dict, list[dict]]:
+    """(params, state, param_groups) of the fused optimizer, as TorchRec's EmbeddingFusedOptimizer has them:
+    params keyed `embedding_bags.<t>.weight` (the weight ShardedTensors), state `{param: {"<t>.momentum1": ST}}`
+    (an empty dict per table without optimizer state), one param group with the learning rate."""
+    m = ck.module
+    params = {weight_key(n): w for n, w in zip(m.table_names, ck.weights)}
+    state: dict = {}
+    for t, (n, w) in enumerate(zip(m.table_names, ck.weights)):
+        state[w] = {state_key(n): ck.states[t]} if ck.has_state else {}
+    return params, state, [{"params": list(params.values()), "lr": m.learning_rate}]
+
+
+# -------------------------------------------------------------------------------------------------- mixed EBC
+def install_mixed_state_dict_hooks(module: nn.Module) -> None:
+    """A `ShardedMixedEmbeddingBagCollection` keeps its parts under `herald.` / `stock.`; its state dict shows
+    neither, so a mixed model's checkpoint has the keys of a stock one (`embedding_bags.<t>.weight`)."""
+    module._FORCE_STATE_DICT_LOAD = True
+    module._register_state_dict_hook(_mixed_state_dict_hook)
+    module._register_load_state_dict_pre_hook(_mixed_load_pre_hook, with_module=True)
+    module.register_load_state_dict_post_hook(_mixed_load_post_hook)
+
+
+_PARTS = ("herald.", "stock.")
+
+
+def _mixed_state_dict_hook(module: nn.Module, destination: dict, prefix: str, local_metadata: Any) -> None:
+    for k in list(destination):
+        for part in _PARTS:
+            if k.startswith(prefix + part):
+                destination[prefix + k[len(prefix + part):]] = destination.pop(k)
+
+
+def _mixed_load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    module._load_prefix = prefix
+    herald = set(module.herald.table_names)
+    for k in list(state_dict):
+        rest = k[len(prefix):] if k.startswith(prefix) else None
+        if rest is None or not rest.startswith("embedding_bags."):
+            continue
+        table = rest.split(".")[1]
+        state_dict[prefix + ("herald." if table in herald else "stock.") + rest] = state_dict.pop(k)
+
+
+def _mixed_load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    prefix = getattr(module, "_load_prefix", "")
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        for i, k in enumerate(keys):
+            for part in _PARTS:
+                if k.startswith(prefix + part):
+                    keys[i] = prefix + k[len(prefix + part):]

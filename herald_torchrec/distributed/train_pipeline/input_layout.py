@@ -1,0 +1,471 @@
+"""Host-side layout of the Herald input stage: TorchRec `Batch`es <-> the scheduler's global batches (numpy only).
+
+No process group here: everything is a pure function of arrays, so the input stage's bookkeeping is testable in
+one process. `input_stage.py` moves the bytes these functions describe.
+
+Vocabulary:
+- a *slice* is one rank's `Batch` of a step (B samples: dense features, a KeyedJaggedTensor, labels);
+- *managed keys* are the KJT keys read by Herald-managed tables (possibly several tables per key, across several
+  EBCs); the scheduler sees their ids. *Carried keys* are all other keys (tables left to TorchRec's sharding, other
+  sparse modules): their ids travel with the samples, like dense features and labels;
+- global sample g = q * B + i is sample i of rank q's slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from herald_torchrec.distributed import host_kernels
+from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@dataclass(frozen=True)
+class ManagedTables:
+    """The Herald-managed tables of a model, in one global table space for the scheduler.
+
+    `features[t]`: the KJT keys whose ids table t reads (a table may serve several features; a key may feed tables of
+    several EBCs). `module_offsets[m]`: index of module m's first table (modules in model order)."""
+
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+    features: tuple[tuple[str, ...], ...]
+    module_offsets: tuple[int, ...]
+
+    @property
+    def layout(self) -> TableLayout:
+        return TableLayout(self.rows)
+
+    def keys(self) -> list[str]:
+        """Every managed key, in first-use order."""
+        out: list[str] = []
+        for fs in self.features:
+            out += [f for f in fs if f not in out]
+        return out
+
+
+@dataclass
+class SliceLayout:
+    """What every rank's slices look like (the first slice fixes it; every rank checks it agrees)."""
+
+    keys: tuple[str, ...]
+    batch_size: int
+    dense_shape: tuple[int, ...]  # per sample
+    dense_dtype: torch.dtype
+    label_shape: tuple[int, ...]
+    label_dtype: torch.dtype
+    managed: np.ndarray  # positions in `keys` of the managed keys (ManagedTables.keys() order)
+    carried: np.ndarray  # positions in `keys` of the other keys
+    key_rows: np.ndarray  # per managed key: the smallest table it feeds (its ids must be below this)
+    table_keys: list[np.ndarray] = field(default_factory=list)  # per managed table: indices into `managed`
+    ids_dtype: np.dtype = np.dtype(np.int32)  # wire type of managed ids (int64 only for tables >= 2^31 rows)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)
+
+    def __post_init__(self) -> None:
+        # per-sample byte counts, asked for several times a step (a torch dtype's size needs a tensor): once here
+        self._dense_bytes = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
+        self._fixed_bytes = self._dense_bytes + int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+
+    def dense_bytes(self) -> int:
+        """Bytes of one sample's dense features on the wire."""
+        return self._dense_bytes
+
+    def fixed_bytes(self) -> int:
+        """Bytes of one sample's dense features + label on the wire."""
+        return self._fixed_bytes
+
+    def signature(self) -> np.ndarray:
+        """int64 words every rank must agree on (keys, batch size, dense / label shapes and dtypes)."""
+        import zlib
+
+        text = "\x00".join(self.keys) + f"|{self.dense_shape}|{self.dense_dtype}|{self.label_shape}|{self.label_dtype}"
+        return np.array([self.batch_size, self.num_keys, zlib.crc32(text.encode())], dtype=np.int64)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def check_batch(batch: object) -> Batch:
+    if not isinstance(batch, Batch):
+        raise ValueError(
+            f"HeraldTrainPipeline consumes torchrec.datasets.utils.Batch (dense_features, sparse_features, labels), "
+            f"got {type(batch).__name__}"
+        )
+    if not isinstance(batch.sparse_features, KeyedJaggedTensor):
+        raise ValueError(f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(batch.sparse_features).__name__}")
+    return batch
+
+
+def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
+    """The layout the first slice defines (raises ValueError for what the stage cannot carry)."""
+    batch = check_batch(batch)
+    kjt = batch.sparse_features
+    keys = tuple(kjt.keys())
+    B = int(kjt.stride())
+    index = {k: i for i, k in enumerate(keys)}
+    mkeys = tables.keys()
+    missing = [k for k in mkeys if k not in index]
+    if missing:
+        raise ValueError(f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} (has {list(keys)})")
+    managed = np.array([index[k] for k in mkeys], dtype=np.int64)
+    carried = np.array([i for i, k in enumerate(keys) if k not in set(mkeys)], dtype=np.int64)
+    key_rows = np.array([min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys], dtype=np.int64)
+    table_keys = [np.array([mkeys.index(f) for f in fs], dtype=np.int64) for fs in tables.features]
+    ids_dtype = np.dtype(np.int32) if max(tables.rows) <= INT32_MAX + 1 else np.dtype(np.int64)
+    dense, labels = batch.dense_features, batch.labels
+    if dense.shape[0] != B or labels.shape[0] != B:
+        raise ValueError(f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} samples")
+    return SliceLayout(keys, B, tuple(dense.shape[1:]), dense.dtype, tuple(labels.shape[1:]), labels.dtype,
+                       managed, carried, key_rows, table_keys, ids_dtype)
+
+
+@dataclass
+class HostSlice:
+    """One rank's slice on the host: KJT lengths [K, n] and values (int64, key-major), dense and label bytes."""
+
+    n: int
+    lengths: np.ndarray
+    values: np.ndarray
+    fixed: np.ndarray  # uint8 [n, fixed_bytes]: dense features then label, per sample
+    uniform: int = -1  # the one length of every bag (`uniform_length`), else -1: computed once per slice
+
+    def key_offsets(self) -> np.ndarray:
+        return exclusive_cumsum(self.lengths.sum(axis=1))
+
+
+def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
+    """Parse a slice for the wire, with every check a rank can make alone (ValueError names what is wrong)."""
+    batch = check_batch(batch)
+    kjt = batch.sparse_features
+    keys = tuple(kjt.keys())
+    if keys != layout.keys:
+        raise ValueError(f"the batch's KJT keys {list(keys)} differ from the first batch's {list(layout.keys)}")
+    if kjt.variable_stride_per_key():
+        raise ValueError("Herald input stage: KJTs with a variable batch size per feature are not supported")
+    if kjt.weights_or_none() is not None:
+        raise ValueError("Herald input stage: weighted KeyedJaggedTensors are not supported")
+    n = int(kjt.stride())
+    if n > layout.batch_size:
+        raise ValueError(f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per rank)")
+    dense, labels = batch.dense_features, batch.labels
+    if tuple(dense.shape) != (n, *layout.dense_shape) or dense.dtype != layout.dense_dtype:
+        raise ValueError(f"dense_features {tuple(dense.shape)} {dense.dtype} differ from the first batch's "
+                         f"(n, {layout.dense_shape}) {layout.dense_dtype}")
+    if tuple(labels.shape) != (n, *layout.label_shape) or labels.dtype != layout.label_dtype:
+        raise ValueError(f"labels {tuple(labels.shape)} {labels.dtype} differ from the first batch's "
+                         f"(n, {layout.label_shape}) {layout.label_dtype}")
+    lengths = kjt.lengths().detach().cpu().numpy().astype(np.int64, copy=False).reshape(layout.num_keys, n)
+    values = kjt.values().detach().cpu().numpy().astype(np.int64, copy=False)
+    if values.shape[0] != int(lengths.sum()):
+        raise ValueError(f"KJT: {values.shape[0]} values but lengths sum to {int(lengths.sum())}")
+    _check_managed_ids(values, lengths.sum(axis=1), layout)
+    fixed = np.concatenate(
+        [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
+    ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
+    return HostSlice(n, lengths, values, fixed, uniform_length(lengths))
+
+
+def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
+    """Managed ids must address their tables (checked before any narrowing to the wire's dtype): one pass over all
+    values against the bound of each value's key (carried keys' ids are not Herald's to check)."""
+    K = layout.num_keys
+    if per_key.size and (per_key == per_key[0]).all():  # as many ids per key: a [K, n] block, one bound per row
+        block = values.reshape(K, -1)[layout.managed]
+        if not ((block < 0) | (block >= layout.key_rows[:, None])).any():
+            return
+    key = np.repeat(np.arange(K), per_key)  # the key of every value
+    bound = np.full(layout.num_keys, -1, dtype=np.int64)  # -1: a carried key
+    bound[layout.managed] = layout.key_rows
+    lim = bound[key]
+    bad = (lim >= 0) & ((values < 0) | (values >= lim))
+    if bad.any():
+        k = int(key[np.flatnonzero(bad)[0]])
+        shown = values[bad & (key == k)][:5].tolist()
+        raise ValueError(f"feature {layout.keys[k]!r}: ids out of range {shown} (its table has {bound[k]} rows)")
+
+
+def _bytes_per_sample(t: torch.Tensor, n: int) -> np.ndarray:
+    a = t.detach().cpu().contiguous()
+    return a.view(torch.uint8).numpy().reshape(n, -1) if a.numel() else np.zeros((n, 0), dtype=np.uint8)
+
+
+def managed_ids(s: HostSlice, layout: SliceLayout) -> np.ndarray:
+    """The ids of the managed keys, key after key (ManagedTables.keys() order), as the wire's dtype."""
+    if s.uniform >= 0:  # key-major [K, n * u] values: the managed keys' rows
+        return s.values.reshape(layout.num_keys, -1)[layout.managed].astype(layout.ids_dtype).reshape(-1)
+    per_key = s.lengths.sum(axis=1)
+    koff = exclusive_cumsum(per_key)
+    idx = ragged_arange(koff[layout.managed], per_key[layout.managed])
+    return s.values[idx].astype(layout.ids_dtype)
+
+
+def uniform_length(lengths: np.ndarray) -> int:
+    """The one length of every bag in `lengths`, or -1 if they differ (or there are none). Single-hot data (every
+    bag of length 1) is the common case; the layout functions below take one reshape for it instead of ragged
+    index arithmetic, with the same results."""
+    if lengths.size == 0:
+        return -1
+    u = int(lengths.flat[0])
+    return u if (lengths == u).all() else -1
+
+
+@dataclass
+class GatheredIds:
+    """The managed ids of a whole global batch (every rank holds it after the gather) and its lengths of all keys."""
+
+    lengths: np.ndarray  # int64 [K, R*B]: lengths of every key for every global sample
+    values: np.ndarray  # int64: managed ids, managed key after key, global samples in order
+    key_start: np.ndarray  # int64 [J]: where each managed key's ids start in `values`
+    bag_start: np.ndarray | None  # int64 [J, R*B]: start of each (managed key, sample) bag; None: from `uniform`
+    uniform: int = -1  # the one bag length of every key and sample (values is then [J, R*B, uniform]), else -1
+
+    @property
+    def sample_start(self) -> np.ndarray:
+        """int64 [J, R*B]: start of each (managed key, sample) bag in `values` (of one-length bags: arithmetic, made
+        only where a layout needs it; single-hot batches never do)."""
+        if self.bag_start is None:
+            self.bag_start = self.key_start[:, None] + np.arange(self.lengths.shape[1], dtype=np.int64) * self.uniform
+        return self.bag_start
+
+
+def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: SliceLayout) -> GatheredIds:
+    """Assemble the global batch from every rank's lengths [R, K, B] and managed ids (key-major per rank)."""
+    R, K, B = lengths.shape
+    J = layout.managed.shape[0]
+    u = uniform_length(lengths)
+    if u >= 0:  # every bag of one length (single-hot data): each rank's ids are a [J, B * u] block
+        values = np.empty((J, R, B * u), dtype=np.int64)
+        for q, v in enumerate(per_rank_ids):  # widened to int64 as it is copied in
+            values[:, q] = np.asarray(v).reshape(J, B * u)
+        key_start = np.arange(J, dtype=np.int64) * (R * B * u)
+        return GatheredIds(np.full((K, R * B), u, dtype=np.int64), values.reshape(-1), key_start, None, u)
+    glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
+    mlen = lengths[:, layout.managed, :]  # [R, J, B]
+    seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
+    flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_rank_ids])
+    start_qj = exclusive_cumsum(seg.reshape(-1)).reshape(R, J)
+    order = ragged_arange(start_qj.T.reshape(-1), seg.T.reshape(-1))  # (key, rank) order
+    values = flat[order]
+    mg = glen[layout.managed]  # [J, R*B]
+    key_start = exclusive_cumsum(mg.sum(axis=1))
+    sample_start = key_start[:, None] + np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
+    return GatheredIds(glen, values, key_start, sample_start)
+
+
+def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
+    """The scheduler's view: per managed table, the CSR of the ids every global sample reads in it (a table fed by
+    several keys reads them all, key after key). Single-hot data takes the dense fast path. The ids must have been
+    range-checked (`host_slice` does it on the rank that drew them): the fast path does not check them again."""
+    lay = tables.layout
+    N = ids.lengths.shape[1]
+    one_key = all(k.shape[0] == 1 for k in layout.table_keys)
+    if one_key and (ids.uniform == 1 or (ids.uniform < 0 and (ids.lengths[layout.managed] == 1).all())):
+        first = np.array([int(k[0]) for k in layout.table_keys], dtype=np.int64)
+        per_key = ids.values.reshape(-1, N)  # [J, N]: every key's ids are N consecutive values
+        cols = [per_key[j] for j in first.tolist()]
+        # the ids were range-checked on their ranks (host_slice); each table's ids are already one contiguous row
+        return GlobalBatch.from_dense(np.ascontiguousarray(per_key[first].T), lay, index, columns=cols,
+                                      range_checked=True)
+    mg = ids.lengths[layout.managed]  # [J, N]
+    offs, vals = [], []
+    for keys in layout.table_keys:
+        cnt = mg[keys].sum(axis=0)
+        offs.append(np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64))
+        if keys.shape[0] == 1:
+            k = int(keys[0])
+            vals.append(ids.values[ids.key_start[k] : ids.key_start[k] + int(mg[k].sum())])
+        else:  # per sample: the ids of each key in turn
+            starts = ids.sample_start[keys].T.reshape(-1)
+            widths = mg[keys].T.reshape(-1)
+            vals.append(ids.values[ragged_arange(starts, widths)])
+    return GlobalBatch(offs, vals, lay, index)
+
+
+def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """int64 ids of `keys` (positions in the slice's keys) of the given local samples, sample after sample, key after
+    key within one: the order in which ids travel with their samples."""
+    if keys.shape[0] == 0 or samples.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    u = s.uniform
+    if u >= 0:  # the slice's values are a [K, n, u] block
+        return s.values.reshape(s.lengths.shape[0], s.n, u)[keys][:, samples].transpose(1, 0, 2).reshape(-1)
+    koff = s.key_offsets()
+    within = np.zeros_like(s.lengths)
+    within[:, 1:] = np.cumsum(s.lengths[:, :-1], axis=1)
+    starts = (koff[keys][None, :] + within[keys][:, samples].T).reshape(-1)  # (sample, key)
+    widths = s.lengths[keys][:, samples].T.reshape(-1)
+    return s.values[ragged_arange(starts, widths)]
+
+
+def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.ndarray, with_ids: np.ndarray,
+                  uniform: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """What this rank sends of its samples: one uint8 block per destination d, holding its samples
+    `order[cut[d] : cut[d + 1]]` (local indices). Every block has their dense + label bytes; where `with_ids[d]` (a
+    rank that does not plan, so it never received this slice's managed ids) then their bag lengths of every key
+    (int32 [n, K], sample-major; left out when the slice's bags all have one length, which the header told) and their
+    managed ids (the wire's dtype, sample-major); last, their carried ids (int64, sample-major).
+    Returns (blocks, bytes of lengths and managed ids in each block)."""
+    R = cut.shape[0] - 1
+    if s.uniform >= 0 and uniform:  # the same blocks, compiled (None: kernels off)
+        fast = host_kernels.sample_blocks_uniform(s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried,
+                                                  layout.ids_dtype, order, cut, with_ids)
+        if fast is not None:
+            return fast
+    fixed = s.fixed[order].reshape(-1)
+    fb = layout.fixed_bytes()
+
+    u = s.uniform
+
+    def ids_and_cut(keys: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """The samples' ids of `keys` as bytes, and the byte offset at which each sample's ids start."""
+        if u >= 0:
+            cut_bytes = dtype.itemsize * keys.shape[0] * u * np.arange(order.shape[0] + 1, dtype=np.int64)
+        else:
+            per_sample = s.lengths[keys][:, order].sum(axis=0)
+            cut_bytes = dtype.itemsize * np.concatenate([[0], np.cumsum(per_sample)]).astype(np.int64)
+        return sample_major_ids(s, keys, order).astype(dtype, copy=False).view(np.uint8), cut_bytes
+
+    car, car_cut = ids_and_cut(layout.carried, np.dtype(np.int64))
+    if with_ids.any():
+        man, man_cut = ids_and_cut(layout.managed, layout.ids_dtype)
+        lw = 0 if uniform else 4 * layout.num_keys  # bytes of one sample's lengths
+        lens = s.lengths[:, order].T.astype(np.int32).reshape(-1).view(np.uint8) if lw else np.zeros(0, np.uint8)
+    blocks, id_bytes = [], np.zeros(R, dtype=np.int64)
+    for d in range(R):
+        a, b = int(cut[d]), int(cut[d + 1])
+        parts = [fixed[a * fb : b * fb]]
+        if with_ids[d]:
+            parts += [lens[a * lw : b * lw], man[man_cut[a] : man_cut[b]]]
+            id_bytes[d] = (b - a) * lw + int(man_cut[b] - man_cut[a])
+        parts.append(car[car_cut[a] : car_cut[b]])
+        blocks.append(np.concatenate(parts))
+    return blocks, id_bytes
+
+
+def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_from: np.ndarray,
+                     layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of `sample_blocks` on a rank that does not plan (every block holds lengths and ids): (dense + label
+    bytes [n, fixed_bytes], KJT lengths [K * n] and values, keys in the slices' order) of the received samples, in
+    source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1 (lengths sent)."""
+    K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    u = int(uniform_from[0]) if len(uniform_from) else -1
+    if u >= 0 and (np.asarray(uniform_from) == u).all():
+        return _received_uniform(blocks, n_from, u, layout)
+    fixed, lens, man, car = [], [], [], []
+    for blk, n, u in zip(blocks, n_from.tolist(), uniform_from.tolist()):
+        fixed.append(blk[: n * fb])
+        at = n * fb
+        if u >= 0:
+            ln = np.full((K, n), u, dtype=np.int64)
+        else:
+            ln = blk[at : at + 4 * K * n].view(np.int32).reshape(n, K).T.astype(np.int64)
+            at += 4 * K * n
+        m, c = int(ln[layout.managed].sum()), int(ln[layout.carried].sum())
+        if blk.shape[0] != at + m * it + 8 * c:  # both sides are this module: a mismatch is a protocol bug
+            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                               f"{at + m * it + 8 * c}")
+        man.append(blk[at : at + m * it].view(layout.ids_dtype).astype(np.int64))
+        car.append(blk[at + m * it :].view(np.int64))
+        lens.append(ln)
+    n_all = int(n_from.sum())
+    lens_all = np.concatenate(lens, axis=1) if lens else np.zeros((K, 0), dtype=np.int64)
+    managed = np.concatenate(man) if man else np.zeros(0, np.int64)
+    carried = np.concatenate(car) if car else np.zeros(0, np.int64)
+    start = np.zeros((K, n_all), dtype=np.int64)
+    base = 0
+    for keys, vals in ((layout.managed, managed), (layout.carried, carried)):
+        kl = lens_all[keys]  # [k, n]: sample-major within `vals`, key after key within a sample
+        start[keys] = base + exclusive_cumsum(kl.sum(axis=0))[None, :] + np.cumsum(kl, axis=0) - kl
+        base += vals.shape[0]
+    values = np.concatenate([managed, carried])[ragged_arange(start.reshape(-1), lens_all.reshape(-1))]
+    fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
+    return fixed_all, lens_all.reshape(-1), values
+
+
+def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths int64 [K * B'], values int64) of the KJT of the samples `mine` (global indices, in order), keys in the
+    slices' order, on a rank that plans: managed ids from the gathered batch, carried ids from `carried` (laid out as
+    `sample_major_ids` of the carried keys, samples in `mine` order)."""
+    K = layout.num_keys
+    u = ids.uniform
+    if u >= 0:  # [K, B', u] blocks: the managed keys' from the gathered [J, N, u], the carried from [B', C, u]
+        n, J, C = mine.shape[0], layout.managed.shape[0], layout.carried.shape[0]
+        values = np.empty((K, n, u), dtype=np.int64)
+        values[layout.managed] = ids.values.reshape(J, ids.lengths.shape[1], u)[:, mine]
+        if C:
+            values[layout.carried] = carried.reshape(n, C, u).transpose(1, 0, 2)
+        return np.full(K * n, u, dtype=np.int64), values.reshape(-1)
+    lens = ids.lengths[:, mine]  # [K, B']
+    start = np.zeros((K, mine.shape[0]), dtype=np.int64)
+    base_carried = ids.values.shape[0]
+    start[layout.managed] = ids.sample_start[:, mine]
+    if layout.carried.shape[0]:
+        cl = lens[layout.carried].T  # [B', C] in the order `carried` holds them
+        start[layout.carried] = (base_carried + exclusive_cumsum(cl.reshape(-1)).reshape(cl.shape)).T
+    source = np.concatenate([ids.values, carried]) if carried.shape[0] else ids.values
+    values = source[ragged_arange(start.reshape(-1), lens.reshape(-1))]
+    return lens.reshape(-1), values
+
+
+def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
+                      layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`received_samples` where every source's bags have the one length u: each block is [n, fixed] bytes, then
+    [n, J, u] managed ids (wire dtype), then [n, C, u] carried ids (int64), so the KJT's [K, n, u] values are two
+    transposes (or one compiled pass)."""
+    K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    J, C = layout.managed.shape[0], layout.carried.shape[0]
+    for blk, n in zip(blocks, n_from.tolist()):
+        if blk.shape[0] != n * (fb + J * u * it + 8 * C * u):  # both sides are this module: a mismatch is a bug
+            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                               f"{n * (fb + J * u * it + 8 * C * u)}")
+    n_all = int(n_from.sum())
+    lengths = np.full(K * n_all, u, dtype=np.int64)
+    fast = host_kernels.received_uniform(list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype)
+    if fast is not None:  # the same arrays, compiled
+        return fast[0], lengths, fast[1]
+    fixed, man, car = [], [], []
+    for blk, n in zip(blocks, n_from.tolist()):
+        m = n * J * u * it
+        fixed.append(blk[: n * fb])
+        man.append(blk[n * fb : n * fb + m].view(layout.ids_dtype).reshape(n, J, u))
+        car.append(blk[n * fb + m :].view(np.int64).reshape(n, C, u))
+    values = np.empty((K, n_all, u), dtype=np.int64)
+    if n_all:
+        values[layout.managed] = np.concatenate(man).transpose(1, 0, 2)
+        if C:
+            values[layout.carried] = np.concatenate(car).transpose(1, 0, 2)
+    fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
+    return fixed_all, lengths, values.reshape(-1)
+
+
+def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:
+    """A TorchRec Batch from the assembled KJT parts and the received dense / label bytes."""
+    n = fixed.shape[0]
+    dense_b = layout.dense_bytes()
+    fixed = np.ascontiguousarray(fixed)
+    dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype).reshape(n, *layout.dense_shape)
+    labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype).reshape(n, *layout.label_shape)
+    kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.from_numpy(values),
+                            lengths=torch.from_numpy(lengths.astype(np.int32)))
+    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def one_process_global_batch(batch: Batch, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
+    """The scheduler's view of a whole global batch held by one process (profiling, simulation): the same path as
+    the input stage with a single rank."""
+    layout = slice_layout(batch, tables)
+    s = host_slice(batch, layout)
+    ids = gather_ids(s.lengths[None], [managed_ids(s, layout)], layout)
+    return global_batch(ids, layout, tables, index)

@@ -1,0 +1,493 @@
+"""`herald`: vectorised LAIA + on-demand synchronisation on the exact ownership protocol (executable plans).
+
+Cost model (docs/ARCHITECTURE.md §2): in a step, key k read by the rank set R_k with owner o costs
+2 x |R_k \\ {o}| rows (value out, gradient back per remote reader), a migration 1 row (+ state), an eviction 1.
+So traffic is driven by how many ranks read a key (co-location) and whether the owner is one of them.
+
+Per step (batches[0] = current global batch, batches[1:] = up to L lookahead batches):
+1. LAIA, on the *scheduled tables* only (adaptive selection, `schedule.tables`):
+   a. score[s, r] = sum over the sample's keys owned by r of w(c_k), with c_k the samples reading k in this
+      batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway: owning it says little);
+      without refinement, `balanced_assign` turns it into exactly B samples per rank (regret-ordered rounds,
+      deterministic); with refinement, each sample's preferred rank (unbalanced) is the starting point of
+   b. `refine` rounds of balanced best response on the exact marginal cost: for sample s and rank r,
+      score[s, r] = sum over its keys of 2 x [another sample reads k at r] + 2 x [r owns k and nobody else reads
+      it there] (+ a bonus for staying put, against oscillation). Single-hot batches gather one per-key [R] row
+      per table column (O(elements x R) in a few large numpy ops); jagged ones with many ranks expand reader lists.
+      `refine` is chosen with the tables (`schedule.tables`) to fit the scheduling-time budget.
+2. Reader sets under the final assignment (`schedule.reads`: one bitmap over (key, rank)).
+3. Ownership: a key read by one rank moves there (MIGRATE); a shared key stays with its owner when the owner
+   reads it, else moves to the reader with the most samples reading it (ties: lowest rank). Arrivals beyond a
+   rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then
+   those used furthest ahead (Belady-like), least recently used first among equals. An evicted guest that the
+   next batch reads is FORWARDed to the rank its sample is predicted to go to (the rank owning most of that
+   sample's scheduled keys after this step) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot make
+   room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
+   step apply at once and capacity holds after them.
+4. Every read key whose reader set is not exactly {owner} goes to `shared`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from herald_torchrec.schedule import native
+from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
+from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
+from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
+from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms, select_tables
+
+
+@dataclass
+class _Scheduled:
+    es: np.ndarray  # sample of every scheduled element
+    ec: np.ndarray  # its key, as an index into the batch's sorted keys
+    K: int  # number of keys of the batch
+    cols: np.ndarray | None  # ec as [width, N] for single-hot batches (fixed width, sample-major; a view of ec)
+    w0: np.ndarray  # first-pass LAIA weight of every element
+    R: int  # ranks
+
+    # only the numpy path reads these: made on first use
+    @functools.cached_property
+    def esR(self) -> np.ndarray:
+        return self.es * self.R
+
+    @functools.cached_property
+    def ecR(self) -> np.ndarray:
+        return self.ec * self.R
+
+
+class HeraldPolicy(SchedulePolicy):
+    """Ours (see the module docstring).
+
+    tables: "auto" (profile the first window and schedule the worthy tables), "all", or a list of table indices.
+    refine: best-response rounds after the first LAIA pass; None = as many (up to `max_refine`) as the time model
+        fits in the budget.
+    budget_ms: scheduling-time budget per global batch for the automatic choices: "auto" = 5 ms up to 2048
+        samples, linear beyond (5 ms at 8 x 256, 40 ms at 64 x 256); None = unlimited.
+    forward: forward evicted guests to their predicted next reader.
+    The choice is made on the first plan() (or by calling `profile(batches)`) and exposed by `tables`, `refine`
+    and `selection`.
+    """
+
+    name = "herald"
+
+    def __init__(self, table_rows, num_ranks: int, batch_per_rank: int, cache_ratio: float = 0.1,
+                 lookahead: int = 4, *, tables: str | Sequence[int] = "auto", refine: int | None = None,
+                 max_refine: int = 2, budget_ms: float | str | None = "auto", forward: bool = True,
+                 stay_bonus: float = 2.0, owner_weight: float = 2.0) -> None:
+        super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
+        for name, v in (("refine", refine), ("max_refine", max_refine)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
+        if budget_ms == "auto":
+            budget_ms = default_budget_ms(self.global_batch)
+        elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
+            raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
+        self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
+        self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)  # victims without a pass over full caches
+        T = self.layout.num_tables
+        self._refine_arg = refine
+        self.refine = 0 if refine is None else int(refine)  # set by profile() when None
+        self.max_refine = int(max_refine)
+        self.forward = bool(forward)
+        self.stay_bonus = float(stay_bonus)
+        self.owner_weight = float(owner_weight)
+        # per-key score rows: small integers when the weights are (fewer bytes to gather), else float32
+        whole = self.owner_weight.is_integer() and (2 + self.owner_weight) * self.layout.num_tables < 2**15
+        self._wtype = np.int16 if whole else np.float32
+        self.budget_ms = budget_ms
+        self.selection: TableSelection | None = None
+        self._fixed_tables: np.ndarray | None = None
+        if isinstance(tables, str):
+            if tables not in ("auto", "all"):
+                raise ValueError(f"herald: tables must be 'auto', 'all' or a list of table indices, got {tables!r}")
+            if tables == "all":
+                self._fixed_tables = np.arange(T)
+        else:
+            idx = np.asarray(list(tables), dtype=np.int64)
+            if idx.ndim != 1 or ((idx < 0) | (idx >= T)).any():
+                raise ValueError(f"herald: table indices must be in [0, {T}), got {list(tables)}")
+            self._fixed_tables = np.unique(idx)
+        self._set_tables(self._fixed_tables if self._fixed_tables is not None else np.zeros(0, dtype=np.int64))
+        n = self.layout.total_rows
+        self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)  # 1..L, 0 = not in window
+        self._picked = np.zeros(n, dtype=bool)
+        self._es_cache: dict[tuple[int, int], np.ndarray] = {}
+        # the compiled kernels (schedule/native.py), fixed for the policy's life: the eviction pool's state must be
+        # kept by one implementation
+        self._native = (native.DirectoryArrays(self.directory, self.eviction, self.next_use, self._picked)
+                        if native.enabled() and native.DirectoryArrays.supported(self.directory, self.eviction,
+                                                                                 self.next_use, self._picked)
+                        else None)
+        # w(c) for c = 0..N: weight of an owned key read by c samples of the batch
+        c = np.arange(self.global_batch + 1, dtype=np.float64)
+        self._geo = ((self.num_ranks - 1) / self.num_ranks) ** np.maximum(c - 1, 0)
+
+    # ---- table selection --------------------------------------------------------------------------------------
+    def _set_tables(self, idx: np.ndarray) -> None:
+        self.scheduled = np.zeros(self.layout.num_tables, dtype=bool)
+        self.scheduled[idx] = True
+        # batches cache per-selection views under this key (several policies may share a batch object)
+        self._sel_key = ("herald_sched", self.scheduled.tobytes())
+
+    @property
+    def tables(self) -> list[int]:
+        """Indices of the tables LAIA schedules (after profiling when tables='auto')."""
+        return [int(t) for t in np.flatnonzero(self.scheduled)]
+
+    def profile(self, batches: Sequence[GlobalBatch]) -> TableSelection:
+        """Choose the scheduled tables and refine rounds from sample batches (done on the first plan())."""
+        self.selection = select_tables([self.keys_of(b) for b in batches], self.layout, self.num_ranks,
+                                       self.batch_per_rank, budget_ms=self.budget_ms, refine=self._refine_arg,
+                                       max_refine=self.max_refine, tables=self._fixed_tables)
+        self._set_tables(self.selection.tables)
+        self.refine = self.selection.refine
+        return self.selection
+
+    # ---- per batch --------------------------------------------------------------------------------------------
+    def _sample_of_element(self, n: int, width: int) -> np.ndarray:
+        """[0]*width + [1]*width + ... (n samples): the same for every single-hot batch, so made once (read-only)."""
+        es = self._es_cache.get((n, width))
+        if es is None:
+            es = np.repeat(np.arange(n, dtype=np.int64), width)
+            es.setflags(write=False)
+            self._es_cache = {(n, width): es}  # one shape at a time: the selection or batch size rarely changes
+        return es
+
+    def _sched(self, b: GlobalBatch) -> "_Scheduled":
+        """The batch's elements in the scheduled tables (cached per batch and selection). Keys keep their index
+        into the batch's sorted keys: the unscheduled (small) tables add few keys, compacting would cost more."""
+        key = self._sel_key
+        hit = b._cache.get(key)
+        if hit is None:
+            bk = self.keys_of(b)
+            R = self.num_ranks
+            cols = None
+            if bk.width is not None:  # single-hot: take the scheduled columns of the [N, T] key ids
+                cols_idx = np.flatnonzero(self.scheduled)
+                ec = bk.cid.reshape(-1, bk.width)[:, cols_idx].ravel()  # sample-major
+                cols = ec.reshape(b.num_samples, cols_idx.shape[0]).T  # [S, N]
+                es = self._sample_of_element(b.num_samples, cols_idx.shape[0])
+                if es.shape[0] == 0:
+                    cols = None
+            else:
+                m = self.scheduled[bk.tab]
+                es, ec = bk.smp[m], bk.cid[m]
+            # first-pass weight of every element (its key's batch count; multi-hot bags can read a key more often
+            # than there are samples: such keys weigh as much as one read by every sample)
+            w0 = self._geo[np.minimum(bk.count, self.global_batch)][ec]
+            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, w0, R)
+            b._cache[key] = hit
+        return hit
+
+    # ---- LAIA -------------------------------------------------------------------------------------------------
+    def assign(self, b: GlobalBatch, bk: BatchKeys, own_k: np.ndarray) -> np.ndarray:
+        """Rank of every sample. Works in rotated rank coordinates (column j = rank (first + j) % R, first =
+        step % R) so that ties go to the first rank of the rotation without permuting score matrices."""
+        R, B, N = self.num_ranks, self.batch_per_rank, b.num_samples
+        first = self.step % R
+        v = self._sched(b)
+        es, ec, K = v.es, v.ec, v.K
+        if es.shape[0] == 0:
+            return np.repeat(np.arange(R, dtype=np.int64), B)
+        own = (own_k - first) % R
+        # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
+        dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
+        if dense and native.enabled():  # the same arithmetic, compiled (schedule/native.py)
+            per_sample = 0 if v.cols is None else v.cols.shape[0]
+            a = native.assign(N, R, B, K, es, ec, v.w0, per_sample, own, self.refine, self.owner_weight,
+                              self.stay_bonus, self._wtype is np.int16)
+            return (a + first) % R
+        eo = own[ec]
+        score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
+        if self.refine == 0:
+            a = balanced_assign(score, B)
+        else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
+            a = np.argmax(score, axis=1)
+        kio = own * K + np.arange(K)  # dense: each key's owner cell in rank-major [R, K] counts
+        for _ in range(self.refine):
+            ea = a[es]
+            # (key, rank) read counts: rank-major [R, K] on the dense path (each rank's row of per-key scores is then
+            # one contiguous array to gather from), key-major [K, R] for the reader lists below
+            code = ea * K + ec if dense else v.ecR + ea
+            c = np.bincount(code, minlength=K * R)
+            # the sample's own rank: its keys that nobody else reads there
+            self_only = c[code] == 1
+            corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
+            if dense:
+                W = (c > 0) * self._wtype(2)  # [R * K]: the score of key k at rank r
+                W[kio] += (c[kio] == 0) * self._wtype(self.owner_weight)
+                if v.cols is not None:  # per rank, the sum over a sample's keys ([S, N] gathers, summed in order)
+                    sc = np.empty((N, R), dtype=np.float32)
+                    for r in range(R):
+                        sc[:, r] = np.add.reduce(W[r * K : (r + 1) * K][v.cols], axis=0)
+                else:
+                    sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
+                                     weights=W.reshape(R, K).T[ec].ravel(), minlength=N * R).reshape(N, R)
+            else:
+                nz = np.flatnonzero(c)
+                kk, rr = nz // R, nz % R
+                lam = np.bincount(kk, minlength=K)
+                start = np.cumsum(lam) - lam
+                # for every element, every rank reading its key (keys read by every rank add a constant: skipped)
+                el = np.flatnonzero(lam[ec] < R)
+                rep = lam[ec[el]]
+                tot = int(rep.sum())
+                within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(rep) - rep, rep)
+                idx = np.repeat(start[ec[el]], rep) + within
+                sc = np.bincount(np.repeat(es[el] * R, rep) + rr[idx], minlength=N * R).astype(np.float64) * 2.0
+                sc += np.bincount(es * R + eo, weights=(c[ec * R + eo] == 0) * self.owner_weight, minlength=N * R)
+                sc = sc.reshape(N, R)
+            sc[np.arange(N), a] += corr + self.stay_bonus
+            a = balanced_assign(sc, B)
+        return (a + first) % R
+
+    @property
+    def _forwards(self) -> bool:
+        """Whether `_forward` can forward anything: a forwarded guest goes to a third rank, neither the one it leaves
+        nor its home, so with two ranks no victim can be; the prediction (~0.1 ms per plan on the rank that plans,
+        issue 9) is then skipped. The plans are the same."""
+        return self.forward and self.num_ranks > 2
+
+    # ---- step -------------------------------------------------------------------------------------------------
+    def _plan(self, batches: list[GlobalBatch]) -> Plan:
+        if self.selection is None:
+            self.profile(batches)
+        b = batches[0]
+        R, B = self.num_ranks, self.batch_per_rank
+        d = self.directory
+        bk = self.keys_of(b)
+        own_k = d.owner[bk.keys].astype(np.int64)
+        sample_rank = self.assign(b, bk, own_k)
+        rd = step_reads(bk, sample_rank, R)
+        keys = rd.keys
+        own = own_k
+        home = d.home[keys].astype(np.int64)
+        pk, pr = rd.pair_key, rd.pair_rank
+        if self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
+            want, single, sole = native.decide(own, rd.count, rd.start, pr, bk.cid, bk.width,
+                                               None if bk.width is not None else bk.smp, sample_rank, R)
+        else:
+            want, single, sole = self._decide(bk, rd, own, sample_rank)
+        # lookahead window: next use (1..L) of every key read in it
+        nu = self.next_use
+        window = [self.keys_of(x) for x in batches[1:]]
+        for j in range(len(window), 0, -1):
+            nu[window[j - 1].keys] = j
+        d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
+        if self._native is not None:
+            victims, room = self._native.make_room(keys, own, home, want, single, self.step, self.lookahead + 1)
+        else:
+            victims, room = self._make_room(keys, own, home, want, single, nu)
+        v_src = d.owner[victims].astype(np.int64)
+        v_dst = d.home[victims].astype(np.int64)
+        v_kind = np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)
+        if self._forwards and victims.shape[0]:
+            self._forward(victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room)
+        for w in window:
+            nu[w.keys] = 0
+        if self._native is not None:
+            return self._assemble_native(sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind)
+        # ---- moves -------------------------------------------------------------------------------------------
+        mig = np.flatnonzero(want != own)
+        mv_gid = np.concatenate([keys[mig], victims])
+        mv_src = np.concatenate([own[mig], v_src])
+        mv_dst = np.concatenate([want[mig], v_dst])
+        mv_kind = np.concatenate([np.full(mig.shape[0], MIGRATE, dtype=np.int8), v_kind])
+        # ---- shared ------------------------------------------------------------------------------------------
+        exclusive = single & (sole == want)
+        moved = want != own
+        pair_owner = want[pk]
+        hit = int(((pair_owner == pr) & ~moved[pk]).sum())
+        remote = int((pair_owner != pr).sum())
+        ids, offs, readers = rd.readers_csr(~exclusive)
+        shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
+        # ---- apply -------------------------------------------------------------------------------------------
+        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
+        o = np.argsort(mv_gid, kind="stable")
+        t, row = split_gid(self.layout, d.table, mv_gid[o])
+        moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
+        counters = {"hit": hit, "migrate": int(mig.shape[0]),
+                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
+                    "shared_value": remote, "shared_grad": remote}
+        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
+                    moves=moves, shared=shared, counters=counters)
+
+    def _decide(self, bk: BatchKeys, rd, own: np.ndarray, sample_rank: np.ndarray):
+        """(want, single, sole) per read key: the owner it should have after the step (module docstring, 3.),
+        whether one rank reads it, and its first reader."""
+        R, K = self.num_ranks, rd.keys.shape[0]
+        pk, pr = rd.pair_key, rd.pair_rank
+        owner_reads = np.zeros(K, dtype=bool)
+        owner_reads[pk[own[pk] == pr]] = True
+        single = rd.count == 1
+        sole = pr[rd.start]  # the reader of single-reader keys (first reader otherwise)
+        want = own.copy()
+        m_single = single & ~owner_reads
+        want[m_single] = sole[m_single]
+        far = ~single & ~owner_reads
+        if far.any():  # shared key whose owner does not read it: move to the reader with most samples
+            fidx = np.cumsum(far) - 1
+            el = far[bk.cid]
+            F = int(far.sum())
+            cnt = np.bincount(fidx[bk.cid[el]] * R + bk.element_ranks(sample_rank)[el], minlength=F * R).reshape(F, R)
+            want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+        return want, single, sole
+
+    def _assemble_native(self, sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind) -> Plan:
+        """The moves, the shared rows and the counters of the plan (the numpy tail of `_plan`, compiled), and the
+        moves applied to the directory."""
+        R, B, d = self.num_ranks, self.batch_per_rank, self.directory
+        a = native.assemble(rd.keys, own, want, single, sole, rd.count, rd.start, rd.pair_rank, victims, v_src, v_dst,
+                            v_kind, MIGRATE, d.table, self.layout.offsets)
+        self._native.apply_moves(a["apply_gid"], a["apply_dst"])
+        moves = RowMoves(table=a["table"], row=a["row"], src=a["src"], dst=a["dst"], kind=a["kind"])
+        shared = SharedRows(table=a["sh_table"], row=a["sh_row"], owner=a["sh_owner"],
+                            reader_offsets=a["sh_offsets"], readers=a["sh_readers"])
+        counters = {"hit": a["hit"], "migrate": int(a["apply_gid"].shape[0] - victims.shape[0]),
+                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
+                    "shared_value": a["remote"], "shared_grad": a["remote"]}
+        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
+                    moves=moves, shared=shared, counters=counters)
+
+    # ---- capacity -----------------------------------------------------------------------------------------------
+    def _make_room(self, keys, own, home, want, single, nu) -> tuple[np.ndarray, np.ndarray]:
+        """Pick eviction victims so that every guest group fits after the step's moves; cancels (in `want`) the
+        least valuable arrivals of groups that cannot make room. Returns the victims (global rows) and the room
+        left in every group after all moves (a lower bound)."""
+        d = self.directory
+        R, T = self.num_ranks, self.layout.num_tables
+        G = R * T
+        tk = d.table[keys].astype(np.int64)
+        last, step, L1 = d.last_use, self.step, self.lookahead + 1
+        chosen = np.zeros(0, dtype=np.int64)
+        freed = np.zeros(G, dtype=np.int64)
+        picked = self._picked
+        victim_rounds = 2
+
+        def prio(pos: np.ndarray) -> np.ndarray:
+            g = d.slots.slot[pos]
+            lu = last[g].astype(np.int64)
+            n = nu[g].astype(np.int64)
+            p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
+            return np.where((lu == step) | picked[g], -1, p)  # read this step or already picked: stays
+
+        # Cancelling an arrival whose row is a guest elsewhere also cancels that departure, which its group may
+        # have counted on: each round settles one link of such chains (cancelling rows that come from home first,
+        # which breaks them). Every round cancels at least one arrival, so this ends.
+        for it in range(keys.shape[0] + 2):
+            mv = np.flatnonzero(want != own)
+            arr = mv[want[mv] != home[mv]]
+            dep = mv[own[mv] != home[mv]]
+            arr_g = want[arr] * T + tk[arr]
+            deficit = (d.slots.fill - np.bincount(own[dep] * T + tk[dep], minlength=G)
+                       + np.bincount(arr_g, minlength=G) - freed - d.slots.cap)
+            gneed = np.flatnonzero(deficit > 0)
+            if gneed.shape[0] == 0:
+                break
+            left = deficit
+            if it < victim_rounds:
+                vpos = self.eviction.pick(gneed, deficit[gneed], prio)  # prio > last use: the pool's floor
+                v = d.slots.slot[vpos]
+                if v.shape[0]:
+                    picked[v] = True
+                    chosen = np.concatenate([chosen, v])
+                    vg = d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64)
+                    vcount = np.bincount(vg, minlength=G)
+                    freed += vcount
+                    left = deficit - vcount
+                    if (left <= 0).all():  # the victims made room everywhere: nothing to cancel
+                        deficit = left
+                        break
+            over = left[arr_g] > 0
+            cand, cg = arr[over], arr_g[over]
+            # keep the most valuable arrivals: single-reader migrations, then keys used again soon; among equals
+            # keep those leaving a guest slot (cancelling them would cascade) and drop those coming from home
+            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
+            from_guest = own[cand] != home[cand]
+            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
+            cand, cg = cand[o], cg[o]
+            n_in = np.bincount(cg, minlength=G)
+            start = np.cumsum(n_in) - n_in
+            within = np.arange(cand.shape[0]) - start[cg]
+            drop = within >= n_in[cg] - left[cg]
+            want[cand[drop]] = own[cand[drop]]
+        else:  # pragma: no cover - every round cancels an arrival
+            raise RuntimeError("herald: capacity resolution did not converge")
+        picked[chosen] = False
+        return np.sort(chosen), -deficit  # victims, room left per group after all moves
+
+    def _forward(self, victims, v_src, v_dst, v_kind, nu, window, keys, own, want, room) -> None:
+        """Send evicted guests that the next batch reads to the rank their sample is predicted to go to
+        (the rank owning most of that sample's scheduled keys after this step's moves), where it has room."""
+        d = self.directory
+        R, T = self.num_ranks, self.layout.num_tables
+        vn = nu[victims]
+        cand = np.flatnonzero(vn == 1)  # read by the next batch: the best-known next reader
+        if cand.shape[0] == 0:
+            return
+        # only worth predicting where some other rank has room in the victim's table
+        tab_room = (room.reshape(R, T) > 0).any(axis=0)
+        cand = cand[tab_room[d.table[victims[cand]]]]
+        if cand.shape[0] == 0:
+            return
+        pred = np.full(cand.shape[0], -1, dtype=np.int64)
+        d.owner[keys] = want  # owners after this step's migrations (restored below)
+        try:
+            for j in sorted({int(x) for x in vn[cand]}):
+                at = np.flatnonzero(vn[cand] == j)
+                wk, wb = window[j - 1], self._window_batches[j - 1]
+                samples = wk.first_sample[np.searchsorted(wk.keys, victims[cand[at]])]
+                v = self._sched(wb)
+                if v.cols is not None:
+                    rows = np.repeat(np.arange(at.shape[0]), v.cols.shape[0])
+                    eg = wk.keys[v.cols[:, samples].T.ravel()]
+                else:
+                    m = np.isin(v.es, samples)
+                    us = np.unique(samples)
+                    rows = np.searchsorted(us, v.es[m])
+                    eg = wk.keys[v.ec[m]]
+                    samples = np.searchsorted(us, samples)
+                n = int(rows.max()) + 1 if rows.shape[0] else 1
+                votes = np.bincount(rows * R + d.owner[eg], minlength=n * R).reshape(n, R)
+                if v.cols is None:
+                    votes = votes[samples]
+                best = np.argmax(votes, axis=1)
+                best[votes.max(axis=1) == 0] = -1
+                pred[at] = best
+        finally:
+            d.owner[keys] = own
+        # the next reader is this rank (unknown) or home (a plain eviction): nothing to forward
+        ok = (pred >= 0) & (pred != v_src[cand]) & (pred != v_dst[cand])
+        cand, pred = cand[ok], pred[ok]
+        if cand.shape[0] == 0:
+            return
+        g = pred * T + d.table[victims[cand]].astype(np.int64)
+        o = np.lexsort((victims[cand], g))
+        cand, pred, g = cand[o], pred[o], g[o]
+        first = np.searchsorted(g, g, side="left")
+        take = (np.arange(g.shape[0]) - first) < room[g]
+        v_dst[cand[take]] = pred[take]
+        v_kind[cand[take]] = FORWARD
+
+    def plan(self, batches):  # keep the window's batch objects for _forward
+        bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
+        self._window_batches = bl[1 : self.lookahead + 1]
+        return super().plan(bl)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out.update({"tables": self.tables, "refine": self.refine, "forward": self.forward,
+                    "budget_ms": self.budget_ms, "guests": self.directory.occupancy()})
+        if self.selection is not None:
+            out["selection"] = self.selection.describe()
+        return out
