@@ -18,6 +18,7 @@ import traceback
 
 def main() -> None:
     result_path, runs = sys.argv[1], json.loads(sys.argv[2])
+    sys.path[0] = os.path.dirname(os.path.abspath("train.py"))  # `python train.py` puts the script's folder first
     results = []
     for args in runs:
         sys.argv = ["train.py", *args]
