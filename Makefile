@@ -21,7 +21,7 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]   # 5: no slow case collected
 
-test-gpu: setup   # the `cuda`-marked tests (tests/test_cuda_parity.py); needs a CUDA GPU
+test-gpu: setup   # the `cuda`-marked tests (tests/scenarios/test_cuda_parity.py); needs a CUDA GPU
 	$(PY) -m pytest -q -m cuda $(ARGS)
 
 simulate: setup

@@ -2,7 +2,7 @@
 # GPU checks and benchmarks of the CUDA data plane (issue 11), in phases, each logged under $OUT:
 #   bash scripts/gpu_check.sh info cuda bench suite
 #   info : GPU, torch / fbgemm_gpu / torchrec versions                      -> $OUT/info.txt
-#   cuda : the `cuda`-marked tests (tests/test_cuda_parity.py)              -> $OUT/cuda_tests.log
+#   cuda : the `cuda`-marked tests (tests/scenarios/test_cuda_parity.py)    -> $OUT/cuda_tests.log
 #   bench: train.py step time (whole run; steady = the progress windows after the first) + FBGEMM HBM-cache hit
 #          rate, herald vs stock TorchRec FUSED_UVM_CACHING with the same cache size, world size 1 (and 2 ranks
 #          sharing the GPU over gloo)                                      -> $OUT/bench.json, $OUT/bench.log
@@ -31,7 +31,7 @@ print('compiled kernels:', native.KERNELS.build(), s.KERNELS.build())"
 }
 
 cuda() {
-  timeout "${CUDA_TEST_S:-300}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rA tests/test_cuda_parity.py 2>&1 \
+  timeout "${CUDA_TEST_S:-300}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rA tests/scenarios/test_cuda_parity.py 2>&1 \
     | tee "$OUT/cuda_tests.log"
 }
 
@@ -108,10 +108,10 @@ EOF
 }
 
 suite() {
-  local first=(tests/test_distributed_row_store.py tests/test_distributed_module.py tests/test_distributed_parity.py
-               tests/test_distributed_mixed.py)
+  local first=(tests/distributed/storage/test_row_store.py tests/distributed/test_embeddingbag.py
+               tests/scenarios/test_module_parity.py tests/distributed/test_mixed.py)
   local rest par=()
-  rest=$(ls tests/test_*.py | grep -v -e test_distributed_ -e test_cuda_parity)
+  rest=$(find tests -name 'test_*.py' ! -name test_cuda_parity.py | sort | grep -v -x -F "$(printf '%s\n' "${first[@]}")")
   # pytest-xdist where the machine has it (the device image does): 4 workers ran the suite in 4 min 15 s on an H200 host
   "$PY" -c "import xdist" 2>/dev/null && par=(-n "${SUITE_WORKERS:-4}")
   "$PY" -c "import pytest_timeout" 2>/dev/null && par+=(--timeout 300)

@@ -1,0 +1,27 @@
+"""Several `train.py` runs in one set of gloo ranks (tests.helpers.ranks.run_ranks): the app's configurations are
+composed with Hydra's compose API from conf/ and trained one after another in the same process group, so a test of
+many models pays the ranks' start-up (imports, process group) once instead of once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.helpers.ranks import REPO_ROOT, rank_result
+
+
+def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list[str]]) -> None:
+    """Train every run (name -> Hydra overrides) in order; run `name` writes its metrics.json to out_dir/name unless
+    its overrides name a run_dir (e.g. a resumed run in an earlier run's directory)."""
+    from hydra import compose, initialize_config_dir
+
+    from herald_torchrec.app.runtime import init_distributed
+    from herald_torchrec.app.trainer import train
+
+    ctx = init_distributed("gloo")  # the harness's group
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        for name, overrides in runs.items():
+            own_dir = [] if any(o.startswith("run_dir=") for o in overrides) else [f"run_dir={Path(out_dir) / name}"]
+            train(compose("config", overrides=[*overrides, *own_dir]), ctx)
+    torch.save({"runs": list(runs)}, rank_result(out_dir, rank))
