@@ -68,7 +68,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -170,6 +170,11 @@ class ShardedHeraldEmbeddingBagCollection(
         for c in configs:
             if c.pooling != PoolingType.SUM:
                 raise ValueError(f"table {c.name!r}: only SUM pooling is supported, got {c.pooling}")
+            if c.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
+                raise ValueError(
+                    f"table {c.name!r}: data_type={c.data_type.name}: Herald-managed rows are float32; make the table "
+                    "FP32 or leave it to TorchRec's sharding (the sharder's unscheduled_tables)"
+                )
         self._env = env
         self.rank, self.world_size = env.rank, env.world_size
         self.policy, self.lookahead, self.module_fqn = policy, int(lookahead), module_fqn

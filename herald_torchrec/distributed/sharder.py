@@ -16,8 +16,8 @@ trains the same under this sharder as under TorchRec's ROW_WISE sharding. `polic
 the pipeline that runs the scheduler; the data plane itself only executes plans.
 
 The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
-per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (Herald's
-defaults — row-wise Adagrad, learning rate 0.01 — apply only where neither names a setting). Every setting FBGEMM
+per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (FBGEMM's
+defaults — EXACT_SGD, learning rate 0.01, as for a stock table — apply where neither names a setting). Every setting FBGEMM
 applies per row (gradient clipping, row-wise Adagrad's eps / weight decay / max_norm) reaches the TBE; anything
 else is a ValueError naming the setting, here and in the module.
 

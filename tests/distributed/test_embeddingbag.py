@@ -16,10 +16,11 @@ ROWS = (20, 33)
 DIMS = (4, 8)
 
 
-def make_ebc(weighted: bool = False, pooling=None):
+def make_ebc(weighted: bool = False, pooling=None, data_type=None):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
     kw = {} if pooling is None else {"pooling": pooling}
+    kw.update({} if data_type is None else {"data_type": data_type})
     tables = [
         EmbeddingBagConfig(name=f"t{t}", embedding_dim=d, num_embeddings=r, feature_names=[f"f{t}"], **kw)
         for t, (r, d) in enumerate(zip(ROWS, DIMS))
@@ -82,6 +83,11 @@ def test_bad_cache_ratio_and_unsupported_modules() -> None:
         make_module(ebc=make_ebc(weighted=True))
     with pytest.raises(ValueError, match="SUM pooling"):
         make_module(ebc=make_ebc(pooling=PoolingType.MEAN))
+    from torchrec.types import DataType
+
+    # a reduced-precision table would silently train in float32 (stock TorchRec keeps it FP16): refused by name
+    with pytest.raises(ValueError, match="data_type=FP16"):
+        make_module(ebc=make_ebc(data_type=DataType.FP16))
     s = HeraldEmbeddingBagCollectionSharder(cache_ratio=1.0, policy="static", lookahead=3)
     assert s.sharding_types("cpu") == ["row_wise"] and s.compute_kernels("row_wise", "cpu") == ["fused"]
 

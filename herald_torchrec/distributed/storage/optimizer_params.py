@@ -26,13 +26,17 @@ is a ValueError naming the setting and why.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Mapping
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode  # 1.6 .. 1.9 (tbe.config only from 1.7)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # 1.6 .. 1.9 (tbe.config only from 1.7)
+    SplitTableBatchedEmbeddingBagsCodegen,
+    WeightDecayMode,
+)
 from torchrec.distributed.types import ParameterSharding
 from torchrec.distributed.utils import (
     add_params_from_parameter_sharding,
@@ -47,9 +51,18 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 # step counter, which the extra update pass per step would advance twice.
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
 
-# Herald's defaults, at the lowest precedence (below the sharder's fused_params and any in-backward optimizer): they
-# apply only where nothing else names the optimizer / learning rate. eps is left to the TBE's own default (1e-8).
-DEFAULT_FUSED_PARAMS: dict[str, Any] = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+
+
+def _tbe_defaults() -> dict[str, Any]:
+    """FBGEMM's own defaults for the optimizer and learning rate, read off the TBE's signature: what a stock
+    TorchRec table trains with when neither the sharder's fused_params nor an in-backward optimizer names them."""
+    params = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
+    return {"optimizer": params["optimizer"].default, "learning_rate": params["learning_rate"].default}
+
+
+# The lowest precedence (below the sharder's fused_params and any in-backward optimizer), as in stock TorchRec: a
+# table nobody names an optimizer for trains with FBGEMM's default (EXACT_SGD, learning rate 0.01), never another.
+DEFAULT_FUSED_PARAMS: dict[str, Any] = _tbe_defaults()
 
 # torch-optimizer arguments (as `apply_optimizer_in_backward` records them) that FBGEMM's kernels do not implement:
 # accepted only at the value that means "not used" (then dropped; the TBE does not take most of them).
