@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Herald next to the systems it answers, all trained by `train.py` in the same engine, on the same data, at equal
-samples (issue 10):
+samples:
 
     .venv/bin/python benchmarks/compare.py --steps 200 --out benchmarks/results/compare.json \\
         --plot benchmarks/results/compare.png

@@ -16,7 +16,7 @@ Ctrl-C). The bytes really on the wire are read from the bridge-side veth counter
 is what its bridge-side veth receives, Ethernet/IP/TCP headers included.
 
 The pure parts (name and address planning, rate parsing, tc command lines, counter parsing) need no root and are
-unit-tested in tests/test_netem.py.
+unit-tested in tests/benchmarks/test_netem.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
         --policies static,het_bsp,herald_greedy,herald --lookahead 4 --dim 512 --json
     python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
     python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
-        [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the baselines of issue 10
+        [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the comparison systems
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
 {"config": {...}, "sweep": {R: {"policies": {...}, "ratios": {...}}}} for a comma list. Per policy:

@@ -1,6 +1,6 @@
 """Compiled kernels, built on first use and loaded with ctypes: the one switch and build cache they share.
 
-Herald's host work per step is many small numpy passes (issue 9); where one matters, a C++ kernel does the same
+Herald's host work per step is many small numpy passes (docs/performance.md); where one matters, a C++ kernel does the same
 arithmetic in one pass: `schedule/native.py` (the planner) and `distributed/host_kernels.py` (the data plane's host
 work; some of its kernels take host torch tensors' data pointers). Each is a C ABI on raw buffers (no torch, no
 Python headers), compiled with the system C++ compiler into a cache directory (`$HERALD_NATIVE_DIR`, default

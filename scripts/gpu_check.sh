@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks of the CUDA data plane (issue 11), in phases, each logged under $OUT:
+# GPU checks and benchmarks of the CUDA data plane, in phases, each logged under $OUT:
 #   bash scripts/gpu_check.sh info cuda bench suite
 #   info : GPU, torch / fbgemm_gpu / torchrec versions                      -> $OUT/info.txt
 #   cuda : the `cuda`-marked tests (tests/scenarios/test_cuda_parity.py)    -> $OUT/cuda_tests.log

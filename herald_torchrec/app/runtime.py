@@ -4,7 +4,7 @@ the CPU cores each local rank runs on.
 Why bind cores: on a CPU-only machine, R ranks of one host each run a training thread, gloo's threads and (Herald) an
 input thread. Left to the OS, these threads migrate between cores and evict each other's caches; bound to disjoint
 blocks of cores (local rank i on the i-th block) every scheduler's step got ~25 % faster on the 2-core CI machine
-(DCN, R=2: table_wise 29-31 -> 22-23 ms, herald 33-35 -> 25-26 ms; docs/performance.md, session 17). It costs
+(DCN, R=2: table_wise 29-31 -> 22-23 ms, herald 33-35 -> 25-26 ms; docs/performance.md). It costs
 Herald some of its lead in one way: the rank that plans for the others (`plan_on`) can no longer spill onto an idle
 core, so Herald's ratio to table_wise does not improve with it. torchrun's
 own `--numa-binding` places ranks next to their GPUs; on CPU it has nothing to go by, hence this.

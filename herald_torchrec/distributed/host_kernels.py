@@ -1,7 +1,7 @@
 """Compiled kernels for the data plane's host work (`_host_kernels.cpp`), with the numpy / torch code as the fallback.
 
 Why: the step's preparation runs in the training thread, on the step's critical path, as ~15 numpy passes per
-function over the rank's few thousand ids (issue 9); the input stage's sample blocks likewise. The kernels give the
+function over the rank's few thousand ids (docs/performance.md); the input stage's sample blocks likewise. The kernels give the
 same arrays in one pass; where the numpy code would raise (a plan that does not match the batch), a kernel says so
 and the caller runs its numpy code, which raises with its message. A few take contiguous float32 host tensors
 (`on_host`): the shared values' gather-and-add and the store's packed row reads and writes, in torch's order, so

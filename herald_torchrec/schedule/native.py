@@ -1,6 +1,6 @@
 """Compiled kernels for the scheduler's hottest loops (`_kernels.cpp`), with the numpy code as the fallback.
 
-Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (issue 9); in numpy it is ~100
+Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (docs/performance.md); in numpy it is ~100
 passes over 10^4-element arrays, each a few microseconds. The kernels do the same arithmetic in single passes and
 give bit-identical plans (tests compare every plan of both paths, on every policy setting that reaches them).
 Built and switched as every kernel set of the project (`herald_torchrec/_native.py`: built on first use with the

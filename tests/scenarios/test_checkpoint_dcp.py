@@ -1,4 +1,4 @@
-"""Checkpoints the TorchRec way (issue 8): a Herald DMP's `state_dict()` / `fused_optimizer.state_dict()` have the
+"""Checkpoints the TorchRec way: a Herald DMP's `state_dict()` / `fused_optimizer.state_dict()` have the
 keys, shapes and ShardedTensor metadata of TorchRec's ROW_WISE sharding and hold the *current* rows wherever they
 live; `torch.distributed.checkpoint` save + load into a fresh model is exact and resets ownership to home; stock
 TorchRec checkpoints (ROW_WISE, TABLE_WISE) load into Herald and back; a mixed EBC checkpoints like a stock one.

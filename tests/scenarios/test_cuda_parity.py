@@ -1,4 +1,4 @@
-"""CUDA data plane (issue 11): FBGEMM `MANAGED_CACHING` tables (UVM + a small HBM cache), checked against references.
+"""CUDA data plane: FBGEMM `MANAGED_CACHING` tables (UVM + a small HBM cache), checked against references.
 
 Marked `cuda`: deselected by default (pyproject addopts), run by `make test-gpu` on a machine with a GPU.
 

@@ -7,7 +7,7 @@ owner sums the readers' returned gradients per key), `with_owner_bags` (both in 
 updates every row of the step once), and `value_items` / `grad_send_order` (where values and their gradients sit
 in the flat buffers). Items are rows when every table has the same dim (`RowStore.uniform_dim`), else floats. Like
 step/prepare.py they are pure numpy functions of the step and the store's directories, checked in one process
-(tests/test_plan_exec.py); they live apart because they lay out the lookup's memory, not the step's traffic.
+(tests/distributed/step/test_prepare.py); they live apart because they lay out the lookup's memory, not the step's traffic.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ shared-row exchange (`SharedStep`), the classification of the local ids (exclusi
 layouts of the lookup and of the shared-row gradient sums are lookup_layout.py, and the *static* plan built from
 every rank's ids is static_plan.py. It holds no process group and changes no directory: every function is a pure
 function of arrays and of the store's directories (it reads `owner_all`, `slot_of_all`, `guest_count_all`, ...), so
-a two-rank step can be checked in one process with two RowStores (tests/test_plan_exec.py). Like TorchRec's
+a two-rank step can be checked in one process with two RowStores (tests/distributed/step/test_prepare.py). Like TorchRec's
 sharding/*.py, it is the "who sends what" half; dist_data.py is the "send it" half.
 
 Plan checks raise ValueError with the plan's step. Checks that only use the plan and the global directories raise

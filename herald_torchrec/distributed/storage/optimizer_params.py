@@ -71,7 +71,7 @@ NEUTRAL_SETTINGS: dict[str, Any] = {
     "initial_accumulator_value": 0.0, "foreach": None, "differentiable": False, "fused": None,
 }
 
-# Settings of rows that FBGEMM's CPU kernels ignore (checked in tests/test_optimizer_params.py): with them a CPU run
+# Settings of rows that FBGEMM's CPU kernels ignore (checked in tests/distributed/storage/test_optimizer_params.py): with them a CPU run
 # would silently train without them (stock TorchRec's CPU TBEs ignore them too), so Herald refuses them there.
 CPU_IGNORED_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "max_norm": 0.0}
 

@@ -18,7 +18,7 @@ where a per-table loop would pay T small calls per step (the per-table methods a
 The fused optimizer lives in the TBE (EXACT_ROWWISE_ADAGRAD by default, or EXACT_SGD): exclusive rows are updated
 in the TBE's own backward; `apply_summed_gradients` applies an externally summed gradient to given slots through
 the same kernel (a forward over one-row bags, then a backward) — bit-exact with the fused path
-(REFERENCE.md in ../shared/docs, checked again in tests/test_distributed_row_store.py).
+(REFERENCE.md in ../shared/docs, checked again in tests/distributed/storage/test_row_store.py).
 
 Optimizer state = the TBE's `split_optimizer_states()` views (for row-wise Adagrad one float per row, `momentum1`),
 packed with the row whenever a row moves. Weights = `split_embedding_weights()` views.

@@ -254,8 +254,8 @@ class HeraldPolicy(SchedulePolicy):
     @property
     def _forwards(self) -> bool:
         """Whether `_forward` can forward anything: a forwarded guest goes to a third rank, neither the one it leaves
-        nor its home, so with two ranks no victim can be; the prediction (~0.1 ms per plan on the rank that plans,
-        issue 9) is then skipped. The plans are the same."""
+        nor its home, so with two ranks no victim can be; the prediction (~0.1 ms per plan on the rank that plans)
+        is then skipped. The plans are the same."""
         return self.forward and self.num_ranks > 2
 
     # ---- step -------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Optimizer settings exactly as TorchRec takes them (issue 8): `fused_params` and `apply_optimizer_in_backward`
+"""Optimizer settings exactly as TorchRec takes them: `fused_params` and `apply_optimizer_in_backward`
 resolved with TorchRec's precedence, every supported TBE setting reaching Herald's row store, unsupported ones a
 ValueError naming the setting (sharder and module), and 2-rank runs where Herald trains exactly like stock
 TorchRec ROW_WISE with gradient clipping and with in-backward optimizers."""
