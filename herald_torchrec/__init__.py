@@ -1,16 +1,22 @@
 """herald_torchrec: Herald embedding scheduling as a TorchRec plugin.
 
-    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
+    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
 
-The two names are imported lazily, so that the control plane (`herald_torchrec.schedule`, numpy only) can be used
-without importing torch / torchrec.
+    options = HeraldOptions(cache_ratio=0.1, policy="herald", lookahead=4)   # every Herald setting, checked once
+    sharder = HeraldEmbeddingBagCollectionSharder(options=options, fused_params=...)
+    pipeline = HeraldTrainPipeline(model, optimizer, device, options=options)
+
+The sharder and the pipeline are imported lazily, so that the control plane (`herald_torchrec.schedule`, numpy only)
+and `HeraldOptions` can be used without importing torch / torchrec.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HeraldEmbeddingBagCollectionSharder", "HeraldTrainPipeline"]
+from herald_torchrec.options import HeraldOptions
+
+__all__ = ["HeraldEmbeddingBagCollectionSharder", "HeraldOptions", "HeraldTrainPipeline"]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
+from herald_torchrec.options import HeraldOptions
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
 
@@ -36,7 +37,8 @@ REPLICA_POLICIES = ("p2res", "fae")
 
 
 def policy_options(sc: DictConfig) -> dict[str, Any]:
-    """The policy's own settings from `scheduler.*` (None values left to the policy's defaults)."""
+    """The policy's own settings from `scheduler.*` (None values left to the policy's defaults), for
+    `HeraldOptions.policy_options`."""
     keys = OPTIONS.get(sc.policy, ())
     return {k: sc.get(k) for k in keys if sc.get(k) is not None}
 
@@ -49,12 +51,14 @@ def total_steps(cfg: DictConfig, source: DataSource, world_size: int) -> int:
     return int(cfg.trainer.epochs) * per_epoch
 
 
-def profile_batches(cfg: DictConfig, source: DataSource, world_size: int, tables, convert: Callable) -> list[GlobalBatch]:
-    """The profiled prefix of the training stream, as the scheduler sees global batches (`tables`: the managed
-    tables, input_layout.ManagedTables; `convert`: Samples -> torchrec Batch)."""
+def profile_batches(cfg: DictConfig, options: HeraldOptions, source: DataSource, world_size: int, tables,
+                    convert: Callable) -> list[GlobalBatch]:
+    """The profiled prefix of the training stream, as the scheduler sees global batches (`options`: the run's Herald
+    settings, whose policy options give `profile_fraction`; `tables`: the managed tables, input_layout.ManagedTables;
+    `convert`: Samples -> torchrec Batch)."""
     from herald_torchrec.distributed.train_pipeline.input_layout import one_process_global_batch
 
-    fraction = float(cfg.scheduler.get("profile_fraction") or 0.05)
+    fraction = float(options.policy_options.get("profile_fraction") or 0.05)
     n = ReplicaPolicyBase.profile_steps(total_steps(cfg, source, world_size), fraction)
     g = world_size * cfg.trainer.batch_size
     return [one_process_global_batch(convert(s), tables, i)

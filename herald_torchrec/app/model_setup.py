@@ -7,6 +7,7 @@ and pipeline, behind the same small `ShardedSetup` surface the trainer uses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ from herald_torchrec.app.metrics import hbm_cache_stats
 from herald_torchrec.app.model_state import load_torchrec_tables
 from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
+from herald_torchrec.options import HeraldOptions, check_native, settings_named
 from herald_torchrec.schedule.plan import Plan
 
+CONFIG_KEY = "scheduler."  # the app's Herald settings are scheduler.* (conf/scheduler/*.yaml)
 SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
     "table_wise": ShardingType.TABLE_WISE,
@@ -227,7 +230,8 @@ def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg:
 PROFILE_BATCHES = 4  # global batches the adaptive choice of unscheduled tables looks at
 
 
-def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSource, world_size: int) -> list[str]:
+def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSource, world_size: int,
+                         options: HeraldOptions) -> list[str]:
     """`scheduler.unscheduled`: the features whose tables stay with TorchRec's own sharding.
 
     A list of feature (or table) names, or `auto`: the tables the adaptive policy would not schedule on the first
@@ -240,7 +244,7 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     u = sc.get("unscheduled") or []
     if u == "auto":
         B = cfg.trainer.batch_size
-        probe = make_policy("herald", list(features.rows), world_size, B, cache_ratio=sc.cache_ratio, lookahead=0)
+        probe = make_policy("herald", list(features.rows), world_size, B, cache_ratio=options.cache_ratio, lookahead=0)
         tables = ManagedTables(tuple(table_name(n) for n in features.names), tuple(features.rows),
                                tuple((n,) for n in features.names), (0,))
         convert = sample_converter(features, source)
@@ -262,7 +266,17 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     return [n for n in features.names if n in set(names)]
 
 
-NATIVE = ("auto", "on", "off")
+def herald_options(sc: DictConfig) -> HeraldOptions:
+    """The Herald settings of `scheduler.*` as one HeraldOptions, for the sharder and the pipeline (a bad value's
+    error names its config key, e.g. scheduler.plan_on). `unscheduled_tables` is left to `unscheduled_features`."""
+    from herald_torchrec.app import baselines
+
+    settings: dict[str, Any] = {"cache_ratio": sc.cache_ratio, "policy": sc.policy, "lookahead": sc.lookahead,
+                                "policy_options": baselines.policy_options(sc)}
+    settings.update({k: sc[k] for k in ("plan_on", "input_priority", "native") if sc.get(k)})  # empty: the default
+    if "prefetch" in sc:
+        settings["prefetch"] = sc.prefetch
+    return HeraldOptions.named(CONFIG_KEY, **settings)
 
 
 def use_native_kernels(setting: str) -> None:
@@ -271,9 +285,8 @@ def use_native_kernels(setting: str) -> None:
     model are the same either way."""
     from herald_torchrec import _native
 
-    if setting not in NATIVE:
-        raise ValueError(f"scheduler.native must be one of {list(NATIVE)} (Herald's compiled kernels), got "
-                         f"'{setting}'")
+    with settings_named(CONFIG_KEY):
+        check_native(setting)
     try:
         _native.set_mode({"auto": None, "on": True, "off": False}[setting])
     except (OSError, RuntimeError) as e:  # only `on` loads now
@@ -285,24 +298,13 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
-    from herald_torchrec.distributed.train_pipeline.input_round import PLAN_ON
-    from herald_torchrec.distributed.train_pipeline.input_thread import INPUT_PRIORITIES, PREFETCH, prefetch_depth
     from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline, herald_modules
-    from herald_torchrec.schedule import runnable_policy
     from herald_torchrec.app import baselines
 
     sc, t = cfg.scheduler, cfg.trainer
-    options = baselines.policy_options(sc)
-    runnable_policy(sc.policy, **options)  # before the (possibly profiling) choice of unscheduled tables
-    plan_on = sc.get("plan_on") or "host"
-    if plan_on not in PLAN_ON:
-        raise ValueError(f"scheduler.plan_on must be one of {list(PLAN_ON)} (where plans are made), got '{plan_on}'")
-    input_priority = sc.get("input_priority") or "low"
-    if input_priority not in INPUT_PRIORITIES:
-        raise ValueError(f"scheduler.input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
-                         f"input stage's thread), got '{input_priority}'")
-    prefetch = prefetch_depth(sc.get("prefetch", PREFETCH), "scheduler.prefetch")
-    use_native_kernels(sc.get("native") or "auto")
+    options = herald_options(sc)
+    options.runnable_policy()  # before the (possibly profiling) choice of unscheduled tables
+    use_native_kernels(options.native)
     fused = {
         "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
         "learning_rate": t.embedding_lr,
@@ -314,11 +316,9 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         fused["cache_load_factor"] = cache_load_factor
     if ctx.device.type == "cuda":
         fused["gather_uvm_cache_stats"] = True
-    unsched = unscheduled_features(cfg, features, source, ctx.world_size)
-    sharder = HeraldEmbeddingBagCollectionSharder(
-        cache_ratio=sc.cache_ratio, policy=sc.policy, lookahead=sc.lookahead, fused_params=fused,
-        unscheduled_tables=[table_name(n) for n in unsched],
-    )
+    unsched = unscheduled_features(cfg, features, source, ctx.world_size, options)
+    options = dataclasses.replace(options, unscheduled_tables=[table_name(n) for n in unsched])
+    sharder = HeraldEmbeddingBagCollectionSharder(options=options, fused_params=fused)
     pg = dist.GroupMember.WORLD
     plan, init = None, {}
     if unsched:
@@ -339,20 +339,18 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     stats = PlanStats()
     profile, reorder = None, None
-    if sc.policy in baselines.REPLICA_POLICIES:  # replicated rows from a profiled prefix; fae reorders the stream
+    if options.policy in baselines.REPLICA_POLICIES:  # replicated rows from a profiled prefix; fae reorders the stream
         from herald_torchrec.distributed.train_pipeline.pipeline import managed_tables
         tables = managed_tables([herald])
         convert_one = sample_converter(features, source)
-        profile = baselines.profile_batches(cfg, source, ctx.world_size, tables, convert_one)
-        if sc.policy == "fae":
+        profile = baselines.profile_batches(cfg, options, source, ctx.world_size, tables, convert_one)
+        if options.policy == "fae":
             from herald_torchrec.schedule import make_policy
-            fae = make_policy("fae", list(tables.rows), ctx.world_size, t.batch_size, cache_ratio=sc.cache_ratio,
-                              lookahead=sc.lookahead, **options)
+            fae = make_policy("fae", list(tables.rows), ctx.world_size, t.batch_size, cache_ratio=options.cache_ratio,
+                              lookahead=options.lookahead, **options.policy_options)
             fae.profile(profile)
             reorder = baselines.fae_reorder(fae, tables, convert_one, fae.window)
-    pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, on_plan=stats.add, policy_options=options,
-                                   profile=profile, plan_on=plan_on, input_priority=input_priority,
-                                   prefetch=prefetch)
+    pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, options=options, on_plan=stats.add, profile=profile)
     sched_ms, sched_cpu_ms = pipeline.input_stage.sched_ms, pipeline.input_stage.sched_cpu_ms
 
     def step_stats() -> dict[str, float]:

@@ -12,8 +12,13 @@ Tables are planned ROW_WISE with the FUSED kernel (the home placement; DMP finds
 type, EmbeddingBagCollection) and sharded into `ShardedHeraldEmbeddingBagCollection`. Dense parts of the model go
 through DMP's default DDP wrapper. Embedding gradients are divided by the world size exactly when TorchRec's own
 sharded modules divide theirs (`torchrec.distributed.comm_ops.set_gradient_division`, on by default), so a model
-trains the same under this sharder as under TorchRec's ROW_WISE sharding. `policy` and `lookahead` are carried for
-the pipeline that runs the scheduler; the data plane itself only executes plans.
+trains the same under this sharder as under TorchRec's ROW_WISE sharding.
+
+Herald's settings are one `HeraldOptions` (herald_torchrec/options.py), checked once when it is built:
+`HeraldEmbeddingBagCollectionSharder(options=HeraldOptions(cache_ratio=0.1, policy="herald", lookahead=4))`, or the
+same settings as keywords, as above. The sharded modules carry `cache_ratio` (their guest capacity), `policy` and
+`lookahead` (for the pipeline that runs the scheduler: the data plane itself only executes plans); the sharder keeps
+`unscheduled_tables` with TorchRec; the pipeline takes the input stage's settings from the same options type.
 
 The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
 per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (FBGEMM's
@@ -36,6 +41,7 @@ tables and TorchRec's `ShardedEmbeddingBagCollection`, with the same fused optim
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Collection, Sequence
 
 import torch
@@ -52,7 +58,8 @@ from herald_torchrec.distributed.storage.optimizer_params import (
     resolve_table_settings,
     sharder_fused_params,
 )
-from herald_torchrec.distributed.storage.row_layout import check_cache_ratio
+from herald_torchrec.options import HeraldOptions
+
 
 def with_row_wise(types: list[str]) -> list[str]:
     """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""
@@ -63,32 +70,48 @@ __all__ = ["DEFAULT_FUSED_PARAMS", "HeraldEmbeddingBagCollectionSharder", "with_
 
 
 class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """DMP's sharder for Herald-managed EBCs (module docstring). Herald's settings come as `options`
+    (`HeraldOptions`), or as the keywords `cache_ratio`, `policy`, `lookahead` and `unscheduled_tables`, which
+    replace the options' (both checked by `HeraldOptions`); the rest are TorchRec's sharder arguments."""
+
     def __init__(
         self,
-        cache_ratio: float = 0.1,
-        policy: str = "herald",
-        lookahead: int = 1,
+        cache_ratio: float | None = None,
+        policy: str | None = None,
+        lookahead: int | None = None,
         fused_params: dict[str, Any] | None = None,
         check_errors_globally: bool = True,
         gradient_division: bool | None = None,
         qcomm_codecs_registry: dict | None = None,
-        unscheduled_tables: Collection[str] = (),
+        unscheduled_tables: Collection[str] | None = None,
+        options: HeraldOptions | None = None,
     ) -> None:
-        if isinstance(unscheduled_tables, str):
-            raise ValueError(f"unscheduled_tables must be a collection of table names, got the string {unscheduled_tables!r}")
-        self.unscheduled_tables = frozenset(unscheduled_tables)
-        self.cache_ratio = check_cache_ratio(cache_ratio)
-        if not isinstance(policy, str) or not policy:
-            raise ValueError(f"policy must be a non-empty string, got {policy!r}")
-        if int(lookahead) < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        given = {"cache_ratio": cache_ratio, "policy": policy, "lookahead": lookahead,
+                 "unscheduled_tables": unscheduled_tables}
+        self.options = dataclasses.replace(options if options is not None else HeraldOptions(),
+                                           **{k: v for k, v in given.items() if v is not None})
         # Herald's defaults under the user's settings, validated now (fail early); an optimizer set with
         # apply_optimizer_in_backward overrides them per table at shard time, as in TorchRec
         fp = sharder_fused_params(fused_params)
         super().__init__(fused_params=fp, qcomm_codecs_registry=qcomm_codecs_registry)
-        self.policy, self.lookahead = policy, int(lookahead)
         self.check_errors_globally = check_errors_globally
         self.gradient_division = gradient_division
+
+    @property
+    def cache_ratio(self) -> float:
+        return self.options.cache_ratio
+
+    @property
+    def policy(self) -> str:
+        return self.options.policy
+
+    @property
+    def lookahead(self) -> int:
+        return self.options.lookahead
+
+    @property
+    def unscheduled_tables(self) -> frozenset[str]:
+        return frozenset(self.options.unscheduled_tables)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         if not self.unscheduled_tables:

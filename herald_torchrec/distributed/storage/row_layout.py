@@ -12,11 +12,7 @@ import math
 
 import numpy as np
 
-
-def check_cache_ratio(cache_ratio: float) -> float:
-    if not isinstance(cache_ratio, (int, float)) or isinstance(cache_ratio, bool) or not (0.0 < cache_ratio <= 1.0):
-        raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio!r}")
-    return float(cache_ratio)
+from herald_torchrec.options import check_cache_ratio  # one check of the setting, with HeraldOptions
 
 
 def home_block(rows: int, world_size: int) -> int:

@@ -7,6 +7,8 @@
 Everything Herald needs comes from the sharded model: the Herald-managed modules (every EBC sharded by
 `HeraldEmbeddingBagCollectionSharder`, the Herald part of mixed EBCs included) give the tables, the features that
 read them and the scheduler's settings (policy, cache ratio, lookahead: the sharder is the one place they are set).
+The pipeline's own settings (the input stage's `plan_on`, `prefetch`, `input_priority`, and the policy's options) are
+a `HeraldOptions` too (herald_torchrec/options.py): `options=` (e.g. the sharder's `sharder.options`) and keywords.
 The first batch gives the batch size per rank. The input stage (`ScheduledInput`) then gathers ids from the KJTs,
 plans L global batches ahead, exchanges samples so that this rank holds exactly the B the plan assigns it, and
 queues each plan on the modules (split by module when there are several). Plans are consumed one per training
@@ -44,20 +46,15 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.train_pipeline.input_layout import ManagedTables
-from herald_torchrec.distributed.train_pipeline.input_thread import (
-    CLOSE_TIMEOUT_S,
-    INPUT_PRIORITIES,
-    PREFETCH,
-    WAITS_KEPT,
-    PrefetchedInput,
-    prefetch_depth,
-)
+from herald_torchrec.distributed.train_pipeline.input_thread import CLOSE_TIMEOUT_S, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.distributed.train_pipeline.input_stage import ScheduledInput
-from herald_torchrec.schedule import make_policy, runnable_policy
+from herald_torchrec.options import SCHEDULER_SETTINGS, HeraldOptions
+from herald_torchrec.schedule import make_policy
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
+WHERE = "HeraldTrainPipeline: "  # how the pipeline's errors about a setting begin
 EXIT_CLOSE_TIMEOUT_S = 10.0  # close() at interpreter exit waits this long for the other ranks' stages
 _RUNNING: "weakref.WeakSet[HeraldTrainPipeline]" = weakref.WeakSet()  # pipelines with a background stage, unclosed
 _exit_hook = False
@@ -97,7 +94,7 @@ def host_process_group() -> Optional[dist.ProcessGroup]:
 
 def scheduler_settings(modules: list[ShardedHeraldEmbeddingBagCollection]) -> dict[str, Any]:
     """The scheduler settings the modules were sharded with (they must agree: one scheduler plans them all)."""
-    settings = [{"policy": m.policy, "cache_ratio": m.cache_ratio, "lookahead": m.lookahead} for m in modules]
+    settings = [{name: getattr(m, name) for name in SCHEDULER_SETTINGS} for m in modules]
     if any(s != settings[0] for s in settings[1:]):
         raise ValueError(f"the Herald-managed modules were sharded with different scheduler settings {settings}; "
                          "shard every EBC with the same HeraldEmbeddingBagCollectionSharder settings")
@@ -120,7 +117,10 @@ def warn_if_batch_coupled(model: torch.nn.Module) -> None:
 class HeraldTrainPipeline(TrainPipelineSparseDist):
     """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
 
-    Extra keyword arguments: `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
+    Extra keyword arguments: `options` (a `HeraldOptions`, e.g. the sharder's: its policy, cache ratio and lookahead
+    must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
+    `input_priority` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
+    `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default `PREFETCH`, 2) is how many batches
     a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
     batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the
@@ -145,33 +145,39 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         *args: Any,
         on_plan: Optional[Callable[[Plan], None]] = None,
         host_group: Optional[dist.ProcessGroup] = None,
-        prefetch: int = PREFETCH,
-        plan_on: str = "host",
-        input_priority: str = "low",
+        options: Optional[HeraldOptions] = None,
+        prefetch: Optional[int] = None,
+        plan_on: Optional[str] = None,
+        input_priority: Optional[str] = None,
         policy_options: Optional[dict[str, Any]] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
-        if input_priority not in INPUT_PRIORITIES:  # before any set-up: a typo must not cost a model build
-            raise ValueError(f"HeraldTrainPipeline: input_priority must be one of {list(INPUT_PRIORITIES)} (the CPU "
-                             f"priority of the input stage's thread), got {input_priority!r}")
-        prefetch = prefetch_depth(prefetch, "HeraldTrainPipeline: prefetch")
+        given = {"prefetch": prefetch, "plan_on": plan_on, "input_priority": input_priority,
+                 "policy_options": policy_options}
+        given_options = options is not None
+        # checked before any set-up: a typo must not cost a model build
+        options = HeraldOptions.named(WHERE, options, **{k: v for k, v in given.items() if v is not None})
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
             raise ValueError("HeraldTrainPipeline: the model has no Herald-managed sharded module "
                              "(shard it with HeraldEmbeddingBagCollectionSharder)")
         self._herald_modules = modules
-        self._settings = scheduler_settings(modules)
-        self._policy_options, self._profile = dict(policy_options or {}), profile
+        sharded_with = scheduler_settings(modules)
+        ours = options.scheduler_settings()
+        if given_options and ours != sharded_with:
+            raise ValueError(f"HeraldTrainPipeline: options has the scheduler settings {ours}, but the modules were "
+                             f"sharded with {sharded_with}; pass the sharder's options (sharder.options)")
+        # the scheduler's settings as the modules carry them, the rest as given
+        self.options = HeraldOptions.named(WHERE, options, **sharded_with)
+        self._profile = profile
         self.tables = managed_tables(modules)
         self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]
         warn_if_batch_coupled(model)
         group = host_group if host_group is not None else host_process_group()
-        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy, plan_on=plan_on)
+        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy, plan_on=self.options.plan_on)
         self._on_plan = on_plan
-        self._prefetch = prefetch
-        self._input_priority = input_priority
         # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
         # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step).
         # The most recent WAITS_KEPT batches only, so that a long run does not grow it without bound
@@ -191,10 +197,10 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         return self.input_stage.policy
 
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
-        s = self._settings
+        o = self.options
         world = self.input_stage.R
-        policy = make_policy(runnable_policy(s["policy"], **self._policy_options), list(self.tables.rows), world,
-                             batch_per_rank, cache_ratio=s["cache_ratio"], lookahead=s["lookahead"], **self._policy_options)
+        policy = make_policy(o.runnable_policy(), list(self.tables.rows), world, batch_per_rank,
+                             cache_ratio=o.cache_ratio, lookahead=o.lookahead, **o.policy_options)
         if self._profile is not None:
             policy.profile(self._profile)
         return policy
@@ -214,11 +220,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         so queue and forwards stay aligned). With `prefetch`, a background thread runs the input stage (ids gather,
         scheduling, sample exchange) up to `prefetch` batches ahead while the model trains."""
         global _exit_hook
-        if not self._prefetch:
+        depth, priority = self.options.prefetch, self.options.input_priority
+        if not depth:
             stream = self.input_stage(source)
         else:
-            stream = self._prefetched = PrefetchedInput(self.input_stage, source, self._prefetch, self._input_priority,
-                                                        self.input_wait_ms, stop=self.input_stage.request_stop)
+            stream = self._prefetched = PrefetchedInput(self.input_stage, source, depth, priority, self.input_wait_ms,
+                                                        stop=self.input_stage.request_stop)
             _RUNNING.add(self)
             if not _exit_hook:
                 atexit.register(_close_at_exit)
