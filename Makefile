@@ -5,7 +5,7 @@ NPROC  ?= 2
 STAMP  := $(VENV)/.herald-setup-v1
 ARGS   ?=
 
-.PHONY: setup train test test-slow test-gpu bench simulate clean
+.PHONY: setup train lint format test test-slow test-gpu bench simulate clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,15 @@ $(STAMP): scripts/setup.sh pyproject.toml
 train: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
 
-test: setup
+lint: setup   # the formatter and the linter (configured in pyproject.toml); `make format` applies the formatting
+	$(VENV)/bin/ruff format --check . || (echo "ruff format: files above need formatting; run 'make format'" && exit 1)
+	$(VENV)/bin/ruff check --quiet .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
 	$(PY) -m pytest -q $(ARGS)
 
 test-slow: setup

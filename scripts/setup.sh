@@ -5,7 +5,7 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.herald-setup-v1"
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import fbgemm_gpu, torchrec" 2>/dev/null; then
+if [ -f "$STAMP" ] && [ -x "$VENV/bin/ruff" ] && "$VENV/bin/python" -c "import fbgemm_gpu, torchrec" 2>/dev/null; then
   exit 0
 fi
 # torch minor -> fbgemm-gpu / torchrec minor (docs: REFERENCE "The stack"); the fbgemm C++ ABI must match torch's
@@ -42,7 +42,7 @@ fi
 # torchrec's real requirements, then torchrec itself without its fbgemm-gpu dependency (on CPU: the CUDA build)
 pip install -q tensordict tqdm pyre-extensions iopath "torchmetrics==1.0.3"
 pip install -q --no-deps "torchrec==$STACK.*"
-pip install -q "hydra-core>=1.3,<1.4" tensorboard pytest matplotlib
+pip install -q "hydra-core>=1.3,<1.4" tensorboard pytest matplotlib "ruff==0.17.6"  # ruff: make test's format + lint check
 pip install -q --no-deps -e .
 if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec; print('[setup] ok: torch', torch.__version__, '| torchrec', torchrec.__version__)"; then
   echo "[setup] ERROR: the installed stack does not import (torch / fbgemm_gpu / torchrec)." >&2
