@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import e2e
+import e2e_common
 import netem
 from herald_torchrec.app.runtime import cpu_blocks
 
@@ -57,8 +57,8 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
     plan = net.plan
     ranks = len(plan.rank_ns)
     log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
-    overrides = e2e.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
-    env_vars = [f"{e2e.PHASE_TIMES_ENV}=1"] if args.phase_times else []
+    overrides = e2e_common.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
+    env_vars = [f"{e2e_common.PHASE_TIMES_ENV}=1"] if args.phase_times else []
     cpus = host_cpus(args.host_cpus, ranks)
     return [
         [*net.exec_prefix(r), *(["taskset", "-c", ",".join(map(str, cpus[r]))] if cpus else []), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
@@ -87,17 +87,18 @@ def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str
     ranks = len(net.plan.rank_ns)
     run_dir = tmp / tag
     net.shape(netem.parse_rate(bandwidth))
-    cmds = rank_commands(net, scheduler, e2e.workload_args(workload), steps, run_dir, args, f"{net.plan.run_id}-{tag}")
+    cmds = rank_commands(net, scheduler, e2e_common.workload_args(workload), steps, run_dir, args,
+                         f"{net.plan.run_id}-{tag}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
     before, t0 = net.counters(), time.time()
-    res = netem.run_ranks(cmds, env, str(e2e.REPO), args.timeout, stop=net.kill_processes,
+    res = netem.run_ranks(cmds, env, str(e2e_common.REPO), args.timeout, stop=net.kill_processes,
                           marks=loop_marks(args.warmup_steps, steps), pids=net.pids,
                           probe=net.counters)
     wall, after = time.time() - t0, net.counters()
     if not (run_dir / "metrics.json").exists():
         detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(res.codes, res.tails)))
         raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
-    rec = e2e.read_metrics(run_dir, "\n".join(res.tails), steps)
+    rec = e2e_common.read_metrics(run_dir, "\n".join(res.tails), steps)
     whole = netem.wire_delta(before, after, net.plan.host_if)
     rec |= {"steps": steps, "wire_bytes_per_step_raw": whole["total"] / steps, "cpu_s_per_step_raw": res.cpu_s / steps,
             "wall_s": wall, "exit_codes": res.codes}
@@ -216,7 +217,7 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
     bandwidths = netem.parse_bandwidths(args.bandwidth)
     workloads = [w.strip() for w in (args.workload or "").split(",") if w.strip()] or [args.model]
     for w in workloads:
-        e2e.workload_args(w)  # ValueError naming --workload
+        e2e_common.workload_args(w)  # ValueError naming --workload
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if not 0 <= args.warmup_steps < args.steps:
@@ -259,7 +260,8 @@ def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argpa
             runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
         "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
-        "out": str(args.out) if args.out else None, "workload_overrides": {w: e2e.workload_args(w) for w in workloads},
+        "out": str(args.out) if args.out else None,
+        "workload_overrides": {w: e2e_common.workload_args(w) for w in workloads},
         "thread_figures": "cpu_ms_per_step_{training,input,other}: the steady CPU by kind of thread, all ranks "
                           "(training = each rank's main thread, input = Herald's input stage, other = gloo, torchrun)",
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",

@@ -36,8 +36,9 @@ Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this mod
 (it orders a step: plans, error checks, counters); step/prepare.py prepares the step in numpy (what to send where, no
 process group), lookup_layout.py its lookup's index layouts, static_plan.py the plan when none is queued;
 dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the store-side work
-(moves applied, values read and pooled, shared-row updates); comparison/regions.py adds what the comparison systems'
-plans need (replicas, HET's cache); fused_optimizer.py is the optimizer.
+(moves applied, values read and pooled, shared-row updates); the comparison systems' plans (replicas, HET's cache)
+run in step extensions beside this step (step/extension.py, comparison/extensions.py), which a module gets only when
+it is built for their policy; state/ holds the checkpoint view and the fused optimizer.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
@@ -73,14 +74,19 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.comparison.regions import BaselineRegions, BaselineStep
-from herald_torchrec.distributed.state.checkpoint import HeraldCheckpoint, install_state_dict_hooks
 from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
+from herald_torchrec.distributed.comparison.extensions import comparison_extensions
+from herald_torchrec.distributed.state.checkpoint import HeraldCheckpoint, install_state_dict_hooks
+from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimizer
 from herald_torchrec.distributed.step.dist_data import ErrorCheck, ErrorFlagDist
 from herald_torchrec.distributed.step.embedding_lookup import HeraldLookup
-from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimizer
+from herald_torchrec.distributed.step.extension import (
+    ExtensionResources, ExtensionStep, StepExtension, check_plan_served,
+)
+from herald_torchrec.distributed.step.prepare import (
+    LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared,
+)
 from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
-from herald_torchrec.distributed.step.prepare import LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
@@ -221,14 +227,16 @@ class ShardedHeraldEmbeddingBagCollection(
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
         self._plans: deque[Plan | None] = deque()
         self._pending: SharedStep | None = None
-        # the comparison systems' replicas (fae / p2res) and HET's worker cache: distributed/comparison/regions.py
-        self._baselines = BaselineRegions(self._store, self._comm, self.device, self.optimizer_type,
-                                          self.learning_rate, self.eps, fp)
-        self._baseline_pending: BaselineStep | None = None
+        # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
+        self._extensions: tuple[StepExtension, ...] = comparison_extensions(policy, ExtensionResources(
+            self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp))
+        self._extension_pending: list[ExtensionStep] = []
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
-        self._checkpoint = HeraldCheckpoint(self, table_name_to_parameter_sharding)  # TorchRec-layout state dicts
-        install_state_dict_hooks(self)
-        self._optim = HeraldFusedOptimizer(self)
+        # TorchRec-layout state dicts and the fused optimizer, given this module's public surface
+        self._checkpoint = HeraldCheckpoint(self, self._exec, self._comm, env.process_group,
+                                            table_name_to_parameter_sharding)
+        install_state_dict_hooks(self, self._checkpoint)
+        self._optim = HeraldFusedOptimizer(self, self._checkpoint)
         T = len(configs)
         self.step_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
         self.total_counters: dict[str, int] = {k: 0 for k in COUNTER_KINDS}
@@ -295,6 +303,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 f"set_plan: sample_order has {plan.sample_order.shape[0]} entries, expected "
                 f"{plan.num_ranks} x {plan.batch_per_rank}"
             )
+        check_plan_served(plan, self._extensions, self.policy)
         self._plans.append(plan)
 
     @property
@@ -380,11 +389,13 @@ class ShardedHeraldEmbeddingBagCollection(
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._exec.static_plan(local)
-        # baselines (issue 10): replica syncs / HET's evictions and pulls (collectives driven by the plan alone, so
-        # every rank runs them), then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
-        base = BaselineStep(local)
+        # extensions (none for Herald's policies): their collectives, driven by the plan alone so that every rank
+        # runs them, then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
+        extension_steps: list[ExtensionStep] = []
         try:
-            local = self._baselines.begin(plan, local, self.ownership_version, base)
+            for extension in self._extensions:
+                extension_steps.append(extension.begin(plan, local, self.ownership_version))
+                local = extension_steps[-1].remaining
         except ValueError as e:
             err, local = e, None
         with phase("step.prepare_moves"):
@@ -415,13 +426,16 @@ class ShardedHeraldEmbeddingBagCollection(
                 moved = self._exec.exchange(moves, shared, training, check)
             with phase("step.lookup"):
                 out = self._exec.pooled(local, shared, training)
-                out = self._baselines.pooled(base, out, training)
+                for part in extension_steps:
+                    out = part.pooled(out, training)
         finally:
             self._exec.marks.reset(shared)
         if training and self.world_size > 1 and self._divides_gradients():
             out = _DivideGrad.apply(out, self.world_size)
         self.step_counters = {k: 0 for k in COUNTER_KINDS}
-        hits, nreads = self._baselines.count(base, *cls, self.step_counters)
+        hits, nreads = cls
+        for part in extension_steps:
+            hits, nreads = part.count(hits, nreads, self.step_counters)
         self._reads[0], self._reads[1] = hits, nreads
         self._reads_total += self._reads
         counts = {**moved, "hit": int(hits.sum()), "shared_value": 0 if shared.globally_empty else shared.n_values_out}
@@ -429,7 +443,7 @@ class ShardedHeraldEmbeddingBagCollection(
             self.step_counters[k] += v
             self.total_counters[k] += v
         self._pending = shared if training else None
-        self._baseline_pending = base if training and not base.empty else None
+        self._extension_pending = [part for part in extension_steps if part.pending] if training else []
         self.steps += 1
         return out
 
@@ -442,34 +456,36 @@ class ShardedHeraldEmbeddingBagCollection(
 
     @property
     def step_pending(self) -> bool:
-        """A trained step whose collective updates (shared rows, replicas, HET pushes) wait for `finish_step`."""
-        return self._pending is not None or self._baseline_pending is not None
+        """A trained step whose collective updates (shared rows, extensions' updates) wait for `finish_step`."""
+        return self._pending is not None or bool(self._extension_pending)
 
     def drop_pending(self) -> None:
         """Forget the pending step's updates (a load replaces the model they belong to)."""
-        self._pending = self._baseline_pending = None
+        self._pending, self._extension_pending = None, []
 
     def finish_step(self) -> None:
-        """Send shared-row gradients to their owners; each owner applies one update per row with their sum.
+        """Send shared-row gradients to their owners; each owner applies one update per row with their sum; then
+        the extensions' updates (the replicas' all-reduce, HET's pushes).
 
         Collective (every rank calls it, in the same order). Called by the fused optimizer's `step()`; a no-op
         when nothing is pending (eval forwards, or already finished)."""
-        sh, base = self._pending, self._baseline_pending
-        self._pending = self._baseline_pending = None
+        sh, extension_steps = self._pending, self._extension_pending
+        self._pending, self._extension_pending = None, []
         if sh is not None and not sh.globally_empty:
             with phase("finish_step"):
                 self._exec.apply_shared_grads(sh)
                 self.step_counters["shared_grad"] += sh.n_grads_out
                 self.total_counters["shared_grad"] += sh.n_grads_out
-        if base is not None:
-            self._baselines.finish(base)
+        for part in extension_steps:
+            part.finish()
 
     # ------------------------------------------------------------- exports
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused embedding optimizer (exclusive and shared rows alike)."""
         self.learning_rate = float(lr)
         self._store.tbe.set_learning_rate(self.learning_rate)
-        self._baselines.set_learning_rate(self.learning_rate)
+        for extension in self._extensions:
+            extension.set_learning_rate(self.learning_rate)
         for g in self._optim.param_groups:
             g["lr"] = self.learning_rate
 

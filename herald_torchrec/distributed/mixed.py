@@ -105,7 +105,7 @@ class ShardedMixedEmbeddingBagCollection(
         self._herald_features = list(herald.feature_names)
         self._permute: tuple[tuple[str, ...], list[int]] | None = None
         self._optim = CombinedOptimizer([herald.fused_optimizer, stock.fused_optimizer])
-        install_mixed_state_dict_hooks(self)  # checkpoint keys as a stock EBC's: embedding_bags.<table>.weight
+        install_mixed_state_dict_hooks(self, herald.table_names)  # checkpoint keys as a stock EBC's
 
     def create_context(self) -> MixedEmbeddingBagCollectionContext:
         return MixedEmbeddingBagCollectionContext(self.stock.create_context(), self.herald.create_context())

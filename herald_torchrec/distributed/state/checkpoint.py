@@ -33,7 +33,9 @@ buffers refreshed only by a later `dmp.state_dict()` / `dmp.fused_optimizer.stat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -49,9 +51,36 @@ from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, hom
 from herald_torchrec.schedule.plan import EVICT_HOME, Plan, RowMoves
 
 if TYPE_CHECKING:  # pragma: no cover
-    from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
+    from herald_torchrec.distributed.comm import PlanComm
+    from herald_torchrec.distributed.step.embedding_lookup import HeraldLookup
+    from herald_torchrec.distributed.storage.row_store import RowStore
 
 STORE_PREFIX = "_store."  # the module's TBE internals: never in a state dict
+
+
+class CheckpointedModule(Protocol):
+    """The sharded module as its checkpoint and fused optimizer use it: its public surface only. They are built by
+    the module and never import it, so neither depends on how it runs a step."""
+
+    store: RowStore
+    rank: int
+    world_size: int
+    device: torch.device
+    table_names: list[str]
+    learning_rate: float
+    steps: int  # training steps run: with the two below, what a snapshot is current for
+    ownership_version: int  # +1 by a load, which moves every row home
+
+    @property
+    def step_pending(self) -> bool: ...
+
+    def finish_step(self) -> None: ...
+
+    def drop_pending(self) -> None: ...
+
+    def clear_plans(self) -> None: ...
+
+    def set_learning_rate(self, lr: float) -> None: ...
 
 
 def weight_key(table: str) -> str:
@@ -120,14 +149,16 @@ class HeraldCheckpoint:
     """The checkpoint view of one `ShardedHeraldEmbeddingBagCollection`: home-block snapshot buffers wrapped in
     ROW_WISE ShardedTensors, their refresh (collective) and the load into the store (collective).
 
-    Attached to the module at construction (`module._checkpoint`); `install_state_dict_hooks` makes the module's
-    `state_dict` / `load_state_dict` go through it, `HeraldFusedOptimizer` takes its params and state from it."""
+    Built by the module with what it needs: the module's public surface, its lookup (to send guests home as a plan
+    of evictions), its collectives and process group. `install_state_dict_hooks` makes the module's `state_dict` /
+    `load_state_dict` go through it, `HeraldFusedOptimizer` takes its params and state from it."""
 
-    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", sharding: dict[str, ParameterSharding] | None) -> None:
-        self._module_ref = [module]  # as HeraldFusedOptimizer holds it (the module owns this object)
+    def __init__(self, module: CheckpointedModule, lookup: HeraldLookup, comm: PlanComm, process_group: Any,
+                 sharding: dict[str, ParameterSharding] | None) -> None:
+        self.module, self._lookup, self._comm = module, lookup, comm
         st = module.store
         R, r = module.world_size, module.rank
-        pg = module._env.process_group
+        pg = process_group
         if any(w > 1 for w in st.state_widths):
             raise ValueError(f"checkpoint: optimizer state of width {max(st.state_widths)} per row is not supported")
         self.has_state = any(w == 1 for w in st.state_widths)
@@ -154,11 +185,7 @@ class HeraldCheckpoint:
                 ]
                 self.states.append(_sharded(s, row_shards, (rows,), r, pg))
         self._fresh: tuple | None = None  # module version of the buffers' snapshot (None: never taken)
-        self._load_prefix = ""
-
-    @property
-    def module(self) -> "ShardedHeraldEmbeddingBagCollection":
-        return self._module_ref[0]
+        self.load_prefix = ""  # the state-dict prefix of the last load (its post hook filters the keys under it)
 
     # ------------------------------------------------------------------ snapshot
     def _version(self) -> tuple:
@@ -214,7 +241,7 @@ class HeraldCheckpoint:
         width = st.packed_widths(tab)
         send, recv, send_splits, recv_splits = routes(owner, home, width, m.rank, m.world_size)
         buf = st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64))
-        got = m._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
+        got = self._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
         r_tab, r_row, r_width = tab[recv], row[recv], width[recv]
         start = exclusive_cumsum(r_width)
         for t in np.unique(r_tab).tolist():
@@ -237,7 +264,7 @@ class HeraldCheckpoint:
         moves = RowMoves(table=tab, row=row, src=owner, dst=home, kind=np.full(tab.shape[0], EVICT_HOME, dtype=np.int8))
         plan = Plan(step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64),
                     moves=moves)
-        m._exec.apply_moves(prepare_moves(plan, st), None)
+        self._lookup.apply_moves(prepare_moves(plan, st), None)
 
     @torch.no_grad()
     def load(self, weights: dict[int, torch.Tensor] | None = None, states: dict[int, torch.Tensor] | None = None) -> None:
@@ -292,28 +319,28 @@ class HeraldCheckpoint:
 
 
 # ------------------------------------------------------------------------------------------------ module hooks
-def install_state_dict_hooks(module: nn.Module) -> None:
+def install_state_dict_hooks(module: nn.Module, ck: HeraldCheckpoint) -> None:
     """`state_dict()` gives TorchRec's keys (no TBE internals); `load_state_dict()` writes home rows and resets
-    ownership. `_FORCE_STATE_DICT_LOAD` makes DMP call the module's own `load_state_dict` (with its hooks)."""
+    ownership. `_FORCE_STATE_DICT_LOAD` makes DMP call the module's own `load_state_dict` (with its hooks). The
+    hooks are bound to `ck`, so they read nothing of the module but the state dict."""
     module._FORCE_STATE_DICT_LOAD = True
-    module._register_state_dict_hook(_state_dict_hook)
-    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
-    module.register_load_state_dict_post_hook(_load_post_hook)
+    module._register_state_dict_hook(partial(_state_dict_hook, ck))
+    module._register_load_state_dict_pre_hook(partial(_load_pre_hook, ck), with_module=True)
+    module.register_load_state_dict_post_hook(partial(_load_post_hook, ck))
 
 
-def _state_dict_hook(module: nn.Module, destination: dict, prefix: str, local_metadata: Any) -> None:
-    ck: HeraldCheckpoint = module._checkpoint
+def _state_dict_hook(ck: HeraldCheckpoint, module: nn.Module, destination: dict, prefix: str,
+                     local_metadata: Any) -> None:
     for k in [k for k in destination if k.startswith(prefix + STORE_PREFIX)]:
         del destination[k]
     ck.refresh()
-    for name, w in zip(module.table_names, ck.weights):
+    for name, w in zip(ck.module.table_names, ck.weights):
         destination[prefix + weight_key(name)] = w
 
 
-def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
-                   missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-    ck: HeraldCheckpoint = module._checkpoint
-    ck._load_prefix = prefix
+def _load_pre_hook(ck: HeraldCheckpoint, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
+                   strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    ck.load_prefix = prefix
     internals = [k for k in state_dict if k.startswith(prefix + STORE_PREFIX)]
     for k in internals:
         del state_dict[k]  # slot-ordered FBGEMM internals: loading them would scramble the tables
@@ -323,7 +350,7 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
             f"which are in slot order; save with this version (keys {prefix}embedding_bags.<table>.weight)"
         )
     weights = {}
-    for t, name in enumerate(module.table_names):
+    for t, name in enumerate(ck.module.table_names):
         key = prefix + weight_key(name)
         if key not in state_dict:
             missing_keys.append(key)
@@ -336,59 +363,28 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
         ck.load(weights=weights)
 
 
-def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
-    internal = module._checkpoint._load_prefix + STORE_PREFIX
+def _load_post_hook(ck: HeraldCheckpoint, module: nn.Module, incompatible_keys: Any) -> None:
+    internal = ck.load_prefix + STORE_PREFIX
     incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not k.startswith(internal)]
 
 
-# ------------------------------------------------------------------------------------------ fused optimizer
-class CheckpointedOptimizerMixin:
-    """For `HeraldFusedOptimizer`: its `state` (what `KeyedOptimizer.state_dict()` and `CombinedOptimizer` read) is
-    refreshed before it is read — collective, see the module doc — and `post_load_state_dict` writes loaded state
-    home. Combined optimizers read `.state` directly, never this optimizer's `state_dict()`, hence the property."""
-
-    _module_ref: list
-
-    @property
-    def state(self) -> dict:  # type: ignore[override]
-        if self.__dict__.get("_checkpoint_ready"):
-            self._module_ref[0]._checkpoint.refresh()
-        return self.__dict__["_herald_state"]
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self.__dict__["_herald_state"] = value
-
-    def post_load_state_dict(self) -> None:
-        module = self._module_ref[0]
-        ck: HeraldCheckpoint = module._checkpoint
-        if ck.has_state:
-            ck.load(states=dict(enumerate(ck.home_s)))
-        lr = float(next(iter(self.param_groups))["lr"])
-        if lr != module.learning_rate:
-            module.set_learning_rate(lr)
-
-
-def optimizer_layout(ck: HeraldCheckpoint) -> tuple[dict, dict, list[dict]]:
-    """(params, state, param_groups) of the fused optimizer, as TorchRec's EmbeddingFusedOptimizer has them:
-    params keyed `embedding_bags.<t>.weight` (the weight ShardedTensors), state `{param: {"<t>.momentum1": ST}}`
-    (an empty dict per table without optimizer state), one param group with the learning rate."""
-    m = ck.module
-    params = {weight_key(n): w for n, w in zip(m.table_names, ck.weights)}
-    state: dict = {}
-    for t, (n, w) in enumerate(zip(m.table_names, ck.weights)):
-        state[w] = {state_key(n): ck.states[t]} if ck.has_state else {}
-    return params, state, [{"params": list(params.values()), "lr": m.learning_rate}]
-
-
 # -------------------------------------------------------------------------------------------------- mixed EBC
-def install_mixed_state_dict_hooks(module: nn.Module) -> None:
+@dataclass
+class _MixedKeys:
+    """What the mixed module's hooks share: which tables are Herald's, and the prefix of the load under way."""
+
+    herald_tables: frozenset[str]
+    load_prefix: str = ""
+
+
+def install_mixed_state_dict_hooks(module: nn.Module, herald_tables: list[str]) -> None:
     """A `ShardedMixedEmbeddingBagCollection` keeps its parts under `herald.` / `stock.`; its state dict shows
     neither, so a mixed model's checkpoint has the keys of a stock one (`embedding_bags.<t>.weight`)."""
+    keys = _MixedKeys(frozenset(herald_tables))
     module._FORCE_STATE_DICT_LOAD = True
     module._register_state_dict_hook(_mixed_state_dict_hook)
-    module._register_load_state_dict_pre_hook(_mixed_load_pre_hook, with_module=True)
-    module.register_load_state_dict_post_hook(_mixed_load_post_hook)
+    module._register_load_state_dict_pre_hook(partial(_mixed_load_pre_hook, keys), with_module=True)
+    module.register_load_state_dict_post_hook(partial(_mixed_load_post_hook, keys))
 
 
 _PARTS = ("herald.", "stock.")
@@ -401,21 +397,20 @@ def _mixed_state_dict_hook(module: nn.Module, destination: dict, prefix: str, lo
                 destination[prefix + k[len(prefix + part):]] = destination.pop(k)
 
 
-def _mixed_load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    module._load_prefix = prefix
-    herald = set(module.herald.table_names)
+def _mixed_load_pre_hook(keys: _MixedKeys, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    keys.load_prefix = prefix
     for k in list(state_dict):
         rest = k[len(prefix):] if k.startswith(prefix) else None
         if rest is None or not rest.startswith("embedding_bags."):
             continue
         table = rest.split(".")[1]
-        state_dict[prefix + ("herald." if table in herald else "stock.") + rest] = state_dict.pop(k)
+        state_dict[prefix + ("herald." if table in keys.herald_tables else "stock.") + rest] = state_dict.pop(k)
 
 
-def _mixed_load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
-    prefix = getattr(module, "_load_prefix", "")
-    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        for i, k in enumerate(keys):
+def _mixed_load_post_hook(keys: _MixedKeys, module: nn.Module, incompatible_keys: Any) -> None:
+    prefix = keys.load_prefix
+    for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        for i, k in enumerate(names):
             for part in _PARTS:
                 if k.startswith(prefix + part):
-                    keys[i] = prefix + k[len(prefix + part):]
+                    names[i] = prefix + k[len(prefix + part):]
