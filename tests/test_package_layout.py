@@ -203,11 +203,6 @@ def cycle_report(graph: ImportGraph) -> list[str]:
     return report
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="benchmarks/e2e.py <-> benchmarks/e2e_net.py (function-level import back): being broken apart; drop this "
-    "mark once it is",
-)
 def test_no_import_cycles() -> None:
     report = cycle_report(import_graph())
     assert not report, "import cycles (each module with the line that imports the next):\n" + "\n".join(report)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from test_distributed_module import empty_plan, make_ebc
+from tests.distributed.test_embeddingbag import empty_plan, make_ebc
 
 
 def make(policy: str):
