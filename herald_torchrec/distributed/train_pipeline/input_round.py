@@ -239,7 +239,7 @@ def ids_sizes(heads: RoundHeads, lay: SliceLayout) -> list[int]:
 
 
 def decode_ids(uniform: np.ndarray, blocks: list[np.ndarray], lay: SliceLayout, tables: ManagedTables,
-               index: int | None) -> tuple[GatheredIds, GlobalBatch]:
+               index: int | None = None) -> tuple[GatheredIds, GlobalBatch]:
     """On a rank that plans: the global batch's ids from every rank's ids block (`uniform[q]`: rank q's one bag
     length, or -1: its block starts with its lengths), and the scheduler's view."""
     K, B = lay.num_keys, lay.batch_size

@@ -94,6 +94,7 @@ from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.train_pipeline.input_layout import (
     GatheredIds,
     ManagedTables,
+    SampleRoute,
     SliceLayout,
     assigned_batch,
     assigned_kjt_parts,
@@ -159,7 +160,7 @@ class Exchange:
     plan: Plan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Round:
     """What one collective round does on this rank (`ScheduledInput._round`); each part may be absent."""
 
@@ -173,9 +174,11 @@ class Round:
 
 @dataclass(frozen=True)
 class SampleMoves:
-    """Who sends which samples of the exchanged batch: this rank's blocks per destination (bytes) and how many
-    samples each holds, and the global indices the plan assigns here (increasing) with how many come from each rank."""
+    """Who sends which samples of the exchanged batch (`pending`): this rank's blocks per destination (bytes) and how
+    many samples each holds, and the global indices the plan assigns here (increasing) with how many come from each
+    rank."""
 
+    pending: Pending
     blocks: list[np.ndarray]
     n_to: np.ndarray
     mine: np.ndarray
@@ -357,23 +360,21 @@ class ScheduledInput:
         get their lengths and managed ids, which only the planners gathered), and the samples the plan assigns here."""
         lay, r = self._layout, self.rank
         B = lay.batch_size
-        dest = ex.plan.assignment()[r * B : (r + 1) * B]
-        order = np.argsort(dest, kind="stable")  # by destination, global order within
-        cut = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=self.R))])
+        route = SampleRoute.by_destination(ex.plan.assignment()[r * B : (r + 1) * B], ~self.is_planner)
         uniform = bool(ex.pending.uniform[r] >= 0)
-        blocks, id_bytes = sample_blocks(ex.pending.local, lay, order, cut, ~self.is_planner, uniform)
+        blocks, id_bytes = sample_blocks(ex.pending.local, lay, route, uniform)
         others = np.arange(self.R) != r
         ids_sent = int(id_bytes[others].sum())
         self.comm.counter.add("sample_ids", ids_sent, call=False)
         self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent,
                               call=False)
         mine = ex.plan.local_samples(r)
-        return SampleMoves(blocks, np.diff(cut), mine, np.bincount(mine // B, minlength=self.R))
+        return SampleMoves(ex.pending, blocks, route.counts, mine, np.bincount(mine // B, minlength=self.R))
 
-    def _assemble(self, cur: Pending, moves: SampleMoves, got: list[np.ndarray]) -> Batch:
+    def _assemble(self, moves: SampleMoves, got: list[np.ndarray]) -> Batch:
         """This rank's assigned samples (`moves.mine`: global indices, in order; `moves.n_from`: how many from each
         rank) from what every rank sent it."""
-        lay, n_from = self._layout, moves.n_from
+        lay, n_from, cur = self._layout, moves.n_from, moves.pending
         if cur.ids is None:  # the samples brought their lengths and ids
             fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)
             return assigned_batch(lengths, values, fixed, lay)
@@ -435,8 +436,7 @@ class ScheduledInput:
         R, r, known = self.R, self.rank, work.announced
         sizes: list[int] | None = None
         if known is not None:
-            sizes = [0] * R if moves is None or work.exchange is None else self._recv_sizes(work.exchange.pending,
-                                                                                             moves.n_from)
+            sizes = [0] * R if moves is None else self._recv_sizes(moves.pending, moves.n_from)
         if known is None or sizes is None:
             return RoundHeads(self._all_gather_words(head, "control") if R > 1 else head[None, :])
         # no gather: its words (END) are not used
@@ -444,8 +444,8 @@ class ScheduledInput:
         if not np.array_equal(known[r, checked], head[checked]):
             raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
                                f"differs from what the previous round announced {known[r].tolist()}")
-        if moves is not None and work.exchange is not None:
-            u = int(work.exchange.pending.uniform[r])
+        if moves is not None:
+            u = int(moves.pending.uniform[r])
             if [b.shape[0] for b in moves.blocks] != [
                     int(n) * self._sample_bytes(u, bool(self.is_planner[d])) for d, n in enumerate(moves.n_to)]:
                 raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers "
@@ -478,8 +478,8 @@ class ScheduledInput:
             pay = moves.blocks
         else:
             pay = [np.zeros(0, np.uint8)] * R
-        announced = (parsed if parsed is not None else NO_SLICE).header
-        head = np.concatenate([announced.words(), [plan_word(made)], [b.shape[0] for b in pay]])
+        my_slice = (parsed if parsed is not None else NO_SLICE).header
+        head = np.concatenate([my_slice.words(), [plan_word(made)], [b.shape[0] for b in pay]])  # this rank's words
         heads = self._heads(work, head, moves)
         if work.carries_plan:
             self._raise_failed_plan(made, heads)
@@ -513,7 +513,7 @@ class ScheduledInput:
             ids: GatheredIds | None = None
             view: GlobalBatch | None = None
             if self.plans_here:
-                ids, view = decode_ids(heads.uniform, [b[:n] for b, n in zip(got, ids_in)], lay, self.tables, None)
+                ids, view = decode_ids(heads.uniform, [b[:n] for b, n in zip(got, ids_in)], lay, self.tables)
             result.gathered = Pending(parsed.full(), ids, view, heads.uniform.copy())
         if isinstance(made, OutgoingPlan):  # planned here
             result.planned = PlannedBatch(made.plan, made.generation)
@@ -521,8 +521,8 @@ class ScheduledInput:
             block = got[q][ids_in[q] : ids_in[q] + plan_in[q]]
             result.planned = PlannedBatch(decode_plan(block[GENERATION_BYTES:]),
                                           int(block[:GENERATION_BYTES].view(np.int64)[0]))
-        if ex is not None and moves is not None:
-            result.assigned = self._assemble(ex.pending, moves, [b[n + m :] for b, n, m in zip(got, ids_in, plan_in)])
+        if moves is not None:
+            result.assigned = self._assemble(moves, [b[n + m :] for b, n, m in zip(got, ids_in, plan_in)])
         return result
 
     # ------------------------------------------------------------------ the stream
@@ -574,7 +574,8 @@ class ScheduledInput:
             exchange = Exchange(window[0], planned[0].plan) if planned else None
             self._ahead_samples = ahead.samples if ahead is not None else 0
             with phase("input.exchange_and_gather"):
-                result = self._round(Round(exchange, parsed, carries_plan, made, announced, next_words))
+                result = self._round(Round(exchange=exchange, gather=parsed, carries_plan=carries_plan, made=made,
+                                           announced=announced, next_words=next_words))
             announced = result.next_announced
             if result.planned is not None:
                 planned.append(result.planned)
