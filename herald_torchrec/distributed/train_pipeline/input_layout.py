@@ -75,7 +75,8 @@ class SliceLayout:
     def __post_init__(self) -> None:
         # per-sample byte counts, asked for several times a step (a torch dtype's size needs a tensor): once here
         self._dense_bytes = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
-        self._fixed_bytes = self._dense_bytes + int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+        label_bytes = int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+        self._fixed_bytes = self._dense_bytes + label_bytes
 
     def dense_bytes(self) -> int:
         """Bytes of one sample's dense features on the wire."""
@@ -104,7 +105,8 @@ def check_batch(batch: object) -> Batch:
             f"got {type(batch).__name__}"
         )
     if not isinstance(batch.sparse_features, KeyedJaggedTensor):
-        raise ValueError(f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(batch.sparse_features).__name__}")
+        raise ValueError("Batch.sparse_features must be a KeyedJaggedTensor, got "
+                         f"{type(batch.sparse_features).__name__}")
     return batch
 
 
@@ -118,17 +120,21 @@ def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
     mkeys = tables.keys()
     missing = [k for k in mkeys if k not in index]
     if missing:
-        raise ValueError(f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} (has {list(keys)})")
+        raise ValueError(f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} "
+                         f"(has {list(keys)})")
     managed = np.array([index[k] for k in mkeys], dtype=np.int64)
     carried = np.array([i for i, k in enumerate(keys) if k not in set(mkeys)], dtype=np.int64)
-    key_rows = np.array([min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys], dtype=np.int64)
+    key_rows = np.array([min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys],
+                        dtype=np.int64)
     table_keys = [np.array([mkeys.index(f) for f in fs], dtype=np.int64) for fs in tables.features]
     ids_dtype = np.dtype(np.int32) if max(tables.rows) <= INT32_MAX + 1 else np.dtype(np.int64)
     dense, labels = batch.dense_features, batch.labels
     if dense.shape[0] != B or labels.shape[0] != B:
-        raise ValueError(f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} samples")
-    return SliceLayout(keys, B, tuple(dense.shape[1:]), dense.dtype, tuple(labels.shape[1:]), labels.dtype,
-                       managed, carried, key_rows, table_keys, ids_dtype)
+        raise ValueError(f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} "
+                         "samples")
+    return SliceLayout(keys=keys, batch_size=B, dense_shape=tuple(dense.shape[1:]), dense_dtype=dense.dtype,
+                       label_shape=tuple(labels.shape[1:]), label_dtype=labels.dtype, managed=managed,
+                       carried=carried, key_rows=key_rows, table_keys=table_keys, ids_dtype=ids_dtype)
 
 
 @dataclass
@@ -158,7 +164,8 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
         raise ValueError("Herald input stage: weighted KeyedJaggedTensors are not supported")
     n = int(kjt.stride())
     if n > layout.batch_size:
-        raise ValueError(f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per rank)")
+        raise ValueError(f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per "
+                         "rank)")
     dense, labels = batch.dense_features, batch.labels
     if tuple(dense.shape) != (n, *layout.dense_shape) or dense.dtype != layout.dense_dtype:
         raise ValueError(f"dense_features {tuple(dense.shape)} {dense.dtype} differ from the first batch's "
@@ -174,7 +181,7 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
     fixed = np.concatenate(
         [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
     ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
-    return HostSlice(n, lengths, values, fixed, uniform_length(lengths))
+    return HostSlice(n=n, lengths=lengths, values=values, fixed=fixed, uniform=uniform_length(lengths))
 
 
 def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
@@ -250,7 +257,8 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
         for q, v in enumerate(per_rank_ids):  # widened to int64 as it is copied in
             values[:, q] = np.asarray(v).reshape(J, B * u)
         key_start = np.arange(J, dtype=np.int64) * (R * B * u)
-        return GatheredIds(np.full((K, R * B), u, dtype=np.int64), values.reshape(-1), key_start, None, u)
+        return GatheredIds(lengths=np.full((K, R * B), u, dtype=np.int64), values=values.reshape(-1),
+                           key_start=key_start, bag_start=None, uniform=u)
     glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
     mlen = lengths[:, layout.managed, :]  # [R, J, B]
     seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
@@ -260,8 +268,9 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
     values = flat[order]
     mg = glen[layout.managed]  # [J, R*B]
     key_start = exclusive_cumsum(mg.sum(axis=1))
-    sample_start = key_start[:, None] + np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
-    return GatheredIds(glen, values, key_start, sample_start)
+    within = np.concatenate([np.zeros((J, 1), np.int64), np.cumsum(mg, axis=1)[:, :-1]], axis=1)
+    sample_start = key_start[:, None] + within
+    return GatheredIds(lengths=glen, values=values, key_start=key_start, bag_start=sample_start)
 
 
 def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
@@ -309,14 +318,38 @@ def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.
     return s.values[ragged_arange(starts, widths)]
 
 
-def sample_blocks(s: HostSlice, layout: SliceLayout, order: np.ndarray, cut: np.ndarray, with_ids: np.ndarray,
+@dataclass(frozen=True)
+class SampleRoute:
+    """Where a rank's samples of one global batch go: `order` (local indices, grouped by destination, in order
+    within), `order[cut[d] : cut[d + 1]]` the samples for rank d, and `with_ids[d]`: rank d does not plan, so its
+    block also brings the samples' lengths and managed ids."""
+
+    order: np.ndarray
+    cut: np.ndarray
+    with_ids: np.ndarray
+
+    @classmethod
+    def by_destination(cls, dest: np.ndarray, with_ids: np.ndarray) -> SampleRoute:
+        """The route of samples whose destinations are `dest` (a rank per local sample) among len(with_ids) ranks."""
+        order = np.argsort(dest, kind="stable")  # by destination, local (so global) order within
+        cut = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=with_ids.shape[0]))])
+        return cls(order, cut, with_ids)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """How many samples go to each rank."""
+        return np.diff(self.cut)
+
+
+def sample_blocks(s: HostSlice, layout: SliceLayout, route: SampleRoute,
                   uniform: bool) -> tuple[list[np.ndarray], np.ndarray]:
     """What this rank sends of its samples: one uint8 block per destination d, holding its samples
-    `order[cut[d] : cut[d + 1]]` (local indices). Every block has their dense + label bytes; where `with_ids[d]` (a
-    rank that does not plan, so it never received this slice's managed ids) then their bag lengths of every key
-    (int32 [n, K], sample-major; left out when the slice's bags all have one length, which the header told) and their
-    managed ids (the wire's dtype, sample-major); last, their carried ids (int64, sample-major).
-    Returns (blocks, bytes of lengths and managed ids in each block)."""
+    `route.order[route.cut[d] : route.cut[d + 1]]` (local indices). Every block has their dense + label bytes; where
+    `route.with_ids[d]` (a rank that does not plan, so it never received this slice's managed ids) then their bag
+    lengths of every key (int32 [n, K], sample-major; left out where `uniform`: the slice's bags all have one length,
+    which the header told) and their managed ids (the wire's dtype, sample-major); last, their carried ids (int64,
+    sample-major). Returns (blocks, bytes of lengths and managed ids in each block)."""
+    order, cut, with_ids = route.order, route.cut, route.with_ids
     R = cut.shape[0] - 1
     if s.uniform >= 0 and uniform:  # the same blocks, compiled (None: kernels off)
         fast = host_kernels.sample_blocks_uniform(s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried,
@@ -394,7 +427,8 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
     return fixed_all, lens_all.reshape(-1), values
 
 
-def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray,
+                       carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lengths int64 [K * B'], values int64) of the KJT of the samples `mine` (global indices, in order), keys in the
     slices' order, on a rank that plans: managed ids from the gathered batch, carried ids from `carried` (laid out as
     `sample_major_ids` of the carried keys, samples in `mine` order)."""
@@ -432,7 +466,8 @@ def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
                                f"{n * (fb + J * u * it + 8 * C * u)}")
     n_all = int(n_from.sum())
     lengths = np.full(K * n_all, u, dtype=np.int64)
-    fast = host_kernels.received_uniform(list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype)
+    fast = host_kernels.received_uniform(list(blocks), n_from, fb, K, u, layout.managed, layout.carried,
+                                         layout.ids_dtype)
     if fast is not None:  # the same arrays, compiled
         return fast[0], lengths, fast[1]
     fixed, man, car = [], [], []
@@ -455,8 +490,9 @@ def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, l
     n = fixed.shape[0]
     dense_b = layout.dense_bytes()
     fixed = np.ascontiguousarray(fixed)
-    dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype).reshape(n, *layout.dense_shape)
-    labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype).reshape(n, *layout.label_shape)
+    dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype)
+    labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype)
+    dense, labels = dense.reshape(n, *layout.dense_shape), labels.reshape(n, *layout.label_shape)
     kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.from_numpy(values),
                             lengths=torch.from_numpy(lengths.astype(np.int32)))
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels)

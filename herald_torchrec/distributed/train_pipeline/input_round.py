@@ -1,17 +1,21 @@
-"""The words of one round of the Herald input stage (`input_stage.py` drives the rounds): what each rank announces
-about its next slice, who plans for whom, what a round carries, and the ids blocks the planners gather.
+"""The words and records of one round of the Herald input stage (`input_stage.py` drives the rounds): what each
+rank announces about its next slice, who plans for whom, what a round carries, and the ids blocks the planners
+gather.
 
-A round's header, per rank: SLICE_WORDS words about the slice it gathers (status, samples, managed ids, the one bag
-length or -1), the bytes of the plan it sends (PLAN_WORD; -1: its scheduler failed), then R words: the bytes of its
-samples sent to each rank. In steady state the first PAY_WORDS of them ride on the previous round's all-to-all as a
-trailer (TRAILER_BYTES per rank). Pure numpy: the collectives stay in the stage.
+A round's header, per rank: SLICE_WORDS words about the slice it gathers (`SliceHeader`: status, samples, managed
+ids, the one bag length or -1), the bytes of the plan it sends (PLAN_WORD; -1: its scheduler failed), then R words:
+the bytes of its samples sent to each rank. Every rank's header of a round, side by side, is `RoundHeads`. In steady
+state the first PAY_WORDS of them ride on the previous round's all-to-all as a trailer (`Announcement`,
+TRAILER_BYTES per rank). Pure numpy: the collectives stay in the stage.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import socket
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from torchrec.datasets.utils import Batch
@@ -29,10 +33,19 @@ from herald_torchrec.distributed.train_pipeline.input_layout import (
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 
-# header word 0 of each rank's slice: what the rest holds (CLOSED: the rank's pipeline is closing, `request_stop`)
-DATA, END, SHORT, BAD, CLOSED = 1, 0, 2, -1, 3
-SLICE_WORDS = 4  # header words of the slice: status, samples, managed ids, uniform bag length (-1: lengths travel)
-IDS_WORD, UNIFORM_WORD = 2, 3  # of those: the slice's managed ids, its one bag length
+
+class SliceStatus(enum.IntEnum):
+    """Header word 0 of a rank's slice: what the rest of its words hold (the values are the wire's)."""
+
+    BAD = -1  # the rank rejected its slice (its own error says why): every rank stops
+    END = 0  # no slice: its iterator ended (also the words of a round that gathers nothing)
+    DATA = 1  # a full slice of B samples
+    SHORT = 2  # fewer than B samples: a short last batch, dropped as with drop_last
+    CLOSED = 3  # the rank's pipeline is closing (`request_stop`)
+
+
+STATUS_WORD, SAMPLES_WORD, IDS_WORD, UNIFORM_WORD = 0, 1, 2, 3  # a slice's header words (`SliceHeader`)
+SLICE_WORDS = 4
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
 PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
 TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice and plan words, riding on this round's all-to-all
@@ -48,13 +61,107 @@ def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:
         return np.arange(R, dtype=np.int64)
     if plan_on == "rank0":
         return np.zeros(R, dtype=np.int64)
-    first = {}
+    first: dict[int, int] = {}
     return np.array([first.setdefault(int(h), q) for q, h in enumerate(hosts)], dtype=np.int64)
 
 
 def host_key() -> int:
     """This machine, as an int64 every rank on it shares (a hash of the host name)."""
     return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little", signed=True)
+
+
+@dataclass(frozen=True)
+class SliceHeader:
+    """A slice's SLICE_WORDS header words, by name: what every rank learns of it before its ids move."""
+
+    status: SliceStatus
+    samples: int = 0
+    ids: int = 0  # managed ids in the slice (what it sends each planner, with its lengths unless `uniform` >= 0)
+    uniform: int = 0  # the one length of every bag in the slice; -1: they differ, so its lengths travel
+
+    def words(self) -> np.ndarray:
+        """The words on the wire (int64)."""
+        return np.array([int(self.status), self.samples, self.ids, self.uniform], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class ParsedSlice:
+    """This rank's next slice, parsed (a round before its ids travel): the slice (None at the end of data, or where
+    rejected), its header words, and the error that rejected it (raised once every rank knows)."""
+
+    local: HostSlice | None
+    header: SliceHeader
+    error: Exception | None = None
+
+    @property
+    def samples(self) -> int:
+        return self.local.n if self.local is not None else 0
+
+    def full(self) -> HostSlice:
+        """The slice, where every rank reported DATA (so this one parsed)."""
+        if self.local is None:
+            raise RuntimeError("herald input stage: a gathered slice without data (a protocol bug)")
+        return self.local
+
+
+NO_SLICE = ParsedSlice(None, SliceHeader(SliceStatus.END))  # what a round that gathers nothing announces
+
+
+def parse_slice(batch: Batch | None, lay: SliceLayout) -> ParsedSlice:
+    """Parse this rank's next slice; its header words say what the others can expect from it."""
+    if batch is None:
+        return NO_SLICE
+    try:
+        hs = host_slice(batch, lay)
+    except ValueError as e:
+        return ParsedSlice(None, SliceHeader(SliceStatus.BAD), e)
+    if hs.n < lay.batch_size:
+        return ParsedSlice(hs, SliceHeader(SliceStatus.SHORT, hs.n))
+    n_ids = int(hs.lengths[lay.managed].sum())
+    return ParsedSlice(hs, SliceHeader(SliceStatus.DATA, hs.n, n_ids, hs.uniform))
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """This rank's first PAY_WORDS header words of the next round (its slice, its plan's bytes), sent a round early
+    as the trailer of this round's all-to-all, so that the next round needs no all-gather of them."""
+
+    header: SliceHeader
+    plan_bytes: int
+
+    def words(self) -> np.ndarray:
+        return np.concatenate([self.header.words(), [self.plan_bytes]])
+
+
+@dataclass(frozen=True)
+class RoundHeads:
+    """Every rank's header words of one round, [R, PAY_WORDS + R] int64 (row q: rank q's), by name."""
+
+    words: np.ndarray
+
+    @property
+    def status(self) -> np.ndarray:
+        return self.words[:, STATUS_WORD]
+
+    @property
+    def samples(self) -> np.ndarray:
+        return self.words[:, SAMPLES_WORD]
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.words[:, IDS_WORD]
+
+    @property
+    def uniform(self) -> np.ndarray:
+        return self.words[:, UNIFORM_WORD]
+
+    @property
+    def plan_bytes(self) -> np.ndarray:
+        return self.words[:, PLAN_WORD]
+
+    def sample_bytes_to(self, rank: int) -> np.ndarray:
+        """The bytes of its samples each rank sends `rank` this round."""
+        return self.words[:, PAY_WORDS + rank]
 
 
 @dataclass
@@ -67,24 +174,43 @@ class Pending:
     batch: GlobalBatch | None  # the scheduler's view (None on ranks that receive their plans)
     uniform: np.ndarray
 
+    def scheduler_view(self) -> GlobalBatch:
+        if self.batch is None:
+            raise RuntimeError("herald input stage: only the ranks that plan hold the scheduler's view")
+        return self.batch
 
-@dataclass
-class Outgoing:
+
+@dataclass(frozen=True)
+class OutgoingPlan:
     """A plan made on a rank that plans, a round before it travels; `wire` is what it sends the ranks it plans for
-    (None: it plans for itself only); `err` a failed scheduler."""
+    (None: it plans for itself only)."""
 
-    plan: Plan | None
+    plan: Plan
     generation: int
     wire: np.ndarray | None = None
-    err: Exception | None = None
 
 
-def plan_word(out: Outgoing | None) -> int:
+@dataclass(frozen=True)
+class FailedPlan:
+    """A scheduler that raised: kept until the next header tells every rank, then raised here as it is."""
+
+    generation: int
+    error: Exception
+
+
+class PlannedBatch(NamedTuple):
+    """A plan ready on this rank (made here or received) and the scheduler generation that made it."""
+
+    plan: Plan
+    generation: int
+
+
+def plan_word(out: OutgoingPlan | FailedPlan | None) -> int:
     """The header word of the plan a round carries from this rank: the bytes it sends (generation, then the encoded
     plan), 0 if none, -1 if its scheduler failed."""
     if out is None:
         return 0
-    if out.err is not None:
+    if isinstance(out, FailedPlan):
         return -1
     return 0 if out.wire is None else GENERATION_BYTES + out.wire.shape[0]
 
@@ -93,53 +219,35 @@ def raise_bad(status: np.ndarray, err: Exception | None) -> None:
     """This rank's own input error as it is; another rank's (status BAD) as a ValueError that names it."""
     if err is not None:
         raise err
-    if (status == BAD).any():
-        q = int(np.flatnonzero(status == BAD)[0])
+    if (status == SliceStatus.BAD).any():
+        q = int(np.flatnonzero(status == SliceStatus.BAD)[0])
         raise ValueError(f"rank {q} rejected its input batch (see its error); every rank stops")
 
 
-def slice_words(status: int, samples: int = 0, ids: int = 0, uniform: int = 0) -> np.ndarray:
-    """A slice's SLICE_WORDS header words: its status, samples, managed ids and one bag length (-1: lengths travel)."""
-    return np.array([status, samples, ids, uniform], dtype=np.int64)
-
-
-def slice_header(batch: Batch | None, lay: SliceLayout) -> tuple[HostSlice | None, np.ndarray, Exception | None]:
-    """Parse this rank's next slice; its header words say what the others can expect from it."""
-    if batch is None:
-        return None, slice_words(END), None
-    try:
-        hs = host_slice(batch, lay)
-    except ValueError as e:
-        return None, slice_words(BAD), e
-    if hs.n < lay.batch_size:
-        return hs, slice_words(SHORT, hs.n), None
-    n_ids = int(hs.lengths[lay.managed].sum())
-    return hs, slice_words(DATA, hs.n, n_ids, hs.uniform), None
-
-
-def ids_block(hs: HostSlice, head: np.ndarray, lay: SliceLayout) -> np.ndarray:
+def ids_block(hs: HostSlice, header: SliceHeader, lay: SliceLayout) -> np.ndarray:
     """What this rank sends each planner about its slice: the bag lengths (unless one length fits all), then the
     managed ids."""
-    parts = [] if head[UNIFORM_WORD] >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
+    parts = [] if header.uniform >= 0 else [hs.lengths.astype(np.int32).reshape(-1).view(np.uint8)]
     parts.append(managed_ids(hs, lay).view(np.uint8))
     return np.concatenate(parts)
 
 
-def ids_sizes(heads: np.ndarray, lay: SliceLayout) -> list[int]:
+def ids_sizes(heads: RoundHeads, lay: SliceLayout) -> list[int]:
     """Bytes of every rank's ids block, from its header words."""
     K, B = lay.num_keys, lay.batch_size
-    return [(0 if h[UNIFORM_WORD] >= 0 else K * B * 4) + int(h[IDS_WORD]) * lay.ids_dtype.itemsize for h in heads]
+    return [(0 if u >= 0 else K * B * 4) + int(n) * lay.ids_dtype.itemsize for u, n in zip(heads.uniform, heads.ids)]
 
 
-def decode_ids(heads: np.ndarray, blocks: list[np.ndarray], lay: SliceLayout, tables: ManagedTables,
-               index: int | None) -> tuple[GatheredIds, GlobalBatch]:
-    """On a rank that plans: the global batch's ids from every rank's ids block, and the scheduler's view."""
+def decode_ids(uniform: np.ndarray, blocks: list[np.ndarray], lay: SliceLayout, tables: ManagedTables,
+               index: int | None = None) -> tuple[GatheredIds, GlobalBatch]:
+    """On a rank that plans: the global batch's ids from every rank's ids block (`uniform[q]`: rank q's one bag
+    length, or -1: its block starts with its lengths), and the scheduler's view."""
     K, B = lay.num_keys, lay.batch_size
-    lengths = np.empty((heads.shape[0], K, B), dtype=np.int64)
+    lengths = np.empty((uniform.shape[0], K, B), dtype=np.int64)
     ids = []
-    for q, (h, b) in enumerate(zip(heads, blocks)):
-        if h[UNIFORM_WORD] >= 0:
-            lengths[q] = h[UNIFORM_WORD]
+    for q, (u, b) in enumerate(zip(uniform, blocks)):
+        if u >= 0:
+            lengths[q] = u
             ids.append(b.view(lay.ids_dtype))
         else:
             lengths[q] = b[: K * B * 4].view(np.int32).reshape(K, B)

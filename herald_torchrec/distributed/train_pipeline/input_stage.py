@@ -33,6 +33,43 @@ the lookahead needs, for the plans made a round early) and one parsed slice of i
 variable-length bags, empty bags, a key read by several tables and tables of several EBCs are all handled: the
 scheduler gets one CSR per managed table (input_layout.py).
 
+Example: R=2 ranks on one machine (`plan_on="host"`: rank 0 plans for both), B=2 samples per rank, one
+Herald-managed feature "f" (single-hot, table "t" of 8 rows: rows 0-3 live on rank 0, 4-7 on rank 1), lookahead
+L=0, no carried features. Global sample g = q * B + i is sample i of rank q's slice. The numbers are those of a run.
+
+    # Before: each rank's iterator yields its slice of batch 0 (dense d_g = [g], label g % 2)
+    # rank 0: Batch(dense=[d0, d1], f=[[5], [2]], labels=[0., 1.])    # samples g0, g1
+    # rank 1: Batch(dense=[d2, d3], f=[[1], [6]], labels=[0., 1.])    # samples g2, g3
+
+    # (1) header words of the round that gathers batch 0, from every rank (all-gathered in the first rounds;
+    #     later they ride on the round before, as its 40-byte trailer, and the sample bytes are computed):
+    #          status  samples  ids  uniform  plan bytes  sample bytes to rank 0, to rank 1
+    # rank 0:  DATA    2        2    1        0           0, 0
+    # rank 1:  DATA    2        2    1        0           0, 0
+    # (2) ids to the planner, in the same round's all-to-all (int32; no lengths: every bag has length 1):
+    # rank 0 -> rank 0: f = [5, 2]     rank 1 -> rank 0: f = [1, 6]     rank 1 receives no ids
+    # after: rank 0 holds batch 0's ids f = [5, 2, 1, 6] (g0..g3, the scheduler's GlobalBatch);
+    #        rank 1 holds its own slice only
+
+    # (3) rank 0 plans batch 0 (from batches 0..L): samples g1, g2 on rank 0, g0, g3 on rank 1 (the rows they
+    #     read live there), no rows move. It encodes the plan (~340 bytes with its generation), announces its
+    #     size in its header word "plan bytes", and sends it to rank 1 one round before batch 0's samples move.
+
+    # (4) the round that exchanges batch 0 (it also carries the ids of batch 3 and the plan of batch 1): one
+    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344, rank 1:
+    #     DATA 2 2 1 0: batch 3's slices and the plan bytes), and each rank computes the sample bytes it receives
+    #     from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
+    #     Each rank's block to each rank, in order:
+    # rank 0 -> rank 0: trailer (40) | its ids of batch 3 (8) | g1: dense + label (8)                  =  56 bytes
+    # rank 0 -> rank 1: trailer (40) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~396 bytes
+    # rank 1 -> rank 0: trailer (40) | its ids of batch 3 (8) | g2: dense + label (8)                  =  56 bytes
+    # rank 1 -> rank 1: trailer (40) | g3: dense + label, f (12)                                      =  52 bytes
+    # (a sample sent to rank 1, which does not plan, brings its ids of f; rank 0 has them from (2))
+
+    # After: each rank holds its assigned samples of batch 0 as a Batch, and the plan (ScheduledBatch):
+    # rank 0: Batch(dense=[d1, d2], f=[[2], [1]], labels=[1., 0.]), plan of batch 0 (made here)
+    # rank 1: Batch(dense=[d0, d3], f=[[5], [6]], labels=[0., 1.]), plan of batch 0 (received in the round before)
+
 The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
 `comm.counter`, by the rules of traffic.py: the plan as "plan") and calls the collectives through references taken
 at import, so a run-wide counting patch of torch.distributed does not see them twice — the stage may run in a
@@ -45,7 +82,8 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -54,8 +92,9 @@ from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.train_pipeline.input_layout import (
-    HostSlice,
+    GatheredIds,
     ManagedTables,
+    SampleRoute,
     SliceLayout,
     assigned_batch,
     assigned_kjt_parts,
@@ -64,29 +103,29 @@ from herald_torchrec.distributed.train_pipeline.input_layout import (
     slice_layout,
 )
 from herald_torchrec.distributed.train_pipeline.input_round import (
-    BAD,
-    CLOSED,
-    DATA,
-    END,
     GENERATION_BYTES,
+    NO_SLICE,
     PAY_WORDS,
     PLAN_ON,
     PLAN_WORD,
-    SHORT,
-    SLICE_WORDS,
     TRAILER_BYTES,
-    UNIFORM_WORD,
-    Outgoing,
+    Announcement,
+    FailedPlan,
+    OutgoingPlan,
+    ParsedSlice,
     Pending,
+    PlannedBatch,
+    RoundHeads,
+    SliceHeader,
+    SliceStatus,
     decode_ids,
     host_key,
     ids_block,
     ids_sizes,
+    parse_slice,
     plan_word,
     planners,
     raise_bad,
-    slice_header,
-    slice_words,
 )
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
@@ -96,8 +135,70 @@ from herald_torchrec.schedule.policy import SchedulePolicy
 SCHED_MS_KEPT = 100_000  # recent planning times kept, however long the run
 
 
+class ScheduledBatch(NamedTuple):
+    """What the stage yields, in training order: this rank's assigned samples, their plan, and the scheduler
+    generation that planned it (plans of an older generation than the stage's current one must not run)."""
+
+    batch: Batch
+    plan: Plan
+    generation: int
+
+
+class SchedulerState(NamedTuple):
+    """The scheduler and its generation (how many times `reset_policy` replaced it), swapped as one object: the
+    stage's thread reads both at once. `policy` is None before the first batch and on the ranks that do not plan."""
+
+    generation: int
+    policy: SchedulePolicy | None
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A gathered global batch and its plan: this round moves its samples to the ranks the plan assigns them."""
+
+    pending: Pending
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """What one collective round does on this rank (`ScheduledInput._round`); each part may be absent."""
+
+    exchange: Exchange | None = None  # the oldest gathered batch with a plan: its samples move
+    gather: ParsedSlice | None = None  # this rank's next slice: its header and ids go out (None: no gather)
+    carries_plan: bool = False  # a plan travels this round (made here as `made`, or received from the planner)
+    made: OutgoingPlan | FailedPlan | None = None  # the plan this rank made for this round, where it plans
+    announced: np.ndarray | None = None  # [R, PAY_WORDS]: this round's header words, from the last round's trailers
+    next_words: Announcement | None = None  # this rank's header words of the next round: this round's trailer
+
+
+@dataclass(frozen=True)
+class SampleMoves:
+    """Who sends which samples of the exchanged batch (`pending`): this rank's blocks per destination (bytes) and how
+    many samples each holds, and the global indices the plan assigns here (increasing) with how many come from each
+    rank."""
+
+    pending: Pending
+    blocks: list[np.ndarray]
+    n_to: np.ndarray
+    mine: np.ndarray
+    n_from: np.ndarray
+
+
+@dataclass
+class RoundResult:
+    """What one round leaves on this rank."""
+
+    assigned: Batch | None = None  # this rank's samples of the exchanged batch (None: no exchange)
+    gathered: Pending | None = None  # the global batch gathered (None: no gather, or the end of the data)
+    end_of_data: bool = False  # the gather found some rank without a full slice: every rank stops gathering
+    planned: PlannedBatch | None = None  # the plan this round carried (made here or received), with its generation
+    next_announced: np.ndarray | None = None  # [R, PAY_WORDS]: the next round's header words, from the trailers
+
+
 class ScheduledInput:
-    """Iterator adapter: this rank's `Batch` slices in, (assigned `Batch`, `Plan`) out, L batches ahead.
+    """Iterator adapter: this rank's `Batch` slices in, `ScheduledBatch`es (assigned `Batch`, `Plan`, generation)
+    out, L batches ahead.
 
     `policy_factory(batch_per_rank)` builds the scheduler once the first slice tells the batch size (the pipeline
     builds it from the sharded modules' own settings; every rank builds it, so a bad setting raises everywhere, and
@@ -118,9 +219,7 @@ class ScheduledInput:
         self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
         self.is_planner = np.ones(self.R, dtype=bool)  # the ranks that plan: only they receive every slice's ids
         self._factory = policy_factory
-        # (generation, policy), replaced as one object by reset_policy (the stage's thread reads both at once);
-        # the generation counts resets: plans of an older one must not be executed
-        self._current: tuple[int, SchedulePolicy | None] = (0, None)
+        self._current = SchedulerState(0, None)  # replaced as one object by reset_policy
         self.lookahead = 0
         self.layout: SliceLayout | None = None
         self.sched_ms: deque[float] = deque(maxlen=SCHED_MS_KEPT)  # the planning time of recent plans (bounded)
@@ -142,15 +241,22 @@ class ScheduledInput:
     @property
     def policy(self) -> SchedulePolicy | None:
         """The scheduler, on the rank(s) that plan (None before the first batch, and on the others)."""
-        return self._current[1]
+        return self._current.policy
 
     @property
     def generation(self) -> int:
-        return self._current[0]
+        return self._current.generation
 
     @property
     def plans_here(self) -> bool:
         return self.planner == self.rank
+
+    @property
+    def _layout(self) -> SliceLayout:
+        """The slices' layout, set by the first batch (every round runs after it)."""
+        if self.layout is None:
+            raise RuntimeError("herald input stage: no layout before the first batch")
+        return self.layout
 
     # ------------------------------------------------------------------ collectives (bytes only)
     def _all_gather_words(self, words: np.ndarray, kind: str) -> np.ndarray:
@@ -181,20 +287,21 @@ class ScheduledInput:
         err: Exception | None = None
         layout = None
         if first is None:
-            words = slice_words(END)
+            words = SliceHeader(SliceStatus.END).words()
         else:
             try:
                 layout = slice_layout(first, self.tables)
-                words = np.concatenate([[DATA], layout.signature()])
+                words = np.concatenate([[SliceStatus.DATA], layout.signature()])  # status, then the layout's words
             except ValueError as e:
-                err, words = e, slice_words(BAD)
+                err, words = e, SliceHeader(SliceStatus.BAD).words()
         got = self._all_gather_words(np.append(words, host_key()), "control")  # + the host, for `planners`
         got, hosts = got[:, :-1], got[:, -1]
         raise_bad(got[:, 0], err)
-        if (got[:, 0] == END).any():
+        if (got[:, 0] == SliceStatus.END).any():
             if first is not None:
-                warnings.warn(f"herald input (rank {self.rank}): ranks {np.flatnonzero(got[:, 0] == END).tolist()} "
-                              "have no data at all; every rank stops before the first step", stacklevel=3)
+                warnings.warn(f"herald input (rank {self.rank}): ranks "
+                              f"{np.flatnonzero(got[:, 0] == SliceStatus.END).tolist()} have no data at all; every "
+                              "rank stops before the first step", stacklevel=3)
             return False
         if (got[:, 1:] != got[0, 1:]).any():
             raise ValueError(
@@ -202,42 +309,44 @@ class ScheduledInput:
                 f"batch sizes {got[:, 1].tolist()}, key counts {got[:, 2].tolist()}; every rank must feed slices "
                 "of the same global batch"
             )
+        assert layout is not None  # every rank, this one included, reported DATA: its first slice parsed
         self.layout = layout
         planner_of = planners(self.plan_on, hosts)
         self.planner = int(planner_of[self.rank])
         self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)
         self.is_planner = np.zeros(self.R, dtype=bool)
         self.is_planner[planner_of] = True
-        policy = self._factory(layout.batch_size)  # type: ignore[union-attr]
+        policy = self._factory(layout.batch_size)
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
         self.lookahead = policy.lookahead
-        self._current = (self.generation, policy if self.plans_here else None)
+        self._current = SchedulerState(self.generation, policy if self.plans_here else None)
         return True
 
     def reset_policy(self) -> None:
         """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership.
         Every rank calls it at the same step, so generations agree across ranks."""
         fresh = self._factory(self.layout.batch_size) if self.layout is not None and self.plans_here else None
-        self._current = (self.generation + 1, fresh)
+        self._current = SchedulerState(self.generation + 1, fresh)
 
     # ------------------------------------------------------------------ gather
-    def _check_heads(self, heads: np.ndarray, hs: HostSlice | None, err: Exception | None) -> bool:
+    def _check_heads(self, heads: RoundHeads, parsed: ParsedSlice) -> bool:
         """True if every rank has a full slice; else warn (what this rank drops) and return False (end of data)."""
-        raise_bad(heads[:, 0], err)
-        status = heads[:, 0]
-        if (status == DATA).all():
+        raise_bad(heads.status, parsed.error)
+        status = heads.status
+        if (status == SliceStatus.DATA).all():
             return True
-        if (status == CLOSED).any():  # a pipeline closing (request_stop): asked for, so nothing to warn about
+        if (status == SliceStatus.CLOSED).any():  # a pipeline closing (request_stop): asked for, nothing to warn
             return False
-        mine = (hs.n if hs is not None else 0) + self._ahead_samples  # with the slice drawn a round ahead
+        mine = parsed.samples + self._ahead_samples  # with the slice drawn a round ahead
         self.dropped_samples += mine
-        if (status == SHORT).any():
-            why = "short last batch" + "es" * int((status == SHORT).sum() > 1) + " (" + ", ".join(
-                f"rank {q}: {int(heads[q, 1])} samples" for q in np.flatnonzero(status == SHORT)) + ")"
+        short = status == SliceStatus.SHORT
+        if short.any():
+            why = "short last batch" + "es" * int(short.sum() > 1) + " (" + ", ".join(
+                f"rank {q}: {int(heads.samples[q])} samples" for q in np.flatnonzero(short)) + ")"
         else:
-            why = f"ranks {np.flatnonzero(status == END).tolist()} ran out of data"
-        if not (status == END).all():  # an uneven end: say what is lost (a clean end of every rank is silent)
+            why = f"ranks {np.flatnonzero(status == SliceStatus.END).tolist()} ran out of data"
+        if not (status == SliceStatus.END).all():  # an uneven end: say what is lost (a clean end is silent)
             warnings.warn(
                 f"herald input (rank {self.rank}): {why}; the incomplete global batch is dropped, as with "
                 f"drop_last: this rank drops {mine} samples (and whatever its iterator still holds)",
@@ -246,55 +355,59 @@ class ScheduledInput:
         return False
 
     # ------------------------------------------------------------------ exchange
-    def _payload(self, cur: Pending, plan: Plan) -> tuple[list[np.ndarray], np.ndarray]:
-        """Per destination: this rank's samples the plan assigns there (input_layout.sample_blocks: the ranks that do
-        not plan also get their lengths and managed ids, which only the planners gathered), and how many."""
-        lay, B, r = self.layout, self.layout.batch_size, self.rank  # type: ignore[union-attr]
-        dest = plan.assignment()[r * B : (r + 1) * B]
-        order = np.argsort(dest, kind="stable")  # by destination, global order within
-        cut = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=self.R))])
-        uniform = bool(cur.uniform[r] >= 0)
-        blocks, id_bytes = sample_blocks(cur.local, lay, order, cut, ~self.is_planner, uniform)  # type: ignore[arg-type]
+    def _sample_moves(self, ex: Exchange) -> SampleMoves:
+        """This rank's samples of `ex` per destination (input_layout.sample_blocks: the ranks that do not plan also
+        get their lengths and managed ids, which only the planners gathered), and the samples the plan assigns here."""
+        lay, r = self._layout, self.rank
+        B = lay.batch_size
+        route = SampleRoute.by_destination(ex.plan.assignment()[r * B : (r + 1) * B], ~self.is_planner)
+        uniform = bool(ex.pending.uniform[r] >= 0)
+        blocks, id_bytes = sample_blocks(ex.pending.local, lay, route, uniform)
         others = np.arange(self.R) != r
         ids_sent = int(id_bytes[others].sum())
         self.comm.counter.add("sample_ids", ids_sent, call=False)
-        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False)
-        return blocks, np.diff(cut)
+        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent,
+                              call=False)
+        mine = ex.plan.local_samples(r)
+        return SampleMoves(ex.pending, blocks, route.counts, mine, np.bincount(mine // B, minlength=self.R))
 
-    def _assemble(self, cur: Pending, mine: np.ndarray, n_from: np.ndarray, got: list[np.ndarray]) -> Batch:
-        """This rank's assigned samples (`mine`: global indices, in order; `n_from`: how many from each rank) from
-        what every rank sent it."""
-        lay = self.layout
+    def _assemble(self, moves: SampleMoves, got: list[np.ndarray]) -> Batch:
+        """This rank's assigned samples (`moves.mine`: global indices, in order; `moves.n_from`: how many from each
+        rank) from what every rank sent it."""
+        lay, n_from, cur = self._layout, moves.n_from, moves.pending
         if cur.ids is None:  # the samples brought their lengths and ids
-            fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)  # type: ignore[arg-type]
-            return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
-        fb = lay.fixed_bytes()  # type: ignore[union-attr]
-        fixed = np.concatenate([g[: n * fb] for g, n in zip(got, n_from)]).reshape(mine.shape[0], fb)
+            fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)
+            return assigned_batch(lengths, values, fixed, lay)
+        fb = lay.fixed_bytes()
+        fixed = np.concatenate([g[: n * fb] for g, n in zip(got, n_from)]).reshape(moves.mine.shape[0], fb)
         carried = np.concatenate([g[n * fb :] for g, n in zip(got, n_from)]).view(np.int64)
-        lengths, values = assigned_kjt_parts(cur.ids, lay, mine, carried)  # type: ignore[arg-type]
-        return assigned_batch(lengths, values, fixed, lay)  # type: ignore[arg-type]
+        lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, carried)
+        return assigned_batch(lengths, values, fixed, lay)
 
-    def _plan_next(self, batches: list[GlobalBatch]) -> Outgoing | None:
-        """Plan the next batch (batches: it and up to L after it) where plans are made; the planner also encodes
-        the plan for the others. A failing scheduler is returned (err), so that every rank raises together."""
+    def _plan_next(self, window: Sequence[Pending], first: int) -> OutgoingPlan | FailedPlan | None:
+        """Plan window[first] from it and the (up to) L gathered after it, where plans are made; the planner also
+        encodes the plan for the others. A failing scheduler is returned, so that every rank raises together."""
         generation, policy = self._current
         if not self.plans_here:
             return None
+        batches = [window[i].scheduler_view() for i in range(first, min(first + self.lookahead + 1, len(window)))]
         try:
+            if policy is None:
+                raise RuntimeError("herald input stage: no scheduler on a rank that plans")
             with phase("input.plan"):
                 cpu = time.thread_time()
-                plan = policy.plan(batches)  # type: ignore[union-attr]
+                plan = policy.plan(batches)
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
             wire = encode_plan(plan) if self.plans_for.any() else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
-            return Outgoing(None, generation, err=e)
-        return Outgoing(plan, generation, wire)
+            return FailedPlan(generation, e)
+        return OutgoingPlan(plan, generation, wire)
 
-    def _raise_failed_plan(self, out: Outgoing | None, heads: np.ndarray) -> None:
+    def _raise_failed_plan(self, made: OutgoingPlan | FailedPlan | None, heads: RoundHeads) -> None:
         """After the header: a scheduler that failed on some rank stops every rank (before any data moves)."""
-        if out is not None and out.err is not None:
-            raise out.err
-        failed = np.flatnonzero(heads[:, PLAN_WORD] < 0)
+        if isinstance(made, FailedPlan):
+            raise made.error
+        failed = np.flatnonzero(heads.plan_bytes < 0)
         if failed.size:
             raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
                                "(see their error); every rank stops")
@@ -311,103 +424,110 @@ class ScheduledInput:
     def _sample_bytes(self, u: int, planner: bool) -> int:
         """Bytes of one sample of a slice with bags of one length `u`, sent to a rank that plans or not
         (input_layout.sample_blocks)."""
-        lay = self.layout
-        ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize  # type: ignore[union-attr]
-        return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8  # type: ignore[union-attr]
+        lay = self._layout
+        ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize
+        return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8
 
-    def _step(self, cur: Pending | None, plan: Plan | None, gather: bool,
-              parsed: tuple[HostSlice | None, np.ndarray, Exception | None] | None,
-              out: Outgoing | None = None, planning: bool = False, known: np.ndarray | None = None,
-              trailer: np.ndarray | None = None) -> tuple[Batch | None, Pending | None | bool, tuple[Plan, int] | None, np.ndarray | None]:
-        """One collective round: the exchange of `cur` by `plan` (if any), the gather of the slice `parsed` (this
-        rank's next slice, parsed by `_header`, if `gather`) and, if `planning`, the plan of a later batch (made here
-        as `out`, or received from this rank's planner).
+    def _heads(self, work: Round, head: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
+        """Every rank's header words of this round (`head`: this rank's): from an all-gather, unless the previous
+        round's trailers announced them (`work.announced`) and this rank can size what it receives from the plan
+        alone (`_recv_sizes`). Then the round is a single all-to-all; the announced words are checked against
+        `head`, and the sample bytes this rank sends against what its receivers compute."""
+        R, r, known = self.R, self.rank, work.announced
+        sizes: list[int] | None = None
+        if known is not None:
+            sizes = [0] * R if moves is None else self._recv_sizes(moves.pending, moves.n_from)
+        if known is None or sizes is None:
+            return RoundHeads(self._all_gather_words(head, "control") if R > 1 else head[None, :])
+        # no gather: its words (END) are not used
+        checked = slice(0, PAY_WORDS) if work.gather is not None else slice(PLAN_WORD, PAY_WORDS)
+        if not np.array_equal(known[r, checked], head[checked]):
+            raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
+                               f"differs from what the previous round announced {known[r].tolist()}")
+        if moves is not None:
+            u = int(moves.pending.uniform[r])
+            if [b.shape[0] for b in moves.blocks] != [
+                    int(n) * self._sample_bytes(u, bool(self.is_planner[d])) for d, n in enumerate(moves.n_to)]:
+                raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers "
+                                   "compute")
+        words = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
+        words[:, :PAY_WORDS] = known
+        words[:, PAY_WORDS + r] = sizes
+        return RoundHeads(words)
 
-        The round's header words (each rank's slice status, plan bytes and sample bytes) come from an all-gather,
-        unless the previous round brought them (`known`: [R, PAY_WORDS], its trailers) and this rank can size what
-        it receives from the plan alone (`_recv_sizes`): then the round is a single all-to-all. `trailer` (this
-        rank's header words of the next round, every rank or none) rides on this round's all-to-all.
-        Returns (assigned batch or None, gathered pending batch or False at the end of data, (plan, generation) of
-        the planned batch or None, the next round's header words from the trailers or None)."""
-        R, r, q = self.R, self.rank, self.planner
-        receives = planning and q != r
-        ids_blocks_in, plan_in = [0] * R, [0] * R
-        gathered: Pending | None | bool = None
+    def _round(self, work: Round) -> RoundResult:
+        """One collective round (`Round` says what it carries): the exchange of a gathered batch by its plan, the
+        gather of this rank's next slice (its ids to the planners) and a plan (sent by the planner), after the header
+        words (`_heads`). `work.next_words` rides on this round's all-to-all as a trailer, and every rank's comes
+        back as `next_announced`."""
+        R, r, q, lay = self.R, self.rank, self.planner, self._layout
+        ex, made, parsed = work.exchange, work.made, work.gather
+        result = RoundResult()
+        receives_plan = work.carries_plan and q != r
+        ids_in, plan_in = [0] * R, [0] * R  # bytes of each rank's ids block and plan coming here
         my_ids = wire = np.zeros(0, dtype=np.uint8)
-        if plan_word(out) > 0:  # the planner: generation, then the plan
-            wire = np.concatenate([np.array([out.generation], dtype=np.int64).view(np.uint8), out.wire])  # type: ignore[union-attr]
+        if isinstance(made, OutgoingPlan) and made.wire is not None:  # the planner: generation, then the plan
+            wire = np.concatenate([np.array([made.generation], dtype=np.int64).view(np.uint8), made.wire])
             self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
         # cut the samples first: their bytes per destination travel in the header (unless receivers compute them: one
         # bag length), since a rank that does not plan cannot size the lengths and ids that come with them
-        if cur is not None:
-            pay, n_to = self._payload(cur, plan)  # type: ignore[arg-type]
+        moves = None
+        if ex is not None:
+            moves = self._sample_moves(ex)
             self.comm.counter.add("samples", 0)
+            pay = moves.blocks
         else:
-            pay, n_to = [np.zeros(0, np.uint8)] * R, np.zeros(R, dtype=np.int64)
-        hs, head, err = parsed if gather and parsed is not None else slice_header(None, self.layout)  # type: ignore[arg-type]
-        head = np.concatenate([head, [plan_word(out)], [b.shape[0] for b in pay]])
-        mine = n_from = None  # the global indices the plan assigns here (increasing), and how many from each rank
-        if cur is not None:
-            mine = plan.local_samples(r)  # type: ignore[union-attr]
-            n_from = np.bincount(mine // self.layout.batch_size, minlength=R)  # type: ignore[union-attr]
-        sizes = None if known is None else ([0] * R if cur is None else self._recv_sizes(cur, n_from))  # type: ignore[arg-type]
-        if sizes is not None:  # the header came with the previous round: no all-gather
-            checked = slice(0, PAY_WORDS) if gather else slice(PLAN_WORD, PAY_WORDS)  # no gather: its words unused
-            if not np.array_equal(known[r, checked], head[checked]):  # type: ignore[index]
-                raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
-                                   f"differs from what the previous round announced {known[r].tolist()}")  # type: ignore[index]
-            if cur is not None and [b.shape[0] for b in pay] != [
-                    int(n) * self._sample_bytes(int(cur.uniform[r]), bool(self.is_planner[d])) for d, n in enumerate(n_to)]:
-                raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute")
-            heads = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
-            heads[:, :PAY_WORDS] = known
-            heads[:, PAY_WORDS + r] = sizes
-        else:
-            heads = self._all_gather_words(head, "control") if R > 1 else head[None, :]
-        if planning:
-            self._raise_failed_plan(out, heads)
-        if receives:
-            plan_in[q] = int(heads[q, PLAN_WORD])
-        if gather:
-            if self._check_heads(heads[:, :SLICE_WORDS], hs, err):
-                my_ids = ids_block(hs, head, self.layout)  # type: ignore[arg-type]
+            pay = [np.zeros(0, np.uint8)] * R
+        my_slice = (parsed if parsed is not None else NO_SLICE).header
+        head = np.concatenate([my_slice.words(), [plan_word(made)], [b.shape[0] for b in pay]])  # this rank's words
+        heads = self._heads(work, head, moves)
+        if work.carries_plan:
+            self._raise_failed_plan(made, heads)
+        if receives_plan:
+            plan_in[q] = int(heads.plan_bytes[q])
+        if parsed is not None:
+            if self._check_heads(heads, parsed):
+                my_ids = ids_block(parsed.full(), parsed.header, lay)
                 if self.plans_here:
-                    ids_blocks_in = ids_sizes(heads, self.layout)  # type: ignore[arg-type]
+                    ids_in = ids_sizes(heads, lay)
                 to_planners = int(self.is_planner.sum()) - int(self.is_planner[r])
-                self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=cur is None)
+                self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=ex is None)
             else:
-                gathered = False
-        tb = trailer.astype(np.int64).view(np.uint8) if trailer is not None else np.zeros(0, np.uint8)
-        if trailer is not None:
+                result.end_of_data = True
+        trailer = work.next_words.words().view(np.uint8) if work.next_words is not None else np.zeros(0, np.uint8)
+        if work.next_words is not None:
             self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
-        sends = [np.concatenate([tb, my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p])
-                 for d, p in enumerate(pay)]
-        t = tb.shape[0]
-        recv = [t + a + b + int(c) for a, b, c in zip(ids_blocks_in, plan_in, heads[:, PAY_WORDS + r])]
+        # to each rank: [trailer | ids block (to a planner) | plan (to a rank this one plans for) | samples]
+        sends = [np.concatenate([trailer, my_ids[: None if self.is_planner[d] else 0],
+                                 wire[: None if self.plans_for[d] else 0], p]) for d, p in enumerate(pay)]
+        t = trailer.shape[0]
+        recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_to(r))]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
         else:
             got = [np.zeros(0, np.uint8)] * R
-        following = np.stack([g[:t].view(np.int64) for g in got]) if trailer is not None else None
+        if work.next_words is not None:
+            result.next_announced = np.stack([g[:t].view(np.int64) for g in got])
         got = [g[t:] for g in got]
-        if gathered is None and gather:
-            g, gb = (decode_ids(heads[:, :SLICE_WORDS], [b[:n] for b, n in zip(got, ids_blocks_in)], self.layout,  # type: ignore[arg-type]
-                                 self.tables, None)
-                     if self.plans_here else (None, None))
-            gathered = Pending(hs, g, gb, heads[:, UNIFORM_WORD].copy())  # type: ignore[arg-type]
-        planned = None
-        if out is not None:  # planned here
-            planned = (out.plan, out.generation)
-        elif receives:  # from this rank's planner: [generation int64, encoded plan]
-            block = got[q][ids_blocks_in[q] : ids_blocks_in[q] + plan_in[q]]
-            planned = (decode_plan(block[GENERATION_BYTES:]), int(block[:GENERATION_BYTES].view(np.int64)[0]))
-        rest = [b[n + m :] for b, n, m in zip(got, ids_blocks_in, plan_in)]
-        assigned = self._assemble(cur, mine, n_from, rest) if cur is not None else None  # type: ignore[arg-type]
-        return assigned, gathered, planned, following  # type: ignore[return-value]
+        if parsed is not None and not result.end_of_data:
+            ids: GatheredIds | None = None
+            view: GlobalBatch | None = None
+            if self.plans_here:
+                ids, view = decode_ids(heads.uniform, [b[:n] for b, n in zip(got, ids_in)], lay, self.tables)
+            result.gathered = Pending(parsed.full(), ids, view, heads.uniform.copy())
+        if isinstance(made, OutgoingPlan):  # planned here
+            result.planned = PlannedBatch(made.plan, made.generation)
+        elif receives_plan:  # from this rank's planner: [generation int64, encoded plan]
+            block = got[q][ids_in[q] : ids_in[q] + plan_in[q]]
+            result.planned = PlannedBatch(decode_plan(block[GENERATION_BYTES:]),
+                                          int(block[:GENERATION_BYTES].view(np.int64)[0]))
+        if moves is not None:
+            result.assigned = self._assemble(moves, [b[n + m :] for b, n, m in zip(got, ids_in, plan_in)])
+        return result
 
     # ------------------------------------------------------------------ the stream
-    def __call__(self, stream: Iterator[Batch]) -> Iterator[tuple[Batch, Plan, int]]:
-        """(assigned batch, its plan, the scheduler generation that planned it), in training order.
+    def __call__(self, stream: Iterator[Batch]) -> Iterator[ScheduledBatch]:
+        """The assigned batches with their plans, in training order.
 
         Steady state, one all-to-all per round: each plan is made a round before it travels (so its size, and the
         next slice's header words, parsed a round ahead, ride on the round before as a trailer), which keeps one
@@ -415,60 +535,58 @@ class ScheduledInput:
         first = next(stream, None)
         if self.layout is None and not self._setup(first):
             return
+        lay = self._layout
         pending_first: list[Batch | None] = [first]
 
-        def draw() -> tuple[HostSlice | None, np.ndarray, Exception | None]:
+        def draw() -> ParsedSlice:
             if self._stop:  # closing: no more slices from the user's (possibly endless) iterator
-                return None, slice_words(CLOSED), None
+                return ParsedSlice(None, SliceHeader(SliceStatus.CLOSED))
             with phase("input.draw"):  # the user's iterator (loading, decoding), not Herald's work
                 batch = pending_first.pop() if pending_first else next(stream, None)
-            return slice_header(batch, self.layout)  # type: ignore[arg-type]
+            return parse_slice(batch, lay)
 
         window: deque[Pending] = deque()  # gathered batches, not yet exchanged
-        planned: deque[tuple[Plan, int]] = deque()  # (plan, generation) of window[0], window[1], ... on every rank
+        planned: deque[PlannedBatch] = deque()  # the plans of window[0], window[1], ... on every rank
         exhausted = False
         for _ in range(self.lookahead + 2):
             with phase("input.gather"):
-                _, got, _, _ = self._step(None, None, True, draw())
-            if got is False:
+                gathered = self._round(Round(gather=draw())).gathered
+            if gathered is None:  # the end of the data
                 exhausted = True
                 break
-            window.append(got)  # type: ignore[arg-type]
-        L1 = self.lookahead + 1
-
-        def plan_of(j: int) -> Outgoing | None:  # window[j]'s plan, from it and the (up to) L gathered after it
-            return self._plan_next([window[i].batch for i in range(j, min(j + L1, len(window)))])
+            window.append(gathered)
 
         next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
-        next_out = plan_of(0) if next_planning else None
+        next_made = self._plan_next(window, 0) if next_planning else None
         ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
-        known = None  # the next round's header words, where the previous round's trailers brought them
+        announced = None  # the next round's header words, where the previous round's trailers brought them
         trailers = self.R > 1
         while window:
-            planning, out, parsed = next_planning, next_out, ahead
-            j = len(planned) + int(planning)  # the first batch without a plan once this round's has travelled
+            carries_plan, made, parsed = next_planning, next_made, ahead
+            j = len(planned) + int(carries_plan)  # the first batch without a plan once this round's has travelled
             next_planning = j < len(window)
-            next_out = plan_of(j) if next_planning else None
-            gather = not exhausted
-            ahead = draw() if gather else None
-            trailer = None
+            next_made = self._plan_next(window, j) if next_planning else None
+            # `parsed` (drawn last round) is None exactly when the data had ended by then: this round gathers nothing
+            ahead = draw() if not exhausted else None
+            next_words = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                trailer = np.concatenate([(ahead or slice_header(None, self.layout))[1], [plan_word(next_out)]])  # type: ignore[arg-type]
-            cur = window[0] if planned else None
-            self._ahead_samples = ahead[0].n if ahead is not None and ahead[0] is not None else 0
+                next_words = Announcement((ahead if ahead is not None else NO_SLICE).header, plan_word(next_made))
+            exchange = Exchange(window[0], planned[0].plan) if planned else None
+            self._ahead_samples = ahead.samples if ahead is not None else 0
             with phase("input.exchange_and_gather"):
-                assigned, got, new_plan, known = self._step(cur, planned[0][0] if planned else None, gather, parsed,
-                                                            out, planning, known, trailer)
-            if new_plan is not None:
-                planned.append(new_plan)
-                self.sched_ms.append(new_plan[0].sched_seconds * 1e3)  # timed by the policy itself
-            if not exhausted:
-                if got is False:
-                    exhausted = True
-                    ahead = None
-                else:
-                    window.append(got)  # type: ignore[arg-type]
-            if cur is not None:
+                result = self._round(Round(exchange=exchange, gather=parsed, carries_plan=carries_plan, made=made,
+                                           announced=announced, next_words=next_words))
+            announced = result.next_announced
+            if result.planned is not None:
+                planned.append(result.planned)
+                self.sched_ms.append(result.planned.plan.sched_seconds * 1e3)  # timed by the policy itself
+            if result.end_of_data:
+                exhausted = True
+                ahead = None
+            elif result.gathered is not None:
+                window.append(result.gathered)
+            if exchange is not None:
                 window.popleft()
                 plan, generation = planned.popleft()
-                yield assigned, plan, generation  # type: ignore[misc]
+                assert result.assigned is not None  # a round with an exchange assembles this rank's samples
+                yield ScheduledBatch(result.assigned, plan, generation)

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Iterator, MutableSequence, Optional
 
 INPUT_PRIORITIES = ("normal", "low", "idle")
@@ -97,6 +98,15 @@ def lag_message(wait_ms: float, share: float, batches: int, priority: str) -> st
     return head + slow[0].upper() + slow[1:] + "."
 
 
+@dataclass
+class LagWindow:
+    """The consumer's waits since the last lag check: seconds waited, seconds elapsed between batches, batches."""
+
+    waited: float = 0.0
+    elapsed: float = 0.0
+    batches: int = 0
+
+
 class PrefetchedInput:
     """Runs `stage(source)` in a daemon thread at CPU `priority`, `depth` items ahead; yields its items (batch,
     plan, generation) in order and re-raises the thread's exception in the consumer. Safe for the input stage
@@ -112,7 +122,7 @@ class PrefetchedInput:
         self._waits, self._priority, self._stop = waits, priority, stop
         self._closed = False
         self._last: Optional[float] = None  # when the previous item was handed out
-        self._window = [0.0, 0.0, 0]  # waited s, elapsed s, batches since the last check
+        self._window = LagWindow()
         self._warned = False
         self._thread = threading.Thread(target=self._run, args=(stage, source, priority), name="herald-input",
                                         daemon=True)
@@ -175,14 +185,14 @@ class PrefetchedInput:
         batch is left out: it waits for the stage to start, not for a lagging one."""
         if self._last is not None and not self._warned:
             w = self._window
-            w[0] += wait
-            w[1] += now - self._last
-            w[2] += 1
-            if w[2] >= LAG_WINDOW:
-                share = w[0] / max(w[1], 1e-9)
+            w.waited += wait
+            w.elapsed += now - self._last
+            w.batches += 1
+            if w.batches >= LAG_WINDOW:
+                share = w.waited / max(w.elapsed, 1e-9)
                 if share >= LAG_SHARE:
                     self._warned = True
-                    warnings.warn(lag_message(1e3 * w[0] / w[2], share, int(w[2]), self._priority), RuntimeWarning,
-                                  stacklevel=3)
-                self._window = [0.0, 0.0, 0]
+                    warnings.warn(lag_message(1e3 * w.waited / w.batches, share, w.batches, self._priority),
+                                  RuntimeWarning, stacklevel=3)
+                self._window = LagWindow()
         self._last = now

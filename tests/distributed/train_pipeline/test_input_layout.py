@@ -12,6 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from herald_torchrec.distributed.train_pipeline.input_layout import (
     ManagedTables,
+    SampleRoute,
     assigned_batch,
     assigned_kjt_parts,
     gather_ids,
@@ -87,9 +88,8 @@ def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool | int) 
     with_ids = np.array([False, True])
     got: list[list[np.ndarray]] = [[], []]
     for q in range(R):
-        order = np.argsort(dest[q], kind="stable")
-        cut = np.concatenate([[0], np.cumsum(np.bincount(dest[q], minlength=R))])
-        blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, uniform is not False)
+        blocks, id_bytes = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids),
+                                         uniform is not False)
         n = np.bincount(dest[q], minlength=R)
         managed_n = [int(hs[q].lengths[layout.managed][:, dest[q] == d].sum()) for d in range(R)]
         carried_n = [int(hs[q].lengths[layout.carried][:, dest[q] == d].sum()) for d in range(R)]
@@ -175,9 +175,7 @@ def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
         try:
             to_1 = []
             for q in range(R):
-                order = np.argsort(dest[q], kind="stable")
-                cut = np.concatenate([[0], np.cumsum(np.bincount(dest[q], minlength=R))])
-                blocks, id_bytes = sample_blocks(hs[q], layout, order, cut, with_ids, True)
+                blocks, id_bytes = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), True)
                 results.append(([b.copy() for b in blocks], id_bytes.copy()))
                 to_1.append(blocks[1])
             results.append(received_samples(to_1, n_to_1, np.array([u, u]), layout))
