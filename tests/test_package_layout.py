@@ -247,7 +247,6 @@ def test_every_package_has_an_init_with_a_docstring() -> None:
     assert not missing, "\n".join(missing)
 
 
-@pytest.mark.xfail(strict=True, reason="work-log labels still in the code and benchmark results: being removed")
 def test_no_work_log_labels() -> None:
     hits = []
     for top in (PACKAGE, SCRIPTS):

@@ -50,7 +50,6 @@ PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round 
 PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
 TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice and plan words, riding on this round's all-to-all
 GENERATION_BYTES = 8  # the scheduler generation (int64) in front of a sent plan
-PLAN_ON = ("host", "rank0", "every_rank")
 
 
 def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:

@@ -7,9 +7,9 @@ thread is the step's critical path. The thread therefore runs at a lower CPU pri
 and the input stage in their waits (collectives, the other ranks). Where every thread has a core of its own, the
 priority changes nothing.
 
-The queue is short (`PREFETCH` = 2 batches by default; `scheduler.prefetch` in the app). Deeper queues (8, 16)
-gave the e2e benchmark a ~3 % shorter step in 8 of 10 alternating pairs in session 18, none in session 19's A/B,
-and not the app's own bound run (docs/performance.md, sessions 18-19). The plans do not depend on the depth.
+The queue is short (`HeraldOptions.prefetch`, 2 batches by default; `scheduler.prefetch` in the app). Deeper queues
+(8, 16) gave the e2e benchmark a ~3 % shorter step in some alternating runs and none in others, and not the app's
+own bound run (docs/performance.md, "Tried and dropped"). The plans do not depend on the depth.
 
 `PrefetchedInput.close()` stops the stage early (`HeraldTrainPipeline.close()`): a daemon thread left inside a gloo
 collective when the interpreter exits aborts the process (a user's loop over an endless iterator: 4 of 6 runs at
@@ -31,21 +31,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, MutableSequence, Optional
 
-INPUT_PRIORITIES = ("normal", "low", "idle")
 LAG_WINDOW = 100  # batches per check of whether the input stage keeps ahead of training
 LAG_SHARE = 0.25  # warn (once) when the training thread waited this share of its time between batches
-PREFETCH = 2  # batches the background input stage runs ahead of training by default (see above)
 WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however long the run)
 CLOSE_TIMEOUT_S = 30.0  # how long close() waits for the stage to end (its last rounds need every rank to close)
 
-
-def prefetch_depth(value: object, what: str = "prefetch") -> int:
-    """`value` as a queue depth (an integer >= 0; `what` names the setting in the error), or a clear ValueError:
-    2.5 must not become 2, nor True become 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0 (batches the input stage schedules ahead of training; "
-                         f"0 = in the training thread), got {value!r}")
-    return value
 
 
 def set_thread_priority(priority: str) -> None:

@@ -121,7 +121,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
     `input_priority` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
     `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
-    `host_group` overrides the gloo group of the input stage; `prefetch` (default `PREFETCH`, 2) is how many batches
+    `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches
     a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
     batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the
     lowest rank of each machine plans and sends each plan to the other ranks of its machine (~11 KB per step on

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from herald_torchrec.distributed.train_pipeline import input_thread
-from herald_torchrec.distributed.train_pipeline.input_thread import INPUT_PRIORITIES, PrefetchedInput
+from herald_torchrec.distributed.train_pipeline.input_thread import PrefetchedInput
+from herald_torchrec.options import INPUT_PRIORITIES
 from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
