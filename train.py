@@ -14,10 +14,22 @@ def quiet_known_noise() -> None:
     """Silence library warnings that say nothing about this run (deprecations inside torchrec / torch)."""
     import logging
 
-    for msg in ("`broadcast_buffers` is deprecated", "an autograd kernel was not registered", "TypedStorage is deprecated", "HeuristicalStorageReservation",
-                "reduce_scatter_tensor` is deprecated", "all_gather_into_tensor` is deprecated", "we are deprecating ShardedTensor"):
+    for msg in (
+        "`broadcast_buffers` is deprecated",
+        "an autograd kernel was not registered",
+        "TypedStorage is deprecated",
+        "HeuristicalStorageReservation",
+        "reduce_scatter_tensor` is deprecated",
+        "all_gather_into_tensor` is deprecated",
+        "we are deprecating ShardedTensor",
+    ):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
-    for name in ("torchrec.distributed.planner", "torchrec.distributed.utils", "torchrec.distributed.train_pipeline", "torch.fx._symbolic_trace"):
+    for name in (
+        "torchrec.distributed.planner",
+        "torchrec.distributed.utils",
+        "torchrec.distributed.train_pipeline",
+        "torch.fx._symbolic_trace",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

@@ -30,8 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (benchmarks/ is not a package)
 
-SYSTEMS = {"torchrec_rw": e2e.SCHEDULER_ARGS["torchrec"],
-           **{s: e2e.SCHEDULER_ARGS[s] for s in ("torchrec_tw", "het_bsp", "het_s2", "het_s8", "fae", "p2res", "herald")}}
+SYSTEMS = {
+    "torchrec_rw": e2e.SCHEDULER_ARGS["torchrec"],
+    **{s: e2e.SCHEDULER_ARGS[s] for s in ("torchrec_tw", "het_bsp", "het_s2", "het_s8", "fae", "p2res", "herald")},
+}
 e2e.SCHEDULER_ARGS.update({k: v for k, v in SYSTEMS.items() if k not in e2e.SCHEDULER_ARGS})
 
 
@@ -43,13 +45,19 @@ def run_system(name: str, args: argparse.Namespace, out_dir: Path) -> dict:
     except SystemExit as e:
         return {"error": str(e)}
     m = json.loads((out_dir / f"r{args.ranks}-{name}" / "metrics.json").read_text())
-    rec.update(logloss=m["logloss"], stale_reads=m.get("stale_reads", 0), plan_rows_by_kind=m.get("plan_rows_by_kind"),
-               replicated_rows=(m.get("policy") or {}).get("replicated_rows"),
-               fae_hot_sample_share=m.get("fae_hot_sample_share"))
+    rec.update(
+        logloss=m["logloss"],
+        stale_reads=m.get("stale_reads", 0),
+        plan_rows_by_kind=m.get("plan_rows_by_kind"),
+        replicated_rows=(m.get("policy") or {}).get("replicated_rows"),
+        fae_hot_sample_share=m.get("fae_hot_sample_share"),
+    )
     return rec
 
 
-AUC_NOISE = 1e-3  # AUC differences below this are float-order noise between equal models (exact systems differ by ~1e-4)
+AUC_NOISE = (
+    1e-3  # AUC differences below this are float-order noise between equal models (exact systems differ by ~1e-4)
+)
 
 
 def summary(runs: dict) -> dict:
@@ -62,8 +70,11 @@ def summary(runs: dict) -> dict:
     for s, r in runs.items():
         if s == "herald" or "error" in r:
             continue
-        out["vs_herald"][s] = {"bytes": r["comm_bytes_per_step"] / max(h["comm_bytes_per_step"], 1e-9),
-                               "step_ms": r["step_ms"] / h["step_ms"], "auc_delta": r["auc"] - h["auc"]}
+        out["vs_herald"][s] = {
+            "bytes": r["comm_bytes_per_step"] / max(h["comm_bytes_per_step"], 1e-9),
+            "step_ms": r["step_ms"] / h["step_ms"],
+            "auc_delta": r["auc"] - h["auc"],
+        }
         if r["comm_bytes_per_step"] < h["comm_bytes_per_step"]:
             out["beats_herald"]["bytes"].append(s)
         if r["step_ms"] < h["step_ms"]:
@@ -104,15 +115,20 @@ def plot(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    rows = ["| system | bytes/step | step ms | AUC | logloss | stale reads | hit rate |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| system | bytes/step | step ms | AUC | logloss | stale reads | hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for s, r in result["runs"].items():
         if "error" in r:
             rows.append(f"| {s} | failed | | | | | |")
             continue
         hr = r.get("hit_rate")
         hr = "" if hr is None or (isinstance(hr, float) and math.isnan(hr)) else f"{hr:.2f}"
-        rows.append(f"| {s} | {r['comm_bytes_per_step'] / 1e3:,.0f} kB | {r['step_ms']:.1f} | {r['auc']:.4f} | "
-                    f"{r['logloss']:.4f} | {r['stale_reads']} | {hr} |")
+        rows.append(
+            f"| {s} | {r['comm_bytes_per_step'] / 1e3:,.0f} kB | {r['step_ms']:.1f} | {r['auc']:.4f} | "
+            f"{r['logloss']:.4f} | {r['stale_reads']} | {hr} |"
+        )
     return "\n".join(rows)
 
 
@@ -122,8 +138,16 @@ def network_timing(args: argparse.Namespace, systems: list[str]) -> dict:
     import e2e_net
     import netem
 
-    net_args = argparse.Namespace(**{**vars(args), "steps": args.net_steps, "workload": None, "timeout": 900.0,
-                                     "phase_times": False, "plot": None})
+    net_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "steps": args.net_steps,
+            "workload": None,
+            "timeout": 900.0,
+            "phase_times": False,
+            "plot": None,
+        }
+    )
     try:
         return e2e_net.main_net(net_args, [args.ranks], systems)
     except netem.NetemUnavailable as err:
@@ -167,8 +191,11 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="bytes per step and AUC per system (PNG)")
     ap.add_argument("--replot", type=Path, metavar="JSON", help="run nothing: --plot and the table from a JSON")
     net = ap.add_argument_group("network timing (root + iproute2; benchmarks/e2e.py's network mode)")
-    net.add_argument("--bandwidth", help="also time every system with each rank its own host behind a tc-shaped link: "
-                     "comma list of per-rank rates, e.g. none,200mbit (none = the same topology, unshaped)")
+    net.add_argument(
+        "--bandwidth",
+        help="also time every system with each rank its own host behind a tc-shaped link: "
+        "comma list of per-rank rates, e.g. none,200mbit (none = the same topology, unshaped)",
+    )
     net.add_argument("--rounds", type=int, default=1, help="alternating rounds of the network timing (best, median)")
     net.add_argument("--net-steps", type=int, default=60, help="steps of each network-timed run")
     net.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the steady step time")
@@ -199,7 +226,7 @@ def main() -> None:
         print("\n" + network_markdown(result["network"]), file=sys.stderr)
     failed = [s for s, r in result["runs"].items() if "error" in r]
     if failed and not args.replot:
-        raise SystemExit(f"compare: {failed} failed (see their \"error\" in the JSON)")
+        raise SystemExit(f'compare: {failed} failed (see their "error" in the JSON)')
 
 
 if __name__ == "__main__":

@@ -50,19 +50,32 @@ def workload_args(name: str) -> list[str]:
     if (REPO / "conf" / "model" / f"{name}.yaml").exists():
         return [f"model={name}"]
     models = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
-    raise ValueError(f"--workload entries must be in {sorted(WORKLOADS)} or a model of conf/model {models}, "
-                     f"got '{name}'")
+    raise ValueError(
+        f"--workload entries must be in {sorted(WORKLOADS)} or a model of conf/model {models}, got '{name}'"
+    )
 
 
-def train_overrides(scheduler: str, args: argparse.Namespace, run_dir: Path, model_args: list[str], steps: int,
-                    log_interval: int = 1_000_000) -> list[str]:
+def train_overrides(
+    scheduler: str,
+    args: argparse.Namespace,
+    run_dir: Path,
+    model_args: list[str],
+    steps: int,
+    log_interval: int = 1_000_000,
+) -> list[str]:
     """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald)."""
     return [
-        *SCHEDULER_ARGS[scheduler], f"trainer.steps={steps}", f"trainer.batch_size={args.batch}",
-        "trainer.eval_interval=0", f"trainer.log_interval={log_interval}", "data.val_batches=2",
+        *SCHEDULER_ARGS[scheduler],
+        f"trainer.steps={steps}",
+        f"trainer.batch_size={args.batch}",
+        "trainer.eval_interval=0",
+        f"trainer.log_interval={log_interval}",
+        "data.val_batches=2",
         f"data.locality={args.locality}",
         f"scheduler.cache_ratio={args.cache_ratio}" if not scheduler.startswith("torchrec") else "seed=0",
-        *model_args, f"run_dir={run_dir}", *args.extra,
+        *model_args,
+        f"run_dir={run_dir}",
+        *args.extra,
     ]
 
 
@@ -74,8 +87,11 @@ def read_metrics(run_dir: Path, output: str, steps: int) -> dict:
         if PHASE_TIMES_TAG in line:
             rank_field, _, payload = line.split(PHASE_TIMES_TAG, 1)[1].strip().partition(" ")
             phases[rank_field.removeprefix("rank=")] = {
-                k: {"ms_per_step": v["ms"] / steps, "cpu_ms_per_step": v.get("cpu_ms", 0.0) / steps,
-                    "calls": v["calls"]}
+                k: {
+                    "ms_per_step": v["ms"] / steps,
+                    "cpu_ms_per_step": v.get("cpu_ms", 0.0) / steps,
+                    "calls": v["calls"],
+                }
                 for k, v in json.loads(payload).items()
             }
     return ({"phases": phases} if phases else {}) | {

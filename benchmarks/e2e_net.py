@@ -37,18 +37,37 @@ from typing import Callable
 
 import e2e_common
 import netem
+
 from herald_torchrec.app.runtime import cpu_blocks
 
 RDZV_PORT = 29400  # inside the rank namespaces: no other process there can hold it
 START_MARK = r"^\[herald\] \S+ on "  # app/trainer.py: printed after sharding, before the first step
 STEP_MARK = r"^step\s+{step}\s+loss"  # app/trainer.py's log line of step `step` (every log_interval steps)
-NUMERIC = ("step_ms", "samples_per_s", "auc", "comm_bytes_per_step", "wire_bytes_per_step", "wire_bytes_per_step_raw",
-           "cpu_s_per_step", "cpu_s_per_step_raw", "steady_step_ms", "hit_rate", "input_wait_ms_median",
-           *(f"cpu_ms_per_step_{k}" for k in netem.THREAD_KINDS))
+NUMERIC = (
+    "step_ms",
+    "samples_per_s",
+    "auc",
+    "comm_bytes_per_step",
+    "wire_bytes_per_step",
+    "wire_bytes_per_step_raw",
+    "cpu_s_per_step",
+    "cpu_s_per_step_raw",
+    "steady_step_ms",
+    "hit_rate",
+    "input_wait_ms_median",
+    *(f"cpu_ms_per_step_{k}" for k in netem.THREAD_KINDS),
+)
 
 
-def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], steps: int, run_dir: Path,
-                  args: argparse.Namespace, rdzv_id: str) -> list[list[str]]:
+def rank_commands(
+    net: netem.Network,
+    scheduler: str,
+    model_args: list[str],
+    steps: int,
+    run_dir: Path,
+    args: argparse.Namespace,
+    rdzv_id: str,
+) -> list[list[str]]:
     """One command per rank: torchrun of one node inside the rank's namespace, gloo bound to its veth.
 
     Node 0 hosts the rendezvous store (`is_host`): torchrun's own guess compares the endpoint with the machine's
@@ -61,11 +80,36 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
     env_vars = [f"{e2e_common.PHASE_TIMES_ENV}=1"] if args.phase_times else []
     cpus = host_cpus(args.host_cpus, ranks)
     return [
-        [*net.exec_prefix(r), *(["taskset", "-c", ",".join(map(str, cpus[r]))] if cpus else []), "env", f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}", *env_vars,
-         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ranks), "--node_rank", str(r),
-         "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{plan.addrs[0]}:{RDZV_PORT}",
-         "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(r == 0)}", "--local-addr", plan.addrs[r],
-         "--max-restarts", "0", "train.py", *overrides]
+        [
+            *net.exec_prefix(r),
+            *(["taskset", "-c", ",".join(map(str, cpus[r]))] if cpus else []),
+            "env",
+            f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}",
+            *env_vars,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(ranks),
+            "--node_rank",
+            str(r),
+            "--nproc_per_node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{plan.addrs[0]}:{RDZV_PORT}",
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            f"is_host={int(r == 0)}",
+            "--local-addr",
+            plan.addrs[r],
+            "--max-restarts",
+            "0",
+            "train.py",
+            *overrides,
+        ]
         for r in range(ranks)
     ]
 
@@ -73,7 +117,8 @@ def rank_commands(net: netem.Network, scheduler: str, model_args: list[str], ste
 def host_cpus(mode: str, ranks: int) -> list[list[int]] | None:
     """The cores of each emulated host: "shared" (None: every host may use every core, as ranks of one machine do),
     or "split" (a block each, disjoint when there are at least as many cores as hosts, as separate machines have;
-    herald_torchrec.app.runtime.cpu_blocks). The app's `cpu_affinity` binds nothing here: each host runs one local rank."""
+    herald_torchrec.app.runtime.cpu_blocks). The app's `cpu_affinity` binds nothing here: each host runs one local
+    rank."""
     if mode == "shared":
         return None
     if mode != "split":
@@ -81,35 +126,58 @@ def host_cpus(mode: str, ranks: int) -> list[list[int]] | None:
     return cpu_blocks(list(os.sched_getaffinity(0)), ranks)
 
 
-def run_config(net: netem.Network, workload: str, bandwidth: str, scheduler: str, steps: int,
-               args: argparse.Namespace, tmp: Path, tag: str) -> dict:
+def run_config(
+    net: netem.Network,
+    workload: str,
+    bandwidth: str,
+    scheduler: str,
+    steps: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    tag: str,
+) -> dict:
     """One run of one config on `net`: the app's numbers plus wire bytes and CPU seconds, per training step."""
     ranks = len(net.plan.rank_ns)
     run_dir = tmp / tag
     net.shape(netem.parse_rate(bandwidth))
-    cmds = rank_commands(net, scheduler, e2e_common.workload_args(workload), steps, run_dir, args,
-                         f"{net.plan.run_id}-{tag}")
+    cmds = rank_commands(
+        net, scheduler, e2e_common.workload_args(workload), steps, run_dir, args, f"{net.plan.run_id}-{tag}"
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
     before, t0 = net.counters(), time.time()
-    res = netem.run_ranks(cmds, env, str(e2e_common.REPO), args.timeout, stop=net.kill_processes,
-                          marks=loop_marks(args.warmup_steps, steps), pids=net.pids,
-                          probe=net.counters)
+    res = netem.run_ranks(
+        cmds,
+        env,
+        str(e2e_common.REPO),
+        args.timeout,
+        stop=net.kill_processes,
+        marks=loop_marks(args.warmup_steps, steps),
+        pids=net.pids,
+        probe=net.counters,
+    )
     wall, after = time.time() - t0, net.counters()
     if not (run_dir / "metrics.json").exists():
         detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(res.codes, res.tails)))
         raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
     rec = e2e_common.read_metrics(run_dir, "\n".join(res.tails), steps)
     whole = netem.wire_delta(before, after, net.plan.host_if)
-    rec |= {"steps": steps, "wire_bytes_per_step_raw": whole["total"] / steps, "cpu_s_per_step_raw": res.cpu_s / steps,
-            "wall_s": wall, "exit_codes": res.codes}
+    rec |= {
+        "steps": steps,
+        "wire_bytes_per_step_raw": whole["total"] / steps,
+        "cpu_s_per_step_raw": res.cpu_s / steps,
+        "wall_s": wall,
+        "exit_codes": res.codes,
+    }
     rec |= loop_figures(res.marks, net.plan.host_if, steps - args.warmup_steps)
     loop_wire = rec.get("wire_bytes_per_step", float("nan"))
-    print(f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
-          f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
-          f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
-          f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step"
-          + (f"  input wait {rec['input_wait_ms_median']:.2f} ms" if rec.get("input_wait_ms_median") is not None else ""),
-          file=sys.stderr)
+    print(
+        f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
+        f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
+        f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
+        f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step"
+        + (f"  input wait {rec['input_wait_ms_median']:.2f} ms" if rec.get("input_wait_ms_median") is not None else ""),
+        file=sys.stderr,
+    )
     return rec
 
 
@@ -122,8 +190,10 @@ def loop_marks(warmup_steps: int, steps: int) -> dict[str, str]:
 def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], steps: int) -> dict:
     """Wire bytes (total and by rank), CPU seconds and wall ms per step over the `steps` between the two marks."""
     if "start" not in marks or "end" not in marks:
-        print(f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); "
-              "only whole-run figures", file=sys.stderr)
+        print(
+            f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); only whole-run figures",
+            file=sys.stderr,
+        )
         return {}
     a, b = marks["start"], marks["end"]
     wire = netem.wire_delta(a.extra, b.extra, host_if)
@@ -133,8 +203,14 @@ def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], ste
         "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
         "steady_step_ms": 1000.0 * (b.t - a.t) / steps,
         # the same CPU by kind of thread, all ranks: training threads, Herald's input threads, the rest (gloo, agents)
-        **({f"cpu_ms_per_step_{k}": 1000.0 * v / steps for k, v in netem.thread_cpu_delta(a.threads, b.threads).items()}
-           if b.threads else {}),
+        **(
+            {
+                f"cpu_ms_per_step_{k}": 1000.0 * v / steps
+                for k, v in netem.thread_cpu_delta(a.threads, b.threads).items()
+            }
+            if b.threads
+            else {}
+        ),
     }
 
 
@@ -146,8 +222,9 @@ def step_of(rec: dict) -> float:
 def summarize(records: list[dict]) -> dict:
     """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
     best = min(records, key=step_of)
-    median = {k: statistics.median(r[k] for r in records)
-              for k in NUMERIC if all(r.get(k) is not None for r in records)}
+    median = {
+        k: statistics.median(r[k] for r in records) for k in NUMERIC if all(r.get(k) is not None for r in records)
+    }
     return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
 
 
@@ -159,11 +236,16 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
     return configs[k:] + configs[:k]
 
 
-LABELS = {"torchrec": "TorchRec row_wise", "torchrec_tw": "TorchRec table_wise",
-          "torchrec_planner": "TorchRec planner, any type", "static": "Herald data plane, static", "herald": "Herald",
-          "herald_every_rank": "Herald, every rank plans",
-          "herald_normal_priority": "Herald, input thread at normal priority",
-          "herald_idle_priority": "Herald, input thread SCHED_IDLE"}
+LABELS = {
+    "torchrec": "TorchRec row_wise",
+    "torchrec_tw": "TorchRec table_wise",
+    "torchrec_planner": "TorchRec planner, any type",
+    "static": "Herald data plane, static",
+    "herald": "Herald",
+    "herald_every_rank": "Herald, every rank plans",
+    "herald_normal_priority": "Herald, input thread at normal priority",
+    "herald_idle_priority": "Herald, input thread SCHED_IDLE",
+}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -195,9 +277,12 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     c = result["config"]
     cores = {"split": "each host on cores of its own", "shared": "the hosts sharing the machine's cores"}.get(
-        c.get("host_cpus") or "shared", "")
-    title = (f"herald_torchrec e2e: one network namespace per rank, {cores}, gloo on CPU; {c.get('steps')} steps x "
-             f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up")
+        c.get("host_cpus") or "shared", ""
+    )
+    title = (
+        f"herald_torchrec e2e: one network namespace per rank, {cores}, gloo on CPU; {c.get('steps')} steps x "
+        f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up"
+    )
     fig.suptitle(textwrap.fill(title, width=int(70 * len(workloads))), fontsize=10)  # one panel: two lines
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,8 +292,9 @@ def plot(result: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
-             save: Callable[[dict], None] | None = None) -> dict:
+def main_net(
+    args: argparse.Namespace, ranks: list[int], scheds: list[str], save: Callable[[dict], None] | None = None
+) -> dict:
     """Run the sweep on emulated networks (one per rank count); returns the result object.
 
     `save(result)` gets the results so far after every run, so a sweep cut short still leaves its rounds behind. A
@@ -225,8 +311,11 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
     netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
-        print(f"[e2e-net] note: namespaces of another run, or left by a killed one, exist: {left} "
-              "(`ip netns del` those that are stale)", file=sys.stderr)
+        print(
+            f"[e2e-net] note: namespaces of another run, or left by a killed one, exist: {left} "
+            "(`ip netns del` those that are stale)",
+            file=sys.stderr,
+        )
     configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
     failures: list[dict] = []
@@ -234,8 +323,11 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
         nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
         for r, net in nets.items():
             p = net.plan
-            print(f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., "
-                  f"bridge in {p.bridge_ns}", file=sys.stderr)
+            print(
+                f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., "
+                f"bridge in {p.bridge_ns}",
+                file=sys.stderr,
+            )
         for k in range(args.rounds):
             for c in rotated(configs, k, args.rounds):
                 w, b, r, s = c
@@ -244,31 +336,49 @@ def main_net(args: argparse.Namespace, ranks: list[int], scheds: list[str],
                     records[c].append(rec | {"round": k})
                 except RuntimeError as err:
                     print(f"[e2e-net] {err}", file=sys.stderr)
-                    failures.append({"round": k, "workload": w, "bandwidth": b, "ranks": r, "scheduler": s,
-                                     "error": str(err)[-4000:]})
+                    failures.append(
+                        {
+                            "round": k,
+                            "workload": w,
+                            "bandwidth": b,
+                            "ranks": r,
+                            "scheduler": s,
+                            "error": str(err)[-4000:],
+                        }
+                    )
                 if save is not None:
                     save(assemble(records, failures, args, bandwidths, workloads, ranks, scheds))
     return assemble(records, failures, args, bandwidths, workloads, ranks, scheds)
 
 
-def assemble(records: dict[tuple, list[dict]], failures: list[dict], args: argparse.Namespace, bandwidths: list[str],
-             workloads: list[str], ranks: list[int], scheds: list[str]) -> dict:
+def assemble(
+    records: dict[tuple, list[dict]],
+    failures: list[dict],
+    args: argparse.Namespace,
+    bandwidths: list[str],
+    workloads: list[str],
+    ranks: list[int],
+    scheds: list[str],
+) -> dict:
     """The result object from the runs so far (configs without a successful run are left out)."""
     runs: dict = {}
     for (w, b, r, s), recs in records.items():
         if recs:
             runs.setdefault(w, {}).setdefault(b, {}).setdefault(str(r), {})[s] = summarize(recs)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")} | {
-        "bandwidth": bandwidths, "workloads": workloads, "ranks": ranks, "schedulers": scheds,
+        "bandwidth": bandwidths,
+        "workloads": workloads,
+        "ranks": ranks,
+        "schedulers": scheds,
         "out": str(args.out) if args.out else None,
         "workload_overrides": {w: e2e_common.workload_args(w) for w in workloads},
         "thread_figures": "cpu_ms_per_step_{training,input,other}: the steady CPU by kind of thread, all ranks "
-                          "(training = each rank's main thread, input = Herald's input stage, other = gloo, torchrun)",
+        "(training = each rank's main thread, input = Herald's input stage, other = gloo, torchrun)",
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
         "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
         "cores": os.cpu_count(),
         "cpu_floor": "cpu_s_per_step / cores: the step time if every core were busy with this run's work; a steady "
-                     "step near it means the run is bound by the machine's CPU, not by waits or the link",
+        "step near it means the run is bound by the machine's CPU, not by waits or the link",
     }
     return {"config": config, "runs": runs, "ratios": ratios(runs), "breakeven": breakeven(runs), "failures": failures}
 
@@ -307,7 +417,8 @@ def ratios(runs: dict) -> dict:
                     if not s.startswith("torchrec"):
                         row[f"{s}_vs_best_stock_step_time"] = step_of(v["best"]) / stock[best_stock]
                         row[f"{s}_vs_best_stock_app_bytes"] = (
-                            v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"])
+                            v["best"]["comm_bytes_per_step"] / per_s[best_stock]["best"]["comm_bytes_per_step"]
+                        )
                         by_round = round_ratios(per_s, s)
                         row[f"{s}_vs_best_stock_by_round"] = by_round
                         row[f"{s}_vs_best_stock_median_round"] = statistics.median(by_round) if by_round else None
@@ -320,6 +431,7 @@ def breakeven(runs: dict, scheduler: str = "herald", tie: float = 0.02) -> dict:
     link, fastest first (unshaped counts as the fastest): "win" below 1 - `tie` of stock's, "loss" above 1 + `tie`,
     else "even" (within one run's noise at best). The verdict names the crossover where the links split into
     non-wins then wins; "mixed" where they do not (noise, or no single crossover)."""
+
     def rate(link: str) -> float:
         bits = netem.parse_rate(link)
         return float("inf") if bits is None else float(bits)
@@ -347,19 +459,22 @@ def breakeven(runs: dict, scheduler: str = "herald", tie: float = 0.02) -> dict:
             else:
                 verdict = "mixed"
             out.setdefault(w, {})[r] = {
-                "links": {b: {"status": st, "ratio": x} for _, b, st, x in links}, "verdict": verdict}
+                "links": {b: {"status": st, "ratio": x} for _, b, st, x in links},
+                "verdict": verdict,
+            }
     return out
 
 
 def breakeven_lines(result: dict) -> str:
     """One line per workload and R: where herald starts to beat the best stock config."""
     found = breakeven(result["runs"])
-    return "\n".join(f"herald vs best stock, {w}, R={r}: {v['verdict']}" for w, per_r in found.items()
-                     for r, v in per_r.items())
+    return "\n".join(
+        f"herald vs best stock, {w}, R={r}: {v['verdict']}" for w, per_r in found.items() for r, v in per_r.items()
+    )
 
 
 def by_thread(rec: dict) -> str:
-    """"training / input / other" CPU ms per step (all ranks), or "-" where the run did not measure threads."""
+    """ "training / input / other" CPU ms per step (all ranks), or "-" where the run did not measure threads."""
     vals = [rec.get(f"cpu_ms_per_step_{k}") for k in netem.THREAD_KINDS]
     return " / ".join(f"{v:.1f}" for v in vals) if all(v is not None for v in vals) else "-"
 
@@ -368,10 +483,12 @@ def markdown_table(result: dict) -> str:
     """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
     config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
     cores = result["config"].get("cores") or os.cpu_count() or 1
-    lines = ["| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
-             f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) | "
-             "CPU ms/step by thread: training / input / other (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
+        f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) | "
+        "CPU ms/step by thread: training / input / other (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
@@ -381,9 +498,11 @@ def markdown_table(result: dict) -> str:
                     ratio = f"{step_of(best) / stock:.2f}x" if stock else "-"
                     wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
                     cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
-                    lines.append(f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
-                                 f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} | "
-                                 f"{1e3 * cpu / cores:.1f} | {by_thread(med)} |")
+                    lines.append(
+                        f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
+                        f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} | "
+                        f"{1e3 * cpu / cores:.1f} | {by_thread(med)} |"
+                    )
     return "\n".join(lines)
 
 
@@ -392,9 +511,12 @@ def pivot_table(result: dict) -> str:
     link and R, with herald's ratio to the best stock config, plus bytes per step (app / wire) per scheduler."""
     scheds = result["config"]["schedulers"]
     head = " | ".join(f"{s} ms" for s in scheds)
-    lines = [f"| workload | link | R | {head} | herald / best stock: best of rounds (each round) | MB/step app (wire): "
-             + ", ".join(scheds) + " |",
-             "|---" * (5 + len(scheds)) + "|"]
+    lines = [
+        f"| workload | link | R | {head} | herald / best stock: best of rounds (each round) | MB/step app (wire): "
+        + ", ".join(scheds)
+        + " |",
+        "|---" * (5 + len(scheds)) + "|",
+    ]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
             for r, per_s in per_r.items():
@@ -408,8 +530,11 @@ def pivot_table(result: dict) -> str:
                         ratio += " (" + ", ".join(f"{x:.2f}" for x in each) + ")"
                 mb = ", ".join(
                     f"{per_s[s]['best']['comm_bytes_per_step'] / 1e6:.2f} "
-                    f"({per_s[s]['best'].get('wire_bytes_per_step', float('nan')) / 1e6:.2f})" if s in per_s else "-"
-                    for s in scheds)
+                    f"({per_s[s]['best'].get('wire_bytes_per_step', float('nan')) / 1e6:.2f})"
+                    if s in per_s
+                    else "-"
+                    for s in scheds
+                )
                 lines.append(f"| {w} | {b} | {r} | {' | '.join(cells)} | {ratio} | {mb} |")
     return "\n".join(lines)
 

@@ -122,9 +122,14 @@ def plan_network(ranks: int, run_id: str, subnet: ipaddress.IPv4Network) -> NetP
         if len(name) > IFNAME_MAX:
             raise ValueError(f"interface name '{name}' is longer than {IFNAME_MAX} characters (shorter run id)")
     return NetPlan(
-        run_id=run_id, bridge_ns=f"{base}-br", bridge=bridge,
-        rank_ns=tuple(f"{base}-r{r}" for r in range(ranks)), rank_if=rank_if, host_if=host_if,
-        addrs=tuple(str(hosts[r]) for r in range(ranks)), prefixlen=subnet.prefixlen,
+        run_id=run_id,
+        bridge_ns=f"{base}-br",
+        bridge=bridge,
+        rank_ns=tuple(f"{base}-r{r}" for r in range(ranks)),
+        rank_if=rank_if,
+        host_if=host_if,
+        addrs=tuple(str(hosts[r]) for r in range(ranks)),
+        prefixlen=subnet.prefixlen,
     )
 
 
@@ -132,8 +137,10 @@ def setup_commands(plan: NetPlan) -> list[list[str]]:
     """The `ip` command lines that build the topology (unshaped), in order."""
     b = plan.bridge_ns
     cmds = [["ip", "netns", "add", ns] for ns in plan.namespaces]
-    cmds += [["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"],
-             ["ip", "-n", b, "link", "set", plan.bridge, "up"]]
+    cmds += [
+        ["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"],
+        ["ip", "-n", b, "link", "set", plan.bridge, "up"],
+    ]
     for ns, rif, hif, addr in zip(plan.rank_ns, plan.rank_if, plan.host_if, plan.addrs):
         cmds += [
             ["ip", "-n", b, "link", "add", hif, "type", "veth", "peer", "name", rif, "netns", ns],
@@ -172,14 +179,17 @@ def parse_link_stats(json_text: str) -> dict[str, dict[str, int]]:
         if not stats:
             raise ValueError(f"no counters for {link.get('ifname')} (use `ip -s -j link show`)")
         out[link["ifname"]] = {
-            "rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"]),
-            "rx_packets": int(stats["rx"]["packets"]), "tx_packets": int(stats["tx"]["packets"]),
+            "rx_bytes": int(stats["rx"]["bytes"]),
+            "tx_bytes": int(stats["tx"]["bytes"]),
+            "rx_packets": int(stats["rx"]["packets"]),
+            "tx_packets": int(stats["tx"]["packets"]),
         }
     return out
 
 
-def wire_delta(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]],
-               host_if: Sequence[str]) -> dict[str, int]:
+def wire_delta(
+    before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]], host_if: Sequence[str]
+) -> dict[str, int]:
     """Bytes the ranks put on the wire between two counter reads: per rank (by bridge-side veth) and in total.
 
     A rank's sends are its bridge-side veth's receives, so `rx_bytes` of the host ends is counted.
@@ -308,7 +318,7 @@ def leftover_namespaces() -> list[str]:
 
 def proc_cpu_seconds(stat_text: str, clk_tck: int) -> float:
     """user+sys CPU seconds of a process from its /proc/<pid>/stat line (fields 14 and 15, after the `(comm)`)."""
-    fields = stat_text[stat_text.rindex(")") + 2:].split()
+    fields = stat_text[stat_text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / clk_tck  # fields[0] is field 3 (state)
 
 
@@ -324,7 +334,9 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
-INPUT_THREAD = "herald-input"  # the OS name Herald gives its input stage's thread (distributed/train_pipeline/input_thread.py)
+INPUT_THREAD = (
+    "herald-input"  # the OS name Herald gives its input stage's thread (distributed/train_pipeline/input_thread.py)
+)
 THREAD_KINDS = ("training", "input", "other")
 THREAD_POLL_S = 0.25  # how often run_ranks reads the threads' CPU between marks (a thread that ends loses < this)
 
@@ -363,8 +375,9 @@ def thread_cpu_seconds(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, 
     return out
 
 
-def thread_cpu_delta(a: Mapping[tuple[int, int], tuple[str, float]],
-                     b: Mapping[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+def thread_cpu_delta(
+    a: Mapping[tuple[int, int], tuple[str, float]], b: Mapping[tuple[int, int], tuple[str, float]]
+) -> dict[str, float]:
     """CPU seconds by kind of thread between two readings: each thread in `b` counts what it used since `a` (all of
     it if it started in between). `run_ranks` keeps the last reading of threads that ended (an input stage whose data
     ran out) in its snapshots; a thread missing from `b` counts nothing."""
@@ -392,10 +405,18 @@ class RanksResult:
     marks: dict[str, Snapshot]
 
 
-def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, timeout_s: float,
-              grace_s: float = 60.0, stop: Callable[[], object] | None = None, marks: Mapping[str, str] = {},
-              pids: Callable[[], Sequence[int]] | None = None, probe: Callable[[], object] | None = None,
-              poll_s: float = 0.02) -> RanksResult:
+def run_ranks(
+    cmds: Sequence[Sequence[str]],
+    env: Mapping[str, str],
+    cwd: str,
+    timeout_s: float,
+    grace_s: float = 60.0,
+    stop: Callable[[], object] | None = None,
+    marks: Mapping[str, str] = {},
+    pids: Callable[[], Sequence[int]] | None = None,
+    probe: Callable[[], object] | None = None,
+    poll_s: float = 0.02,
+) -> RanksResult:
     """Start one process per rank and wait for all, snapshotting when given lines appear in their output.
 
     `marks` maps a name to a regex; the first time it matches a line of any rank's output, the CPU seconds of the
@@ -422,8 +443,11 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
     procs: list[subprocess.Popen] = []
     try:
         for cmd, log in zip(cmds, logs):
-            procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    list(cmd), cwd=cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -439,8 +463,9 @@ def run_ranks(cmds: Sequence[Sequence[str]], env: Mapping[str, str], cwd: str, t
                             if not watched and pids is not None:
                                 watched = list(pids())
                             threads.update(thread_cpu_seconds(watched))
-                            seen[name] = Snapshot(time.monotonic(), cpu_seconds(watched), probe() if probe else None,
-                                                  dict(threads))
+                            seen[name] = Snapshot(
+                                time.monotonic(), cpu_seconds(watched), probe() if probe else None, dict(threads)
+                            )
                             del pending[name]
             if watched and time.monotonic() - threads_read >= THREAD_POLL_S:  # threads that end keep their last read
                 threads.update(thread_cpu_seconds(watched))

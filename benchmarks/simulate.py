@@ -46,9 +46,11 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: 
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
 
-LOADERS = {"criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
-           "avazu": ("herald_torchrec.data.avazu", "AvazuSource"),
-           "movielens": ("herald_torchrec.data.movielens", "MovieLensSource")}
+LOADERS = {
+    "criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
+    "avazu": ("herald_torchrec.data.avazu", "AvazuSource"),
+    "movielens": ("herald_torchrec.data.movielens", "MovieLensSource"),
+}
 
 
 def log(msg: str) -> None:
@@ -179,7 +181,9 @@ def run_policies(args, R: int) -> dict:
             c0 = time.process_time()
             plan = pols[n].plan(list(windows[n]))
             stats[n]["cpu_ms"].append((time.process_time() - c0) * 1e3)
-            digests[n].update(encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())  # not its timing
+            digests[n].update(
+                encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes()
+            )  # not its timing
             if args.check:
                 checkers[n].check(plan, windows[n][0])
             if step >= args.warmup:
@@ -211,8 +215,9 @@ def run_policies(args, R: int) -> dict:
             "sched_ms_median": round(float(np.median(st["ms"])), 3) if st["ms"] else 0.0,
             "sched_ms_p90": round(float(np.percentile(st["ms"], 90)), 3) if st["ms"] else 0.0,
             "sched_cpu_ms_median": round(float(np.median(st["cpu_ms"])), 3) if st["cpu_ms"] else 0.0,
-            "sched_cpu_ms_last_quarter": (round(float(np.median(st["cpu_ms"][-max(1, len(st["cpu_ms"]) // 4):])), 3)
-                                          if st["cpu_ms"] else 0.0),
+            "sched_cpu_ms_last_quarter": (
+                round(float(np.median(st["cpu_ms"][-max(1, len(st["cpu_ms"]) // 4) :])), 3) if st["cpu_ms"] else 0.0
+            ),
             "rows_per_sample": round(rows / (R * B), 4),
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
@@ -265,7 +270,9 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data", choices=["synthetic", *LOADERS], default="synthetic")
     p.add_argument("--path", help="data file for criteo / avazu / movielens")
     p.add_argument("--locality", type=float, default=SyntheticSpec.locality, help="synthetic: share of trending ids")
@@ -284,10 +291,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
     p.add_argument("--budget-ms", type=float, default=None, help="herald: scheduling-time budget per step")
     p.add_argument("--staleness", type=int, default=None, help="het: staleness bound S (default 0 = het_bsp)")
-    p.add_argument("--hot-budget", type=int, default=None,
-                   help="fae / p2res: replicated rows per rank (default: sum of ceil(cache_ratio x rows))")
-    p.add_argument("--profile-fraction", type=float, default=0.05,
-                   help="fae / p2res: share of the --steps batches profiled (a prefix of the stream)")
+    p.add_argument(
+        "--hot-budget",
+        type=int,
+        default=None,
+        help="fae / p2res: replicated rows per rank (default: sum of ceil(cache_ratio x rows))",
+    )
+    p.add_argument(
+        "--profile-fraction",
+        type=float,
+        default=0.05,
+        help="fae / p2res: share of the --steps batches profiled (a prefix of the stream)",
+    )
     p.add_argument("--fae-window", type=int, default=8, help="fae: global batches reordered together")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
@@ -297,8 +312,14 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [x for x in args.policies if x not in POLICIES]
     if bad:
         p.error(f"unknown policies {bad}; choose from {sorted(POLICIES)}")
-    for name, v, lo in (("--batch", args.batch, 1), ("--steps", args.steps, 1), ("--lookahead", args.lookahead, 0),
-                        ("--dim", args.dim, 1), ("--state-width", args.state_width, 0), ("--warmup", args.warmup, 0)):
+    for name, v, lo in (
+        ("--batch", args.batch, 1),
+        ("--steps", args.steps, 1),
+        ("--lookahead", args.lookahead, 0),
+        ("--dim", args.dim, 1),
+        ("--state-width", args.state_width, 0),
+        ("--warmup", args.warmup, 0),
+    ):
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
     for name, v in (("--staleness", args.staleness), ("--hot-budget", args.hot_budget)):
@@ -311,10 +332,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
     workers = parse_workers(args.workers)
-    config = {"data": args.data, "path": args.path, "workers": workers, "batch": args.batch,
-              "cache_ratio": args.cache_ratio, "steps": args.steps, "warmup": args.warmup,
-              "policies": args.policies, "lookahead": args.lookahead, "dim": args.dim,
-              "state_width": args.state_width, "threads": os.environ.get("OMP_NUM_THREADS")}
+    config = {
+        "data": args.data,
+        "path": args.path,
+        "workers": workers,
+        "batch": args.batch,
+        "cache_ratio": args.cache_ratio,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "policies": args.policies,
+        "lookahead": args.lookahead,
+        "dim": args.dim,
+        "state_width": args.state_width,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+    }
     if args.data == "synthetic":
         config.update({"locality": args.locality, "zipf": args.zipf, "scale": args.scale, "seed": args.seed})
     if args.refine is not None:

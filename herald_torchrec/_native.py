@@ -1,7 +1,7 @@
 """Compiled kernels, built on first use and loaded with ctypes: the one switch and build cache they share.
 
-Herald's host work per step is many small numpy passes (docs/performance.md); where one matters, a C++ kernel does the same
-arithmetic in one pass: `schedule/native.py` (the planner) and `distributed/host_kernels.py` (the data plane's host
+Herald's host work per step is many small numpy passes (docs/performance.md); where one matters, a C++ kernel does the
+same arithmetic in one pass: `schedule/native.py` (the planner) and `distributed/host_kernels.py` (the data plane's host
 work; some of its kernels take host torch tensors' data pointers). Each is a C ABI on raw buffers (no torch, no
 Python headers), compiled with the system C++ compiler into a cache directory (`$HERALD_NATIVE_DIR`, default
 `~/.cache/herald_torchrec`) under a hash of its source and flags, written atomically (ranks building at once do not
@@ -72,7 +72,7 @@ def _env_mode() -> str:
 
 
 def mode() -> str:
-    """"on", "off" or "auto" for this process (set_mode, else HERALD_NATIVE)."""
+    """ "on", "off" or "auto" for this process (set_mode, else HERALD_NATIVE)."""
     return _env_mode() if _forced is None else ("on" if _forced else "off")
 
 
@@ -137,8 +137,11 @@ class Kernels:
         except (OSError, RuntimeError) as e:
             if m == "on":
                 raise RuntimeError(f"herald: {ENV}=on but {self.what} compiled kernels are unavailable: {e}") from e
-            warnings.warn(f"herald: {self.what} compiled kernels are unavailable ({e}); using numpy (same results, "
-                          f"more CPU per step). Set {ENV}=0 to silence this.", stacklevel=3)
+            warnings.warn(
+                f"herald: {self.what} compiled kernels are unavailable ({e}); using numpy (same results, "
+                f"more CPU per step). Set {ENV}=0 to silence this.",
+                stacklevel=3,
+            )
         return self._lib
 
     def _reset(self) -> None:

@@ -60,8 +60,11 @@ def check_cache_ratio(cache_ratio: object) -> float:
 def check_prefetch(prefetch: object) -> int:
     """`prefetch` as a queue depth: an integer >= 0 (2.5 must not become 2, nor True become 1)."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise OptionError("prefetch", "must be an integer >= 0 (batches the input stage schedules ahead of training; "
-                                      f"0 = in the training thread), got {prefetch!r}")
+        raise OptionError(
+            "prefetch",
+            "must be an integer >= 0 (batches the input stage schedules ahead of training; "
+            f"0 = in the training thread), got {prefetch!r}",
+        )
     return prefetch
 
 
@@ -111,27 +114,37 @@ class HeraldOptions:
         except (TypeError, ValueError):
             lookahead = -1
         if lookahead < 0:
-            raise OptionError("lookahead", f"must be an integer >= 0 (future global batches the scheduler sees), got "
-                                           f"{self.lookahead!r}")
+            raise OptionError(
+                "lookahead",
+                f"must be an integer >= 0 (future global batches the scheduler sees), got {self.lookahead!r}",
+            )
         put("lookahead", lookahead)
         if not isinstance(self.policy_options, Mapping) or not all(isinstance(k, str) for k in self.policy_options):
-            raise OptionError("policy_options", "must be a mapping of the policy's settings by name (e.g. "
-                                                f"{{'staleness': 0}}), got {self.policy_options!r}")
+            raise OptionError(
+                "policy_options",
+                "must be a mapping of the policy's settings by name (e.g. "
+                f"{{'staleness': 0}}), got {self.policy_options!r}",
+            )
         put("policy_options", MappingProxyType(dict(self.policy_options)))
         if isinstance(self.unscheduled_tables, str):
-            raise OptionError("unscheduled_tables", "must be a collection of table names, got the string "
-                                                    f"{self.unscheduled_tables!r}")
+            raise OptionError(
+                "unscheduled_tables", f"must be a collection of table names, got the string {self.unscheduled_tables!r}"
+            )
         try:
             put("unscheduled_tables", frozenset(self.unscheduled_tables))
         except TypeError:
-            raise OptionError("unscheduled_tables", "must be a collection of table names, got "
-                                                    f"{self.unscheduled_tables!r}") from None
+            raise OptionError(
+                "unscheduled_tables", f"must be a collection of table names, got {self.unscheduled_tables!r}"
+            ) from None
         if self.plan_on not in PLAN_ON:
             raise OptionError("plan_on", f"must be one of {list(PLAN_ON)} (where plans are made), got {self.plan_on!r}")
         put("prefetch", check_prefetch(self.prefetch))
         if self.input_priority not in INPUT_PRIORITIES:
-            raise OptionError("input_priority", f"must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
-                                                f"input stage's thread), got {self.input_priority!r}")
+            raise OptionError(
+                "input_priority",
+                f"must be one of {list(INPUT_PRIORITIES)} (the CPU priority of the "
+                f"input stage's thread), got {self.input_priority!r}",
+            )
         put("native", check_native(self.native))
 
     @classmethod
@@ -155,6 +168,15 @@ class HeraldOptions:
 
 
 __all__ = [
-    "INPUT_PRIORITIES", "NATIVE_MODES", "PLAN_ON", "PREFETCH", "SCHEDULER_SETTINGS",
-    "HeraldOptions", "OptionError", "check_cache_ratio", "check_native", "check_prefetch", "settings_named",
+    "INPUT_PRIORITIES",
+    "NATIVE_MODES",
+    "PLAN_ON",
+    "PREFETCH",
+    "SCHEDULER_SETTINGS",
+    "HeraldOptions",
+    "OptionError",
+    "check_cache_ratio",
+    "check_native",
+    "check_prefetch",
+    "settings_named",
 ]

@@ -62,7 +62,7 @@ def prune(path: str, keep_arch: int) -> Counter:
         keep = arch == keep_arch
         sizes["kept" if keep else "zeroed"] += psz
         if not keep:
-            buf[start:start + psz] = bytes(psz)
+            buf[start : start + psz] = bytes(psz)
     if sizes["kept"] == 0:
         raise SystemExit(f"{path}: no code for sm_{keep_arch}; refusing to prune it")
     with open(path, "wb") as f:

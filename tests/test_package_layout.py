@@ -19,8 +19,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "herald_torchrec"
 SCRIPTS = "benchmarks"  # a folder of scripts, not a package: they import each other by bare name (`import e2e`)

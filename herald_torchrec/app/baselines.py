@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
 from herald_torchrec.options import HeraldOptions
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
+from herald_torchrec.schedule.global_batch import GlobalBatch
 
 # scheduler config keys each baseline takes (the rest of conf/scheduler/*.yaml is common to every Herald policy)
 OPTIONS = {
@@ -51,8 +51,9 @@ def total_steps(cfg: DictConfig, source: DataSource, world_size: int) -> int:
     return int(cfg.trainer.epochs) * per_epoch
 
 
-def profile_batches(cfg: DictConfig, options: HeraldOptions, source: DataSource, world_size: int, tables,
-                    convert: Callable) -> list[GlobalBatch]:
+def profile_batches(
+    cfg: DictConfig, options: HeraldOptions, source: DataSource, world_size: int, tables, convert: Callable
+) -> list[GlobalBatch]:
     """The profiled prefix of the training stream, as the scheduler sees global batches (`options`: the run's Herald
     settings, whose policy options give `profile_fraction`; `tables`: the managed tables, input_layout.ManagedTables;
     `convert`: Samples -> torchrec Batch)."""
@@ -61,8 +62,10 @@ def profile_batches(cfg: DictConfig, options: HeraldOptions, source: DataSource,
     fraction = float(options.policy_options.get("profile_fraction") or 0.05)
     n = ReplicaPolicyBase.profile_steps(total_steps(cfg, source, world_size), fraction)
     g = world_size * cfg.trainer.batch_size
-    return [one_process_global_batch(convert(s), tables, i)
-            for i, s in enumerate(itertools.islice(source.train_batches(g), n))]
+    return [
+        one_process_global_batch(convert(s), tables, i)
+        for i, s in enumerate(itertools.islice(source.train_batches(g), n))
+    ]
 
 
 class FaeReorder:
@@ -71,7 +74,9 @@ class FaeReorder:
 
     def __init__(self, window: int, hot: Callable[[Samples], np.ndarray]) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"scheduler.window must be an integer >= 1 (global batches reordered together), got {window!r}")
+            raise ValueError(
+                f"scheduler.window must be an integer >= 1 (global batches reordered together), got {window!r}"
+            )
         self.window, self.hot = window, hot
         self.hot_samples = 0
         self.samples = 0

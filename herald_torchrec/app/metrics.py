@@ -110,5 +110,9 @@ def cache_summary(totals: torch.Tensor) -> dict[str, Any]:
         return {}
     if has_counters < has_cache:
         return {"hbm_cache_lines": int(lines), "hbm_cache_hit_rate": None}
-    return {"hbm_cache_hit_rate": 1.0 - misses / max(uniq, 1.0), "hbm_cache_lines": int(lines),
-            "hbm_cache_unique_ids": int(uniq), "hbm_cache_unique_misses": int(misses)}
+    return {
+        "hbm_cache_hit_rate": 1.0 - misses / max(uniq, 1.0),
+        "hbm_cache_lines": int(lines),
+        "hbm_cache_unique_ids": int(uniq),
+        "hbm_cache_unique_misses": int(misses),
+    }

@@ -28,12 +28,12 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from herald_torchrec.app.metrics import hbm_cache_stats
+from herald_torchrec.app.model_state import load_torchrec_tables
+from herald_torchrec.app.runtime import DistContext
 from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
-from herald_torchrec.app.runtime import DistContext
-from herald_torchrec.app.metrics import hbm_cache_stats
-from herald_torchrec.app.model_state import load_torchrec_tables
 from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.options import HeraldOptions, check_native, settings_named
@@ -122,8 +122,10 @@ def stock_sharding_types(cfg: DictConfig, model_parallel_only: bool = False) -> 
         raise ValueError(f"sharding.types: unknown {bad}; choose from {sorted(SHARDING_TYPES)}")
     if model_parallel_only:
         if "data_parallel" in types:
-            raise ValueError("sharding.types: data_parallel is not available for tables left unscheduled by Herald "
-                             "(they train with the fused embedding optimizer); use row_wise, table_wise or column_wise")
+            raise ValueError(
+                "sharding.types: data_parallel is not available for tables left unscheduled by Herald "
+                "(they train with the fused embedding optimizer); use row_wise, table_wise or column_wise"
+            )
     return [SHARDING_TYPES[t].value for t in types]
 
 
@@ -181,8 +183,10 @@ def hbm_cache(cfg: DictConfig) -> tuple[str | None, float | None]:
         except (TypeError, ValueError):
             clf = float("nan")  # reported below with the value as given
         if not 0.0 < clf <= 1.0:
-            raise ValueError(f"sharding.cache_load_factor must be a number in (0, 1] (the share of a table's rows the "
-                             f"HBM cache holds), got {sc.get('cache_load_factor')!r}")
+            raise ValueError(
+                f"sharding.cache_load_factor must be a number in (0, 1] (the share of a table's rows the "
+                f"HBM cache holds), got {sc.get('cache_load_factor')!r}"
+            )
     return kernel, clf
 
 
@@ -190,48 +194,66 @@ def check_kernel_device(kernel: str | None, device: torch.device) -> None:
     """TorchRec's UVM kernels keep tables in CUDA unified memory: on CPU its planner finds no kernel for any table and
     fails with a long trace, so say here which setting cannot work and what to use."""
     if kernel is not None and "uvm" in kernel and device.type != "cuda":
-        raise ValueError(f"sharding.compute_kernel={kernel} keeps the tables in CUDA unified memory and needs a GPU; "
-                         f"this run is on {device.type}: use fused, or leave sharding.compute_kernel out")
+        raise ValueError(
+            f"sharding.compute_kernel={kernel} keeps the tables in CUDA unified memory and needs a GPU; "
+            f"this run is on {device.type}: use fused, or leave sharding.compute_kernel out"
+        )
 
 
-def _torchrec(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+def _torchrec(
+    model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext
+) -> ShardedSetup:
     init = {n: bag.weight.detach().clone() for n, bag in model.model.ebc.embedding_bags.items()}
     opt_cls, opt_kw = fused_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, model.model.ebc.parameters(), opt_kw)
     types = stock_sharding_types(cfg)
     kernel, clf = hbm_cache(cfg)
     check_kernel_device(kernel, ctx.device)
-    constraints = {
-        table_name(n): ParameterConstraints(sharding_types=types, compute_kernels=[kernel] if kernel else None,
-                                            cache_params=CacheParams(load_factor=clf) if clf else None)
-        for n in features.names
-    } if (types or kernel or clf) else None
+    constraints = (
+        {
+            table_name(n): ParameterConstraints(
+                sharding_types=types,
+                compute_kernels=[kernel] if kernel else None,
+                cache_params=CacheParams(load_factor=clf) if clf else None,
+            )
+            for n in features.names
+        }
+        if (types or kernel or clf)
+        else None
+    )
     sharders = [StockSharder(fused_params={"gather_uvm_cache_stats": True} if ctx.device.type == "cuda" else None)]
     pg = dist.GroupMember.WORLD
-    planner = EmbeddingShardingPlanner(
-        topology=planner_topology(ctx), constraints=constraints
-    )
+    planner = EmbeddingShardingPlanner(topology=planner_topology(ctx), constraints=constraints)
     plan = planner.collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=sharders
     )
     load_torchrec_tables(dmp, init)
     dense = dense_optimizer(dmp, cfg)
-    pipeline = TrainPipelineSparseDist(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), ctx.device, execute_all_batches=True)
+    pipeline = TrainPipelineSparseDist(
+        dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), ctx.device, execute_all_batches=True
+    )
     convert = batch_converter(features, source)
     return ShardedSetup(
-        "torchrec", dmp, pipeline, convert, convert,
+        "torchrec",
+        dmp,
+        pipeline,
+        convert,
+        convert,
         dense_optimizer=dense,
-        final_stats=lambda steps: {**hbm_cache_stats(dmp), "embedding_kernels": sorted(
-            {ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})},
+        final_stats=lambda steps: {
+            **hbm_cache_stats(dmp),
+            "embedding_kernels": sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()}),
+        },
     )
 
 
 PROFILE_BATCHES = 4  # global batches the adaptive choice of unscheduled tables looks at
 
 
-def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSource, world_size: int,
-                         options: HeraldOptions) -> list[str]:
+def unscheduled_features(
+    cfg: DictConfig, features: FeatureSpec, source: DataSource, world_size: int, options: HeraldOptions
+) -> list[str]:
     """`scheduler.unscheduled`: the features whose tables stay with TorchRec's own sharding.
 
     A list of feature (or table) names, or `auto`: the tables the adaptive policy would not schedule on the first
@@ -245,11 +267,17 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     if u == "auto":
         B = cfg.trainer.batch_size
         probe = make_policy("herald", list(features.rows), world_size, B, cache_ratio=options.cache_ratio, lookahead=0)
-        tables = ManagedTables(tuple(table_name(n) for n in features.names), tuple(features.rows),
-                               tuple((n,) for n in features.names), (0,))
+        tables = ManagedTables(
+            tuple(table_name(n) for n in features.names),
+            tuple(features.rows),
+            tuple((n,) for n in features.names),
+            (0,),
+        )
         convert = sample_converter(features, source)
-        batches = [one_process_global_batch(convert(g), tables)
-                   for _, g in zip(range(PROFILE_BATCHES), source.train_batches(world_size * B))]
+        batches = [
+            one_process_global_batch(convert(g), tables)
+            for _, g in zip(range(PROFILE_BATCHES), source.train_batches(world_size * B))
+        ]
         probe.profile(batches)
         chosen = set(probe.tables)
         if not chosen:  # nothing looks worth scheduling: keep every table Herald's rather than none
@@ -260,9 +288,13 @@ def unscheduled_features(cfg: DictConfig, features: FeatureSpec, source: DataSou
     names = [by_table.get(n, n) for n in names]
     unknown = [n for n in names if n not in features.names]
     if unknown:
-        raise ValueError(f"scheduler.unscheduled: {unknown} are not features of the model {list(features.names)} (or use auto)")
+        raise ValueError(
+            f"scheduler.unscheduled: {unknown} are not features of the model {list(features.names)} (or use auto)"
+        )
     if len(set(names)) == len(features.names):
-        raise ValueError("scheduler.unscheduled names every feature: leave at least one to Herald, or use scheduler=torchrec")
+        raise ValueError(
+            "scheduler.unscheduled names every feature: leave at least one to Herald, or use scheduler=torchrec"
+        )
     return [n for n in features.names if n in set(names)]
 
 
@@ -271,8 +303,12 @@ def herald_options(sc: DictConfig) -> HeraldOptions:
     error names its config key, e.g. scheduler.plan_on). `unscheduled_tables` is left to `unscheduled_features`."""
     from herald_torchrec.app import baselines
 
-    settings: dict[str, Any] = {"cache_ratio": sc.cache_ratio, "policy": sc.policy, "lookahead": sc.lookahead,
-                                "policy_options": baselines.policy_options(sc)}
+    settings: dict[str, Any] = {
+        "cache_ratio": sc.cache_ratio,
+        "policy": sc.policy,
+        "lookahead": sc.lookahead,
+        "policy_options": baselines.policy_options(sc),
+    }
     settings.update({k: sc[k] for k in ("plan_on", "input_priority", "native") if sc.get(k)})  # empty: the default
     if "prefetch" in sc:
         settings["prefetch"] = sc.prefetch
@@ -293,13 +329,15 @@ def use_native_kernels(setting: str) -> None:
         raise ValueError(f"scheduler.native=on, but Herald's compiled kernels are unavailable: {e}") from e
 
 
-def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+def _herald(
+    model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext
+) -> ShardedSetup:
     """Herald-managed tables: our sharder (ROW_WISE home placement, the scheduler's settings) + HeraldTrainPipeline,
     which schedules the same `Batch` stream the stock pipeline trains; tables left unscheduled
     (`scheduler.unscheduled`) are planned by TorchRec's planner within `sharding.types`."""
+    from herald_torchrec.app import baselines
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline, herald_modules
-    from herald_torchrec.app import baselines
 
     sc, t = cfg.scheduler, cfg.trainer
     options = herald_options(sc)
@@ -326,9 +364,7 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         init = {table_name(n): ebc.embedding_bags[table_name(n)].weight.detach().clone() for n in unsched}
         types = stock_sharding_types(cfg, model_parallel_only=True)
         constraints = sharder.planner_constraints(ebc, types, world_size=ctx.world_size, device_type=ctx.device.type)
-        planner = EmbeddingShardingPlanner(
-            topology=planner_topology(ctx), constraints=constraints
-        )
+        planner = EmbeddingShardingPlanner(topology=planner_topology(ctx), constraints=constraints)
         plan = planner.collective_plan(model, [sharder], pg)
     dmp = DistributedModelParallel(
         module=model, device=ctx.device, env=ShardingEnv.from_process_group(pg), plan=plan, sharders=[sharder]
@@ -341,13 +377,22 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
     profile, reorder = None, None
     if options.policy in baselines.REPLICA_POLICIES:  # replicated rows from a profiled prefix; fae reorders the stream
         from herald_torchrec.distributed.train_pipeline.pipeline import managed_tables
+
         tables = managed_tables([herald])
         convert_one = sample_converter(features, source)
         profile = baselines.profile_batches(cfg, options, source, ctx.world_size, tables, convert_one)
         if options.policy == "fae":
             from herald_torchrec.schedule import make_policy
-            fae = make_policy("fae", list(tables.rows), ctx.world_size, t.batch_size, cache_ratio=options.cache_ratio,
-                              lookahead=options.lookahead, **options.policy_options)
+
+            fae = make_policy(
+                "fae",
+                list(tables.rows),
+                ctx.world_size,
+                t.batch_size,
+                cache_ratio=options.cache_ratio,
+                lookahead=options.lookahead,
+                **options.policy_options,
+            )
             fae.profile(profile)
             reorder = baselines.fae_reorder(fae, tables, convert_one, fae.window)
     pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, options=options, on_plan=stats.add, profile=profile)
@@ -357,8 +402,11 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
         out = stats.window()
         # medians over the logging window: planning time (wall, and the planner's CPU on a rank that plans), and the
         # training thread's wait for its batch (~0 while the input stage keeps ahead)
-        for key, recent in (("sched_ms", sched_ms), ("sched_cpu_ms", sched_cpu_ms),
-                            ("input_wait_ms", pipeline.input_wait_ms)):
+        for key, recent in (
+            ("sched_ms", sched_ms),
+            ("sched_cpu_ms", sched_cpu_ms),
+            ("input_wait_ms", pipeline.input_wait_ms),
+        ):
             window = list(itertools.islice(reversed(recent), cfg.trainer.log_interval))
             if window:
                 out[key] = float(np.median(window))
@@ -392,19 +440,32 @@ def _herald(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: D
 
     convert = batch_converter(features, source)
     return ShardedSetup(
-        sc.name, dmp, pipeline, convert, convert,
+        sc.name,
+        dmp,
+        pipeline,
+        convert,
+        convert,
         dense_optimizer=dense,
-        step_stats=step_stats, final_stats=final_stats,
+        step_stats=step_stats,
+        final_stats=final_stats,
         host_bytes=lambda: pipeline.input_stage.comm.counter.total_bytes(),
         reorder=reorder,
     )
 
 
-SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {"torchrec": _torchrec, "herald": _herald, "static": _herald,
-                                                      "p2res": _herald, "fae": _herald, "het": _herald}
+SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {
+    "torchrec": _torchrec,
+    "herald": _herald,
+    "static": _herald,
+    "p2res": _herald,
+    "fae": _herald,
+    "het": _herald,
+}
 
 
-def shard_model(model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext) -> ShardedSetup:
+def shard_model(
+    model: TrainModel, features: FeatureSpec, source: DataSource, cfg: DictConfig, ctx: DistContext
+) -> ShardedSetup:
     name = cfg.scheduler.name
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got '{name}'")

@@ -34,18 +34,22 @@ def _torchrec_sharded_tensors(dmp: torch.nn.Module) -> Iterator[tuple[str, str, 
         if isinstance(v, ShardedTensor) and k.endswith(".weight"):
             yield "weight", k.split(".")[-2], v
     for k, v in dmp.fused_optimizer.state_dict()["state"].items():
-        for sv in (v.values() if isinstance(v, dict) else []):
+        for sv in v.values() if isinstance(v, dict) else []:
             if isinstance(sv, ShardedTensor):
                 yield "state", k.split(".")[-2], sv
 
 
 def full_tables(dmp: torch.nn.Module, ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Assemble the sharded tables (stock and Herald alike) and fused-optimizer state into full tensors (collective; result on rank 0).
+    """Assemble the sharded tables (stock and Herald alike) and fused-optimizer state into full tensors (collective;
+    result on rank 0).
 
     Every rank sends its local shards with their offsets: which keys a rank has differs between ranks, so per-key
     collectives would not line up."""
-    mine = [(kind, name, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
-            for kind, name, st in _torchrec_sharded_tensors(dmp) for sh in st.local_shards()]
+    mine = [
+        (kind, name, tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu(), tuple(st.size()))
+        for kind, name, st in _torchrec_sharded_tensors(dmp)
+        for sh in st.local_shards()
+    ]
     parts: list = [None] * ctx.world_size if ctx.is_main else None
     if ctx.world_size > 1:
         dist.gather_object(mine, parts, dst=0)
@@ -69,7 +73,9 @@ def _copy_into_shards(st: ShardedTensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_torchrec_tables(dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
+def load_torchrec_tables(
+    dmp: torch.nn.Module, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None
+) -> None:
     """Full tables (and fused-optimizer state) into TorchRec's shards, for the tables named in `weights`. Used for the
     initial tables (TorchRec draws its own otherwise: every scheduler starts from the same model and, being exact,
     ends at the same model) and for resuming from a checkpoint."""

@@ -85,11 +85,14 @@ def init_distributed(backend: str = "auto", cpu_affinity: str | bool = "off") ->
     `cpu_affinity="auto"` binds each local rank of a CPU run to its own cores (`bind_local_rank`), before any
     process-group thread starts; GPU runs are left to torchrun's `--numa-binding`."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
-    # more local ranks than GPUs (e.g. 2 ranks on one GPU): NCCL refuses two ranks on one device, gloo takes CUDA tensors
+    # more local ranks than GPUs (e.g. 2 ranks on one GPU): NCCL refuses two ranks on one device, gloo takes CUDA
+    # tensors
     shared_gpu = use_cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend == "auto":
         backend = "nccl" if use_cuda and not shared_gpu else "gloo"

@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from herald_torchrec.app.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
+from herald_torchrec.app.model_setup import ShardedSetup, shard_model
+from herald_torchrec.app.model_state import full_state
+from herald_torchrec.app.runtime import DistContext, affinity_mode, init_distributed, shutdown
 from herald_torchrec.data import build_source
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
-from herald_torchrec.app.runtime import DistContext, affinity_mode, init_distributed, shutdown
 from herald_torchrec.distributed.comm import CommCounter
 from herald_torchrec.distributed.traffic import count_collectives
-from herald_torchrec.app.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
-from herald_torchrec.app.model_state import full_state
-from herald_torchrec.app.model_setup import ShardedSetup, shard_model
 
 CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
 # what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
@@ -59,8 +59,14 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
 
 
-def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool, epochs: int | None,
-                  reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None) -> Iterator[Samples]:
+def local_samples(
+    source: DataSource,
+    batch: int,
+    ctx: DistContext,
+    train: bool,
+    epochs: int | None,
+    reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None,
+) -> Iterator[Samples]:
     """This rank's slice of each global batch; the training stream loops over epochs (None = forever). `reorder`
     (the scheduler's, e.g. fae's) transforms each epoch's global batches before the slicing."""
     g = batch * ctx.world_size
@@ -71,7 +77,9 @@ def local_samples(source: DataSource, batch: int, ctx: DistContext, train: bool,
         if reorder is None:  # the source cuts this rank's slice (the synthetic log makes only that)
             slices = source.train_slices(g, lo, hi) if train else source.val_slices(g, lo, hi)
         else:  # a reorder needs whole global batches
-            slices = (s.take(slice(lo, hi)) for s in reorder(source.train_batches(g) if train else source.val_batches(g)))
+            slices = (
+                s.take(slice(lo, hi)) for s in reorder(source.train_batches(g) if train else source.val_batches(g))
+            )
         for s in slices:
             produced = True
             yield s
@@ -168,8 +176,10 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
         path = run_dir / f"{CHECKPOINT}.old"  # interrupted while swapping in a newer one: the previous is complete
     if not path.exists():
         if (run_dir / "checkpoint.pt").exists():  # the unsharded format of earlier versions: never restart silently
-            raise ConfigError(f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
-                              f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false")
+            raise ConfigError(
+                f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
+                f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false"
+            )
         return 0
     try:
         head = {"meta": ""}
@@ -180,7 +190,9 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
     want = _identity(cfg, ctx.world_size)
     diff = {k: (meta["identity"].get(k), v) for k, v in want.items() if meta["identity"].get(k) != v}
     if diff:
-        raise ConfigError(f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false")
+        raise ConfigError(
+            f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false"
+        )
     setup.dense_optimizer.init_state()  # creates the state entries that DCP fills
     state = _checkpoint_state(setup, "")
     dcp.load(state, checkpoint_id=str(path))
@@ -249,8 +261,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
     logger = Logger(run_dir, ctx.is_main)
     steps_cap = cfg.trainer.steps
-    stream = local_samples(source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs,
-                           reorder=setup.reorder)
+    stream = local_samples(
+        source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs, reorder=setup.reorder
+    )
     stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
     ckpt_every = cfg.trainer.get("checkpoint_interval", 0) or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
@@ -284,8 +297,13 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 sent = traffic.total_bytes() + setup.host_bytes()
                 extra["rank0_bytes_per_step"] = (sent - sent_at_log) / cfg.trainer.log_interval  # rank 0's own sends
                 sent_at_log = sent
-                say(f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s" + "".join(f"  {k} {v:.3g}" for k, v in extra.items()))
-                logger.scalars(step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}})
+                say(
+                    f"step {step:6d}  loss {avg:.4f}  {sps:9.0f} samples/s"
+                    + "".join(f"  {k} {v:.3g}" for k, v in extra.items())
+                )
+                logger.scalars(
+                    step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}}
+                )
                 loss_sum, loss_n, t_log = 0.0, 0, now
             if ckpt_every and step % ckpt_every == 0:
                 save_checkpoint(setup, run_dir, step, cfg, ctx)
@@ -333,7 +351,10 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         write_json_atomic(run_dir / "metrics.json", metrics)
     logger.scalars(step, {"eval/final_auc": auc})
     logger.close()
-    say(f"[herald] done: {step} steps, auc {auc:.4f}, logloss {ll:.4f}, {samples_per_s:.0f} samples/s -> {run_dir / 'metrics.json'}")
+    say(
+        f"[herald] done: {step} steps, auc {auc:.4f}, logloss {ll:.4f}, {samples_per_s:.0f} samples/s "
+        f"-> {run_dir / 'metrics.json'}"
+    )
     return metrics
 
 

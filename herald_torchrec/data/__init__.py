@@ -8,7 +8,18 @@ from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource, SyntheticSource
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 
-SYNTHETIC_KEYS = ("scale", "num_tables", "table_rows", "zipf", "tail", "locality", "trend_life", "num_dense", "seed", "val_every")
+SYNTHETIC_KEYS = (
+    "scale",
+    "num_tables",
+    "table_rows",
+    "zipf",
+    "tail",
+    "locality",
+    "trend_life",
+    "num_dense",
+    "seed",
+    "val_every",
+)
 
 
 def synthetic_spec(cfg: Mapping[str, Any]) -> SyntheticSpec:
@@ -40,4 +51,12 @@ def build_source(cfg: Mapping[str, Any]) -> DataSource:
     return getattr(module, loaders[name])(**cfg)
 
 
-__all__ = ["DataSource", "Samples", "SyntheticCTR", "SyntheticSource", "SyntheticSpec", "build_source", "synthetic_spec"]
+__all__ = [
+    "DataSource",
+    "Samples",
+    "SyntheticCTR",
+    "SyntheticSource",
+    "SyntheticSpec",
+    "build_source",
+    "synthetic_spec",
+]

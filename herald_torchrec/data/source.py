@@ -46,7 +46,9 @@ class SyntheticSource(DataSource):
 
     def __init__(self, spec: SyntheticSpec, epoch_batches: int = 1000, val_batches: int = 20) -> None:
         if epoch_batches < 1 or val_batches < 1:
-            raise ValueError(f"synthetic: epoch_batches and val_batches must be >= 1, got {epoch_batches}, {val_batches}")
+            raise ValueError(
+                f"synthetic: epoch_batches and val_batches must be >= 1, got {epoch_batches}, {val_batches}"
+            )
         self.gen = SyntheticCTR(spec)
         self.feature_names = self.gen.feature_names
         self.table_rows = self.gen.table_rows

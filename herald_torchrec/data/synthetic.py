@@ -21,8 +21,32 @@ from herald_torchrec.data.samples import Samples
 
 # Criteo Kaggle per-table cardinalities (C1..C26), REFERENCE.md.
 CRITEO_KAGGLE_ROWS: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 )
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -120,7 +144,11 @@ class SyntheticCTR:
     def _id_effect(self, t: int | np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Per-id hidden weight in [-1.5, 1.5]: what the embedding of that id should learn (`t` may be a row of
         table indices broadcast against ids [N, T])."""
-        key = ids.astype(np.uint64) * np.uint64(64) + np.asarray(t, dtype=np.uint64) + np.uint64(self.spec.seed) * np.uint64(7919)
+        key = (
+            ids.astype(np.uint64) * np.uint64(64)
+            + np.asarray(t, dtype=np.uint64)
+            + np.uint64(self.spec.seed) * np.uint64(7919)
+        )
         return (_unit(splitmix64(key)) - 0.5) * 3.0
 
     # ---- id sampling ---------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Imports torch / torchrec / fbgemm (unlike the control plane in herald_torchrec.s
 
 from herald_torchrec.distributed.comm import CommCounter, PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
-from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.distributed.sharder import HeraldEmbeddingBagCollectionSharder
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
 __all__ = [
     "CommCounter",

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 PHASE_TIMES_ENV = "HERALD_PHASE_TIMES"
 PHASE_TIMES_TAG = "[herald-phases]"
 _PHASES_ON = os.environ.get(PHASE_TIMES_ENV, "") not in ("", "0")
@@ -63,7 +62,12 @@ def phase_times() -> dict[str, dict[str, float]]:
     """{phase: {"ms": total wall, "cpu_ms": total CPU of the thread, "calls": n, "ms_per_call": mean wall}}
     accumulated so far in this process."""
     return {
-        k: {"ms": round(1e3 * s, 3), "cpu_ms": round(1e3 * c, 3), "calls": int(n), "ms_per_call": round(1e3 * s / max(n, 1), 4)}
+        k: {
+            "ms": round(1e3 * s, 3),
+            "cpu_ms": round(1e3 * c, 3),
+            "calls": int(n),
+            "ms_per_call": round(1e3 * s / max(n, 1), 4),
+        }
         for k, (s, n, c) in sorted(_phase_totals.items())
     }
 
@@ -115,7 +119,12 @@ class PlanComm:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 
     def all_to_all(
-        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str, globally_empty: bool = False
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        kind: str,
+        globally_empty: bool = False,
     ) -> torch.Tensor:
         """Uneven all_to_all_single along dim 0 with split sizes known on every rank.
 
@@ -176,17 +185,26 @@ class PlanComm:
         return self.start_all_to_all_flagged(send, send_splits, recv_splits, kind, flag).wait_flagged()
 
     def start_all_to_all_flagged(
-        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], kind: str | Mapping[str, int],
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        kind: str | Mapping[str, int],
         flag: int,
     ) -> "PendingAllToAll":
         """`all_to_all_flagged`, issued with async_op=True: the handle's `wait_flagged()` gives (data, max flag)."""
         send_splits = [int(x) for x in send_splits]
         if send.dim() != 1 or len(send_splits) != self.world_size or sum(send_splits) != send.shape[0]:
-            raise ValueError(f"all_to_all_flagged: need a 1-D tensor and {self.world_size} splits that sum to its length")
+            raise ValueError(
+                f"all_to_all_flagged: need a 1-D tensor and {self.world_size} splits that sum to its length"
+            )
         return self.start_all_to_all_flagged_parts([[b] for b in send.split(send_splits)], recv_splits, kind, flag)
 
     def start_all_to_all_flagged_parts(
-        self, parts: Sequence[Sequence[torch.Tensor]], recv_splits: Sequence[int], kind: str | Mapping[str, int],
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        recv_splits: Sequence[int],
+        kind: str | Mapping[str, int],
         flag: int,
     ) -> "PendingAllToAll":
         """`start_all_to_all_flagged` with rank d's block given as the 1-D tensors `parts[d]` (one dtype): the header

@@ -55,7 +55,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
@@ -81,10 +80,18 @@ from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimiz
 from herald_torchrec.distributed.step.dist_data import ErrorCheck, ErrorFlagDist
 from herald_torchrec.distributed.step.embedding_lookup import HeraldLookup
 from herald_torchrec.distributed.step.extension import (
-    ExtensionResources, ExtensionStep, StepExtension, check_plan_served,
+    ExtensionResources,
+    ExtensionStep,
+    StepExtension,
+    check_plan_served,
 )
 from herald_torchrec.distributed.step.prepare import (
-    LocalInput, SharedStep, classify, local_input, prepare_moves, prepare_shared,
+    LocalInput,
+    SharedStep,
+    classify,
+    local_input,
+    prepare_moves,
+    prepare_shared,
 )
 from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
@@ -171,7 +178,9 @@ class ShardedHeraldEmbeddingBagCollection(
         if not isinstance(module, EmbeddingBagCollection):
             raise ValueError(f"expected an EmbeddingBagCollection, got {type(module).__name__}")
         if module.is_weighted():
-            raise ValueError("Herald-managed EmbeddingBagCollection: weighted (per-sample weight) features are not supported")
+            raise ValueError(
+                "Herald-managed EmbeddingBagCollection: weighted (per-sample weight) features are not supported"
+            )
         configs = module.embedding_bag_configs()
         for c in configs:
             if c.pooling != PoolingType.SUM:
@@ -189,7 +198,9 @@ class ShardedHeraldEmbeddingBagCollection(
         if self.device.type == "meta":
             raise ValueError("ShardedHeraldEmbeddingBagCollection cannot be built on the meta device")
         # fused_params + apply_optimizer_in_backward, resolved as TorchRec resolves them (optimizer_params.py)
-        self.optimizer_settings = resolve_table_settings(module, fused_params, table_name_to_parameter_sharding, self.device)
+        self.optimizer_settings = resolve_table_settings(
+            module, fused_params, table_name_to_parameter_sharding, self.device
+        )
         fp = dict(self.optimizer_settings)
         self.optimizer_type = fp.pop("optimizer")
         self.learning_rate = float(fp.pop("learning_rate", 0.01))
@@ -228,13 +239,18 @@ class ShardedHeraldEmbeddingBagCollection(
         self._plans: deque[Plan | None] = deque()
         self._pending: SharedStep | None = None
         # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
-        self._extensions: tuple[StepExtension, ...] = comparison_extensions(policy, ExtensionResources(
-            self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp))
+        self._extensions: tuple[StepExtension, ...] = comparison_extensions(
+            policy,
+            ExtensionResources(
+                self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp
+            ),
+        )
         self._extension_pending: list[ExtensionStep] = []
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         # TorchRec-layout state dicts and the fused optimizer, given this module's public surface
-        self._checkpoint = HeraldCheckpoint(self, self._exec, self._comm, env.process_group,
-                                            table_name_to_parameter_sharding)
+        self._checkpoint = HeraldCheckpoint(
+            self, self._exec, self._comm, env.process_group, table_name_to_parameter_sharding
+        )
         install_state_dict_hooks(self, self._checkpoint)
         self._optim = HeraldFusedOptimizer(self, self._checkpoint)
         T = len(configs)
@@ -252,9 +268,13 @@ class ShardedHeraldEmbeddingBagCollection(
         for c in configs:
             ps = plan.get(c.name)
             if ps is None:
-                raise ValueError(f"table {c.name!r} has no sharding in the plan: every table of a Herald-managed EBC is managed")
+                raise ValueError(
+                    f"table {c.name!r} has no sharding in the plan: every table of a Herald-managed EBC is managed"
+                )
             if ps.sharding_type != ShardingType.ROW_WISE.value:
-                raise ValueError(f"table {c.name!r}: Herald-managed tables are ROW_WISE (home placement), got {ps.sharding_type}")
+                raise ValueError(
+                    f"table {c.name!r}: Herald-managed tables are ROW_WISE (home placement), got {ps.sharding_type}"
+                )
             spec = ps.sharding_spec
             shards = getattr(spec, "shards", None)
             if not shards:
@@ -416,7 +436,11 @@ class ShardedHeraldEmbeddingBagCollection(
                         cls = classify(plan, local, moves, self._exec.marks, self._store)
                 except ValueError as e:
                     err = e
-            ride = self.world_size > 1 and self.check_errors_globally and not (moves.globally_empty and shared.globally_empty)
+            ride = (
+                self.world_size > 1
+                and self.check_errors_globally
+                and not (moves.globally_empty and shared.globally_empty)
+            )
             check = ErrorCheck(err, 0 if err is None else self.rank + 1) if ride else None
             if check is None:
                 with phase("step.sync_error"):
@@ -502,7 +526,9 @@ class ShardedHeraldEmbeddingBagCollection(
         """Per table: hits / distinct keys read here (last step, or over all steps), as the `hit` counter counts
         them: reads served by the rank's own rows with no transfer this step. NaN for a table not read."""
         reads = self._reads_total if cumulative else self._reads
-        return {n: float(reads[0, t] / reads[1, t]) if reads[1, t] else float("nan") for t, n in enumerate(self.table_names)}
+        return {
+            n: float(reads[0, t] / reads[1, t]) if reads[1, t] else float("nan") for t, n in enumerate(self.table_names)
+        }
 
     def guest_occupancy(self) -> dict[str, float]:
         """Per table: guests held by this rank / guest capacity."""

@@ -30,11 +30,11 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.state.checkpoint import install_mixed_state_dict_hooks
 from herald_torchrec.distributed.embeddingbag import (
     HeraldEmbeddingBagCollectionContext,
     ShardedHeraldEmbeddingBagCollection,
 )
+from herald_torchrec.distributed.state.checkpoint import install_mixed_state_dict_hooks
 
 
 @dataclass
@@ -59,7 +59,9 @@ class MixedEmbeddingBagCollectionContext(Multistreamable):
 class _MergedKeyedTensor(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[KeyedTensor]):
     """The stock part's output awaitable + the Herald part's local output -> one KeyedTensor in EBC key order."""
 
-    def __init__(self, stock: LazyAwaitable[KeyedTensor], herald: KeyedTensor, keys: list[str], dims: list[int]) -> None:
+    def __init__(
+        self, stock: LazyAwaitable[KeyedTensor], herald: KeyedTensor, keys: list[str], dims: list[int]
+    ) -> None:
         super().__init__()
         self._stock, self._herald, self._keys, self._dims = stock, herald, keys, dims
 
@@ -120,7 +122,9 @@ class ShardedMixedEmbeddingBagCollection(
             self._permute = (keys, [keys.index(f) for f in self._herald_features])
         return features.permute(self._permute[1])
 
-    def input_dist(self, ctx: MixedEmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
+    def input_dist(
+        self, ctx: MixedEmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> KJTListSplitsAwaitable:
         with torch.no_grad():
             herald_kjt = self._herald_input(features)
         ctx.herald.batch_size = herald_kjt.stride()

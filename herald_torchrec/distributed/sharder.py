@@ -22,8 +22,8 @@ same settings as keywords, as above. The sharded modules carry `cache_ratio` (th
 
 The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
 per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (FBGEMM's
-defaults — EXACT_SGD, learning rate 0.01, as for a stock table — apply where neither names a setting). Every setting FBGEMM
-applies per row (gradient clipping, row-wise Adagrad's eps / weight decay / max_norm) reaches the TBE; anything
+defaults — EXACT_SGD, learning rate 0.01, as for a stock table — apply where neither names a setting). Every setting
+FBGEMM applies per row (gradient clipping, row-wise Adagrad's eps / weight decay / max_norm) reaches the TBE; anything
 else is a ValueError naming the setting, here and in the module.
 
 Tables not worth scheduling can stay with TorchRec's own sharding: name them in `unscheduled_tables` and plan with
@@ -86,10 +86,15 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         unscheduled_tables: Collection[str] | None = None,
         options: HeraldOptions | None = None,
     ) -> None:
-        given = {"cache_ratio": cache_ratio, "policy": policy, "lookahead": lookahead,
-                 "unscheduled_tables": unscheduled_tables}
-        self.options = dataclasses.replace(options if options is not None else HeraldOptions(),
-                                           **{k: v for k, v in given.items() if v is not None})
+        given = {
+            "cache_ratio": cache_ratio,
+            "policy": policy,
+            "lookahead": lookahead,
+            "unscheduled_tables": unscheduled_tables,
+        }
+        self.options = dataclasses.replace(
+            options if options is not None else HeraldOptions(), **{k: v for k, v in given.items() if v is not None}
+        )
         # Herald's defaults under the user's settings, validated now (fail early); an optimizer set with
         # apply_optimizer_in_backward overrides them per table at shard time, as in TorchRec
         fp = sharder_fused_params(fused_params)
@@ -163,7 +168,9 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if unknown:
             raise ValueError(f"unscheduled_tables: {unknown} are not tables of the EmbeddingBagCollection {tables}")
         if len(self.unscheduled_tables) == len(tables):
-            raise ValueError("unscheduled_tables names every table: leave at least one to Herald (or use TorchRec's own sharder)")
+            raise ValueError(
+                "unscheduled_tables names every table: leave at least one to Herald (or use TorchRec's own sharder)"
+            )
 
     def shard(
         self,
@@ -176,7 +183,11 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         names = [c.name for c in module.embedding_bag_configs()]
         self._check_unscheduled(names)
         managed = [n for n in names if n not in self.unscheduled_tables]
-        wrong = {n: params[n].sharding_type for n in managed if n in params and params[n].sharding_type != ShardingType.ROW_WISE.value}
+        wrong = {
+            n: params[n].sharding_type
+            for n in managed
+            if n in params and params[n].sharding_type != ShardingType.ROW_WISE.value
+        }
         if wrong:
             raise ValueError(
                 f"Herald-managed tables must be planned ROW_WISE (their home placement), got {wrong}: plan with "
@@ -205,9 +216,13 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         # one fused optimizer over the whole EBC: the TorchRec part resolves (TorchRec's own way) from the same
         # fused params and in-backward settings, which must give its tables the Herald tables' settings
         resolve_table_settings(module, self.fused_params, None, device)
-        stock_sharder = EmbeddingBagCollectionSharder(fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry)
+        stock_sharder = EmbeddingBagCollectionSharder(
+            fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
+        )
         stock = stock_sharder.shard(sub_collection(module, rest), {n: params[n] for n in rest}, env, device, module_fqn)
-        return ShardedMixedEmbeddingBagCollection(module, herald, stock, qcomm_codecs_registry=self.qcomm_codecs_registry)
+        return ShardedMixedEmbeddingBagCollection(
+            module, herald, stock, qcomm_codecs_registry=self.qcomm_codecs_registry
+        )
 
     @property
     def sharded_module_type(self) -> type:

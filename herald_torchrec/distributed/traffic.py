@@ -20,8 +20,14 @@ import torch.distributed as dist
 from herald_torchrec.distributed.comm import CommCounter
 
 _PATCHED = (
-    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_reduce", "broadcast",
+    "all_to_all_single",
+    "all_to_all",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
 )
 
 

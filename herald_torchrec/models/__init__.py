@@ -17,4 +17,15 @@ def build_model(name: str, features: FeatureSpec, **kwargs) -> CTRModel:
     return MODELS[name](features, **kwargs)
 
 
-__all__ = ["CTRModel", "FeatureSpec", "TrainModel", "table_name", "build_model", "MODELS", "DCN", "DeepFM", "NeuMF", "WideAndDeep"]
+__all__ = [
+    "CTRModel",
+    "FeatureSpec",
+    "TrainModel",
+    "table_name",
+    "build_model",
+    "MODELS",
+    "DCN",
+    "DeepFM",
+    "NeuMF",
+    "WideAndDeep",
+]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.modules.mlp import MLP
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
@@ -29,7 +29,9 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.rows) or not self.names:
-            raise ValueError(f"FeatureSpec: need one table size per feature, got {len(self.names)} names, {len(self.rows)} sizes")
+            raise ValueError(
+                f"FeatureSpec: need one table size per feature, got {len(self.names)} names, {len(self.rows)} sizes"
+            )
 
     def subset(self, names: list[str]) -> "FeatureSpec":
         missing = [n for n in names if n not in self.names]
@@ -86,7 +88,9 @@ class LinearPlusDeep(CTRModel):
         self.dim = embedding_dim - 1  # the last column of each row is the per-id linear weight
         self.ebc = make_ebc(features, embedding_dim, device)
         width = self.dim * len(features.names) + features.num_dense
-        self.deep = nn.Sequential(MLP(width, list(deep_layers), device=device), nn.Linear(deep_layers[-1], 1, device=device))
+        self.deep = nn.Sequential(
+            MLP(width, list(deep_layers), device=device), nn.Linear(deep_layers[-1], 1, device=device)
+        )
         self.dense_linear = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
 
     def parts(self, dense: torch.Tensor, emb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,8 +12,13 @@ from herald_torchrec.models.base import CTRModel, FeatureSpec, make_ebc
 
 class DCN(CTRModel):
     def __init__(
-        self, features: FeatureSpec, embedding_dim: int = 16, cross_layers: int = 3, low_rank: int = 0,
-        deep_layers: tuple[int, ...] = (256, 128), device: str = "cpu",
+        self,
+        features: FeatureSpec,
+        embedding_dim: int = 16,
+        cross_layers: int = 3,
+        low_rank: int = 0,
+        deep_layers: tuple[int, ...] = (256, 128),
+        device: str = "cpu",
     ) -> None:
         super().__init__()
         self.features = features

@@ -14,7 +14,10 @@ from herald_torchrec.models.base import FeatureSpec, LinearPlusDeep
 
 class DeepFM(LinearPlusDeep):
     def __init__(
-        self, features: FeatureSpec, embedding_dim: int = 16, deep_layers: tuple[int, ...] = (256, 128),
+        self,
+        features: FeatureSpec,
+        embedding_dim: int = 16,
+        deep_layers: tuple[int, ...] = (256, 128),
         device: str = "cpu",
     ) -> None:
         super().__init__(features, embedding_dim, tuple(deep_layers), device)

@@ -15,7 +15,10 @@ from herald_torchrec.models.base import CTRModel, FeatureSpec, make_ebc
 
 class NeuMF(CTRModel):
     def __init__(
-        self, features: FeatureSpec, embedding_dim: int = 16, mlp_layers: tuple[int, ...] = (64, 32, 16),
+        self,
+        features: FeatureSpec,
+        embedding_dim: int = 16,
+        mlp_layers: tuple[int, ...] = (64, 32, 16),
         device: str = "cpu",
     ) -> None:
         super().__init__()

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
-from herald_torchrec.schedule.checker import PlanChecker
-from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.baselines.fae import FaePolicy
 from herald_torchrec.schedule.baselines.greedy import HeraldGreedyPolicy
-from herald_torchrec.schedule.herald.planner import HeraldPolicy
-from herald_torchrec.schedule.baselines.het_bsp import HetBspPolicy
 from herald_torchrec.schedule.baselines.het import HetPolicy
+from herald_torchrec.schedule.baselines.het_bsp import HetBspPolicy
 from herald_torchrec.schedule.baselines.p2res import P2resPolicy
+from herald_torchrec.schedule.baselines.static import StaticPolicy
+from herald_torchrec.schedule.checker import PlanChecker
+from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.herald.planner import HeraldPolicy
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy
-from herald_torchrec.schedule.baselines.static import StaticPolicy
 
 POLICIES: dict[str, type[SchedulePolicy]] = {
     "static": StaticPolicy,
@@ -34,8 +34,15 @@ POLICIES: dict[str, type[SchedulePolicy]] = {
 }
 
 
-def make_policy(name: str, table_rows: Sequence[int] | TableLayout, num_ranks: int, batch_per_rank: int,
-                cache_ratio: float = 0.1, lookahead: int = 4, **kwargs) -> SchedulePolicy:
+def make_policy(
+    name: str,
+    table_rows: Sequence[int] | TableLayout,
+    num_ranks: int,
+    batch_per_rank: int,
+    cache_ratio: float = 0.1,
+    lookahead: int = 4,
+    **kwargs,
+) -> SchedulePolicy:
     """Build a policy by name (`POLICIES`); extra keyword arguments go to the policy (e.g. herald's `refine`)."""
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
@@ -53,13 +60,31 @@ def runnable_policy(name: str, **options) -> str:
         runs(**options)  # raises ValueError naming the setting it cannot run
     elif not POLICIES[name].executable:
         runnable = sorted(n for n, p in POLICIES.items() if p.executable)
-        raise ValueError(f"policy {name!r} only models traffic (benchmarks/simulate.py); the data plane runs {runnable}")
+        raise ValueError(
+            f"policy {name!r} only models traffic (benchmarks/simulate.py); the data plane runs {runnable}"
+        )
     return name
 
 
 __all__ = [
-    "GlobalBatch", "TableLayout", "OwnershipDirectory", "Plan", "RowMoves", "SharedRows", "ReadVersions", "ReplicaSync",
-    "SchedulePolicy", "StaticPolicy", "HetBspPolicy", "HetPolicy", "HeraldGreedyPolicy", "HeraldPolicy", "FaePolicy", "P2resPolicy",
+    "GlobalBatch",
+    "TableLayout",
+    "OwnershipDirectory",
+    "Plan",
+    "RowMoves",
+    "SharedRows",
+    "ReadVersions",
+    "ReplicaSync",
+    "SchedulePolicy",
+    "StaticPolicy",
+    "HetBspPolicy",
+    "HetPolicy",
+    "HeraldGreedyPolicy",
+    "HeraldPolicy",
+    "FaePolicy",
+    "P2resPolicy",
     "PlanChecker",
-    "POLICIES", "make_policy", "runnable_policy",
+    "POLICIES",
+    "make_policy",
+    "runnable_policy",
 ]

@@ -5,7 +5,8 @@ array and versions). Per step it verifies:
 
 * the assignment: `sample_order` is an int64 permutation of the global batch, every rank gets exactly B samples,
   in increasing global order;
-* plans that report their reads (`plan.reads`: counting-only plans, and the replica policies' plans): it lists every true (key, reader) pair exactly once, and the
+* plans that report their reads (`plan.reads`: counting-only plans, and the replica policies' plans): it lists every
+true (key, reader) pair exactly once, and the
   version each reader used equals the true latest version (number of earlier steps that updated the row);
 * replica plans (plans whose `reads.replica` is set: fae, p2res): the checker replays two copies of
   every row itself — the home copy and the replicas (identical on every rank) — from the plan's `ReplicaSync`
@@ -33,8 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import guest_capacity, home_blocks
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, ReplicaSync
 
 
@@ -51,8 +52,14 @@ class StepCheck:
 
 
 class PlanChecker:
-    def __init__(self, table_rows: Sequence[int] | TableLayout, num_ranks: int, batch_per_rank: int,
-                 cache_ratio: float = 0.1, strict: bool = False) -> None:
+    def __init__(
+        self,
+        table_rows: Sequence[int] | TableLayout,
+        num_ranks: int,
+        batch_per_rank: int,
+        cache_ratio: float = 0.1,
+        strict: bool = False,
+    ) -> None:
         self.layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
         self.R, self.B = int(num_ranks), int(batch_per_rank)
         self.strict = strict
@@ -147,7 +154,9 @@ class PlanChecker:
         code_s = code[order]
         true = pk * self.R + pr
         if code_s.shape != true.shape or not np.array_equal(code_s, true):
-            self._err(res, f"reported reads ({code.shape[0]}) differ from the true (key, reader) pairs ({true.shape[0]})")
+            self._err(
+                res, f"reported reads ({code.shape[0]}) differ from the true (key, reader) pairs ({true.shape[0]})"
+            )
             res.stale_reads += int(pk.shape[0])
             return
         ver = np.asarray(rv.version, dtype=np.int64)[order]
@@ -156,8 +165,9 @@ class PlanChecker:
             return
         res.stale_reads += int((ver != self.latest[pk]).sum())
 
-    def _check_replicas(self, plan: Plan, res: StepCheck, pk: np.ndarray, pr: np.ndarray, rep: np.ndarray,
-                        reported: np.ndarray) -> None:
+    def _check_replicas(
+        self, plan: Plan, res: StepCheck, pk: np.ndarray, pr: np.ndarray, rep: np.ndarray, reported: np.ndarray
+    ) -> None:
         """Replay home copies and replicas (see the module docstring)."""
         rs = plan.replicas if plan.replicas is not None else ReplicaSync()
         th = self._gid(rs.to_home_table, rs.to_home_row)
@@ -168,8 +178,10 @@ class PlanChecker:
         stale = ver != self.latest[pk]
         res.stale_reads += int(stale.sum())
         if (reported != ver).any():
-            self._err(res, f"{int((reported != ver).sum())} reported versions differ from the replayed replica / "
-                           "home versions")
+            self._err(
+                res,
+                f"{int((reported != ver).sum())} reported versions differ from the replayed replica / home versions",
+            )
         keys, kidx = np.unique(pk, return_inverse=True)
         n = np.bincount(kidx, minlength=keys.shape[0])
         n_rep = np.bincount(kidx, weights=rep, minlength=keys.shape[0]).astype(np.int64)
@@ -191,11 +203,16 @@ class PlanChecker:
         c = plan.counters
         want_ar = 2 * (self.R - 1) * int(ar.shape[0])
         if c.get("allreduce", 0) != want_ar:
-            self._err(res, f"counter allreduce={c.get('allreduce', 0)}, expected 2 (R-1) x {ar.shape[0]} rows = {want_ar}")
+            self._err(
+                res, f"counter allreduce={c.get('allreduce', 0)}, expected 2 (R-1) x {ar.shape[0]} rows = {want_ar}"
+            )
         remote = int((~rep & (pr != self.home[pk])).sum())
         if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
-            self._err(res, f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != home reads by "
-                           f"non-home ranks {remote}")
+            self._err(
+                res,
+                f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != home reads by "
+                f"non-home ranks {remote}",
+            )
 
     def _check_ownership(self, plan: Plan, res: StepCheck, pk, pr, keys, kstart, kcount) -> None:
         self._set_mode(res, "ownership")
@@ -203,15 +220,21 @@ class PlanChecker:
         mv = plan.moves
         if len(mv):
             g = self._gid(mv.table, mv.row)
-            src, dst, kind = (np.asarray(mv.src, dtype=np.int64), np.asarray(mv.dst, dtype=np.int64),
-                              np.asarray(mv.kind))
+            src, dst, kind = (
+                np.asarray(mv.src, dtype=np.int64),
+                np.asarray(mv.dst, dtype=np.int64),
+                np.asarray(mv.kind),
+            )
             if np.unique(g).shape[0] != g.shape[0]:
                 self._err(res, "a row moves more than once in one step")
             bad = src != self.owner[g]
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                self._err(res, f"{int(bad.sum())} moves do not start at the row's owner (e.g. table "
-                               f"{int(mv.table[i])} row {int(mv.row[i])}: src {int(src[i])}, owner {int(self.owner[g[i]])})")
+                self._err(
+                    res,
+                    f"{int(bad.sum())} moves do not start at the row's owner (e.g. table "
+                    f"{int(mv.table[i])} row {int(mv.row[i])}: src {int(src[i])}, owner {int(self.owner[g[i]])})",
+                )
                 self.held[g[bad]] = -1  # the destination receives a copy that is not the authoritative one
             if ((dst < 0) | (dst >= R)).any():
                 self._err(res, "move destination out of range")
@@ -255,8 +278,11 @@ class PlanChecker:
         bad_excl = ~in_shared & ~excl_ok
         ok = np.ones(keys.shape[0], dtype=bool)
         if bad_excl.any():
-            self._err(res, f"{int(bad_excl.sum())} keys not in shared are read by a rank that does not own them "
-                           "(exclusive keys must be owned by their single reader)")
+            self._err(
+                res,
+                f"{int(bad_excl.sum())} keys not in shared are read by a rank that does not own them "
+                "(exclusive keys must be owned by their single reader)",
+            )
             ok &= ~bad_excl
         # shared keys: owner and reader set must match the truth
         if sg.shape[0]:
@@ -274,14 +300,18 @@ class PlanChecker:
                 self._err(res, "a shared key lists a reader twice")
             true_sh = np.isin(pk, sg[valid])
             true_codes = pk[true_sh] * R + pr[true_sh]
-            if not np.array_equal(np.unique(np.repeat(sg[valid], cnt[valid]) * R + rd[np.repeat(valid, cnt)]),
-                                  true_codes):
+            if not np.array_equal(
+                np.unique(np.repeat(sg[valid], cnt[valid]) * R + rd[np.repeat(valid, cnt)]), true_codes
+            ):
                 # mark keys whose reader list differs
                 miss = ~np.isin(true_codes, listed)
                 bad_keys = np.unique(pk[true_sh][miss])
                 xtra = np.unique(np.repeat(sg, cnt)[~np.isin(np.repeat(sg, cnt) * R + rd, true_codes)])
-                self._err(res, f"shared reader lists differ from the true reader sets ({bad_keys.shape[0]} keys "
-                               f"miss readers, {xtra.shape[0]} list extra readers)")
+                self._err(
+                    res,
+                    f"shared reader lists differ from the true reader sets ({bad_keys.shape[0]} keys "
+                    f"miss readers, {xtra.shape[0]} list extra readers)",
+                )
                 ok &= ~np.isin(keys, np.concatenate([bad_keys, xtra]))
             ok &= ~np.isin(keys, sg[wrong_owner])
         # values: the owner's copy must be the latest; a broken key loses gradients from now on
@@ -300,16 +330,25 @@ class PlanChecker:
         if any(int(v) < 0 for v in c.values()):
             self._err(res, f"negative counter in {c}")
         if plan.read_pairs() != res.read_pairs:
-            self._err(res, f"counters serve {plan.read_pairs()} reads, the step has {res.read_pairs} (key, reader) pairs")
+            self._err(
+                res, f"counters serve {plan.read_pairs()} reads, the step has {res.read_pairs} (key, reader) pairs"
+            )
         if plan.executable and "shared_value" in c:  # ownership and replica plans (cache plans count pulls)
             remote = plan.shared.remote_reads()
             if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
-                self._err(res, f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != remote reads {remote}")
+                self._err(
+                    res,
+                    f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != remote reads {remote}",
+                )
             kinds = np.asarray(plan.moves.kind)
             for k, name in ((MIGRATE, "migrate"), (EVICT_HOME, "evict_home"), (FORWARD, "forward")):
                 if int((kinds == k).sum()) != c.get(name, 0):
                     self._err(res, f"counter {name}={c.get(name, 0)} but {int((kinds == k).sum())} such moves")
 
     def summary(self) -> dict:
-        return {"steps": self.steps, "stale_reads": self.stale_reads, "read_pairs": self.read_pairs,
-                "errors": len(self.errors)}
+        return {
+            "steps": self.steps,
+            "stale_reads": self.stale_reads,
+            "read_pairs": self.read_pairs,
+            "errors": len(self.errors),
+        }

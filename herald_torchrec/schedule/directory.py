@@ -28,7 +28,9 @@ def guest_capacity(table_rows: Sequence[int], cache_ratio: float) -> np.ndarray:
 
 def check_cache_ratio(cache_ratio: float) -> None:
     if not isinstance(cache_ratio, (int, float)) or not math.isfinite(cache_ratio) or not 0.0 <= cache_ratio <= 1.0:
-        raise ValueError(f"cache_ratio must be a number in [0, 1] (share of a table's rows per rank), got {cache_ratio!r}")
+        raise ValueError(
+            f"cache_ratio must be a number in [0, 1] (share of a table's rows per rank), got {cache_ratio!r}"
+        )
 
 
 def home_blocks(table_rows: Sequence[int], num_ranks: int) -> np.ndarray:
@@ -183,8 +185,8 @@ class OwnershipDirectory:
     """Owner rank of every row of every table, home placement, guest capacity and replacement state.
 
     Rows are addressed by global id (`TableLayout`: gid = offsets[t] + row). `owner`, `home` are int32 [rows],
-    `last_use` int32 [rows] (step of the last read, -1 never), `table` int16 [rows]. Guests of rank r in table t form group r*T + t of
-    `slots`; `guests()` returns their count [R, T].
+    `last_use` int32 [rows] (step of the last read, -1 never), `table` int16 [rows]. Guests of rank r in table t form
+    group r*T + t of `slots`; `guests()` returns their count [R, T].
     """
 
     def __init__(self, table_rows: Sequence[int] | TableLayout, num_ranks: int, cache_ratio: float) -> None:
@@ -244,5 +246,8 @@ class OwnershipDirectory:
         return {"guests": int(used.sum()), "capacity": tot, "fill": float(used.sum() / tot) if tot else 0.0}
 
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.table, self.home, self.owner, self.last_use, self.slots.slot,
-                                           self.slots.pos_of)))
+        return int(
+            sum(
+                a.nbytes for a in (self.table, self.home, self.owner, self.last_use, self.slots.slot, self.slots.pos_of)
+            )
+        )

@@ -98,8 +98,9 @@ class GlobalBatch:
             vals.append(val)
         self._set(layout, offs, vals, int(n), index)  # type: ignore[arg-type]
 
-    def _set(self, layout: TableLayout, offsets: list[np.ndarray], values: list[np.ndarray], n: int,
-             index: int | None) -> None:
+    def _set(
+        self, layout: TableLayout, offsets: list[np.ndarray], values: list[np.ndarray], n: int, index: int | None
+    ) -> None:
         """Every attribute of a batch, from checked arrays (the constructor's and `from_dense`'s common end)."""
         self.layout = layout
         self.offsets: list[np.ndarray] = offsets
@@ -110,8 +111,15 @@ class GlobalBatch:
 
     # ---- constructors -----------------------------------------------------------------------------------
     @classmethod
-    def from_dense(cls, ids: np.ndarray, table_rows: Sequence[int] | TableLayout, index: int | None = None, *,
-                   columns: Sequence[np.ndarray] | None = None, range_checked: bool = False):
+    def from_dense(
+        cls,
+        ids: np.ndarray,
+        table_rows: Sequence[int] | TableLayout,
+        index: int | None = None,
+        *,
+        columns: Sequence[np.ndarray] | None = None,
+        range_checked: bool = False,
+    ):
         """Single-hot ids [N, T] (int64) -> CSR with one id per sample and table. A caller that holds each table's
         ids as a contiguous int64 array already passes them as `columns` (no transposed copy), and one that has
         range-checked every id says so (`range_checked`: the input stage checks them on the rank that drew them)."""
@@ -151,8 +159,8 @@ class GlobalBatch:
 
     def single_hot(self) -> bool:
         return "dense" in self._cache or all(
-            v.shape[0] == self.num_samples and np.array_equal(o, np.arange(self.num_samples + 1)) for o, v in
-            zip(self.offsets, self.values)
+            v.shape[0] == self.num_samples and np.array_equal(o, np.arange(self.num_samples + 1))
+            for o, v in zip(self.offsets, self.values)
         )
 
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """Compiled kernels for the scheduler's hottest loops (`_kernels.cpp`), with the numpy code as the fallback.
 
-Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (docs/performance.md); in numpy it is ~100
-passes over 10^4-element arrays, each a few microseconds. The kernels do the same arithmetic in single passes and
+Why: on a 2-core host the planner's ~2 ms of CPU per step shows in the step time (docs/performance.md); in numpy it is
+~100 passes over 10^4-element arrays, each a few microseconds. The kernels do the same arithmetic in single passes and
 give bit-identical plans (tests compare every plan of both paths, on every policy setting that reaches them).
 Built and switched as every kernel set of the project (`herald_torchrec/_native.py`: built on first use with the
 system C++ compiler, `HERALD_NATIVE=0` turns them off); a C ABI on numpy buffers loaded with ctypes, so the control
@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from herald_torchrec import _native
-from herald_torchrec._native import address as _p, contiguous as _c
+from herald_torchrec._native import address as _p
+from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
 VERSION = 4  # herald_kernels_version() of the source this module expects
@@ -30,20 +31,128 @@ _i64 = ctypes.c_int64
 SIGNATURES = {
     "herald_kernels_version": ([], ctypes.c_int),
     "herald_balanced_assign": ([_f32p, _i64, _i64, _i64, _i64p], None),
-    "herald_assign": ([_i64, _i64, _i64, _i64, _i64, _i64p, _i64p, _f64p, _i64, _i64p, _i64, ctypes.c_double,
-                       ctypes.c_double, ctypes.c_int, _i64p], None),
+    "herald_assign": (
+        [
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64p,
+            _i64p,
+            _f64p,
+            _i64,
+            _i64p,
+            _i64,
+            ctypes.c_double,
+            ctypes.c_double,
+            ctypes.c_int,
+            _i64p,
+        ],
+        None,
+    ),
     "herald_batch_keys": ([_i64p, _i64, _i64, _u8p, _i32p, _i64p, _i64p, _i64p], _i64),
     "herald_last_error": ([], ctypes.c_char_p),
-    "herald_make_room": ([_i64, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64, _i16p, _i32p, _i16p, _i32p, _u8p, _i64,
-                          _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i64p,
-                          _i64p, _i64, _i64p, _i64p], ctypes.c_int),
-    "herald_apply_moves": ([_i64, _i64p, _i64p, _i64, _i16p, _i32p, _i32p, _i64, _i64p, _i64p, _i64p, _i64p, _i32p,
-                            _i64, _i64p, _i64p, _i64p, _i64p, _i32p, _i32p], ctypes.c_int),
-    "herald_decide": ([_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64p, _u8p, _i64p],
-                      None),
-    "herald_assemble": ([_i64, _i64p, _i64p, _i64p, _u8p, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64p,
-                         _i64p, _i64p, ctypes.c_int8, _i16p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p,
-                         _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_make_room": (
+        [
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _u8p,
+            _i64,
+            _i64,
+            _i16p,
+            _i32p,
+            _i16p,
+            _i32p,
+            _u8p,
+            _i64,
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i32p,
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i32p,
+            _i64p,
+            _i64p,
+            _i64,
+            _i64p,
+            _i64p,
+        ],
+        ctypes.c_int,
+    ),
+    "herald_apply_moves": (
+        [
+            _i64,
+            _i64p,
+            _i64p,
+            _i64,
+            _i16p,
+            _i32p,
+            _i32p,
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i32p,
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i32p,
+            _i32p,
+        ],
+        ctypes.c_int,
+    ),
+    "herald_decide": (
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64p, _u8p, _i64p],
+        None,
+    ),
+    "herald_assemble": (
+        [
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _u8p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            ctypes.c_int8,
+            _i16p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+            _i64p,
+        ],
+        _i64,
+    ),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
@@ -75,19 +184,48 @@ def balanced_assign(score: np.ndarray, batch_per_rank: int) -> np.ndarray:
     return out
 
 
-def assign(N: int, R: int, B: int, K: int, es: np.ndarray, ec: np.ndarray, w0: np.ndarray, per_sample: int,
-           own: np.ndarray, refine: int, owner_weight: float, stay_bonus: float, w_int16: bool) -> np.ndarray:
+def assign(
+    N: int,
+    R: int,
+    B: int,
+    K: int,
+    es: np.ndarray,
+    ec: np.ndarray,
+    w0: np.ndarray,
+    per_sample: int,
+    own: np.ndarray,
+    refine: int,
+    owner_weight: float,
+    stay_bonus: float,
+    w_int16: bool,
+) -> np.ndarray:
     """HeraldPolicy.assign's dense path in rotated coordinates (see the kernel's comment); per_sample > 0: single-hot
     elements, that many per sample, sample-major."""
     a = np.empty(N, dtype=np.int64)
     es, ec, w0, own = _c(es, np.int64), _c(ec, np.int64), _c(w0, np.float64), _c(own, np.int64)
-    lib().herald_assign(N, R, B, K, es.shape[0], _p(es), _p(ec), _p(w0), int(per_sample), _p(own), int(refine),
-                        float(owner_weight), float(stay_bonus), int(w_int16), _p(a))
+    lib().herald_assign(
+        N,
+        R,
+        B,
+        K,
+        es.shape[0],
+        _p(es),
+        _p(ec),
+        _p(w0),
+        int(per_sample),
+        _p(own),
+        int(refine),
+        float(owner_weight),
+        float(stay_bonus),
+        int(w_int16),
+        _p(a),
+    )
     return a
 
 
-def batch_keys(gid: np.ndarray, n_rows: int, mark: np.ndarray,
-               pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def batch_keys(
+    gid: np.ndarray, n_rows: int, mark: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sorted distinct keys, index of every element's key, count per key) of `gid` (values in [0, n_rows)).
     `mark`: uint8 [>= n_rows], all zero (left so); `pos`: int32 [>= n_rows] scratch."""
     g = _c(gid, np.int64)
@@ -98,8 +236,9 @@ def batch_keys(gid: np.ndarray, n_rows: int, mark: np.ndarray,
     return keys[:K], cid, cnt[:K]
 
 
-def step_reads(cid: np.ndarray, width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray, K: int,
-               R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def step_reads(
+    cid: np.ndarray, width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray, K: int, R: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(count, start, pair_key, pair_rank) of reads.step_reads' dense path."""
     c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
     E = c.shape[0]
@@ -107,32 +246,73 @@ def step_reads(cid: np.ndarray, width: int | None, smp: np.ndarray | None, sampl
     pk, pr = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
     s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
     mark = np.empty(K * R, dtype=np.uint8)
-    P = lib().herald_step_reads(_p(c), E, int(width or 0), _p(s), _p(rk), K, R, _p(mark), _p(count), _p(start),
-                                _p(pk), _p(pr))
+    P = lib().herald_step_reads(
+        _p(c), E, int(width or 0), _p(s), _p(rk), K, R, _p(mark), _p(count), _p(start), _p(pk), _p(pr)
+    )
     return count, start, pk[:P], pr[:P]
 
 
-def decide(own: np.ndarray, count: np.ndarray, start: np.ndarray, pair_rank: np.ndarray, cid: np.ndarray,
-           width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray,
-           R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decide(
+    own: np.ndarray,
+    count: np.ndarray,
+    start: np.ndarray,
+    pair_rank: np.ndarray,
+    cid: np.ndarray,
+    width: int | None,
+    smp: np.ndarray | None,
+    sample_rank: np.ndarray,
+    R: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment)."""
     K = own.shape[0]
     own, count, start, pr = _c(own, np.int64), _c(count, np.int64), _c(start, np.int64), _c(pair_rank, np.int64)
     c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
     s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
     want, sole, single = np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int64), np.empty(K, dtype=np.bool_)
-    lib().herald_decide(K, _p(own), _p(count), _p(start), _p(pr), c.shape[0], _p(c), int(width or 0), _p(s), _p(rk),
-                        R, _p(want), _p(single), _p(sole))
+    lib().herald_decide(
+        K,
+        _p(own),
+        _p(count),
+        _p(start),
+        _p(pr),
+        c.shape[0],
+        _p(c),
+        int(width or 0),
+        _p(s),
+        _p(rk),
+        R,
+        _p(want),
+        _p(single),
+        _p(sole),
+    )
     return want, single, sole
 
 
-def assemble(keys, own, want, single, sole, count, start, pair_rank, victims, v_src, v_dst, v_kind,
-             migrate_kind: int, table_of: np.ndarray, offsets: np.ndarray) -> dict:
+def assemble(
+    keys,
+    own,
+    want,
+    single,
+    sole,
+    count,
+    start,
+    pair_rank,
+    victims,
+    v_src,
+    v_dst,
+    v_kind,
+    migrate_kind: int,
+    table_of: np.ndarray,
+    offsets: np.ndarray,
+) -> dict:
     """HeraldPolicy._plan's assembly: the moves (by row for the plan, `apply_*` in the directory's order), the shared
     rows' CSR and the hit / remote pair counts."""
     K, V, P = keys.shape[0], victims.shape[0], pair_rank.shape[0]
-    ins = [_c(a, np.int64) for a in (keys, own, want)] + [_c(single, np.bool_)] + [
-        _c(a, np.int64) for a in (sole, count, start, pair_rank, victims, v_src, v_dst)]
+    ins = (
+        [_c(a, np.int64) for a in (keys, own, want)]
+        + [_c(single, np.bool_)]
+        + [_c(a, np.int64) for a in (sole, count, start, pair_rank, victims, v_src, v_dst)]
+    )
     vk, offs = _c(v_kind, np.int8), _c(offsets, np.int64)
     n = K + V
     out = {name: np.empty(n, dtype=np.int64) for name in ("apply_gid", "apply_dst", "table", "row", "src", "dst")}
@@ -141,13 +321,29 @@ def assemble(keys, own, want, single, sole, count, start, pair_rank, victims, v_
     sh["sh_offsets"], sh["sh_readers"] = np.empty(K + 1, dtype=np.int64), np.empty(P, dtype=np.int64)
     counts = np.zeros(4, dtype=np.int64)
     M = lib().herald_assemble(
-        K, *(_p(a) for a in ins[:8]), V, *(_p(a) for a in ins[8:]), _p(vk), int(migrate_kind), _p(table_of),
-        _p(offs), *(_p(out[k]) for k in ("apply_gid", "apply_dst", "table", "row", "src", "dst", "kind")),
-        *(_p(sh[k]) for k in ("sh_table", "sh_row", "sh_owner", "sh_offsets", "sh_readers")), _p(counts))
+        K,
+        *(_p(a) for a in ins[:8]),
+        V,
+        *(_p(a) for a in ins[8:]),
+        _p(vk),
+        int(migrate_kind),
+        _p(table_of),
+        _p(offs),
+        *(_p(out[k]) for k in ("apply_gid", "apply_dst", "table", "row", "src", "dst", "kind")),
+        *(_p(sh[k]) for k in ("sh_table", "sh_row", "sh_owner", "sh_offsets", "sh_readers")),
+        _p(counts),
+    )
     S, nr, hit, remote = (int(x) for x in counts)
     res = {k: v[:M] for k, v in out.items()}
-    res.update(sh_table=sh["sh_table"][:S], sh_row=sh["sh_row"][:S], sh_owner=sh["sh_owner"][:S],
-               sh_offsets=sh["sh_offsets"][: S + 1], sh_readers=sh["sh_readers"][:nr], hit=hit, remote=remote)
+    res.update(
+        sh_table=sh["sh_table"][:S],
+        sh_row=sh["sh_row"][:S],
+        sh_owner=sh["sh_owner"][:S],
+        sh_offsets=sh["sh_offsets"][: S + 1],
+        sh_readers=sh["sh_readers"][:nr],
+        hit=hit,
+        remote=remote,
+    )
     return res
 
 
@@ -163,21 +359,66 @@ class DirectoryArrays:
 
     def __init__(self, directory, pool, next_use: np.ndarray, picked: np.ndarray) -> None:
         d, sl = directory, directory.slots
-        self.arrays = (d.table, d.owner, d.home, d.last_use, sl.cap, sl.base, sl.fill, sl.slot, sl.pos_of, pool.tau,
-                       pool.row, pool.keys, pool.count, pool.group_of_slot, next_use, picked)  # kept alive here
-        (self.table, self.owner, self.home, self.last_use, self.cap, self.base, self.fill, self.slot, self.pos_of,
-         self.tau, self.row, self.pool_keys, self.pool_count, self.group_of_slot, self.next_use,
-         self.picked) = (_p(a) for a in self.arrays)
+        self.arrays = (
+            d.table,
+            d.owner,
+            d.home,
+            d.last_use,
+            sl.cap,
+            sl.base,
+            sl.fill,
+            sl.slot,
+            sl.pos_of,
+            pool.tau,
+            pool.row,
+            pool.keys,
+            pool.count,
+            pool.group_of_slot,
+            next_use,
+            picked,
+        )  # kept alive here
+        (
+            self.table,
+            self.owner,
+            self.home,
+            self.last_use,
+            self.cap,
+            self.base,
+            self.fill,
+            self.slot,
+            self.pos_of,
+            self.tau,
+            self.row,
+            self.pool_keys,
+            self.pool_count,
+            self.group_of_slot,
+            self.next_use,
+            self.picked,
+        ) = (_p(a) for a in self.arrays)
         self.R, self.T, self.G, self.pool_size, self.pool = d.num_ranks, d.num_tables, sl.num_groups, pool.size, pool
 
     @staticmethod
     def supported(directory, pool, next_use: np.ndarray, picked: np.ndarray) -> bool:
         """Whether the kernels can work on these arrays in place (their dtypes and layout)."""
         d, sl = directory, directory.slots
-        want = ((d.table, np.int16), (d.owner, np.int32), (d.home, np.int32), (d.last_use, np.int32),
-                (sl.cap, np.int64), (sl.base, np.int64), (sl.fill, np.int64), (sl.slot, np.int64),
-                (sl.pos_of, np.int32), (pool.tau, np.int64), (pool.row, np.int64), (pool.keys, np.int64),
-                (pool.count, np.int64), (pool.group_of_slot, np.int32), (next_use, np.int16), (picked, np.bool_))
+        want = (
+            (d.table, np.int16),
+            (d.owner, np.int32),
+            (d.home, np.int32),
+            (d.last_use, np.int32),
+            (sl.cap, np.int64),
+            (sl.base, np.int64),
+            (sl.fill, np.int64),
+            (sl.slot, np.int64),
+            (sl.pos_of, np.int32),
+            (pool.tau, np.int64),
+            (pool.row, np.int64),
+            (pool.keys, np.int64),
+            (pool.count, np.int64),
+            (pool.group_of_slot, np.int32),
+            (next_use, np.int16),
+            (picked, np.bool_),
+        )
         return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in want)
 
     def make_room(self, keys, own, home, want, single, step: int, L1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,21 +429,71 @@ class DirectoryArrays:
         keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
         victims, nv = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
         room, rb = np.empty(self.G, dtype=np.int64), np.zeros(1, dtype=np.int64)
-        _check(lib().herald_make_room(
-            K, _p(keys), _p(own), _p(home), _p(want), _p(single), self.R, self.T, self.table, self.owner,
-            self.next_use, self.last_use, self.picked, int(step), int(L1), self.cap, self.base, self.fill, self.slot,
-            self.pos_of, self.pool_size, self.tau, self.row, self.pool_keys, self.pool_count, self.group_of_slot,
-            _p(rb), _p(victims), victims.shape[0], _p(nv), _p(room)))
+        _check(
+            lib().herald_make_room(
+                K,
+                _p(keys),
+                _p(own),
+                _p(home),
+                _p(want),
+                _p(single),
+                self.R,
+                self.T,
+                self.table,
+                self.owner,
+                self.next_use,
+                self.last_use,
+                self.picked,
+                int(step),
+                int(L1),
+                self.cap,
+                self.base,
+                self.fill,
+                self.slot,
+                self.pos_of,
+                self.pool_size,
+                self.tau,
+                self.row,
+                self.pool_keys,
+                self.pool_count,
+                self.group_of_slot,
+                _p(rb),
+                _p(victims),
+                victims.shape[0],
+                _p(nv),
+                _p(room),
+            )
+        )
         self.pool.rebuilds += int(rb[0])
         return victims[: int(nv[0])], room
 
     def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
         """OwnershipDirectory.apply_moves, then EvictionPool.arrived."""
         gid, dst = _c(gid, np.int64), _c(dst, np.int64)
-        _check(lib().herald_apply_moves(
-            gid.shape[0], _p(gid), _p(dst), self.T, self.table, self.owner, self.home, self.G, self.cap, self.base,
-            self.fill, self.slot, self.pos_of, self.pool_size, self.tau, self.row, self.pool_keys, self.pool_count,
-            self.group_of_slot, self.last_use))
+        _check(
+            lib().herald_apply_moves(
+                gid.shape[0],
+                _p(gid),
+                _p(dst),
+                self.T,
+                self.table,
+                self.owner,
+                self.home,
+                self.G,
+                self.cap,
+                self.base,
+                self.fill,
+                self.slot,
+                self.pos_of,
+                self.pool_size,
+                self.tau,
+                self.row,
+                self.pool_keys,
+                self.pool_count,
+                self.group_of_slot,
+                self.last_use,
+            )
+        )
 
 
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------

@@ -64,10 +64,10 @@ class SharedRows:
 
 @dataclass
 class ReadVersions:
-    """Counting-only policies (executable=False) and the replica policies report, for every distinct (key, reader) pair of the step, the
-    version of the value the reader computes with (number of BSP steps whose update it contains), so that the
-    checker can compare it with the true latest version. Ownership plans leave `Plan.reads` as None: the checker
-    derives what every reader sees from the moves and the shared rows."""
+    """Counting-only policies (executable=False) and the replica policies report, for every distinct (key, reader) pair
+    of the step, the version of the value the reader computes with (number of BSP steps whose update it contains), so
+    that the checker can compare it with the true latest version. Ownership plans leave `Plan.reads` as None: the
+    checker derives what every reader sees from the moves and the shared rows."""
 
     table: np.ndarray = field(default_factory=_i64)
     row: np.ndarray = field(default_factory=_i64)
@@ -171,8 +171,13 @@ class Plan:
     def read_pairs(self) -> int:
         """Distinct (key, reader) pairs of the step, from the counters (hit + transfers that serve a read)."""
         c = self.counters
-        return int(c.get("hit", 0) + c.get("migrate", 0) + c.get("shared_value", 0) + c.get("miss_pull", 0)
-                   + c.get("update_pull", 0))
+        return int(
+            c.get("hit", 0)
+            + c.get("migrate", 0)
+            + c.get("shared_value", 0)
+            + c.get("miss_pull", 0)
+            + c.get("update_pull", 0)
+        )
 
     def transmitted_rows(self) -> int:
         return sum(v for k, v in self.counters.items() if k != "hit")
@@ -199,8 +204,25 @@ class Plan:
         k = (sh.table >= lo) & (sh.table < hi)
         counts = np.diff(sh.reader_offsets)
         keep = np.repeat(k, counts)
-        shared = SharedRows(sh.table[k] - lo, sh.row[k], sh.owner[k],
-                            np.concatenate([[0], np.cumsum(counts[k])]).astype(np.int64), sh.readers[keep])
+        shared = SharedRows(
+            sh.table[k] - lo,
+            sh.row[k],
+            sh.owner[k],
+            np.concatenate([[0], np.cumsum(counts[k])]).astype(np.int64),
+            sh.readers[keep],
+        )
         replicas = None if self.replicas is None else self.replicas.for_tables(lo, hi)
-        return Plan(self.step, self.num_ranks, self.batch_per_rank, self.sample_order, moves, shared, dict(self.counters),
-                    self.stateful_kinds, self.executable, None, replicas, self.sched_seconds)
+        return Plan(
+            self.step,
+            self.num_ranks,
+            self.batch_per_rank,
+            self.sample_order,
+            moves,
+            shared,
+            dict(self.counters),
+            self.stateful_kinds,
+            self.executable,
+            None,
+            replicas,
+            self.sched_seconds,
+        )

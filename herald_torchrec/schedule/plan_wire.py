@@ -9,7 +9,8 @@ original dtype on arrival — the decoded plan equals the original field for fie
 (dataclass fields in declaration order) is fixed, so only the values travel: a small JSON skeleton with the scalars
 and counters, then the arrays' bytes. Two fields travel in a shorter form that says the same: the sample order as
 each sample's rank (its slices are increasing, so the ranks determine it), and the shared rows' reader CSR as one
-bitmask per row (readers sorted and distinct, ranks below 63): at R=8 that is ~30 % of the plan. Plans that break those invariants travel as they are.
+bitmask per row (readers sorted and distinct, ranks below 63): at R=8 that is ~30 % of the plan. Plans that break those
+invariants travel as they are.
 
 Most plans (every ownership policy's: no read versions, replicas or cache step, both short forms apply) travel in
 a flat form: one small JSON list of the scalars, counters and dtypes, then the ten arrays in a fixed order. It holds
@@ -35,14 +36,30 @@ from herald_torchrec.schedule import native
 from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 
 _TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
-_NARROW = tuple((np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64))
+_NARROW = tuple(
+    (np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64)
+)
 _HEAD = np.dtype("<u4")  # length of the JSON skeleton (or of the flat form's JSON list), in front of it
 _TREE, _FLAT = 0, 1  # the buffer's first byte: which form follows
 # the flat form writes these fields by name: a plan type with other fields travels in the general form
 FLAT_FIELDS_MATCH = (
-    tuple(f.name for f in dataclasses.fields(Plan)) == ("step", "num_ranks", "batch_per_rank", "sample_order", "moves",
-                                                       "shared", "counters", "stateful_kinds", "executable", "reads",
-                                                       "replicas", "sched_seconds", "cache", "stale_reads")
+    tuple(f.name for f in dataclasses.fields(Plan))
+    == (
+        "step",
+        "num_ranks",
+        "batch_per_rank",
+        "sample_order",
+        "moves",
+        "shared",
+        "counters",
+        "stateful_kinds",
+        "executable",
+        "reads",
+        "replicas",
+        "sched_seconds",
+        "cache",
+        "stale_reads",
+    )
     and tuple(f.name for f in dataclasses.fields(RowMoves)) == ("table", "row", "src", "dst", "kind")
     and tuple(f.name for f in dataclasses.fields(SharedRows)) == ("table", "row", "owner", "reader_offsets", "readers")
 )
@@ -53,8 +70,9 @@ _SIGNED = {np.dtype(t).itemsize: np.dtype(t).str for t in (np.int8, np.int16, np
 
 def _compiled_ints(*arrays: np.ndarray) -> bool:
     """The compiled wire passes apply: the kernels are on and every array holds integers int64 can hold."""
-    return native.enabled() and all(a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)
-                                    for a in arrays)
+    return native.enabled() and all(
+        a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8) for a in arrays
+    )
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -118,13 +136,22 @@ def _scalar(v: Any) -> Any:
 
 def _encode_flat(plan: Plan) -> np.ndarray | None:
     """The flat form (module docstring), or None where the plan needs the general one."""
-    if (not FLAT_FIELDS_MATCH or type(plan) is not Plan or plan.reads is not None or plan.replicas is not None or plan.cache is not None
-            or type(plan.moves) is not RowMoves or type(plan.shared) is not SharedRows
-            or type(plan.stateful_kinds) is not tuple):
+    if (
+        not FLAT_FIELDS_MATCH
+        or type(plan) is not Plan
+        or plan.reads is not None
+        or plan.replicas is not None
+        or plan.cache is not None
+        or type(plan.moves) is not RowMoves
+        or type(plan.shared) is not SharedRows
+        or type(plan.stateful_kinds) is not tuple
+    ):
         return None
     mv, sh = plan.moves, plan.shared
     fields = (mv.table, mv.row, mv.src, mv.dst, mv.kind, sh.table, sh.row, sh.owner)
-    if any(type(a) is not np.ndarray or a.ndim != 1 for a in (plan.sample_order, *fields, sh.reader_offsets, sh.readers)):
+    if any(
+        type(a) is not np.ndarray or a.ndim != 1 for a in (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
+    ):
         return None
     n_mv, n_sh = mv.table.shape[0], sh.table.shape[0]
     if any(a.shape[0] != n_mv for a in fields[:5]) or any(a.shape[0] != n_sh for a in fields[5:]):
@@ -141,9 +168,16 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
     else:
         return None
     try:
-        head = [_scalar(plan.step), _scalar(plan.num_ranks), _scalar(plan.batch_per_rank), _scalar(plan.executable),
-                _scalar(plan.stale_reads), _scalar(plan.sched_seconds),
-                {str(k): _scalar(v) for k, v in plan.counters.items()}, [_scalar(k) for k in plan.stateful_kinds]]
+        head = [
+            _scalar(plan.step),
+            _scalar(plan.num_ranks),
+            _scalar(plan.batch_per_rank),
+            _scalar(plan.executable),
+            _scalar(plan.stale_reads),
+            _scalar(plan.sched_seconds),
+            {str(k): _scalar(v) for k, v in plan.counters.items()},
+            [_scalar(k) for k in plan.stateful_kinds],
+        ]
     except (TypeError, AttributeError):
         return None
     wide = (rank, *fields, mask)
@@ -156,14 +190,22 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
         sent, parts = [a.dtype.str for a in arrays], [a.view(np.uint8) for a in arrays]
     originals = (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
     meta = json.dumps(head + [n_mv, n_sh, [a.dtype.str for a in originals], sent], separators=(",", ":")).encode()
-    return np.concatenate([np.array([_FLAT], dtype=np.uint8), np.array([len(meta)], dtype=_HEAD).view(np.uint8),
-                           np.frombuffer(meta, dtype=np.uint8), *parts])
+    return np.concatenate(
+        [
+            np.array([_FLAT], dtype=np.uint8),
+            np.array([len(meta)], dtype=_HEAD).view(np.uint8),
+            np.frombuffer(meta, dtype=np.uint8),
+            *parts,
+        ]
+    )
 
 
 def _decode_flat(buf: np.ndarray) -> Plan:
     n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
     pos = 1 + _HEAD.itemsize + n
-    step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(bytes(buf[1 + _HEAD.itemsize : pos]))
+    step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(
+        bytes(buf[1 + _HEAD.itemsize : pos])
+    )
     lens, start = [R * B] + [n_mv] * 5 + [n_sh] * 4, pos  # assignment, moves, shared, mask
     types = [np.dtype(t) for t in sent]
     pos += sum(t.itemsize * n for t, n in zip(types, lens))
@@ -190,10 +232,19 @@ def _decode_flat(buf: np.ndarray) -> Plan:
     order = native.wire_sample_order(rank, R) if compiled else None
     if order is None:
         order = np.argsort(rank, kind="stable")
-    return Plan(step=step, num_ranks=R, batch_per_rank=B, sample_order=order.astype(orig[0], copy=False),
-                moves=RowMoves(*a[:5]), shared=SharedRows(*a[5:], offsets.astype(orig[9]), readers.astype(orig[10])),
-                counters=counters, stateful_kinds=tuple(kinds), executable=executable, sched_seconds=seconds,
-                stale_reads=stale)
+    return Plan(
+        step=step,
+        num_ranks=R,
+        batch_per_rank=B,
+        sample_order=order.astype(orig[0], copy=False),
+        moves=RowMoves(*a[:5]),
+        shared=SharedRows(*a[5:], offsets.astype(orig[9]), readers.astype(orig[10])),
+        counters=counters,
+        stateful_kinds=tuple(kinds),
+        executable=executable,
+        sched_seconds=seconds,
+        stale_reads=stale,
+    )
 
 
 def encode_plan(plan: Plan) -> np.ndarray:
@@ -218,8 +269,11 @@ def encode_plan_tree(plan: Plan) -> np.ndarray:
         if type(v) is SharedRows:
             mask = _reader_mask(v)
             if mask is not None:  # the reader CSR as one bitmask per row
-                return {"d": "SharedRows", "f": [walk(v.table), walk(v.row), walk(v.owner)],
-                        "rm": [walk(mask), v.reader_offsets.dtype.str, v.readers.dtype.str]}
+                return {
+                    "d": "SharedRows",
+                    "f": [walk(v.table), walk(v.row), walk(v.owner)],
+                    "rm": [walk(mask), v.reader_offsets.dtype.str, v.readers.dtype.str],
+                }
         if isinstance(v, np.ndarray):
             if v.ndim != 1:
                 raise ValueError(f"encode_plan: plan arrays are 1-D, got shape {v.shape}")
@@ -273,8 +327,9 @@ def decode_plan(buf: np.ndarray) -> Plan:
         if "as" in v:  # Plan with its sample order as each sample's rank
             fields = [build(x) for x in v["f"]]
             rank = build(v["as"][0])
-            fields[[f.name for f in dataclasses.fields(Plan)].index("sample_order")] = \
-                np.argsort(rank, kind="stable").astype(v["as"][1])
+            fields[[f.name for f in dataclasses.fields(Plan)].index("sample_order")] = np.argsort(
+                rank, kind="stable"
+            ).astype(v["as"][1])
             return Plan(*fields)
         if "d" in v:
             return _TYPES[v["d"]](*(build(x) for x in v["f"]))

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import check_cache_ratio
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.plan import Plan, SharedRows
 from herald_torchrec.schedule.reads import BatchKeys, Scratch, StepReads, batch_keys, step_reads
 
@@ -39,7 +39,11 @@ class SchedulePolicy:
         lookahead: int = 0,
     ) -> None:
         self.layout = table_rows if isinstance(table_rows, TableLayout) else TableLayout(tuple(table_rows))
-        for name, v, lo in (("num_ranks", num_ranks, 1), ("batch_per_rank", batch_per_rank, 1), ("lookahead", lookahead, 0)):
+        for name, v, lo in (
+            ("num_ranks", num_ranks, 1),
+            ("batch_per_rank", batch_per_rank, 1),
+            ("lookahead", lookahead, 0),
+        ):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{self.name}: {name} must be an integer >= {lo}, got {v!r}")
         check_cache_ratio(cache_ratio)
@@ -65,8 +69,9 @@ class SchedulePolicy:
             if not isinstance(b, GlobalBatch):
                 raise ValueError(f"{self.name}: batches[{i}] is a {type(b).__name__}, expected GlobalBatch")
             if b.layout != self.layout:
-                raise ValueError(f"{self.name}: batches[{i}] has tables {b.layout.table_rows}, policy has "
-                                 f"{self.layout.table_rows}")
+                raise ValueError(
+                    f"{self.name}: batches[{i}] has tables {b.layout.table_rows}, policy has {self.layout.table_rows}"
+                )
         n = batches[0].num_samples
         if n != self.global_batch:
             hint = "" if n % self.batch_per_rank else f" ({n // self.batch_per_rank} ranks' worth)"
@@ -85,8 +90,14 @@ class SchedulePolicy:
 
     def describe(self) -> dict:
         """Policy settings and state worth logging."""
-        return {"name": self.name, "num_ranks": self.num_ranks, "batch_per_rank": self.batch_per_rank,
-                "cache_ratio": self.cache_ratio, "lookahead": self.lookahead, "executable": self.executable}
+        return {
+            "name": self.name,
+            "num_ranks": self.num_ranks,
+            "batch_per_rank": self.batch_per_rank,
+            "cache_ratio": self.cache_ratio,
+            "lookahead": self.lookahead,
+            "executable": self.executable,
+        }
 
     # ---- shared helpers ---------------------------------------------------------------------------------
     def contiguous_order(self) -> np.ndarray:
@@ -102,7 +113,9 @@ class SchedulePolicy:
 
 def order_from_assignment(sample_rank: np.ndarray, num_ranks: int) -> np.ndarray:
     """sample_order (rank-major, samples increasing within a rank) from the rank of every sample."""
-    return np.argsort(sample_rank.astype(np.int16) if num_ranks < 32768 else sample_rank, kind="stable").astype(np.int64)
+    return np.argsort(sample_rank.astype(np.int16) if num_ranks < 32768 else sample_rank, kind="stable").astype(
+        np.int64
+    )
 
 
 def split_gid(layout: TableLayout, table_of: np.ndarray, gid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -110,9 +123,20 @@ def split_gid(layout: TableLayout, table_of: np.ndarray, gid: np.ndarray) -> tup
     return t, gid - layout.offsets[t]
 
 
-def shared_rows(layout: TableLayout, table_of: np.ndarray, keys: np.ndarray, owner: np.ndarray,
-                offsets: np.ndarray, readers: np.ndarray) -> SharedRows:
+def shared_rows(
+    layout: TableLayout,
+    table_of: np.ndarray,
+    keys: np.ndarray,
+    owner: np.ndarray,
+    offsets: np.ndarray,
+    readers: np.ndarray,
+) -> SharedRows:
     """SharedRows from sorted global keys, their owner and reader CSR (readers sorted per key)."""
     t, row = split_gid(layout, table_of, keys)
-    return SharedRows(table=t, row=row, owner=np.asarray(owner, dtype=np.int64),
-                      reader_offsets=np.asarray(offsets, dtype=np.int64), readers=np.asarray(readers, dtype=np.int64))
+    return SharedRows(
+        table=t,
+        row=row,
+        owner=np.asarray(owner, dtype=np.int64),
+        reader_offsets=np.asarray(offsets, dtype=np.int64),
+        readers=np.asarray(readers, dtype=np.int64),
+    )

@@ -174,8 +174,9 @@ def step_reads(bk: BatchKeys, sample_rank: np.ndarray, num_ranks: int) -> StepRe
     """Distinct (key, reader) pairs of a batch for an assignment (rank of every sample)."""
     R, K = num_ranks, bk.keys.shape[0]
     if K * R <= DENSE_LIMIT and native.enabled():
-        count, start, pk, pr = native.step_reads(bk.cid, bk.width, None if bk.width is not None else bk.smp,
-                                                 sample_rank, K, R)
+        count, start, pk, pr = native.step_reads(
+            bk.cid, bk.width, None if bk.width is not None else bk.smp, sample_rank, K, R
+        )
         return StepReads(bk.keys, count, start, pk, pr)
     if bk.width is not None:  # sample-major [N, T]: broadcast the sample's rank over its row
         code = (bk.cid.reshape(-1, bk.width) * R + sample_rank[:, None]).ravel()

@@ -1,5 +1,5 @@
-"""Binding each local rank to its own cores (herald_torchrec/app/runtime.py, `cpu_affinity`): the blocks are disjoint and
-cover the machine, and binding reaches every thread of the process (those started before it too), which is what
+"""Binding each local rank to its own cores (herald_torchrec/app/runtime.py, `cpu_affinity`): the blocks are disjoint
+and cover the machine, and binding reaches every thread of the process (those started before it too), which is what
 the kernel reports per thread id. The binding runs in a child process so that the test process keeps its CPUs."""
 
 from __future__ import annotations

@@ -74,8 +74,22 @@ def test_setup_commands_build_every_link_inside_the_runs_namespaces() -> None:
         assert c[:2] == ["ip", "-n"] and c[2] in plan.namespaces
     veths = [c for c in cmds if "veth" in c]
     assert veths == [
-        ["ip", "-n", plan.bridge_ns, "link", "add", plan.host_if[r], "type", "veth", "peer", "name", plan.rank_if[r],
-         "netns", plan.rank_ns[r]] for r in range(2)
+        [
+            "ip",
+            "-n",
+            plan.bridge_ns,
+            "link",
+            "add",
+            plan.host_if[r],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            plan.rank_if[r],
+            "netns",
+            plan.rank_ns[r],
+        ]
+        for r in range(2)
     ]
     assert ["ip", "-n", plan.rank_ns[1], "addr", "add", "10.9.9.2/24", "dev", plan.rank_if[1]] in cmds
     assert ["ip", "-n", plan.bridge_ns, "link", "set", plan.host_if[0], "master", plan.bridge] in cmds
@@ -86,20 +100,41 @@ def test_shaping_commands_both_ends_of_every_link() -> None:
     cmds = netem.shaping_commands(plan, 200_000_000)
     assert len(cmds) == 4
     ends = {(c[2], c[6]) for c in cmds}
-    assert ends == {(plan.rank_ns[0], plan.rank_if[0]), (plan.rank_ns[1], plan.rank_if[1]),
-                    (plan.bridge_ns, plan.host_if[0]), (plan.bridge_ns, plan.host_if[1])}
-    assert cmds[0] == ["tc", "-n", plan.rank_ns[0], "qdisc", "replace", "dev", plan.rank_if[0], "root", "tbf",
-                       "rate", "200000000bit", "burst", str(256 * 1024), "latency", "100ms"]
+    assert ends == {
+        (plan.rank_ns[0], plan.rank_if[0]),
+        (plan.rank_ns[1], plan.rank_if[1]),
+        (plan.bridge_ns, plan.host_if[0]),
+        (plan.bridge_ns, plan.host_if[1]),
+    }
+    assert cmds[0] == [
+        "tc",
+        "-n",
+        plan.rank_ns[0],
+        "qdisc",
+        "replace",
+        "dev",
+        plan.rank_if[0],
+        "root",
+        "tbf",
+        "rate",
+        "200000000bit",
+        "burst",
+        str(256 * 1024),
+        "latency",
+        "100ms",
+    ]
     assert netem.tbf_burst_bytes(10_000_000_000) == 2_500_000  # 2 ms at 10 Gbit/s beats the 256 KiB floor
     unshape = netem.shaping_commands(plan, None)
     assert all(c[3:5] == ["qdisc", "del"] and c[-1] == "root" for c in unshape) and len(unshape) == 4
 
 
-IP_S_J = json.dumps([
-    {"ifname": "lo", "stats64": {"rx": {"bytes": 10, "packets": 1}, "tx": {"bytes": 10, "packets": 1}}},
-    {"ifname": "habcr0", "stats64": {"rx": {"bytes": 1000, "packets": 5}, "tx": {"bytes": 700, "packets": 4}}},
-    {"ifname": "habcr1", "stats": {"rx": {"bytes": 300, "packets": 2}, "tx": {"bytes": 90, "packets": 1}}},
-])
+IP_S_J = json.dumps(
+    [
+        {"ifname": "lo", "stats64": {"rx": {"bytes": 10, "packets": 1}, "tx": {"bytes": 10, "packets": 1}}},
+        {"ifname": "habcr0", "stats64": {"rx": {"bytes": 1000, "packets": 5}, "tx": {"bytes": 700, "packets": 4}}},
+        {"ifname": "habcr1", "stats": {"rx": {"bytes": 300, "packets": 2}, "tx": {"bytes": 90, "packets": 1}}},
+    ]
+)
 
 
 def test_parse_link_stats_and_wire_delta() -> None:
@@ -118,7 +153,13 @@ def test_parse_link_stats_and_wire_delta() -> None:
 
 
 def test_summary_reports_the_fastest_round_and_medians() -> None:
-    rec = {"step_ms": 50.0, "samples_per_s": 1.0, "auc": 0.7, "comm_bytes_per_step": 100.0, "wire_bytes_per_step": 500.0}
+    rec = {
+        "step_ms": 50.0,
+        "samples_per_s": 1.0,
+        "auc": 0.7,
+        "comm_bytes_per_step": 100.0,
+        "wire_bytes_per_step": 500.0,
+    }
     slow = rec | {"step_ms": 80.0, "auc": 0.6}
     mid = rec | {"step_ms": 60.0, "auc": 0.9}
     s = e2e_net.summarize([slow, rec, mid])
@@ -132,11 +173,12 @@ def test_summary_reports_the_fastest_round_and_medians() -> None:
 
 
 def test_proc_cpu_seconds_parses_user_and_sys() -> None:
-    # pid (comm with spaces and a paren) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+    # pid (comm with spaces and a paren) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
+    # stime
     line = "4242 (python (x) y) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 1 2 3"
     assert netem.proc_cpu_seconds(line, 100) == pytest.approx(3.0)
     assert netem.cpu_seconds([os.getpid()]) > 0
-    assert netem.cpu_seconds([2 ** 22 + 12345]) == 0.0  # no such process
+    assert netem.cpu_seconds([2**22 + 12345]) == 0.0  # no such process
 
 
 def test_loop_figures_use_the_counters_and_cpu_between_the_marks() -> None:
@@ -146,8 +188,12 @@ def test_loop_figures_use_the_counters_and_cpu_between_the_marks() -> None:
     later["habcr1"]["rx_bytes"] += 1000
     marks = {"start": netem.Snapshot(10.0, 5.0, stats), "end": netem.Snapshot(12.0, 9.0, later)}
     f = e2e_net.loop_figures(marks, ("habcr0", "habcr1"), steps=10)
-    assert f == {"wire_bytes_per_step": 500.0, "wire_bytes_per_step_by_rank": [400.0, 100.0], "cpu_s_per_step": 0.4,
-                 "steady_step_ms": pytest.approx(200.0)}
+    assert f == {
+        "wire_bytes_per_step": 500.0,
+        "wire_bytes_per_step_by_rank": [400.0, 100.0],
+        "cpu_s_per_step": 0.4,
+        "steady_step_ms": pytest.approx(200.0),
+    }
     assert e2e_net.loop_figures({"start": marks["start"]}, ("habcr0",), 10) == {}
 
 
@@ -155,12 +201,20 @@ def test_run_ranks_snapshots_at_marks_and_stops_the_rest_after_a_failure() -> No
     import re
     import time
 
-    body = "import time, sys; print('[herald] dcn on x', flush=True); time.sleep(0.5); print('step     3  loss 1', flush=True); time.sleep(0.5)"
+    body = (
+        "import time, sys; print('[herald] dcn on x', flush=True); time.sleep(0.5); "
+        "print('step     3  loss 1', flush=True); time.sleep(0.5)"
+    )
     probes = []
-    res = netem.run_ranks([[sys.executable, "-c", body], [sys.executable, "-c", "import time; time.sleep(0.3)"]],
-                          os.environ, ".", timeout_s=60,
-                          marks=e2e_net.loop_marks(0, 3),
-                          pids=lambda: [os.getpid()], probe=lambda: probes.append(1) or len(probes))
+    res = netem.run_ranks(
+        [[sys.executable, "-c", body], [sys.executable, "-c", "import time; time.sleep(0.3)"]],
+        os.environ,
+        ".",
+        timeout_s=60,
+        marks=e2e_net.loop_marks(0, 3),
+        pids=lambda: [os.getpid()],
+        probe=lambda: probes.append(1) or len(probes),
+    )
     assert res.codes == [0, 0] and set(res.marks) == {"start", "end"}  # the "end" line is followed by evaluation
     assert res.marks["start"].extra == 1 and res.marks["end"].extra == 2
     assert 0.4 < res.marks["end"].t - res.marks["start"].t < 5
@@ -170,8 +224,13 @@ def test_run_ranks_snapshots_at_marks_and_stops_the_rest_after_a_failure() -> No
     assert not re.search(end, "step    30  loss 1", re.M) and not re.search(end, "step    13  loss 1", re.M)
     assert e2e_net.loop_marks(10, 60)["start"] == e2e_net.STEP_MARK.format(step=10)
     t0 = time.monotonic()
-    res = netem.run_ranks([[sys.executable, "-c", "import sys; sys.exit(3)"],
-                           [sys.executable, "-c", "import time; time.sleep(120)"]], os.environ, ".", timeout_s=60, grace_s=1)
+    res = netem.run_ranks(
+        [[sys.executable, "-c", "import sys; sys.exit(3)"], [sys.executable, "-c", "import time; time.sleep(120)"]],
+        os.environ,
+        ".",
+        timeout_s=60,
+        grace_s=1,
+    )
     assert res.codes[0] == 3 and res.codes[1] is not None and res.codes[1] < 0  # killed by a signal
     assert time.monotonic() - t0 < 30
 
@@ -190,21 +249,36 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         def exec_prefix(self, r: int) -> list[str]:
             return ["ip", "netns", "exec", self.plan.rank_ns[r]]
 
-    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2,
-                              host_cpus="shared")
+    args = argparse.Namespace(
+        batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2, host_cpus="shared"
+    )
     cmds = e2e_net.rank_commands(FakeNet(), "torchrec_planner", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
     for r, c in enumerate(cmds):
         assert c[:4] == ["ip", "netns", "exec", FakeNet.plan.rank_ns[r]]
         assert f"GLOO_SOCKET_IFNAME={FakeNet.plan.rank_if[r]}" in c
-        flags = dict(zip(c[c.index("torch.distributed.run") + 1:c.index("train.py"):2],
-                         c[c.index("torch.distributed.run") + 2:c.index("train.py"):2]))
+        flags = dict(
+            zip(
+                c[c.index("torch.distributed.run") + 1 : c.index("train.py") : 2],
+                c[c.index("torch.distributed.run") + 2 : c.index("train.py") : 2],
+            )
+        )
         assert flags["--nnodes"] == "2" and flags["--node_rank"] == str(r) and flags["--nproc_per_node"] == "1"
-        assert flags["--rdzv-endpoint"] == f"10.9.9.1:{e2e_net.RDZV_PORT}" and flags["--local-addr"] == FakeNet.plan.addrs[r]
+        assert (
+            flags["--rdzv-endpoint"] == f"10.9.9.1:{e2e_net.RDZV_PORT}"
+            and flags["--local-addr"] == FakeNet.plan.addrs[r]
+        )
         assert flags["--rdzv-conf"] == f"is_host={int(r == 0)}"
-        tail = c[c.index("train.py") + 1:]
-        assert {"scheduler=torchrec", "sharding.types=null", "model=wdl", "model.embedding_dim=64",
-                "model.deep_layers=[64,32]", "trainer.steps=7", "trainer.batch_size=64",
-                "trainer.log_interval=1"} <= set(tail)  # gcd(2, 7): the log lines of steps 2 and 7 are the marks
+        tail = c[c.index("train.py") + 1 :]
+        assert {
+            "scheduler=torchrec",
+            "sharding.types=null",
+            "model=wdl",
+            "model.embedding_dim=64",
+            "model.deep_layers=[64,32]",
+            "trainer.steps=7",
+            "trainer.batch_size=64",
+            "trainer.log_interval=1",
+        } <= set(tail)  # gcd(2, 7): the log lines of steps 2 and 7 are the marks
         assert "taskset" not in c  # shared: every emulated host may use every core
     if len(os.sched_getaffinity(0)) >= 2:  # split: each host its own block of cores, disjoint
         args.host_cpus = "split"
@@ -216,8 +290,9 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
     assert e2e_net.host_cpus("shared", 2) is None
 
 
-def test_without_root_the_benchmark_says_so_and_exits_2(monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_without_root_the_benchmark_says_so_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)  # as a normal user, whoever runs the test
     monkeypatch.setattr(sys, "argv", ["e2e.py", "--bandwidth", "none", "--steps", "20"])
     with pytest.raises(SystemExit) as exit_info:
@@ -234,8 +309,12 @@ def test_missing_iproute2_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_bandwidth_is_rejected_before_anything_runs() -> None:
-    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "fast", "--steps", "2"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "fast", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "--bandwidth" in p.stderr and "fast" in p.stderr
 
 
@@ -247,18 +326,22 @@ def test_network_is_built_shaped_and_removed() -> None:
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert all(ns in names for ns in plan.namespaces)
         net.shape(200_000_000)
-        q = subprocess.run(["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]],
-                           capture_output=True, text=True).stdout
+        q = subprocess.run(
+            ["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]], capture_output=True, text=True
+        ).stdout
         assert "tbf" in q and "200Mbit" in q
         before = net.counters()
-        send = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); " \
-               f"[s.sendto(bytes(1000), ('{plan.addrs[1]}', 9)) for _ in range(50)]"
+        send = (
+            "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            f"[s.sendto(bytes(1000), ('{plan.addrs[1]}', 9)) for _ in range(50)]"
+        )
         subprocess.run([*net.exec_prefix(0), sys.executable, "-c", send], check=True, timeout=60)
         sent = netem.wire_delta(before, net.counters(), plan.host_if)
         assert sent["rank0"] >= 50 * 1000 and sent["total"] >= sent["rank0"]  # UDP payloads + headers + ARP
         net.shape(None)
-        q = subprocess.run(["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]],
-                           capture_output=True, text=True).stdout
+        q = subprocess.run(
+            ["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]], capture_output=True, text=True
+        ).stdout
         assert "tbf" not in q
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in names for ns in plan.namespaces)
@@ -266,19 +349,43 @@ def test_network_is_built_shaped_and_removed() -> None:
 
 def _fake_result() -> dict:
     def cfg(step_ms: float, app: float) -> dict:
-        best = {"step_ms": step_ms + 5, "steady_step_ms": step_ms, "samples_per_s": 512e3 / step_ms, "auc": 0.7, "comm_bytes_per_step": app,
-                "wire_bytes_per_step": 3 * app, "wire_bytes_per_step_raw": 4 * app, "cpu_s_per_step": 0.05,
-                "cpu_s_per_step_raw": 0.3}
+        best = {
+            "step_ms": step_ms + 5,
+            "steady_step_ms": step_ms,
+            "samples_per_s": 512e3 / step_ms,
+            "auc": 0.7,
+            "comm_bytes_per_step": app,
+            "wire_bytes_per_step": 3 * app,
+            "wire_bytes_per_step_raw": 4 * app,
+            "cpu_s_per_step": 0.05,
+            "cpu_s_per_step_raw": 0.3,
+        }
         if app < 1e6:  # herald's runs measured their threads
             best |= {"cpu_ms_per_step_training": 30.0, "cpu_ms_per_step_input": 12.5, "cpu_ms_per_step_other": 7.5}
         return {"best": best, "median": best, "rounds": [best]}
 
-    runs = {w: {b: {"2": {"torchrec_tw": cfg(40.0 * k, 3e6), "torchrec_planner": cfg(50.0 * k, 3e6),
-                          "herald": cfg(60.0 * k / (k * k), 0.6e6)}} for k, b in ((1, "none"), (3, "200mbit"))}
-            for w in ("wdl64", "dcn")}
-    return {"config": {"bandwidth": ["none", "200mbit"], "ranks": [2], "schedulers": ["torchrec_tw", "torchrec_planner", "herald"],
-                       "cores": 4},
-            "runs": runs}
+    runs = {
+        w: {
+            b: {
+                "2": {
+                    "torchrec_tw": cfg(40.0 * k, 3e6),
+                    "torchrec_planner": cfg(50.0 * k, 3e6),
+                    "herald": cfg(60.0 * k / (k * k), 0.6e6),
+                }
+            }
+            for k, b in ((1, "none"), (3, "200mbit"))
+        }
+        for w in ("wdl64", "dcn")
+    }
+    return {
+        "config": {
+            "bandwidth": ["none", "200mbit"],
+            "ranks": [2],
+            "schedulers": ["torchrec_tw", "torchrec_planner", "herald"],
+            "cores": 4,
+        },
+        "runs": runs,
+    }
 
 
 def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
@@ -291,8 +398,13 @@ def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
     table = e2e_net.markdown_table(result).splitlines()
     assert len(table) == 2 + 2 * 2 * 3
     assert "CPU floor ms (CPU / 4 cores)" in table[0]  # the step time if the run's CPU kept every core busy
-    assert "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 | 30.0 / 12.5 / 7.5 |" in table
-    assert "| dcn | 200mbit | 2 | torchrec_tw | 125.0 | 120.0 | 1.00x | 3.00 | 9.00 | 0.7000 | 0.050 | 12.5 | - |" in table
+    assert (
+        "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 | 30.0 / 12.5 / 7.5 |"
+        in table
+    )
+    assert (
+        "| dcn | 200mbit | 2 | torchrec_tw | 125.0 | 120.0 | 1.00x | 3.00 | 9.00 | 0.7000 | 0.050 | 12.5 | - |" in table
+    )
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -316,9 +428,32 @@ NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
 def test_e2e_network_mode_runs_multi_node_and_cleans_up(tmp_path: Path) -> None:
     before = _our_namespaces()
     out = tmp_path / "net.json"
-    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "200mbit", "--ranks", "2", "--workload",
-                        "dcn", "--schedulers", "torchrec_tw", "--steps", "4", "--warmup-steps", "2", "--batch", "64", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "e2e.py"),
+            "--bandwidth",
+            "200mbit",
+            "--ranks",
+            "2",
+            "--workload",
+            "dcn",
+            "--schedulers",
+            "torchrec_tw",
+            "--steps",
+            "4",
+            "--warmup-steps",
+            "2",
+            "--batch",
+            "64",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     best = json.loads(out.read_text())["runs"]["dcn"]["200mbit"]["2"]["torchrec_tw"]["best"]
     assert best["comm_bytes_per_step"] > 0 and best["cpu_s_per_step_raw"] > 0 and best["cpu_s_per_step"] > 0
@@ -335,9 +470,25 @@ def test_ctrl_c_removes_the_network(tmp_path: Path) -> None:
     import time
 
     before = _our_namespaces()
-    p = subprocess.Popen([sys.executable, str(BENCH / "e2e.py"), "--bandwidth", "none", "--ranks", "2", "--workload",
-                          "dcn", "--schedulers", "torchrec_tw", "--steps", "50"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            str(BENCH / "e2e.py"),
+            "--bandwidth",
+            "none",
+            "--ranks",
+            "2",
+            "--workload",
+            "dcn",
+            "--schedulers",
+            "torchrec_tw",
+            "--steps",
+            "50",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(_our_namespaces() - before) < 3 and time.monotonic() < deadline:
@@ -354,7 +505,8 @@ def test_ctrl_c_removes_the_network(tmp_path: Path) -> None:
 
 
 def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_failure(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class FakeNetwork:
         def __init__(self, ranks: int) -> None:
             self.plan = netem.plan_network(ranks, "abc", ipaddress.ip_network("10.9.9.0/24"))
@@ -372,23 +524,41 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
         if scheduler == "static" and bandwidth == "200mbit":
             raise RuntimeError("rank 1 died")
         step = {"none": 10.0, "200mbit": 30.0}[bandwidth] * (2 if scheduler == "herald" else 1) + len(calls) / 100
-        return {"step_ms": step + 1, "steady_step_ms": step, "samples_per_s": 1.0, "auc": 0.7,
-                "comm_bytes_per_step": 100.0, "wire_bytes_per_step": 150.0, "wire_bytes_per_step_raw": 200.0}
+        return {
+            "step_ms": step + 1,
+            "steady_step_ms": step,
+            "samples_per_s": 1.0,
+            "auc": 0.7,
+            "comm_bytes_per_step": 100.0,
+            "wire_bytes_per_step": 150.0,
+            "wire_bytes_per_step_raw": 200.0,
+        }
 
     monkeypatch.setattr(netem, "Network", FakeNetwork)
     monkeypatch.setattr(netem, "check_prerequisites", lambda: None)
     monkeypatch.setattr(netem, "leftover_namespaces", lambda: [])
     monkeypatch.setattr(e2e_net, "run_config", fake_run)
     saved = []
-    args = argparse.Namespace(bandwidth="none,200mbit", workload="dcn", model="dcn", rounds=3, steps=20, host_cpus="shared",
-                              warmup_steps=5, out=None, plot=None)
+    args = argparse.Namespace(
+        bandwidth="none,200mbit",
+        workload="dcn",
+        model="dcn",
+        rounds=3,
+        steps=20,
+        host_cpus="shared",
+        warmup_steps=5,
+        out=None,
+        plot=None,
+    )
     result = e2e_net.main_net(args, [2], ["torchrec_tw", "static", "herald"], save=saved.append)
     assert len(calls) == 3 * 6 and len(saved) == 18
     assert calls[0] != calls[6] != calls[12]  # each round starts elsewhere
     assert len(result["failures"]) == 3 and result["failures"][0]["error"] == "rank 1 died"
     assert "static" not in result["runs"]["dcn"]["200mbit"]["2"] and "static" in result["runs"]["dcn"]["none"]["2"]
     herald = result["runs"]["dcn"]["none"]["2"]["herald"]
-    assert len(herald["rounds"]) == 3 and herald["best"]["steady_step_ms"] == min(r["steady_step_ms"] for r in herald["rounds"])
+    assert len(herald["rounds"]) == 3 and herald["best"]["steady_step_ms"] == min(
+        r["steady_step_ms"] for r in herald["rounds"]
+    )
     assert result["ratios"]["dcn"]["200mbit"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(2.0, rel=0.02)
     assert len(saved[0]["runs"]["dcn"]) == 1  # the first save holds one run
 
@@ -404,20 +574,28 @@ def test_pivot_table_has_one_row_per_workload_and_link() -> None:
     table = e2e_net.pivot_table(_fake_result()).splitlines()
     assert len(table) == 2 + 2 * 2
     assert table[0].startswith("| workload | link | R | torchrec_tw ms | torchrec_planner ms | herald ms |")
-    assert "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table  # one round
+    assert (
+        "| dcn | 200mbit | 2 | 120.0 | 150.0 | 20.0 | 0.17x | 3.00 (9.00), 3.00 (9.00), 0.60 (1.80) |" in table
+    )  # one round
 
 
 def test_round_ratios_pair_the_runs_of_each_round() -> None:
     """A machine that slows down during the run: best against best pairs stock's fast first round with herald's
     slower later one; round by round each ratio compares runs minutes apart."""
+
     def cfg(steps: list[float], rounds: list[int] | None = None) -> dict:
-        recs = [{"steady_step_ms": t, "step_ms": t, "comm_bytes_per_step": 1e6, "wire_bytes_per_step": 2e6}
-                | ({} if rounds is None else {"round": k})
-                for t, k in zip(steps, rounds or range(len(steps)))]
+        recs = [
+            {"steady_step_ms": t, "step_ms": t, "comm_bytes_per_step": 1e6, "wire_bytes_per_step": 2e6}
+            | ({} if rounds is None else {"round": k})
+            for t, k in zip(steps, rounds or range(len(steps)))
+        ]
         return {"best": min(recs, key=e2e_net.step_of), "median": recs[0], "rounds": recs}
 
-    per_s = {"torchrec_tw": cfg([20.0, 22.0, 24.0]), "torchrec_planner": cfg([25.0, 21.0, 26.0]),
-             "herald": cfg([21.0, 22.0, 24.0])}
+    per_s = {
+        "torchrec_tw": cfg([20.0, 22.0, 24.0]),
+        "torchrec_planner": cfg([25.0, 21.0, 26.0]),
+        "herald": cfg([21.0, 22.0, 24.0]),
+    }
     assert e2e_net.round_ratios(per_s, "herald") == pytest.approx([21 / 20, 22 / 21, 24 / 24])
     row = e2e_net.ratios({"dcn": {"none": {"2": per_s}}})["dcn"]["none"]["2"]
     assert row["herald_vs_best_stock_step_time"] == pytest.approx(21 / 20)
@@ -436,8 +614,12 @@ def test_breakeven_names_the_crossover_with_a_tie_band() -> None:
 
     def runs(herald: dict[str, float]) -> dict:
         stock = {"none": 40.0, "2gbit": 40.0, "1gbit": 60.0, "200mbit": 150.0}
-        return {"wdl64": {b: {"2": {"torchrec_tw": cfg(stock[b]), "torchrec_planner": cfg(stock[b] + 5),
-                                    "herald": cfg(h)}} for b, h in herald.items()}}
+        return {
+            "wdl64": {
+                b: {"2": {"torchrec_tw": cfg(stock[b]), "torchrec_planner": cfg(stock[b] + 5), "herald": cfg(h)}}
+                for b, h in herald.items()
+            }
+        }
 
     got = e2e_net.breakeven(runs({"none": 46.0, "1gbit": 45.0, "200mbit": 55.0, "2gbit": 44.0}))["wdl64"]["2"]
     assert got["verdict"] == "wins at <= 1gbit, not at >= 2gbit"  # links ordered by rate, not as given
@@ -445,11 +627,14 @@ def test_breakeven_names_the_crossover_with_a_tie_band() -> None:
     even = e2e_net.breakeven(runs({"none": 46.0, "200mbit": 151.0}))["wdl64"]["2"]
     assert even["links"]["200mbit"]["status"] == "even"  # within 2 % of stock: not a win
     assert even["verdict"] == "no win at any link tested (down to 200mbit)"
-    assert e2e_net.breakeven(runs({"none": 30.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"] == \
-        "wins at every link tested (up to none)"
+    assert (
+        e2e_net.breakeven(runs({"none": 30.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"]
+        == "wins at every link tested (up to none)"
+    )
     assert e2e_net.breakeven(runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0}))["wdl64"]["2"]["verdict"] == "mixed"
     assert "herald vs best stock, wdl64, R=2: mixed" in e2e_net.breakeven_lines(
-        {"runs": runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0})})
+        {"runs": runs({"none": 30.0, "1gbit": 70.0, "200mbit": 60.0})}
+    )
 
 
 def test_thread_cpu_split_names_the_input_thread() -> None:

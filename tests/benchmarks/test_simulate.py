@@ -28,10 +28,21 @@ def test_single_run_json(capsys):
     assert out["config"]["workers"] == [4] and out["config"]["data"] == "synthetic"
     for name, st in out["policies"].items():
         assert st["stale_reads"] == 0 and "check_errors" not in st
-        assert set(st) >= {"rows_per_step", "bytes_per_step", "by_kind", "hit_rate", "stale_reads",
-                           "sched_ms_median", "sched_ms_p90", "sched_cpu_ms_last_quarter", "rows_per_sample"}
-        assert abs(st["rows_per_step"] - sum(v for k, v in st["by_kind"].items() if k != "hit")) < 1e-6 * max(
-            1.0, st["rows_per_step"]) + 0.05
+        assert set(st) >= {
+            "rows_per_step",
+            "bytes_per_step",
+            "by_kind",
+            "hit_rate",
+            "stale_reads",
+            "sched_ms_median",
+            "sched_ms_p90",
+            "sched_cpu_ms_last_quarter",
+            "rows_per_sample",
+        }
+        assert (
+            abs(st["rows_per_step"] - sum(v for k, v in st["by_kind"].items() if k != "hit"))
+            < 1e-6 * max(1.0, st["rows_per_step"]) + 0.05
+        )
         assert 0.0 <= st["hit_rate"] <= 1.0
     assert "herald/het_bsp" in out["ratios"]
     # the plan digest: the same plans give the same digest run after run, different policies different ones
@@ -62,11 +73,28 @@ def test_cli_errors():
         sim.main(["--workers", "a,b", *SMALL])
 
 
-@pytest.mark.parametrize("data, fname", [("movielens", "movielens_ratings_sample.csv"), ("avazu", "avazu_sample.csv"),
-                                         ("criteo", "criteo_sample.tsv")])
+@pytest.mark.parametrize(
+    "data, fname",
+    [("movielens", "movielens_ratings_sample.csv"), ("avazu", "avazu_sample.csv"), ("criteo", "criteo_sample.tsv")],
+)
 def test_real_format_samples(data, fname, shared_data, capsys):
     sim = load_simulate()
-    sim.main(["--data", data, "--path", str(shared_data / fname), "--workers", "2", "--batch", "8", "--steps", "5",
-              "--policies", "static,herald", "--json"])
+    sim.main(
+        [
+            "--data",
+            data,
+            "--path",
+            str(shared_data / fname),
+            "--workers",
+            "2",
+            "--batch",
+            "8",
+            "--steps",
+            "5",
+            "--policies",
+            "static,herald",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert all(st["stale_reads"] == 0 for st in out["policies"].values())

@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.app_runs import run_app
-from tests.helpers.ranks import REPO_ROOT
-from tests.data.test_loaders import ref_fnv1a64, ref_splitmix64
 from herald_torchrec.data import build_source
 from herald_torchrec.data._stream import validation_mask
 from herald_torchrec.data.batch import to_batch
@@ -33,6 +30,9 @@ from herald_torchrec.data.criteo_search import (
 from herald_torchrec.data.errors import DataFormatError
 from herald_torchrec.data.samples import Bag, Samples
 from herald_torchrec.models import FeatureSpec, build_model
+from tests.data.test_loaders import ref_fnv1a64, ref_splitmix64
+from tests.helpers.app_runs import run_app
+from tests.helpers.ranks import REPO_ROOT
 
 SAMPLE = Path(__file__).resolve().parent / "criteo_search_sample.tsv"
 CRITEO_KAGGLE = REPO_ROOT.parent / "shared" / "data" / "criteo_sample.tsv"
@@ -40,8 +40,6 @@ ROWS = 1000
 
 
 # ------------------------------------------------------------------------------ pure-Python references
-
-
 
 
 def ref_id(field: str, rows: int) -> int:
@@ -336,9 +334,20 @@ def test_title_bag_reaches_the_model():
 
 def test_app_trains_on_the_sample(tmp_path):
     """The paper's DCN workload under Herald on 2 ranks: the multi-hot title bags are scheduled like any feature."""
-    p = run_app(["data=criteo_search", f"data.path={SAMPLE}", "data.val_fraction=0.2", "model=dcn",
-                 "scheduler=herald", "trainer.steps=3", "trainer.batch_size=8", "trainer.log_interval=1",
-                 f"run_dir={tmp_path}"], nproc=2)
+    p = run_app(
+        [
+            "data=criteo_search",
+            f"data.path={SAMPLE}",
+            "data.val_fraction=0.2",
+            "model=dcn",
+            "scheduler=herald",
+            "trainer.steps=3",
+            "trainer.batch_size=8",
+            "trainer.log_interval=1",
+            f"run_dir={tmp_path}",
+        ],
+        nproc=2,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["steps"] == 3 and m["world_size"] == 2 and m["config"]["data"]["name"] == "criteo_search"

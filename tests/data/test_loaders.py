@@ -207,12 +207,17 @@ def test_criteo_streams_20k_rows(tmp_path, monkeypatch):
 def test_criteo_malformed_rows_counted(tmp_path, capsys):
     path = tmp_path / "bad.tsv"
     good = [criteo_line(i) for i in range(12)]
-    lines = good[:6] + [
-        "1\t2\t3\n",  # line 7: wrong column count
-        "x" + criteo_line(100)[1:],  # bad label
-        criteo_line(101).replace("00000065", "zz000065"),  # bad hex in C1
-        criteo_line(102).replace("\t102\t", "\t1.5\t", 1),  # non-integer dense
-    ] + good[6:] + ["\n"]  # trailing blank line: also malformed
+    lines = (
+        good[:6]
+        + [
+            "1\t2\t3\n",  # line 7: wrong column count
+            "x" + criteo_line(100)[1:],  # bad label
+            criteo_line(101).replace("00000065", "zz000065"),  # bad hex in C1
+            criteo_line(102).replace("\t102\t", "\t1.5\t", 1),  # non-integer dense
+        ]
+        + good[6:]
+        + ["\n"]
+    )  # trailing blank line: also malformed
     assert lines[7].split("\t")[0] == "x"
     path.write_text("".join(lines))
     src = CriteoSource(path, table_rows=BIG, val_fraction=0.0)
@@ -392,8 +397,7 @@ def test_movielens_negatives_deterministic():
 def test_movielens_udata_dat_and_malformed(tmp_path, capsys):
     udata = tmp_path / "u.data"
     udata.write_text(
-        "196\t242\t3\t881250949\n186\t302\t3\t891717742\n196\t377\t1\t878887116\nx\t1\t2\t3\n"
-        "22\t377\t4.5\t878887116\n"
+        "196\t242\t3\t881250949\n186\t302\t3\t891717742\n196\t377\t1\t878887116\nx\t1\t2\t3\n22\t377\t4.5\t878887116\n"
     )
     src = MovieLensSource(udata, num_negatives=0, val_fraction=0.0)
     assert src.fmt == "udata" and src.table_rows == [3, 3]

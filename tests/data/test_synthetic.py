@@ -36,7 +36,10 @@ def test_source_slices_match_the_global_batches() -> None:
     from herald_torchrec.data.source import DataSource, SyntheticSource
 
     src = SyntheticSource(SyntheticSpec(seed=1), epoch_batches=3, val_batches=2)
-    for mine, full in [(src.train_slices(64, 32, 64), src.train_batches(64)), (src.val_slices(64, 32, 64), src.val_batches(64))]:
+    for mine, full in [
+        (src.train_slices(64, 32, 64), src.train_batches(64)),
+        (src.val_slices(64, 32, 64), src.val_batches(64)),
+    ]:
         got, want = list(mine), [b.take(slice(32, 64)) for b in full]
         assert len(got) == len(want) > 0
         assert all(np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels) for a, b in zip(got, want))
@@ -88,8 +91,13 @@ def test_labels_carry_signal() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, msg",
-    [({"zipf": 1.0}, "zipf"), ({"locality": 1.5}, "locality"), ({"scale": 0}, "scale"),
-     ({"tail": 0.6, "locality": 0.6}, "tail \\+ locality"), ({"table_rows": (10, 0)}, "table_rows")],
+    [
+        ({"zipf": 1.0}, "zipf"),
+        ({"locality": 1.5}, "locality"),
+        ({"scale": 0}, "scale"),
+        ({"tail": 0.6, "locality": 0.6}, "tail \\+ locality"),
+        ({"table_rows": (10, 0)}, "table_rows"),
+    ],
 )
 def test_bad_spec(kwargs: dict, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -106,9 +114,9 @@ def test_trainer_draws_only_this_ranks_slice() -> None:
     a reorder (fae) still gets whole global batches."""
     import torch
 
-    from herald_torchrec.data.source import SyntheticSource
     from herald_torchrec.app.runtime import DistContext
     from herald_torchrec.app.trainer import local_samples
+    from herald_torchrec.data.source import SyntheticSource
 
     src = SyntheticSource(SyntheticSpec(seed=5), epoch_batches=4, val_batches=2)
     made = []

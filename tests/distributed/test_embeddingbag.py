@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.ranks import rank_result, run_ranks
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves, SharedRows
+from tests.helpers.ranks import rank_result, run_ranks
 
 ROWS = (20, 33)
 DIMS = (4, 8)
@@ -37,8 +37,11 @@ def make_module(rank: int = 0, world: int = 1, cache_ratio: float = 0.1, ebc=Non
 
     env = ShardingEnv.from_process_group(dist.group.WORLD) if world > 1 else ShardingEnv(1, 0, None)
     return ShardedHeraldEmbeddingBagCollection(
-        ebc if ebc is not None else make_ebc(), None, env,
-        fused_params={"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1}, cache_ratio=cache_ratio,
+        ebc if ebc is not None else make_ebc(),
+        None,
+        env,
+        fused_params={"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1},
+        cache_ratio=cache_ratio,
     )
 
 
@@ -46,15 +49,18 @@ def kjt(ids0: list[int], ids1: list[int]):
     from torchrec import KeyedJaggedTensor
 
     return KeyedJaggedTensor(
-        keys=["f0", "f1"], values=torch.tensor(ids0 + ids1, dtype=torch.int64),
+        keys=["f0", "f1"],
+        values=torch.tensor(ids0 + ids1, dtype=torch.int64),
         lengths=torch.ones(len(ids0) + len(ids1), dtype=torch.int64),
     )
 
 
-def empty_plan(world: int, batch: int, step: int = 0, moves: RowMoves | None = None,
-               shared: SharedRows | None = None) -> Plan:
-    return Plan(step, world, batch, np.arange(world * batch, dtype=np.int64), moves or RowMoves(),
-                shared or SharedRows())
+def empty_plan(
+    world: int, batch: int, step: int = 0, moves: RowMoves | None = None, shared: SharedRows | None = None
+) -> Plan:
+    return Plan(
+        step, world, batch, np.arange(world * batch, dtype=np.int64), moves or RowMoves(), shared or SharedRows()
+    )
 
 
 def moves(rows: list[tuple[int, int, int, int, int]]) -> RowMoves:
@@ -160,20 +166,29 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
 
     # (2) rank-local error: rank 0 reads an out-of-range id; every rank must raise (no one left in a collective)
     m.set_plan(empty_plan(world, B))
-    _expect_error(lambda: m(kjt([1, 99, 1], [0, 5, 5]) if rank == 0 else kjt([12, 13, 13], [30, 20, 32])), res,
-                  "out_of_range")
+    _expect_error(
+        lambda: m(kjt([1, 99, 1], [0, 5, 5]) if rank == 0 else kjt([12, 13, 13], [30, 20, 32])), res, "out_of_range"
+    )
 
     # (2b, 2c) the same error while the step has moves / only shared rows: the error flags ride on that step's first
     # all-to-all (moves, else shared values) instead of an all-reduce; every rank must still raise, nothing moves
     step8_moves = moves([(0, 2, 0, 1, MIGRATE)])  # the plan of the valid step (8) below
-    step8_shared = SharedRows(np.array([0, 1]), np.array([12, 20]), np.array([1, 1]), np.array([0, 2, 4]),
-                              np.array([0, 1, 0, 1]))
+    step8_shared = SharedRows(
+        np.array([0, 1]), np.array([12, 20]), np.array([1, 1]), np.array([0, 2, 4]), np.array([0, 1, 0, 1])
+    )
     bad_input = kjt([1, 99, 1], [0, 5, 5]) if rank == 0 else kjt(*mine)
     # without the move, t0 row 2 (home r0) is a shared read of rank 1
-    shared_only = SharedRows(np.array([0, 0, 1]), np.array([2, 12, 20]), np.array([0, 1, 1]), np.array([0, 1, 3, 5]),
-                             np.array([1, 0, 1, 0, 1]))
-    for name, plan_kw in (("flag_on_moves", {"moves": step8_moves, "shared": step8_shared}),
-                          ("flag_on_shared", {"shared": shared_only})):
+    shared_only = SharedRows(
+        np.array([0, 0, 1]),
+        np.array([2, 12, 20]),
+        np.array([0, 1, 1]),
+        np.array([0, 1, 3, 5]),
+        np.array([1, 0, 1, 0, 1]),
+    )
+    for name, plan_kw in (
+        ("flag_on_moves", {"moves": step8_moves, "shared": step8_shared}),
+        ("flag_on_shared", {"shared": shared_only}),
+    ):
         m.set_plan(empty_plan(world, B, **plan_kw))
         _expect_error(lambda: m(bad_input), res, name)
 
@@ -190,8 +205,13 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     m.set_plan(empty_plan(world, B))
     _expect_error(lambda: m(kjt(*mine)), res, "mismatch")
     # (7) shared row with the wrong owner
-    m.set_plan(empty_plan(world, B, shared=SharedRows(np.array([0]), np.array([12]), np.array([0]),
-                                                      np.array([0, 2]), np.array([0, 1]))))
+    m.set_plan(
+        empty_plan(
+            world,
+            B,
+            shared=SharedRows(np.array([0]), np.array([12]), np.array([0]), np.array([0, 2]), np.array([0, 1])),
+        )
+    )
     _expect_error(lambda: m(kjt(*mine)), res, "shared_owner")
     res["owners_unchanged"] = bool((m.owners(0) == np.repeat([0, 1], 10)).all())
 
@@ -225,18 +245,23 @@ def module_worker(rank: int, world: int, out_dir: str) -> None:
     res["a2a_empty"] = (tuple(empty.shape), c.snapshot())
     # flagged: one header element per block carries each rank's flag; blocks may be empty
     c.reset()
-    got, worst = pc.all_to_all_flagged(torch.arange(4.0)[: sum(send_splits)] + 10 * rank, send_splits, recv_splits,
-                                       "x", flag=3 * rank + 1)
+    got, worst = pc.all_to_all_flagged(
+        torch.arange(4.0)[: sum(send_splits)] + 10 * rank, send_splits, recv_splits, "x", flag=3 * rank + 1
+    )
     res["a2a_flagged"] = (got.tolist(), worst, c.snapshot())
     # flagged, per-peer parts (the step's moves + values): rank d's block is its parts in order, one copy to send;
     # received per rank as views. Rank 0 sends [0] + [100, 101] to itself and [1, 2] + [] to rank 1; rank 1 sends
     # [10, 11] + [110] to rank 0 and nothing to itself.
     c.reset()
     v = torch.tensor([100.0, 101.0]) + 10 * rank
-    parts = ([[torch.tensor([0.0]), v], [torch.tensor([1.0, 2.0]), v[:0]]] if rank == 0
-             else [[torch.tensor([10.0, 11.0]), v[:1]], [v[:0], v[:0]]])
-    pend = pc.start_all_to_all_flagged_parts(parts, [3, 3] if rank == 0 else [2, 0], {"moves": 8, "shared_value": 4},
-                                             flag=rank + 5)
+    parts = (
+        [[torch.tensor([0.0]), v], [torch.tensor([1.0, 2.0]), v[:0]]]
+        if rank == 0
+        else [[torch.tensor([10.0, 11.0]), v[:1]], [v[:0], v[:0]]]
+    )
+    pend = pc.start_all_to_all_flagged_parts(
+        parts, [3, 3] if rank == 0 else [2, 0], {"moves": 8, "shared_value": 4}, flag=rank + 5
+    )
     blocks, worst = pend.wait_flagged_parts()
     res["a2a_parts"] = ([b.tolist() for b in blocks], worst, c.snapshot())
     torch.save(res, rank_result(out_dir, rank))
@@ -249,8 +274,14 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
         assert r["eval_matches_dense"] and not r["eval_pending"]
         # eval batch: t0 keys {1,12,13,2}: 1 (r0), 13 (r1) exclusive, 12 shared (its owner r1 reads it too: a hit),
         # 2 shared (owner r0 does not read it); t1 {0,20,5,30,32}: 20 shared, read by its owner r1
-        assert r["eval_counters"] == {"hit": 8, "migrate": 0, "evict_home": 0, "forward": 0, "shared_value": 3,
-                                      "shared_grad": 0}
+        assert r["eval_counters"] == {
+            "hit": 8,
+            "migrate": 0,
+            "evict_home": 0,
+            "forward": 0,
+            "shared_value": 3,
+            "shared_grad": 0,
+        }
         assert "capacity" in r["capacity"] and "rank 1 holds 3 guests" in r["capacity"]
         assert "owned by rank 1" in r["not_owner"]
         assert "evict_home" in r["evict_home"]
@@ -258,8 +289,14 @@ def test_two_ranks_errors_static_path_and_one_step(tmp_path) -> None:
         assert r["owners_unchanged"]
         assert r["train_forward_matches_dense"]
         # hits: t0 1 (r0), 13 (r1), 12 (owner r1 reads); 2 migrated (not a hit); t1 0, 5, 30, 32, 20 (owner r1)
-        assert r["counters"] == {"hit": 8, "migrate": 1, "evict_home": 0, "forward": 0, "shared_value": 2,
-                                 "shared_grad": 2}
+        assert r["counters"] == {
+            "hit": 8,
+            "migrate": 1,
+            "evict_home": 0,
+            "forward": 0,
+            "shared_value": 2,
+            "shared_grad": 2,
+        }
         assert r["owner_of_t0_row2"] == 1
         # the trained rows and only they changed (grad of out.sum() is 1 everywhere)
         assert r["changed_rows"] == {"t0": [1, 2, 12, 13], "t1": [0, 5, 20, 30, 32]}
@@ -295,8 +332,8 @@ def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import tests.scenarios.test_module_parity as P
-    from tests.helpers.pipeline import Batch, Wrap, drain
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+    from tests.helpers.pipeline import Batch, Wrap, drain
 
     batches = P.make_batches(world, 10)
     net = P.make_model()
@@ -304,11 +341,13 @@ def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
         for n, w in P.init_tables().items():
             net.ebc.embedding_bags[n].weight.copy_(w)
     sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, fused_params=P.fused_params("exact_sgd"))
-    dmp = DistributedModelParallel(Wrap(net), env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[sharder])
+    dmp = DistributedModelParallel(
+        Wrap(net), env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"), sharders=[sharder]
+    )
     sebc = get_unwrapped_module(dmp).net.ebc
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda ps: torch.optim.SGD(ps, lr=P.LR_DENSE))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=P.LR_DENSE)
+    )
     opt = CombinedOptimizer([dmp.fused_optimizer, dense])
     planner = P.RandomPlanner(world, P.BATCH, "random", seed=5)
     items = []
@@ -321,9 +360,16 @@ def pipeline_worker(rank: int, world: int, out_dir: str) -> None:
     steps = drain(pipe, items)
     weights, _ = sebc.full_tables()
     ref = P.run_reference("exact_sgd", batches, world, True)
-    torch.save({"steps": steps, "queued": sebc.queued_plans, "pipelined": type(sebc.forward).__name__,
-                "diff": P._max_diff(weights, ref["weights"]), "dense": P._max_diff(P.dense_state(net), ref["dense"])},
-               rank_result(out_dir, rank))
+    torch.save(
+        {
+            "steps": steps,
+            "queued": sebc.queued_plans,
+            "pipelined": type(sebc.forward).__name__,
+            "diff": P._max_diff(weights, ref["weights"]),
+            "dense": P._max_diff(P.dense_state(net), ref["dense"]),
+        },
+        rank_result(out_dir, rank),
+    )
 
 
 def test_torchrec_train_pipeline(tmp_path) -> None:

@@ -13,9 +13,8 @@ UNSCHEDULED = {"t1": "table_wise", "t3": "column_wise"}  # t1 serves two feature
 
 
 def test_sharder_validates_unscheduled_tables() -> None:
-    from tests.distributed.test_embeddingbag import make_ebc  # tables t0, t1
-
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+    from tests.distributed.test_embeddingbag import make_ebc  # tables t0, t1
 
     ebc = make_ebc()
     with pytest.raises(ValueError, match="not tables of the EmbeddingBagCollection"):
@@ -32,7 +31,10 @@ def test_sharder_validates_unscheduled_tables() -> None:
     # with more ranks than rows (t1 has 33), the table is kept off ROW_WISE: a rank would get an empty shard
     c = s.planner_constraints(ebc, ["row_wise", "table_wise"], world_size=40)
     assert c["t1"].sharding_types == ["table_wise"] and c["t0"].sharding_types == ["row_wise"]
-    assert s.planner_constraints(ebc, ["row_wise", "table_wise"], world_size=2)["t1"].sharding_types == ["row_wise", "table_wise"]
+    assert s.planner_constraints(ebc, ["row_wise", "table_wise"], world_size=2)["t1"].sharding_types == [
+        "row_wise",
+        "table_wise",
+    ]
     offered = s.sharding_types("cpu")
     assert "row_wise" in offered and "table_wise" in offered and "data_parallel" not in offered
     # without unscheduled tables, the sharder offers only the home placement
@@ -68,10 +70,17 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     constraints = sharder.planner_constraints(net.ebc)
     for t, kind in UNSCHEDULED.items():
         constraints[t] = ParameterConstraints(sharding_types=[kind])
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints
+    )
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=plan,
+    )
     sebc = get_unwrapped_module(dmp).net.ebc
     with torch.no_grad():  # TorchRec draws its own values for the stock shards: start them from the same tables
         for k, v in dmp.state_dict().items():
@@ -80,8 +89,9 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
                 for sh in v.local_shards():
                     (r0, c0), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
                     sh.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda ps: torch.optim.SGD(ps, lr=P.LR_DENSE))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=P.LR_DENSE)
+    )
     pipe = TrainPipelineSparseDist(dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), torch.device("cpu"))
     # no scheduler here: the Herald part serves each rank's own slice with static plans of its own
     items = []
@@ -98,19 +108,29 @@ def mixed_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
             weights[k.split(".")[-2]] = out
     if rank == 0:
         ref = P.run_reference(opt, batches, world, True)
-        torch.save({"steps": steps, "mixed": isinstance(sebc, ShardedMixedEmbeddingBagCollection),
-                    "kinds": {n: plan.plan["net.ebc"][n].sharding_type for n in ref["weights"]},
-                    "pipelined": type(sebc.forward).__name__, "tables": sorted(weights),
-                    "diff": P._max_diff(weights, ref["weights"]), "dense": P._max_diff(P.dense_state(net), ref["dense"]),
-                    "moved": P._max_diff(weights, P.init_tables())}, rank_result(out_dir, rank))
+        torch.save(
+            {
+                "steps": steps,
+                "mixed": isinstance(sebc, ShardedMixedEmbeddingBagCollection),
+                "kinds": {n: plan.plan["net.ebc"][n].sharding_type for n in ref["weights"]},
+                "pipelined": type(sebc.forward).__name__,
+                "tables": sorted(weights),
+                "diff": P._max_diff(weights, ref["weights"]),
+                "dense": P._max_diff(P.dense_state(net), ref["dense"]),
+                "moved": P._max_diff(weights, P.init_tables()),
+            },
+            rank_result(out_dir, rank),
+        )
     else:
         torch.save({}, rank_result(out_dir, rank))
 
 
 @pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_sgd"])
 def test_mixed_tables_train_the_reference_model(tmp_path, opt: str) -> None:
-    r = torch.load(run_ranks("tests.distributed.test_mixed:mixed_worker", tmp_path, world_size=2, timeout=240, opt=opt)[0],
-                   weights_only=False)
+    r = torch.load(
+        run_ranks("tests.distributed.test_mixed:mixed_worker", tmp_path, world_size=2, timeout=240, opt=opt)[0],
+        weights_only=False,
+    )
     assert r["steps"] == 12 and r["mixed"] and r["pipelined"] == "PipelinedForward", r
     assert r["kinds"] == {"t0": "row_wise", "t1": "table_wise", "t2": "row_wise", "t3": "column_wise"}, r
     assert r["tables"] == ["t0", "t1", "t2", "t3"]

@@ -52,8 +52,13 @@ def rank_result(out_dir: str | Path, rank: int) -> Path:
 def rank_env(world_size: int) -> dict[str, str]:
     """The environment of `world_size` local gloo ranks (each process adds its RANK): a fresh port on loopback."""
     env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
     return env
 
 
@@ -61,14 +66,22 @@ def run_ranks(target: str, out_dir: str | Path, world_size: int = 2, timeout: fl
     """Run `target` on `world_size` gloo ranks; return each rank's result file (raises if one is missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    code = _BOOT.format(root=str(REPO_ROOT), paths=[p for p in sys.path if p], target=target, out_dir=str(out_dir),
-                        kwargs=json.dumps(kwargs))
+    code = _BOOT.format(
+        root=str(REPO_ROOT),
+        paths=[p for p in sys.path if p],
+        target=target,
+        out_dir=str(out_dir),
+        kwargs=json.dumps(kwargs),
+    )
     env = rank_env(world_size)
     procs, logs = [], []
     for r in range(world_size):
         log = open(out_dir / f"rank{r}.log", "w+b")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r)},
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
         logs.append(log)
     try:
         for p in procs:

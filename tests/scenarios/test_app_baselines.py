@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.ranks import run_ranks
 from tests.helpers.app_runs import run_app
+from tests.helpers.ranks import run_ranks
 
 COMMON = ["trainer.eval_interval=0", "data.val_batches=2"]
 
@@ -62,8 +62,11 @@ def _check_het(m: dict, steps: int, staleness: int) -> None:
 
 
 MODELS = ("wdl", "ncf", "deepfm", "dcn")
-SETTINGS = {"fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
-            "het": ["scheduler=het"], "het_s2": ["scheduler=het", "scheduler.staleness=2"]}
+SETTINGS = {
+    "fae": ["scheduler=fae", "scheduler.window=4", "scheduler.profile_fraction=0.5"],
+    "het": ["scheduler=het"],
+    "het_s2": ["scheduler=het", "scheduler.staleness=2"],
+}
 
 
 def _check(name: str, m: dict, steps: int) -> None:
@@ -75,8 +78,9 @@ def _check(name: str, m: dict, steps: int) -> None:
 
 def _every_model(tmp_path: Path, schedulers: tuple[str, ...], steps: int) -> dict[str, dict]:
     """Every model under each scheduler: all runs in one pair of gloo ranks (tests/helpers/app_ranks.py)."""
-    runs = {f"{s}-{m}": [*SETTINGS[s], f"model={m}", f"trainer.steps={steps}", *COMMON]
-            for s in schedulers for m in MODELS}
+    runs = {
+        f"{s}-{m}": [*SETTINGS[s], f"model={m}", f"trainer.steps={steps}", *COMMON] for s in schedulers for m in MODELS
+    }
     run_ranks("tests.helpers.app_ranks:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
     out = {}
     for name in runs:
@@ -113,8 +117,13 @@ def test_exact_baselines_resume_to_the_same_model(tmp_path: Path) -> None:
     and dense parameters as the same run done in one go (the replicas and caches are rebuilt from the home rows)."""
     from tests.scenarios.test_app_exactness import _max_diff
 
-    base = ["model=wdl", "trainer.checkpoint_interval=10", "trainer.save_final=true", "trainer.embedding_eps=1e-3",
-            *COMMON]
+    base = [
+        "model=wdl",
+        "trainer.checkpoint_interval=10",
+        "trainer.save_final=true",
+        "trainer.embedding_eps=1e-3",
+        *COMMON,
+    ]
     # the "interrupted" run is one configured for 10 steps, and the profiled prefix is a share of the configured
     # steps: the default 5 % profiles ceil(0.5) = ceil(1.0) = 1 batch in both, as a real interruption would
     settings = {"p2res": ["scheduler=p2res"], "het": SETTINGS["het"], "fae": ["scheduler=fae", "scheduler.window=4"]}
@@ -148,13 +157,25 @@ def test_het_bsp_runs_every_model(tmp_path: Path) -> None:
 def test_het_staleness_zero_trains_stock_model(tmp_path: Path, optimizer: str, lr: float) -> None:
     """HET with staleness 0 (HET-BSP) through real caches is exact BSP: the same tables, optimizer state and dense
     parameters as stock TorchRec ROW_WISE (eps 1e-2 for Adagrad, as in test_app_exactness.py, whose docstring says
-    why: with 1e-3 one sample on a ReLU kink within float32 noise leaves 1.4e-4 in its rows after 30 steps, here too)."""
+    why: with 1e-3 one sample on a ReLU kink within float32 noise leaves 1.4e-4 in its rows after 30 steps, here
+    too)."""
     eps = ["trainer.embedding_eps=1e-2"] if optimizer == "rowwise_adagrad" else []
     states = {}
     for name, args in (("het", ["scheduler=het"]), ("torchrec", ["scheduler=torchrec", "sharding.types=[row_wise]"])):
-        m = _run(tmp_path / name, [*args, *eps, "trainer.steps=30", f"trainer.embedding_optimizer={optimizer}",
-                                   f"trainer.embedding_lr={lr}", "trainer.dense_optimizer=sgd", "trainer.dense_lr=0.05",
-                                   "data.locality=0.7", "trainer.save_final=true"])
+        m = _run(
+            tmp_path / name,
+            [
+                *args,
+                *eps,
+                "trainer.steps=30",
+                f"trainer.embedding_optimizer={optimizer}",
+                f"trainer.embedding_lr={lr}",
+                "trainer.dense_optimizer=sgd",
+                "trainer.dense_lr=0.05",
+                "data.locality=0.7",
+                "trainer.save_final=true",
+            ],
+        )
         states[name] = torch.load(tmp_path / name / "final_state.pt")
     assert m["steps"] == 30
     for part in ("tables", "optimizer_state", "dense"):
@@ -172,7 +193,9 @@ def test_fae_reorder_moves_hot_samples_first_within_a_window() -> None:
 
     def batch(ids: list[int]) -> Samples:
         n = len(ids)
-        return Samples(np.zeros((n, 1), np.float32), np.array(ids, dtype=np.int64)[:, None], np.arange(n, dtype=np.float32))
+        return Samples(
+            np.zeros((n, 1), np.float32), np.array(ids, dtype=np.int64)[:, None], np.arange(n, dtype=np.float32)
+        )
 
     stream = [batch([9, 1, 8, 2]), batch([3, 7, 6, 4]), batch([0, 9, 9, 9]), batch([5, 5])]  # last: short
     fae = FaeReorder(2, lambda s: s.ids[:, 0] < 5)

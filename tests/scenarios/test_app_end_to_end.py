@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.app_runs import run_app, run_app_many
 from herald_torchrec.app.runtime import cpu_blocks
+from tests.helpers.app_runs import run_app, run_app_many
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -53,11 +53,13 @@ BAD_CONFIGS = [
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """Every one-rank CLI run of this module, in one process (helpers.app_runs.run_app_many): the models through the app, the
-    bad configurations, the missing data file. Returns (root of their run_dirs, {name: finished run})."""
+    """Every one-rank CLI run of this module, in one process (helpers.app_runs.run_app_many): the models through the
+    app, the bad configurations, the missing data file. Returns (root of their run_dirs, {name: finished run})."""
     root = tmp_path_factory.mktemp("one_rank")
-    runs = {m: [f"model={m}", "trainer.steps=30", "trainer.log_interval=10", "data.val_batches=4", f"run_dir={root / m}"]
-            for m in ONE_RANK_MODELS}
+    runs = {
+        m: [f"model={m}", "trainer.steps=30", "trainer.log_interval=10", "data.val_batches=4", f"run_dir={root / m}"]
+        for m in ONE_RANK_MODELS
+    }
     runs.update({f"bad{i}": [*args, f"run_dir={root / f'bad{i}'}"] for i, (args, _) in enumerate(BAD_CONFIGS)})
     runs["missing"] = ["data=criteo", f"data.path={root / 'nope.tsv'}", f"run_dir={root / 'missing'}"]
     runs["eval"] = ["trainer.steps=40", "trainer.eval_interval=20", "data.val_batches=2", f"run_dir={root / 'eval'}"]
@@ -89,11 +91,26 @@ def test_bad_configuration_is_a_clear_error(one_rank_runs: tuple[Path, dict], ca
 
 @pytest.mark.parametrize(
     "data, file, model",
-    [("criteo", "criteo_sample.tsv", "dcn"), ("avazu", "avazu_sample.csv", "deepfm"), ("movielens", "movielens_ratings_sample.csv", "ncf")],
+    [
+        ("criteo", "criteo_sample.tsv", "dcn"),
+        ("avazu", "avazu_sample.csv", "deepfm"),
+        ("movielens", "movielens_ratings_sample.csv", "ncf"),
+    ],
 )
 def test_real_format_samples_train(tmp_path: Path, shared_data: Path, data: str, file: str, model: str) -> None:
-    p = run_app([f"data={data}", f"data.path={shared_data / file}", "data.val_fraction=0.2", f"model={model}",
-                 "trainer.batch_size=8", "trainer.steps=12", "trainer.log_interval=4", f"run_dir={tmp_path}"], nproc=2)
+    p = run_app(
+        [
+            f"data={data}",
+            f"data.path={shared_data / file}",
+            "data.val_fraction=0.2",
+            f"model={model}",
+            "trainer.batch_size=8",
+            "trainer.steps=12",
+            "trainer.log_interval=4",
+            f"run_dir={tmp_path}",
+        ],
+        nproc=2,
+    )
     assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
     m = _metrics(tmp_path)
     assert m["steps"] == 12 and m["config"]["data"]["name"] == data

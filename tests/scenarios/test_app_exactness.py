@@ -1,6 +1,7 @@
 """The central claim at the application level: `train.py` ends at the same model — every table, its optimizer
-state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, scheduler=p2res, stock TorchRec ROW_WISE
-on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and an unscheduled one-process run over the same global batches (the reference).
+state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, scheduler=p2res, stock
+TorchRec ROW_WISE on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and an unscheduled
+one-process run over the same global batches (the reference).
 
 Why `embedding_eps=1e-2` for row-wise Adagrad: with the default 1e-8, a row read by one or two very confident
 samples takes a step of ~lr * g/|g|, so float32 summation-order noise in g (~1e-4 relative where sigmoid(z) - y is
@@ -23,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.ranks import REPO_ROOT, run_ranks
 from tests.helpers.app_runs import run_app
+from tests.helpers.ranks import REPO_ROOT, run_ranks
 
 RUNS = {  # name: (extra args, ranks)
     "herald": (["scheduler=herald"], 2),
@@ -33,7 +34,10 @@ RUNS = {  # name: (extra args, ranks)
     "p2res": (["scheduler=p2res"], 2),
     "torchrec": (["scheduler=torchrec", "sharding.types=[row_wise]"], 2),
     # four tables (tiny, mid-sized, large) left to TorchRec's TABLE_WISE / COLUMN_WISE sharding, the rest Herald's
-    "herald_mixed": (["scheduler=herald", "scheduler.unscheduled=[c3,c8,c9,c20]", "sharding.types=[table_wise,column_wise]"], 2),
+    "herald_mixed": (
+        ["scheduler=herald", "scheduler.unscheduled=[c3,c8,c9,c20]", "sharding.types=[table_wise,column_wise]"],
+        2,
+    ),
     "reference": (["scheduler=torchrec", "sharding.types=[table_wise]", "trainer.batch_size=512"], 1),
 }
 
@@ -46,9 +50,18 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
 def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: float) -> None:
     eps = ["trainer.embedding_eps=1e-2"] if optimizer == "rowwise_adagrad" else []
-    common = [*eps, "trainer.steps=30", "trainer.eval_interval=0", "data.val_batches=2",
-              f"trainer.embedding_optimizer={optimizer}", f"trainer.embedding_lr={lr}", "trainer.dense_optimizer=sgd",
-              "trainer.dense_lr=0.05", "trainer.save_final=true", "data.locality=0.7"]
+    common = [
+        *eps,
+        "trainer.steps=30",
+        "trainer.eval_interval=0",
+        "data.val_batches=2",
+        f"trainer.embedding_optimizer={optimizer}",
+        f"trainer.embedding_lr={lr}",
+        "trainer.dense_optimizer=sgd",
+        "trainer.dense_lr=0.05",
+        "trainer.save_final=true",
+        "data.locality=0.7",
+    ]
     # the 2-rank runs one after another in one pair of gloo ranks (tests/helpers/app_ranks.py: train.py's job, without
     # paying the start-up per run); the reference as a user runs it, `train.py` on one process
     two = {s: [*extra, *common] for s, (extra, nproc) in RUNS.items() if nproc == 2}
@@ -84,9 +97,9 @@ def _initial_tables() -> dict[str, torch.Tensor]:
     """The tables train.py starts from (seed 0, default config), built the way the trainer builds them."""
     from hydra import compose, initialize_config_dir
 
+    from herald_torchrec.app.trainer import model_features, model_kwargs
     from herald_torchrec.data import build_source
     from herald_torchrec.models import TrainModel, build_model
-    from herald_torchrec.app.trainer import model_features, model_kwargs
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["data.locality=0.7"])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ranks import run_ranks
 from tests.helpers.app_runs import run_app, run_app_many
+from tests.helpers.ranks import run_ranks
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -22,8 +22,17 @@ def test_module_traffic_equals_the_simulated_trace(tmp_path: Path) -> None:
     from herald_torchrec.schedule import GlobalBatch, make_policy
 
     steps, ranks, batch, lookahead = 30, 2, 256, 4
-    p = run_app(["scheduler=herald", f"scheduler.lookahead={lookahead}", f"trainer.steps={steps}",
-                 "trainer.eval_interval=10", "data.val_batches=2", f"run_dir={tmp_path}"], nproc=ranks)
+    p = run_app(
+        [
+            "scheduler=herald",
+            f"scheduler.lookahead={lookahead}",
+            f"trainer.steps={steps}",
+            "trainer.eval_interval=10",
+            "data.val_batches=2",
+            f"run_dir={tmp_path}",
+        ],
+        nproc=ranks,
+    )
     assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
     m = _metrics(tmp_path)
     # the simulator's way: the same chronological trace, the same policy, windows of L+1 batches
@@ -47,10 +56,20 @@ MODELS = ["dcn", "wdl", "deepfm", "ncf"]
 
 @pytest.fixture(scope="module")
 def herald_model_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every model under scheduler=herald, 2 ranks: all four runs in one pair of gloo ranks (tests/helpers/app_ranks.py)."""
+    """Every model under scheduler=herald, 2 ranks: all four runs in one pair of gloo ranks
+    (tests/helpers/app_ranks.py)."""
     root = tmp_path_factory.mktemp("herald_models")
-    runs = {m: ["scheduler=herald", f"model={m}", "trainer.steps=20", "trainer.eval_interval=0", "data.val_batches=2",
-                "trainer.log_interval=10"] for m in MODELS}
+    runs = {
+        m: [
+            "scheduler=herald",
+            f"model={m}",
+            "trainer.steps=20",
+            "trainer.eval_interval=0",
+            "data.val_batches=2",
+            "trainer.log_interval=10",
+        ]
+        for m in MODELS
+    }
     run_ranks("tests.helpers.app_ranks:train_configs", root, world_size=2, timeout=900, runs=runs)
     return root
 
@@ -63,15 +82,26 @@ def test_every_model_trains_under_herald(herald_model_runs: Path, model: str) ->
     assert m["steps"] == 20 and m["config"]["scheduler"]["name"] == "herald" and m["config"]["model"]["name"] == model
     assert m["world_size"] == 2 and 0.5 < m["auc"] <= 1.0 and m["module_rows_by_kind"]["hit"] > 0
     log = (herald_model_runs / "rank0.log").read_text()
-    assert "hit_rate" in log and "sched_ms" in log and "sched_cpu_ms" in log  # progress lines carry the scheduler's view
+    assert (
+        "hit_rate" in log and "sched_ms" in log and "sched_cpu_ms" in log
+    )  # progress lines carry the scheduler's view
     assert "input_wait_ms" in log and m["input_wait_ms_median"] >= 0.0  # and the training thread's wait for input
 
 
 def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
     """`scheduler.unscheduled=auto`: the tables the adaptive policy would not schedule (here the tiny ones, read by
     every rank) go to TorchRec's sharding; the rest stay Herald's, and training runs through both."""
-    p = run_app(["scheduler=herald", "scheduler.unscheduled=auto", "trainer.steps=20", "trainer.eval_interval=0",
-                 "data.val_batches=2", f"run_dir={tmp_path}"], nproc=2)
+    p = run_app(
+        [
+            "scheduler=herald",
+            "scheduler.unscheduled=auto",
+            "trainer.steps=20",
+            "trainer.eval_interval=0",
+            "data.val_batches=2",
+            f"run_dir={tmp_path}",
+        ],
+        nproc=2,
+    )
     assert (tmp_path / "metrics.json").exists(), p.stderr[-3000:]
     m = _metrics(tmp_path)
     left = m["unscheduled_tables"]
@@ -80,8 +110,10 @@ def test_auto_leaves_unworthy_tables_to_torchrec(tmp_path: Path) -> None:
 
 
 BAD_SETTINGS = [
-    (["scheduler.cache_ratio=1.5"], "cache_ratio"), (["scheduler.policy=nope"], "unknown scheduling policy"),
-    (["scheduler=fae", "scheduler.window=0"], "window must be an integer"), (["scheduler.lookahead=-1"], "lookahead"),
+    (["scheduler.cache_ratio=1.5"], "cache_ratio"),
+    (["scheduler.policy=nope"], "unknown scheduling policy"),
+    (["scheduler=fae", "scheduler.window=0"], "window must be an integer"),
+    (["scheduler.lookahead=-1"], "lookahead"),
     (["scheduler.unscheduled=[nope]"], "are not features of the model"),
     (["scheduler.unscheduled=[c3]", "sharding.types=[data_parallel]"], "data_parallel is not available"),
     (["scheduler.plan_on=everyone"], "scheduler.plan_on must be one of"),
@@ -100,7 +132,9 @@ BAD_SETTINGS = [
 def bad_setting_runs(tmp_path_factory: pytest.TempPathFactory) -> list:
     """Every bad setting through train.py's CLI path, in one process (helpers.app_runs.run_app_many)."""
     root = tmp_path_factory.mktemp("bad_settings")
-    return run_app_many([["scheduler=herald", *args, f"run_dir={root / str(i)}"] for i, (args, _) in enumerate(BAD_SETTINGS)])
+    return run_app_many(
+        [["scheduler=herald", *args, f"run_dir={root / str(i)}"] for i, (args, _) in enumerate(BAD_SETTINGS)]
+    )
 
 
 @pytest.mark.parametrize("case", range(len(BAD_SETTINGS)), ids=[s[1] for s in BAD_SETTINGS])
@@ -119,8 +153,12 @@ def test_hbm_cache_summary_of_all_rank_totals() -> None:
     from herald_torchrec.app.metrics import cache_summary
 
     two_ranks = torch.tensor([2.0, 2.0, 39104 + 28448, 1000.0 + 600.0, 100.0 + 300.0], dtype=torch.float64)
-    assert cache_summary(two_ranks) == {"hbm_cache_hit_rate": 0.75, "hbm_cache_lines": 67552,
-                                        "hbm_cache_unique_ids": 1600, "hbm_cache_unique_misses": 400}
+    assert cache_summary(two_ranks) == {
+        "hbm_cache_hit_rate": 0.75,
+        "hbm_cache_lines": 67552,
+        "hbm_cache_unique_ids": 1600,
+        "hbm_cache_unique_misses": 400,
+    }
     assert cache_summary(torch.zeros(5, dtype=torch.float64)) == {}
     no_counters = torch.tensor([2.0, 1.0, 500.0, 10.0, 1.0], dtype=torch.float64)
     assert cache_summary(no_counters) == {"hbm_cache_lines": 500, "hbm_cache_hit_rate": None}

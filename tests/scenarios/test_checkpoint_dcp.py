@@ -59,12 +59,16 @@ def herald_dmp(opt: str, world: int, mixed: bool = False):
         for name, w in init_tables().items():
             model.ebc.embedding_bags[name].weight.copy_(w)
     sharder = HeraldEmbeddingBagCollectionSharder(
-        cache_ratio=CACHE_RATIO, policy="random", fused_params=fused_params(opt), unscheduled_tables=["t3"] if mixed else ()
+        cache_ratio=CACHE_RATIO,
+        policy="random",
+        fused_params=fused_params(opt),
+        unscheduled_tables=["t3"] if mixed else (),
     )
     if mixed:
         cons = sharder.planner_constraints(model.ebc, ["table_wise"], world_size=world, device_type="cpu")
-        plan = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=cons
-                                        ).collective_plan(model, [sharder], dist.group.WORLD)
+        plan = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device="cpu"), constraints=cons
+        ).collective_plan(model, [sharder], dist.group.WORLD)
     else:
         plan = _row_wise_plan(model, sharder, world)
     return DistributedModelParallel(model, env=_env(), device=torch.device("cpu"), sharders=[sharder], plan=plan)
@@ -76,17 +80,28 @@ def stock_dmp(opt: str, world: int, sharding: str):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
     from herald_torchrec.app.model_setup import StockSharder
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 
     fp = fused_params(opt)
     fp["optimizer"] = parse_optimizer(fp["optimizer"])
     sharder = StockSharder(fused_params=fp)
     model = make_model()
-    types = {c.name: (row_wise(compute_kernel="fused") if sharding == "row_wise" else table_wise(rank=i % world, compute_kernel="fused"))
-             for i, c in enumerate(table_configs())}
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, types, sharder=sharder, local_size=world,
-                                                               world_size=world, device_type="cpu")})
+    types = {
+        c.name: (
+            row_wise(compute_kernel="fused")
+            if sharding == "row_wise"
+            else table_wise(rank=i % world, compute_kernel="fused")
+        )
+        for i, c in enumerate(table_configs())
+    }
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc, types, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+            )
+        }
+    )
     return DistributedModelParallel(model, env=_env(), device=torch.device("cpu"), sharders=[sharder], plan=plan)
 
 
@@ -113,8 +128,13 @@ def herald_tables_only(plan, num_tables: int):
     counts = np.diff(sh.reader_offsets)
     ks = np.asarray(sh.table) < num_tables
     readers = np.asarray(sh.readers)[np.repeat(ks, counts)]
-    shared = SharedRows(np.asarray(sh.table)[ks], np.asarray(sh.row)[ks], np.asarray(sh.owner)[ks],
-                        np.concatenate([[0], np.cumsum(counts[ks])]).astype(np.int64), readers)
+    shared = SharedRows(
+        np.asarray(sh.table)[ks],
+        np.asarray(sh.row)[ks],
+        np.asarray(sh.owner)[ks],
+        np.concatenate([[0], np.cumsum(counts[ks])]).astype(np.int64),
+        readers,
+    )
     return Plan(plan.step, plan.num_ranks, plan.batch_per_rank, plan.sample_order, moves, shared)
 
 
@@ -250,19 +270,30 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     train(a, batches[8:], rank, world, RandomPlanner(world, BATCH, "random", seed=17))
     train(b, batches[8:], rank, world, RandomPlanner(world, BATCH, "random", seed=17))
     fa, fb = herald_part(a).full_tables(), herald_part(b).full_tables()
-    torch.save({
-        "before": before, "after_a": after_a, "after_b": after_b,
-        "fresh_differs": _diff(fresh_w, truth_w),
-        "loaded_w": _diff(got_w, truth_w), "loaded_s": _diff(got_s, truth_s) if truth_s else 0.0,
-        "n_states": len(got_s),
-        "via_sd_w": _diff(via_sd_w, truth_w), "via_sd_s": _diff(via_sd_s, truth_s) if truth_s else 0.0,
-        "self_w": _diff(a_w, truth_w), "self_s": _diff(a_s, truth_s) if truth_s else 0.0,
-        "dense": dense_diff,
-        "trained_on_w": _diff(fa[0], fb[0]), "trained_on_s": _diff(fa[1], fb[1]) if fa[1] else 0.0,
-        "moved_on": _diff(fa[0], a_w),
-        "optim_sd": {k: sorted(v) for k, v in b.fused_optimizer.state_dict()["state"].items()},
-        "truth_w": truth_w, "truth_s": truth_s, "ckpt": ckpt,
-    }, rank_result(out_dir, rank))
+    torch.save(
+        {
+            "before": before,
+            "after_a": after_a,
+            "after_b": after_b,
+            "fresh_differs": _diff(fresh_w, truth_w),
+            "loaded_w": _diff(got_w, truth_w),
+            "loaded_s": _diff(got_s, truth_s) if truth_s else 0.0,
+            "n_states": len(got_s),
+            "via_sd_w": _diff(via_sd_w, truth_w),
+            "via_sd_s": _diff(via_sd_s, truth_s) if truth_s else 0.0,
+            "self_w": _diff(a_w, truth_w),
+            "self_s": _diff(a_s, truth_s) if truth_s else 0.0,
+            "dense": dense_diff,
+            "trained_on_w": _diff(fa[0], fb[0]),
+            "trained_on_s": _diff(fa[1], fb[1]) if fa[1] else 0.0,
+            "moved_on": _diff(fa[0], a_w),
+            "optim_sd": {k: sorted(v) for k, v in b.fused_optimizer.state_dict()["state"].items()},
+            "truth_w": truth_w,
+            "truth_s": truth_s,
+            "ckpt": ckpt,
+        },
+        rank_result(out_dir, rank),
+    )
 
 
 def cross_worker(rank: int, world: int, out_dir: str) -> None:
@@ -274,8 +305,10 @@ def cross_worker(rank: int, world: int, out_dir: str) -> None:
     lh, ls = _layout(h), _layout(stock_dmp(ADAGRAD, world, "row_wise"))
     out["layout_diff"] = [k for k in sorted(set(lh) | set(ls)) if lh.get(k) != ls.get(k)]
     stock_groups = stock_dmp(ADAGRAD, world, "row_wise").fused_optimizer.param_groups
-    out["groups"] = ([(sorted(g), len(g["params"]), float(g["lr"])) for g in h.fused_optimizer.param_groups],
-                     [(sorted(g), len(g["params"]), float(g["lr"])) for g in stock_groups])
+    out["groups"] = (
+        [(sorted(g), len(g["params"]), float(g["lr"])) for g in h.fused_optimizer.param_groups],
+        [(sorted(g), len(g["params"]), float(g["lr"])) for g in stock_groups],
+    )
     train(h, batches, rank, world, RandomPlanner(world, BATCH, "random", seed=6))
     out["guests"] = _ownership(h)["guests"]
     hw, hs = herald_part(h).full_tables()
@@ -319,13 +352,21 @@ def mixed_worker(rank: int, world: int, out_dir: str) -> None:
     b = herald_dmp(ADAGRAD, world, mixed=True)
     dcp_load(b, ckpt, with_optim=True)
     bw, bs = full_from_state_dicts(b)
-    torch.save({
-        "keys": keys, "stock_keys": sorted(stock.state_dict()),
-        "okeys": okeys, "stock_okeys": sorted(stock.fused_optimizer.state_dict()["state"]),
-        "herald_vs_sd": _diff({k: tw[k] for k in hw}, hw), "herald_vs_sd_s": _diff({k: ts[k] for k in hs}, hs),
-        "roundtrip_w": _diff(bw, tw), "roundtrip_s": _diff(bs, ts), "t3_state": float(ts["t3"].abs().max()),
-        "ownership": _ownership(b),
-    }, rank_result(out_dir, rank))
+    torch.save(
+        {
+            "keys": keys,
+            "stock_keys": sorted(stock.state_dict()),
+            "okeys": okeys,
+            "stock_okeys": sorted(stock.fused_optimizer.state_dict()["state"]),
+            "herald_vs_sd": _diff({k: tw[k] for k in hw}, hw),
+            "herald_vs_sd_s": _diff({k: ts[k] for k in hs}, hs),
+            "roundtrip_w": _diff(bw, tw),
+            "roundtrip_s": _diff(bs, ts),
+            "t3_state": float(ts["t3"].abs().max()),
+            "ownership": _ownership(b),
+        },
+        rank_result(out_dir, rank),
+    )
 
 
 def in_memory_worker(rank: int, world: int, out_dir: str) -> None:
@@ -338,14 +379,23 @@ def in_memory_worker(rank: int, world: int, out_dir: str) -> None:
     b = herald_dmp(ADAGRAD, world)
     res = b.load_state_dict(a.state_dict())
     got, _ = herald_part(b).full_tables()
-    torch.save({"diff": _diff(got, truth), "missing": list(res.missing_keys),
-                "guests": int(herald_part(a).store.guest_count_all.sum())}, rank_result(out_dir, rank))
+    torch.save(
+        {
+            "diff": _diff(got, truth),
+            "missing": list(res.missing_keys),
+            "guests": int(herald_part(a).store.guest_count_all.sum()),
+        },
+        rank_result(out_dir, rank),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("opt", [ADAGRAD, SGD])
 def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str) -> None:
-    res = [torch.load(f, weights_only=False) for f in run_ranks("tests.scenarios.test_checkpoint_dcp:roundtrip_worker", tmp_path, opt=opt)]
+    res = [
+        torch.load(f, weights_only=False)
+        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:roundtrip_worker", tmp_path, opt=opt)
+    ]
     r = res[0]
     assert r["before"]["guests"] > 0 and r["before"]["away"] > 0  # the checkpoint was taken with rows away from home
     assert r["fresh_differs"] > 1e-3  # the fresh model really starts elsewhere
@@ -389,7 +439,10 @@ def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path) -> None:
 
 
 def test_mixed_ebc_checkpoints_like_a_stock_ebc(tmp_path: Path) -> None:
-    res = [torch.load(f, weights_only=False) for f in run_ranks("tests.scenarios.test_checkpoint_dcp:mixed_worker", tmp_path)]
+    res = [
+        torch.load(f, weights_only=False)
+        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:mixed_worker", tmp_path)
+    ]
     r = res[0]
     assert r["keys"] == r["stock_keys"], (r["keys"], r["stock_keys"])
     # fused-optimizer keys: TorchRec's; a TABLE_WISE table's state is listed by its owning rank only (as stock)
@@ -403,7 +456,10 @@ def test_mixed_ebc_checkpoints_like_a_stock_ebc(tmp_path: Path) -> None:
 
 def test_in_memory_state_dict_load_after_moves(tmp_path: Path) -> None:
     """Fails on main: its state dict held slot-ordered TBE internals, so rows living as guests came back wrong."""
-    res = [torch.load(f, weights_only=False) for f in run_ranks("tests.scenarios.test_checkpoint_dcp:in_memory_worker", tmp_path)]
+    res = [
+        torch.load(f, weights_only=False)
+        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:in_memory_worker", tmp_path)
+    ]
     assert res[0]["guests"] > 0
     for r in res:
         assert r["missing"] == [] and r["diff"] == 0.0, (r["missing"], r["diff"])
@@ -442,8 +498,10 @@ def test_shard_placements_name_the_gpus_ranks_use() -> None:
     from herald_torchrec.distributed.state.checkpoint import _on_used_devices
 
     gpus = max(torch.cuda.device_count(), 1)
-    planned = [ShardMetadata(shard_offsets=[10 * r, 0], shard_sizes=[10, 4], placement=f"rank:{r}/cuda:{r}")
-               for r in range(gpus + 2)]
+    planned = [
+        ShardMetadata(shard_offsets=[10 * r, 0], shard_sizes=[10, 4], placement=f"rank:{r}/cuda:{r}")
+        for r in range(gpus + 2)
+    ]
     for rank in range(gpus + 2):
         own = torch.device("cuda", rank % gpus)
         placed = _on_used_devices(planned, rank, own)

@@ -56,8 +56,16 @@ def _twin_stores(opt: str):
     from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
     specs = [TableSpec("a", 300, 8), TableSpec("b", 500, 16)]
-    kw = dict(rank=0, world_size=2, cache_ratio=0.2, optimizer=opt, learning_rate=0.05, features_per_table=[1, 2],
-              device="cuda", cache_load_factor=0.02)
+    kw = dict(
+        rank=0,
+        world_size=2,
+        cache_ratio=0.2,
+        optimizer=opt,
+        learning_rate=0.05,
+        features_per_table=[1, 2],
+        device="cuda",
+        cache_load_factor=0.02,
+    )
     cached = RowStore(specs, location=EmbeddingLocation.MANAGED_CACHING, cache_stats=True, **kw)
     plain = RowStore(specs, location=EmbeddingLocation.DEVICE, **kw)
     assert cached._cached and not plain._cached
@@ -81,8 +89,9 @@ def test_row_store_cache_coherence(opt: str) -> None:
         # a pooled lookup + backward over random slots (3 features: table a, then b twice): fused update in the cache
         F, B = 3, 32
         lengths = rng.integers(0, 4, size=F * B)
-        idx = np.concatenate([rng.integers(0, cached.local_rows[t], size=int(n))
-                              for t, n in zip(np.repeat([0, 1, 1], B), lengths)]).astype(np.int64)
+        idx = np.concatenate(
+            [rng.integers(0, cached.local_rows[t], size=int(n)) for t, n in zip(np.repeat([0, 1, 1], B), lengths)]
+        ).astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         grad = torch.randn(B, 8 + 16 + 16, generator=g).cuda()
         for s in (cached, plain):
@@ -92,8 +101,13 @@ def test_row_store_cache_coherence(opt: str) -> None:
         rt = rng.integers(0, T, size=40)
         rs = np.array([rng.integers(0, cached.local_rows[t]) for t in rt], dtype=np.int64)
         # (equal up to float noise of the kernels; a stale row would be off by O(0.1), the scale of the data)
-        torch.testing.assert_close(cached.read_packed(rt, rs), plain.read_packed(rt, rs), rtol=0, atol=1e-6,
-                                   msg=lambda m: f"step {step}: read_packed: {m}")
+        torch.testing.assert_close(
+            cached.read_packed(rt, rs),
+            plain.read_packed(rt, rs),
+            rtol=0,
+            atol=1e-6,
+            msg=lambda m: f"step {step}: read_packed: {m}",
+        )
         wt = rng.integers(0, T, size=30)
         ws = np.unique(np.stack([wt, [rng.integers(0, cached.local_rows[t]) for t in wt]]), axis=1)
         data = torch.rand(int(cached.packed_widths(ws[0]).sum()), generator=g).cuda()
@@ -120,9 +134,16 @@ def _plan(model, sharder, world: int):
     from torchrec.distributed.types import ShardingPlan
 
     return ShardingPlan(
-        {"ebc": construct_module_sharding_plan(
-            model.ebc, {c.name: row_wise(compute_kernel="fused") for c in table_configs()}, sharder=sharder,
-            local_size=world, world_size=world, device_type="cuda")}
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc,
+                {c.name: row_wise(compute_kernel="fused") for c in table_configs()},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cuda",
+            )
+        }
     )
 
 
@@ -204,8 +225,13 @@ def _check(res: dict, opt: str, mode: str) -> None:
 
 
 def test_cuda_parity_one_rank(tmp_path: Path) -> None:
-    (f,) = run_ranks("tests.scenarios.test_cuda_parity:cuda_parity_worker", tmp_path, world_size=1, timeout=400,
-                     modes=["static", "random"])
+    (f,) = run_ranks(
+        "tests.scenarios.test_cuda_parity:cuda_parity_worker",
+        tmp_path,
+        world_size=1,
+        timeout=400,
+        modes=["static", "random"],
+    )
     result = torch.load(f, weights_only=False)
     for opt in OPTIMIZERS:
         for mode in ("static", "random"):
@@ -213,7 +239,9 @@ def test_cuda_parity_one_rank(tmp_path: Path) -> None:
 
 
 def test_cuda_parity_two_ranks_with_moves(tmp_path: Path) -> None:
-    files = run_ranks("tests.scenarios.test_cuda_parity:cuda_parity_worker", tmp_path, world_size=2, timeout=500, modes=["random"])
+    files = run_ranks(
+        "tests.scenarios.test_cuda_parity:cuda_parity_worker", tmp_path, world_size=2, timeout=500, modes=["random"]
+    )
     for f in files:
         result = torch.load(f, weights_only=False)
         for opt in OPTIMIZERS:

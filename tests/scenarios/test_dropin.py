@@ -25,7 +25,12 @@ from tests.helpers.ranks import rank_result, run_ranks
 STEPS = 30
 B = 16  # per rank
 KEYS = ["f0", "f1", "f2", "f3", "f4"]
-ROWS = {"t0": 4000, "t1": 6000, "t2": 2300, "t3": 5000}  # large enough for the default planner to pick TABLE_WISE (t2 serves f2 and f4)
+ROWS = {
+    "t0": 4000,
+    "t1": 6000,
+    "t2": 2300,
+    "t3": 5000,
+}  # large enough for the default planner to pick TABLE_WISE (t2 serves f2 and f4)
 FEATURES = {"t0": ["f0"], "t1": ["f1"], "t2": ["f2", "f4"], "t3": ["f3"]}
 HASH = [40, 300, 23, 120, 23]
 MAX_IDS = [3, 2, 1, 4, 2]  # multi-hot; RandomRecDataset draws each bag's length in [0, max]: empty bags occur
@@ -37,9 +42,11 @@ def make_model():
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=t, embedding_dim=8, num_embeddings=ROWS[t], feature_names=FEATURES[t]) for t in ROWS
-    ])
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=t, embedding_dim=8, num_embeddings=ROWS[t], feature_names=FEATURES[t]) for t in ROWS
+        ]
+    )
     return DLRMTrain(DLRM(ebc, dense_in_features=4, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1]))
 
 
@@ -48,8 +55,16 @@ def data(rank: int, world: int = 2, ref: bool = False):
 
     if ref:  # one process, the whole global batch
         return (concat_batches(parts) for parts in zip(*[data(q, world) for q in range(world)]))
-    return RandomRecDataset(KEYS, B, hash_sizes=HASH, ids_per_features=MAX_IDS, min_ids_per_features=[0] * len(KEYS),
-                            num_dense=4, manual_seed=100 + rank, num_generated_batches=STEPS + 4)
+    return RandomRecDataset(
+        KEYS,
+        B,
+        hash_sizes=HASH,
+        ids_per_features=MAX_IDS,
+        min_ids_per_features=[0] * len(KEYS),
+        num_dense=4,
+        manual_seed=100 + rank,
+        num_generated_batches=STEPS + 4,
+    )
 
 
 def concat_batches(parts):
@@ -59,8 +74,11 @@ def concat_batches(parts):
 
     dicts = [p.sparse_features.to_dict() for p in parts]
     keys = list(parts[0].sparse_features.keys())
-    kjt = KeyedJaggedTensor(keys=keys, values=torch.cat([d[k].values() for k in keys for d in dicts]),
-                            lengths=torch.cat([d[k].lengths() for k in keys for d in dicts]))
+    kjt = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([d[k].values() for k in keys for d in dicts]),
+        lengths=torch.cat([d[k].lengths() for k in keys for d in dicts]),
+    )
     return Batch(torch.cat([p.dense_features for p in parts]), kjt, torch.cat([p.labels for p in parts]))
 
 
@@ -80,7 +98,9 @@ def set_tables(dmp, tables: dict[str, torch.Tensor]) -> None:
     dmp.load_state_dict(sd)
 
 
-def dropin_worker(rank: int, world: int, out_dir: str, kind: str, opt: str, policy: str = "herald", ref_world: int | None = None) -> None:
+def dropin_worker(
+    rank: int, world: int, out_dir: str, kind: str, opt: str, policy: str = "herald", ref_world: int | None = None
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -93,18 +113,25 @@ def dropin_worker(rank: int, world: int, out_dir: str, kind: str, opt: str, poli
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
 
     model = make_model()
-    init = {n: b.weight.detach().clone() for n, b in model.model.sparse_arch.embedding_bag_collection.embedding_bags.items()}
+    init = {
+        n: b.weight.detach().clone() for n, b in model.model.sparse_arch.embedding_bag_collection.embedding_bags.items()
+    }
     ebc_params = model.model.sparse_arch.embedding_bag_collection.parameters()
     if opt == "sgd":
         apply_optimizer_in_backward(torch.optim.SGD, ebc_params, {"lr": 0.1})
     else:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc_params, {"lr": 0.1, "eps": 1e-3})
     herald = kind == "herald"
-    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=0.2, lookahead=2, policy=policy) if herald else EmbeddingBagCollectionSharder()  # <- herald
+    sharder = (
+        HeraldEmbeddingBagCollectionSharder(cache_ratio=0.2, lookahead=2, policy=policy)
+        if herald
+        else EmbeddingBagCollectionSharder()
+    )  # <- herald
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])
     set_tables(dmp, init)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda p: torch.optim.SGD(p, lr=0.05))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.05)
+    )
     Pipeline = HeraldTrainPipeline if herald else TrainPipelineSparseDist  # <- herald
     pipeline = Pipeline(dmp, dense, torch.device("cpu"))
     batches = iter(data(rank, ref=ref_world is not None) if ref_world is None else data(rank, ref_world, ref=True))
@@ -118,7 +145,9 @@ def dropin_worker(rank: int, world: int, out_dir: str, kind: str, opt: str, poli
     dcp.save(state, checkpoint_id=str(Path(out_dir) / "ckpt"))
     extra = {}
     if herald:
-        extra["plans_moved"] = sum(v for k, v in pipeline.trained_counters.items() if k in ("migrate", "evict_home", "forward"))
+        extra["plans_moved"] = sum(
+            v for k, v in pipeline.trained_counters.items() if k in ("migrate", "evict_home", "forward")
+        )
         extra["shared"] = pipeline.trained_counters.get("shared_value", 0)
         extra["shared_grad"] = pipeline.trained_counters.get("shared_grad", 0)
     torch.save({"losses": losses, **extra}, rank_result(out_dir, rank))
@@ -146,8 +175,14 @@ def full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_herald_dropin_equals_stock_torchrec(tmp_path: Path, opt: str, tol: float) -> None:
     results = {}
     for kind, world, ref in (("stock", 2, None), ("herald", 2, None), ("reference", 1, 2)):
-        run_ranks("tests.scenarios.test_dropin:dropin_worker", tmp_path / kind, world_size=world, kind="stock" if ref else kind,
-                  opt=opt, ref_world=ref)
+        run_ranks(
+            "tests.scenarios.test_dropin:dropin_worker",
+            tmp_path / kind,
+            world_size=world,
+            kind="stock" if ref else kind,
+            opt=opt,
+            ref_world=ref,
+        )
         results[kind] = full_checkpoint(tmp_path / kind / "ckpt")
     stock, herald = results["stock"], results["herald"]
     tables = [k for k in stock if ".embedding_bags." in k and k.startswith("model.")]

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.ranks import rank_result, run_ranks
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, MOVE_KIND_NAMES, Plan, RowMoves, SharedRows
+from tests.helpers.ranks import rank_result, run_ranks
 
 # ------------------------------------------------------------------------------------------ test data & planner
 TABLE_ROWS = (50, 120, 300, 500)
@@ -290,9 +290,10 @@ def run_reference(opt: str, batches: list[dict], world: int, division: bool) -> 
         emb = tbe(kjt.values(), kjt.offsets())  # KJT key-major layout == TBE feature-major layout
         x = torch.cat([emb, torch.relu(model.bottom(torch.from_numpy(b["dense"])))], dim=1)
         logits = model.over(x).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, torch.from_numpy(b["labels"]), reduction="sum"
-        ) / BATCH  # = sum over the R chunks of each chunk's mean loss
+        loss = (
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(b["labels"]), reduction="sum")
+            / BATCH
+        )  # = sum over the R chunks of each chunk's mean loss
         if division:
             loss = loss / world  # the global mean: what every gradient is under TorchRec's gradient division
         loss.backward()
@@ -334,9 +335,16 @@ def _row_wise_plan(model, sharder, world: int):
     from torchrec.distributed.types import ShardingPlan
 
     return ShardingPlan(
-        {"ebc": construct_module_sharding_plan(
-            model.ebc, {c.name: row_wise(compute_kernel="fused") for c in table_configs()}, sharder=sharder,
-            local_size=world, world_size=world, device_type="cpu")}
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc,
+                {c.name: row_wise(compute_kernel="fused") for c in table_configs()},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
+        }
     )
 
 
@@ -450,8 +458,15 @@ def config_name(opt: str, division: bool) -> str:
     return f"{opt}/{'div' if division else 'sum'}"
 
 
-def parity_worker(rank: int, world: int, out_dir: str, steps: int = STEPS, configs: list | None = None,
-                  static: bool = True, torchrec: bool = True) -> None:
+def parity_worker(
+    rank: int,
+    world: int,
+    out_dir: str,
+    steps: int = STEPS,
+    configs: list | None = None,
+    static: bool = True,
+    torchrec: bool = True,
+) -> None:
     import time
 
     from torchrec.distributed.comm_ops import set_gradient_division
@@ -518,8 +533,15 @@ def _check_parity(res: dict, config: str) -> None:
 
 def test_three_ranks_guest_to_guest_forwards(tmp_path: Path) -> None:
     """3 ranks (odd world size: gradient division by 3; FORWARD moves go guest slot to guest slot)."""
-    files = run_ranks("tests.scenarios.test_module_parity:parity_worker", tmp_path, world_size=3, timeout=300, steps=12,
-                      configs=[["exact_rowwise_adagrad", True]], static=False)
+    files = run_ranks(
+        "tests.scenarios.test_module_parity:parity_worker",
+        tmp_path,
+        world_size=3,
+        timeout=300,
+        steps=12,
+        configs=[["exact_rowwise_adagrad", True]],
+        static=False,
+    )
     for f in files:
         res = torch.load(f, weights_only=False)["exact_rowwise_adagrad/div"]
         _check_parity(res, "exact_rowwise_adagrad/div")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ranks import REPO_ROOT, rank_env
 from herald_torchrec.distributed.train_pipeline.input_thread import PrefetchedInput
+from tests.helpers.ranks import REPO_ROOT, rank_env
 
 
 def _endless_stage(stopped: threading.Event):
@@ -78,7 +78,8 @@ from tests.scenarios.test_dropin import data, make_model
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = make_model()
-apply_optimizer_in_backward(torch.optim.SGD, model.model.sparse_arch.embedding_bag_collection.parameters(), {{"lr": 0.1}})
+ebc = model.model.sparse_arch.embedding_bag_collection
+apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {{"lr": 0.1}})
 dmp = DistributedModelParallel(model, device=torch.device("cpu"),
                                sharders=[HeraldEmbeddingBagCollectionSharder(cache_ratio=0.2, lookahead=2)])
 dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -115,11 +116,18 @@ def _run_loop(out_dir: Path, prefetch: int, close: bool, steps: int = 12) -> lis
     """Two gloo ranks run the user's loop as their whole script (no process-group teardown after it); returns each
     rank's (exit status, output, result)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    code = _LOOP.format(root=str(REPO_ROOT), prefetch=prefetch, steps=steps, close=close,
-                        out_dir=str(out_dir))
+    code = _LOOP.format(root=str(REPO_ROOT), prefetch=prefetch, steps=steps, close=close, out_dir=str(out_dir))
     env = rank_env(2)
-    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = []
     for p in procs:
         try:

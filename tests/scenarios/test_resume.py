@@ -9,12 +9,19 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.ranks import run_ranks
 from tests.helpers.app_runs import run_app, run_app_many
+from tests.helpers.ranks import run_ranks
 from tests.scenarios.test_app_exactness import _max_diff
 
-COMMON = ["scheduler=herald", "scheduler.unscheduled=[c3]", "trainer.eval_interval=0", "data.val_batches=2",
-          "trainer.embedding_eps=1e-3", "trainer.save_final=true", "trainer.checkpoint_interval=10"]
+COMMON = [
+    "scheduler=herald",
+    "scheduler.unscheduled=[c3]",
+    "trainer.eval_interval=0",
+    "data.val_batches=2",
+    "trainer.embedding_eps=1e-3",
+    "trainer.save_final=true",
+    "trainer.checkpoint_interval=10",
+]
 
 
 def _read_checkpoint(ckpt: Path, tmp: Path) -> dict:
@@ -29,11 +36,13 @@ def _read_checkpoint(ckpt: Path, tmp: Path) -> dict:
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
-    """The run in one go and the run stopped after step 10 share one pair of gloo ranks (tests/helpers/app_ranks.py); the
-    resume is a fresh `torchrun train.py` launch, as after a real interruption."""
+    """The run in one go and the run stopped after step 10 share one pair of gloo ranks (tests/helpers/app_ranks.py);
+    the resume is a fresh `torchrun train.py` launch, as after a real interruption."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    runs = {"whole": [*COMMON, "trainer.steps=20", f"run_dir={whole}"],
-            "split": [*COMMON, "trainer.steps=10", f"run_dir={split}"]}  # "interrupted" after step 10
+    runs = {
+        "whole": [*COMMON, "trainer.steps=20", f"run_dir={whole}"],
+        "split": [*COMMON, "trainer.steps=10", f"run_dir={split}"],
+    }  # "interrupted" after step 10
     run_ranks("tests.helpers.app_ranks:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
     assert (whole / "final_state.pt").exists(), f"see {tmp_path}/rank*.log"
     assert (split / "checkpoint" / ".metadata").exists(), f"see {tmp_path}/rank*.log"
@@ -58,11 +67,13 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     old.mkdir()
     torch.save({"step": 10}, old / "checkpoint.pt")
     run = tmp_path / "run"
-    first, other, from_old = run_app_many([  # in order, in one process, each through train.py's CLI path
-        [*COMMON, "trainer.steps=10", f"run_dir={run}"],
-        [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
-        [*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"],
-    ])
+    first, other, from_old = run_app_many(
+        [  # in order, in one process, each through train.py's CLI path
+            [*COMMON, "trainer.steps=10", f"run_dir={run}"],
+            [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
+            [*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"],
+        ]
+    )
     assert first.returncode == 0 and (run / "checkpoint" / ".metadata").exists(), first.stderr[-3000:]
     p = other
     assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

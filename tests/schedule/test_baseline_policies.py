@@ -16,7 +16,6 @@ from tests.helpers.ranks import REPO_ROOT
 from tests.schedule.test_policies import jagged_trace, make_batches, run, synthetic_trace
 
 
-
 def dense(ids, rows) -> GlobalBatch:
     return GlobalBatch.from_dense(np.array(ids, dtype=np.int64), rows)
 
@@ -120,8 +119,9 @@ def test_fae_partition_and_reorder():
     np.testing.assert_array_equal(pol.sample_hot(b0), [False, True, False, True])  # hot iff every id is hot
     np.testing.assert_array_equal(pol.sample_hot(b1), [True, False, True, False])
     r0, r1 = pol.reorder([b0, b1])
-    np.testing.assert_array_equal(np.stack(r0.values, 1),
-                                  [[0, 0], [1, 0], [0, 0], [1, 0]])  # the four hot samples, in stream order
+    np.testing.assert_array_equal(
+        np.stack(r0.values, 1), [[0, 0], [1, 0], [0, 0], [1, 0]]
+    )  # the four hot samples, in stream order
     np.testing.assert_array_equal(np.stack(r1.values, 1), [[2, 3], [3, 1], [2, 2], [3, 3]])
     chk = PlanChecker(FAE_ROWS, 2, 2, 0.5)
     # a cold batch reading the hot rows 0 and 4 at home, then a hot batch: the switch copies them to the replicas
@@ -159,13 +159,16 @@ def test_fae_reorder_keeps_the_samples_on_a_stream():
     batches = make_batches(rows, raw)
     pol = make_policy("fae", rows, R, B, 0.1, 0, window=4, hot_budget=300)
     pol.profile(batches[:8])
-    out = [nb for i in range(0, 16, 4) for nb in pol.reorder(batches[i:i + 4])]
-    key = lambda bs: sorted(map(tuple, np.concatenate([np.stack(b.values, 1) for b in bs]).tolist()))
+    out = [nb for i in range(0, 16, 4) for nb in pol.reorder(batches[i : i + 4])]
+
+    def key(bs):
+        return sorted(map(tuple, np.concatenate([np.stack(b.values, 1) for b in bs]).tolist()))
+
     assert key(out) == key(batches)
     hot = [bool(pol.sample_hot(b).all()) for b in out]
-    per_window = [sum(int(pol.sample_hot(b).sum()) for b in batches[i:i + 4]) for i in range(0, 16, 4)]
+    per_window = [sum(int(pol.sample_hot(b).sum()) for b in batches[i : i + 4]) for i in range(0, 16, 4)]
     assert sum(hot) == sum(h // (R * B) for h in per_window) >= 4  # floor(H / N) purely hot batches per window
-    assert all(hot[i] or not any(hot[i:(i // 4 + 1) * 4]) for i in range(16))
+    assert all(hot[i] or not any(hot[i : (i // 4 + 1) * 4]) for i in range(16))
     chk = PlanChecker(rows, R, B, 0.1)
     for b in out:
         assert not chk.check(pol.plan([b]), b).errors
@@ -237,14 +240,40 @@ def load_simulate():
     return mod
 
 
-SMALL = ["--scale", "0.0005", "--batch", "8", "--steps", "8", "--lookahead", "2", "--cache-ratio", "0.2",
-         "--workers", "4", "--json"]
+SMALL = [
+    "--scale",
+    "0.0005",
+    "--batch",
+    "8",
+    "--steps",
+    "8",
+    "--lookahead",
+    "2",
+    "--cache-ratio",
+    "0.2",
+    "--workers",
+    "4",
+    "--json",
+]
 
 
 def test_simulate_baselines(capsys):
     sim = load_simulate()
-    sim.main(["--policies", "het_bsp,het,fae,p2res,herald", "--staleness", "2", "--hot-budget", "40",
-              "--fae-window", "4", "--profile-fraction", "0.25", *SMALL])
+    sim.main(
+        [
+            "--policies",
+            "het_bsp,het,fae,p2res,herald",
+            "--staleness",
+            "2",
+            "--hot-budget",
+            "40",
+            "--fae-window",
+            "4",
+            "--profile-fraction",
+            "0.25",
+            *SMALL,
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["staleness"] == 2 and out["config"]["hot_budget"] == 40
     pol = out["policies"]
@@ -254,8 +283,11 @@ def test_simulate_baselines(capsys):
         assert abs(st["rows_per_step"] - sum(v for k, v in st["by_kind"].items() if k != "hit")) < 0.05
         assert (st["stale_reads"] > 0) == (name == "het"), name
     assert pol["het"]["staleness"] == 2 and pol["het"]["rows_per_step"] < pol["het_bsp"]["rows_per_step"]
-    assert set(pol["fae"]["by_kind"]) == set(pol["p2res"]["by_kind"]) == {
-        "hit", "shared_value", "shared_grad", "allreduce", "replica_sync"}
+    assert (
+        set(pol["fae"]["by_kind"])
+        == set(pol["p2res"]["by_kind"])
+        == {"hit", "shared_value", "shared_grad", "allreduce", "replica_sync"}
+    )
     assert pol["fae"]["replicated_rows"] == 40 and 0 < pol["p2res"]["replicated_rows"] <= 40
     assert pol["p2res"]["by_kind"]["allreduce"] > 0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, guest_capacity
+from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
@@ -80,8 +80,11 @@ def test_jagged_rejects_bad_offsets():
     with pytest.raises(ValueError, match="offsets"):
         GlobalBatch([np.array([0, 3, 2], dtype=np.int64)], [np.array([0, 1], dtype=np.int64)], [5])
     with pytest.raises(ValueError, match="samples"):
-        GlobalBatch([np.array([0, 1], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64)],
-                    [np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64)], [5, 5])
+        GlobalBatch(
+            [np.array([0, 1], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64)],
+            [np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64)],
+            [5, 5],
+        )
     with pytest.raises(ValueError, match="at least one table"):
         TableLayout([])
     with pytest.raises(ValueError, match=">= 1 row"):
@@ -257,7 +260,9 @@ def test_eviction_pool_picks_what_a_full_selection_picks(seed, pushed_share):
 
 def test_apply_moves_returns_the_slots_of_arriving_guests():
     d = OwnershipDirectory([300, 50, 7], num_ranks=3, cache_ratio=0.2)
-    gid = np.array([5, 120, 299, 310, 200])  # table 0 rows 5, 120, 299 (homes 0, 1, 2), table 1 row 10 (home 0), row 200
+    gid = np.array(
+        [5, 120, 299, 310, 200]
+    )  # table 0 rows 5, 120, 299 (homes 0, 1, 2), table 1 row 10 (home 0), row 200
     dst = np.array([1, 0, 2, 2, 1])  # row 299 stays at its home: not a guest; the other four arrive as guests
     pos = d.apply_moves(gid, dst)
     arrived = gid[[0, 1, 3, 4]]

@@ -125,8 +125,10 @@ def test_no_lookahead_and_no_forward():
 def test_balanced_assign_equal(R):
     rng = np.random.default_rng(R)
     B = 9
-    for scores in (rng.integers(0, 4, (R * B, R)).astype(np.float32),  # many ties
-                   rng.normal(size=(R * B, R)).astype(np.float32)):
+    for scores in (
+        rng.integers(0, 4, (R * B, R)).astype(np.float32),  # many ties
+        rng.normal(size=(R * B, R)).astype(np.float32),
+    ):
         np.testing.assert_array_equal(native.balanced_assign(scores, B), balanced_assign(scores, B))
 
 

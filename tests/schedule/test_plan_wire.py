@@ -66,10 +66,21 @@ def _arrays(v):
 
 def test_values_at_the_type_limits_survive():
     big = np.array([0, 2**31 + 5, -(2**40)], dtype=np.int64)  # needs int64
-    plan = Plan(step=3, num_ranks=2, batch_per_rank=2, sample_order=np.array([3, 0, 1, 2], dtype=np.int64),
-                moves=RowMoves(table=np.array([0, 1, 2]), row=big, src=np.array([0, 1, 1]), dst=np.array([1, 0, 0]),
-                               kind=np.array([0, 1, 2], dtype=np.int8)),
-                counters={"migrate": 1, "hit": 0}, sched_seconds=0.125)
+    plan = Plan(
+        step=3,
+        num_ranks=2,
+        batch_per_rank=2,
+        sample_order=np.array([3, 0, 1, 2], dtype=np.int64),
+        moves=RowMoves(
+            table=np.array([0, 1, 2]),
+            row=big,
+            src=np.array([0, 1, 1]),
+            dst=np.array([1, 0, 0]),
+            kind=np.array([0, 1, 2], dtype=np.int8),
+        ),
+        counters={"migrate": 1, "hit": 0},
+        sched_seconds=0.125,
+    )
     assert_same(plan, decode_plan(encode_plan(plan)))
 
 
@@ -80,7 +91,9 @@ def test_plans_outside_the_short_forms_travel_as_they_are():
 
     def shared(offsets, readers):
         n = len(offsets) - 1
-        return SharedRows(np.arange(n), np.arange(n) * 7, np.zeros(n, dtype=np.int64), np.array(offsets), np.array(readers))
+        return SharedRows(
+            np.arange(n), np.arange(n) * 7, np.zeros(n, dtype=np.int64), np.array(offsets), np.array(readers)
+        )
 
     cases = [
         (np.array([1, 0, 2, 3]), shared([0, 2, 3], [0, 1, 1])),  # rank 0's slice not increasing; CSR fine
@@ -92,7 +105,9 @@ def test_plans_outside_the_short_forms_travel_as_they_are():
     for order, sh in cases:
         plan = Plan(step=1, num_ranks=2, batch_per_rank=2, sample_order=order, shared=sh)
         assert_same(plan, decode_plan(encode_plan(plan)))
-    short = Plan(step=1, num_ranks=2, batch_per_rank=2, sample_order=np.array([0, 3, 1, 2]), shared=shared([0, 2, 3], [0, 1, 1]))
+    short = Plan(
+        step=1, num_ranks=2, batch_per_rank=2, sample_order=np.array([0, 3, 1, 2]), shared=shared([0, 2, 3], [0, 1, 1])
+    )
     assert_same(short, decode_plan(encode_plan(short)))
     assert short_forms(encode_plan(short)) == {"as", "rm"} and short_forms(encode_plan(plan)) == set()
 
@@ -140,12 +155,29 @@ def test_compiled_wire_gives_the_same_bytes_and_plans():
     batches = trace(8, seed=4)
     plans = [policy.plan(batches[i : i + L + 1]) for i in range(len(batches) - L)]
     big = np.array([0, 2**31 + 5, -(2**40)], dtype=np.int64)
-    plans.append(Plan(step=3, num_ranks=2, batch_per_rank=2, sample_order=np.array([3, 0, 1, 2], dtype=np.int32),
-                      moves=RowMoves(table=np.array([0, 1, 2], dtype=np.uint8), row=big, src=np.array([0, 1, 1]),
-                                     dst=np.array([1, 0, 0]), kind=np.array([0, 1, 2], dtype=np.int8)),
-                      shared=SharedRows(np.array([1, 4]), np.array([-300, 70000]), np.array([1, 0], dtype=np.int16),
-                                        np.array([0, 2, 3], dtype=np.int32), np.array([0, 1, 1], dtype=np.int16)),
-                      counters={"migrate": 1}))
+    plans.append(
+        Plan(
+            step=3,
+            num_ranks=2,
+            batch_per_rank=2,
+            sample_order=np.array([3, 0, 1, 2], dtype=np.int32),
+            moves=RowMoves(
+                table=np.array([0, 1, 2], dtype=np.uint8),
+                row=big,
+                src=np.array([0, 1, 1]),
+                dst=np.array([1, 0, 0]),
+                kind=np.array([0, 1, 2], dtype=np.int8),
+            ),
+            shared=SharedRows(
+                np.array([1, 4]),
+                np.array([-300, 70000]),
+                np.array([1, 0], dtype=np.int16),
+                np.array([0, 2, 3], dtype=np.int32),
+                np.array([0, 1, 1], dtype=np.int16),
+            ),
+            counters={"migrate": 1},
+        )
+    )
     plans.append(Plan(step=4, num_ranks=2, batch_per_rank=2, sample_order=np.array([0, 3, 1, 2])))  # nothing moves
     plans.append(Plan(step=5, num_ranks=2, batch_per_rank=2, sample_order=np.array([1, 0, 2, 3])))  # general form
     assert sum(len(p.shared) for p in plans) > 20 and sum(len(p.moves) for p in plans) > 5

@@ -58,8 +58,19 @@ def make_batches(rows, raw):
 
 def plan_signature(p: Plan):
     mv, sh = p.moves, p.shared
-    parts = [p.sample_order, mv.table, mv.row, mv.src, mv.dst, mv.kind, sh.table, sh.row, sh.owner,
-             sh.reader_offsets, sh.readers]
+    parts = [
+        p.sample_order,
+        mv.table,
+        mv.row,
+        mv.src,
+        mv.dst,
+        mv.kind,
+        sh.table,
+        sh.row,
+        sh.owner,
+        sh.reader_offsets,
+        sh.readers,
+    ]
     return [a.tobytes() for a in parts] + [sorted(p.counters.items())]
 
 
@@ -85,7 +96,8 @@ def test_policy_properties(name, trace):
             for kind, key in ((MIGRATE, "migrate"), (EVICT_HOME, "evict_home"), (FORWARD, "forward")):
                 assert c[key] == int((p.moves.kind == kind).sum())
             assert p.transmitted_bytes(dim=4, state_width=1) == 4 * (
-                5 * (c["migrate"] + c["evict_home"] + c["forward"]) + 4 * 2 * c["shared_value"])
+                5 * (c["migrate"] + c["evict_home"] + c["forward"]) + 4 * 2 * c["shared_value"]
+            )
         else:
             assert p.reads is not None and len(p.reads) == p.read_pairs()
 
@@ -158,8 +170,11 @@ def test_single_reader_key_migrates_then_hits():
     chk.check(p1, b1)
     a = p1.assignment()
     # whichever rank sample 0 got, its key that was owned elsewhere migrated to it
-    mig = {(int(t), int(r)): int(d) for t, r, d, k in zip(p1.moves.table, p1.moves.row, p1.moves.dst, p1.moves.kind)
-           if k == MIGRATE}
+    mig = {
+        (int(t), int(r)): int(d)
+        for t, r, d, k in zip(p1.moves.table, p1.moves.row, p1.moves.dst, p1.moves.kind)
+        if k == MIGRATE
+    }
     assert p1.counters["migrate"] == len(mig) >= 1
     for (t, r), dst in mig.items():
         assert dst == a[0] if (t, r) in {(0, 12), (1, 6)} else dst == a[1]
@@ -286,7 +301,7 @@ def test_checker_flags_stale_counting_plans():
     assert copy.deepcopy(chk).check(plan, batch).stale_reads == 0
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------------
+# ---- bad input -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_input_gives_clear_errors(name):
     rows = [10, 20]
@@ -318,8 +333,10 @@ def test_make_policy_and_herald_options_are_validated():
     with pytest.raises(ValueError, match="tables must be"):
         make_policy("herald", [10], 2, 2, tables="some")
     pol = make_policy("herald", [3, 5000, 4000], 4, 16, tables="auto")
-    rows, raw = [3, 5000, 4000], [np.stack([np.zeros(64, dtype=np.int64), np.arange(64) * 7,
-                                             np.arange(64) * 3], axis=1)]
+    rows, raw = (
+        [3, 5000, 4000],
+        [np.stack([np.zeros(64, dtype=np.int64), np.arange(64) * 7, np.arange(64) * 3], axis=1)],
+    )
     pol.plan([GlobalBatch.from_dense(raw[0], rows)])
     assert 0 not in pol.tables and pol.selection is not None  # a 3-row table is hot everywhere: not scheduled
 

@@ -42,8 +42,7 @@ class ReplicaPart:
             return out
         return self.region.pooled(self.full_local, self.reads, out, training)  # type: ignore[arg-type]
 
-    def count(self, hits: np.ndarray, reads: np.ndarray,
-              counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    def count(self, hits: np.ndarray, reads: np.ndarray, counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """Replica reads are local reads (hits); `allreduce` counts the rows this rank all-reduces."""
         if self.reads is None:
             return hits, reads
@@ -68,8 +67,9 @@ class ReplicaExtension:
     plan_part = "replicas"
 
     def __init__(self, res: ExtensionResources) -> None:
-        self.region = ReplicaRegion(res.store, res.comm, res.device, res.optimizer, res.learning_rate, res.eps,
-                                    res.tbe_settings)
+        self.region = ReplicaRegion(
+            res.store, res.comm, res.device, res.optimizer, res.learning_rate, res.eps, res.tbe_settings
+        )
 
     def begin(self, plan: Plan, local: LocalInput | None, ownership_version: int) -> ReplicaPart:
         remaining, reads = self.region.begin(plan, local)
@@ -94,8 +94,7 @@ class CachePart:
             return out
         return self.cache.pooled(self.reads, out, training)  # type: ignore[union-attr]
 
-    def count(self, hits: np.ndarray, reads: np.ndarray,
-              counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    def count(self, hits: np.ndarray, reads: np.ndarray, counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """HET's hits are reads of a cached copy without a pull; its pulls and pushes go into `counters`."""
         if self.reads is None:
             return hits, reads

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from herald_torchrec.distributed.comm import PlanComm
-from herald_torchrec.distributed.step.prepare import LocalInput, routes
 from herald_torchrec.distributed.comparison.replicas import drop_ids
+from herald_torchrec.distributed.step.prepare import LocalInput, routes
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL, Plan
@@ -59,15 +59,31 @@ class CacheReads:
 class WorkerCache:
     """This rank's HET cache for one sharded module (`store`: its RowStore, whose home rows are the PS)."""
 
-    def __init__(self, store: RowStore, comm: PlanComm, device: torch.device, optimizer: Any, learning_rate: float,
-                 eps: float, tbe_settings: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        comm: PlanComm,
+        device: torch.device,
+        optimizer: Any,
+        learning_rate: float,
+        eps: float,
+        tbe_settings: Mapping[str, Any] | None = None,
+    ) -> None:
         self.store, self.comm, self.device = store, comm, device
         cap = [int(c) for c in store.capacity]
         self.capacity = np.asarray(cap, dtype=np.int64)
-        self.copies = RowStore([TableSpec(s.name, max(1, c), s.dim) for s, c in zip(store.tables, cap)], rank=0,
-                               world_size=1, cache_ratio=1e-9, optimizer=optimizer, learning_rate=learning_rate,
-                               eps=eps, features_per_table=store.features_per_table, device=device,
-                               tbe_settings=dict(tbe_settings or {}))
+        self.copies = RowStore(
+            [TableSpec(s.name, max(1, c), s.dim) for s, c in zip(store.tables, cap)],
+            rank=0,
+            world_size=1,
+            cache_ratio=1e-9,
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            eps=eps,
+            features_per_table=store.features_per_table,
+            device=device,
+            tbe_settings=dict(tbe_settings or {}),
+        )
         self.slot_of = np.full(int(store.key_base[-1]), -1, dtype=np.int64)  # cache slot by global key
         self._free = [list(range(c - 1, -1, -1)) for c in cap]  # free slots per table (a stack)
         self.acc_base = exclusive_cumsum(np.maximum(self.capacity, 1) * store.dims_arr)
@@ -91,8 +107,11 @@ class WorkerCache:
         mine = np.flatnonzero(src == r)  # this rank's items, in the order `grads` holds them
         pos_in_grads = exclusive_cumsum(width[mine])
         order = np.searchsorted(mine, send)  # send order -> index among mine
-        buf = grads.index_select(0, torch.from_numpy(ragged_arange(pos_in_grads[order], width[send])).to(self.device)) \
-            if send.size else grads.new_zeros(0)
+        buf = (
+            grads.index_select(0, torch.from_numpy(ragged_arange(pos_in_grads[order], width[send])).to(self.device))
+            if send.size
+            else grads.new_zeros(0)
+        )
         got = self.comm.all_to_all(buf, ss, rs, kind)
         if recv.size == 0:
             return
@@ -101,7 +120,9 @@ class WorkerCache:
         kt = tables[recv][np.unique(inv, return_index=True)[1]]
         kd = st.dims_arr[kt]
         dst = ragged_arange(exclusive_cumsum(kd)[inv.reshape(-1)], width[recv])
-        summed = torch.zeros(int(kd.sum()), device=self.device).index_add_(0, torch.from_numpy(dst).to(self.device), got)
+        summed = torch.zeros(int(kd.sum()), device=self.device).index_add_(
+            0, torch.from_numpy(dst).to(self.device), got
+        )
         st.apply_summed_gradients_packed(kt, st.slot_of_all[keys].astype(np.int64), summed)
 
     # ------------------------------------------------------------------ before the step
@@ -138,8 +159,11 @@ class WorkerCache:
         p_idx = np.flatnonzero(pulled)
         send, recv, ss, rs = routes(home[p_idx], rank[p_idx], width[p_idx], r, st.world_size)
         send, recv = p_idx[send], p_idx[recv]
-        data = st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64)) \
-            if send.size else torch.zeros(0, device=self.device)
+        data = (
+            st.read_packed(tab[send], st.slot_of_all[st.gkeys(tab[send], row[send])].astype(np.int64))
+            if send.size
+            else torch.zeros(0, device=self.device)
+        )
         got = self.comm.all_to_all(data, ss, rs, "pull", globally_empty=p_idx.size == 0)
         goff = exclusive_cumsum(width[recv])
         mine = np.flatnonzero(rank == r)  # this rank's pairs (sorted by key: the plan lists pairs by key)
@@ -152,10 +176,12 @@ class WorkerCache:
             m = tab[ins] == t
             n, free = int(m.sum()), self._free[t]
             if n > len(free):  # pragma: no cover - same capacities as the control plane (an internal error)
-                raise RuntimeError(f"plan {plan.step}: rank {r} has {len(free)} free cache slots in table "
-                                 f"{st.tables[t].name!r}, {n} rows arrive")
-            self.slot_of[ins_g[m]] = free[len(free) - n:][::-1]
-            del free[len(free) - n:]
+                raise RuntimeError(
+                    f"plan {plan.step}: rank {r} has {len(free)} free cache slots in table "
+                    f"{st.tables[t].name!r}, {n} rows arrive"
+                )
+            self.slot_of[ins_g[m]] = free[len(free) - n :][::-1]
+            del free[len(free) - n :]
         cached = mine[np.isin(action[mine], (MISS_PULL, UPDATE_PULL))]
         if cached.size:
             j = for_me[cached]
@@ -177,16 +203,21 @@ class WorkerCache:
         a = action[mine]
         if (slots[a != MISS_UNCACHED] < 0).any():  # pragma: no cover - the control plane's caches mirror these
             raise RuntimeError(f"plan {plan.step}: rank {r} reads a cached copy it does not hold")
-        counts = {"miss_pull": int(np.isin(a, (MISS_PULL, MISS_UNCACHED)).sum()),
-                  "update_pull": int((a == UPDATE_PULL).sum()), "update_push": int(push[mine].sum()),
-                  "evict_push": int(edirty[mine_e].sum())}
+        counts = {
+            "miss_pull": int(np.isin(a, (MISS_PULL, MISS_UNCACHED)).sum()),
+            "update_pull": int((a == UPDATE_PULL).sum()),
+            "update_push": int(push[mine].sum()),
+            "evict_push": int(edirty[mine_e].sum()),
+        }
         reads = CacheReads(gk, tab[mine], slots, uncached, push[mine], a == HIT, counts)
         if local is None:
             return None, reads
         u = np.unique(local.gkeys)
         if u.shape != gk.shape or (u != gk).any():
-            raise ValueError(f"plan {plan.step} does not match the batch: rank {r} reads {u.shape[0]} distinct rows, "
-                             f"the plan's cache lists {gk.shape[0]}")
+            raise ValueError(
+                f"plan {plan.step} does not match the batch: rank {r} reads {u.shape[0]} distinct rows, "
+                f"the plan's cache lists {gk.shape[0]}"
+            )
         reads.local = local
         return drop_ids(local, np.zeros(local.gkeys.shape[0], dtype=bool)), reads
 
@@ -199,8 +230,11 @@ class WorkerCache:
         voff = exclusive_cumsum(d)
         vals = torch.zeros(int(d.sum()), device=self.device)
         if cached.any():
-            vals.index_copy_(0, torch.from_numpy(ragged_arange(voff[cached], d[cached])).to(self.device),
-                             self.copies.read_packed(rd.table[cached], rd.slot[cached], with_state=False))
+            vals.index_copy_(
+                0,
+                torch.from_numpy(ragged_arange(voff[cached], d[cached])).to(self.device),
+                self.copies.read_packed(rd.table[cached], rd.slot[cached], with_state=False),
+            )
         if (~cached).any():
             vals.index_copy_(0, torch.from_numpy(ragged_arange(voff[~cached], d[~cached])).to(self.device), rd.uncached)
         if training:
@@ -216,14 +250,18 @@ class WorkerCache:
         src = ragged_arange(voff[np.searchsorted(rd.gkey, local.gkeys)], fd)
         dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], fd)
         v = vals.index_select(0, torch.from_numpy(src).to(self.device))
-        extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, torch.from_numpy(dst).to(self.device), v)
+        extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(
+            0, torch.from_numpy(dst).to(self.device), v
+        )
         return out + st.clip_pooled_gradient(extra.view(out.shape))
 
     def hits(self, rd: CacheReads) -> tuple[np.ndarray, np.ndarray]:
         """Per table: reads served by the cached copy without a pull, and distinct keys read."""
         T = self.store.num_tables
-        return (np.bincount(rd.table[rd.hit], minlength=T).astype(np.int64),
-                np.bincount(rd.table, minlength=T).astype(np.int64))
+        return (
+            np.bincount(rd.table[rd.hit], minlength=T).astype(np.int64),
+            np.bincount(rd.table, minlength=T).astype(np.int64),
+        )
 
     # ------------------------------------------------------------------ after backward
     def finish(self, rd: CacheReads, plan_cache) -> None:
@@ -231,7 +269,11 @@ class WorkerCache:
         st = self.store
         vals, rd.values = rd.values, None
         d = st.dims_arr[rd.table]
-        grad = vals.grad.detach() if vals is not None and vals.grad is not None else torch.zeros(int(d.sum()), device=self.device)
+        grad = (
+            vals.grad.detach()
+            if vals is not None and vals.grad is not None
+            else torch.zeros(int(d.sum()), device=self.device)
+        )
         voff = exclusive_cumsum(d)
         cached = rd.slot >= 0
         if cached.any():
@@ -246,11 +288,17 @@ class WorkerCache:
         c = rd.slot[pushing] >= 0
         c_push, u_push = pushing[c], pushing[~c]
         if c_push.size:
-            mine_push.index_copy_(0, torch.from_numpy(ragged_arange(out_off[c], d[c_push])).to(self.device),
-                                  self.acc.index_select(0, self._acc_pos(rd.table[c_push], rd.slot[c_push])))
+            mine_push.index_copy_(
+                0,
+                torch.from_numpy(ragged_arange(out_off[c], d[c_push])).to(self.device),
+                self.acc.index_select(0, self._acc_pos(rd.table[c_push], rd.slot[c_push])),
+            )
         if u_push.size:
-            mine_push.index_copy_(0, torch.from_numpy(ragged_arange(out_off[~c], d[u_push])).to(self.device),
-                                  grad.index_select(0, torch.from_numpy(ragged_arange(voff[u_push], d[u_push])).to(self.device)))
+            mine_push.index_copy_(
+                0,
+                torch.from_numpy(ragged_arange(out_off[~c], d[u_push])).to(self.device),
+                grad.index_select(0, torch.from_numpy(ragged_arange(voff[u_push], d[u_push])).to(self.device)),
+            )
         if c_push.size:
             self.acc.index_fill_(0, self._acc_pos(rd.table[c_push], rd.slot[c_push]), 0.0)
         tab, row, rank = (np.asarray(a, dtype=np.int64) for a in (plan_cache.table, plan_cache.row, plan_cache.rank))

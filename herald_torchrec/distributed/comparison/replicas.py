@@ -1,7 +1,7 @@
 """The replica region: rows replicated on every rank (the `fae` and `p2res` baselines), executed exactly.
 
-A replica plan (schedule/baselines/replicated.py) reads some keys of a step *through replicas*: every reader reads its local
-copy and, after backward, the gradients of those rows are summed over all ranks with ONE all-reduce and every rank
+A replica plan (schedule/baselines/replicated.py) reads some keys of a step *through replicas*: every reader reads its
+local copy and, after backward, the gradients of those rows are summed over all ranks with ONE all-reduce and every rank
 applies the same summed update to its copy. The other keys of the step go through the ordinary data plane (home
 owner, `Plan.shared`), which this module does not touch.
 
@@ -64,11 +64,20 @@ def drop_ids(local: LocalInput, keep: np.ndarray) -> LocalInput:
 class ReplicaRegion:
     """Every rank's copies of the replicated rows, for one sharded module (`store` is its home RowStore)."""
 
-    def __init__(self, store: RowStore, comm: PlanComm, device: torch.device, optimizer: Any, learning_rate: float,
-                 eps: float, tbe_settings: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        comm: PlanComm,
+        device: torch.device,
+        optimizer: Any,
+        learning_rate: float,
+        eps: float,
+        tbe_settings: Mapping[str, Any] | None = None,
+    ) -> None:
         self.store, self.comm, self.device = store, comm, device
-        self._settings = dict(optimizer=optimizer, learning_rate=learning_rate, eps=eps,
-                              tbe_settings=dict(tbe_settings or {}))
+        self._settings = dict(
+            optimizer=optimizer, learning_rate=learning_rate, eps=eps, tbe_settings=dict(tbe_settings or {})
+        )
         self.copies: RowStore | None = None  # built by the first plan that names the replicated set
         # by global key, allocated with the first replicated set (a module that never replicates pays nothing):
         self.slot_of: np.ndarray | None = None  # replica slot
@@ -96,9 +105,18 @@ class ReplicaRegion:
         counts = np.bincount(tables, minlength=st.num_tables)
         specs = [TableSpec(s.name, max(1, int(n)), s.dim) for s, n in zip(st.tables, counts)]
         s = self._settings
-        self.copies = RowStore(specs, rank=0, world_size=1, cache_ratio=1e-9, optimizer=s["optimizer"],
-                               learning_rate=s["learning_rate"], eps=s["eps"], features_per_table=st.features_per_table,
-                               device=self.device, tbe_settings=s["tbe_settings"])
+        self.copies = RowStore(
+            specs,
+            rank=0,
+            world_size=1,
+            cache_ratio=1e-9,
+            optimizer=s["optimizer"],
+            learning_rate=s["learning_rate"],
+            eps=s["eps"],
+            features_per_table=st.features_per_table,
+            device=self.device,
+            tbe_settings=s["tbe_settings"],
+        )
         if self.slot_of is None:
             self.slot_of = np.full(int(st.key_base[-1]), -1, dtype=np.int64)
             self._mark = np.full(int(st.key_base[-1]), -1, dtype=np.int64)
@@ -187,7 +205,9 @@ class ReplicaRegion:
         src = ragged_arange(voff[np.searchsorted(step.read, mark)], d)
         dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], d)
         v = vals.index_select(0, torch.from_numpy(src).to(self.device))
-        extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(0, torch.from_numpy(dst).to(self.device), v)
+        extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(
+            0, torch.from_numpy(dst).to(self.device), v
+        )
         return out + st.clip_pooled_gradient(extra.view(out.shape))  # clipped per bag, as the TBE clips its own
 
     def hits(self, step: ReplicaStep) -> np.ndarray:

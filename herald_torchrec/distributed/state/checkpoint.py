@@ -125,12 +125,19 @@ def _on_used_devices(shards: list[ShardMetadata], rank: int, device: torch.devic
             out.append(s)
             continue
         idx = device.index if p.rank() == rank and device.index is not None else (p.device().index or 0) % gpus
-        out.append(ShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes),
-                                 placement=f"rank:{p.rank()}/cuda:{idx}"))
+        out.append(
+            ShardMetadata(
+                shard_offsets=list(s.shard_offsets),
+                shard_sizes=list(s.shard_sizes),
+                placement=f"rank:{p.rank()}/cuda:{idx}",
+            )
+        )
     return out
 
 
-def _sharded(local: torch.Tensor, shards: list[ShardMetadata], size: tuple[int, ...], rank: int, pg: Any) -> ShardedTensor:
+def _sharded(
+    local: torch.Tensor, shards: list[ShardMetadata], size: tuple[int, ...], rank: int, pg: Any
+) -> ShardedTensor:
     """A ShardedTensor over `shards` whose shard on this rank is `local` (no communication, as TorchRec builds its own).
     Without torch.distributed (a single-process module) the one home block is the whole table: `local` itself."""
     if not dist.is_initialized():
@@ -153,8 +160,14 @@ class HeraldCheckpoint:
     of evictions), its collectives and process group. `install_state_dict_hooks` makes the module's `state_dict` /
     `load_state_dict` go through it, `HeraldFusedOptimizer` takes its params and state from it."""
 
-    def __init__(self, module: CheckpointedModule, lookup: HeraldLookup, comm: PlanComm, process_group: Any,
-                 sharding: dict[str, ParameterSharding] | None) -> None:
+    def __init__(
+        self,
+        module: CheckpointedModule,
+        lookup: HeraldLookup,
+        comm: PlanComm,
+        process_group: Any,
+        sharding: dict[str, ParameterSharding] | None,
+    ) -> None:
         self.module, self._lookup, self._comm = module, lookup, comm
         st = module.store
         R, r = module.world_size, module.rank
@@ -179,8 +192,11 @@ class HeraldCheckpoint:
             self.home_s.append(s)
             if self.has_state:
                 row_shards = [
-                    ShardMetadata(shard_offsets=[int(x.shard_offsets[0])], shard_sizes=[int(x.shard_sizes[0])],
-                                  placement=x.placement)
+                    ShardMetadata(
+                        shard_offsets=[int(x.shard_offsets[0])],
+                        shard_sizes=[int(x.shard_sizes[0])],
+                        placement=x.placement,
+                    )
                     for x in shards
                 ]
                 self.states.append(_sharded(s, row_shards, (rows,), r, pg))
@@ -225,7 +241,9 @@ class HeraldCheckpoint:
         for t in np.flatnonzero(st.guest_count_all.sum(axis=1)).tolist():
             home = np.arange(st.rows[t], dtype=np.int64) // st.home_block_arr[t]
             away = np.flatnonzero(st.owner[t] != home)
-            parts.append((np.full(away.shape[0], t, dtype=np.int64), away, st.owner[t][away].astype(np.int64), home[away]))
+            parts.append(
+                (np.full(away.shape[0], t, dtype=np.int64), away, st.owner[t][away].astype(np.int64), home[away])
+            )
         if not parts:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z, z
@@ -262,12 +280,15 @@ class HeraldCheckpoint:
             return
         tab, row, owner, home = self._guests()
         moves = RowMoves(table=tab, row=row, src=owner, dst=home, kind=np.full(tab.shape[0], EVICT_HOME, dtype=np.int8))
-        plan = Plan(step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64),
-                    moves=moves)
+        plan = Plan(
+            step=-1, num_ranks=m.world_size, batch_per_rank=0, sample_order=np.zeros(0, dtype=np.int64), moves=moves
+        )
         self._lookup.apply_moves(prepare_moves(plan, st), None)
 
     @torch.no_grad()
-    def load(self, weights: dict[int, torch.Tensor] | None = None, states: dict[int, torch.Tensor] | None = None) -> None:
+    def load(
+        self, weights: dict[int, torch.Tensor] | None = None, states: dict[int, torch.Tensor] | None = None
+    ) -> None:
         """Write home blocks (table index -> [home_len, dim] / [home_len]) into the store and reset ownership to
         home (collective). Tables not given keep their current values."""
         m, st = self.module, self.module.store
@@ -312,7 +333,8 @@ class HeraldCheckpoint:
             if got != [(lo, hl)]:
                 raise ValueError(
                     f"table {name!r}: the {what} ShardedTensor's local shards {got} are not rank "
-                    f"{self.module.rank}'s home block {(lo, hl)}; load it through DCP into this model's own state_dict()"
+                    f"{self.module.rank}'s home block {(lo, hl)}; "
+                    "load it through DCP into this model's own state_dict()"
                 )
             return shards[0].tensor.reshape((hl,) + full[1:])
         return value.detach()[lo : lo + hl]
@@ -329,8 +351,9 @@ def install_state_dict_hooks(module: nn.Module, ck: HeraldCheckpoint) -> None:
     module.register_load_state_dict_post_hook(partial(_load_post_hook, ck))
 
 
-def _state_dict_hook(ck: HeraldCheckpoint, module: nn.Module, destination: dict, prefix: str,
-                     local_metadata: Any) -> None:
+def _state_dict_hook(
+    ck: HeraldCheckpoint, module: nn.Module, destination: dict, prefix: str, local_metadata: Any
+) -> None:
     for k in [k for k in destination if k.startswith(prefix + STORE_PREFIX)]:
         del destination[k]
     ck.refresh()
@@ -338,15 +361,25 @@ def _state_dict_hook(ck: HeraldCheckpoint, module: nn.Module, destination: dict,
         destination[prefix + weight_key(name)] = w
 
 
-def _load_pre_hook(ck: HeraldCheckpoint, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
-                   strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+def _load_pre_hook(
+    ck: HeraldCheckpoint,
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
     ck.load_prefix = prefix
     internals = [k for k in state_dict if k.startswith(prefix + STORE_PREFIX)]
     for k in internals:
         del state_dict[k]  # slot-ordered FBGEMM internals: loading them would scramble the tables
     if internals:
         error_msgs.append(
-            f"{prefix or 'the module'}: the state dict holds FBGEMM internals of a Herald module ({internals[0]}, ...), "
+            f"{prefix or 'the module'}: the state dict holds FBGEMM internals of a Herald module "
+            f"({internals[0]}, ...), "
             f"which are in slot order; save with this version (keys {prefix}embedding_bags.<table>.weight)"
         )
     weights = {}
@@ -394,13 +427,13 @@ def _mixed_state_dict_hook(module: nn.Module, destination: dict, prefix: str, lo
     for k in list(destination):
         for part in _PARTS:
             if k.startswith(prefix + part):
-                destination[prefix + k[len(prefix + part):]] = destination.pop(k)
+                destination[prefix + k[len(prefix + part) :]] = destination.pop(k)
 
 
 def _mixed_load_pre_hook(keys: _MixedKeys, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     keys.load_prefix = prefix
     for k in list(state_dict):
-        rest = k[len(prefix):] if k.startswith(prefix) else None
+        rest = k[len(prefix) :] if k.startswith(prefix) else None
         if rest is None or not rest.startswith("embedding_bags."):
             continue
         table = rest.split(".")[1]
@@ -413,4 +446,4 @@ def _mixed_load_post_hook(keys: _MixedKeys, module: nn.Module, incompatible_keys
         for i, k in enumerate(names):
             for part in _PARTS:
                 if k.startswith(prefix + part):
-                    names[i] = prefix + k[len(prefix + part):]
+                    names[i] = prefix + k[len(prefix + part) :]

@@ -52,8 +52,13 @@ class _AllToAllAwaitable(Awaitable[W]):
     """Completes a `PendingAllToAll`; with an `ErrorCheck`, raises the step's error on every rank first. With
     `recv_splits`, `done` gets the data from each rank as a list (views, no copy) instead of one tensor."""
 
-    def __init__(self, pending: PendingAllToAll | None, check: ErrorCheck | None, done: Callable[[torch.Tensor], W],
-                 recv_splits: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        pending: PendingAllToAll | None,
+        check: ErrorCheck | None,
+        done: Callable[[torch.Tensor], W],
+        recv_splits: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self._pending, self._check, self._done, self._recv = pending, check, done, recv_splits
 
@@ -79,7 +84,11 @@ class _PlanAllToAll:
         self._comm = comm
 
     def _start(
-        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], check: ErrorCheck | None,
+        self,
+        send: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        check: ErrorCheck | None,
         kind: str | dict[str, int] | None = None,
     ) -> PendingAllToAll:
         """Issue the all-to-all, counted as `kind` (default: the class's; or {kind: off-rank bytes}); with `check`,
@@ -98,7 +107,9 @@ class RowMoveDist(_PlanAllToAll):
 
     kind = "moves"
 
-    def __call__(self, send: torch.Tensor, ms: MoveStep, check: ErrorCheck | None = None) -> Awaitable[torch.Tensor | None]:
+    def __call__(
+        self, send: torch.Tensor, ms: MoveStep, check: ErrorCheck | None = None
+    ) -> Awaitable[torch.Tensor | None]:
         if ms.globally_empty:
             return _AllToAllAwaitable(None, None, lambda out: None)
         return _AllToAllAwaitable(self._start(send, ms.send_splits, ms.recv_splits, check), check, lambda out: out)

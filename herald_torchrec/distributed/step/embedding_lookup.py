@@ -26,8 +26,8 @@ from herald_torchrec.distributed.step.lookup_layout import (
     with_owner_bags,
 )
 from herald_torchrec.distributed.step.prepare import LocalInput, MoveStep, SharedMarks, SharedStep, sent_by_kind
-from herald_torchrec.distributed.storage.row_store import RowStore
 from herald_torchrec.distributed.step.static_plan import static_plan, static_plan_keys
+from herald_torchrec.distributed.storage.row_store import RowStore
 from herald_torchrec.schedule.plan import Plan
 
 
@@ -60,8 +60,9 @@ class _AddSharedValues(torch.autograd.Function):
     `OwnerUpdate`; `bags` is then a detached alias of the TBE's output), is handed to it."""
 
     @staticmethod
-    def forward(ctx: Any, bags: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, width: int,
-                sink: "OwnerUpdate | None") -> torch.Tensor:
+    def forward(
+        ctx: Any, bags: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, width: int, sink: "OwnerUpdate | None"
+    ) -> torch.Tensor:
         bags.view(-1, width).index_add_(0, dst, values.to(bags.dtype))
         ctx.mark_dirty(bags)
         ctx.save_for_backward(dst)
@@ -85,8 +86,9 @@ class _GatherAddSharedValues(torch.autograd.Function):
     No gathered copy of the values, and none of index_add_'s per-row dispatch, in either direction."""
 
     @staticmethod
-    def forward(ctx: Any, bags: torch.Tensor, values: torch.Tensor, src: np.ndarray, dst: np.ndarray,
-                sink: "OwnerUpdate | None") -> torch.Tensor:
+    def forward(
+        ctx: Any, bags: torch.Tensor, values: torch.Tensor, src: np.ndarray, dst: np.ndarray, sink: "OwnerUpdate | None"
+    ) -> torch.Tensor:
         host_kernels.gather_add(bags.view(-1, values.shape[1]), dst, values, src)
         ctx.mark_dirty(bags)
         ctx.src, ctx.dst, ctx.sink, ctx.values_shape = src, dst, sink, values.shape
@@ -300,7 +302,9 @@ class HeraldLookup:
                 continue
             W = weights[name]
             if tuple(W.shape) != (st.rows[t], st.dims[t]):
-                raise ValueError(f"load_full_tables: {name!r} has shape {tuple(W.shape)}, expected {(st.rows[t], st.dims[t])}")
+                raise ValueError(
+                    f"load_full_tables: {name!r} has shape {tuple(W.shape)}, expected {(st.rows[t], st.dims[t])}"
+                )
             idx = torch.from_numpy(keys)
             rows = W[idx]
             s = None

@@ -53,8 +53,7 @@ class ExtensionStep(Protocol):
         """`out` plus the pooled values of the ids this extension serves."""
         ...
 
-    def count(self, hits: np.ndarray, reads: np.ndarray,
-              counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    def count(self, hits: np.ndarray, reads: np.ndarray, counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """(hits, distinct keys read) per table with this extension's reads added; its own counters go into
         `counters`."""
         ...
@@ -80,8 +79,7 @@ class StepExtension(Protocol):
         collectives every rank runs. `ownership_version` changes when a load moved every row home."""
         ...
 
-    def set_learning_rate(self, lr: float) -> None:
-        ...
+    def set_learning_rate(self, lr: float) -> None: ...
 
 
 def check_plan_served(plan: Plan, extensions: Sequence[StepExtension], policy: str) -> None:
@@ -90,5 +88,7 @@ def check_plan_served(plan: Plan, extensions: Sequence[StepExtension], policy: s
     served = {e.plan_part for e in extensions}
     for part in EXTENSION_PLAN_PARTS:
         if getattr(plan, part) is not None and part not in served:
-            raise ValueError(f"set_plan: plan {plan.step} carries `{part}`, which the module built for policy "
-                             f"{policy!r} does not run (build it with the policy that planned it)")
+            raise ValueError(
+                f"set_plan: plan {plan.step} carries `{part}`, which the module built for policy "
+                f"{policy!r} does not run (build it with the policy that planned it)"
+            )

@@ -7,7 +7,8 @@ owner sums the readers' returned gradients per key), `with_owner_bags` (both in 
 updates every row of the step once), and `value_items` / `grad_send_order` (where values and their gradients sit
 in the flat buffers). Items are rows when every table has the same dim (`RowStore.uniform_dim`), else floats. Like
 step/prepare.py they are pure numpy functions of the step and the store's directories, checked in one process
-(tests/distributed/step/test_prepare.py); they live apart because they lay out the lookup's memory, not the step's traffic.
+(tests/distributed/step/test_prepare.py); they live apart because they lay out the lookup's memory, not the step's
+traffic.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def grad_sum_layout(sh: SharedStep, st: RowStore) -> GradSumLayout:
     return GradSumLayout(tab, slots, dst, int(kd.sum()))
 
 
-def with_owner_bags(lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_size: int) -> tuple[LookupLayout, np.ndarray]:
+def with_owner_bags(
+    lay: LookupLayout, gs: GradSumLayout, st: RowStore, batch_size: int
+) -> tuple[LookupLayout, np.ndarray]:
     """The step's lookup with one extra one-row bag per shared row this rank owns after the moves, so that ONE TBE
     backward applies the fused optimizer to the exclusive rows and (with the readers' summed gradients) to the shared
     ones: table t's k-th key (GradSumLayout key order) is bag B + k of t's first feature, the other extra bags are

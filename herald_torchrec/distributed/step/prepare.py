@@ -7,8 +7,8 @@ shared-row exchange (`SharedStep`), the classification of the local ids (exclusi
 layouts of the lookup and of the shared-row gradient sums are lookup_layout.py, and the *static* plan built from
 every rank's ids is static_plan.py. It holds no process group and changes no directory: every function is a pure
 function of arrays and of the store's directories (it reads `owner_all`, `slot_of_all`, `guest_count_all`, ...), so
-a two-rank step can be checked in one process with two RowStores (tests/distributed/step/test_prepare.py). Like TorchRec's
-sharding/*.py, it is the "who sends what" half; dist_data.py is the "send it" half.
+a two-rank step can be checked in one process with two RowStores (tests/distributed/step/test_prepare.py). Like
+TorchRec's sharding/*.py, it is the "who sends what" half; dist_data.py is the "send it" half.
 
 Plan checks raise ValueError with the plan's step. Checks that only use the plan and the global directories raise
 alike on every rank (so no rank is left in a collective); checks against the local batch (`local_input`,
@@ -80,7 +80,9 @@ class SharedStep:
     n_fill: int = 0  # the last n_fill pairs of the value order are read from the store after the moves
     grad_idx: np.ndarray = field(default_factory=empty_ids)  # value-order positions in gradient send order (by owner)
     grad_splits: list[int] = field(default_factory=list)  # gradient floats sent to each owner
-    values: "object | None" = None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
+    values: "object | None" = (
+        None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
+    )
     owner_update: "object | None" = None  # embedding_lookup.OwnerUpdate: the TBE call whose backward is deferred
 
 
@@ -178,8 +180,9 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
         raise ValueError(f"plan {plan.step}: moves arrays differ in length")
     T = st.num_tables
     if table.min() >= 0 and table.max() < T:  # the same checks and layout, compiled (None: numpy below raises)
-        fast = host_kernels.prepare_moves(st, table, row, src, dst, kind, st.packed_widths(table), _KNOWN_KIND,
-                                          EVICT_HOME)
+        fast = host_kernels.prepare_moves(
+            st, table, row, src, dst, kind, st.packed_widths(table), _KNOWN_KIND, EVICT_HOME
+        )
         if fast is not None:
             return MoveStep(*fast[:4], False, table, row, dst, kind, *fast[4:])
     if table.min() < 0 or table.max() >= T:
@@ -268,7 +271,12 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     if fast is not None:  # the same checks and layout, compiled (None: numpy below raises or handles unsorted rows)
         return SharedStep(globally_empty=False, **fast)
     T = st.num_tables
-    if not (table.shape == row.shape == owner.shape) or ro.shape[0] != n + 1 or ro[0] != 0 or ro[-1] != readers.shape[0]:
+    if (
+        not (table.shape == row.shape == owner.shape)
+        or ro.shape[0] != n + 1
+        or ro[0] != 0
+        or ro[-1] != readers.shape[0]
+    ):
         raise ValueError(f"plan {plan.step}: malformed shared rows (array lengths / reader_offsets)")
     counts = np.diff(ro)
     if (counts < 1).any():
@@ -360,14 +368,17 @@ class SharedMarks:
         self.by_key[sh.marked] = self.NOT_SHARED
 
 
-def classify(plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st: RowStore) -> tuple[np.ndarray, np.ndarray]:
+def classify(
+    plan: Plan, local: LocalInput, ms: MoveStep, marks: SharedMarks, st: RowStore
+) -> tuple[np.ndarray, np.ndarray]:
     """Check every local id against the plan (rank-local checks). Returns, per table, the hits (distinct keys read
     here that this rank owns after the moves and that did not move this step: no transfer at all, whether the key
     is exclusive or this rank is the owner reading a shared key) and the distinct keys read here."""
     T, rank = st.num_tables, st.rank
     gk = local.gkeys
-    fast = host_kernels.classify(gk, marks.by_key, st.owner_all, ms.gkey_sorted, ms.dst_sorted, st.key_base, rank,
-                                 marks.seen)
+    fast = host_kernels.classify(
+        gk, marks.by_key, st.owner_all, ms.gkey_sorted, ms.dst_sorted, st.key_base, rank, marks.seen
+    )
     if fast is not None:  # the same counts, compiled; a batch the plan does not allow goes on below, to raise
         return fast
     not_reader = marks.by_key[gk] == SharedMarks.NOT_READ_HERE

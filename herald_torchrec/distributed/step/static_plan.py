@@ -49,6 +49,12 @@ def static_plan(gathered: list[np.ndarray], st: RowStore, batch_size: int) -> Pl
         batch_per_rank=batch_size,
         sample_order=np.arange(R * batch_size, dtype=np.int64),
         shared=shared,
-        counters={"hit": hit, "migrate": 0, "evict_home": 0, "forward": 0, "shared_value": remote,
-                  "shared_grad": remote},
+        counters={
+            "hit": hit,
+            "migrate": 0,
+            "evict_home": 0,
+            "forward": 0,
+            "shared_value": remote,
+            "shared_grad": remote,
+        },
     )

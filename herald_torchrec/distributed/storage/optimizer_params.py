@@ -19,9 +19,9 @@ clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's gradient (th
 alike) before summing it per row; Herald's readers clamp the bag gradients of shared values the same way and the
 owner applies their sum unclipped (RowStore.clip_pooled_gradient), so it is exact too. Settings that read the
 TBE's step counter (counter-based or global weight decay; Adam-like optimizers — Herald's extra update pass
-advances that counter) are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other optimizers, a
-torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum). Nothing is silently dropped: each refusal
-is a ValueError naming the setting and why.
+advances that counter) are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other
+optimizers, a torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum). Nothing is silently dropped: each
+refusal is a ValueError naming the setting and why.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
 
 
-
 def _tbe_defaults() -> dict[str, Any]:
     """FBGEMM's own defaults for the optimizer and learning rate, read off the TBE's signature: what a stock
     TorchRec table trains with when neither the sharder's fused_params nor an in-backward optimizer names them."""
@@ -67,18 +66,39 @@ DEFAULT_FUSED_PARAMS: dict[str, Any] = _tbe_defaults()
 # torch-optimizer arguments (as `apply_optimizer_in_backward` records them) that FBGEMM's kernels do not implement:
 # accepted only at the value that means "not used" (then dropped; the TBE does not take most of them).
 NEUTRAL_SETTINGS: dict[str, Any] = {
-    "momentum": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, "lr_decay": 0.0,
-    "initial_accumulator_value": 0.0, "foreach": None, "differentiable": False, "fused": None,
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "nesterov": False,
+    "maximize": False,
+    "lr_decay": 0.0,
+    "initial_accumulator_value": 0.0,
+    "foreach": None,
+    "differentiable": False,
+    "fused": None,
 }
 
-# Settings of rows that FBGEMM's CPU kernels ignore (checked in tests/distributed/storage/test_optimizer_params.py): with them a CPU run
-# would silently train without them (stock TorchRec's CPU TBEs ignore them too), so Herald refuses them there.
+# Settings of rows that FBGEMM's CPU kernels ignore (checked in tests/distributed/storage/test_optimizer_params.py):
+# with them a CPU run would silently train without them (stock TorchRec's CPU TBEs ignore them too), so Herald refuses
+# them there.
 CPU_IGNORED_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "max_norm": 0.0}
 
 _ANY_OPTIMIZER = {
-    "optimizer", "learning_rate", "gradient_clipping", "max_gradient", "stochastic_rounding", "eps",
-    "cache_load_factor", "cache_algorithm", "cache_reserved_memory", "enforce_hbm", "bounds_check_mode",
-    "weights_precision", "cache_precision", "output_dtype", "prefetch_pipeline", "gather_uvm_cache_stats",
+    "optimizer",
+    "learning_rate",
+    "gradient_clipping",
+    "max_gradient",
+    "stochastic_rounding",
+    "eps",
+    "cache_load_factor",
+    "cache_algorithm",
+    "cache_reserved_memory",
+    "enforce_hbm",
+    "bounds_check_mode",
+    "weights_precision",
+    "cache_precision",
+    "output_dtype",
+    "prefetch_pipeline",
+    "gather_uvm_cache_stats",
 }
 _ROWWISE_ADAGRAD_ONLY = {"weight_decay", "weight_decay_mode", "max_norm"}
 _EXACT_WEIGHT_DECAY_MODES = (WeightDecayMode.NONE, WeightDecayMode.L2, WeightDecayMode.DECOUPLE)
@@ -250,8 +270,10 @@ def resolve_table_settings(
     names = list(resolved)
     first = resolved[names[0]]
     for n in names[1:]:
-        diff = sorted((k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k)),
-                      key=lambda k: (k != "optimizer", k))
+        diff = sorted(
+            (k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k)),
+            key=lambda k: (k != "optimizer", k),
+        )
         if diff:
             raise ValueError(
                 f"{diff[0]}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(diff[0])!r} vs "

@@ -36,7 +36,9 @@ class RowAccessMixin:
         """Flat views of the weights and of each optimizer-state tensor, each as (flat tensor over its whole storage,
         element offset of every table's block, row width of every table); None if the TBE's views do not all share
         one row-major storage per kind (then the per-table path is taken)."""
-        kinds = [list(self._weights)] + [[self._states[t][j] for t in range(self.num_tables)] for j in range(len(self._states[0]))]
+        kinds = [list(self._weights)] + [
+            [self._states[t][j] for t in range(self.num_tables)] for j in range(len(self._states[0]))
+        ]
         if any(len(st) != len(self._states[0]) for st in self._states):
             return None
         out = []
@@ -44,8 +46,10 @@ class RowAccessMixin:
             v0 = views[0]
             width = np.array([1 if v.dim() == 1 else int(v.shape[1]) for v in views], dtype=np.int64)
             ok = all(
-                v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr() and v.dtype == v0.dtype
-                and v.is_contiguous() for v in views
+                v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr()
+                and v.dtype == v0.dtype
+                and v.is_contiguous()
+                for v in views
             )
             if not ok:
                 return None
@@ -219,7 +223,9 @@ class RowAccessMixin:
             with torch.no_grad():
                 for v, base in kinds:
                     w = v.shape[1]
-                    v.index_copy_(0, torch.from_numpy(base[tables] + slots).to(v.device), block[:, col : col + w].to(v.dtype))
+                    v.index_copy_(
+                        0, torch.from_numpy(base[tables] + slots).to(v.device), block[:, col : col + w].to(v.dtype)
+                    )
                     col += w
             self._invalidate_rows(tables, slots)
             return

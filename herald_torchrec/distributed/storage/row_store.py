@@ -35,14 +35,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import nn
-
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torch import nn
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.storage.optimizer_params import check_settings
@@ -107,8 +106,13 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         if named:
             raise ValueError(f"RowStore: {named} are arguments of their own, not tbe_settings")
         settings = check_settings(
-            {**dict(tbe_settings or {}), "optimizer": optimizer, "learning_rate": learning_rate, "eps": eps,
-             "cache_load_factor": cache_load_factor},
+            {
+                **dict(tbe_settings or {}),
+                "optimizer": optimizer,
+                "learning_rate": learning_rate,
+                "eps": eps,
+                "cache_load_factor": cache_load_factor,
+            },
             self.device,
         )
         self.optimizer = settings.pop("optimizer")
@@ -185,7 +189,8 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.key_of_all = np.full(int(self.slot_base[-1]), -1, dtype=np.int64)  # row held by a slot, -1 if empty
         self.owner_all = np.empty(int(self.key_base[-1]), dtype=np.int32)  # global
         self.guest_count_all = np.zeros((T, world_size), dtype=np.int64)  # global
-        # free guest slots per table: a stack in free_all[free_base[t] : free_base[t] + free_top[t]], popped from the top
+        # free guest slots per table: a stack in free_all[free_base[t] : free_base[t] + free_top[t]], popped from the
+        # top
         self._free_all = np.zeros(int(self.free_base[-1]), dtype=np.int64)
         self._free_top = np.array(self.capacity, dtype=np.int64)
         self.slot_of: list[np.ndarray] = []  # views: int32 [rows]
@@ -288,7 +293,9 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         owned = self.slot_of_all[gk] >= 0
         if owned.any():
             t = int(tables[np.argmax(owned)])
-            raise ValueError(f"table {self.tables[t].name!r}: rank {self.rank} already owns {keys[owned & (tables == t)][:5]}")
+            raise ValueError(
+                f"table {self.tables[t].name!r}: rank {self.rank} already owns {keys[owned & (tables == t)][:5]}"
+            )
         lo = self._home_lo_arr[tables]
         home = (keys >= lo) & (keys < lo + self._home_len_arr[tables])
         slots = np.empty(keys.shape[0], dtype=np.int64)

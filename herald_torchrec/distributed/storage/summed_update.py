@@ -3,9 +3,9 @@
 A shared row is read on several ranks and updated once, by its owner, with the sum of every reader's gradient. That
 update must be the one FBGEMM's fused backward would have made, so it goes through the TBE's own kernel: a forward
 over one-row bags, then a backward with the summed gradients (`apply_summed_gradients_packed`) — bit-exact with the
-fused path (REFERENCE.md in ../shared/docs, checked again in tests/distributed/storage/test_row_store.py). Gradient clipping follows
-FBGEMM's, per pooled bag: readers clip (`clip_pooled_gradient`) and the owner does not clip the sum again.
-Mixed into `RowStore` (row_store.py), whose TBE and feature layout it drives; kept apart from the storage and the
+fused path (REFERENCE.md in ../shared/docs, checked again in tests/distributed/storage/test_row_store.py). Gradient
+clipping follows FBGEMM's, per pooled bag: readers clip (`clip_pooled_gradient`) and the owner does not clip the sum
+again. Mixed into `RowStore` (row_store.py), whose TBE and feature layout it drives; kept apart from the storage and the
 directory because it is the exactness machinery of the update.
 """
 
@@ -39,7 +39,8 @@ class SummedUpdateMixin:
 
     def apply_summed_gradients(self, slots: Sequence[np.ndarray | None], grads: Sequence[torch.Tensor | None]) -> None:
         """One fused-optimizer update of the given slots of each table with the given (already summed) gradients
-        (`slots[t]`: local slots of table t, distinct; `grads[t]`: [len(slots[t]), dim]). See `apply_summed_gradients_packed`."""
+        (`slots[t]`: local slots of table t, distinct; `grads[t]`: [len(slots[t]), dim]). See
+        `apply_summed_gradients_packed`."""
         counts = [0 if s is None else len(s) for s in slots]
         if not any(counts):
             return

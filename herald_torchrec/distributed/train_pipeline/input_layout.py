@@ -105,8 +105,9 @@ def check_batch(batch: object) -> Batch:
             f"got {type(batch).__name__}"
         )
     if not isinstance(batch.sparse_features, KeyedJaggedTensor):
-        raise ValueError("Batch.sparse_features must be a KeyedJaggedTensor, got "
-                         f"{type(batch.sparse_features).__name__}")
+        raise ValueError(
+            f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(batch.sparse_features).__name__}"
+        )
     return batch
 
 
@@ -120,21 +121,34 @@ def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
     mkeys = tables.keys()
     missing = [k for k in mkeys if k not in index]
     if missing:
-        raise ValueError(f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} "
-                         f"(has {list(keys)})")
+        raise ValueError(
+            f"the batch's KeyedJaggedTensor lacks the Herald-managed features {missing} (has {list(keys)})"
+        )
     managed = np.array([index[k] for k in mkeys], dtype=np.int64)
     carried = np.array([i for i, k in enumerate(keys) if k not in set(mkeys)], dtype=np.int64)
-    key_rows = np.array([min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys],
-                        dtype=np.int64)
+    key_rows = np.array(
+        [min(r for r, fs in zip(tables.rows, tables.features) if k in fs) for k in mkeys], dtype=np.int64
+    )
     table_keys = [np.array([mkeys.index(f) for f in fs], dtype=np.int64) for fs in tables.features]
     ids_dtype = np.dtype(np.int32) if max(tables.rows) <= INT32_MAX + 1 else np.dtype(np.int64)
     dense, labels = batch.dense_features, batch.labels
     if dense.shape[0] != B or labels.shape[0] != B:
-        raise ValueError(f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} "
-                         "samples")
-    return SliceLayout(keys=keys, batch_size=B, dense_shape=tuple(dense.shape[1:]), dense_dtype=dense.dtype,
-                       label_shape=tuple(labels.shape[1:]), label_dtype=labels.dtype, managed=managed,
-                       carried=carried, key_rows=key_rows, table_keys=table_keys, ids_dtype=ids_dtype)
+        raise ValueError(
+            f"Batch: dense_features has {dense.shape[0]} rows and labels {labels.shape[0]}, the KJT {B} samples"
+        )
+    return SliceLayout(
+        keys=keys,
+        batch_size=B,
+        dense_shape=tuple(dense.shape[1:]),
+        dense_dtype=dense.dtype,
+        label_shape=tuple(labels.shape[1:]),
+        label_dtype=labels.dtype,
+        managed=managed,
+        carried=carried,
+        key_rows=key_rows,
+        table_keys=table_keys,
+        ids_dtype=ids_dtype,
+    )
 
 
 @dataclass
@@ -164,23 +178,30 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
         raise ValueError("Herald input stage: weighted KeyedJaggedTensors are not supported")
     n = int(kjt.stride())
     if n > layout.batch_size:
-        raise ValueError(f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per "
-                         "rank)")
+        raise ValueError(
+            f"a batch of {n} samples, more than the first batch's {layout.batch_size} (batch size per rank)"
+        )
     dense, labels = batch.dense_features, batch.labels
     if tuple(dense.shape) != (n, *layout.dense_shape) or dense.dtype != layout.dense_dtype:
-        raise ValueError(f"dense_features {tuple(dense.shape)} {dense.dtype} differ from the first batch's "
-                         f"(n, {layout.dense_shape}) {layout.dense_dtype}")
+        raise ValueError(
+            f"dense_features {tuple(dense.shape)} {dense.dtype} differ from the first batch's "
+            f"(n, {layout.dense_shape}) {layout.dense_dtype}"
+        )
     if tuple(labels.shape) != (n, *layout.label_shape) or labels.dtype != layout.label_dtype:
-        raise ValueError(f"labels {tuple(labels.shape)} {labels.dtype} differ from the first batch's "
-                         f"(n, {layout.label_shape}) {layout.label_dtype}")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} {labels.dtype} differ from the first batch's "
+            f"(n, {layout.label_shape}) {layout.label_dtype}"
+        )
     lengths = kjt.lengths().detach().cpu().numpy().astype(np.int64, copy=False).reshape(layout.num_keys, n)
     values = kjt.values().detach().cpu().numpy().astype(np.int64, copy=False)
     if values.shape[0] != int(lengths.sum()):
         raise ValueError(f"KJT: {values.shape[0]} values but lengths sum to {int(lengths.sum())}")
     _check_managed_ids(values, lengths.sum(axis=1), layout)
-    fixed = np.concatenate(
-        [_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1
-    ) if layout.fixed_bytes() else np.zeros((n, 0), dtype=np.uint8)
+    fixed = (
+        np.concatenate([_bytes_per_sample(dense, n), _bytes_per_sample(labels, n)], axis=1)
+        if layout.fixed_bytes()
+        else np.zeros((n, 0), dtype=np.uint8)
+    )
     return HostSlice(n=n, lengths=lengths, values=values, fixed=fixed, uniform=uniform_length(lengths))
 
 
@@ -257,8 +278,13 @@ def gather_ids(lengths: np.ndarray, per_rank_ids: Sequence[np.ndarray], layout: 
         for q, v in enumerate(per_rank_ids):  # widened to int64 as it is copied in
             values[:, q] = np.asarray(v).reshape(J, B * u)
         key_start = np.arange(J, dtype=np.int64) * (R * B * u)
-        return GatheredIds(lengths=np.full((K, R * B), u, dtype=np.int64), values=values.reshape(-1),
-                           key_start=key_start, bag_start=None, uniform=u)
+        return GatheredIds(
+            lengths=np.full((K, R * B), u, dtype=np.int64),
+            values=values.reshape(-1),
+            key_start=key_start,
+            bag_start=None,
+            uniform=u,
+        )
     glen = lengths.transpose(1, 0, 2).reshape(K, R * B)
     mlen = lengths[:, layout.managed, :]  # [R, J, B]
     seg = mlen.sum(axis=2)  # [R, J] ids of key j sent by rank q
@@ -285,8 +311,9 @@ def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, i
         per_key = ids.values.reshape(-1, N)  # [J, N]: every key's ids are N consecutive values
         cols = [per_key[j] for j in first.tolist()]
         # the ids were range-checked on their ranks (host_slice); each table's ids are already one contiguous row
-        return GlobalBatch.from_dense(np.ascontiguousarray(per_key[first].T), lay, index, columns=cols,
-                                      range_checked=True)
+        return GlobalBatch.from_dense(
+            np.ascontiguousarray(per_key[first].T), lay, index, columns=cols, range_checked=True
+        )
     mg = ids.lengths[layout.managed]  # [J, N]
     offs, vals = [], []
     for keys in layout.table_keys:
@@ -341,8 +368,9 @@ class SampleRoute:
         return np.diff(self.cut)
 
 
-def sample_blocks(s: HostSlice, layout: SliceLayout, route: SampleRoute,
-                  uniform: bool) -> tuple[list[np.ndarray], np.ndarray]:
+def sample_blocks(
+    s: HostSlice, layout: SliceLayout, route: SampleRoute, uniform: bool
+) -> tuple[list[np.ndarray], np.ndarray]:
     """What this rank sends of its samples: one uint8 block per destination d, holding its samples
     `route.order[route.cut[d] : route.cut[d + 1]]` (local indices). Every block has their dense + label bytes; where
     `route.with_ids[d]` (a rank that does not plan, so it never received this slice's managed ids) then their bag
@@ -352,8 +380,9 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, route: SampleRoute,
     order, cut, with_ids = route.order, route.cut, route.with_ids
     R = cut.shape[0] - 1
     if s.uniform >= 0 and uniform:  # the same blocks, compiled (None: kernels off)
-        fast = host_kernels.sample_blocks_uniform(s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried,
-                                                  layout.ids_dtype, order, cut, with_ids)
+        fast = host_kernels.sample_blocks_uniform(
+            s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried, layout.ids_dtype, order, cut, with_ids
+        )
         if fast is not None:
             return fast
     fixed = s.fixed[order].reshape(-1)
@@ -387,8 +416,9 @@ def sample_blocks(s: HostSlice, layout: SliceLayout, route: SampleRoute,
     return blocks, id_bytes
 
 
-def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_from: np.ndarray,
-                     layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def received_samples(
+    blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_from: np.ndarray, layout: SliceLayout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Inverse of `sample_blocks` on a rank that does not plan (every block holds lengths and ids): (dense + label
     bytes [n, fixed_bytes], KJT lengths [K * n] and values, keys in the slices' order) of the received samples, in
     source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1 (lengths sent)."""
@@ -407,8 +437,10 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
             at += 4 * K * n
         m, c = int(ln[layout.managed].sum()), int(ln[layout.carried].sum())
         if blk.shape[0] != at + m * it + 8 * c:  # both sides are this module: a mismatch is a protocol bug
-            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
-                               f"{at + m * it + 8 * c}")
+            raise RuntimeError(
+                f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                f"{at + m * it + 8 * c}"
+            )
         man.append(blk[at : at + m * it].view(layout.ids_dtype).astype(np.int64))
         car.append(blk[at + m * it :].view(np.int64))
         lens.append(ln)
@@ -427,8 +459,9 @@ def received_samples(blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_f
     return fixed_all, lens_all.reshape(-1), values
 
 
-def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray,
-                       carried: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def assigned_kjt_parts(
+    ids: GatheredIds, layout: SliceLayout, mine: np.ndarray, carried: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(lengths int64 [K * B'], values int64) of the KJT of the samples `mine` (global indices, in order), keys in the
     slices' order, on a rank that plans: managed ids from the gathered batch, carried ids from `carried` (laid out as
     `sample_major_ids` of the carried keys, samples in `mine` order)."""
@@ -453,8 +486,9 @@ def assigned_kjt_parts(ids: GatheredIds, layout: SliceLayout, mine: np.ndarray,
     return lens.reshape(-1), values
 
 
-def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
-                      layout: SliceLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _received_uniform(
+    blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int, layout: SliceLayout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`received_samples` where every source's bags have the one length u: each block is [n, fixed] bytes, then
     [n, J, u] managed ids (wire dtype), then [n, C, u] carried ids (int64), so the KJT's [K, n, u] values are two
     transposes (or one compiled pass)."""
@@ -462,12 +496,15 @@ def _received_uniform(blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int,
     J, C = layout.managed.shape[0], layout.carried.shape[0]
     for blk, n in zip(blocks, n_from.tolist()):
         if blk.shape[0] != n * (fb + J * u * it + 8 * C * u):  # both sides are this module: a mismatch is a bug
-            raise RuntimeError(f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
-                               f"{n * (fb + J * u * it + 8 * C * u)}")
+            raise RuntimeError(
+                f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
+                f"{n * (fb + J * u * it + 8 * C * u)}"
+            )
     n_all = int(n_from.sum())
     lengths = np.full(K * n_all, u, dtype=np.int64)
-    fast = host_kernels.received_uniform(list(blocks), n_from, fb, K, u, layout.managed, layout.carried,
-                                         layout.ids_dtype)
+    fast = host_kernels.received_uniform(
+        list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype
+    )
     if fast is not None:  # the same arrays, compiled
         return fast[0], lengths, fast[1]
     fixed, man, car = [], [], []
@@ -493,8 +530,9 @@ def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, l
     dense = torch.from_numpy(np.ascontiguousarray(fixed[:, :dense_b])).view(layout.dense_dtype)
     labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype)
     dense, labels = dense.reshape(n, *layout.dense_shape), labels.reshape(n, *layout.label_shape)
-    kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.from_numpy(values),
-                            lengths=torch.from_numpy(lengths.astype(np.int32)))
+    kjt = KeyedJaggedTensor(
+        keys=list(layout.keys), values=torch.from_numpy(values), lengths=torch.from_numpy(lengths.astype(np.int32))
+    )
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
 

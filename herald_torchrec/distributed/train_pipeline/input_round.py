@@ -237,8 +237,9 @@ def ids_sizes(heads: RoundHeads, lay: SliceLayout) -> list[int]:
     return [(0 if u >= 0 else K * B * 4) + int(n) * lay.ids_dtype.itemsize for u, n in zip(heads.uniform, heads.ids)]
 
 
-def decode_ids(uniform: np.ndarray, blocks: list[np.ndarray], lay: SliceLayout, tables: ManagedTables,
-               index: int | None = None) -> tuple[GatheredIds, GlobalBatch]:
+def decode_ids(
+    uniform: np.ndarray, blocks: list[np.ndarray], lay: SliceLayout, tables: ManagedTables, index: int | None = None
+) -> tuple[GatheredIds, GlobalBatch]:
     """On a rank that plans: the global batch's ids from every rank's ids block (`uniform[q]`: rank q's one bag
     length, or -1: its block starts with its lengths), and the scheduler's view."""
     K, B = lay.num_keys, lay.batch_size

@@ -87,7 +87,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
-from torch.distributed import all_gather as _all_gather, all_to_all_single as _all_to_all_single
+from torch.distributed import all_gather as _all_gather
+from torch.distributed import all_to_all_single as _all_to_all_single
 from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
@@ -205,8 +206,13 @@ class ScheduledInput:
     `reset_policy()` starts it again from the home placement (after a checkpoint load reset the data plane's
     ownership)."""
 
-    def __init__(self, tables: ManagedTables, comm: PlanComm, policy_factory: Callable[[int], SchedulePolicy],
-                 plan_on: str = "host") -> None:
+    def __init__(
+        self,
+        tables: ManagedTables,
+        comm: PlanComm,
+        policy_factory: Callable[[int], SchedulePolicy],
+        plan_on: str = "host",
+    ) -> None:
         self.tables = tables
         self.comm = comm
         self.R, self.rank = comm.world_size, comm.rank
@@ -296,9 +302,12 @@ class ScheduledInput:
         raise_bad(got[:, 0], err)
         if (got[:, 0] == SliceStatus.END).any():
             if first is not None:
-                warnings.warn(f"herald input (rank {self.rank}): ranks "
-                              f"{np.flatnonzero(got[:, 0] == SliceStatus.END).tolist()} have no data at all; every "
-                              "rank stops before the first step", stacklevel=3)
+                warnings.warn(
+                    f"herald input (rank {self.rank}): ranks "
+                    f"{np.flatnonzero(got[:, 0] == SliceStatus.END).tolist()} have no data at all; every "
+                    "rank stops before the first step",
+                    stacklevel=3,
+                )
             return False
         if (got[:, 1:] != got[0, 1:]).any():
             raise ValueError(
@@ -339,8 +348,13 @@ class ScheduledInput:
         self.dropped_samples += mine
         short = status == SliceStatus.SHORT
         if short.any():
-            why = "short last batch" + "es" * int(short.sum() > 1) + " (" + ", ".join(
-                f"rank {q}: {int(heads.samples[q])} samples" for q in np.flatnonzero(short)) + ")"
+            why = (
+                "short last batch"
+                + "es" * int(short.sum() > 1)
+                + " ("
+                + ", ".join(f"rank {q}: {int(heads.samples[q])} samples" for q in np.flatnonzero(short))
+                + ")"
+            )
         else:
             why = f"ranks {np.flatnonzero(status == SliceStatus.END).tolist()} ran out of data"
         if not (status == SliceStatus.END).all():  # an uneven end: say what is lost (a clean end is silent)
@@ -363,8 +377,9 @@ class ScheduledInput:
         others = np.arange(self.R) != r
         ids_sent = int(id_bytes[others].sum())
         self.comm.counter.add("sample_ids", ids_sent, call=False)
-        self.comm.counter.add("samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent,
-                              call=False)
+        self.comm.counter.add(
+            "samples", int(sum(b.shape[0] for d, b in enumerate(blocks) if d != r)) - ids_sent, call=False
+        )
         mine = ex.plan.local_samples(r)
         return SampleMoves(ex.pending, blocks, route.counts, mine, np.bincount(mine // B, minlength=self.R))
 
@@ -406,8 +421,10 @@ class ScheduledInput:
             raise made.error
         failed = np.flatnonzero(heads.plan_bytes < 0)
         if failed.size:
-            raise RuntimeError(f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
-                               "(see their error); every rank stops")
+            raise RuntimeError(
+                f"herald input (rank {self.rank}): the scheduler failed on rank(s) {failed.tolist()} "
+                "(see their error); every rank stops"
+            )
 
     def _recv_sizes(self, cur: Pending, n_from: np.ndarray) -> list[int] | None:
         """Bytes of `cur`'s samples each rank sends this rank (`n_from`: how many of them its plan assigns here),
@@ -439,14 +456,18 @@ class ScheduledInput:
         # no gather: its words (END) are not used
         checked = slice(0, PAY_WORDS) if work.gather is not None else slice(PLAN_WORD, PAY_WORDS)
         if not np.array_equal(known[r, checked], head[checked]):
-            raise RuntimeError(f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
-                               f"differs from what the previous round announced {known[r].tolist()}")
+            raise RuntimeError(
+                f"herald input stage (rank {r}): this round's header {head[:PAY_WORDS].tolist()} "
+                f"differs from what the previous round announced {known[r].tolist()}"
+            )
         if moves is not None:
             u = int(moves.pending.uniform[r])
             if [b.shape[0] for b in moves.blocks] != [
-                    int(n) * self._sample_bytes(u, bool(self.is_planner[d])) for d, n in enumerate(moves.n_to)]:
-                raise RuntimeError(f"herald input stage (rank {r}): sample blocks differ from the sizes receivers "
-                                   "compute")
+                int(n) * self._sample_bytes(u, bool(self.is_planner[d])) for d, n in enumerate(moves.n_to)
+            ]:
+                raise RuntimeError(
+                    f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute"
+                )
         words = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
         words[:, :PAY_WORDS] = known
         words[:, PAY_WORDS + r] = sizes
@@ -495,8 +516,12 @@ class ScheduledInput:
         if work.next_words is not None:
             self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
         # to each rank: [trailer | ids block (to a planner) | plan (to a rank this one plans for) | samples]
-        sends = [np.concatenate([trailer, my_ids[: None if self.is_planner[d] else 0],
-                                 wire[: None if self.plans_for[d] else 0], p]) for d, p in enumerate(pay)]
+        sends = [
+            np.concatenate(
+                [trailer, my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p]
+            )
+            for d, p in enumerate(pay)
+        ]
         t = trailer.shape[0]
         recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_to(r))]
         if any(b.shape[0] for b in sends) or any(recv):
@@ -516,8 +541,9 @@ class ScheduledInput:
             result.planned = PlannedBatch(made.plan, made.generation)
         elif receives_plan:  # from this rank's planner: [generation int64, encoded plan]
             block = got[q][ids_in[q] : ids_in[q] + plan_in[q]]
-            result.planned = PlannedBatch(decode_plan(block[GENERATION_BYTES:]),
-                                          int(block[:GENERATION_BYTES].view(np.int64)[0]))
+            result.planned = PlannedBatch(
+                decode_plan(block[GENERATION_BYTES:]), int(block[:GENERATION_BYTES].view(np.int64)[0])
+            )
         if moves is not None:
             result.assigned = self._assemble(moves, [b[n + m :] for b, n, m in zip(got, ids_in, plan_in)])
         return result
@@ -571,8 +597,16 @@ class ScheduledInput:
             exchange = Exchange(window[0], planned[0].plan) if planned else None
             self._ahead_samples = ahead.samples if ahead is not None else 0
             with phase("input.exchange_and_gather"):
-                result = self._round(Round(exchange=exchange, gather=parsed, carries_plan=carries_plan, made=made,
-                                           announced=announced, next_words=next_words))
+                result = self._round(
+                    Round(
+                        exchange=exchange,
+                        gather=parsed,
+                        carries_plan=carries_plan,
+                        made=made,
+                        announced=announced,
+                        next_words=next_words,
+                    )
+                )
             announced = result.next_announced
             if result.planned is not None:
                 planned.append(result.planned)

@@ -37,7 +37,6 @@ WAITS_KEPT = 100_000  # recent waits a pipeline keeps (a bounded record, however
 CLOSE_TIMEOUT_S = 30.0  # how long close() waits for the stage to end (its last rounds need every rank to close)
 
 
-
 def set_thread_priority(priority: str) -> None:
     """Lower the calling thread's CPU priority: "low" = nice 19, "idle" = SCHED_IDLE (runs when nothing else wants
     the core), "normal" = leave it. Linux only, where a thread has its own nice value and scheduling policy; elsewhere,
@@ -45,8 +44,11 @@ def set_thread_priority(priority: str) -> None:
     if priority == "normal":
         return
     if not sys.platform.startswith("linux"):
-        warnings.warn(f"herald input thread: input_priority={priority!r} needs Linux; the thread keeps its priority",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"herald input thread: input_priority={priority!r} needs Linux; the thread keeps its priority",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return
     tid = threading.get_native_id()
     try:
@@ -55,8 +57,11 @@ def set_thread_priority(priority: str) -> None:
         else:
             os.setpriority(os.PRIO_PROCESS, tid, 19)  # raising one's own nice value needs no privilege
     except OSError as e:
-        warnings.warn(f"herald input thread: could not set input_priority={priority!r} ({e}); the thread keeps its "
-                      "priority", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"herald input thread: could not set input_priority={priority!r} ({e}); the thread keeps its priority",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 OS_THREAD_NAME = "herald-input"  # what `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm show for the input thread
@@ -77,14 +82,20 @@ def name_os_thread(name: str) -> None:
 
 def lag_message(wait_ms: float, share: float, batches: int, priority: str) -> str:
     """What a lagging input stage means, and what to change."""
-    head = (f"HeraldTrainPipeline: over the last {batches} batches the training thread waited {wait_ms:.1f} ms per "
-            f"batch ({share:.0%} of its time) for the input stage, which is not keeping ahead of training. ")
-    slow = ("the user's iterator or the scheduler is slower than a training step (see sched_ms, and sched_cpu_ms for "
-            "the planner's own CPU)")
+    head = (
+        f"HeraldTrainPipeline: over the last {batches} batches the training thread waited {wait_ms:.1f} ms per "
+        f"batch ({share:.0%} of its time) for the input stage, which is not keeping ahead of training. "
+    )
+    slow = (
+        "the user's iterator or the scheduler is slower than a training step (see sched_ms, and sched_cpu_ms for "
+        "the planner's own CPU)"
+    )
     if priority != "normal":
-        return head + (f"Its thread runs at input_priority={priority!r}: on cores busy with other work it may get "
-                       "too little CPU (try input_priority='normal', scheduler.input_priority=normal in the app), "
-                       f"or {slow}.")
+        return head + (
+            f"Its thread runs at input_priority={priority!r}: on cores busy with other work it may get "
+            "too little CPU (try input_priority='normal', scheduler.input_priority=normal in the app), "
+            f"or {slow}."
+        )
     return head + slow[0].upper() + slow[1:] + "."
 
 
@@ -106,16 +117,24 @@ class PrefetchedInput:
 
     _END = object()
 
-    def __init__(self, stage: Callable[[Iterator], Iterator], source: Iterator, depth: int, priority: str = "normal",
-                 waits: Optional[MutableSequence[float]] = None, stop: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        stage: Callable[[Iterator], Iterator],
+        source: Iterator,
+        depth: int,
+        priority: str = "normal",
+        waits: Optional[MutableSequence[float]] = None,
+        stop: Optional[Callable[[], None]] = None,
+    ) -> None:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._waits, self._priority, self._stop = waits, priority, stop
         self._closed = False
         self._last: Optional[float] = None  # when the previous item was handed out
         self._window = LagWindow()
         self._warned = False
-        self._thread = threading.Thread(target=self._run, args=(stage, source, priority), name="herald-input",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(stage, source, priority), name="herald-input", daemon=True
+        )
         self._thread.start()
 
     def _run(self, stage: Callable[[Iterator], Iterator], source: Iterator, priority: str) -> None:
@@ -182,7 +201,10 @@ class PrefetchedInput:
                 share = w.waited / max(w.elapsed, 1e-9)
                 if share >= LAG_SHARE:
                     self._warned = True
-                    warnings.warn(lag_message(1e3 * w.waited / w.batches, share, w.batches, self._priority),
-                                  RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        lag_message(1e3 * w.waited / w.batches, share, w.batches, self._priority),
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 self._window = LagWindow()
         self._last = now

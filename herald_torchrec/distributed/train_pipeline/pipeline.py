@@ -33,9 +33,9 @@ with a shorter wait. A stream that ended (a finite iterator, an epoch) needs not
 from __future__ import annotations
 
 import atexit
-from collections import deque
 import warnings
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -46,8 +46,8 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from herald_torchrec.distributed.comm import PlanComm
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.train_pipeline.input_layout import ManagedTables
-from herald_torchrec.distributed.train_pipeline.input_thread import CLOSE_TIMEOUT_S, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.distributed.train_pipeline.input_stage import ScheduledInput
+from herald_torchrec.distributed.train_pipeline.input_thread import CLOSE_TIMEOUT_S, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.options import SCHEDULER_SETTINGS, HeraldOptions
 from herald_torchrec.schedule import make_policy
 from herald_torchrec.schedule.global_batch import GlobalBatch
@@ -96,8 +96,10 @@ def scheduler_settings(modules: list[ShardedHeraldEmbeddingBagCollection]) -> di
     """The scheduler settings the modules were sharded with (they must agree: one scheduler plans them all)."""
     settings = [{name: getattr(m, name) for name in SCHEDULER_SETTINGS} for m in modules]
     if any(s != settings[0] for s in settings[1:]):
-        raise ValueError(f"the Herald-managed modules were sharded with different scheduler settings {settings}; "
-                         "shard every EBC with the same HeraldEmbeddingBagCollectionSharder settings")
+        raise ValueError(
+            f"the Herald-managed modules were sharded with different scheduler settings {settings}; "
+            "shard every EBC with the same HeraldEmbeddingBagCollectionSharder settings"
+        )
     return settings[0]
 
 
@@ -153,22 +155,30 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
-        given = {"prefetch": prefetch, "plan_on": plan_on, "input_priority": input_priority,
-                 "policy_options": policy_options}
+        given = {
+            "prefetch": prefetch,
+            "plan_on": plan_on,
+            "input_priority": input_priority,
+            "policy_options": policy_options,
+        }
         given_options = options is not None
         # checked before any set-up: a typo must not cost a model build
         options = HeraldOptions.named(WHERE, options, **{k: v for k, v in given.items() if v is not None})
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
-            raise ValueError("HeraldTrainPipeline: the model has no Herald-managed sharded module "
-                             "(shard it with HeraldEmbeddingBagCollectionSharder)")
+            raise ValueError(
+                "HeraldTrainPipeline: the model has no Herald-managed sharded module "
+                "(shard it with HeraldEmbeddingBagCollectionSharder)"
+            )
         self._herald_modules = modules
         sharded_with = scheduler_settings(modules)
         ours = options.scheduler_settings()
         if given_options and ours != sharded_with:
-            raise ValueError(f"HeraldTrainPipeline: options has the scheduler settings {ours}, but the modules were "
-                             f"sharded with {sharded_with}; pass the sharder's options (sharder.options)")
+            raise ValueError(
+                f"HeraldTrainPipeline: options has the scheduler settings {ours}, but the modules were "
+                f"sharded with {sharded_with}; pass the sharder's options (sharder.options)"
+            )
         # the scheduler's settings as the modules carry them, the rest as given
         self.options = HeraldOptions.named(WHERE, options, **sharded_with)
         self._profile = profile
@@ -199,8 +209,15 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
         o = self.options
         world = self.input_stage.R
-        policy = make_policy(o.runnable_policy(), list(self.tables.rows), world, batch_per_rank,
-                             cache_ratio=o.cache_ratio, lookahead=o.lookahead, **o.policy_options)
+        policy = make_policy(
+            o.runnable_policy(),
+            list(self.tables.rows),
+            world,
+            batch_per_rank,
+            cache_ratio=o.cache_ratio,
+            lookahead=o.lookahead,
+            **o.policy_options,
+        )
         if self._profile is not None:
             policy.profile(self._profile)
         return policy
@@ -224,8 +241,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if not depth:
             stream = self.input_stage(source)
         else:
-            stream = self._prefetched = PrefetchedInput(self.input_stage, source, depth, priority, self.input_wait_ms,
-                                                        stop=self.input_stage.request_stop)
+            stream = self._prefetched = PrefetchedInput(
+                self.input_stage, source, depth, priority, self.input_wait_ms, stop=self.input_stage.request_stop
+            )
             _RUNNING.add(self)
             if not _exit_hook:
                 atexit.register(_close_at_exit)
@@ -252,17 +270,25 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         _RUNNING.discard(self)
         stage, self._prefetched = self._prefetched, None
         if stage is not None and not stage.close(timeout):
-            warnings.warn(f"HeraldTrainPipeline.close(): the input stage did not stop within {timeout:.0f} s (close() "
-                          "is collective: every rank calls it after the same number of progress() calls); its thread "
-                          "is left running", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"HeraldTrainPipeline.close(): the input stage did not stop within {timeout:.0f} s (close() "
+                "is collective: every rank calls it after the same number of progress() calls); its thread "
+                "is left running",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
         if self._closed:
-            raise RuntimeError("HeraldTrainPipeline.progress: the pipeline is closed (close() was called) and trains "
-                               "no more: the batches its input stage had scheduled ahead were dropped")
+            raise RuntimeError(
+                "HeraldTrainPipeline.progress: the pipeline is closed (close() was called) and trains "
+                "no more: the batches its input stage had scheduled ahead were dropped"
+            )
         if not self._model.training:
-            raise ValueError("HeraldTrainPipeline.progress trains: call model.train() first; evaluate with a plain "
-                             "forward or torchrec's EvalPipelineSparseDist (they never touch training plans)")
+            raise ValueError(
+                "HeraldTrainPipeline.progress trains: call model.train() first; evaluate with a plain "
+                "forward or torchrec's EvalPipelineSparseDist (they never touch training plans)"
+            )
         versions = self._ownership_versions()
         if versions != self._ownership:  # a checkpoint load reset ownership to home and dropped the queued plans
             self.input_stage.reset_policy()  # plan from the home placement from now on
@@ -277,7 +303,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
                     "HeraldTrainPipeline.progress: a different iterator while the previous one still has batches "
                     "scheduled: the input stage plans ahead, and the scheduler has already moved rows for batches of "
                     "the previous iterator that would never train. Pass the same iterator until progress() raises "
-                    "StopIteration (an epoch), then the next one")
+                    "StopIteration (an epoch), then the next one"
+                )
             self._source = dataloader_iter
             self._scheduled = self._schedule(iter(dataloader_iter))
         out = super().progress(self._scheduled)  # type: ignore[arg-type]

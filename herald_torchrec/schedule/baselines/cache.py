@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import TableLayout
 from herald_torchrec.schedule.directory import GuestSlots, guest_capacity
+from herald_torchrec.schedule.global_batch import TableLayout
 
 
 class WorkerCaches:
@@ -53,8 +53,16 @@ class WorkerCaches:
         _, ver = self.lookup(rank, gid)
         return ver == self.V[gid]
 
-    def execute(self, pair_gid: np.ndarray, pair_rank: np.ndarray, count: np.ndarray, keys: np.ndarray,
-                pair_key: np.ndarray, step: int, push_all: bool) -> tuple[dict, np.ndarray]:
+    def execute(
+        self,
+        pair_gid: np.ndarray,
+        pair_rank: np.ndarray,
+        count: np.ndarray,
+        keys: np.ndarray,
+        pair_key: np.ndarray,
+        step: int,
+        push_all: bool,
+    ) -> tuple[dict, np.ndarray]:
         """Run one step of reads and updates; returns (counters, version read by every pair)."""
         V, P, D, sl = self.V, self.P, self.D, self.slots
         ver_p, last_p = sl.payload["ver"], sl.payload["last"]

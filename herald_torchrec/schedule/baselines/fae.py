@@ -25,9 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
+from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import ReplicaSync
-from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
 
 
 class FaePolicy(ReplicaPolicyBase):
@@ -71,7 +71,7 @@ class FaePolicy(ReplicaPolicyBase):
         big = concat_batches(batches)
         out = []
         for i, b in enumerate(batches):
-            nb = big.take(order[i * n:(i + 1) * n])
+            nb = big.take(order[i * n : (i + 1) * n])
             nb.index = b.index
             out.append(nb)
         return out

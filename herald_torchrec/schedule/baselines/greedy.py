@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.baselines.het_bsp import CachePolicyBase
+from herald_torchrec.schedule.global_batch import GlobalBatch
 
 
 def greedy_in_order(score: np.ndarray, batch_per_rank: int, first: int) -> np.ndarray:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.baselines.cache import WorkerCaches
 from herald_torchrec.schedule.baselines.het_bsp import CachePolicyBase
+from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL, CacheStep, Plan
 from herald_torchrec.schedule.policy import split_gid
 
@@ -46,8 +46,16 @@ class StaleCaches(WorkerCaches):
         self.push = np.zeros(0, dtype=bool)
         self.evicted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rank, gid, dirty) per eviction batch
 
-    def execute(self, pair_gid: np.ndarray, pair_rank: np.ndarray, count: np.ndarray, keys: np.ndarray,
-                pair_key: np.ndarray, step: int, push_all: bool) -> tuple[dict, np.ndarray]:
+    def execute(
+        self,
+        pair_gid: np.ndarray,
+        pair_rank: np.ndarray,
+        count: np.ndarray,
+        keys: np.ndarray,
+        pair_key: np.ndarray,
+        step: int,
+        push_all: bool,
+    ) -> tuple[dict, np.ndarray]:
         """One step of reads and updates; returns (counters, version read by every pair). `push_all` is unused:
         pushes follow the staleness bound."""
         S, C, U, V, sl = self.staleness, self.C, self.U, self.V, self.slots
@@ -109,8 +117,8 @@ class HetPolicy(CachePolicyBase):
     """HET with staleness bound `staleness` (S >= 0); S = 0 gives `het_bsp`'s counts exactly.
 
     Its plans are executable for any S: they carry the caches' actions (`Plan.cache`), which the data plane runs
-    with a real cache per rank (distributed/comparison/het_cache.py); no row goes through the home path (`shared` is empty).
-    With S = 0 every read sees the latest value, so the run is exact BSP."""
+    with a real cache per rank (distributed/comparison/het_cache.py); no row goes through the home path (`shared` is
+    empty). With S = 0 every read sees the latest value, so the run is exact BSP."""
 
     name = "het"
     home_path = False
@@ -128,13 +136,24 @@ class HetPolicy(CachePolicyBase):
         eg = np.concatenate([e[1] for e in ev]) if ev else np.zeros(0, dtype=np.int64)
         ed = np.concatenate([e[2] for e in ev]) if ev else np.zeros(0, dtype=bool)
         et, erow = split_gid(self.layout, self.table_of, eg)
-        plan.cache = CacheStep(table=t, row=row, rank=plan.reads.rank, action=cs.action.copy(), push=cs.push.copy(),
-                               evict_table=et, evict_row=erow, evict_rank=er.astype(np.int64), evict_push=ed)
+        plan.cache = CacheStep(
+            table=t,
+            row=row,
+            rank=plan.reads.rank,
+            action=cs.action.copy(),
+            push=cs.push.copy(),
+            evict_table=et,
+            evict_row=erow,
+            evict_rank=er.astype(np.int64),
+            evict_push=ed,
+        )
         return plan
 
     def __init__(self, *args, staleness: int = 0, **kwargs) -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, (int, np.integer)) or staleness < 0:
-            raise ValueError(f"het: staleness must be an integer >= 0 (updates a cached copy may miss), got {staleness!r}")
+            raise ValueError(
+                f"het: staleness must be an integer >= 0 (updates a cached copy may miss), got {staleness!r}"
+            )
         self.staleness = int(staleness)
         super().__init__(*args, **kwargs)
 

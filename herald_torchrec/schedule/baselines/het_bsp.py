@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.baselines.cache import WorkerCaches
 from herald_torchrec.schedule.directory import home_blocks
+from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan, ReadVersions
 from herald_torchrec.schedule.policy import CACHE_KINDS, SchedulePolicy, shared_rows, split_gid
 
@@ -31,8 +31,10 @@ class CachePolicyBase(SchedulePolicy):
     def runs_with(cls, staleness: int = 0, **_: object) -> None:
         """ValueError unless the data plane can run this policy with these settings (S = 0 only)."""
         if staleness:
-            raise ValueError(f"scheduler.staleness={staleness}: het with staleness > 0 is counting-only for now "
-                             "(benchmarks/simulate.py); the data plane runs het with staleness 0 (HET-BSP)")
+            raise ValueError(
+                f"scheduler.staleness={staleness}: het with staleness > 0 is counting-only for now "
+                "(benchmarks/simulate.py); the data plane runs het with staleness 0 (HET-BSP)"
+            )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -63,9 +65,16 @@ class CachePolicyBase(SchedulePolicy):
             remote = np.bincount(rd.pair_key, weights=rd.pair_rank != home[rd.pair_key], minlength=rd.keys.shape[0]) > 0
             ids, offs, readers = rd.readers_csr(remote)
             shared = shared_rows(self.layout, self.table_of, rd.keys[ids], home[ids], offs, readers)
-        plan = Plan(step=self.step, num_ranks=self.num_ranks, batch_per_rank=self.batch_per_rank, sample_order=order,
-                    counters=counters, executable=shared is not None or not self.home_path,
-                    reads=ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=ver), stale_reads=stale)
+        plan = Plan(
+            step=self.step,
+            num_ranks=self.num_ranks,
+            batch_per_rank=self.batch_per_rank,
+            sample_order=order,
+            counters=counters,
+            executable=shared is not None or not self.home_path,
+            reads=ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=ver),
+            stale_reads=stale,
+        )
         if shared is not None:
             plan.shared = shared
         return plan

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import ReplicaSync
-from herald_torchrec.schedule.baselines.replicated import ReplicaPolicyBase
 
 
 class P2resPolicy(ReplicaPolicyBase):

@@ -10,8 +10,8 @@ through its home (the home rank reads locally: `hit`; every other reader gets th
 each, with optimizer state).
 
 The plans carry `ReadVersions` with `replica` set and a `ReplicaSync`, from which the checker replays the home
-copies and the replicas independently (schedule/checker.py). They are executable (distributed/comparison/replicas.py): keys
-read through their home go through the data plane's shared path (`Plan.shared`: owner = home, as `static` plans
+copies and the replicas independently (schedule/checker.py). They are executable (distributed/comparison/replicas.py):
+keys read through their home go through the data plane's shared path (`Plan.shared`: owner = home, as `static` plans
 them; a key read only by its home rank is exclusive), keys read through replicas are left out of `shared` and read
 from every rank's replica region; the first plan after `profile()` names the whole replicated set
 (`ReplicaSync.replicated_*`) so that the data plane can build that region. numpy only.
@@ -24,8 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.directory import guest_capacity, home_blocks
+from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync
 from herald_torchrec.schedule.policy import SchedulePolicy, shared_rows, split_gid
 
@@ -44,10 +44,14 @@ class ReplicaPolicyBase(SchedulePolicy):
         if hot_budget is None:  # the memory the caching policies get: ceil(cache_ratio x rows) per table, per rank
             hot_budget = int(guest_capacity(self.layout.table_rows, self.cache_ratio).sum())
         if isinstance(hot_budget, bool) or not isinstance(hot_budget, (int, np.integer)) or hot_budget < 0:
-            raise ValueError(f"{self.name}: hot_budget must be an integer >= 0 (replicated rows per rank), got {hot_budget!r}")
+            raise ValueError(
+                f"{self.name}: hot_budget must be an integer >= 0 (replicated rows per rank), got {hot_budget!r}"
+            )
         if not isinstance(profile_fraction, (int, float)) or not 0.0 < profile_fraction <= 1.0:
-            raise ValueError(f"{self.name}: profile_fraction must be in (0, 1] (share of the stream profiled), "
-                             f"got {profile_fraction!r}")
+            raise ValueError(
+                f"{self.name}: profile_fraction must be in (0, 1] (share of the stream profiled), "
+                f"got {profile_fraction!r}"
+            )
         self.hot_budget = int(hot_budget)
         self.profile_fraction = float(profile_fraction)
         n = self.layout.total_rows
@@ -110,15 +114,28 @@ class ReplicaPolicyBase(SchedulePolicy):
         via_home = ~rep_key & (np.bincount(rd.pair_key, weights=pair_remote, minlength=rd.keys.shape[0]) > 0)
         ids, offs, readers = rd.readers_csr(via_home)
         shared = shared_rows(self.layout, self.table_of, rd.keys[ids], self.home[rd.keys[ids]], offs, readers)
-        counters = {"hit": rd.num_pairs - remote, "shared_value": remote, "shared_grad": remote,
-                    "allreduce": 2 * (self.num_ranks - 1) * int(ar.shape[0]), "replica_sync": 0}
+        counters = {
+            "hit": rd.num_pairs - remote,
+            "shared_value": remote,
+            "shared_grad": remote,
+            "allreduce": 2 * (self.num_ranks - 1) * int(ar.shape[0]),
+            "replica_sync": 0,
+        }
         counters.update(extra)
         t, row = split_gid(self.layout, self.table_of, pg)
         reads = ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=self.V[pg].copy(), replica=rep)
         self.V[rd.keys] += 1
-        return Plan(step=self.step, num_ranks=self.num_ranks, batch_per_rank=self.batch_per_rank,
-                    sample_order=self.contiguous_order(), shared=shared, counters=counters, executable=True,
-                    reads=reads, replicas=sync)
+        return Plan(
+            step=self.step,
+            num_ranks=self.num_ranks,
+            batch_per_rank=self.batch_per_rank,
+            sample_order=self.contiguous_order(),
+            shared=shared,
+            counters=counters,
+            executable=True,
+            reads=reads,
+            replicas=sync,
+        )
 
     def _replica_keys(self, batch: GlobalBatch, keys: np.ndarray) -> tuple[np.ndarray, ReplicaSync, dict]:
         """(bool [K]: key read through replicas, syncs before the step, extra counters)."""
@@ -129,6 +146,11 @@ class ReplicaPolicyBase(SchedulePolicy):
 
     def describe(self) -> dict:
         d = super().describe()
-        d.update({"hot_budget": self.hot_budget, "profile_fraction": self.profile_fraction,
-                  "replicated_rows": int(self.replicated.sum())})
+        d.update(
+            {
+                "hot_budget": self.hot_budget,
+                "profile_fraction": self.profile_fraction,
+                "replicated_rows": int(self.replicated.sum()),
+            }
+        )
         return d

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy, shared_rows
 
@@ -30,12 +30,19 @@ class StaticPolicy(SchedulePolicy):
         d = self.directory
         own = d.owner[rd.keys].astype(np.int64)
         pair_local = own[rd.pair_key] == rd.pair_rank
-        exclusive = (rd.count == 1) & np.bincount(rd.pair_key, weights=pair_local, minlength=rd.keys.shape[0]).astype(bool)
+        exclusive = (rd.count == 1) & np.bincount(rd.pair_key, weights=pair_local, minlength=rd.keys.shape[0]).astype(
+            bool
+        )
         ids, offs, readers = rd.readers_csr(~exclusive)
         shared = shared_rows(self.layout, d.table, rd.keys[ids], own[ids], offs, readers)
         d.last_use[rd.keys] = self.step
         remote = shared.remote_reads()
-        counters = {"hit": int(pair_local.sum()), "migrate": 0, "evict_home": 0, "forward": 0,
-                    "shared_value": remote, "shared_grad": remote}
-        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order, shared=shared,
-                    counters=counters)
+        counters = {
+            "hit": int(pair_local.sum()),
+            "migrate": 0,
+            "evict_home": 0,
+            "forward": 0,
+            "shared_value": remote,
+            "shared_grad": remote,
+        }
+        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order, shared=shared, counters=counters)

@@ -7,12 +7,12 @@ the default W&D trace at R=2 the plan took 3.1 ms once the caches were full agai
 tables 5x larger 10.8 ms at step 5,000, still growing. Real tables are 100x larger.
 
 The priority is bounded below by a per-row *floor* that only grows while a row stays in its group (herald: its last
-use, `OwnershipDirectory.last_use`, read through each slot's key). For every group g the pool keeps a threshold `tau[g]` and a list of keys
-holding **every member whose floor is below tau[g]** (plus stale keys: rows read again or gone since, dropped when
-met; a row that left and came back may be listed twice, counted once). Every other member has priority >= floor >=
-tau[g], so if the pool holds `need` members of priority < tau[g], the `need` lowest of the group are among them: the
-pool alone decides, and the result is exactly a full selection's. A group whose pool cannot decide is rebuilt from
-its members (one pass over its slot region: O(members) but rare, after ~`size` victims); a group that still cannot
+use, `OwnershipDirectory.last_use`, read through each slot's key). For every group g the pool keeps a threshold `tau[g]`
+and a list of keys holding **every member whose floor is below tau[g]** (plus stale keys: rows read again or gone since,
+dropped when met; a row that left and came back may be listed twice, counted once). Every other member has priority >=
+floor >= tau[g], so if the pool holds `need` members of priority < tau[g], the `need` lowest of the group are among
+them: the pool alone decides, and the result is exactly a full selection's. A group whose pool cannot decide is rebuilt
+from its members (one pass over its slot region: O(members) but rare, after ~`size` victims); a group that still cannot
 decide (most of its oldest members pinned or needed soon), and every group of at most `size` slots, takes the full
 selection. Rows arriving with a floor below their group's threshold (a forwarded guest keeps its last use) join its
 pool (`arrived`); a pool that overflows is emptied with tau = -1, which keeps the invariant.
@@ -36,8 +36,9 @@ class EvictionPool:
 
     def __init__(self, slots: GuestSlots, floor: np.ndarray, size: int = POOL_SIZE) -> None:
         if floor.ndim != 1 or floor.shape[0] != slots.pos_of.shape[0]:
-            raise ValueError(f"EvictionPool: floor needs one value per key ({slots.pos_of.shape[0]}), got shape "
-                             f"{floor.shape}")
+            raise ValueError(
+                f"EvictionPool: floor needs one value per key ({slots.pos_of.shape[0]}), got shape {floor.shape}"
+            )
         self.slots, self.floor, self.size = slots, floor, int(size)
         G = slots.num_groups
         self.tau = np.full(G, -1, dtype=np.int64)  # empty pools: no member has a floor below -1 (floors are >= -1)

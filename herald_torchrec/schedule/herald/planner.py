@@ -21,8 +21,8 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
    rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then
    those used furthest ahead (Belady-like), least recently used first among equals. An evicted guest that the
    next batch reads is FORWARDed to the rank its sample is predicted to go to (the rank owning most of that
-   sample's scheduled keys after this step) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot make
-   room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
+   sample's scheduled keys after this step) when that rank has room, else sent home (EVICT_HOME). Where a rank cannot
+   make room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
    step apply at once and capacity holds after them.
 4. Every read key whose reader set is not exactly {owner} goes to `shared`.
 """
@@ -36,14 +36,14 @@ from typing import Sequence
 import numpy as np
 
 from herald_torchrec.schedule import native
-from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms, select_tables
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
-from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms, select_tables
 
 
 @dataclass
@@ -80,10 +80,22 @@ class HeraldPolicy(SchedulePolicy):
 
     name = "herald"
 
-    def __init__(self, table_rows, num_ranks: int, batch_per_rank: int, cache_ratio: float = 0.1,
-                 lookahead: int = 4, *, tables: str | Sequence[int] = "auto", refine: int | None = None,
-                 max_refine: int = 2, budget_ms: float | str | None = "auto", forward: bool = True,
-                 stay_bonus: float = 2.0, owner_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        table_rows,
+        num_ranks: int,
+        batch_per_rank: int,
+        cache_ratio: float = 0.1,
+        lookahead: int = 4,
+        *,
+        tables: str | Sequence[int] = "auto",
+        refine: int | None = None,
+        max_refine: int = 2,
+        budget_ms: float | str | None = "auto",
+        forward: bool = True,
+        stay_bonus: float = 2.0,
+        owner_weight: float = 2.0,
+    ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         for name, v in (("refine", refine), ("max_refine", max_refine)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
@@ -93,7 +105,9 @@ class HeraldPolicy(SchedulePolicy):
         elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
             raise ValueError(f"herald: budget_ms must be > 0, 'auto' or None, got {budget_ms!r}")
         self.directory = OwnershipDirectory(self.layout, self.num_ranks, self.cache_ratio)
-        self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)  # victims without a pass over full caches
+        self.eviction = EvictionPool(
+            self.directory.slots, self.directory.last_use
+        )  # victims without a pass over full caches
         T = self.layout.num_tables
         self._refine_arg = refine
         self.refine = 0 if refine is None else int(refine)  # set by profile() when None
@@ -124,10 +138,12 @@ class HeraldPolicy(SchedulePolicy):
         self._es_cache: dict[tuple[int, int], np.ndarray] = {}
         # the compiled kernels (schedule/native.py), fixed for the policy's life: the eviction pool's state must be
         # kept by one implementation
-        self._native = (native.DirectoryArrays(self.directory, self.eviction, self.next_use, self._picked)
-                        if native.enabled() and native.DirectoryArrays.supported(self.directory, self.eviction,
-                                                                                 self.next_use, self._picked)
-                        else None)
+        self._native = (
+            native.DirectoryArrays(self.directory, self.eviction, self.next_use, self._picked)
+            if native.enabled()
+            and native.DirectoryArrays.supported(self.directory, self.eviction, self.next_use, self._picked)
+            else None
+        )
         # w(c) for c = 0..N: weight of an owned key read by c samples of the batch
         c = np.arange(self.global_batch + 1, dtype=np.float64)
         self._geo = ((self.num_ranks - 1) / self.num_ranks) ** np.maximum(c - 1, 0)
@@ -146,9 +162,16 @@ class HeraldPolicy(SchedulePolicy):
 
     def profile(self, batches: Sequence[GlobalBatch]) -> TableSelection:
         """Choose the scheduled tables and refine rounds from sample batches (done on the first plan())."""
-        self.selection = select_tables([self.keys_of(b) for b in batches], self.layout, self.num_ranks,
-                                       self.batch_per_rank, budget_ms=self.budget_ms, refine=self._refine_arg,
-                                       max_refine=self.max_refine, tables=self._fixed_tables)
+        self.selection = select_tables(
+            [self.keys_of(b) for b in batches],
+            self.layout,
+            self.num_ranks,
+            self.batch_per_rank,
+            budget_ms=self.budget_ms,
+            refine=self._refine_arg,
+            max_refine=self.max_refine,
+            tables=self._fixed_tables,
+        )
         self._set_tables(self.selection.tables)
         self.refine = self.selection.refine
         return self.selection
@@ -204,8 +227,21 @@ class HeraldPolicy(SchedulePolicy):
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
         if dense and native.enabled():  # the same arithmetic, compiled (schedule/native.py)
             per_sample = 0 if v.cols is None else v.cols.shape[0]
-            a = native.assign(N, R, B, K, es, ec, v.w0, per_sample, own, self.refine, self.owner_weight,
-                              self.stay_bonus, self._wtype is np.int16)
+            a = native.assign(
+                N,
+                R,
+                B,
+                K,
+                es,
+                ec,
+                v.w0,
+                per_sample,
+                own,
+                self.refine,
+                self.owner_weight,
+                self.stay_bonus,
+                self._wtype is np.int16,
+            )
             return (a + first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
@@ -231,8 +267,11 @@ class HeraldPolicy(SchedulePolicy):
                     for r in range(R):
                         sc[:, r] = np.add.reduce(W[r * K : (r + 1) * K][v.cols], axis=0)
                 else:
-                    sc = np.bincount(np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
-                                     weights=W.reshape(R, K).T[ec].ravel(), minlength=N * R).reshape(N, R)
+                    sc = np.bincount(
+                        np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
+                        weights=W.reshape(R, K).T[ec].ravel(),
+                        minlength=N * R,
+                    ).reshape(N, R)
             else:
                 nz = np.flatnonzero(c)
                 kk, rr = nz // R, nz % R
@@ -274,8 +313,9 @@ class HeraldPolicy(SchedulePolicy):
         home = d.home[keys].astype(np.int64)
         pk, pr = rd.pair_key, rd.pair_rank
         if self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
-            want, single, sole = native.decide(own, rd.count, rd.start, pr, bk.cid, bk.width,
-                                               None if bk.width is not None else bk.smp, sample_rank, R)
+            want, single, sole = native.decide(
+                own, rd.count, rd.start, pr, bk.cid, bk.width, None if bk.width is not None else bk.smp, sample_rank, R
+            )
         else:
             want, single, sole = self._decide(bk, rd, own, sample_rank)
         # lookahead window: next use (1..L) of every key read in it
@@ -316,11 +356,23 @@ class HeraldPolicy(SchedulePolicy):
         o = np.argsort(mv_gid, kind="stable")
         t, row = split_gid(self.layout, d.table, mv_gid[o])
         moves = RowMoves(table=t, row=row, src=mv_src[o], dst=mv_dst[o], kind=mv_kind[o])
-        counters = {"hit": hit, "migrate": int(mig.shape[0]),
-                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
-                    "shared_value": remote, "shared_grad": remote}
-        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
-                    moves=moves, shared=shared, counters=counters)
+        counters = {
+            "hit": hit,
+            "migrate": int(mig.shape[0]),
+            "evict_home": int((v_kind == EVICT_HOME).sum()),
+            "forward": int((v_kind == FORWARD).sum()),
+            "shared_value": remote,
+            "shared_grad": remote,
+        }
+        return Plan(
+            step=self.step,
+            num_ranks=R,
+            batch_per_rank=B,
+            sample_order=order_from_assignment(sample_rank, R),
+            moves=moves,
+            shared=shared,
+            counters=counters,
+        )
 
     def _decide(self, bk: BatchKeys, rd, own: np.ndarray, sample_rank: np.ndarray):
         """(want, single, sole) per read key: the owner it should have after the step (module docstring, 3.),
@@ -347,17 +399,49 @@ class HeraldPolicy(SchedulePolicy):
         """The moves, the shared rows and the counters of the plan (the numpy tail of `_plan`, compiled), and the
         moves applied to the directory."""
         R, B, d = self.num_ranks, self.batch_per_rank, self.directory
-        a = native.assemble(rd.keys, own, want, single, sole, rd.count, rd.start, rd.pair_rank, victims, v_src, v_dst,
-                            v_kind, MIGRATE, d.table, self.layout.offsets)
+        a = native.assemble(
+            rd.keys,
+            own,
+            want,
+            single,
+            sole,
+            rd.count,
+            rd.start,
+            rd.pair_rank,
+            victims,
+            v_src,
+            v_dst,
+            v_kind,
+            MIGRATE,
+            d.table,
+            self.layout.offsets,
+        )
         self._native.apply_moves(a["apply_gid"], a["apply_dst"])
         moves = RowMoves(table=a["table"], row=a["row"], src=a["src"], dst=a["dst"], kind=a["kind"])
-        shared = SharedRows(table=a["sh_table"], row=a["sh_row"], owner=a["sh_owner"],
-                            reader_offsets=a["sh_offsets"], readers=a["sh_readers"])
-        counters = {"hit": a["hit"], "migrate": int(a["apply_gid"].shape[0] - victims.shape[0]),
-                    "evict_home": int((v_kind == EVICT_HOME).sum()), "forward": int((v_kind == FORWARD).sum()),
-                    "shared_value": a["remote"], "shared_grad": a["remote"]}
-        return Plan(step=self.step, num_ranks=R, batch_per_rank=B, sample_order=order_from_assignment(sample_rank, R),
-                    moves=moves, shared=shared, counters=counters)
+        shared = SharedRows(
+            table=a["sh_table"],
+            row=a["sh_row"],
+            owner=a["sh_owner"],
+            reader_offsets=a["sh_offsets"],
+            readers=a["sh_readers"],
+        )
+        counters = {
+            "hit": a["hit"],
+            "migrate": int(a["apply_gid"].shape[0] - victims.shape[0]),
+            "evict_home": int((v_kind == EVICT_HOME).sum()),
+            "forward": int((v_kind == FORWARD).sum()),
+            "shared_value": a["remote"],
+            "shared_grad": a["remote"],
+        }
+        return Plan(
+            step=self.step,
+            num_ranks=R,
+            batch_per_rank=B,
+            sample_order=order_from_assignment(sample_rank, R),
+            moves=moves,
+            shared=shared,
+            counters=counters,
+        )
 
     # ---- capacity -----------------------------------------------------------------------------------------------
     def _make_room(self, keys, own, home, want, single, nu) -> tuple[np.ndarray, np.ndarray]:
@@ -389,8 +473,13 @@ class HeraldPolicy(SchedulePolicy):
             arr = mv[want[mv] != home[mv]]
             dep = mv[own[mv] != home[mv]]
             arr_g = want[arr] * T + tk[arr]
-            deficit = (d.slots.fill - np.bincount(own[dep] * T + tk[dep], minlength=G)
-                       + np.bincount(arr_g, minlength=G) - freed - d.slots.cap)
+            deficit = (
+                d.slots.fill
+                - np.bincount(own[dep] * T + tk[dep], minlength=G)
+                + np.bincount(arr_g, minlength=G)
+                - freed
+                - d.slots.cap
+            )
             gneed = np.flatnonzero(deficit > 0)
             if gneed.shape[0] == 0:
                 break
@@ -486,8 +575,15 @@ class HeraldPolicy(SchedulePolicy):
 
     def describe(self) -> dict:
         out = super().describe()
-        out.update({"tables": self.tables, "refine": self.refine, "forward": self.forward,
-                    "budget_ms": self.budget_ms, "guests": self.directory.occupancy()})
+        out.update(
+            {
+                "tables": self.tables,
+                "refine": self.refine,
+                "forward": self.forward,
+                "budget_ms": self.budget_ms,
+                "guests": self.directory.occupancy(),
+            }
+        )
         if self.selection is not None:
             out["selection"] = self.selection.describe()
         return out

@@ -31,6 +31,7 @@ import numpy as np
 from herald_torchrec.schedule.global_batch import TableLayout
 from herald_torchrec.schedule.reads import BatchKeys
 
+
 def default_budget_ms(num_samples: int) -> float:
     """5 ms per global batch of up to 2048 samples (8 ranks x 256), growing linearly beyond (40 ms at 64 x 256)."""
     return 5.0 * max(1.0, num_samples / 2048)
@@ -45,9 +46,13 @@ class TableSelection:
     budget_ms: float | None
 
     def describe(self) -> dict:
-        return {"tables": [int(t) for t in self.tables], "refine": self.refine,
-                "benefit": [round(float(x), 4) for x in self.benefit], "est_ms": round(self.est_ms, 3),
-                "budget_ms": None if self.budget_ms is None else round(self.budget_ms, 3)}
+        return {
+            "tables": [int(t) for t in self.tables],
+            "refine": self.refine,
+            "benefit": [round(float(x), 4) for x in self.benefit],
+            "est_ms": round(self.est_ms, 3),
+            "budget_ms": None if self.budget_ms is None else round(self.budget_ms, 3),
+        }
 
 
 def table_benefit(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: int, batch_per_rank: int) -> np.ndarray:
@@ -73,9 +78,17 @@ def estimate_ms(num_samples: int, num_ranks: int, num_tables: int, scored_tables
     return base + refine * rnd
 
 
-def select_tables(profile: Sequence[BatchKeys], layout: TableLayout, num_ranks: int, batch_per_rank: int,
-                  budget_ms: float | None = None, refine: int | None = None, max_refine: int = 2,
-                  tables: Sequence[int] | None = None, min_share: float = 0.25) -> TableSelection:
+def select_tables(
+    profile: Sequence[BatchKeys],
+    layout: TableLayout,
+    num_ranks: int,
+    batch_per_rank: int,
+    budget_ms: float | None = None,
+    refine: int | None = None,
+    max_refine: int = 2,
+    tables: Sequence[int] | None = None,
+    min_share: float = 0.25,
+) -> TableSelection:
     """Choose the scheduled tables (unless given) and the refine rounds (unless given) for the budget."""
     benefit = table_benefit(profile, layout, num_ranks, batch_per_rank)
     N, T = num_ranks * batch_per_rank, layout.num_tables

@@ -16,13 +16,22 @@ def make(policy: str):
 
     from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
 
-    return ShardedHeraldEmbeddingBagCollection(make_ebc(), None, ShardingEnv(1, 0, None), policy=policy,
-                                               fused_params={"optimizer": "exact_rowwise_adagrad"})
+    return ShardedHeraldEmbeddingBagCollection(
+        make_ebc(), None, ShardingEnv(1, 0, None), policy=policy, fused_params={"optimizer": "exact_rowwise_adagrad"}
+    )
 
 
-@pytest.mark.parametrize("policy, extensions", [("herald", []), ("static", []), ("het_bsp", []),
-                                                ("fae", ["ReplicaExtension"]), ("p2res", ["ReplicaExtension"]),
-                                                ("het", ["HetCacheExtension"])])
+@pytest.mark.parametrize(
+    "policy, extensions",
+    [
+        ("herald", []),
+        ("static", []),
+        ("het_bsp", []),
+        ("fae", ["ReplicaExtension"]),
+        ("p2res", ["ReplicaExtension"]),
+        ("het", ["HetCacheExtension"]),
+    ],
+)
 def test_the_policy_chooses_the_extensions(policy: str, extensions: list[str]) -> None:
     assert [type(e).__name__ for e in make(policy)._extensions] == extensions
 

@@ -20,8 +20,8 @@ from herald_torchrec.distributed.step.prepare import (
     routes,
     sent_by_kind,
 )
-from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.distributed.step.static_plan import static_plan, static_plan_keys
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 
 # table a: rows 0-4 home on rank 0, 5-9 on rank 1; table b: rows 0-3 on rank 0, 4-6 on rank 1. Capacity 3 guests.
@@ -201,8 +201,15 @@ def test_compiled_step_preparation_matches_numpy() -> None:
     tables = [TableSpec("a", 10, 4), TableSpec("b", 7, 4)]  # one dim: lookup items are rows
     st = RowStore(tables, 0, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad")
     p = plan(MOVES, SHARED + [(B, 6, 1, [0, 1])], batch=3)
-    loc = local_input(np.array([2, 0, 2, 7, 5, 1, 6, 6], dtype=np.int64), np.array([2, 2, 0, 1, 0, 3]), 2, 3,
-                      np.array([0, 1]), st, FEATURES)
+    loc = local_input(
+        np.array([2, 0, 2, 7, 5, 1, 6, 6], dtype=np.int64),
+        np.array([2, 2, 0, 1, 0, 3]),
+        2,
+        3,
+        np.array([0, 1]),
+        st,
+        FEATURES,
+    )
     ms = prepare_moves(p, st)
     sh = prepare_shared(p, st, ms)
     marks = SharedMarks(int(st.key_base[-1]))
@@ -216,8 +223,19 @@ def test_compiled_step_preparation_matches_numpy() -> None:
             _native.set_mode(True)
             b = prepare_moves(p, s)
             _native.set_mode(False)
-            for f in ("send_idx", "recv_idx", "send_splits", "recv_splits", "globally_empty", "gkey_sorted",
-                      "dst_sorted", "table", "row", "dst", "kind"):
+            for f in (
+                "send_idx",
+                "recv_idx",
+                "send_splits",
+                "recv_splits",
+                "globally_empty",
+                "gkey_sorted",
+                "dst_sorted",
+                "table",
+                "row",
+                "dst",
+                "kind",
+            ):
                 np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"rank {r}: {f}")
             assert len(b.send_idx) + len(b.recv_idx) > 0
         # the lookup runs once the moves are applied (HeraldLookup._land)
@@ -237,8 +255,9 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         assert got[0][0].tolist() == [1, 1] and got[0][1].tolist() == [3, 3]  # a:0 and b:1 are hits
         for f in ("indices", "offsets", "value_src", "out_dst", "width"):
             np.testing.assert_array_equal(getattr(got[1], f), getattr(want[1], f))
-        bad = local_input(np.array([8], dtype=np.int64), np.array([1, 0, 0, 0, 0, 0]), 2, 3, np.array([0, 1]), st,
-                          FEATURES)
+        bad = local_input(
+            np.array([8], dtype=np.int64), np.array([1, 0, 0, 0, 0, 0]), 2, 3, np.array([0, 1]), st, FEATURES
+        )
         with pytest.raises(ValueError, match="owned by rank 1 after the moves and not in plan.shared"):
             classify(p, bad, ms, marks, st)
         assert not marks.seen.any()  # the kernel's scratch is left clean, also when it declines
@@ -246,9 +265,28 @@ def test_compiled_step_preparation_matches_numpy() -> None:
         _native.set_mode(True)
 
 
-SHARED_STEP_FIELDS = ("send_table", "send_row", "send_gkey", "send_off", "send_splits", "recv_table", "recv_row",
-                      "recv_off", "recv_splits", "n_values_out", "n_grads_out", "globally_empty", "marked", "recv_gkey",
-                      "value_table", "value_gkey", "value_splits", "n_fill", "grad_idx", "grad_splits")
+SHARED_STEP_FIELDS = (
+    "send_table",
+    "send_row",
+    "send_gkey",
+    "send_off",
+    "send_splits",
+    "recv_table",
+    "recv_row",
+    "recv_off",
+    "recv_splits",
+    "n_values_out",
+    "n_grads_out",
+    "globally_empty",
+    "marked",
+    "recv_gkey",
+    "value_table",
+    "value_gkey",
+    "value_splits",
+    "n_fill",
+    "grad_idx",
+    "grad_splits",
+)
 
 
 def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
@@ -263,12 +301,24 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
     if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
     R, Bs, L, rows = 3, 8, 2, [40, 300, 7, 120]
-    st = [RowStore([TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)], r, R, cache_ratio=0.1,
-                   optimizer="exact_rowwise_adagrad") for r in range(R)]
+    st = [
+        RowStore(
+            [TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)],
+            r,
+            R,
+            cache_ratio=0.1,
+            optimizer="exact_rowwise_adagrad",
+        )
+        for r in range(R)
+    ]
     pol = make_policy("herald", rows, R, Bs, 0.1, L, tables="all")
     rng = np.random.default_rng(3)
-    batches = [GlobalBatch.from_dense(np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1),
-                                      rows, index=i) for i in range(14)]
+    batches = [
+        GlobalBatch.from_dense(
+            np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1), rows, index=i
+        )
+        for i in range(14)
+    ]
     fills = shared_pairs = owned = 0
     try:
         for s in range(len(batches) - L):

@@ -11,8 +11,8 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
-from tests.helpers.ranks import rank_result, run_ranks
 from tests.distributed.test_embeddingbag import make_ebc, make_module
+from tests.helpers.ranks import rank_result, run_ranks
 
 MAX_GRADIENT = 2e-4  # small enough that clipping changes most updates of the parity model
 STEPS = 10
@@ -34,9 +34,14 @@ def _in_backward(ebc, cls, kwargs: dict) -> None:
         ({"momentum": 0.9}, "momentum"),
         ({"optimizer": "exact_sgd", "weight_decay": 0.1}, "weight_decay"),
         ({"optimizer": "exact_sgd", "max_norm": 1.0}, "max_norm"),
-        ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1}, "weight_decay"),  # no mode: FBGEMM would not apply it
-        ({"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.COUNTER},
-         "weight_decay_mode"),
+        (
+            {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1},
+            "weight_decay",
+        ),  # no mode: FBGEMM would not apply it
+        (
+            {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.COUNTER},
+            "weight_decay_mode",
+        ),
         ({"weights_precision": SparseType.FP16}, "weights_precision"),
         ({"prefetch_pipeline": True}, "prefetch_pipeline"),
         ({"max_gradient": 0.0}, "max_gradient"),
@@ -51,8 +56,9 @@ def test_unsupported_settings_raise_from_sharder_and_module(settings: dict, name
 
     with pytest.raises(ValueError, match=name):
         HeraldEmbeddingBagCollectionSharder(fused_params=settings)
-    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
     from torchrec.distributed.types import ShardingEnv
+
+    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
 
     with pytest.raises(ValueError, match=name):
         ShardedHeraldEmbeddingBagCollection(make_ebc(), None, ShardingEnv(1, 0, None), fused_params=settings)
@@ -63,8 +69,9 @@ def test_unsupported_settings_raise_from_sharder_and_module(settings: dict, name
 
 
 def test_in_backward_optimizer_is_checked_by_the_module() -> None:
-    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
     from torchrec.distributed.types import ShardingEnv
+
+    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
 
     def build(cls, kwargs, fused_params=None):
         ebc = make_ebc()
@@ -78,7 +85,9 @@ def test_in_backward_optimizer_is_checked_by_the_module() -> None:
     with pytest.raises(ValueError, match="lr_decay"):
         build(__import__("torchrec").optim.RowWiseAdagrad, {"lr": 0.1, "lr_decay": 0.5})
     # neutral torch arguments are accepted; in-backward overrides the sharder's (and Herald's default) optimizer
-    m = build(torch.optim.SGD, {"lr": 0.25, "momentum": 0.0}, {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01})
+    m = build(
+        torch.optim.SGD, {"lr": 0.25, "momentum": 0.0}, {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01}
+    )
     assert m.optimizer_type == EmbOptimType.EXACT_SGD and m.learning_rate == 0.25
     assert m._store.tbe.optimizer == EmbOptimType.EXACT_SGD
     assert m._store.tbe.get_learning_rate() == pytest.approx(0.25)
@@ -90,7 +99,10 @@ def test_resolution_follows_torchrec_precedence() -> None:
     from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 
     ebc = make_ebc()
-    assert resolve_table_settings(ebc, None) == {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}  # FBGEMM default
+    assert resolve_table_settings(ebc, None) == {
+        "optimizer": EmbOptimType.EXACT_SGD,
+        "learning_rate": 0.01,
+    }  # FBGEMM default
     fp = {"optimizer": "exact_sgd", "learning_rate": 0.3, "gradient_clipping": True, "max_gradient": 0.5}
     assert resolve_table_settings(ebc, fp) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
     # settings at their "not used" value are accepted and dropped (torch.optim.SGD's momentum=0, no weight decay)
@@ -98,8 +110,13 @@ def test_resolution_follows_torchrec_precedence() -> None:
     assert resolve_table_settings(ebc, {**fp, **neutral}) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
     _in_backward(ebc, RowWiseAdagrad, {"lr": 0.07, "eps": 1e-3})
     got = resolve_table_settings(ebc, fp)  # in-backward kwargs win; the sharder's other settings stay
-    assert got == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.07, "eps": 1e-3,
-                   "gradient_clipping": True, "max_gradient": 0.5}
+    assert got == {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": 0.07,
+        "eps": 1e-3,
+        "gradient_clipping": True,
+        "max_gradient": 0.5,
+    }
     assert ebc.embedding_bags["t0"].weight._optimizer_kwargs == [{"lr": 0.07, "eps": 1e-3}]  # left as the user set it
     # tables of one Herald TBE must agree
     ebc = make_ebc()
@@ -113,11 +130,18 @@ def test_resolution_follows_torchrec_precedence() -> None:
 def test_every_setting_reaches_the_tbe() -> None:
     m = make_module()  # rowwise adagrad, lr 0.1
     assert not m._store.tbe.optimizer_args.gradient_clipping
-    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
     from torchrec.distributed.types import ShardingEnv
 
-    fp = {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.2, "eps": 1e-3, "gradient_clipping": True,
-          "max_gradient": 0.125, "stochastic_rounding": False}
+    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
+
+    fp = {
+        "optimizer": "exact_rowwise_adagrad",
+        "learning_rate": 0.2,
+        "eps": 1e-3,
+        "gradient_clipping": True,
+        "max_gradient": 0.125,
+        "stochastic_rounding": False,
+    }
     m = ShardedHeraldEmbeddingBagCollection(make_ebc(), None, ShardingEnv(1, 0, None), fused_params=fp)
     args = m._store.tbe.optimizer_args
     assert args.gradient_clipping and args.max_gradient == pytest.approx(0.125)
@@ -135,9 +159,13 @@ def test_cpu_kernels_ignore_weight_decay_so_herald_refuses_it_there() -> None:
     )
 
     def train(**kw) -> torch.Tensor:
-        tbe = SplitTableBatchedEmbeddingBagsCodegen([(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                    optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.5,
-                                                    pooling_mode=PoolingMode.SUM, **kw)
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=0.5,
+            pooling_mode=PoolingMode.SUM,
+            **kw,
+        )
         with torch.no_grad():
             tbe.split_embedding_weights()[0].copy_(torch.arange(24.0).view(6, 4) / 10)
         out = tbe(torch.tensor([1, 2, 1]), torch.tensor([0, 2, 3]))
@@ -148,9 +176,9 @@ def test_cpu_kernels_ignore_weight_decay_so_herald_refuses_it_there() -> None:
     assert torch.equal(train(weight_decay=1.0, weight_decay_mode=WeightDecayMode.L2), base)
     assert torch.equal(train(max_norm=0.01), base)
     assert not torch.equal(train(gradient_clipping=True, max_gradient=0.01), base)  # clipping is applied
-    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
     from torchrec.distributed.types import ShardingEnv
-    from herald_torchrec.distributed import ShardedHeraldEmbeddingBagCollection
+
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder, ShardedHeraldEmbeddingBagCollection
 
     fp = {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.L2}
     HeraldEmbeddingBagCollectionSharder(fused_params=fp)  # device unknown yet: accepted (applied on CUDA)
@@ -161,10 +189,22 @@ def test_cpu_kernels_ignore_weight_decay_so_herald_refuses_it_there() -> None:
 # ------------------------------------------------------------------------------------------ 2 ranks
 # name -> (sharder fused_params, in-backward (class name, kwargs) or None, unclipped reference optimizer or None)
 RUNS = {
-    "clip_adagrad": ({"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-8,
-                      "gradient_clipping": True, "max_gradient": MAX_GRADIENT}, None, "exact_rowwise_adagrad"),
-    "clip_sgd": ({"optimizer": "exact_sgd", "learning_rate": 0.5, "gradient_clipping": True,
-                  "max_gradient": MAX_GRADIENT}, None, "exact_sgd"),
+    "clip_adagrad": (
+        {
+            "optimizer": "exact_rowwise_adagrad",
+            "learning_rate": 0.05,
+            "eps": 1e-8,
+            "gradient_clipping": True,
+            "max_gradient": MAX_GRADIENT,
+        },
+        None,
+        "exact_rowwise_adagrad",
+    ),
+    "clip_sgd": (
+        {"optimizer": "exact_sgd", "learning_rate": 0.5, "gradient_clipping": True, "max_gradient": MAX_GRADIENT},
+        None,
+        "exact_sgd",
+    ),
     "in_backward_sgd": (None, ("torch.optim.SGD", {"lr": 0.5}), None),
     "in_backward_adagrad": (None, ("torchrec.optim.RowWiseAdagrad", {"lr": 0.05, "eps": 1e-3}), None),
     # nothing names the optimizer: stock trains FBGEMM's default (EXACT_SGD, lr 0.01), and so must Herald
@@ -202,9 +242,13 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
 
     model = _model(in_backward)
     sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, policy="random", fused_params=fp)
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[sharder],
-                                   plan=P._row_wise_plan(model, sharder, world))
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=P._row_wise_plan(model, sharder, world),
+    )
     sebc = get_unwrapped_module(dmp).ebc
     dense_opt = P._dense_optimizer(dmp)
     planner = P.RandomPlanner(world, P.BATCH, "random", seed=11)  # moves, guests and shared rows every step
@@ -214,8 +258,14 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
         P._train_step(dmp, dense_opt, b, p.local_samples(rank))
     weights, states = sebc.full_tables()
     args = sebc._store.tbe.optimizer_args
-    return {"weights": weights, "states": states, "optimizer": sebc.optimizer_type.name,
-            "lr": sebc._store.tbe.get_learning_rate(), "eps": args.eps, "clip": (args.gradient_clipping, args.max_gradient)}
+    return {
+        "weights": weights,
+        "states": states,
+        "optimizer": sebc.optimizer_type.name,
+        "lr": sebc._store.tbe.get_learning_rate(),
+        "eps": args.eps,
+        "clip": (args.gradient_clipping, args.max_gradient),
+    }
 
 
 def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
@@ -225,16 +275,20 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
     from torchrec.distributed.types import ShardingEnv
 
     import tests.scenarios.test_module_parity as P
-    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
     from herald_torchrec.app.model_setup import StockSharder
+    from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 
     if fp is not None and "optimizer" in fp:
         fp = {**fp, "optimizer": parse_optimizer(fp["optimizer"])}
     model = _model(in_backward)
     sharder = StockSharder(fused_params=fp)
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[sharder],
-                                   plan=P._row_wise_plan(model, sharder, world))
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=P._row_wise_plan(model, sharder, world),
+    )
     sebc = get_unwrapped_module(dmp).ebc
     shards = []  # (table, row offset, weight view, state view or None)
     for lookup in sebc._lookups:
@@ -271,8 +325,10 @@ def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> No
     result = {}
     for name in runs:
         fp, in_backward, unclipped = RUNS[name]
-        res = {"herald": _run_herald(fp, in_backward, batches, rank, world),
-               "stock": _run_stock(fp, in_backward, batches, rank, world)}
+        res = {
+            "herald": _run_herald(fp, in_backward, batches, rank, world),
+            "stock": _run_stock(fp, in_backward, batches, rank, world),
+        }
         if unclipped is not None:
             res["unclipped"] = P.run_reference(unclipped, batches, world, True)["weights"]
         result[name] = res
@@ -285,8 +341,16 @@ def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> No
 @pytest.fixture(scope="module")
 def optimizer_runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("optimizer_runs")
-    return torch.load(run_ranks("tests.distributed.storage.test_optimizer_params:optimizer_worker", out, world_size=2, timeout=400,
-                                runs=list(RUNS))[0], weights_only=False)
+    return torch.load(
+        run_ranks(
+            "tests.distributed.storage.test_optimizer_params:optimizer_worker",
+            out,
+            world_size=2,
+            timeout=400,
+            runs=list(RUNS),
+        )[0],
+        weights_only=False,
+    )
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -316,7 +380,11 @@ def test_herald_trains_like_stock_row_wise(optimizer_runs: dict, name: str) -> N
     if name.startswith("unnamed"):
         assert (h["optimizer"], h["lr"]) == ("EXACT_SGD", pytest.approx(0.01 if name == "unnamed_default" else 0.5))
     if name == "in_backward_adagrad":
-        assert (h["optimizer"], h["lr"], h["eps"]) == ("EXACT_ROWWISE_ADAGRAD", pytest.approx(0.05), pytest.approx(1e-3))
+        assert (h["optimizer"], h["lr"], h["eps"]) == (
+            "EXACT_ROWWISE_ADAGRAD",
+            pytest.approx(0.05),
+            pytest.approx(1e-3),
+        )
 
 
 def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> None:
@@ -325,8 +393,14 @@ def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> No
     gradients the same way (clip_pooled_gradient) and the owner applies the sum unclipped."""
     from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
-    st = RowStore([TableSpec("t", 4, 4)], 0, 1, optimizer="exact_sgd", learning_rate=1.0,
-                  tbe_settings={"gradient_clipping": True, "max_gradient": 0.15})
+    st = RowStore(
+        [TableSpec("t", 4, 4)],
+        0,
+        1,
+        optimizer="exact_sgd",
+        learning_rate=1.0,
+        tbe_settings={"gradient_clipping": True, "max_gradient": 0.15},
+    )
     out = st.lookup(torch.tensor([1, 1]), torch.tensor([0, 1, 2]))
     out.backward(torch.full_like(out, 0.1))
     assert torch.allclose(st.weights(0)[1], torch.full((4,), -0.2))  # per bag: 0.1 + 0.1, not clamp(0.2)
@@ -354,15 +428,22 @@ def _run_mixed(fp, in_backward, batches, rank: int, world: int) -> dict:
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
 
     model = _model(in_backward)
-    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, fused_params=fp,
-                                                  unscheduled_tables=list(MIXED))
+    sharder = HeraldEmbeddingBagCollectionSharder(
+        cache_ratio=P.CACHE_RATIO, fused_params=fp, unscheduled_tables=list(MIXED)
+    )
     constraints = sharder.planner_constraints(model.ebc)
     for t, kind in MIXED.items():
         constraints[t] = ParameterConstraints(sharding_types=[kind])
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[sharder],
-                                   plan=planner.collective_plan(model, [sharder], dist.group.WORLD))
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=planner.collective_plan(model, [sharder], dist.group.WORLD),
+    )
     sebc = get_unwrapped_module(dmp).ebc
     init = P.init_tables()
     with torch.no_grad():  # the stock part draws its own values: start it from the same tables
@@ -373,8 +454,16 @@ def _run_mixed(fp, in_backward, batches, rank: int, world: int) -> dict:
                     sh.tensor.copy_(init[k.split(".")[-2]][r0 : r0 + nr, c0 : c0 + nc])
     # the settings each part's TBEs were built with
     tbes = [sebc.herald._store.tbe] + [em.emb_module for lk in sebc.stock._lookups for em in lk._emb_modules]
-    settings = [(t.optimizer.name, round(t.get_learning_rate(), 6), round(t.optimizer_args.eps, 8),
-                 t.optimizer_args.gradient_clipping, round(t.optimizer_args.max_gradient, 8)) for t in tbes]
+    settings = [
+        (
+            t.optimizer.name,
+            round(t.get_learning_rate(), 6),
+            round(t.optimizer_args.eps, 8),
+            t.optimizer_args.gradient_clipping,
+            round(t.optimizer_args.max_gradient, 8),
+        )
+        for t in tbes
+    ]
     dense_opt = P._dense_optimizer(dmp)
     for b in batches:  # no plans queued: the Herald part runs its static plans (every non-owner read shared)
         P._train_step(dmp, dense_opt, b, np.arange(rank * P.BATCH, (rank + 1) * P.BATCH))
@@ -394,15 +483,28 @@ def mixed_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> None:
     result = {}
     for name in runs:
         fp, in_backward, _ = RUNS[name]
-        result[name] = {"mixed": _run_mixed(fp, in_backward, batches, rank, world),
-                        "stock": _run_stock(fp, in_backward, batches, rank, world)}
+        result[name] = {
+            "mixed": _run_mixed(fp, in_backward, batches, rank, world),
+            "stock": _run_stock(fp, in_backward, batches, rank, world),
+        }
     torch.save(result if rank == 0 else {}, rank_result(out_dir, rank))
 
 
 def test_mixed_ebc_torchrec_part_gets_the_same_settings(tmp_path) -> None:
-    r = torch.load(run_ranks("tests.distributed.storage.test_optimizer_params:mixed_worker", tmp_path, world_size=2, timeout=400,
-                             runs=MIXED_RUNS)[0], weights_only=False)
-    want = {"clip_sgd": ("EXACT_SGD", 0.5, True, MAX_GRADIENT), "in_backward_adagrad": ("EXACT_ROWWISE_ADAGRAD", 0.05, False, None)}
+    r = torch.load(
+        run_ranks(
+            "tests.distributed.storage.test_optimizer_params:mixed_worker",
+            tmp_path,
+            world_size=2,
+            timeout=400,
+            runs=MIXED_RUNS,
+        )[0],
+        weights_only=False,
+    )
+    want = {
+        "clip_sgd": ("EXACT_SGD", 0.5, True, MAX_GRADIENT),
+        "in_backward_adagrad": ("EXACT_ROWWISE_ADAGRAD", 0.05, False, None),
+    }
     for name in MIXED_RUNS:
         m, s = r[name]["mixed"], r[name]["stock"]
         assert m["stock_tbes"] >= 1 and len(set(m["settings"])) == 1, (name, m["settings"])  # both parts alike

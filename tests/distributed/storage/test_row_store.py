@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, guest_capacity, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 TABLES = [TableSpec("a", 10, 4), TableSpec("b", 7, 8)]
 
@@ -57,8 +57,12 @@ def test_rows_and_state_travel_between_stores() -> None:
     g = torch.Generator().manual_seed(0)
     for s in (a, b):
         for t in range(2):
-            s.write_slots(t, np.arange(s.local_rows[t]), torch.rand(s.local_rows[t], s.dims[t], generator=g),
-                          torch.rand(s.local_rows[t], 1, generator=g))
+            s.write_slots(
+                t,
+                np.arange(s.local_rows[t]),
+                torch.rand(s.local_rows[t], s.dims[t], generator=g),
+                torch.rand(s.local_rows[t], 1, generator=g),
+            )
     keys = np.array([1, 4, 0])
     w, st = a.read_rows(0, keys)
     assert w.shape == (3, 4) and st.shape == (3, 1)
@@ -103,10 +107,14 @@ def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> No
     go = torch.randn(out.shape, generator=g)
     # the per-row summed gradient, computed by autograd on dense copies
     W = [fused.weights(t).detach().clone().requires_grad_() for t in range(2)]
-    ref = torch.cat([
-        torch.stack([W[0][[1, 2]].sum(0), W[0][2]]), torch.stack([W[0][[3, 1]].sum(0), W[0][4]]),
-        torch.stack([W[1][0], W[1][5]]),
-    ], dim=1)
+    ref = torch.cat(
+        [
+            torch.stack([W[0][[1, 2]].sum(0), W[0][2]]),
+            torch.stack([W[0][[3, 1]].sum(0), W[0][4]]),
+            torch.stack([W[1][0], W[1][5]]),
+        ],
+        dim=1,
+    )
     assert torch.equal(ref, out.detach())
     ref.backward(go)
     out.backward(go)
@@ -126,8 +134,8 @@ def test_compiled_directory_updates_match_numpy() -> None:
     """distributed/host_kernels.py: release / set_owner / allocate leave the same directory (slots, keys, free-slot
     stacks, owners, guest counts) as the numpy code, over random rounds of guests arriving and leaving; bad input
     still raises numpy's errors and changes nothing."""
-    from herald_torchrec.distributed import host_kernels
     from herald_torchrec import _native
+    from herald_torchrec.distributed import host_kernels
 
     if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the numpy path is the only one")
@@ -161,9 +169,11 @@ def test_compiled_directory_updates_match_numpy() -> None:
                 s.allocate_many(np.array([0]), np.array([0]))
             with pytest.raises(ValueError, match="does not own departing keys"):
                 s.release_many(np.array([0]), np.array([9]))
-            for bad in (lambda: s.set_owner_many(np.array([2]), np.array([0]), np.array([0])),  # no table 2
-                        lambda: s.release_many(np.array([0]), np.array([10])),  # table a has 10 rows
-                        lambda: s.allocate_many(np.array([-1]), np.array([0]))):
+            for bad in (
+                lambda: s.set_owner_many(np.array([2]), np.array([0]), np.array([0])),  # no table 2
+                lambda: s.release_many(np.array([0]), np.array([10])),  # table a has 10 rows
+                lambda: s.allocate_many(np.array([-1]), np.array([0])),
+            ):
                 with pytest.raises((IndexError, ValueError)):  # numpy's own error; the kernels decline
                     bad()
             stores[on] = s
@@ -184,8 +194,12 @@ def test_compiled_row_reads_and_writes_match_torch() -> None:
     if host_kernels.lib() is None:
         pytest.skip("no C++ compiler here: the torch path is the only one")
     rng = np.random.default_rng(11)
-    stores = [RowStore([TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3,
-                       optimizer="exact_rowwise_adagrad") for _ in range(2)]  # one dim: the row layout
+    stores = [
+        RowStore(
+            [TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad"
+        )
+        for _ in range(2)
+    ]  # one dim: the row layout
     init = [rng.standard_normal(tuple(v.shape)).astype(np.float32) for v, _ in stores[0]._rows2d]
     for st in stores:  # the same contents in both
         with torch.no_grad():
@@ -199,7 +213,9 @@ def test_compiled_row_reads_and_writes_match_torch() -> None:
         _native.set_mode(compiled)
         try:
             reads = [st.read_packed(tables, slots, with_state=w) for w in (True, False)]
-            data = torch.from_numpy(rng.standard_normal(reads[0].shape[0]).astype(np.float32)) if compiled else got["data"]
+            data = (
+                torch.from_numpy(rng.standard_normal(reads[0].shape[0]).astype(np.float32)) if compiled else got["data"]
+            )
             got["data"] = data
             st.write_packed(tables[:3], slots[:3], data[: reads[0].shape[0] // 5 * 3])
             got[compiled] = reads + [v.clone() for v, _ in st._rows2d]

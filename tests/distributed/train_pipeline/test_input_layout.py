@@ -33,12 +33,15 @@ B, R = 4, 2
 def make_slice(seed: int, length: int | None = None) -> tuple[Batch, list[list[list[int]]]]:
     """A slice with bags of random lengths 0..2, or all of one `length` (the layout's uniform fast paths)."""
     rng = np.random.default_rng(seed)
-    bags = [[list(rng.integers(0, 7, rng.integers(0, 3) if length is None else length)) for _ in range(B)]
-            for _ in KEYS]  # bags[key][sample]
+    bags = [
+        [list(rng.integers(0, 7, rng.integers(0, 3) if length is None else length)) for _ in range(B)] for _ in KEYS
+    ]  # bags[key][sample]
     lengths = torch.tensor([len(b) for k in bags for b in k], dtype=torch.int32)
     values = torch.tensor([v for k in bags for b in k for v in b], dtype=torch.int64)
     kjt = KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths)
-    return Batch(torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed), bags
+    return Batch(
+        torch.arange(B * 3, dtype=torch.float32).reshape(B, 3) + seed, kjt, torch.arange(B).float() + seed
+    ), bags
 
 
 @pytest.mark.parametrize("length", [None, 1, 2, 0])
@@ -58,7 +61,9 @@ def test_global_batch_and_assigned_samples_round_trip(length: int | None) -> Non
         assert gb.values[1][gb.offsets[1][g] : gb.offsets[1][g + 1]].tolist() == bags[1][g] + bags[2][g]
     # rank 1 is assigned global samples 0, 3, 5, 6 (some from each rank)
     mine = np.array([0, 3, 5, 6])
-    carried = np.concatenate([sample_major_ids(s, layout.carried, mine[mine // B == q] % B) for q, s in enumerate((s0, s1))])
+    carried = np.concatenate(
+        [sample_major_ids(s, layout.carried, mine[mine // B == q] % B) for q, s in enumerate((s0, s1))]
+    )
     lengths, values = assigned_kjt_parts(ids, layout, mine, carried)
     fixed = np.concatenate([s0.fixed, s1.fixed])[mine]
     out = assigned_batch(lengths, values, fixed, layout)
@@ -88,19 +93,24 @@ def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool | int) 
     with_ids = np.array([False, True])
     got: list[list[np.ndarray]] = [[], []]
     for q in range(R):
-        blocks, id_bytes = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids),
-                                         uniform is not False)
+        blocks, id_bytes = sample_blocks(
+            hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), uniform is not False
+        )
         n = np.bincount(dest[q], minlength=R)
         managed_n = [int(hs[q].lengths[layout.managed][:, dest[q] == d].sum()) for d in range(R)]
         carried_n = [int(hs[q].lengths[layout.carried][:, dest[q] == d].sum()) for d in range(R)]
         lens_bytes = 0 if uniform is not False else 4 * len(KEYS)
         assert id_bytes.tolist() == [0, n[1] * lens_bytes + managed_n[1] * 4]  # int32 ids on the wire
-        assert [b.shape[0] for b in blocks] == [n[d] * layout.fixed_bytes() + id_bytes[d] + 8 * carried_n[d] for d in range(R)]
+        assert [b.shape[0] for b in blocks] == [
+            n[d] * layout.fixed_bytes() + id_bytes[d] + 8 * carried_n[d] for d in range(R)
+        ]
         for d in range(R):
             got[d].append(blocks[d])
     # rank 1 rebuilds its samples: rank 0's then its own, each in local order
     mine = [(q, i) for q in range(R) for i in range(B) if dest[q][i] == 1]
-    fixed, lengths, values = received_samples(got[1], np.array([int((d == 1).sum()) for d in dest]), uniform_from, layout)
+    fixed, lengths, values = received_samples(
+        got[1], np.array([int((d == 1).sum()) for d in dest]), uniform_from, layout
+    )
     out = assigned_batch(lengths, values, fixed, layout)
     jt = out.sparse_features.to_dict()
     for k, key in enumerate(KEYS):
@@ -112,28 +122,48 @@ def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool | int) 
 
 
 def test_single_hot_takes_the_dense_path_and_bad_input_is_named() -> None:
-    kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.arange(12) % 5, lengths=torch.ones(12, dtype=torch.int32))
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b", "c"], values=torch.arange(12) % 5, lengths=torch.ones(12, dtype=torch.int32)
+    )
     b = Batch(torch.zeros(B, 2), kjt, torch.zeros(B))
     layout = slice_layout(b, ManagedTables(("ta", "tb", "tc"), (5, 5, 5), (("a",), ("b",), ("c",)), (0,)))
     s = host_slice(b, layout)
-    gb = global_batch(gather_ids(s.lengths[None], [managed_ids(s, layout)], layout), layout,
-                      ManagedTables(("ta", "tb", "tc"), (5, 5, 5), (("a",), ("b",), ("c",)), (0,)))
+    gb = global_batch(
+        gather_ids(s.lengths[None], [managed_ids(s, layout)], layout),
+        layout,
+        ManagedTables(("ta", "tb", "tc"), (5, 5, 5), (("a",), ("b",), ("c",)), (0,)),
+    )
     assert gb.single_hot() and "dense" in gb._cache
-    big = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.tensor([2**31 + 1] + [0] * 11), lengths=torch.ones(12, dtype=torch.int32))
+    big = KeyedJaggedTensor(
+        keys=["a", "b", "c"], values=torch.tensor([2**31 + 1] + [0] * 11), lengths=torch.ones(12, dtype=torch.int32)
+    )
     with pytest.raises(ValueError, match=r"feature 'a': ids out of range \[2147483649\]"):
         host_slice(Batch(torch.zeros(B, 2), big, torch.zeros(B)), layout)
     # one pass checks every managed key against its own table; carried keys' ids are not Herald's to check
     two = ManagedTables(("ta", "tb", "tb2"), (5, 9, 6), (("a",), ("b",), ("b",)), (0,))  # b feeds 9 and 6 rows
     lay2 = slice_layout(b, two)
     vals = torch.tensor([0, 1, 2, 3, 4, 0, 5, 1, 2, 3, -7, 10**12])  # b has id 5 (ok) ; c (carried) anything
-    assert host_slice(Batch(torch.zeros(B, 2), KeyedJaggedTensor(keys=["a", "b", "c"], values=vals,
-                                                                lengths=torch.ones(12, dtype=torch.int32)),
-                            torch.zeros(B)), lay2).n == B
+    assert (
+        host_slice(
+            Batch(
+                torch.zeros(B, 2),
+                KeyedJaggedTensor(keys=["a", "b", "c"], values=vals, lengths=torch.ones(12, dtype=torch.int32)),
+                torch.zeros(B),
+            ),
+            lay2,
+        ).n
+        == B
+    )
     vals[4] = 6  # b's bound is its smallest table's (6 rows)
     with pytest.raises(ValueError, match=r"feature 'b': ids out of range \[6\] \(its table has 6 rows\)"):
-        host_slice(Batch(torch.zeros(B, 2), KeyedJaggedTensor(keys=["a", "b", "c"], values=vals,
-                                                             lengths=torch.ones(12, dtype=torch.int32)),
-                         torch.zeros(B)), lay2)
+        host_slice(
+            Batch(
+                torch.zeros(B, 2),
+                KeyedJaggedTensor(keys=["a", "b", "c"], values=vals, lengths=torch.ones(12, dtype=torch.int32)),
+                torch.zeros(B),
+            ),
+            lay2,
+        )
     with pytest.raises(ValueError, match="lacks the Herald-managed features"):
         slice_layout(b, ManagedTables(("tz",), (5,), (("z",),), (0,)))
     with pytest.raises(ValueError, match="torchrec.datasets.utils.Batch"):

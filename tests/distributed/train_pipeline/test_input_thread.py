@@ -1,5 +1,5 @@
-"""The input stage's background thread (herald_torchrec/distributed/train_pipeline/input_thread.py): it runs at a lower CPU
-priority than the training thread (`input_priority`), records how long training waits for it, and says so once
+"""The input stage's background thread (herald_torchrec/distributed/train_pipeline/input_thread.py): it runs at a lower
+CPU priority than the training thread (`input_priority`), records how long training waits for it, and says so once
 when it does not keep ahead.
 
 The priority tests read what the kernel really gave the thread (its nice value and scheduling policy by thread id),
@@ -19,8 +19,8 @@ import torch
 
 from herald_torchrec.distributed.train_pipeline import input_thread
 from herald_torchrec.distributed.train_pipeline.input_thread import PrefetchedInput
-from herald_torchrec.options import INPUT_PRIORITIES
 from herald_torchrec.distributed.train_pipeline.pipeline import HeraldTrainPipeline
+from herald_torchrec.options import INPUT_PRIORITIES
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
 
@@ -102,12 +102,19 @@ def test_lag_message_names_the_cause_for_each_priority() -> None:
 
 def test_bad_input_priority_is_a_clear_error_before_any_set_up() -> None:
     with pytest.raises(ValueError, match=r"input_priority must be one of \['normal', 'low', 'idle'\].*'lowest'"):
-        HeraldTrainPipeline(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
-                            input_priority="lowest")
+        HeraldTrainPipeline(
+            torch.nn.Linear(1, 1),
+            torch.optim.SGD([torch.zeros(1)], lr=0.1),
+            torch.device("cpu"),
+            input_priority="lowest",
+        )
 
 
 @pytest.mark.parametrize("prefetch", [-1, 2.5, "4", True])
 def test_bad_prefetch_is_a_clear_error_before_any_set_up(prefetch) -> None:
-    with pytest.raises(ValueError, match=r"prefetch must be an integer >= 0 .*got " + repr(prefetch).replace(".", r"\.")):
-        HeraldTrainPipeline(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
-                            prefetch=prefetch)
+    with pytest.raises(
+        ValueError, match=r"prefetch must be an integer >= 0 .*got " + repr(prefetch).replace(".", r"\.")
+    ):
+        HeraldTrainPipeline(
+            torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"), prefetch=prefetch
+        )

@@ -63,9 +63,16 @@ def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | N
     out = []
     for i in range(n):
         m = short_last if (short_last is not None and i == n - 1) else B
-        lens = torch.cat([torch.ones(m, dtype=torch.int32), torch.randint(0, 3, (m,), generator=g, dtype=torch.int32),
-                          torch.ones(m, dtype=torch.int32)])
-        vals = torch.cat([torch.randint(0, h, (int(lens[k * m : (k + 1) * m].sum()),), generator=g) for k, h in enumerate(HASH)])
+        lens = torch.cat(
+            [
+                torch.ones(m, dtype=torch.int32),
+                torch.randint(0, 3, (m,), generator=g, dtype=torch.int32),
+                torch.ones(m, dtype=torch.int32),
+            ]
+        )
+        vals = torch.cat(
+            [torch.randint(0, h, (int(lens[k * m : (k + 1) * m].sum()),), generator=g) for k, h in enumerate(HASH)]
+        )
         if big_id_at is not None and i == big_id_at:
             vals[0] = 2**31 + 3  # wraps to 3 in int32
         kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=vals, lengths=lens)
@@ -88,15 +95,22 @@ def build(kind: str, batch_norm: bool = False, **pipeline_kwargs):
     for ebc in (model.ebc_a, model.ebc_b):
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
     herald = kind == "herald"
-    sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2) if herald else EmbeddingBagCollectionSharder()
+    sharder = (
+        HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2)
+        if herald
+        else EmbeddingBagCollectionSharder()
+    )
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])
     if not herald:  # stock shards draw their own values: start from the unsharded model's, as Herald does
         from tests.scenarios.test_dropin import set_tables
 
         set_tables(dmp, init)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda p: torch.optim.SGD(p, lr=0.1))
-    return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(dmp, dense, torch.device("cpu"), **pipeline_kwargs)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
+    return dmp, (HeraldTrainPipeline if herald else TrainPipelineSparseDist)(
+        dmp, dense, torch.device("cpu"), **pipeline_kwargs
+    )
 
 
 def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool = True) -> None:
@@ -107,7 +121,9 @@ def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool =
     it = iter(data)
     for _ in range(6):
         pipeline.progress(it)
-    model = pipeline.detach() if do_eval else None  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
+    model = (
+        pipeline.detach() if do_eval else None
+    )  # an eval forward between training steps, TorchRec's way (in-flight batches are kept)
     eval_loss = 0.0
     if do_eval:
         from torchrec.distributed.train_pipeline import EvalPipelineSparseDist
@@ -138,7 +154,12 @@ def test_two_ebcs_with_eval_in_between_equal_stock(tmp_path: Path) -> None:
 
     got = {}
     for kind in ("stock", "herald"):
-        run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:train_worker", tmp_path / kind, world_size=2, kind=kind)
+        run_ranks(
+            "tests.distributed.train_pipeline.test_pipeline_edges:train_worker",
+            tmp_path / kind,
+            world_size=2,
+            kind=kind,
+        )
         got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
     stock, herald = got["stock"], got["herald"]
     assert sorted(stock) == sorted(herald)
@@ -183,7 +204,9 @@ def edges_worker(rank: int, world: int, out_dir: str, case: str) -> None:
 def test_edge_input(tmp_path: Path, case: str) -> None:
     run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:edges_worker", tmp_path, world_size=2, case=case)
     r = [torch.load(rank_result(tmp_path, q)) for q in range(2)]
-    if case == "big_id":  # rank 1's third batch holds id 2^31 + 3 (3 after an int32 wrap): both ranks stop with an error
+    if (
+        case == "big_id"
+    ):  # rank 1's third batch holds id 2^31 + 3 (3 after an int32 wrap): both ranks stop with an error
         assert "out of range [2147483651]" in r[1]["error"], r[1]
         assert "rank 1 rejected its input" in r[0]["error"], r[0]
         assert r[0]["steps"] == r[1]["steps"] == 0  # the pipeline draws 2 batches ahead: batch 2 is seen at step 0
@@ -252,8 +275,18 @@ def reload_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
 def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> None:
     from tests.scenarios.test_dropin import full_checkpoint
 
-    run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:reload_worker", tmp_path / "herald", world_size=2, kind="herald")
-    run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:reload_worker", tmp_path / "stock", world_size=2, kind="stock")
+    run_ranks(
+        "tests.distributed.train_pipeline.test_pipeline_edges:reload_worker",
+        tmp_path / "herald",
+        world_size=2,
+        kind="herald",
+    )
+    run_ranks(
+        "tests.distributed.train_pipeline.test_pipeline_edges:reload_worker",
+        tmp_path / "stock",
+        world_size=2,
+        kind="stock",
+    )
     h, s = full_checkpoint(tmp_path / "herald" / "ckpt"), full_checkpoint(tmp_path / "stock" / "ckpt")
     assert sorted(h) == sorted(s)
     worst = max(float((h[k] - s[k]).abs().max()) for k in s)
@@ -305,8 +338,15 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
         full.update({f"{k}.s": v for k, v in s.items()})
     dense = {n: p.detach().clone() for n, p in dmp.named_parameters() if "head" in n}
     sent = pipeline.input_stage.comm.counter.snapshot()
-    return {"plans": flat, "n_plans": len(plans), "has_policy": pipeline.policy is not None,
-            "plan_bytes": sent.get("plan", 0), "id_bytes": sent.get("sample_ids", 0), "tables": full, "dense": dense}
+    return {
+        "plans": flat,
+        "n_plans": len(plans),
+        "has_policy": pipeline.policy is not None,
+        "plan_bytes": sent.get("plan", 0),
+        "id_bytes": sent.get("sample_ids", 0),
+        "tables": full,
+        "dense": dense,
+    }
 
 
 def _failing_planner_run(rank: int) -> dict:
@@ -372,7 +412,10 @@ def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list
 def two_machines_worker(rank: int, world: int, out_dir: str) -> None:
     """Four ranks on two "machines" of two ranks (two planners, two ranks that receive their plans), and every rank
     planning for itself."""
-    out = {"two_machines": _plan_on_run(rank, "host", host=f"machine-{rank // 2}"), "every_rank": _plan_on_run(rank, "every_rank")}
+    out = {
+        "two_machines": _plan_on_run(rank, "host", host=f"machine-{rank // 2}"),
+        "every_rank": _plan_on_run(rank, "every_rank"),
+    }
     torch.save(out, rank_result(out_dir, rank))
 
 
