@@ -1,4 +1,6 @@
-"""Data plane: row store on an FBGEMM TBE, plan-sized collectives, the cache-aware sharded EBC and its sharder.
+"""Data plane: the sharder and the cache-aware sharded EBC that executes the scheduler's plans, with its train
+pipeline and input stage (train_pipeline/), one step (step/), row storage on an FBGEMM TBE (storage/), its state as
+TorchRec presents it (state/) and the comparison systems' step extensions (comparison/). It never decides policy.
 
 Imports torch / torchrec / fbgemm (unlike the control plane in herald_torchrec.schedule)."""
 
