@@ -55,6 +55,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
@@ -398,6 +399,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # and shared values), and only a step with neither pays a separate all-reduce (`_sync_error`).
         if self.step_pending:
             self.finish_step()  # the previous step's shared rows, if the optimizer step did not do it
+        self._checkpoint.settle()  # values written into the state dicts' tensors reach their rows first
         err: Exception | None = None
         local: LocalInput | None = None
         try:
@@ -405,6 +407,9 @@ class ShardedHeraldEmbeddingBagCollection(
                 local = self._parse_input(features)
         except ValueError as e:
             err = e
+        lost_write = self._checkpoint.exposed_writes()  # named_parameters() entries of rows away, written
+        if lost_write is not None and err is None:
+            err = ValueError(lost_write)
         plan = self._plans.popleft() if self._plans and self.training else None  # eval never consumes training plans
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
@@ -548,13 +553,28 @@ class ShardedHeraldEmbeddingBagCollection(
         dict is empty for optimizers without state (EXACT_SGD). Exact: each row is non-zero on one rank only."""
         if self.step_pending:
             self.finish_step()
+        self._checkpoint.settle()
         return self._exec.full_tables()
 
     def load_full_tables(self, weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> None:
-        """Write the rows this rank owns from unsharded tables (same on every rank; no communication)."""
+        """Write the rows this rank owns from unsharded tables (same on every rank; no communication, except to
+        settle values written into the state dicts' tensors first, see `HeraldCheckpoint.settle`)."""
+        self._checkpoint.settle()
         self._checkpoint.invalidate()
         self._exec.load_full_tables(weights, states)
 
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """As TorchRec's sharded EBC with FUSED tables: `embedding_bags.<table>.weight`, this rank's home block as a
+        `TableBatchedEmbeddingSlice` of the TBE (no TBE internals). No communication; rows living as guests on other
+        ranks are current here only after a `state_dict()` (`HeraldCheckpoint.expose_parameters` says why)."""
+        for name, p in zip(self.table_names, self._checkpoint.expose_parameters()):
+            yield (f"{prefix}." if prefix else "") + f"embedding_bags.{name}.weight", p
+
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
-        for key, _ in self.named_parameters(prefix):
-            yield key
+        """The table names of `named_parameters()` and the TBE's own parameters (which `nn.Module` walks reach, e.g.
+        DDP's): DMP keeps both out of data parallelism."""
+        yield from (key for key, _ in nn.Module.named_parameters(self, prefix))
+        for name in self.table_names:
+            yield (f"{prefix}." if prefix else "") + f"embedding_bags.{name}.weight"

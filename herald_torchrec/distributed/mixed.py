@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
@@ -160,6 +161,11 @@ class ShardedMixedEmbeddingBagCollection(
     def unsharded_module_type(self) -> type:
         return EmbeddingBagCollection
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """As a stock EBC's: `embedding_bags.<table>.weight` of both parts (as the state dict names them)."""
+        yield from self.herald.named_parameters(prefix)
+        yield from self.stock.named_parameters(prefix)
+
     def sharded_parameter_names(self, prefix: str = "") -> Any:
-        for key, _ in self.named_parameters(prefix):
-            yield key
+        yield from (key for key, _ in nn.Module.named_parameters(self, prefix))  # both parts' internals (DDP)
+        yield from (key for key, _ in self.named_parameters(prefix))

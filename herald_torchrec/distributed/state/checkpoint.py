@@ -33,6 +33,7 @@ buffers refreshed only by a later `dmp.state_dict()` / `dmp.fused_optimizer.stat
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -56,6 +57,44 @@ if TYPE_CHECKING:  # pragma: no cover
     from herald_torchrec.distributed.storage.row_store import RowStore
 
 STORE_PREFIX = "_store."  # the module's TBE internals: never in a state dict
+
+
+@dataclass
+class _DeadSlots:
+    """The home slots of this rank's rows that live away as guests, and what they held when `named_parameters()`
+    handed them out: a later difference is a write that cannot reach the row."""
+
+    tables: np.ndarray  # int64 [n]
+    rows: np.ndarray  # int64 [n], global row ids
+    values: torch.Tensor  # [n] packed weights (read_packed without state)
+
+    @staticmethod
+    def of(st: RowStore) -> _DeadSlots:
+        tabs, rows = [], []
+        for t in range(st.num_tables):
+            lo, hl = st.home_lo[t], st.home_len[t]
+            away = np.flatnonzero(st.slot_of[t][lo : lo + hl] < 0)
+            tabs.append(np.full(away.shape[0], t, dtype=np.int64))
+            rows.append(away + lo)
+        tab, row = np.concatenate(tabs), np.concatenate(rows)
+        return _DeadSlots(
+            tab, row, st.read_packed(tab, row - np.asarray(st.home_lo, dtype=np.int64)[tab], with_state=False).clone()
+        )
+
+    def written(self, st: RowStore) -> tuple[str, list[int]] | None:
+        """(table, first rows) of the slots whose content changed, or None."""
+        if self.tables.shape[0] == 0:
+            return None
+        now = st.read_packed(
+            self.tables, self.rows - np.asarray(st.home_lo, dtype=np.int64)[self.tables], with_state=False
+        )
+        changed = (now != self.values).view(-1)
+        if not bool(changed.any()):
+            return None
+        item = np.repeat(np.arange(self.tables.shape[0]), st.dims_arr[self.tables])[changed.cpu().numpy()]
+        item = np.unique(item)
+        t = int(self.tables[item[0]])
+        return st.tables[t].name, self.rows[item[self.tables[item] == t]][:5].tolist()
 
 
 class CheckpointedModule(Protocol):
@@ -175,6 +214,13 @@ class HeraldCheckpoint:
         if any(w > 1 for w in st.state_widths):
             raise ValueError(f"checkpoint: optimizer state of width {max(st.state_widths)} per row is not supported")
         self.has_state = any(w == 1 for w in st.state_widths)
+        # CPU: the state dicts' local shards are views of the home slots (TorchRec's FUSED tables alias their TBE the
+        # same way). CUDA: copies, since the HBM cache holds rows a view of the UVM weights would not see
+        self.views = module.device.type == "cpu" and all(st.flat_weights(t) is not None for t in range(st.num_tables))
+        self._copies_pending = False  # home slots of rows away hold refreshed copies: push them to their owners
+        self._exposed: _DeadSlots | None = None  # away rows' home slots as named_parameters() handed them out
+        self._copy_sums: torch.Tensor | None = None  # CUDA: what the copies summed to when the refresh filled them
+        self._warned: set[str] = set()
         self.home_w: list[torch.Tensor] = []
         self.home_s: list[torch.Tensor] = []
         self.weights: list[ShardedTensor | torch.Tensor] = []  # <t>.weight, [rows, dim]
@@ -185,10 +231,15 @@ class HeraldCheckpoint:
             mine = [s for s in shards if s.placement is not None and s.placement.rank() == r]
             if mine and (int(mine[0].shard_offsets[0]), int(mine[0].shard_sizes[0])) != (st.home_lo[t], hl) and hl:
                 raise ValueError(f"table {name!r}: the plan's shard on rank {r} is not its home block")
-            w = torch.zeros(hl, dim, dtype=torch.float32, device=module.device)
+            if self.views:  # the TBE's own home slots: in-place writes land in the table
+                w = st.weights(t)[:hl]
+                state = st.row_state(t)
+                s = state[:hl] if state is not None else torch.zeros(hl, dtype=torch.float32, device=module.device)
+            else:
+                w = torch.zeros(hl, dim, dtype=torch.float32, device=module.device)
+                s = torch.zeros(hl, dtype=torch.float32, device=module.device)
             self.home_w.append(w)
             self.weights.append(_sharded(w, shards, (rows, dim), r, pg))
-            s = torch.zeros(hl, dtype=torch.float32, device=module.device)
             self.home_s.append(s)
             if self.has_state:
                 row_shards = [
@@ -202,6 +253,25 @@ class HeraldCheckpoint:
                 self.states.append(_sharded(s, row_shards, (rows,), r, pg))
         self._fresh: tuple | None = None  # module version of the buffers' snapshot (None: never taken)
         self.load_prefix = ""  # the state-dict prefix of the last load (its post hook filters the keys under it)
+        self.table_parameters = [self._table_parameter(t) for t in range(st.num_tables)]
+
+    def _table_parameter(self, t: int) -> nn.Parameter:
+        """Table t's entry of `named_parameters()`: as TorchRec's FUSED tables, a `TableBatchedEmbeddingSlice`
+        [home rows, dim] of the TBE's weights, marked as trained by an in-backward (fused) optimizer. The same
+        storage as the state dict's local shard on CPU."""
+        from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+        from torchrec.optim.fused import EmptyFusedOptimizer
+
+        st = self.module.store
+        hl, dim = st.home_len[t], st.dims[t]
+        flat = st.flat_weights(t)
+        if flat is not None:
+            base, off = flat
+            p = TableBatchedEmbeddingSlice(base, off, off + hl * dim, hl, dim)
+        else:
+            p = nn.Parameter(st.weights(t)[:hl], requires_grad=False)
+        p._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        return p
 
     # ------------------------------------------------------------------ snapshot
     def _version(self) -> tuple:
@@ -221,17 +291,121 @@ class HeraldCheckpoint:
             m.finish_step()  # the step's shared rows get their update first (collective, like the step itself)
         if self._fresh == self._version():
             return
+        self._check_exposed_globally()  # before the fetch overwrites the home slots of rows away
         st = m.store
-        for t in range(st.num_tables):
-            hl = st.home_len[t]
-            if hl == 0:
-                continue
-            w, s = st.read_slots(t, np.arange(hl))  # rows away leave stale slots: overwritten below
-            self.home_w[t].copy_(w)
-            if self.has_state:
-                self.home_s[t].copy_(s.reshape(-1))
+        if not self.views:
+            for t in range(st.num_tables):
+                hl = st.home_len[t]
+                if hl == 0:
+                    continue
+                w, s = st.read_slots(t, np.arange(hl))  # rows away leave stale slots: overwritten below
+                self.home_w[t].copy_(w)
+                if self.has_state:
+                    self.home_s[t].copy_(s.reshape(-1))
         self._fetch_guests()
+        # views: the home slots of rows away now hold their current values; what is written there before the next
+        # step (copy_state_dict, a DCP load, an edit) goes to the owners then (`settle`)
+        self._copies_pending = self.views and bool(st.guest_count_all.any())
+        if not self.views:
+            self._copy_sums = self._sums()
         self._fresh = self._version()
+
+    # ------------------------------------------------------------ in-place writes
+    def _sums(self) -> torch.Tensor:
+        """Per table, the float64 sum of the copies (weights, then state): how a write into them is noticed on CUDA."""
+        parts = [w.double().sum() for w in self.home_w] + [s.double().sum() for s in self.home_s]
+        return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Before anything reads or moves rows (a step, `full_tables`, a load): the values written in place into the
+        state dicts' tensors reach the rows (collective when copies are pending, a state every rank shares).
+
+        CPU: home rows present are the tensors themselves; rows away as guests have a refreshed copy in their home
+        slot, which goes to the owner (one all-to-all, home rank -> owner, sizes known from the ownership map); an
+        unwritten copy equals the owner's value, so this is exact either way. CUDA: the tensors are copies and
+        writes into them are not applied; a write is detected (their sums changed) and warned about."""
+        if self._copies_pending:
+            self._copies_pending = False
+            self._push_copies()
+        if self._copy_sums is not None:
+            sums, self._copy_sums = self._copy_sums, None
+            if not torch.equal(self._sums(), sums):
+                self._warn(
+                    "copies",
+                    "Herald on CUDA: values written in place into state_dict() / fused_optimizer.state_dict() "
+                    "tensors are not applied to the tables (they are copies there: the HBM cache holds rows a view "
+                    "could not see); load them with load_state_dict() / fused_optimizer.load_state_dict()",
+                )
+
+    def _push_copies(self) -> None:
+        m, st = self.module, self.module.store
+        tab, row, owner, home = self._guests()
+        if tab.shape[0] == 0:
+            return
+        width = st.packed_widths(tab)
+        send, recv, send_splits, recv_splits = routes(home, owner, width, m.rank, m.world_size)
+        buf = st.read_packed(
+            tab[send], row[send] - np.asarray(st.home_lo, dtype=np.int64)[tab[send]]
+        )  # the home slots of rows away
+        got = self._comm.all_to_all(buf, send_splits, recv_splits, "checkpoint")
+        if recv.shape[0]:
+            st.write_packed(tab[recv], st.slot_of_all[st.gkeys(tab[recv], row[recv])].astype(np.int64), got)
+
+    # ------------------------------------------------------------ named_parameters
+    def expose_parameters(self) -> list[nn.Parameter]:
+        """The tables' parameters for `named_parameters()` (no communication). Rows living as guests on other ranks
+        are not in them, unless a `state_dict()` since the last step put their values there (then writes to them
+        apply, as through the state dict). Otherwise their entries are stale: a warning says so once, and a write
+        into them is an error at the next step or state_dict() on every rank, never dropped silently."""
+        st = self.module.store
+        if self.views and not self._copies_pending and self._exposed is None:
+            dead = _DeadSlots.of(st)
+            if dead.tables.shape[0]:
+                self._exposed = dead
+                self._warn(
+                    "stale",
+                    f"named_parameters() of a Herald-managed EBC: {dead.tables.shape[0]} rows of rank "
+                    f"{self.module.rank}'s home blocks live on other ranks now (the scheduler moved them); their "
+                    "entries here are stale and writes to them are refused. Call dmp.state_dict() first (collective): "
+                    "it puts every row's current value into these tensors, and writes to them then take effect",
+                )
+        return self.table_parameters
+
+    def exposed_writes(self) -> str | None:
+        """This rank's check of `expose_parameters` (local): a message naming the rows away that were written."""
+        dead, self._exposed = self._exposed, None
+        if dead is None:
+            return None
+        written = dead.written(self.module.store)
+        if not written:
+            return None
+        name, rows = written
+        return (
+            f"table {name!r}: rows {rows} were written through named_parameters() while they lived on other ranks "
+            "(the scheduler had moved them), where the write cannot reach them. Call dmp.state_dict() (on every "
+            "rank) before writing tables in place: it brings every row's current value into those tensors"
+        )
+
+    def _check_exposed_globally(self) -> None:
+        """`exposed_writes` on every rank, raised on every rank (one flag all-reduce, only when rows are away)."""
+        st = self.module.store
+        if not self.views or not st.guest_count_all.any():
+            self._exposed = None
+            return
+        msg = self.exposed_writes()
+        if dist.is_initialized() and self.module.world_size > 1:
+            flag = torch.tensor([0 if msg is None else self.module.rank + 1], dtype=torch.int64)
+            self._comm.all_reduce(flag, "control")
+            if msg is None and int(flag.item()):
+                msg = f"rank {int(flag.item()) - 1}: rows living on other ranks were written through named_parameters()"
+        if msg is not None:
+            raise ValueError(msg)
+
+    def _warn(self, kind: str, msg: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def _guests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every row living away from home, in global-key order: (table, row, owner, home rank) — the same on every
@@ -294,6 +468,11 @@ class HeraldCheckpoint:
         m, st = self.module, self.module.store
         m.drop_pending()  # its gradients belong to the model being replaced
         m.clear_plans()
+        self.settle()  # the state dicts' tensors, written in place by DCP, are what goes home and is loaded
+        self._exposed = None
+        if self.views:  # a given tensor that is a home block itself is in place already; one overlapping it is read
+            weights = {t: _unaliased(w, self.home_w[t]) for t, w in (weights or {}).items()}
+            states = {t: _unaliased(s, self.home_s[t]) for t, s in (states or {}).items()}
         self.send_guests_home()
         for t in range(st.num_tables):
             hl = st.home_len[t]
@@ -306,9 +485,9 @@ class HeraldCheckpoint:
                 st.write_slots(t, slots, st.read_slots(t, slots)[0], s.reshape(hl, 1))
             else:
                 st.write_slots(t, slots, w, None if s is None else s.reshape(hl, 1))
-                if w is not self.home_w[t]:
+                if w is not self.home_w[t] and not self.views:
                     self.home_w[t].copy_(w)
-            if s is not None and s is not self.home_s[t]:
+            if s is not None and s is not self.home_s[t] and not (self.views and self.has_state):
                 self.home_s[t].copy_(s.reshape(-1))
         m.ownership_version += 1
         # the buffers now hold the loaded rows (and, for tables not loaded, their last snapshot): a DCP load of the
@@ -338,6 +517,17 @@ class HeraldCheckpoint:
                 )
             return shards[0].tensor.reshape((hl,) + full[1:])
         return value.detach()[lo : lo + hl]
+
+
+def _unaliased(given: torch.Tensor | None, home: torch.Tensor) -> torch.Tensor | None:
+    """`given` to be written into the home block `home`: None when it is `home` itself (nothing to write: the
+    guests sent home land in it), a copy when it shares `home`'s storage otherwise (a write must not read what it
+    overwrites), else `given`."""
+    if given is None or given.untyped_storage().data_ptr() != home.untyped_storage().data_ptr():
+        return given
+    if given.data_ptr() == home.data_ptr() and given.numel() == home.numel() and given.is_contiguous():
+        return None
+    return given.clone()
 
 
 # ------------------------------------------------------------------------------------------------ module hooks

@@ -139,6 +139,22 @@ class RowAccessMixin:
         """View [local_rows, dim] of table t's slots (call `_begin_access()` first on CUDA)."""
         return self._weights[t]
 
+    def row_state(self, t: int) -> torch.Tensor | None:
+        """View [local_rows] of table t's row-wise optimizer state (one float per row, e.g. `momentum1`), or None
+        when the optimizer keeps none or keeps more than one float per row."""
+        st = self._states[t]
+        return st[0] if len(st) == 1 and st[0].dim() == 1 else None
+
+    def flat_weights(self, t: int) -> tuple[torch.Tensor, int] | None:
+        """(the TBE's flat weight tensor, element offset of table t's slot 0 in it), or None when `weights(t)` is not
+        a plain view of one flat tensor: what a `TableBatchedEmbeddingSlice` of the table is built on, as TorchRec
+        builds the parameters of its FUSED tables."""
+        w = self._weights[t]
+        base = w._base
+        if base is None or base.dim() != 1 or base.storage_offset() != 0 or not w.is_contiguous():
+            return None
+        return base, int(w.storage_offset())
+
     def read_slots(self, t: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of rows and optimizer state at local `slots`: ([n, dim], [n, state_width])."""
         slots = np.asarray(slots, dtype=np.int64)
