@@ -11,11 +11,18 @@ a checkpoint holds instead, per table `<t>` (exactly TorchRec's ROW_WISE keys, s
 * fused optimizer: `state["<fqn>.embedding_bags.<t>.weight"]["<t>.momentum1"]` (row-wise Adagrad): ShardedTensor
   [rows] with the same row split; SGD keeps no state (an empty dict per table, as TorchRec's fused optimizer).
 
-The local shards are snapshot buffers of the home block. A *refresh* fills them: home rows present here are copied
-from their home slots, rows away as guests are fetched from their owners (one all-to-all of the guest rows; none
-when no rank holds a guest). A refresh is therefore collective — every rank must call `state_dict()` /
-`fused_optimizer.state_dict()` together, as DCP's save does anyway. It runs only when the module changed since the
-last one (training step, load), so a DCP load into the buffers is never overwritten before it is applied.
+On CPU the local shards are views of the TBE's home slots (as TorchRec's FUSED tables alias their TBE), so
+in-place writes (TorchRec's `copy_state_dict`, a DCP load, a user's edit) land in the table. A *refresh* makes them
+current: rows away as guests are fetched from their owners into their home slot, which is unused while the row is
+away (one all-to-all of the guest rows; none when no rank holds a guest); `settle()`, at the next step,
+`full_tables()` or load, sends those slots back to the owners (one all-to-all; exact whether written or not), so
+the placement stays as the scheduler left it. A refresh is therefore collective — every rank must call
+`state_dict()` / `fused_optimizer.state_dict()` together, as DCP's save does anyway. It runs only when the module
+changed since the last one (training step, load), so a write into the tensors is never overwritten before it is
+applied. The tensors stay views, but a row that a later step moves away is no longer in them: take a new
+`state_dict()` after training before reading or writing. `named_parameters()` gives the same storage without
+communication (`expose_parameters`). On CUDA the shards are copies (the HBM cache holds rows that a view of the
+UVM weights would not see): writes into them are not applied, and `settle()` warns when they were made.
 
 Loading (TorchRec's idiom: `sd = dmp.state_dict(); dcp.load(sd, ...); dmp.load_state_dict(sd)`, same for
 `dmp.fused_optimizer`) writes the values into the home rows after every guest has gone home (one all-to-all of the
@@ -24,8 +31,7 @@ on every rank, directories and guest counts coherent, queued plans are dropped w
 gradients belong to the model being replaced), and `module.ownership_version` is incremented so that a train
 pipeline rebuilds its scheduler from the home placement. Loading is collective too.
 
-Costs and caveats: the buffers are one extra copy of each rank's home blocks (and row-wise state) on the module's
-device. Take checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
+Costs and caveats: on CUDA the buffers are one extra copy of each rank's home blocks (and row-wise state). Take checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
 optimizer's `step()` would), so a `state_dict()` between forward and backward would drop that step's shared-row
 gradients. Optimizer wrappers that copy `.state` once at construction (torchrec's `OptimizerWrapper`) see the
 buffers refreshed only by a later `dmp.state_dict()` / `dmp.fused_optimizer.state_dict()`.
