@@ -31,7 +31,8 @@ on every rank, directories and guest counts coherent, queued plans are dropped w
 gradients belong to the model being replaced), and `module.ownership_version` is incremented so that a train
 pipeline rebuilds its scheduler from the home placement. Loading is collective too.
 
-Costs and caveats: on CUDA the buffers are one extra copy of each rank's home blocks (and row-wise state). Take checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
+Costs and caveats: on CUDA the buffers are one extra copy of each rank's home blocks (and row-wise state). Take
+checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
 optimizer's `step()` would), so a `state_dict()` between forward and backward would drop that step's shared-row
 gradients. Optimizer wrappers that copy `.state` once at construction (torchrec's `OptimizerWrapper`) see the
 buffers refreshed only by a later `dmp.state_dict()` / `dmp.fused_optimizer.state_dict()`.
