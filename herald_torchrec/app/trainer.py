@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -36,6 +37,47 @@ RESUME_KEYS = ("model", "data", "seed", "trainer.batch_size", "trainer.embedding
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which key and why."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss (or a parameter about to be checkpointed) became NaN or infinite. Raised on every rank at the same
+    step, before anything non-finite reaches a checkpoint, so the last checkpoint written is the last good one."""
+
+
+@dataclass
+class DivergenceWatch:
+    """The first step at which this rank's loss was NaN or infinite. The check is local and free (the loss is read
+    each step anyway); `first_bad` agrees the ranks on it with one small all-reduce, done only where every rank is
+    at the same step anyway: at a progress line, before a checkpoint or an evaluation, and at the end."""
+
+    nan_step: float = math.inf
+    inf_step: float = math.inf
+
+    def see(self, step: int, loss: float) -> None:
+        if math.isnan(loss):
+            self.nan_step = min(self.nan_step, step)
+        elif math.isinf(loss):
+            self.inf_step = min(self.inf_step, step)
+
+    def first_bad(self, ctx: DistContext) -> tuple[int, str] | None:
+        """(step, "nan" or "inf") of the first non-finite loss on any rank, or None. Collective."""
+        both = torch.tensor([self.nan_step, self.inf_step], dtype=torch.float64)
+        if ctx.world_size > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        nan_step, inf_step = (float(x) for x in both)
+        if math.isinf(min(nan_step, inf_step)):
+            return None
+        return (int(nan_step), "nan") if nan_step <= inf_step else (int(inf_step), "inf")
+
+
+def divergence_message(step: int, what: str, cfg: DictConfig, run_dir: Path) -> str:
+    t = cfg.trainer
+    ckpt = run_dir / CHECKPOINT
+    kept = f"the last good checkpoint is kept in {ckpt}" if ckpt.exists() else "no checkpoint was written"
+    return (
+        f"training diverged: {what} at step {step}; stopped ({kept}). Try a lower trainer.dense_lr (now "
+        f"{t.dense_lr}) or trainer.embedding_lr (now {t.embedding_lr})"
+    )
 
 
 def model_features(cfg: DictConfig, source: DataSource) -> FeatureSpec:
@@ -138,6 +180,36 @@ def _checkpoint_state(setup: ShardedSetup, meta: str) -> dict[str, Any]:
     return state | ({"optim": optim} if optim else {})
 
 
+def _local_tensors(x: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, this rank's tensor) of every tensor in a nested state dict (a ShardedTensor's local shards, a
+    DTensor's local part)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            for sub, t in _local_tensors(v):
+                yield (f"{k}.{sub}" if sub else str(k)), t
+    elif hasattr(x, "local_shards"):
+        for shard in x.local_shards():
+            yield "", shard.tensor
+    elif hasattr(x, "to_local"):
+        yield "", x.to_local()
+    elif isinstance(x, torch.Tensor):
+        yield "", x
+
+
+def first_nonfinite(state: dict[str, Any], ctx: DistContext) -> str | None:
+    """The key of a NaN / infinite floating-point entry of the state about to be checkpointed, on any rank (None: all
+    finite). Collective: every rank learns whether some rank found one."""
+    bad = next(
+        (k for k, t in _local_tensors(state) if t.is_floating_point() and not bool(torch.isfinite(t).all())), None
+    )
+    flag = torch.tensor([0.0 if bad is None else 1.0 + ctx.rank], dtype=torch.float64)
+    if ctx.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) == 0.0:
+        return None
+    return bad or f"a tensor of rank {int(float(flag)) - 1}"
+
+
 def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
     """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers and the step (data are
     deterministic by step). Collective. Written into `checkpoint.tmp/`, then renamed by rank 0; the previous
@@ -149,7 +221,11 @@ def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConf
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _barrier(ctx)
     meta = json.dumps({"step": step, "identity": _identity(cfg, ctx.world_size)})
-    dcp.save(_checkpoint_state(setup, meta), checkpoint_id=str(tmp))
+    state = _checkpoint_state(setup, meta)
+    bad = first_nonfinite(state, ctx)
+    if bad is not None:  # never replace a good checkpoint with a diverged one
+        raise TrainingDiverged(divergence_message(step, f"{bad} is not finite", cfg, run_dir))
+    dcp.save(state, checkpoint_id=str(tmp))
     _barrier(ctx)  # every rank's files are in tmp
     if ctx.is_main:
         if final.exists():
@@ -273,6 +349,33 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     sent_at_log = 0
+    watch = DivergenceWatch()
+
+    def stop_if_diverged() -> None:
+        """Collective, at a step every rank is at: raise TrainingDiverged on every rank (metrics.json says so)."""
+        bad = watch.first_bad(ctx)
+        if bad is None:
+            return
+        msg = divergence_message(bad[0], f"loss is {bad[1]}", cfg, run_dir)
+        if ctx.is_main:
+            write_json_atomic(
+                run_dir / "metrics.json",
+                {
+                    "status": "diverged",
+                    "error": msg,
+                    "diverged_at_step": bad[0],
+                    "steps": step,
+                    "resumed_from_step": start,
+                    "eval_history": history,
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                },
+            )
+        logger.close()
+        close = getattr(setup.pipeline, "close", None)  # Herald's input stage: stopped on every rank, at one step
+        if close is not None:
+            close()
+        raise TrainingDiverged(msg)
+
     done = False
     while not done:
         seg_start, seg_steps = time.time(), 0
@@ -285,9 +388,12 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 break
             step += 1
             seg_steps += 1
-            loss_sum += float(loss)
+            loss_value = float(loss)
+            watch.see(step, loss_value)
+            loss_sum += loss_value
             loss_n += 1
             if step % cfg.trainer.log_interval == 0:
+                stop_if_diverged()
                 now = time.time()
                 avg = loss_sum / loss_n
                 sps = cfg.trainer.log_interval * global_batch / max(now - t_log, 1e-9)
@@ -306,8 +412,10 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 )
                 loss_sum, loss_n, t_log = 0.0, 0, now
             if ckpt_every and step % ckpt_every == 0:
+                stop_if_diverged()
                 save_checkpoint(setup, run_dir, step, cfg, ctx)
         train_time += time.time() - seg_start
+        stop_if_diverged()  # before an evaluation and at the end of training
         if seg_steps == 0:
             break
         if eval_every:
@@ -328,6 +436,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     if ctx.world_size > 1:
         dist.all_reduce(sent)
     metrics = {
+        "status": "finished",
         "auc": auc,
         "logloss": ll,
         "steps": step,
