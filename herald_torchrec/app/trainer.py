@@ -132,29 +132,89 @@ def local_samples(
             )
 
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # train.py's Hydra config groups
+# keys the app reads that no option file of conf/ holds (set with `+key=value`)
+_LOADER_KEYS = ("split_seed", "chunk_bytes", "hash_mode", "time_features", "fmt", "positive_threshold", "num_negatives")
+OPTIONAL_KEYS = frozenset(
+    {"sharding.compute_kernel", "sharding.cache_load_factor", "data.neg_seed"} | {f"data.{k}" for k in _LOADER_KEYS}
+)  # the file loaders' further keyword arguments (herald_torchrec/data) are data.*
+
+
+def config_schema(conf_dir: Path = CONF_DIR) -> frozenset[str] | None:
+    """Every key the app knows: the top-level keys of conf/config.yaml, each group's name, `group.key` for the keys
+    of every option file of that group (all options, so one override list serves every scheduler or model, as the
+    benchmarks pass it), and OPTIONAL_KEYS. None where conf/ is not beside the package (an installed copy)."""
+    if not (conf_dir / "config.yaml").is_file():
+        return None
+    keys = {k for k in OmegaConf.load(conf_dir / "config.yaml") if k not in ("defaults", "hydra")}
+    for group in sorted(p for p in conf_dir.iterdir() if p.is_dir()):
+        keys.add(group.name)
+        for option in group.glob("*.yaml"):
+            keys.update(f"{group.name}.{k}" for k in OmegaConf.load(option) or {})
+    return frozenset(keys | OPTIONAL_KEYS)
+
+
+def unknown_keys(cfg: DictConfig, schema: frozenset[str]) -> list[str]:
+    """The keys of `cfg` (two levels: top and group) that the schema does not know, e.g. a `+trainer.stepz=10`."""
+    out = []
+    for k, v in cfg.items():
+        if k not in schema:
+            out.append(str(k))
+        elif isinstance(v, DictConfig):
+            out.extend(f"{k}.{sub}" for sub in v if f"{k}.{sub}" not in schema)
+    return out
+
+
+def _integer(t: DictConfig, key: str, low: int, meaning: str = "", optional: bool = False) -> None:
+    v = t.get(key)
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(f"trainer.{key} must be an integer >= {low}{meaning}, got {v!r}")
+
+
 def validate(cfg: DictConfig) -> None:
+    """Every check that needs no data and no process group: run before anything starts, so a mistake costs nothing."""
+    schema = config_schema()
+    unknown = [] if schema is None else unknown_keys(cfg, schema)
+    if unknown:
+        raise ConfigError(
+            f"unknown configuration key {', '.join(unknown)} (not in any file of {CONF_DIR}); check the spelling"
+        )
     try:
         affinity_mode(cfg.get("cpu_affinity", "off"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t = cfg.trainer
-    if t.batch_size < 1:
-        raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
+    _integer(t, "batch_size", 1)
     if (t.steps is None) == (t.epochs is None):
         raise ConfigError("set exactly one of trainer.steps and trainer.epochs (the other to null)")
-    if t.steps is not None and t.steps < 1:
-        raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
-    if t.epochs is not None and t.epochs < 1:
-        raise ConfigError(f"trainer.epochs must be >= 1, got {t.epochs}")
+    _integer(t, "steps", 1, optional=True)
+    _integer(t, "epochs", 1, optional=True)
+    _integer(t, "eval_interval", 0, " (steps between evaluations; 0 = only at the end)")
+    _integer(t, "log_interval", 1, " (steps between progress lines)")
+    _integer(t, "checkpoint_interval", 0, " (steps between checkpoints; 0 = off)", optional=True)
     if t.embedding_optimizer not in ("rowwise_adagrad", "sgd"):
         raise ConfigError(f"trainer.embedding_optimizer must be rowwise_adagrad or sgd, got '{t.embedding_optimizer}'")
     if t.dense_optimizer not in ("adam", "adagrad", "sgd"):
         raise ConfigError(f"trainer.dense_optimizer must be adam, adagrad or sgd, got '{t.dense_optimizer}'")
     for key in ("embedding_lr", "dense_lr"):
-        if not t[key] > 0:
-            raise ConfigError(f"trainer.{key} must be > 0, got {t[key]}")
-    if t.get("checkpoint_interval", 0) < 0:
-        raise ConfigError(f"trainer.checkpoint_interval must be >= 0 (0 = off), got {t.checkpoint_interval}")
+        v = t.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+            raise ConfigError(f"trainer.{key} must be a number > 0, got {v!r}")
+    path = cfg.data.get("path")
+    if path and Path(str(path)).is_dir():
+        raise ConfigError(f"data.path must be a file, got the directory {path}")
+    run_dir = Path(str(cfg.run_dir))
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir {run_dir} is a file; run_dir must be a directory (it is created if missing)")
+
+
+def check_splits(source: DataSource, cfg: DictConfig, ctx: DistContext) -> None:
+    """Both splits hold at least one complete global batch: found before the first step (each takes one batch), not
+    when the first evaluation comes after hours of training."""
+    for train in (True, False):
+        next(local_samples(source, cfg.trainer.batch_size, ctx, train=train, epochs=1))
 
 
 def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -322,6 +382,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     say = print if ctx.is_main else (lambda *a, **k: None)
     run_dir = Path(cfg.run_dir)
     source = build_source(cfg.data)
+    check_splits(source, cfg, ctx)
     features = model_features(cfg, source)
     torch.manual_seed(cfg.seed)  # same dense init on every rank
     model = TrainModel(build_model(cfg.model.name, features, device="cpu", **model_kwargs(cfg)))
@@ -341,7 +402,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs, reorder=setup.reorder
     )
     stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
-    ckpt_every = cfg.trainer.get("checkpoint_interval", 0) or 0
+    ckpt_every = cfg.trainer.get("checkpoint_interval") or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
     global_batch = cfg.trainer.batch_size * ctx.world_size

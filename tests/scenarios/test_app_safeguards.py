@@ -1,5 +1,6 @@
 """The app refuses to go on where going on would lose or corrupt something, always in one line with exit 2: a
-diverged loss stops every rank before anything non-finite reaches a checkpoint, and metrics.json stays strict JSON.
+diverged loss stops every rank before anything non-finite reaches a checkpoint, and metrics.json stays strict JSON;
+every configuration mistake is found before the first training step (unknown keys included).
 
 Every case is a one-rank CLI run; they share one process (tests/helpers/app_runs.run_app_many)."""
 
@@ -15,6 +16,31 @@ from tests.app.test_metrics_json import strict_load
 from tests.helpers.app_runs import run_app_many
 
 FAST = ["trainer.steps=20", "data.val_batches=2", "trainer.eval_interval=0"]
+# (overrides, the error line's text); each must stop before the first step. {root} is this module's temporary folder.
+BEFORE_TRAINING = {
+    "typo": (["+trainer.stepz=10"], "unknown configuration key trainer.stepz"),
+    "top_typo": (["+sead=1"], "unknown configuration key sead"),
+    "eval_negative": (["trainer.eval_interval=-5"], "trainer.eval_interval must be an integer >= 0"),
+    "log_zero": (["trainer.log_interval=0"], "trainer.log_interval must be an integer >= 1"),
+    "steps_text": (["trainer.steps=abc"], "trainer.steps must be an integer >= 1, got 'abc'"),
+    "lr_text": (["trainer.dense_lr=fast"], "trainer.dense_lr must be a number > 0, got 'fast'"),
+    "data_dir": (["data=criteo", "data.path={root}"], "data.path must be a file, got the directory"),
+    "run_dir_file": (["run_dir={root}/a_file"], "is a file; run_dir must be a directory"),
+    "small_val": (
+        ["data=criteo", "data.path={root}/tiny.tsv", "trainer.batch_size=8"],
+        "the validation split has no complete global batch of 8 samples",
+    ),
+}
+
+
+def _tiny_criteo(path: Path, rows: int = 60) -> None:
+    """A Criteo-format file (label, 13 integers, 26 hex ids) whose validation split (5 %) is a few rows."""
+    lines = []
+    for i in range(rows):
+        ints = [str((i * 7 + j) % 10) for j in range(13)]
+        ids = [f"{(i * 31 + j * 17) % 50:08x}" for j in range(26)]
+        lines.append("\t".join([str(i % 2), *ints, *ids]))
+    path.write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +52,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         # SGD at lr 10: finite for a few steps, NaN from step 6; checkpoints at steps 2 and 4 are good
         "nan_late": [*FAST, "trainer.dense_optimizer=sgd", "trainer.dense_lr=10", "trainer.checkpoint_interval=2"],
     }
-    got = run_app_many([[*args, f"run_dir={root / name}"] for name, args in cases.items()])
+    _tiny_criteo(root / "tiny.tsv")
+    (root / "a_file").write_text("not a directory\n")
+    for name, (args, _) in BEFORE_TRAINING.items():
+        args = [a.format(root=root) for a in args]
+        own = [] if any(a.startswith("run_dir=") for a in args) else [f"run_dir={root / name}"]
+        cases[name] = [*args, "trainer.log_interval=1" if name != "log_zero" else "trainer.steps=5", *own]
+    for name in ("nan_fast", "nan_late"):
+        cases[name].append(f"run_dir={root / name}")
+    got = run_app_many(list(cases.values()))
     return root, dict(zip(cases, got))
 
 
@@ -64,3 +98,14 @@ def test_the_last_good_checkpoint_is_kept(runs: tuple[Path, dict], tmp_path: Pat
     assert state["meta"]["step"] == 4
     tensors = [t for t in state["model"].values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
     assert len(tensors) > 26 and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("case", list(BEFORE_TRAINING))
+def test_mistakes_are_found_before_training(runs: tuple[Path, dict], case: str) -> None:
+    root, got = runs
+    p, msg = got[case], BEFORE_TRAINING[case][1]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and msg in errors[0], (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    assert "step " not in p.stdout and "[herald]" not in p.stdout, p.stdout[-2000:]  # no step, not even set-up
+    assert not (root / case / "metrics.json").exists() and not (root / case / "tb").exists()
