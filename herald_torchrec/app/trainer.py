@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,6 +342,85 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
     return int(meta["step"])
 
 
+LOCK_FILE = ".lock"  # in run_dir: held (flock) by rank 0 of the job writing there
+# a run's outputs in run_dir; trainer.overwrite=true removes them before a new run starts
+CHECKPOINT_NAMES = (CHECKPOINT, f"{CHECKPOINT}.old", f"{CHECKPOINT}.tmp", "checkpoint.pt")
+RUN_OUTPUTS = (*CHECKPOINT_NAMES, "tb", "metrics.json", "final_state.pt")
+
+
+class RunDirLock:
+    """An exclusive `flock` on `<run_dir>/.lock`, held by rank 0 for the whole run: a second job on the same run_dir
+    is refused while the first runs (the kernel releases the lock when the holder exits, even on kill -9, so a crashed
+    job never leaves it held). The file keeps the holder's host and pid for the refusal message."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another job"
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(
+                f"run_dir {run_dir} is in use by a running job ({holder} holds {self.path}); wait for it to end or "
+                "use another run_dir"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
+
+
+def _claim_on_rank0(run_dir: Path, cfg: DictConfig) -> RunDirLock:
+    """Rank 0's part of `claim_run_dir`: create run_dir, take its lock, refuse (ConfigError) a run_dir holding a
+    checkpoint unless told to resume it or to overwrite it; with overwrite, remove the earlier run's outputs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir)
+    try:
+        held = [n for n in CHECKPOINT_NAMES if (run_dir / n).exists()]
+        t = cfg.trainer
+        if held and not t.get("resume") and not t.get("overwrite"):
+            raise ConfigError(
+                f"run_dir {run_dir} already holds a checkpoint ({held[0]}); continue it with trainer.resume=true, "
+                "replace it with trainer.overwrite=true, or use another run_dir"
+            )
+        if t.get("overwrite") and not t.get("resume"):
+            for name in RUN_OUTPUTS:
+                target = run_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def claim_run_dir(run_dir: Path, cfg: DictConfig, ctx: DistContext) -> RunDirLock | None:
+    """Make run_dir this job's before anything is written there (`_claim_on_rank0`); every rank raises the same
+    one-line ConfigError when rank 0 refuses. Collective. Returns rank 0's lock (None on other ranks)."""
+    lock, refusal = None, None
+    if ctx.is_main:
+        try:
+            lock = _claim_on_rank0(run_dir, cfg)
+        except (ConfigError, OSError) as e:
+            refusal = str(e) if isinstance(e, ConfigError) else f"cannot use run_dir {run_dir}: {e}"
+    if ctx.world_size > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return lock
+
+
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
     """AUC and log loss over the whole held-out split (all ranks' predictions gathered).
 
@@ -370,19 +450,29 @@ def train(cfg: DictConfig, ctx: DistContext | None = None) -> dict[str, Any]:
     with `ctx` (an initialised group, e.g. several runs in one process) the group is the caller's to close."""
     validate(cfg)
     if ctx is not None:
-        return _train(cfg, ctx)
+        return _train_in_own_run_dir(cfg, ctx)
     ctx = init_distributed(cfg.dist_backend, cfg.get("cpu_affinity", "off"))
     # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
-    metrics = _train(cfg, ctx)
+    metrics = _train_in_own_run_dir(cfg, ctx)
     shutdown()
     return metrics
 
 
-def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
-    say = print if ctx.is_main else (lambda *a, **k: None)
-    run_dir = Path(cfg.run_dir)
+def _train_in_own_run_dir(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
+    """The data checked, then run_dir claimed (locked, refused if it holds another run's checkpoint), then the run."""
     source = build_source(cfg.data)
     check_splits(source, cfg, ctx)
+    lock = claim_run_dir(Path(cfg.run_dir), cfg, ctx)
+    try:
+        return _train(cfg, ctx, source)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, Any]:
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    run_dir = Path(cfg.run_dir)
     features = model_features(cfg, source)
     torch.manual_seed(cfg.seed)  # same dense init on every rank
     model = TrainModel(build_model(cfg.model.name, features, device="cpu", **model_kwargs(cfg)))

@@ -1,11 +1,13 @@
 """The app refuses to go on where going on would lose or corrupt something, always in one line with exit 2: a
 diverged loss stops every rank before anything non-finite reaches a checkpoint, and metrics.json stays strict JSON;
-every configuration mistake is found before the first training step (unknown keys included).
+every configuration mistake is found before the first training step (unknown keys included); a run_dir holding a
+checkpoint, or in use by a running job, is refused and left untouched.
 
 Every case is a one-rank CLI run; they share one process (tests/helpers/app_runs.run_app_many)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -60,7 +62,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         cases[name] = [*args, "trainer.log_interval=1" if name != "log_zero" else "trainer.steps=5", *own]
     for name in ("nan_fast", "nan_late"):
         cases[name].append(f"run_dir={root / name}")
-    got = run_app_many(list(cases.values()))
+    # outputs never lost: a run with checkpoints, then a rerun of it without resume (refused), and a run_dir whose
+    # earlier run is replaced on purpose (overwrite), in order
+    ckpt = [*FAST, "trainer.checkpoint_interval=5"]
+    cases["kept"] = [*ckpt, "trainer.steps=10", f"run_dir={root / 'kept'}"]
+    cases["rerun"] = [*ckpt, "trainer.steps=5", f"run_dir={root / 'kept'}"]
+    cases["replaced_first"] = [*ckpt, "trainer.steps=10", f"run_dir={root / 'replaced'}"]
+    cases["replaced"] = [*ckpt, "trainer.steps=5", "trainer.overwrite=true", f"run_dir={root / 'replaced'}"]
+    # a job already running in run_dir: this test holds its lock, as a running job's rank 0 does
+    busy = root / "busy"
+    busy.mkdir()
+    (busy / "metrics.json").write_text('{"first job": true}\n')
+    cases["busy"] = [*FAST, f"run_dir={busy}"]
+    with open(busy / ".lock", "w") as held:
+        held.write("testhost pid 4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        got = run_app_many(list(cases.values()))
     return root, dict(zip(cases, got))
 
 
@@ -109,3 +127,38 @@ def test_mistakes_are_found_before_training(runs: tuple[Path, dict], case: str) 
     assert "Traceback" not in p.stderr
     assert "step " not in p.stdout and "[herald]" not in p.stdout, p.stdout[-2000:]  # no step, not even set-up
     assert not (root / case / "metrics.json").exists() and not (root / case / "tb").exists()
+
+
+def _events(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_run_dir_with_a_checkpoint_is_not_overwritten(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    root, got = runs
+    assert got["kept"].returncode == 0, got["kept"].stderr[-2000:]
+    p = got["rerun"]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert "already holds a checkpoint" in errors[0] and "trainer.resume=true" in errors[0], errors
+    assert "trainer.overwrite=true" in errors[0] and "step " not in p.stdout
+    kept = root / "kept"  # the first run's outputs, untouched
+    assert _read_checkpoint(kept / "checkpoint", tmp_path)["meta"]["step"] == 10
+    assert strict_load((kept / "metrics.json").read_text())["steps"] == 10 and len(_events(kept)) == 1
+
+
+def test_overwrite_replaces_the_earlier_run(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    root, got = runs
+    assert got["replaced_first"].returncode == 0 and got["replaced"].returncode == 0, got["replaced"].stderr[-2000:]
+    replaced = root / "replaced"  # only the second run's outputs: its checkpoint, metrics and one events file
+    assert _read_checkpoint(replaced / "checkpoint", tmp_path)["meta"]["step"] == 5
+    assert strict_load((replaced / "metrics.json").read_text())["steps"] == 5 and len(_events(replaced)) == 1
+
+
+def test_a_second_job_on_a_busy_run_dir_is_refused(runs: tuple[Path, dict]) -> None:
+    root, got = runs
+    p = got["busy"]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert "is in use by a running job (testhost pid 4242 holds" in errors[0], errors
+    busy = root / "busy"
+    assert (busy / "metrics.json").read_text() == '{"first job": true}\n' and not (busy / "tb").exists()
