@@ -32,8 +32,18 @@ from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
 
 CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
-# what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
-RESUME_KEYS = ("model", "data", "seed", "trainer.batch_size", "trainer.embedding_optimizer", "world_size")
+# what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging, the number of ranks and
+# so each rank's batch — may change). The global batch fixes the sample stream: the data are cut into global batches
+# of ranks x trainer.batch_size samples, and the validation batches are interleaved by batch index.
+RESUME_KEYS = (
+    "model",
+    "data",
+    "seed",
+    "trainer.embedding_optimizer",
+    "trainer.dense_optimizer",
+    "global_batch",
+)
+RECORDED_KEYS = ("trainer.batch_size", "world_size")  # in the checkpoint's identity, free to change on resume
 
 
 class ConfigError(ValueError):
@@ -218,10 +228,22 @@ def check_splits(source: DataSource, cfg: DictConfig, ctx: DistContext) -> None:
         next(local_samples(source, cfg.trainer.batch_size, ctx, train=train, epochs=1))
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: the global step, and the shape of the run that wrote the checkpoint."""
+
+    step: int
+    world_size: int
+    batch_size: int
+
+
 def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    full = OmegaConf.to_container(cfg, resolve=True) | {"world_size": world_size}
+    full = OmegaConf.to_container(cfg, resolve=True) | {
+        "world_size": world_size,
+        "global_batch": world_size * cfg.trainer.batch_size,
+    }
     out = {}
-    for key in RESUME_KEYS:
+    for key in (*RESUME_KEYS, *RECORDED_KEYS):
         v: Any = full
         for part in key.split("."):
             v = v.get(part) if isinstance(v, dict) else None
@@ -302,10 +324,12 @@ def _barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> int:
+def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> ResumePoint | None:
     """Load `<run_dir>/checkpoint/` into a fresh setup (TorchRec's idiom: the setup's own state dicts, filled in place
-    by DCP, then loaded; Herald tables come back at their home placement); returns the step to continue from.
-    Refuses (ConfigError) a checkpoint of another model, data, batch size, optimizer or world size."""
+    by DCP, then loaded; Herald tables come back at their home placement); returns where to continue (None: no
+    checkpoint, start from step 0). The number of ranks may differ from the checkpoint's (DCP reshards the tables and
+    optimizer state) as long as the global batch is the same, so the run continues over exactly the samples the
+    checkpoint had not trained. Refuses (ConfigError) a checkpoint of another model, data, optimizer or global batch."""
     import torch.distributed.checkpoint as dcp
 
     path = run_dir / CHECKPOINT
@@ -317,15 +341,25 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
                 f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
                 f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false"
             )
-        return 0
+        return None
     try:
         head = {"meta": ""}
         dcp.load(head, checkpoint_id=str(path))
         meta = json.loads(head["meta"])
     except Exception as e:  # not written by this version (or damaged): say which directory it was
         raise ConfigError(f"cannot read checkpoint {path}: {e}") from e
-    want = _identity(cfg, ctx.world_size)
-    diff = {k: (meta["identity"].get(k), v) for k, v in want.items() if meta["identity"].get(k) != v}
+    have, want = dict(meta["identity"]), _identity(cfg, ctx.world_size)
+    if "global_batch" not in have:  # written before the global batch was recorded
+        have["global_batch"] = have["trainer.batch_size"] * have["world_size"]
+    if have["global_batch"] != want["global_batch"]:
+        raise ConfigError(
+            f"{path} was trained with global batches of {have['global_batch']} samples ({have['world_size']} "
+            f"rank(s) x trainer.batch_size={have['trainer.batch_size']}), this run makes {want['global_batch']}: "
+            "the data are cut into global batches (validation batches interleaved by batch index), so only the same "
+            f"global batch continues the same samples; use ranks x trainer.batch_size = {have['global_batch']}"
+        )
+    # keys the checkpoint does not record (written by an earlier version) are not compared
+    diff = {k: (have[k], want[k]) for k in RESUME_KEYS if k in have and have[k] != want[k]}
     if diff:
         raise ConfigError(
             f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false"
@@ -339,7 +373,7 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
         setup.model.fused_optimizer.load_state_dict(optim["fused"])
     if "dense" in optim:
         setup.dense_optimizer.load_state_dict(optim["dense"])
-    return int(meta["step"])
+    return ResumePoint(int(meta["step"]), int(have["world_size"]), int(have["trainer.batch_size"]))
 
 
 LOCK_FILE = ".lock"  # in run_dir: held (flock) by rank 0 of the job writing there
@@ -421,6 +455,16 @@ def claim_run_dir(run_dir: Path, cfg: DictConfig, ctx: DistContext) -> RunDirLoc
     return lock
 
 
+def resharded_note(point: ResumePoint, cfg: DictConfig, world_size: int) -> str:
+    """The line a run resumed at another number of ranks prints. Nothing else needs to change: the same global batch
+    is the same samples, and its update does not depend on how it is split between ranks (DDP averages the dense
+    gradients; TorchRec's gradient division scales the embedding gradients alike, and Herald's equal stock's)."""
+    return (
+        f"[herald] resharded: checkpoint of {point.world_size} rank(s) x batch {point.batch_size}, now {world_size} x "
+        f"{cfg.trainer.batch_size} (the same global batch: the same samples and updates)"
+    )
+
+
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
     """AUC and log loss over the whole held-out split (all ranks' predictions gathered).
 
@@ -483,9 +527,12 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         + ("" if ctx.cpus is None else f" (rank 0 bound to cores {list(ctx.cpus)})")
         + f", scheduler {setup.name}, run_dir {run_dir}"
     )
-    start = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else 0
-    if start:
+    point = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else None
+    start = 0 if point is None else point.step
+    if point is not None:
         say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
+        if point.world_size != ctx.world_size:
+            say(resharded_note(point, cfg, ctx.world_size))
     logger = Logger(run_dir, ctx.is_main)
     steps_cap = cfg.trainer.steps
     stream = local_samples(
