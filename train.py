@@ -36,11 +36,11 @@ def quiet_known_noise() -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     quiet_known_noise()
-    from herald_torchrec.app.trainer import ConfigError, summary_line, train
+    from herald_torchrec.app.trainer import ConfigError, TrainingDiverged, summary_line, train
 
     try:
         metrics = train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -28,9 +28,10 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write-then-rename, so an interrupted run never leaves a truncated file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(strict_json(obj), indent=2, sort_keys=True, allow_nan=False)  # before the file: no half writes
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
+        f.write(text)
         f.write("\n")
     os.replace(tmp, path)
 
@@ -43,11 +44,20 @@ def save_torch_atomic(path: str | os.PathLike, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if hasattr(x, "item"):
-        return x.item()
+def strict_json(x: Any) -> Any:
+    """`x` with every value JSON can hold strictly: NaN and infinities (an AUC of a one-class split, a diverged
+    loss) become null, tensors and numpy scalars their Python values, anything else its str. Python's json module
+    would otherwise write bare `NaN`, which strict parsers (jq, JavaScript, most non-Python readers) refuse."""
+    if isinstance(x, dict):
+        return {str(k): strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "ndim", 0) == 0:  # a 0-d tensor or a numpy scalar
+        x = x.item()
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
     return str(x)
 
 

@@ -10,7 +10,9 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,12 +32,63 @@ from herald_torchrec.distributed.traffic import count_collectives
 from herald_torchrec.models import FeatureSpec, TrainModel, build_model
 
 CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
-# what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging — may change)
-RESUME_KEYS = ("model", "data", "seed", "trainer.batch_size", "trainer.embedding_optimizer", "world_size")
+# what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging, the number of ranks and
+# so each rank's batch — may change). The global batch fixes the sample stream: the data are cut into global batches
+# of ranks x trainer.batch_size samples, and the validation batches are interleaved by batch index.
+RESUME_KEYS = (
+    "model",
+    "data",
+    "seed",
+    "trainer.embedding_optimizer",
+    "trainer.dense_optimizer",
+    "global_batch",
+)
+RECORDED_KEYS = ("trainer.batch_size", "world_size")  # in the checkpoint's identity, free to change on resume
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which key and why."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss (or a parameter about to be checkpointed) became NaN or infinite. Raised on every rank at the same
+    step, before anything non-finite reaches a checkpoint, so the last checkpoint written is the last good one."""
+
+
+@dataclass
+class DivergenceWatch:
+    """The first step at which this rank's loss was NaN or infinite. The check is local and free (the loss is read
+    each step anyway); `first_bad` agrees the ranks on it with one small all-reduce, done only where every rank is
+    at the same step anyway: at a progress line, before a checkpoint or an evaluation, and at the end."""
+
+    nan_step: float = math.inf
+    inf_step: float = math.inf
+
+    def see(self, step: int, loss: float) -> None:
+        if math.isnan(loss):
+            self.nan_step = min(self.nan_step, step)
+        elif math.isinf(loss):
+            self.inf_step = min(self.inf_step, step)
+
+    def first_bad(self, ctx: DistContext) -> tuple[int, str] | None:
+        """(step, "nan" or "inf") of the first non-finite loss on any rank, or None. Collective."""
+        both = torch.tensor([self.nan_step, self.inf_step], dtype=torch.float64)
+        if ctx.world_size > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        nan_step, inf_step = (float(x) for x in both)
+        if math.isinf(min(nan_step, inf_step)):
+            return None
+        return (int(nan_step), "nan") if nan_step <= inf_step else (int(inf_step), "inf")
+
+
+def divergence_message(step: int, what: str, cfg: DictConfig, run_dir: Path) -> str:
+    t = cfg.trainer
+    ckpt = run_dir / CHECKPOINT
+    kept = f"the last good checkpoint is kept in {ckpt}" if ckpt.exists() else "no checkpoint was written"
+    return (
+        f"training diverged: {what} at step {step}; stopped ({kept}). Try a lower trainer.dense_lr (now "
+        f"{t.dense_lr}) or trainer.embedding_lr (now {t.embedding_lr})"
+    )
 
 
 def model_features(cfg: DictConfig, source: DataSource) -> FeatureSpec:
@@ -90,35 +143,107 @@ def local_samples(
             )
 
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # train.py's Hydra config groups
+# keys the app reads that no option file of conf/ holds (set with `+key=value`)
+_LOADER_KEYS = ("split_seed", "chunk_bytes", "hash_mode", "time_features", "fmt", "positive_threshold", "num_negatives")
+OPTIONAL_KEYS = frozenset(
+    {"sharding.compute_kernel", "sharding.cache_load_factor", "data.neg_seed"} | {f"data.{k}" for k in _LOADER_KEYS}
+)  # the file loaders' further keyword arguments (herald_torchrec/data) are data.*
+
+
+def config_schema(conf_dir: Path = CONF_DIR) -> frozenset[str] | None:
+    """Every key the app knows: the top-level keys of conf/config.yaml, each group's name, `group.key` for the keys
+    of every option file of that group (all options, so one override list serves every scheduler or model, as the
+    benchmarks pass it), and OPTIONAL_KEYS. None where conf/ is not beside the package (an installed copy)."""
+    if not (conf_dir / "config.yaml").is_file():
+        return None
+    keys = {k for k in OmegaConf.load(conf_dir / "config.yaml") if k not in ("defaults", "hydra")}
+    for group in sorted(p for p in conf_dir.iterdir() if p.is_dir()):
+        keys.add(group.name)
+        for option in group.glob("*.yaml"):
+            keys.update(f"{group.name}.{k}" for k in OmegaConf.load(option) or {})
+    return frozenset(keys | OPTIONAL_KEYS)
+
+
+def unknown_keys(cfg: DictConfig, schema: frozenset[str]) -> list[str]:
+    """The keys of `cfg` (two levels: top and group) that the schema does not know, e.g. a `+trainer.stepz=10`."""
+    out = []
+    for k, v in cfg.items():
+        if k not in schema:
+            out.append(str(k))
+        elif isinstance(v, DictConfig):
+            out.extend(f"{k}.{sub}" for sub in v if f"{k}.{sub}" not in schema)
+    return out
+
+
+def _integer(t: DictConfig, key: str, low: int, meaning: str = "", optional: bool = False) -> None:
+    v = t.get(key)
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(f"trainer.{key} must be an integer >= {low}{meaning}, got {v!r}")
+
+
 def validate(cfg: DictConfig) -> None:
+    """Every check that needs no data and no process group: run before anything starts, so a mistake costs nothing."""
+    schema = config_schema()
+    unknown = [] if schema is None else unknown_keys(cfg, schema)
+    if unknown:
+        raise ConfigError(
+            f"unknown configuration key {', '.join(unknown)} (not in any file of {CONF_DIR}); check the spelling"
+        )
     try:
         affinity_mode(cfg.get("cpu_affinity", "off"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t = cfg.trainer
-    if t.batch_size < 1:
-        raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
+    _integer(t, "batch_size", 1)
     if (t.steps is None) == (t.epochs is None):
         raise ConfigError("set exactly one of trainer.steps and trainer.epochs (the other to null)")
-    if t.steps is not None and t.steps < 1:
-        raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
-    if t.epochs is not None and t.epochs < 1:
-        raise ConfigError(f"trainer.epochs must be >= 1, got {t.epochs}")
+    _integer(t, "steps", 1, optional=True)
+    _integer(t, "epochs", 1, optional=True)
+    _integer(t, "eval_interval", 0, " (steps between evaluations; 0 = only at the end)")
+    _integer(t, "log_interval", 1, " (steps between progress lines)")
+    _integer(t, "checkpoint_interval", 0, " (steps between checkpoints; 0 = off)", optional=True)
     if t.embedding_optimizer not in ("rowwise_adagrad", "sgd"):
         raise ConfigError(f"trainer.embedding_optimizer must be rowwise_adagrad or sgd, got '{t.embedding_optimizer}'")
     if t.dense_optimizer not in ("adam", "adagrad", "sgd"):
         raise ConfigError(f"trainer.dense_optimizer must be adam, adagrad or sgd, got '{t.dense_optimizer}'")
     for key in ("embedding_lr", "dense_lr"):
-        if not t[key] > 0:
-            raise ConfigError(f"trainer.{key} must be > 0, got {t[key]}")
-    if t.get("checkpoint_interval", 0) < 0:
-        raise ConfigError(f"trainer.checkpoint_interval must be >= 0 (0 = off), got {t.checkpoint_interval}")
+        v = t.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+            raise ConfigError(f"trainer.{key} must be a number > 0, got {v!r}")
+    path = cfg.data.get("path")
+    if path and Path(str(path)).is_dir():
+        raise ConfigError(f"data.path must be a file, got the directory {path}")
+    run_dir = Path(str(cfg.run_dir))
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir {run_dir} is a file; run_dir must be a directory (it is created if missing)")
+
+
+def check_splits(source: DataSource, cfg: DictConfig, ctx: DistContext) -> None:
+    """Both splits hold at least one complete global batch: found before the first step (each takes one batch), not
+    when the first evaluation comes after hours of training."""
+    for train in (True, False):
+        next(local_samples(source, cfg.trainer.batch_size, ctx, train=train, epochs=1))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: the global step, and the shape of the run that wrote the checkpoint."""
+
+    step: int
+    world_size: int
+    batch_size: int
 
 
 def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    full = OmegaConf.to_container(cfg, resolve=True) | {"world_size": world_size}
+    full = OmegaConf.to_container(cfg, resolve=True) | {
+        "world_size": world_size,
+        "global_batch": world_size * cfg.trainer.batch_size,
+    }
     out = {}
-    for key in RESUME_KEYS:
+    for key in (*RESUME_KEYS, *RECORDED_KEYS):
         v: Any = full
         for part in key.split("."):
             v = v.get(part) if isinstance(v, dict) else None
@@ -138,6 +263,36 @@ def _checkpoint_state(setup: ShardedSetup, meta: str) -> dict[str, Any]:
     return state | ({"optim": optim} if optim else {})
 
 
+def _local_tensors(x: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, this rank's tensor) of every tensor in a nested state dict (a ShardedTensor's local shards, a
+    DTensor's local part)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            for sub, t in _local_tensors(v):
+                yield (f"{k}.{sub}" if sub else str(k)), t
+    elif hasattr(x, "local_shards"):
+        for shard in x.local_shards():
+            yield "", shard.tensor
+    elif hasattr(x, "to_local"):
+        yield "", x.to_local()
+    elif isinstance(x, torch.Tensor):
+        yield "", x
+
+
+def first_nonfinite(state: dict[str, Any], ctx: DistContext) -> str | None:
+    """The key of a NaN / infinite floating-point entry of the state about to be checkpointed, on any rank (None: all
+    finite). Collective: every rank learns whether some rank found one."""
+    bad = next(
+        (k for k, t in _local_tensors(state) if t.is_floating_point() and not bool(torch.isfinite(t).all())), None
+    )
+    flag = torch.tensor([0.0 if bad is None else 1.0 + ctx.rank], dtype=torch.float64)
+    if ctx.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) == 0.0:
+        return None
+    return bad or f"a tensor of rank {int(float(flag)) - 1}"
+
+
 def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
     """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers and the step (data are
     deterministic by step). Collective. Written into `checkpoint.tmp/`, then renamed by rank 0; the previous
@@ -149,7 +304,11 @@ def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConf
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _barrier(ctx)
     meta = json.dumps({"step": step, "identity": _identity(cfg, ctx.world_size)})
-    dcp.save(_checkpoint_state(setup, meta), checkpoint_id=str(tmp))
+    state = _checkpoint_state(setup, meta)
+    bad = first_nonfinite(state, ctx)
+    if bad is not None:  # never replace a good checkpoint with a diverged one
+        raise TrainingDiverged(divergence_message(step, f"{bad} is not finite", cfg, run_dir))
+    dcp.save(state, checkpoint_id=str(tmp))
     _barrier(ctx)  # every rank's files are in tmp
     if ctx.is_main:
         if final.exists():
@@ -165,10 +324,12 @@ def _barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> int:
+def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> ResumePoint | None:
     """Load `<run_dir>/checkpoint/` into a fresh setup (TorchRec's idiom: the setup's own state dicts, filled in place
-    by DCP, then loaded; Herald tables come back at their home placement); returns the step to continue from.
-    Refuses (ConfigError) a checkpoint of another model, data, batch size, optimizer or world size."""
+    by DCP, then loaded; Herald tables come back at their home placement); returns where to continue (None: no
+    checkpoint, start from step 0). The number of ranks may differ from the checkpoint's (DCP reshards the tables and
+    optimizer state) as long as the global batch is the same, so the run continues over exactly the samples the
+    checkpoint had not trained. Refuses (ConfigError) a checkpoint of another model, data, optimizer or global batch."""
     import torch.distributed.checkpoint as dcp
 
     path = run_dir / CHECKPOINT
@@ -180,15 +341,25 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
                 f"{run_dir / 'checkpoint.pt'} is an old-format checkpoint (this version reads "
                 f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false"
             )
-        return 0
+        return None
     try:
         head = {"meta": ""}
         dcp.load(head, checkpoint_id=str(path))
         meta = json.loads(head["meta"])
     except Exception as e:  # not written by this version (or damaged): say which directory it was
         raise ConfigError(f"cannot read checkpoint {path}: {e}") from e
-    want = _identity(cfg, ctx.world_size)
-    diff = {k: (meta["identity"].get(k), v) for k, v in want.items() if meta["identity"].get(k) != v}
+    have, want = dict(meta["identity"]), _identity(cfg, ctx.world_size)
+    if "global_batch" not in have:  # written before the global batch was recorded
+        have["global_batch"] = have["trainer.batch_size"] * have["world_size"]
+    if have["global_batch"] != want["global_batch"]:
+        raise ConfigError(
+            f"{path} was trained with global batches of {have['global_batch']} samples ({have['world_size']} "
+            f"rank(s) x trainer.batch_size={have['trainer.batch_size']}), this run makes {want['global_batch']}: "
+            "the data are cut into global batches (validation batches interleaved by batch index), so only the same "
+            f"global batch continues the same samples; use ranks x trainer.batch_size = {have['global_batch']}"
+        )
+    # keys the checkpoint does not record (written by an earlier version) are not compared
+    diff = {k: (have[k], want[k]) for k in RESUME_KEYS if k in have and have[k] != want[k]}
     if diff:
         raise ConfigError(
             f"{path} is from a different run (checkpoint vs now: {diff}); use another run_dir or trainer.resume=false"
@@ -202,7 +373,96 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
         setup.model.fused_optimizer.load_state_dict(optim["fused"])
     if "dense" in optim:
         setup.dense_optimizer.load_state_dict(optim["dense"])
-    return int(meta["step"])
+    return ResumePoint(int(meta["step"]), int(have["world_size"]), int(have["trainer.batch_size"]))
+
+
+LOCK_FILE = ".lock"  # in run_dir: held (flock) by rank 0 of the job writing there
+# a run's outputs in run_dir; trainer.overwrite=true removes them before a new run starts
+CHECKPOINT_NAMES = (CHECKPOINT, f"{CHECKPOINT}.old", f"{CHECKPOINT}.tmp", "checkpoint.pt")
+RUN_OUTPUTS = (*CHECKPOINT_NAMES, "tb", "metrics.json", "final_state.pt")
+
+
+class RunDirLock:
+    """An exclusive `flock` on `<run_dir>/.lock`, held by rank 0 for the whole run: a second job on the same run_dir
+    is refused while the first runs (the kernel releases the lock when the holder exits, even on kill -9, so a crashed
+    job never leaves it held). The file keeps the holder's host and pid for the refusal message."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another job"
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(
+                f"run_dir {run_dir} is in use by a running job ({holder} holds {self.path}); wait for it to end or "
+                "use another run_dir"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
+
+
+def _claim_on_rank0(run_dir: Path, cfg: DictConfig) -> RunDirLock:
+    """Rank 0's part of `claim_run_dir`: create run_dir, take its lock, refuse (ConfigError) a run_dir holding a
+    checkpoint unless told to resume it or to overwrite it; with overwrite, remove the earlier run's outputs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir)
+    try:
+        held = [n for n in CHECKPOINT_NAMES if (run_dir / n).exists()]
+        t = cfg.trainer
+        if held and not t.get("resume") and not t.get("overwrite"):
+            raise ConfigError(
+                f"run_dir {run_dir} already holds a checkpoint ({held[0]}); continue it with trainer.resume=true, "
+                "replace it with trainer.overwrite=true, or use another run_dir"
+            )
+        if t.get("overwrite") and not t.get("resume"):
+            for name in RUN_OUTPUTS:
+                target = run_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def claim_run_dir(run_dir: Path, cfg: DictConfig, ctx: DistContext) -> RunDirLock | None:
+    """Make run_dir this job's before anything is written there (`_claim_on_rank0`); every rank raises the same
+    one-line ConfigError when rank 0 refuses. Collective. Returns rank 0's lock (None on other ranks)."""
+    lock, refusal = None, None
+    if ctx.is_main:
+        try:
+            lock = _claim_on_rank0(run_dir, cfg)
+        except (ConfigError, OSError) as e:
+            refusal = str(e) if isinstance(e, ConfigError) else f"cannot use run_dir {run_dir}: {e}"
+    if ctx.world_size > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return lock
+
+
+def resharded_note(point: ResumePoint, cfg: DictConfig, world_size: int) -> str:
+    """The line a run resumed at another number of ranks prints. Nothing else needs to change: the same global batch
+    is the same samples, and its update does not depend on how it is split between ranks (DDP averages the dense
+    gradients; TorchRec's gradient division scales the embedding gradients alike, and Herald's equal stock's)."""
+    return (
+        f"[herald] resharded: checkpoint of {point.world_size} rank(s) x batch {point.batch_size}, now {world_size} x "
+        f"{cfg.trainer.batch_size} (the same global batch: the same samples and updates)"
+    )
 
 
 def evaluate(setup: ShardedSetup, source: DataSource, cfg: DictConfig, ctx: DistContext) -> tuple[float, float]:
@@ -234,18 +494,29 @@ def train(cfg: DictConfig, ctx: DistContext | None = None) -> dict[str, Any]:
     with `ctx` (an initialised group, e.g. several runs in one process) the group is the caller's to close."""
     validate(cfg)
     if ctx is not None:
-        return _train(cfg, ctx)
+        return _train_in_own_run_dir(cfg, ctx)
     ctx = init_distributed(cfg.dist_backend, cfg.get("cpu_affinity", "off"))
     # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
-    metrics = _train(cfg, ctx)
+    metrics = _train_in_own_run_dir(cfg, ctx)
     shutdown()
     return metrics
 
 
-def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
+def _train_in_own_run_dir(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
+    """The data checked, then run_dir claimed (locked, refused if it holds another run's checkpoint), then the run."""
+    source = build_source(cfg.data)
+    check_splits(source, cfg, ctx)
+    lock = claim_run_dir(Path(cfg.run_dir), cfg, ctx)
+    try:
+        return _train(cfg, ctx, source)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, Any]:
     say = print if ctx.is_main else (lambda *a, **k: None)
     run_dir = Path(cfg.run_dir)
-    source = build_source(cfg.data)
     features = model_features(cfg, source)
     torch.manual_seed(cfg.seed)  # same dense init on every rank
     model = TrainModel(build_model(cfg.model.name, features, device="cpu", **model_kwargs(cfg)))
@@ -256,16 +527,19 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
         + ("" if ctx.cpus is None else f" (rank 0 bound to cores {list(ctx.cpus)})")
         + f", scheduler {setup.name}, run_dir {run_dir}"
     )
-    start = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else 0
-    if start:
+    point = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else None
+    start = 0 if point is None else point.step
+    if point is not None:
         say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
+        if point.world_size != ctx.world_size:
+            say(resharded_note(point, cfg, ctx.world_size))
     logger = Logger(run_dir, ctx.is_main)
     steps_cap = cfg.trainer.steps
     stream = local_samples(
         source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs, reorder=setup.reorder
     )
     stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
-    ckpt_every = cfg.trainer.get("checkpoint_interval", 0) or 0
+    ckpt_every = cfg.trainer.get("checkpoint_interval") or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
     global_batch = cfg.trainer.batch_size * ctx.world_size
@@ -273,6 +547,33 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     history, first_loss, last_loss = [], None, None
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     sent_at_log = 0
+    watch = DivergenceWatch()
+
+    def stop_if_diverged() -> None:
+        """Collective, at a step every rank is at: raise TrainingDiverged on every rank (metrics.json says so)."""
+        bad = watch.first_bad(ctx)
+        if bad is None:
+            return
+        msg = divergence_message(bad[0], f"loss is {bad[1]}", cfg, run_dir)
+        if ctx.is_main:
+            write_json_atomic(
+                run_dir / "metrics.json",
+                {
+                    "status": "diverged",
+                    "error": msg,
+                    "diverged_at_step": bad[0],
+                    "steps": step,
+                    "resumed_from_step": start,
+                    "eval_history": history,
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                },
+            )
+        logger.close()
+        close = getattr(setup.pipeline, "close", None)  # Herald's input stage: stopped on every rank, at one step
+        if close is not None:
+            close()
+        raise TrainingDiverged(msg)
+
     done = False
     while not done:
         seg_start, seg_steps = time.time(), 0
@@ -285,9 +586,12 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 break
             step += 1
             seg_steps += 1
-            loss_sum += float(loss)
+            loss_value = float(loss)
+            watch.see(step, loss_value)
+            loss_sum += loss_value
             loss_n += 1
             if step % cfg.trainer.log_interval == 0:
+                stop_if_diverged()
                 now = time.time()
                 avg = loss_sum / loss_n
                 sps = cfg.trainer.log_interval * global_batch / max(now - t_log, 1e-9)
@@ -306,8 +610,10 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
                 )
                 loss_sum, loss_n, t_log = 0.0, 0, now
             if ckpt_every and step % ckpt_every == 0:
+                stop_if_diverged()
                 save_checkpoint(setup, run_dir, step, cfg, ctx)
         train_time += time.time() - seg_start
+        stop_if_diverged()  # before an evaluation and at the end of training
         if seg_steps == 0:
             break
         if eval_every:
@@ -328,6 +634,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict[str, Any]:
     if ctx.world_size > 1:
         dist.all_reduce(sent)
     metrics = {
+        "status": "finished",
         "auc": auc,
         "logloss": ll,
         "steps": step,

@@ -41,7 +41,7 @@ def test_two_rank_training_learns(tmp_path: Path) -> None:
 
 ONE_RANK_MODELS = ["wdl", "deepfm", "ncf"]
 BAD_CONFIGS = [
-    (["trainer.batch_size=0"], "trainer.batch_size must be >= 1"),
+    (["trainer.batch_size=0"], "trainer.batch_size must be an integer >= 1"),
     (["trainer.embedding_optimizer=adam"], "embedding_optimizer"),
     (["trainer.epochs=2"], "exactly one of trainer.steps and trainer.epochs"),
     (["data=criteo"], "needs a file"),

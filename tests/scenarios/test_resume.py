@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers.app_runs import run_app, run_app_many
@@ -67,15 +68,70 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     old.mkdir()
     torch.save({"step": 10}, old / "checkpoint.pt")
     run = tmp_path / "run"
-    first, other, from_old = run_app_many(
+    first, other_batch, other_optim, from_old = run_app_many(
         [  # in order, in one process, each through train.py's CLI path
             [*COMMON, "trainer.steps=10", f"run_dir={run}"],
             [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
+            [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.dense_optimizer=sgd", f"run_dir={run}"],
             [*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"],
         ]
     )
     assert first.returncode == 0 and (run / "checkpoint" / ".metadata").exists(), first.stderr[-3000:]
-    p = other
+    p = other_batch  # another global batch would be another sample stream
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "trained with global batches of 256 samples" in p.stderr and "this run makes 128" in p.stderr, p.stderr
+    p = other_optim
     assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "trainer.dense_optimizer" in p.stderr
     p = from_old
     assert p.returncode == 2 and "old-format checkpoint" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+# well-conditioned (Adagrad eps 1e-2, dense SGD); a global batch's update does not depend on how it is split between
+# ranks: DDP averages the dense gradients, TorchRec's gradient division scales the embedding gradients alike
+RESHARD = [
+    "scheduler=herald",
+    "trainer.eval_interval=0",
+    "data.val_batches=2",
+    "trainer.embedding_eps=1e-2",
+    "trainer.dense_optimizer=sgd",
+    "trainer.dense_lr=0.05",
+    "trainer.save_final=true",
+    "trainer.checkpoint_interval=10",
+]
+TWO_RANKS = ["trainer.batch_size=128"]
+ONE_RANK = ["trainer.batch_size=256"]  # the same global batch
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size(tmp_path: Path) -> None:
+    """2 ranks -> 1 and 1 -> 2: a checkpoint of step 10 resumed at the other rank count (the same global batch of 256)
+    ends at step 20 at the model of the uninterrupted run (tables, their Adagrad state, dense): DCP reshards the
+    tables and their optimizer state (ROW_WISE layout) and the run skips exactly the samples already trained."""
+    d = {name: tmp_path / name for name in ("whole2", "split2", "whole1", "split1")}
+    runs = {
+        "whole2": [*RESHARD, *TWO_RANKS, "trainer.steps=20", f"run_dir={d['whole2']}"],
+        "split2": [*RESHARD, *TWO_RANKS, "trainer.steps=10", f"run_dir={d['split2']}"],
+    }
+    run_ranks("tests.helpers.app_ranks:train_configs", tmp_path, world_size=2, timeout=900, runs=runs)
+    resumed = ["trainer.steps=20", "trainer.resume=true"]
+    whole1, split1, to_one = run_app_many(
+        [
+            [*RESHARD, *ONE_RANK, "trainer.steps=20", f"run_dir={d['whole1']}"],
+            [*RESHARD, *ONE_RANK, "trainer.steps=10", f"run_dir={d['split1']}"],
+            [*RESHARD, *ONE_RANK, *resumed, f"run_dir={d['split2']}"],  # 2 ranks -> 1
+        ]
+    )
+    assert whole1.returncode == 0 and split1.returncode == 0, (whole1.stderr[-2000:], split1.stderr[-2000:])
+    assert to_one.returncode == 0 and "resumed from" in to_one.stdout, to_one.stderr[-3000:]
+    assert "checkpoint of 2 rank(s) x batch 128, now 1 x 256" in to_one.stdout, to_one.stdout[-2000:]
+    to_two = run_app([*RESHARD, *TWO_RANKS, *resumed, f"run_dir={d['split1']}"], nproc=2)  # 1 rank -> 2
+    assert "checkpoint of 1 rank(s) x batch 256, now 2 x 128" in to_two.stdout, to_two.stderr[-3000:]
+    for whole, split in (("whole2", "split2"), ("whole1", "split1")):
+        a, b = torch.load(d[whole] / "final_state.pt"), torch.load(d[split] / "final_state.pt")
+        assert json.loads((d[split] / "metrics.json").read_text())["resumed_from_step"] == 10
+        for part in ("tables", "optimizer_state", "dense"):  # the rows' Adagrad state resharded too
+            assert a[part] and _max_diff(a[part], b[part]) <= 1e-5, (whole, part, _max_diff(a[part], b[part]))
+    # and the two uninterrupted runs agree: the same samples, the same updates, whatever the number of ranks
+    a, b = torch.load(d["whole2"] / "final_state.pt"), torch.load(d["whole1"] / "final_state.pt")
+    assert all(_max_diff(a[part], b[part]) <= 1e-5 for part in ("tables", "optimizer_state", "dense"))
