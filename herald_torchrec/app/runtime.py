@@ -12,7 +12,7 @@ own `--numa-binding` places ranks next to their GPUs; on CPU it has nothing to g
 Why the store is set up here under torchrun: since torch 2.5 the elastic agent hosts the rendezvous TCP store and
 hands it to its workers (TORCHELASTIC_USE_AGENT_STORE), and that store outlives a restart (`--max-restarts`). The
 keys the previous attempt's process groups wrote are still in it, so the restarted ranks read the dead ranks'
-addresses: gloo fails to connect or waits forever (pytorch issue 135712). On one machine (one agent, so one restart
+addresses: gloo fails to connect or waits forever (pytorch/pytorch#135712). On one machine (one agent, so one restart
 count for every rank) each attempt gets keys of its own here; across machines the agents count restarts
 separately, so only `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment helps, and the run says so.
 Every group also has a timeout (`dist_timeout_s`): a rank that waits on a dead peer fails within it (torchrun
