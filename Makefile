@@ -12,8 +12,8 @@ setup: $(STAMP)
 $(STAMP): scripts/setup.sh pyproject.toml
 	@bash scripts/setup.sh
 
-train: setup
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
+train: setup   # the variable keeps torchrun's restarts (--max-restarts) from hanging: README, Restarts
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
 
 lint: setup   # the formatter and the linter (configured in pyproject.toml); `make format` applies the formatting
 	$(VENV)/bin/ruff format --check . || (echo "ruff format: files above need formatting; run 'make format'" && exit 1)

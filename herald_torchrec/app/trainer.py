@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from herald_torchrec.app.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.app.model_setup import ShardedSetup, shard_model
 from herald_torchrec.app.model_state import full_state
-from herald_torchrec.app.runtime import DistContext, affinity_mode, init_distributed, shutdown
+from herald_torchrec.app.runtime import DIST_TIMEOUT_S, DistContext, affinity_mode, init_distributed, shutdown
 from herald_torchrec.data import build_source
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
@@ -495,7 +495,7 @@ def train(cfg: DictConfig, ctx: DistContext | None = None) -> dict[str, Any]:
     validate(cfg)
     if ctx is not None:
         return _train_in_own_run_dir(cfg, ctx)
-    ctx = init_distributed(cfg.dist_backend, cfg.get("cpu_affinity", "off"))
+    ctx = init_distributed(cfg.dist_backend, cfg.get("cpu_affinity", "off"), cfg.get("dist_timeout_s", DIST_TIMEOUT_S))
     # no barrier on failure: the other ranks may be inside a collective; exiting non-zero lets torchrun stop them
     metrics = _train_in_own_run_dir(cfg, ctx)
     shutdown()

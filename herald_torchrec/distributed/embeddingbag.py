@@ -30,7 +30,9 @@ moves and shared pairs are handled by global key (`RowStore.key_base[t] + row`) 
 A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
 but changed nothing: the module stays usable. In eval mode, or with no plan queued, the module builds the *static*
 plan itself (an all-gather of the local ids; owners never move, every non-owner read is shared): eval forwards at
-any time (they never consume a queued training plan) and runs without a scheduler work.
+any time (they never consume a queued training plan) and runs without a scheduler work. A *training* forward with
+no plan queued (a loop of `model(batch)` / `loss.backward()` without HeraldTrainPipeline) trains correctly but
+unscheduled, so it warns once per module (`UNSCHEDULED_WARNING`): nothing else would tell the user.
 
 Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this module is the ShardedModule adapter
 (it orders a step: plans, error checks, counters); step/prepare.py prepares the step in numpy (what to send where, no
@@ -49,6 +51,7 @@ owners. Bytes by kind are in `comm_counter` (see comm.py). Hit rate per table = 
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -100,6 +103,11 @@ from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import Plan
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
+UNSCHEDULED_WARNING = (
+    "a Herald-managed EmbeddingBagCollection trained with no plan queued runs unscheduled: the static plan (rows stay "
+    "at their home rank, the same model as stock TorchRec, no embedding scheduling); to schedule it, drive training "
+    "with HeraldTrainPipeline (pipeline.progress(batches)) instead of calling model(batch) yourself (warned once)"
+)
 
 
 @dataclass
@@ -238,6 +246,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._exec = HeraldLookup(self._store, self._comm, self.device)  # the step's store-side work
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
         self._plans: deque[Plan | None] = deque()
+        self._warned_unscheduled = False  # UNSCHEDULED_WARNING given (once per module)
         self._pending: SharedStep | None = None
         # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
         self._extensions: tuple[StepExtension, ...] = comparison_extensions(
@@ -410,6 +419,9 @@ class ShardedHeraldEmbeddingBagCollection(
         lost_write = self._checkpoint.exposed_writes()  # named_parameters() entries of rows away, written
         if lost_write is not None and err is None:
             err = ValueError(lost_write)
+        if self.training and not self._plans and not self._warned_unscheduled:
+            self._warned_unscheduled = True
+            warnings.warn(UNSCHEDULED_WARNING, stacklevel=2)
         plan = self._plans.popleft() if self._plans and self.training else None  # eval never consumes training plans
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids

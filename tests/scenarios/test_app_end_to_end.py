@@ -48,6 +48,7 @@ BAD_CONFIGS = [
     (["data.locality=2"], "locality must be in"),
     (["scheduler.name=bogus"], "scheduler must be one of"),
     (["cpu_affinity=yes"], "cpu_affinity must be one of"),
+    (["dist_timeout_s=0"], "dist_timeout_s must be a positive number of seconds"),
 ]
 
 

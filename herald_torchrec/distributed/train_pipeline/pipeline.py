@@ -33,6 +33,7 @@ with a shorter wait. A stream that ended (a finite iterator, an epoch) needs not
 from __future__ import annotations
 
 import atexit
+import datetime
 import warnings
 import weakref
 from collections import deque
@@ -84,12 +85,26 @@ def managed_tables(modules: list[ShardedHeraldEmbeddingBagCollection]) -> Manage
     return ManagedTables(tuple(names), tuple(rows), tuple(features), tuple(offsets))
 
 
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout the default process group was created with (what the user gave `init_process_group`), or torch's
+    default for gloo where the group does not say (another backend, a torch that stores it elsewhere)."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        timeout = backend.options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return dist.default_pg_timeout
+
+
 def host_process_group() -> Optional[dist.ProcessGroup]:
     """A gloo group over every rank for the host-side input stage (None without torch.distributed). Collective:
-    every rank builds it, in the same order."""
+    every rank builds it, in the same order. It waits as long as the default group does (`new_group` alone would
+    give it torch's 30 minutes whatever the user chose), so a dead peer is an error in the user's time."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=default_group_timeout())
 
 
 def scheduler_settings(modules: list[ShardedHeraldEmbeddingBagCollection]) -> dict[str, Any]:
