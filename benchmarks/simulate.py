@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
+from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
 
 LOADERS = {
     "criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
@@ -145,6 +146,8 @@ def run_policies(args, R: int) -> dict:
     windows: dict[str, deque] = {n: deque() for n in names}
     cursor = {n: 0 for n in names}
     stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
+    hosts = {n: HostTotals() for n in names}
+    table_class = [size_class(r) for r in table_rows]
     digests = {n: hashlib.sha1() for n in names}  # of every plan as the wire encodes it (arrays, dtypes, counters)
     step = 0
     t_start = time.perf_counter()
@@ -194,6 +197,7 @@ def run_policies(args, R: int) -> dict:
                     st["kinds"][k] = st["kinds"].get(k, 0) + int(v)
                 st["hits"] += int(plan.counters.get("hit", 0))
                 st["pairs"] += plan.read_pairs()
+                hosts[n].add(host_traffic(plan, args.ranks_per_host, pols[n].last_transfers), table_class)
             stats[n]["ms"].append(plan.sched_seconds * 1e3)
             windows[n].popleft()
         step += 1
@@ -222,6 +226,7 @@ def run_policies(args, R: int) -> dict:
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
+        entry.update(hosts[n].summary(n_meas, R * B))
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]
         if n == "herald":
@@ -241,6 +246,64 @@ def run_policies(args, R: int) -> dict:
     if ratios:
         res["ratios"] = ratios
     return res
+
+
+TABLE_CLASSES = ((1_000, "tiny"), (20_000, "mid"))  # rows below the bound; larger tables are "large"
+
+
+def size_class(rows: int) -> str:
+    """A table's size class for the per-table split of cross-host rows: tiny (< 1,000 rows), mid, large."""
+    return next((name for bound, name in TABLE_CLASSES if rows < bound), "large")
+
+
+class HostTotals:
+    """A policy's host-split traffic (schedule.traffic.HostTraffic) summed over the measured steps."""
+
+    def __init__(self) -> None:
+        self.cross: dict[str, float] = {}
+        self.cross_agg: dict[str, float] = {}
+        self.intra = self.intra_agg = 0.0
+        self.by_class: dict[str, float] = {}  # "kind/class" -> crossing rows
+        self.by_class_agg: dict[str, float] = {}
+        self.balance: list[float] = []
+        self.unattributed: dict[str, int] = {}
+
+    def add(self, ht, table_class: list[str]) -> None:
+        for acc, part in ((self.cross, ht.cross), (self.cross_agg, ht.cross_aggregated)):
+            for k, v in part.items():
+                acc[k] = acc.get(k, 0.0) + v
+        self.intra += ht.intra_rows
+        self.intra_agg += ht.intra_rows_aggregated
+        for acc, part in ((self.by_class, ht.cross_by_table), (self.by_class_agg, ht.cross_by_table_aggregated)):
+            for (kind, t), v in part.items():
+                key = f"{kind}/{table_class[t]}"
+                acc[key] = acc.get(key, 0.0) + v
+        self.balance.append(ht.balance())
+        for k, v in ht.unattributed.items():
+            self.unattributed[k] = self.unattributed.get(k, 0) + v
+
+    def summary(self, steps: int, global_batch: int) -> dict:
+        """The JSON fields: rows per sample crossing hosts / inside hosts, today and host-aggregated; crossing rows
+        per step by kind and by kind / table size class; the busiest rank's rows over the mean (median over steps)."""
+        per = steps * global_batch
+
+        def by(d: dict) -> dict:
+            return {k: round(v / steps, 2) for k, v in sorted(d.items()) if v}
+
+        out = {
+            "cross_host_rows_per_sample": round(sum(self.cross.values()) / per, 4),
+            "intra_host_rows_per_sample": round(self.intra / per, 4),
+            "cross_host_rows_per_sample_host_aggregated": round(sum(self.cross_agg.values()) / per, 4),
+            "intra_host_rows_per_sample_host_aggregated": round(self.intra_agg / per, 4),
+            "cross_host_by_kind": by(self.cross),
+            "cross_host_by_kind_host_aggregated": by(self.cross_agg),
+            "cross_host_by_kind_table_class": by(self.by_class),
+            "cross_host_by_kind_table_class_host_aggregated": by(self.by_class_agg),
+            "busiest_rank_over_mean": round(float(np.median(self.balance)), 3) if self.balance else 1.0,
+        }
+        if self.unattributed:
+            out["unattributed_by_kind"] = by(self.unattributed)
+        return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -286,6 +349,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=0, help="steps left out of the traffic averages")
     p.add_argument("--policies", default="static,het_bsp,herald_greedy,herald")
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=8,
+        help="ranks r..r+H-1 share a host: cross-host and intra-host rows are reported apart",
+    )
     p.add_argument("--dim", type=int, default=512, help="embedding dimension (floats per value / gradient)")
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
@@ -319,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("--dim", args.dim, 1),
         ("--state-width", args.state_width, 0),
         ("--warmup", args.warmup, 0),
+        ("--ranks-per-host", args.ranks_per_host, 1),
     ):
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
@@ -342,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup": args.warmup,
         "policies": args.policies,
         "lookahead": args.lookahead,
+        "ranks_per_host": args.ranks_per_host,
         "dim": args.dim,
         "state_width": args.state_width,
         "threads": os.environ.get("OMP_NUM_THREADS"),
