@@ -6,6 +6,7 @@
     python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
     python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
         [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the comparison systems
+    python benchmarks/simulate.py --merge r8.json r16.json r32.json --json --plot sweep.png  # runs made one R each
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
 {"config": {...}, "sweep": {R: {"policies": {...}, "ratios": {...}}}} for a comma list. Per policy:
@@ -16,7 +17,13 @@ state_width floats per row move), by_kind (rows per step by kind), hit_rate (rea
 processes on a shared machine disturb less; sched_cpu_ms_last_quarter: the median over the last quarter of the steps,
 where a cost that grows as the caches fill shows), rows_per_sample, plan_digest (a hash of every plan in its wire
 encoding: two runs with the same digest made the same plans, so a scheduler change that should not alter the plans
-can be checked with its speed in one command). Progress goes to stderr.
+can be checked with its speed in one command). With ranks r..r+H-1 on one host (--ranks-per-host H,
+schedule/traffic.py): cross_host_rows_per_sample and intra_host_rows_per_sample (as the data plane delivers the rows
+today), the same with the suffix _host_aggregated (each shared value crossing once per reading host, gradients summed
+inside a host before they cross), cross_host_by_kind[_host_aggregated] (crossing rows per step) and
+cross_host_by_kind_table_class[_host_aggregated] (per kind / table size: tiny < 1,000 rows, mid < 20,000, large),
+busiest_rank_over_mean (rows the busiest rank sends + receives over the mean rank's, median over the steps).
+Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
 """
 
@@ -45,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
+from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
 
 LOADERS = {
     "criteo": ("herald_torchrec.data.criteo", "CriteoSource"),
@@ -145,6 +153,8 @@ def run_policies(args, R: int) -> dict:
     windows: dict[str, deque] = {n: deque() for n in names}
     cursor = {n: 0 for n in names}
     stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
+    hosts = {n: HostTotals() for n in names}
+    table_class = [size_class(r) for r in table_rows]
     digests = {n: hashlib.sha1() for n in names}  # of every plan as the wire encodes it (arrays, dtypes, counters)
     step = 0
     t_start = time.perf_counter()
@@ -194,6 +204,7 @@ def run_policies(args, R: int) -> dict:
                     st["kinds"][k] = st["kinds"].get(k, 0) + int(v)
                 st["hits"] += int(plan.counters.get("hit", 0))
                 st["pairs"] += plan.read_pairs()
+                hosts[n].add(host_traffic(plan, args.ranks_per_host, pols[n].last_transfers), table_class)
             stats[n]["ms"].append(plan.sched_seconds * 1e3)
             windows[n].popleft()
         step += 1
@@ -222,6 +233,7 @@ def run_policies(args, R: int) -> dict:
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
+        entry.update(hosts[n].summary(n_meas, R * B))
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]
         if n == "herald":
@@ -243,7 +255,67 @@ def run_policies(args, R: int) -> dict:
     return res
 
 
+TABLE_CLASSES = ((1_000, "tiny"), (20_000, "mid"))  # rows below the bound; larger tables are "large"
+
+
+def size_class(rows: int) -> str:
+    """A table's size class for the per-table split of cross-host rows: tiny (< 1,000 rows), mid, large."""
+    return next((name for bound, name in TABLE_CLASSES if rows < bound), "large")
+
+
+class HostTotals:
+    """A policy's host-split traffic (schedule.traffic.HostTraffic) summed over the measured steps."""
+
+    def __init__(self) -> None:
+        self.cross: dict[str, float] = {}
+        self.cross_agg: dict[str, float] = {}
+        self.intra = self.intra_agg = 0.0
+        self.by_class: dict[str, float] = {}  # "kind/class" -> crossing rows
+        self.by_class_agg: dict[str, float] = {}
+        self.balance: list[float] = []
+        self.unattributed: dict[str, int] = {}
+
+    def add(self, ht, table_class: list[str]) -> None:
+        for acc, part in ((self.cross, ht.cross), (self.cross_agg, ht.cross_aggregated)):
+            for k, v in part.items():
+                acc[k] = acc.get(k, 0.0) + v
+        self.intra += ht.intra_rows
+        self.intra_agg += ht.intra_rows_aggregated
+        for acc, part in ((self.by_class, ht.cross_by_table), (self.by_class_agg, ht.cross_by_table_aggregated)):
+            for (kind, t), v in part.items():
+                key = f"{kind}/{table_class[t]}"
+                acc[key] = acc.get(key, 0.0) + v
+        self.balance.append(ht.balance())
+        for k, v in ht.unattributed.items():
+            self.unattributed[k] = self.unattributed.get(k, 0) + v
+
+    def summary(self, steps: int, global_batch: int) -> dict:
+        """The JSON fields: rows per sample crossing hosts / inside hosts, today and host-aggregated; crossing rows
+        per step by kind and by kind / table size class; the busiest rank's rows over the mean (median over steps)."""
+        per = steps * global_batch
+
+        def by(d: dict) -> dict:
+            return {k: round(v / steps, 2) for k, v in sorted(d.items()) if v}
+
+        out = {
+            "cross_host_rows_per_sample": round(sum(self.cross.values()) / per, 4),
+            "intra_host_rows_per_sample": round(self.intra / per, 4),
+            "cross_host_rows_per_sample_host_aggregated": round(sum(self.cross_agg.values()) / per, 4),
+            "intra_host_rows_per_sample_host_aggregated": round(self.intra_agg / per, 4),
+            "cross_host_by_kind": by(self.cross),
+            "cross_host_by_kind_host_aggregated": by(self.cross_agg),
+            "cross_host_by_kind_table_class": by(self.by_class),
+            "cross_host_by_kind_table_class_host_aggregated": by(self.by_class_agg),
+            "busiest_rank_over_mean": round(float(np.median(self.balance)), 3) if self.balance else 1.0,
+        }
+        if self.unattributed:
+            out["unattributed_by_kind"] = by(self.unattributed)
+        return out
+
+
 def plot(result: dict, path: str) -> None:
+    """Rows per sample vs workers per policy; where the result has the host split, a second panel with the rows
+    per sample that cross hosts, as delivered today (solid) and host-aggregated (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,22 +323,60 @@ def plot(result: dict, path: str) -> None:
 
     sweep = result.get("sweep") or {str(result["config"]["workers"][0]): {"policies": result["policies"]}}
     ws = sorted(int(w) for w in sweep)
-    fig, ax = plt.subplots(figsize=(6, 4))
     names = list(next(iter(sweep.values()))["policies"])
-    for n in names:
-        ax.plot(ws, [sweep[str(w)]["policies"][n]["rows_per_sample"] for w in ws], marker="o", label=n)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ws)
-    ax.set_xticklabels([str(w) for w in ws])
-    ax.set_xlabel("workers (R)")
-    ax.set_ylabel("transmitted rows per sample")
+    hosts = all("cross_host_rows_per_sample" in sweep[str(w)]["policies"][n] for w in ws for n in names)
+    fig, axes = plt.subplots(1, 2 if hosts else 1, figsize=(11 if hosts else 6, 4), squeeze=False)
     cfg = result["config"]
+
+    def series(ax, field: str, n: str, **kw) -> None:
+        ax.plot(ws, [sweep[str(w)]["policies"][n][field] for w in ws], marker="o", **kw)
+
+    ax = axes[0][0]
+    for i, n in enumerate(names):
+        series(ax, "rows_per_sample", n, label=n, color=f"C{i}")
+    ax.set_ylabel("transmitted rows per sample")
     ax.set_title(f"{cfg['data']}: B={cfg['batch']}, cache {cfg['cache_ratio']:.0%}, {cfg['steps']} steps")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    if hosts:
+        ax = axes[0][1]
+        for i, n in enumerate(names):
+            series(ax, "cross_host_rows_per_sample", n, label=f"{n} (today)", color=f"C{i}")
+            series(ax, "cross_host_rows_per_sample_host_aggregated", n, label=f"{n} (host-aggregated)",
+                   color=f"C{i}", linestyle="--")  # fmt: skip
+        ax.set_ylabel("rows per sample crossing hosts")
+        ax.set_title(f"{cfg.get('ranks_per_host', 8)} ranks per host")
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ws)
+        ax.set_xticklabels([str(w) for w in ws])
+        ax.set_xlabel("workers (R)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"[simulate] wrote {path}")
+
+
+def merge_results(paths: list[str]) -> dict:
+    """One sweep result from single-worker-count results of the same settings (runs made one R at a time)."""
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--merge: cannot read {path}: {e}")
+        if "policies" not in results[-1] or len(results[-1]["config"]["workers"]) != 1:
+            raise SystemExit(f"--merge: {path} is not the result of one worker count")
+    first = {k: v for k, v in results[0]["config"].items() if k != "workers"}
+    for path, r in zip(paths, results):
+        cfg = {k: v for k, v in r["config"].items() if k != "workers"}
+        if cfg != first:
+            diff = sorted(k for k in set(cfg) | set(first) if cfg.get(k) != first.get(k))
+            raise SystemExit(f"--merge: {path} was run with other settings ({', '.join(diff)})")
+    config = dict(results[0]["config"], workers=[r["config"]["workers"][0] for r in results])
+    sweep = {str(r["config"]["workers"][0]): {k: v for k, v in r.items() if k != "config"} for r in results}
+    return {"config": config, "sweep": sweep}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -286,6 +396,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=0, help="steps left out of the traffic averages")
     p.add_argument("--policies", default="static,het_bsp,herald_greedy,herald")
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=8,
+        help="ranks r..r+H-1 share a host: cross-host and intra-host rows are reported apart",
+    )
     p.add_argument("--dim", type=int, default=512, help="embedding dimension (floats per value / gradient)")
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
@@ -306,8 +422,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fae-window", type=int, default=8, help="fae: global batches reordered together")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
-    p.add_argument("--plot", help="PNG: transmitted rows per sample vs workers per policy")
+    p.add_argument("--plot", help="PNG: transmitted rows per sample (and crossing hosts) vs workers per policy")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="combine results of one worker count each (same settings) into one sweep result; runs nothing",
+    )
     args = p.parse_args(argv)
+    if args.merge:
+        result = merge_results(args.merge)
+        if args.plot:
+            plot(result, args.plot)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return result
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in args.policies if x not in POLICIES]
     if bad:
@@ -319,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("--dim", args.dim, 1),
         ("--state-width", args.state_width, 0),
         ("--warmup", args.warmup, 0),
+        ("--ranks-per-host", args.ranks_per_host, 1),
     ):
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
@@ -342,6 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup": args.warmup,
         "policies": args.policies,
         "lookahead": args.lookahead,
+        "ranks_per_host": args.ranks_per_host,
         "dim": args.dim,
         "state_width": args.state_width,
         "threads": os.environ.get("OMP_NUM_THREADS"),

@@ -53,6 +53,9 @@ class SchedulePolicy:
         self.lookahead = int(lookahead)
         self.step = 0
         self.scratch = Scratch(self.layout.total_rows)
+        # rows the last plan sent that the plan itself does not locate (counting-only kinds: cache pulls and pushes,
+        # replica refreshes), for `schedule.traffic.host_traffic`; the plan's moves and shared rows locate theirs
+        self.last_transfers: dict = {}
 
     @property
     def global_batch(self) -> int:

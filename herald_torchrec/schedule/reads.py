@@ -12,6 +12,7 @@ All arrays are int64 (ids never pass through float). numpy, or the same passes c
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,16 +71,27 @@ class BatchKeys:
 
     Elements are the batch's flat order (`GlobalBatch.flat`). For single-hot batches (`width` = T) they are
     sample-major [N, T], so per-element sample / table arrays are not materialised unless asked for.
+    The batch caches this object, so it holds its batch through a weak reference: a strong one would make a
+    reference cycle that only the cyclic garbage collector frees, and finished batches (GBs at hundreds of ranks)
+    would pile up between its passes.
     """
 
     def __init__(self, batch, keys: np.ndarray, cid: np.ndarray, count: np.ndarray, width: int | None) -> None:
-        self.batch = batch
+        self._batch = weakref.ref(batch)
         self.keys = keys  # int64 [K] distinct global rows, sorted
         self.cid = cid  # int64 [E] index of every element's key in `keys`
         self.count = count  # int64 [K] elements reading the key (samples, for single-hot tables)
         self.width = width  # T for single-hot batches, else None
         self.num_samples = batch.num_samples
         self._first: np.ndarray | None = None
+
+    @property
+    def batch(self):
+        """The GlobalBatch these keys belong to (alive while anyone uses the keys through it)."""
+        batch = self._batch()
+        if batch is None:
+            raise RuntimeError("BatchKeys: its GlobalBatch was freed; keep the batch while using its keys")
+        return batch
 
     @property
     def smp(self) -> np.ndarray:

@@ -63,6 +63,54 @@ def test_sweep_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_host_split_fields(capsys):
+    """The host split adds up to the rows moved, in both modes; aggregation never adds crossings; one host for all
+    ranks crosses nothing; the plans (digests) do not depend on the host size."""
+    sim = load_simulate()
+    pols = "static,het_bsp,p2res,herald"
+    out = sim.main(["--workers", "4", "--ranks-per-host", "2", "--policies", pols, "--json", *SMALL])
+    one = sim.main(["--workers", "4", "--ranks-per-host", "4", "--policies", pols, "--json", *SMALL])
+    capsys.readouterr()
+    assert out["config"]["ranks_per_host"] == 2
+    for name, st in out["policies"].items():
+        assert "unattributed_by_kind" not in st
+        for suffix in ("", "_host_aggregated"):
+            split = st[f"cross_host_rows_per_sample{suffix}"] + st[f"intra_host_rows_per_sample{suffix}"]
+            assert split == pytest.approx(st["rows_per_sample"], abs=2e-4), (name, suffix)
+            by_kind = sum(st[f"cross_host_by_kind{suffix}"].values())
+            assert by_kind == pytest.approx(st[f"cross_host_rows_per_sample{suffix}"] * 4 * 8, rel=1e-3, abs=0.05)
+            by_class = sum(st[f"cross_host_by_kind_table_class{suffix}"].values())
+            assert by_class <= by_kind + 0.05
+        assert 0 < st["cross_host_rows_per_sample_host_aggregated"] <= st["cross_host_rows_per_sample"]
+        assert st["busiest_rank_over_mean"] >= 1.0
+        assert one["policies"][name]["cross_host_rows_per_sample"] == 0
+        assert one["policies"][name]["plan_digest"] == st["plan_digest"]
+    assert out["policies"]["static"]["cross_host_by_kind"].keys() == {"shared_value", "shared_grad"}
+    assert out["policies"]["het_bsp"]["cross_host_by_kind"].keys() <= {"miss_pull", "update_pull", "update_push"}
+    with pytest.raises(SystemExit):
+        sim.main(["--ranks-per-host", "0", *SMALL])
+
+
+def test_merge_runs_of_one_worker_count(tmp_path, capsys):
+    sim = load_simulate()
+    paths = []
+    for R in (2, 4):
+        sim.main(["--workers", str(R), "--policies", "static,herald", "--json", *SMALL])
+        paths.append(tmp_path / f"r{R}.json")
+        paths[-1].write_text(capsys.readouterr().out)
+    png = tmp_path / "sweep.png"
+    merged = sim.main(["--merge", *map(str, paths), "--json", "--plot", str(png)])
+    assert json.loads(capsys.readouterr().out) == merged
+    assert merged["config"]["workers"] == [2, 4] and set(merged["sweep"]) == {"2", "4"}
+    assert merged["sweep"]["4"]["policies"] == json.loads(paths[1].read_text())["policies"]
+    assert png.stat().st_size > 1000
+    sim.main(["--workers", "2", "--policies", "static", "--json", *SMALL[:-2], "--cache-ratio", "0.3"])
+    other = tmp_path / "other.json"
+    other.write_text(capsys.readouterr().out)
+    with pytest.raises(SystemExit, match="other settings"):
+        sim.main(["--merge", str(paths[0]), str(other)])
+
+
 def test_cli_errors():
     sim = load_simulate()
     with pytest.raises(SystemExit):

@@ -39,6 +39,13 @@ class WorkerCaches:
         self.V = np.zeros(self.n, dtype=np.int64)
         self.P = np.zeros(self.n, dtype=np.int64)
         self.D = np.full(self.n, -1, dtype=np.int64)
+        # what the last `execute` sent, per kind: (global rows, worker) chunks, pulls to the worker, pushes from it
+        self.sent: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def _sent(self, kind: str, gid: np.ndarray, rank: np.ndarray) -> None:
+        """Record rows of `kind` exchanged between workers `rank` and the rows' parameter-server home."""
+        if gid.shape[0]:
+            self.sent.setdefault(kind, []).append((gid.copy(), rank.astype(np.int64, copy=True)))
 
     def lookup(self, rank: np.ndarray, gid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot or -1, cached version or -1) of rows at workers."""
@@ -67,6 +74,7 @@ class WorkerCaches:
         V, P, D, sl = self.V, self.P, self.D, self.slots
         ver_p, last_p = sl.payload["ver"], sl.payload["last"]
         c = {"hit": 0, "miss_pull": 0, "update_pull": 0, "update_push": 0, "evict_push": 0}
+        self.sent = {}
         multi = count >= 2
         # lazy pushes: a dirty row another worker reads this step is pushed before the step
         dk = D[keys]
@@ -74,6 +82,7 @@ class WorkerCaches:
         sole[pair_key] = pair_rank  # the reader, for single-reader keys
         need_push = (dk >= 0) & (multi | (sole != dk))
         c["update_push"] += int(need_push.sum())
+        self._sent("update_push", keys[need_push], dk[need_push])
         P[keys[need_push]] = V[keys[need_push]]
         D[keys[need_push]] = -1
         # reads
@@ -84,6 +93,8 @@ class WorkerCaches:
         c["miss_pull"] = int(miss.sum())
         c["update_pull"] = int(stale.sum())
         c["hit"] = int((~miss & ~stale).sum())
+        self._sent("miss_pull", pair_gid[miss], pair_rank[miss])
+        self._sent("update_pull", pair_gid[stale], pair_rank[stale])
         read_ver = np.where(miss | stale, P[pair_gid], ver)
         hitpos = pos[~miss]
         last_p[hitpos] = step
@@ -103,17 +114,20 @@ class WorkerCaches:
         ver_p[mpos[sp]] = newV[sp]
         if push_all:
             c["update_push"] += int(pair_gid.shape[0])
+            self._sent("update_push", pair_gid, pair_rank)
             P[uk] = V[uk]
             D[uk] = -1
         else:
             # several readers: every reader pushes its gradient; the PS aggregates
             c["update_push"] += int((~single).sum())
+            self._sent("update_push", pair_gid[~single], pair_rank[~single])
             mk = uk[multi]
             P[mk] = V[mk]
             D[mk] = -1
             # a single reader that could not cache the row pushes at once, otherwise it keeps the update dirty
             lone = single & ~held
             c["update_push"] += int(lone.sum())
+            self._sent("update_push", pair_gid[lone], pair_rank[lone])
             P[pair_gid[lone]] = newV[lone]
             D[pair_gid[lone]] = -1
             D[pair_gid[sp]] = pair_rank[sp]
@@ -157,6 +171,7 @@ class WorkerCaches:
         """Copies at slots `pos` (rank, gid) are about to be evicted: a dirty one is pushed (`evict_push`)."""
         dirty = self.D[gid] == rank
         c["evict_push"] += int(dirty.sum())
+        self._sent("evict_push", gid[dirty], rank[dirty])
         self.P[gid[dirty]] = self.V[gid[dirty]]
         self.D[gid[dirty]] = -1
 

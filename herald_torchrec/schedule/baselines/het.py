@@ -61,6 +61,7 @@ class StaleCaches(WorkerCaches):
         S, C, U, V, sl = self.staleness, self.C, self.U, self.V, self.slots
         base_p, last_p, own_p, pend_p = (sl.payload[k] for k in ("ver", "last", "own", "pend"))
         c = {"hit": 0, "miss_pull": 0, "update_pull": 0, "update_push": 0, "evict_push": 0}
+        self.sent = {}
         # ---- reads ----
         pos, base = self.lookup(pair_rank, pair_gid)
         miss = pos < 0
@@ -76,6 +77,8 @@ class StaleCaches(WorkerCaches):
         Vg = V[pair_gid]
         read_ver = np.where(missing > 0, np.maximum(Vg - missing, 0), Vg)
         c["miss_pull"], c["update_pull"], c["hit"] = int(miss.sum()), int(pull.sum()), int(hit.sum())
+        self._sent("miss_pull", pair_gid[miss], pair_rank[miss])
+        self._sent("update_pull", pair_gid[pull], pair_rank[pull])
         last_p[pos[~miss]] = step
         base_p[pos[pull]] = Cg[pull]
         own_p[pos[pull]] = pend[pull]
@@ -102,6 +105,7 @@ class StaleCaches(WorkerCaches):
         pend_p[hp[push]] = 0
         np.add.at(C, pair_gid[~held], 1)
         c["update_push"] += int(push.sum()) + int((~held).sum())
+        self._sent("update_push", pair_gid[pushes], pair_rank[pushes])
         return c, read_ver
 
     def _evict(self, pos: np.ndarray, rank: np.ndarray, gid: np.ndarray, c: dict) -> None:
@@ -110,6 +114,7 @@ class StaleCaches(WorkerCaches):
         dirty = pend > 0
         self.evicted.append((rank.copy(), gid.copy(), dirty))
         c["evict_push"] += int(dirty.sum())
+        self._sent("evict_push", gid[dirty], rank[dirty])
         np.add.at(self.C, gid[dirty], pend[dirty])
 
 

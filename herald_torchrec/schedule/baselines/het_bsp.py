@@ -14,6 +14,7 @@ from herald_torchrec.schedule.directory import home_blocks
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan, ReadVersions
 from herald_torchrec.schedule.policy import CACHE_KINDS, SchedulePolicy, shared_rows, split_gid
+from herald_torchrec.schedule.traffic import FAN_IN, FAN_OUT, KindTransfers
 
 
 class CachePolicyBase(SchedulePolicy):
@@ -77,7 +78,25 @@ class CachePolicyBase(SchedulePolicy):
         )
         if shared is not None:
             plan.shared = shared
+        self.last_transfers = self._cache_transfers()
         return plan
+
+    PULLS = ("miss_pull", "update_pull")  # PS home -> worker; the other cache kinds are pushes worker -> PS home
+
+    def _cache_transfers(self) -> dict[str, KindTransfers]:
+        """What the caches sent in this step, by kind, between each worker and the row's home (the parameter
+        server's shard of the row, TorchRec's ROW_WISE placement), for `schedule.traffic`."""
+        out = {}
+        for kind, chunks in self.caches.sent.items():
+            gid = np.concatenate([g for g, _ in chunks])
+            rank = np.concatenate([r for _, r in chunks])
+            t = self.table_of[gid]
+            home = (gid - self.layout.offsets[t]) // self.block[t]
+            if kind in self.PULLS:
+                out[kind] = KindTransfers(gid, home, rank, FAN_OUT, t)
+            else:
+                out[kind] = KindTransfers(gid, rank, home, FAN_IN, t)
+        return out
 
     def describe(self) -> dict:
         d = super().describe()

@@ -28,6 +28,7 @@ from herald_torchrec.schedule.directory import guest_capacity, home_blocks
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync
 from herald_torchrec.schedule.policy import SchedulePolicy, shared_rows, split_gid
+from herald_torchrec.schedule.traffic import FAN_OUT, KindTransfers
 
 REPLICA_KINDS = ("hit", "shared_value", "shared_grad", "allreduce", "replica_sync")
 
@@ -122,6 +123,7 @@ class ReplicaPolicyBase(SchedulePolicy):
             "replica_sync": 0,
         }
         counters.update(extra)
+        self.last_transfers = self._sync_transfers(sync)
         t, row = split_gid(self.layout, self.table_of, pg)
         reads = ReadVersions(table=t, row=row, rank=rd.pair_rank.copy(), version=self.V[pg].copy(), replica=rep)
         self.V[rd.keys] += 1
@@ -136,6 +138,19 @@ class ReplicaPolicyBase(SchedulePolicy):
             reads=reads,
             replicas=sync,
         )
+
+    def _sync_transfers(self, sync: ReplicaSync) -> dict[str, KindTransfers]:
+        """`replica_sync` rows (for `schedule.traffic`): each refreshed row from its home to every other rank."""
+        t, row = sync.to_replicas_table, sync.to_replicas_row
+        if t.shape[0] == 0:
+            return {}
+        gid = self.layout.offsets[t] + row
+        R = self.num_ranks
+        src = np.repeat(self.home[gid], R)
+        dst = np.tile(np.arange(R, dtype=np.int64), gid.shape[0])
+        keep = src != dst
+        key, tab = np.repeat(gid, R)[keep], np.repeat(t, R)[keep]
+        return {"replica_sync": KindTransfers(key, src[keep], dst[keep], FAN_OUT, tab)}
 
     def _replica_keys(self, batch: GlobalBatch, keys: np.ndarray) -> tuple[np.ndarray, ReplicaSync, dict]:
         """(bool [K]: key read through replicas, syncs before the step, extra counters)."""
