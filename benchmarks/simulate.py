@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
+from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
 from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
 
@@ -123,9 +124,21 @@ class Feed:
             self.base += 1
 
 
+# simulator names for a policy run with settings of its own: name -> (policy, settings from the command line)
+VARIANTS = {
+    "herald_host": (
+        "herald",
+        lambda args: {"hosts": args.ranks_per_host, "intra_host_cost": args.intra_host_cost},
+    ),  # host-aware LAIA over the --ranks-per-host layout
+}
+
+
 def policy_kwargs(args, name: str) -> dict:
     """Settings from the command line for one policy (only those given)."""
     kw: dict = {}
+    if name in VARIANTS:
+        base, extra = VARIANTS[name]
+        return {**policy_kwargs(args, base), **extra(args)}
     if name == "herald":
         if args.refine is not None:
             kw["refine"] = args.refine
@@ -147,7 +160,10 @@ def run_policies(args, R: int) -> dict:
     table_rows, trace = open_trace(args, R * B)
     names = args.policies
     L = args.lookahead
-    pols = {n: make_policy(n, table_rows, R, B, args.cache_ratio, L, **policy_kwargs(args, n)) for n in names}
+    pols = {
+        n: make_policy(VARIANTS.get(n, (n,))[0], table_rows, R, B, args.cache_ratio, L, **policy_kwargs(args, n))
+        for n in names
+    }
     checkers = {n: PlanChecker(table_rows, R, B, args.cache_ratio) for n in names} if args.check else {}
     feed = Feed(trace, R * B)
     windows: dict[str, deque] = {n: deque() for n in names}
@@ -236,7 +252,7 @@ def run_policies(args, R: int) -> dict:
         entry.update(hosts[n].summary(n_meas, R * B))
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]
-        if n == "herald":
+        if n in ("herald", "herald_host"):
             entry["tables"] = pols[n].tables
         if n == "het":
             entry["staleness"] = pols[n].staleness
@@ -402,6 +418,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=8,
         help="ranks r..r+H-1 share a host: cross-host and intra-host rows are reported apart",
     )
+    p.add_argument(
+        "--intra-host-cost",
+        type=float,
+        default=INTRA_HOST_COST,
+        help="herald_host: a row moved inside a host over one crossing hosts (host-aware LAIA)",
+    )
     p.add_argument("--dim", type=int, default=512, help="embedding dimension (floats per value / gradient)")
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
@@ -437,9 +459,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, indent=None if args.json else 2))
         return result
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    bad = [x for x in args.policies if x not in POLICIES]
+    bad = [x for x in args.policies if x not in POLICIES and x not in VARIANTS]
     if bad:
-        p.error(f"unknown policies {bad}; choose from {sorted(POLICIES)}")
+        p.error(f"unknown policies {bad}; choose from {sorted([*POLICIES, *VARIANTS])}")
+    if not 0.0 <= args.intra_host_cost <= 1.0:
+        p.error(f"--intra-host-cost must be in [0, 1], got {args.intra_host_cost}")
     for name, v, lo in (
         ("--batch", args.batch, 1),
         ("--steps", args.steps, 1),
@@ -485,6 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
     for key in ("staleness", "hot_budget"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
+    if set(VARIANTS) & set(args.policies):
+        config["intra_host_cost"] = args.intra_host_cost
     if {"fae", "p2res"} & set(args.policies):
         config.update({"profile_fraction": args.profile_fraction, "fae_window": args.fae_window})
     result: dict = {"config": config}

@@ -368,3 +368,79 @@ def test_forward_prediction_is_skipped_only_where_it_cannot_forward(R, monkeypat
     assert [plan_signature(p) for p in skipped] == [plan_signature(p) for p in forced]
     forwarded = sum(int(p.counters["forward"]) for p in forced)
     assert (forwarded == 0) if R == 2 else (forwarded > 0)
+
+
+# ---- host-aware LAIA ---------------------------------------------------------------------------------------------
+HOST_LAYOUTS = {"2 per host": 2, "explicit, interleaved": [7, 3, 7, 3], "uneven": [0, 0, 0, 1]}
+
+
+@pytest.mark.parametrize("hosts", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("trace", ["synthetic", "jagged"])
+@pytest.mark.parametrize("refine", [0, 2])
+def test_host_aware_herald_is_exact_balanced_and_deterministic(hosts, trace, refine):
+    R, B, steps = 4, 8, 12
+    if trace == "jagged":
+        rows, raw = jagged_trace(R, B, steps)
+    else:
+        rows, raw = synthetic_trace(R, B, steps, locality=0.6)
+    kw = dict(hosts=HOST_LAYOUTS[hosts], refine=refine, tables="all")
+    plans, chk = run("herald", rows, make_batches(rows, raw), R, B, cache_ratio=0.2, **kw)
+    assert chk.stale_reads == 0 and not chk.errors
+    for p in plans:
+        assert (np.bincount(p.assignment(), minlength=R) == B).all()
+        assert p.counters["shared_value"] == p.shared.remote_reads()
+    again, _ = run("herald", rows, make_batches(rows, raw), R, B, cache_ratio=0.2, **kw)
+    assert [plan_signature(p) for p in plans] == [plan_signature(p) for p in again]
+
+
+@pytest.mark.parametrize("hosts", [None, 4, 1, [5, 5, 5, 5], [0, 1, 2, 3]])
+def test_one_host_or_a_host_per_rank_plans_exactly_as_without_a_host_map(hosts):
+    """No host map, every rank one host, every rank its own host: LAIA stays rank-level, plans byte for byte equal."""
+    R, B = 4, 8
+    rows, raw = synthetic_trace(R, B, 10, locality=0.6)
+    base, _ = run("herald", rows, make_batches(rows, raw), R, B, tables="all", refine=2)
+    got, _ = run("herald", rows, make_batches(rows, raw), R, B, tables="all", refine=2, hosts=hosts)
+    pol = make_policy("herald", rows, R, B, hosts=hosts)
+    assert not pol.host_aware
+    assert [plan_signature(p) for p in got] == [plan_signature(p) for p in base]
+
+
+def _two_hosts_case(hosts, step: int, refine: int) -> np.ndarray:
+    # R=4, one rank per sample; table of 8 rows, homes 0-1 -> rank 0, 2-3 -> 1, 4-5 -> 2, 6-7 -> 3. Samples 0 and 1
+    # read key 0 (rank 0's), samples 2 and 3 keys 4 and 5 (rank 2's): one sample of each pair cannot sit on the
+    # owner; host-aware, it goes to the owner's host mate (ranks {0, 1} and {2, 3} share hosts)
+    rows = [8]
+    b = GlobalBatch.from_dense(np.array([[0], [0], [4], [5]], dtype=np.int64), rows)
+    pol = make_policy("herald", rows, 4, 1, 0.5, 0, tables="all", refine=refine, hosts=hosts)
+    pol.step = step  # the rotation that breaks rank ties (step % R)
+    plan = pol.plan([b])
+    PlanChecker(rows, 4, 1, 0.5).check(plan, b)
+    return plan.assignment()
+
+
+@pytest.mark.parametrize("refine", [0, 1])
+def test_host_aware_laia_places_samples_on_the_owners_host(refine):
+    host_of = np.array([0, 0, 1, 1])
+    for step in range(4):
+        a = _two_hosts_case(2, step, refine)
+        np.testing.assert_array_equal(host_of[a], [0, 0, 1, 1], err_msg=f"step {step}: {a}")
+    # rank-level LAIA ignores the hosts: for some rotation a sample of a pair lands on the other host
+    assert any((host_of[_two_hosts_case(None, s, refine)] != [0, 0, 1, 1]).any() for s in range(4))
+
+
+def test_host_options_are_validated():
+    for bad, match in (
+        (0, "ranks per host"),
+        ([0, 1, 2], "one integer host key per rank"),
+        (["a", "b"], "one integer host key per rank"),
+        ([0.5, 1.5], "one integer host key per rank"),
+        ("ab", "one integer host key per rank"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            make_policy("herald", [10], 2, 2, hosts=bad)
+    for cost in (-0.1, 1.5, "0.2", True):
+        with pytest.raises(ValueError, match="intra_host_cost"):
+            make_policy("herald", [10], 2, 2, hosts=1, intra_host_cost=cost)
+    pol = make_policy("herald", [10], 6, 2, hosts=[9, 4, 9, 4, 2, 2])
+    np.testing.assert_array_equal(pol.host_of_rank, [0, 1, 0, 1, 2, 2])  # by first appearance
+    assert pol.host_aware and pol.describe()["hosts"] == 3

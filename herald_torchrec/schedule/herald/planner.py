@@ -25,6 +25,16 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
    make room, the least valuable arrivals are cancelled (the key is then read through the shared path). All moves of a
    step apply at once and capacity holds after them.
 4. Every read key whose reader set is not exactly {owner} goes to `shared`.
+
+Host-aware LAIA (`hosts`: the host of every rank; off when every rank is one host or its own host, so that the plans
+are then exactly those without a host map). Ranks of one host share a fast link, hosts a slow one; with a = the cost
+of a row moved inside a host over one crossing hosts (`intra_host_cost`), a shared key read by the rank set R_k and
+host set H_k, owner o on host h(o), costs, when a host-aware data plane sends each value once per reading host and
+sums the gradients inside a host, 2 a |R_k \\ {o}| + 2 (1 - a) |H_k \\ {h(o)}|: a times the rank-level cost above plus
+(1 - a) times the same cost with hosts for ranks. Both LAIA passes score accordingly: score[s, r] = a x (the score
+above at rank r) + (1 - a) x (the same score computed over hosts, at r's host), e.g. the first pass counts the keys
+rank r owns with weight 1 and those other ranks of its host own with weight 1 - a. The numpy path runs it (the
+compiled assign kernel scores ranks only; the rest of the plan is the same code either way).
 """
 
 from __future__ import annotations
@@ -44,6 +54,33 @@ from herald_torchrec.schedule.herald.tables import TableSelection, default_budge
 from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
+
+INTRA_HOST_COST = 0.2  # default: a row moved inside a host costs a fifth of one crossing hosts (docs/scheduler.md)
+
+
+def host_ids(hosts: int | Sequence[int] | None, num_ranks: int) -> np.ndarray:
+    """The host of every rank as dense ids 0..H-1 in order of first appearance (int64 [R]): `hosts` is None (every
+    rank one host: no host map), the ranks per host (ranks r .. r+H-1 share one; the last may hold fewer), or a host
+    key per rank (any integers: equal keys, one host)."""
+    R = num_ranks
+    if hosts is None:
+        return np.zeros(R, dtype=np.int64)
+    if isinstance(hosts, (int, np.integer)) and not isinstance(hosts, bool):
+        if hosts < 1:
+            raise ValueError(f"herald: hosts (ranks per host) must be >= 1, got {hosts!r}")
+        return np.arange(R, dtype=np.int64) // int(hosts)
+    try:
+        keys = np.asarray(list(hosts))
+    except TypeError:
+        keys = None
+    if keys is None or keys.ndim != 1 or keys.shape[0] != R or (R and keys.dtype.kind not in "iu"):
+        raise ValueError(
+            f"herald: hosts must be None, the ranks per host (int >= 1) or one integer host key per rank "
+            f"({R} ranks), got {hosts!r}"
+        )
+    _, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    rank_of_first = np.argsort(np.argsort(first))  # ids by first appearance, not by key value
+    return rank_of_first[inv.reshape(-1)].astype(np.int64)
 
 
 @dataclass
@@ -74,6 +111,10 @@ class HeraldPolicy(SchedulePolicy):
     budget_ms: scheduling-time budget per global batch for the automatic choices: "auto" = 5 ms up to 2048
         samples, linear beyond (5 ms at 8 x 256, 40 ms at 64 x 256); None = unlimited.
     forward: forward evicted guests to their predicted next reader.
+    hosts: the host of every rank: ranks per host (int: ranks r .. r+H-1 share one) or a host id per rank; None (the
+        default), one host for all ranks, or a host per rank leave LAIA rank-level (the plans without a host map).
+    intra_host_cost: a row moved inside a host over one crossing hosts, in [0, 1] (module docstring); 0.2 by
+        default, docs/scheduler.md says why.
     The choice is made on the first plan() (or by calling `profile(batches)`) and exposed by `tables`, `refine`
     and `selection`.
     """
@@ -95,6 +136,8 @@ class HeraldPolicy(SchedulePolicy):
         forward: bool = True,
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
+        hosts: int | Sequence[int] | None = None,
+        intra_host_cost: float = INTRA_HOST_COST,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         for name, v in (("refine", refine), ("max_refine", max_refine)):
@@ -115,6 +158,15 @@ class HeraldPolicy(SchedulePolicy):
         self.forward = bool(forward)
         self.stay_bonus = float(stay_bonus)
         self.owner_weight = float(owner_weight)
+        if isinstance(intra_host_cost, bool) or not isinstance(intra_host_cost, (int, float, np.floating)):
+            raise ValueError(f"herald: intra_host_cost must be a number in [0, 1], got {intra_host_cost!r}")
+        if not 0.0 <= float(intra_host_cost) <= 1.0:
+            raise ValueError(f"herald: intra_host_cost must be in [0, 1], got {intra_host_cost!r}")
+        self.intra_host_cost = float(intra_host_cost)
+        self.host_of_rank = host_ids(hosts, self.num_ranks)
+        self.num_hosts = int(self.host_of_rank.max()) + 1 if self.num_ranks else 0
+        # host-aware only where it can change a score: more than one host, and some host with several ranks
+        self.host_aware = 1 < self.num_hosts < self.num_ranks
         # per-key score rows: small integers when the weights are (fewer bytes to gather), else float32
         whole = self.owner_weight.is_integer() and (2 + self.owner_weight) * self.layout.num_tables < 2**15
         self._wtype = np.int16 if whole else np.float32
@@ -225,7 +277,7 @@ class HeraldPolicy(SchedulePolicy):
         own = (own_k - first) % R
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
         dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
-        if dense and native.enabled():  # the same arithmetic, compiled (schedule/native.py)
+        if dense and native.enabled() and not self.host_aware:  # the same arithmetic, compiled (schedule/native.py)
             per_sample = 0 if v.cols is None else v.cols.shape[0]
             a = native.assign(
                 N,
@@ -245,6 +297,12 @@ class HeraldPolicy(SchedulePolicy):
             return (a + first) % R
         eo = own[ec]
         score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
+        if self.host_aware:  # + the keys other ranks of the column's host own, weighted 1 - intra_host_cost
+            H = self.num_hosts
+            hcol = self.host_of_rank[(np.arange(R) + first) % R]  # the host of every (rotated) column
+            host_own = self.host_of_rank[own_k]  # the host owning every key
+            by_host = np.bincount(es * H + host_own[ec], weights=v.w0, minlength=N * H).reshape(N, H)
+            score = self._host_mix(score, by_host, hcol)
         if self.refine == 0:
             a = balanced_assign(score, B)
         else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
@@ -286,9 +344,46 @@ class HeraldPolicy(SchedulePolicy):
                 sc = np.bincount(np.repeat(es[el] * R, rep) + rr[idx], minlength=N * R).astype(np.float64) * 2.0
                 sc += np.bincount(es * R + eo, weights=(c[ec * R + eo] == 0) * self.owner_weight, minlength=N * R)
                 sc = sc.reshape(N, R)
-            sc[np.arange(N), a] += corr + self.stay_bonus
+            if self.host_aware:
+                sc[np.arange(N), a] += corr
+                sc = self._host_mix(sc, self._host_round(v, a, hcol, host_own), hcol)
+                sc[np.arange(N), a] += self.stay_bonus
+            else:
+                sc[np.arange(N), a] += corr + self.stay_bonus
             a = balanced_assign(sc, B)
         return (a + first) % R
+
+    def _host_mix(self, by_rank: np.ndarray, by_host: np.ndarray, hcol: np.ndarray) -> np.ndarray:
+        """a x the rank-level scores [N, R] + (1 - a) x the host-level ones [N, H] at each column's host."""
+        a = self.intra_host_cost
+        return a * by_rank.astype(np.float64) + (1.0 - a) * by_host[:, hcol]
+
+    def _host_round(self, v: "_Scheduled", a: np.ndarray, hcol: np.ndarray, host_own: np.ndarray) -> np.ndarray:
+        """A best-response round's marginal scores [N, H] with hosts for ranks: for sample s and host h, the sum
+        over its keys of 2 x [another sample reads k on h] + owner_weight x [h owns k and nobody else reads it on
+        h] (the sample's current host corrected for its own reads, as the rank-level round does)."""
+        H, K, N = self.num_hosts, v.K, a.shape[0]
+        es, ec = v.es, v.ec
+        eh = hcol[a[es]]  # the current host of every element's sample
+        code = eh * K + ec
+        c = np.bincount(code, minlength=H * K)
+        self_only = c[code] == 1
+        corr = np.bincount(es, weights=self_only * ((host_own[ec] == eh) * self.owner_weight - 2.0), minlength=N)
+        W = (c > 0) * 2.0  # [H * K]: the score of key k on host h
+        kio = host_own * K + np.arange(K)
+        W[kio] += (c[kio] == 0) * self.owner_weight
+        if v.cols is not None:
+            sc = np.empty((N, H), dtype=np.float64)
+            for h in range(H):
+                sc[:, h] = np.add.reduce(W[h * K : (h + 1) * K][v.cols], axis=0)
+        else:
+            sc = np.bincount(
+                np.repeat(es * H, H) + np.tile(np.arange(H), es.shape[0]),
+                weights=W.reshape(H, K).T[ec].ravel(),
+                minlength=N * H,
+            ).reshape(N, H)
+        sc[np.arange(N), hcol[a]] += corr
+        return sc
 
     @property
     def _forwards(self) -> bool:
@@ -581,6 +676,9 @@ class HeraldPolicy(SchedulePolicy):
                 "refine": self.refine,
                 "forward": self.forward,
                 "budget_ms": self.budget_ms,
+                "hosts": self.num_hosts,
+                "host_aware": self.host_aware,
+                "intra_host_cost": self.intra_host_cost,
                 "guests": self.directory.occupancy(),
             }
         )
