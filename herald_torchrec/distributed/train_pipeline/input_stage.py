@@ -221,6 +221,7 @@ class ScheduledInput:
         self.planner = self.rank  # the rank whose plans this rank executes
         self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
         self.is_planner = np.ones(self.R, dtype=bool)  # the ranks that plan: only they receive every slice's ids
+        self.hosts: np.ndarray | None = None  # int64 [R], a key per rank's machine (set at the first batch)
         self._factory = policy_factory
         self._current = SchedulerState(0, None)  # replaced as one object by reset_policy
         self.lookahead = 0
@@ -317,6 +318,7 @@ class ScheduledInput:
             )
         assert layout is not None  # every rank, this one included, reported DATA: its first slice parsed
         self.layout = layout
+        self.hosts = hosts  # the host key of every rank: the policy factory passes it on (host-aware LAIA)
         planner_of = planners(self.plan_on, hosts)
         self.planner = int(planner_of[self.rank])
         self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)

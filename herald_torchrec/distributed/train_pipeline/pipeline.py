@@ -50,7 +50,7 @@ from herald_torchrec.distributed.train_pipeline.input_layout import ManagedTable
 from herald_torchrec.distributed.train_pipeline.input_stage import ScheduledInput
 from herald_torchrec.distributed.train_pipeline.input_thread import CLOSE_TIMEOUT_S, WAITS_KEPT, PrefetchedInput
 from herald_torchrec.options import SCHEDULER_SETTINGS, HeraldOptions
-from herald_torchrec.schedule import make_policy
+from herald_torchrec.schedule import POLICIES, make_policy
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.policy import SchedulePolicy
@@ -224,14 +224,22 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     def _make_policy(self, batch_per_rank: int) -> SchedulePolicy:
         o = self.options
         world = self.input_stage.R
+        name = o.runnable_policy()
+        extra: dict[str, Any] = {}
+        hosts = self.input_stage.hosts
+        if getattr(POLICIES[name], "takes_hosts", False) and hosts is not None and "hosts" not in o.policy_options:
+            # the ranks grouped by machine, as every rank gathered them: host-aware LAIA across machines (all
+            # ranks on one machine: one host, the plans are those without a host map)
+            extra["hosts"] = [int(h) for h in hosts]
         policy = make_policy(
-            o.runnable_policy(),
+            name,
             list(self.tables.rows),
             world,
             batch_per_rank,
             cache_ratio=o.cache_ratio,
             lookahead=o.lookahead,
             **o.policy_options,
+            **extra,
         )
         if self._profile is not None:
             policy.profile(self._profile)

@@ -120,6 +120,7 @@ class HeraldPolicy(SchedulePolicy):
     """
 
     name = "herald"
+    takes_hosts = True  # the training pipeline passes the host of every rank (`hosts`)
 
     def __init__(
         self,

@@ -342,6 +342,7 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
         "plans": flat,
         "n_plans": len(plans),
         "has_policy": pipeline.policy is not None,
+        "host_aware": pipeline.policy is not None and bool(getattr(pipeline.policy, "host_aware", False)),
         "plan_bytes": sent.get("plan", 0),
         "id_bytes": sent.get("sample_ids", 0),
         "tables": full,
@@ -401,6 +402,7 @@ def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list
             assert sorted(res[part]) == sorted(base[part])
             for k in base[part]:
                 assert torch.equal(res[part][k], base[part][k]), (key, k)  # the same model, bit for bit
+    assert not any(res["host_aware"] for res in r.values())  # one machine, or a machine per rank: rank-level LAIA
     for mode in ("host", "rank0"):  # one machine: one scheduler, whose plans travel from rank 0
         assert r[mode, 0]["has_policy"] and not r[mode, 1]["has_policy"]
         assert r[mode, 0]["plan_bytes"] > 0 and r[mode, 1]["plan_bytes"] == 0
@@ -411,10 +413,10 @@ def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list
 
 def two_machines_worker(rank: int, world: int, out_dir: str) -> None:
     """Four ranks on two "machines" of two ranks (two planners, two ranks that receive their plans), and every rank
-    planning for itself."""
+    planning for itself on the same machines."""
     out = {
         "two_machines": _plan_on_run(rank, "host", host=f"machine-{rank // 2}"),
-        "every_rank": _plan_on_run(rank, "every_rank"),
+        "every_rank": _plan_on_run(rank, "every_rank", host=f"machine-{rank // 2}"),
     }
     torch.save(out, rank_result(out_dir, rank))
 
@@ -422,7 +424,8 @@ def two_machines_worker(rank: int, world: int, out_dir: str) -> None:
 def test_two_machines_of_two_ranks_train_what_every_rank_planning_trains(tmp_path: Path) -> None:
     """Each machine's lowest rank plans and receives every slice's ids; the other ranks get only their samples' ids,
     with the samples (multi-hot, so their lengths travel too). Plans and the trained model are bit for bit those of
-    every rank planning, and fewer id bytes cross between ranks (to 2 planners, not to 3 peers)."""
+    every rank planning, and fewer id bytes cross between ranks (to 2 planners, not to 3 peers). Every scheduler
+    gets the machines of the ranks: LAIA is host-aware here (it is not on one machine, `plan_on_results`)."""
     run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:two_machines_worker", tmp_path, world_size=4)
     res = [torch.load(rank_result(tmp_path, q)) for q in range(4)]
     base = res[0]["every_rank"]
@@ -433,6 +436,7 @@ def test_two_machines_of_two_ranks_train_what_every_rank_planning_trains(tmp_pat
             for k in base[part]:
                 assert torch.equal(got[part][k], base[part][k]), (q, k)
         assert got["has_policy"] == (q in (0, 2))
+        assert got["host_aware"] == (q in (0, 2)) and res[q]["every_rank"]["host_aware"]
     assert [res[q]["two_machines"]["plan_bytes"] > 0 for q in range(4)] == [True, False, True, False]
     ids_now, ids_all_gather = (sum(res[q][m]["id_bytes"] for q in range(4)) for m in ("two_machines", "every_rank"))
     assert 0 < ids_now < ids_all_gather, (ids_now, ids_all_gather)
