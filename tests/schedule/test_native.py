@@ -184,3 +184,10 @@ def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
         monkeypatch.delenv(_native.ENV, raising=False)
         monkeypatch.delenv(_native.DIR_ENV)
         _native.set_mode(True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "jagged"])
+def test_host_aware_plans_equal(kind):
+    # host-aware LAIA scores in numpy on both paths; the rest of the plan (decision, eviction, assembly) is compiled
+    _compare(_trace(kind, 4, 12, 30, seed=21), 4, 12, 2, refine=2, hosts=2)
+    _compare(_trace(kind, 8, 8, 24, seed=22), 8, 8, 3, refine=1, hosts=[0, 1, 0, 1, 2, 2, 3, 3], intra_host_cost=0.5)
