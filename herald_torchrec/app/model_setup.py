@@ -129,11 +129,23 @@ def stock_sharding_types(cfg: DictConfig, model_parallel_only: bool = False) -> 
     return [SHARDING_TYPES[t].value for t in types]
 
 
-def fused_optimizer(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
+# trainer.embedding_optimizer -> (the in-backward optimizer class, FBGEMM's fused optimizer, whether it takes eps)
+EMBEDDING_OPTIMIZERS: dict[str, tuple[type, str, bool]] = {
+    "rowwise_adagrad": (RowWiseAdagrad, "exact_rowwise_adagrad", True),
+    "adagrad": (torch.optim.Adagrad, "exact_adagrad", True),  # per-element state, as torch.optim.Adagrad
+    "sgd": (torch.optim.SGD, "exact_sgd", False),
+}
+
+
+def _embedding_optimizer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     t = cfg.trainer
-    if t.embedding_optimizer == "rowwise_adagrad":
-        return RowWiseAdagrad, {"lr": t.embedding_lr, "eps": t.get("embedding_eps", 1e-8)}
-    return torch.optim.SGD, {"lr": t.embedding_lr}
+    takes_eps = EMBEDDING_OPTIMIZERS[t.embedding_optimizer][2]
+    return {"lr": t.embedding_lr, **({"eps": t.get("embedding_eps", 1e-8)} if takes_eps else {})}
+
+
+def fused_optimizer(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
+    """The embedding optimizer as `apply_optimizer_in_backward` takes it (stock TorchRec sharders)."""
+    return EMBEDDING_OPTIMIZERS[cfg.trainer.embedding_optimizer][0], _embedding_optimizer_kwargs(cfg)
 
 
 def dense_optimizer(model: torch.nn.Module, cfg: DictConfig) -> KeyedOptimizerWrapper:
@@ -343,12 +355,8 @@ def _herald(
     options = herald_options(sc)
     options.runnable_policy()  # before the (possibly profiling) choice of unscheduled tables
     use_native_kernels(options.native)
-    fused = {
-        "optimizer": "exact_rowwise_adagrad" if t.embedding_optimizer == "rowwise_adagrad" else "exact_sgd",
-        "learning_rate": t.embedding_lr,
-    }
-    if t.embedding_optimizer == "rowwise_adagrad":
-        fused["eps"] = t.get("embedding_eps", 1e-8)
+    kwargs = _embedding_optimizer_kwargs(cfg)
+    fused = {"optimizer": EMBEDDING_OPTIMIZERS[t.embedding_optimizer][1], "learning_rate": kwargs.pop("lr"), **kwargs}
     _, cache_load_factor = hbm_cache(cfg)
     if cache_load_factor:
         fused["cache_load_factor"] = cache_load_factor

@@ -205,8 +205,10 @@ def validate(cfg: DictConfig) -> None:
     _integer(t, "eval_interval", 0, " (steps between evaluations; 0 = only at the end)")
     _integer(t, "log_interval", 1, " (steps between progress lines)")
     _integer(t, "checkpoint_interval", 0, " (steps between checkpoints; 0 = off)", optional=True)
-    if t.embedding_optimizer not in ("rowwise_adagrad", "sgd"):
-        raise ConfigError(f"trainer.embedding_optimizer must be rowwise_adagrad or sgd, got '{t.embedding_optimizer}'")
+    if t.embedding_optimizer not in ("rowwise_adagrad", "adagrad", "sgd"):
+        raise ConfigError(
+            f"trainer.embedding_optimizer must be rowwise_adagrad, adagrad or sgd, got '{t.embedding_optimizer}'"
+        )
     if t.dense_optimizer not in ("adam", "adagrad", "sgd"):
         raise ConfigError(f"trainer.dense_optimizer must be adam, adagrad or sgd, got '{t.dense_optimizer}'")
     for key in ("embedding_lr", "dense_lr"):

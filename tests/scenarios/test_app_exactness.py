@@ -1,7 +1,7 @@
-"""The central claim at the application level: `train.py` ends at the same model — every table, its optimizer
-state and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static, scheduler=p2res, stock
-TorchRec ROW_WISE on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and an unscheduled
-one-process run over the same global batches (the reference).
+"""The central claim at the application level: `train.py` ends at the same model — every table, its optimizer state
+(row-wise Adagrad, Adagrad, SGD) and every dense parameter (final_state.pt) — under scheduler=herald, scheduler=static,
+scheduler=p2res, stock TorchRec ROW_WISE on 2 gloo ranks, Herald with some tables left to TorchRec's own sharding, and
+an unscheduled one-process run over the same global batches (the reference).
 
 Why `embedding_eps=1e-2` for row-wise Adagrad: with the default 1e-8, a row read by one or two very confident
 samples takes a step of ~lr * g/|g|, so float32 summation-order noise in g (~1e-4 relative where sigmoid(z) - y is
@@ -47,9 +47,9 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a) if a else 0.0
 
 
-@pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5)])
+@pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5), ("adagrad", 0.05)])
 def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: float) -> None:
-    eps = ["trainer.embedding_eps=1e-2"] if optimizer == "rowwise_adagrad" else []
+    eps = ["trainer.embedding_eps=1e-2"] if optimizer != "sgd" else []
     common = [
         *eps,
         "trainer.steps=30",
@@ -77,7 +77,9 @@ def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: flo
         states[s] = torch.load(path)
     ref = states["reference"]
     assert len(ref["tables"]) == 26 and ref["tables"]["t_c2"].shape == (101313, 16)
-    assert len(ref["optimizer_state"]) == (26 if optimizer == "rowwise_adagrad" else 0)
+    assert len(ref["optimizer_state"]) == (26 if optimizer != "sgd" else 0)
+    if optimizer == "adagrad":  # torch.optim.Adagrad: FBGEMM's EXACT_ADAGRAD, one float of state per element
+        assert ref["optimizer_state"]["t_c2"].shape == (101313, 16)
     assert ref["dense"], "dense parameters missing"
     for s in ("herald", "static", "torchrec", "herald_mixed", "p2res"):
         assert _max_diff(states[s]["tables"], ref["tables"]) <= 1e-5, s

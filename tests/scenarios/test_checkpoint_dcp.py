@@ -2,6 +2,7 @@
 keys, shapes and ShardedTensor metadata of TorchRec's ROW_WISE sharding and hold the *current* rows wherever they
 live; `torch.distributed.checkpoint` save + load into a fresh model is exact and resets ownership to home; stock
 TorchRec checkpoints (ROW_WISE, TABLE_WISE) load into Herald and back; a mixed EBC checkpoints like a stock one.
+Row-wise Adagrad's state is [rows]; Adagrad's (EXACT_ADAGRAD) is per element, [rows, dim], sharded as the weight.
 
 Two gloo ranks, the model and the capacity-respecting random planner of test_module_parity.py (its plans
 migrate, evict and forward rows, so guests exist when the checkpoint is taken). Truth is read independently of the
@@ -36,6 +37,16 @@ from tests.scenarios.test_module_parity import (
 
 TABLES = [f"t{t}" for t in range(len(TABLE_ROWS))]
 ADAGRAD, SGD = "exact_rowwise_adagrad", "exact_sgd"
+EXACT_ADAGRAD = "exact_adagrad"  # per-element state: [rows, dim]
+STATEFUL = (ADAGRAD, EXACT_ADAGRAD)
+
+
+def _fused_params(opt: str) -> dict:
+    """The parity model's settings; Adagrad with eps 1e-2 (well conditioned: its state is a per-element sum of
+    squared gradients, small for rarely read elements)."""
+    if opt == EXACT_ADAGRAD:
+        return {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-2}
+    return fused_params(opt)
 
 
 # ------------------------------------------------------------------------------------------------ builders
@@ -61,7 +72,7 @@ def herald_dmp(opt: str, world: int, mixed: bool = False):
     sharder = HeraldEmbeddingBagCollectionSharder(
         cache_ratio=CACHE_RATIO,
         policy="random",
-        fused_params=fused_params(opt),
+        fused_params=_fused_params(opt),
         unscheduled_tables=["t3"] if mixed else (),
     )
     if mixed:
@@ -83,7 +94,7 @@ def stock_dmp(opt: str, world: int, sharding: str):
     from herald_torchrec.app.model_setup import StockSharder
     from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
 
-    fp = fused_params(opt)
+    fp = _fused_params(opt)
     fp["optimizer"] = parse_optimizer(fp["optimizer"])
     sharder = StockSharder(fused_params=fp)
     model = make_model()
@@ -152,14 +163,15 @@ def train(dmp, batches: list[dict], rank: int, world: int, planner: RandomPlanne
         _train_step(dmp, dense_opt, b, samples)
 
 
-def full_from_state_dicts(dmp) -> tuple[dict, dict]:
+def full_from_state_dicts(dmp, opt: str = ADAGRAD) -> tuple[dict, dict]:
     """Full tables + momentum from `dmp.state_dict()` / `dmp.fused_optimizer.state_dict()` (collective: local
-    shards, then one all-reduce; a rank may lack a table's optimizer key under TABLE_WISE)."""
+    shards, then one all-reduce; a rank may lack a table's optimizer key under TABLE_WISE). The momentum is [rows]
+    (row-wise Adagrad) or [rows, dim] (`EXACT_ADAGRAD`)."""
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     w = {n: torch.zeros(r, DIM) for n, r in zip(TABLES, TABLE_ROWS)}
-    s = {n: torch.zeros(r) for n, r in zip(TABLES, TABLE_ROWS)}
+    s = {n: torch.zeros((r, DIM) if opt == EXACT_ADAGRAD else (r,)) for n, r in zip(TABLES, TABLE_ROWS)}
 
     def fill(out: torch.Tensor, st: ShardedTensor) -> None:
         for sh in st.local_shards():
@@ -172,15 +184,15 @@ def full_from_state_dicts(dmp) -> tuple[dict, dict]:
     for k, v in dmp.fused_optimizer.state_dict()["state"].items():
         for sv in v.values():
             fill(s[k.split(".")[-2]], sv)
-    flat = torch.cat([w[n].reshape(-1) for n in TABLES] + [s[n] for n in TABLES])
+    flat = torch.cat([w[n].reshape(-1) for n in TABLES] + [s[n].reshape(-1) for n in TABLES])
     dist.all_reduce(flat)
     off, wo, so = 0, {}, {}
-    for n, r in zip(TABLES, TABLE_ROWS):
-        wo[n] = flat[off : off + r * DIM].view(r, DIM).clone()
-        off += r * DIM
-    for n, r in zip(TABLES, TABLE_ROWS):
-        so[n] = flat[off : off + r].clone()
-        off += r
+    for n in TABLES:
+        wo[n] = flat[off : off + w[n].numel()].view(w[n].shape).clone()
+        off += w[n].numel()
+    for n in TABLES:
+        so[n] = flat[off : off + s[n].numel()].view(s[n].shape).clone()
+        off += s[n].numel()
     return wo, so
 
 
@@ -214,6 +226,10 @@ def _diff(a: dict, b: dict) -> float:
 def _metadata(v) -> tuple:
     """What must equal between Herald's and stock's ShardedTensors: global metadata and this rank's shard metadata."""
     return (v.metadata(), [sh.metadata for sh in v.local_shards()], [tuple(sh.tensor.shape) for sh in v.local_shards()])
+
+
+def _state(dmp) -> dict:
+    return dmp.fused_optimizer.state_dict()["state"]
 
 
 def _layout(dmp) -> dict:
@@ -256,14 +272,14 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     herald_part(a).set_plan(RandomPlanner(world, BATCH, "random", seed=99).plan(batches[8]))  # queued, then dropped
     truth_w, truth_s = herald_part(a).full_tables()
     truth_dense = dense_state(unwrapped(a))
-    dcp_save(a, ckpt, with_optim=opt == ADAGRAD)
+    dcp_save(a, ckpt, with_optim=opt in STATEFUL)
     b = herald_dmp(opt, world)
     fresh_w, _ = herald_part(b).full_tables()
-    dcp_load(b, ckpt, with_optim=opt == ADAGRAD)
+    dcp_load(b, ckpt, with_optim=opt in STATEFUL)
     got_w, got_s = herald_part(b).full_tables()
-    via_sd_w, via_sd_s = full_from_state_dicts(b)
+    via_sd_w, via_sd_s = full_from_state_dicts(b, opt)
     dense_diff = _diff(dense_state(unwrapped(b)), truth_dense)
-    dcp_load(a, ckpt, with_optim=opt == ADAGRAD)  # the trained model back at its home placement
+    dcp_load(a, ckpt, with_optim=opt in STATEFUL)  # the trained model back at its home placement
     after_a, after_b = _ownership(a), _ownership(b)
     a_w, a_s = herald_part(a).full_tables()
     # train on with the same fresh plans (from the home placement)
@@ -296,15 +312,16 @@ def roundtrip_worker(rank: int, world: int, out_dir: str, opt: str) -> None:
     )
 
 
-def cross_worker(rank: int, world: int, out_dir: str) -> None:
+def cross_worker(rank: int, world: int, out_dir: str, opt: str = ADAGRAD) -> None:
     """Layout equal to stock ROW_WISE; stock ROW_WISE / TABLE_WISE checkpoints -> Herald; Herald checkpoint -> stock."""
     out: dict = {}
     batches = make_batches(world, steps=8, seed=4)
-    h = herald_dmp(ADAGRAD, world)
-    out["layout_equal"] = _layout(h) == _layout(stock_dmp(ADAGRAD, world, "row_wise"))
-    lh, ls = _layout(h), _layout(stock_dmp(ADAGRAD, world, "row_wise"))
+    h = herald_dmp(opt, world)
+    out["layout_equal"] = _layout(h) == _layout(stock_dmp(opt, world, "row_wise"))
+    lh, ls = _layout(h), _layout(stock_dmp(opt, world, "row_wise"))
     out["layout_diff"] = [k for k in sorted(set(lh) | set(ls)) if lh.get(k) != ls.get(k)]
-    stock_groups = stock_dmp(ADAGRAD, world, "row_wise").fused_optimizer.param_groups
+    out["state_shapes"] = {k: {kk: tuple(vv.size()) for kk, vv in v.items()} for k, v in _state(h).items()}
+    stock_groups = stock_dmp(opt, world, "row_wise").fused_optimizer.param_groups
     out["groups"] = (
         [(sorted(g), len(g["params"]), float(g["lr"])) for g in h.fused_optimizer.param_groups],
         [(sorted(g), len(g["params"]), float(g["lr"])) for g in stock_groups],
@@ -314,11 +331,11 @@ def cross_worker(rank: int, world: int, out_dir: str) -> None:
     hw, hs = herald_part(h).full_tables()
     dcp_save(h, str(Path(out_dir) / "herald"), with_optim=True)
     for sharding in ("row_wise", "table_wise"):
-        s = stock_dmp(ADAGRAD, world, sharding)
+        s = stock_dmp(opt, world, sharding)
         dcp_load(s, str(Path(out_dir) / "herald"), with_optim=True)  # Herald -> stock
-        sw, ss = full_from_state_dicts(s)
+        sw, ss = full_from_state_dicts(s, opt)
         out[f"herald_to_{sharding}"] = (_diff(sw, hw), _diff(ss, hs))
-        s = stock_dmp(ADAGRAD, world, sharding)
+        s = stock_dmp(opt, world, sharding)
         with torch.no_grad():  # the stock run starts from the same tables (TorchRec draws its own otherwise)
             full = init_tables()
             for k, v in s.state_dict().items():
@@ -327,10 +344,10 @@ def cross_worker(rank: int, world: int, out_dir: str) -> None:
                         o, n = sh.metadata.shard_offsets, sh.metadata.shard_sizes
                         sh.tensor.copy_(full[k.split(".")[-2]][o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
         train(s, batches, rank, world, None)
-        sw, ss = full_from_state_dicts(s)
+        sw, ss = full_from_state_dicts(s, opt)
         path = str(Path(out_dir) / f"stock_{sharding}")
         dcp_save(s, path, with_optim=True)
-        g = herald_dmp(ADAGRAD, world)
+        g = herald_dmp(opt, world)
         dcp_load(g, path, with_optim=True)  # stock -> Herald
         gw, gs = herald_part(g).full_tables()
         out[f"{sharding}_to_herald"] = (_diff(gw, sw), _diff(gs, ss), float(ss["t0"].abs().max()))
@@ -390,7 +407,7 @@ def in_memory_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("opt", [ADAGRAD, SGD])
+@pytest.mark.parametrize("opt", [ADAGRAD, SGD, EXACT_ADAGRAD])
 def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str) -> None:
     res = [
         torch.load(f, weights_only=False)
@@ -401,7 +418,7 @@ def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str
     assert r["fresh_differs"] > 1e-3  # the fresh model really starts elsewhere
     for key in ("loaded_w", "loaded_s", "via_sd_w", "via_sd_s", "self_w", "self_s", "dense"):
         assert r[key] == 0.0, (key, r[key])
-    assert r["n_states"] == (len(TABLE_ROWS) if opt == ADAGRAD else 0)
+    assert r["n_states"] == (len(TABLE_ROWS) if opt in STATEFUL else 0)
     for rr in res:
         for who in ("after_a", "after_b"):
             own = rr[who]
@@ -411,7 +428,7 @@ def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str
     # both models trained on with the same fresh plans from the home placement: identical
     assert r["trained_on_w"] <= 1e-7 and r["trained_on_s"] <= 1e-7, (r["trained_on_w"], r["trained_on_s"])
     assert r["moved_on"] > 1e-4
-    want = {f"ebc.embedding_bags.{t}.weight": ([f"{t}.momentum1"] if opt == ADAGRAD else []) for t in TABLES}
+    want = {f"ebc.embedding_bags.{t}.weight": ([f"{t}.momentum1"] if opt in STATEFUL else []) for t in TABLES}
     assert r["optim_sd"] == want
     # the checkpoint itself, read in one process: the trained model's current rows, not slot-ordered internals
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -419,15 +436,22 @@ def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str
     dcp_to_torch_save(r["ckpt"], str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     assert _diff({t: full["model"][f"ebc.embedding_bags.{t}.weight"] for t in TABLES}, r["truth_w"]) == 0.0
-    if opt == ADAGRAD:
+    if opt in STATEFUL:
         got = {t: full["optim"]["state"][f"ebc.embedding_bags.{t}.weight"][f"{t}.momentum1"] for t in TABLES}
         assert _diff(got, r["truth_s"]) == 0.0 and max(float(v.abs().max()) for v in got.values()) > 0
+        per_element = opt == EXACT_ADAGRAD
+        assert [tuple(got[t].shape) for t in TABLES] == [(n, DIM) if per_element else (n,) for n in TABLE_ROWS]
     assert not any("_store" in k for k in full["model"])
 
 
-def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path) -> None:
-    r = torch.load(run_ranks("tests.scenarios.test_checkpoint_dcp:cross_worker", tmp_path)[0], weights_only=False)
+@pytest.mark.parametrize("opt", [ADAGRAD, EXACT_ADAGRAD])
+def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path, opt: str) -> None:
+    r = torch.load(
+        run_ranks("tests.scenarios.test_checkpoint_dcp:cross_worker", tmp_path, opt=opt)[0], weights_only=False
+    )
     assert r["layout_equal"], r["layout_diff"]
+    want = {(n, DIM) if opt == EXACT_ADAGRAD else (n,) for n in TABLE_ROWS}
+    assert {shape for v in r["state_shapes"].values() for shape in v.values()} == want
     (hg,), (sg,) = r["groups"]
     assert hg[:2] == sg[:2] and hg[2] == pytest.approx(sg[2]), r["groups"]
     assert r["guests"] > 0

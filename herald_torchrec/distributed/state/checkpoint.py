@@ -8,8 +8,9 @@ a checkpoint holds instead, per table `<t>` (exactly TorchRec's ROW_WISE keys, s
 
 * `<prefix>embedding_bags.<t>.weight`: ShardedTensor [rows, dim]; shard r = rank r's home block (the plan's
   sharding_spec), holding the *current* value of every home row, wherever it lives now;
-* fused optimizer: `state["<fqn>.embedding_bags.<t>.weight"]["<t>.momentum1"]` (row-wise Adagrad): ShardedTensor
-  [rows] with the same row split; SGD keeps no state (an empty dict per table, as TorchRec's fused optimizer).
+* fused optimizer: `state["<fqn>.embedding_bags.<t>.weight"]["<t>.momentum1"]`: a ShardedTensor [rows] with the same
+  row split for row-wise Adagrad (`StateLayout.PER_ROW`), [rows, dim] with the weight's shards for Adagrad
+  (`PER_ELEMENT`); SGD keeps no state (an empty dict per table, as TorchRec's fused optimizer).
 
 On CPU the local shards are views of the TBE's home slots (as TorchRec's FUSED tables alias their TBE), so
 in-place writes (TorchRec's `copy_state_dict`, a DCP load, a user's edit) land in the table. A *refresh* makes them
@@ -31,7 +32,7 @@ on every rank, directories and guest counts coherent, queued plans are dropped w
 gradients belong to the model being replaced), and `module.ownership_version` is incremented so that a train
 pipeline rebuilds its scheduler from the home placement. Loading is collective too.
 
-Costs and caveats: on CUDA the buffers are one extra copy of each rank's home blocks (and row-wise state). Take
+Costs and caveats: on CUDA the buffers are one extra copy of each rank's home blocks (and their optimizer state). Take
 checkpoints between steps: a step whose shared-row update is pending is finished first (as the fused
 optimizer's `step()` would), so a `state_dict()` between forward and backward would drop that step's shared-row
 gradients. Optimizer wrappers that copy `.state` once at construction (torchrec's `OptimizerWrapper`) see the
@@ -55,6 +56,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torchrec.distributed.types import ParameterSharding
 
 from herald_torchrec.distributed.step.prepare import prepare_moves, routes
+from herald_torchrec.distributed.storage.optimizer_params import StateLayout
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, home_range, ragged_arange
 from herald_torchrec.schedule.plan import EVICT_HOME, Plan, RowMoves
 
@@ -134,7 +136,8 @@ def weight_key(table: str) -> str:
 
 
 def state_key(table: str) -> str:
-    """TorchRec's name of a row-wise optimizer state (EmbeddingFusedOptimizer: `<table>.momentum1`)."""
+    """TorchRec's name of a table's optimizer state, per row or per element alike (EmbeddingFusedOptimizer:
+    `<table>.momentum1`)."""
     return f"{table}.momentum1"
 
 
@@ -218,9 +221,8 @@ class HeraldCheckpoint:
         st = module.store
         R, r = module.world_size, module.rank
         pg = process_group
-        if any(w > 1 for w in st.state_widths):
-            raise ValueError(f"checkpoint: optimizer state of width {max(st.state_widths)} per row is not supported")
-        self.has_state = any(w == 1 for w in st.state_widths)
+        self.state_layout: StateLayout = st.state_layout
+        self.has_state = self.state_layout != StateLayout.NONE
         # CPU: the state dicts' local shards are views of the home slots (TorchRec's FUSED tables alias their TBE the
         # same way). CUDA: copies, since the HBM cache holds rows a view of the UVM weights would not see
         self.views = module.device.type == "cpu" and all(st.flat_weights(t) is not None for t in range(st.num_tables))
@@ -231,24 +233,26 @@ class HeraldCheckpoint:
         self.home_w: list[torch.Tensor] = []
         self.home_s: list[torch.Tensor] = []
         self.weights: list[ShardedTensor | torch.Tensor] = []  # <t>.weight, [rows, dim]
-        self.states: list[ShardedTensor | torch.Tensor] = []  # <t>.momentum1, [rows] (row-wise optimizers only)
+        self.states: list[ShardedTensor | torch.Tensor] = []  # <t>.momentum1, [rows] or [rows, dim] (has_state)
         for t, name in enumerate(module.table_names):
             rows, dim, hl = st.rows[t], st.dims[t], st.home_len[t]
             shards = _row_wise_shards(rows, dim, R, r, module.device, (sharding or {}).get(name))
             mine = [s for s in shards if s.placement is not None and s.placement.rank() == r]
             if mine and (int(mine[0].shard_offsets[0]), int(mine[0].shard_sizes[0])) != (st.home_lo[t], hl) and hl:
                 raise ValueError(f"table {name!r}: the plan's shard on rank {r} is not its home block")
+            # the home block's state: [hl] or [hl, dim] (an unused [hl] placeholder without state)
+            state_shape = self.state_layout.shape(hl, dim) or (hl,)
             if self.views:  # the TBE's own home slots: in-place writes land in the table
                 w = st.weights(t)[:hl]
-                state = st.row_state(t)
-                s = state[:hl] if state is not None else torch.zeros(hl, dtype=torch.float32, device=module.device)
+                state = st.state_view(t)
+                s = state[:hl] if state is not None else torch.zeros(state_shape, device=module.device)
             else:
                 w = torch.zeros(hl, dim, dtype=torch.float32, device=module.device)
-                s = torch.zeros(hl, dtype=torch.float32, device=module.device)
+                s = torch.zeros(state_shape, dtype=torch.float32, device=module.device)
             self.home_w.append(w)
             self.weights.append(_sharded(w, shards, (rows, dim), r, pg))
             self.home_s.append(s)
-            if self.has_state:
+            if self.state_layout == StateLayout.PER_ROW:  # TorchRec: the weight's row split, one float per row
                 row_shards = [
                     ShardMetadata(
                         shard_offsets=[int(x.shard_offsets[0])],
@@ -258,6 +262,8 @@ class HeraldCheckpoint:
                     for x in shards
                 ]
                 self.states.append(_sharded(s, row_shards, (rows,), r, pg))
+            elif self.state_layout == StateLayout.PER_ELEMENT:  # TorchRec: the weight's own shards
+                self.states.append(_sharded(s, shards, (rows, dim), r, pg))
         self._fresh: tuple | None = None  # module version of the buffers' snapshot (None: never taken)
         self.load_prefix = ""  # the state-dict prefix of the last load (its post hook filters the keys under it)
         self.table_parameters = [self._table_parameter(t) for t in range(st.num_tables)]
@@ -308,7 +314,7 @@ class HeraldCheckpoint:
                 w, s = st.read_slots(t, np.arange(hl))  # rows away leave stale slots: overwritten below
                 self.home_w[t].copy_(w)
                 if self.has_state:
-                    self.home_s[t].copy_(s.reshape(-1))
+                    self.home_s[t].copy_(s.reshape(self.home_s[t].shape))
         self._fetch_guests()
         # views: the home slots of rows away now hold their current values; what is written there before the next
         # step (copy_state_dict, a DCP load, an edit) goes to the owners then (`settle`)
@@ -450,7 +456,7 @@ class HeraldCheckpoint:
             idx = torch.from_numpy(r_row[sel] - st.home_lo[t]).to(got.device)
             self.home_w[t].index_copy_(0, idx, block[:, :d])
             if self.has_state:
-                self.home_s[t].index_copy_(0, idx, block[:, d])
+                self.home_s[t].index_copy_(0, idx, block[:, d:].reshape((-1,) + self.home_s[t].shape[1:]))
 
     # ---------------------------------------------------------------------- load
     def send_guests_home(self) -> None:
@@ -489,13 +495,13 @@ class HeraldCheckpoint:
                 continue
             slots = np.arange(hl)
             if w is None:  # only the optimizer state: the weights stay (the buffers keep what DCP put there)
-                st.write_slots(t, slots, st.read_slots(t, slots)[0], s.reshape(hl, 1))
+                st.write_slots(t, slots, st.read_slots(t, slots)[0], s.reshape(hl, -1))
             else:
-                st.write_slots(t, slots, w, None if s is None else s.reshape(hl, 1))
+                st.write_slots(t, slots, w, None if s is None else s.reshape(hl, -1))
                 if w is not self.home_w[t] and not self.views:
                     self.home_w[t].copy_(w)
             if s is not None and s is not self.home_s[t] and not (self.views and self.has_state):
-                self.home_s[t].copy_(s.reshape(-1))
+                self.home_s[t].copy_(s.reshape(self.home_s[t].shape))
         m.ownership_version += 1
         # the buffers now hold the loaded rows (and, for tables not loaded, their last snapshot): a DCP load of the
         # optimizer state into them right after a model load must survive until it is applied
@@ -508,7 +514,7 @@ class HeraldCheckpoint:
         st = self.module.store
         name = self.module.table_names[t]
         lo, hl = st.home_lo[t], st.home_len[t]
-        full = (st.rows[t], st.dims[t]) if what == "weight" else (st.rows[t],)
+        full = (st.rows[t], st.dims[t]) if what == "weight" else self.state_layout.shape(st.rows[t], st.dims[t])
         if tuple(value.shape) != full:
             raise ValueError(f"table {name!r}: checkpoint {what} has shape {tuple(value.shape)}, expected {full}")
         if isinstance(value, ShardedTensor):

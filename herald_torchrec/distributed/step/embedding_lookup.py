@@ -287,9 +287,8 @@ class HeraldLookup:
             off += n
             name = st.tables[t].name
             weights[name] = W[:, : st.dims[t]].clone()
-            sw = st.state_widths[t]
-            if sw:
-                states[name] = W[:, st.dims[t] :].clone().squeeze(1) if sw == 1 else W[:, st.dims[t] :].clone()
+            if st.state_widths[t]:  # [rows] (per row) or [rows, dim] (per element), as TorchRec shapes it
+                states[name] = W[:, st.dims[t] :].reshape(st.state_layout.shape(st.rows[t], st.dims[t])).clone()
         return weights, states
 
     @torch.no_grad()

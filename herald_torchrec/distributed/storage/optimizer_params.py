@@ -10,22 +10,27 @@ TorchRec data types become FBGEMM's (`convert_to_fbgemm_types`). The result is p
 arguments. `resolve_table_settings` calls those same TorchRec functions, in that order, so a Herald table gets the
 settings a stock ROW_WISE table would get.
 
-What Herald then checks, and why (`check_settings`): Herald updates an *exclusive* row in the TBE's own fused
-backward and a *shared* row once per step through a backward of the same TBE over one-row bags carrying the row's
-summed gradient (apply_summed_gradients_packed in summed_update.py). A setting is exact under Herald when FBGEMM
-applies it per row, as a function of (row, its optimizer state, its summed gradient) only: then it acts identically
-wherever the row lives. That holds for row-wise Adagrad's eps / L2 or decoupled weight decay / max_norm. Gradient
-clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's gradient (the TBE's grad_output, CPU and CUDA
-alike) before summing it per row; Herald's readers clamp the bag gradients of shared values the same way and the
-owner applies their sum unclipped (RowStore.clip_pooled_gradient), so it is exact too. Settings that read the
-TBE's step counter (counter-based or global weight decay; Adam-like optimizers — Herald's extra update pass
-advances that counter) are refused, as is anything Herald cannot honour (unknown keys, reduced precision rows, other
-optimizers, a torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum). Nothing is silently dropped: each
-refusal is a ValueError naming the setting and why.
+Optimizer state layout (`StateLayout`): a supported optimizer keeps no state (EXACT_SGD), one float per row
+(EXACT_ROWWISE_ADAGRAD's `momentum1`, [rows]) or one float per element (EXACT_ADAGRAD's `momentum1`, [rows, dim]).
+A moved row carries its whole state row either way; checkpoints present it in the shape stock TorchRec gives.
+
+What Herald then checks, and why (`check_settings`): Herald updates an *exclusive* row in the TBE's own fused backward
+and a *shared* row once per step through a backward of the same TBE over one-row bags carrying the row's summed
+gradient (apply_summed_gradients_packed in summed_update.py). A setting is exact under Herald when FBGEMM applies it
+per row, as a function of (row, its optimizer state, its summed gradient) only: then it acts identically wherever the
+row lives. That holds for SGD, row-wise and element-wise (exact) Adagrad and their eps, and for row-wise Adagrad's L2
+or decoupled weight decay / max_norm. Gradient clipping is per *bag*, not per row: FBGEMM clamps each pooled bag's
+gradient (the TBE's grad_output, CPU and CUDA alike) before summing it per row; Herald's readers clamp the bag
+gradients of shared values the same way and the owner applies their sum unclipped (RowStore.clip_pooled_gradient), so
+it is exact too. Settings that read the TBE's step counter (counter-based or global weight decay; Adam-like optimizers
+— Herald's extra update pass advances that counter) are refused, as is anything Herald cannot honour (unknown keys,
+reduced precision rows, other optimizers, a torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum).
+Nothing is silently dropped: each refusal is a ValueError naming the setting and why.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import math
 from typing import Any, Mapping
@@ -46,10 +51,38 @@ from torchrec.distributed.utils import (
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-# Optimizers whose update is a pure function of (row, its state, the row's summed gradient): the only ones for which
-# "one update with the summed gradient, wherever the row lives" is exact. Adam-like optimizers also read the TBE's
-# step counter, which the extra update pass per step would advance twice.
-SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD)
+
+class StateLayout(enum.Enum):
+    """How a fused optimizer's state sits beside a table's rows: what a moved row carries along, and the shape the
+    checkpoint gives it (TorchRec's `<table>.momentum1`). Width = floats of state per row of `dim` floats."""
+
+    NONE = "none"  # EXACT_SGD: no state
+    PER_ROW = "per_row"  # EXACT_ROWWISE_ADAGRAD: one float per row, [rows]
+    PER_ELEMENT = "per_element"  # EXACT_ADAGRAD: one float per element, [rows, dim]
+
+    def width(self, dim: int) -> int:
+        """Floats of state per row."""
+        return {StateLayout.NONE: 0, StateLayout.PER_ROW: 1, StateLayout.PER_ELEMENT: dim}[self]
+
+    def shape(self, rows: int, dim: int) -> tuple[int, ...]:
+        """The state tensor's shape for `rows` rows of `dim` floats (TorchRec's and FBGEMM's): () for NONE."""
+        return {StateLayout.NONE: (), StateLayout.PER_ROW: (rows,), StateLayout.PER_ELEMENT: (rows, dim)}[self]
+
+
+# Optimizers whose update is a pure function of (row, its state, the row's summed gradient), with the layout of that
+# state: the only ones for which "one update with the summed gradient, wherever the row lives" is exact. Adam-like
+# optimizers also read the TBE's step counter, which the extra update pass per step would advance twice.
+OPTIMIZER_STATE_LAYOUT: dict[EmbOptimType, StateLayout] = {
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: StateLayout.PER_ROW,
+    EmbOptimType.EXACT_ADAGRAD: StateLayout.PER_ELEMENT,
+    EmbOptimType.EXACT_SGD: StateLayout.NONE,
+}
+SUPPORTED_OPTIMIZERS = tuple(OPTIMIZER_STATE_LAYOUT)
+
+
+def state_layout(opt: EmbOptimType | str) -> StateLayout:
+    """The state layout of a supported optimizer (a ValueError for any other, as `parse_optimizer`)."""
+    return OPTIMIZER_STATE_LAYOUT[parse_optimizer(opt)]
 
 
 def _tbe_defaults() -> dict[str, Any]:
@@ -105,12 +138,16 @@ _EXACT_WEIGHT_DECAY_MODES = (WeightDecayMode.NONE, WeightDecayMode.L2, WeightDec
 
 
 def parse_optimizer(opt: EmbOptimType | str) -> EmbOptimType:
-    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_sgd", "sgd"); a
-    ValueError for unknown or unsupported optimizers."""
+    """EmbOptimType or its name/value ("exact_rowwise_adagrad", "rowwise_adagrad", "exact_adagrad", "adagrad",
+    "exact_sgd", "sgd"); a ValueError for unknown or unsupported optimizers."""
     if isinstance(opt, EmbOptimType):
         parsed = opt
     else:
-        aliases = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+        aliases = {
+            "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "adagrad": EmbOptimType.EXACT_ADAGRAD,
+            "sgd": EmbOptimType.EXACT_SGD,
+        }
         key = str(opt).strip().lower()
         parsed = aliases.get(key)
         if parsed is None:

@@ -16,8 +16,8 @@ access works row by row: before rows are read, the cache lines that hold exactly
 (`_invalidate_rows`; the rest of the cache, and its LRU state, stay warm). Lines are found with FBGEMM's own
 `lxu_cache_lookup` over the TBE's linear cache index (table's cache base + local slot). `_begin_access()` /
 `_end_write()` (TBE `flush()` / `reset_cache_states()`: the whole cache) remain for whole-table access (`weights`).
-All of this is a no-op on CPU (`EmbeddingLocation.HOST`, no cache). Optimizer states of row-wise optimizers are not
-cached by FBGEMM, so they need nothing.
+All of this is a no-op on CPU (`EmbeddingLocation.HOST`, no cache). FBGEMM caches weights only, never optimizer
+states (per row or per element), so those need nothing.
 """
 
 from __future__ import annotations
@@ -139,11 +139,11 @@ class RowAccessMixin:
         """View [local_rows, dim] of table t's slots (call `_begin_access()` first on CUDA)."""
         return self._weights[t]
 
-    def row_state(self, t: int) -> torch.Tensor | None:
-        """View [local_rows] of table t's row-wise optimizer state (one float per row, e.g. `momentum1`), or None
-        when the optimizer keeps none or keeps more than one float per row."""
+    def state_view(self, t: int) -> torch.Tensor | None:
+        """View of table t's optimizer state (`momentum1`): [local_rows] (`StateLayout.PER_ROW`) or [local_rows,
+        dim] (`PER_ELEMENT`), or None when the optimizer keeps none."""
         st = self._states[t]
-        return st[0] if len(st) == 1 and st[0].dim() == 1 else None
+        return st[0] if len(st) == 1 else None
 
     def flat_weights(self, t: int) -> tuple[torch.Tensor, int] | None:
         """(the TBE's flat weight tensor, element offset of table t's slot 0 in it), or None when `weights(t)` is not
@@ -156,7 +156,7 @@ class RowAccessMixin:
         return base, int(w.storage_offset())
 
     def read_slots(self, t: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of rows and optimizer state at local `slots`: ([n, dim], [n, state_width])."""
+        """Copies of rows and optimizer state at local `slots`: ([n, dim], [n, state_widths[t]])."""
         slots = np.asarray(slots, dtype=np.int64)
         self._sync_rows(np.full(slots.shape[0], t, dtype=np.int64), slots)
         idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self._weights[t].device)

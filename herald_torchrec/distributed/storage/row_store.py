@@ -15,12 +15,14 @@ anything moves). Each per-table array is a view into one flat array over all tab
 (`gkey = key_base[t] + row`): the `*_many` methods take (table, row) pairs of any tables and do one numpy pass,
 where a per-table loop would pay T small calls per step (the per-table methods are the same code with one table).
 
-The fused optimizer lives in the TBE (EXACT_ROWWISE_ADAGRAD by default, or EXACT_SGD): exclusive rows are updated
+The fused optimizer lives in the TBE (EXACT_ROWWISE_ADAGRAD by default, EXACT_ADAGRAD or EXACT_SGD): exclusive rows are
+updated
 in the TBE's own backward; `apply_summed_gradients` applies an externally summed gradient to given slots through
 the same kernel (a forward over one-row bags, then a backward) — bit-exact with the fused path
 (REFERENCE.md in ../shared/docs, checked again in tests/distributed/storage/test_row_store.py).
 
-Optimizer state = the TBE's `split_optimizer_states()` views (for row-wise Adagrad one float per row, `momentum1`),
+Optimizer state = the TBE's `split_optimizer_states()` views, laid out as `state_layout` says (`StateLayout`: none
+for SGD, one float per row for row-wise Adagrad, one per element for Adagrad; all named `momentum1` by TorchRec),
 packed with the row whenever a row moves. Weights = `split_embedding_weights()` views.
 
 `RowStore` is this module's TBE, slot layout and directory, with two mixins in modules of their own: row_access.py
@@ -44,7 +46,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from herald_torchrec.distributed import host_kernels
-from herald_torchrec.distributed.storage.optimizer_params import check_settings
+from herald_torchrec.distributed.storage.optimizer_params import StateLayout, check_settings, state_layout
 from herald_torchrec.distributed.storage.row_access import RowAccessMixin
 from herald_torchrec.distributed.storage.row_layout import (
     check_cache_ratio,
@@ -162,10 +164,19 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         for p in self.tbe.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
         self._weights = self.tbe.split_embedding_weights()  # views [local_rows, dim]
-        states = self.tbe.split_optimizer_states() if self.optimizer != EmbOptimType.EXACT_SGD else []
-        # per table: list of state views, each [local_rows] (row-wise) or [local_rows, w]
+        self.state_layout: StateLayout = state_layout(self.optimizer)
+        states = self.tbe.split_optimizer_states() if self.state_layout != StateLayout.NONE else []
+        # per table: list of state views, [local_rows] (PER_ROW) or [local_rows, dim] (PER_ELEMENT)
         self._states: list[list[torch.Tensor]] = [list(s) for s in states] if states else [[] for _ in range(T)]
-        self.state_widths = [sum(1 if x.dim() == 1 else int(x.shape[1]) for x in st) for st in self._states]
+        self.state_widths = [self.state_layout.width(d) for d in self.dims]  # floats of state per row
+        for t, st in enumerate(self._states):
+            want = self.state_layout.shape(self.local_rows[t], self.dims[t])
+            got = [tuple(x.shape) for x in st]
+            if got != ([want] if want else []) and self.local_rows[t]:  # pragma: no cover - FBGEMM changed its layout
+                raise RuntimeError(
+                    f"RowStore: {self.optimizer.name}'s optimizer state of table {self.tables[t].name!r} has shapes "
+                    f"{got}, expected {[want] if want else []} ({self.state_layout.name})"
+                )
         with torch.no_grad():
             for w in self._weights:
                 w.zero_()

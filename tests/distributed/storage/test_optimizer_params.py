@@ -1,7 +1,8 @@
 """Optimizer settings exactly as TorchRec takes them: `fused_params` and `apply_optimizer_in_backward`
 resolved with TorchRec's precedence, every supported TBE setting reaching Herald's row store, unsupported ones a
 ValueError naming the setting (sharder and module), and 2-rank runs where Herald trains exactly like stock
-TorchRec ROW_WISE with gradient clipping and with in-backward optimizers."""
+TorchRec ROW_WISE with gradient clipping, with in-backward optimizers and with Adagrad's per-element state (moved
+with its rows, and shown by `fused_optimizer.state_dict()` in stock's keys, shapes and shards)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def _in_backward(ebc, cls, kwargs: dict) -> None:
     [
         ({"foo": 1}, "foo"),
         ({"optimizer": "adam"}, "optimizer"),
-        ({"optimizer": EmbOptimType.EXACT_ADAGRAD}, "optimizer"),
+        ({"optimizer": EmbOptimType.ROWWISE_ADAGRAD}, "optimizer"),  # not exact: duplicate rows updated in turn
+        ({"optimizer": EmbOptimType.PARTIAL_ROWWISE_ADAM}, "optimizer"),  # reads the step counter
+        ({"optimizer": "exact_adagrad", "weight_decay": 0.1}, "weight_decay"),  # FBGEMM's Adagrad has none
         ({"momentum": 0.9}, "momentum"),
         ({"optimizer": "exact_sgd", "weight_decay": 0.1}, "weight_decay"),
         ({"optimizer": "exact_sgd", "max_norm": 1.0}, "max_norm"),
@@ -84,6 +87,17 @@ def test_in_backward_optimizer_is_checked_by_the_module() -> None:
         build(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="lr_decay"):
         build(__import__("torchrec").optim.RowWiseAdagrad, {"lr": 0.1, "lr_decay": 0.5})
+    with pytest.raises(ValueError, match="initial_accumulator_value"):
+        build(torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1})
+    with pytest.raises(ValueError, match="weight_decay"):
+        build(torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01})
+    # torch.optim.Adagrad is FBGEMM's EXACT_ADAGRAD, as TorchRec maps it
+    m = build(torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-2})
+    assert (m.optimizer_type, m.learning_rate, m._store.tbe.optimizer_args.eps) == (
+        EmbOptimType.EXACT_ADAGRAD,
+        0.2,
+        pytest.approx(1e-2),
+    )
     # neutral torch arguments are accepted; in-backward overrides the sharder's (and Herald's default) optimizer
     m = build(
         torch.optim.SGD, {"lr": 0.25, "momentum": 0.0}, {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.01}
@@ -207,6 +221,9 @@ RUNS = {
     ),
     "in_backward_sgd": (None, ("torch.optim.SGD", {"lr": 0.5}), None),
     "in_backward_adagrad": (None, ("torchrec.optim.RowWiseAdagrad", {"lr": 0.05, "eps": 1e-3}), None),
+    # Adagrad's state is per element ([rows, dim]): each moved row carries its whole state row
+    "exact_adagrad": ({"optimizer": "exact_adagrad", "learning_rate": 0.05, "eps": 1e-2}, None, None),
+    "in_backward_exact_adagrad": (None, ("torch.optim.Adagrad", {"lr": 0.05, "eps": 1e-2}), None),
     # nothing names the optimizer: stock trains FBGEMM's default (EXACT_SGD, lr 0.01), and so must Herald
     "unnamed_default": (None, None, None),
     "unnamed_lr_only": ({"learning_rate": 0.5}, None, None),  # what TorchRec's create_test_sharder passes
@@ -230,6 +247,21 @@ def _model(in_backward):
     if in_backward is not None:
         _in_backward(model.ebc, _optimizer_class(in_backward[0]), dict(in_backward[1]))
     return model
+
+
+def _optimizer_state_layout(dmp) -> dict:
+    """`fused_optimizer.state_dict()["state"]` as a checkpoint sees it: per parameter and state key, the global shape
+    and this rank's shards (offsets, sizes)."""
+    out = {}
+    for param, states in dmp.fused_optimizer.state_dict()["state"].items():
+        out[param] = {
+            k: (
+                tuple(v.size()),
+                [(tuple(sh.metadata.shard_offsets), tuple(sh.metadata.shard_sizes)) for sh in v.local_shards()],
+            )
+            for k, v in states.items()
+        }
+    return out
 
 
 def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
@@ -261,6 +293,7 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
     return {
         "weights": weights,
         "states": states,
+        "optimizer_state_layout": _optimizer_state_layout(dmp),
         "optimizer": sebc.optimizer_type.name,
         "lr": sebc._store.tbe.get_learning_rate(),
         "eps": args.eps,
@@ -306,8 +339,9 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
     for b in batches:
         P._train_step(dmp, dense_opt, b, np.arange(rank * P.BATCH, (rank + 1) * P.BATCH))
     weights = {f"t{t}": torch.zeros(r, P.DIM) for t, r in enumerate(P.TABLE_ROWS)}
-    states = {f"t{t}": torch.zeros(r) for t, r in enumerate(P.TABLE_ROWS)}
     has_state = any(st is not None for *_, st in shards)
+    per_element = has_state and shards[0][3].dim() == 2  # EXACT_ADAGRAD: [rows, dim]; row-wise: [rows]
+    states = {f"t{t}": torch.zeros((r, P.DIM) if per_element else (r,)) for t, r in enumerate(P.TABLE_ROWS)}
     for name, off, w, st in shards:
         weights[name][off : off + w.shape[0]] = w.detach()
         if st is not None:
@@ -315,7 +349,11 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
     for d in (weights, states):
         for v in d.values():
             dist.all_reduce(v)
-    return {"weights": weights, "states": states if has_state else {}}
+    return {
+        "weights": weights,
+        "states": states if has_state else {},
+        "optimizer_state_layout": _optimizer_state_layout(dmp),
+    }
 
 
 def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> None:
@@ -385,6 +423,24 @@ def test_herald_trains_like_stock_row_wise(optimizer_runs: dict, name: str) -> N
             pytest.approx(0.05),
             pytest.approx(1e-3),
         )
+    if "exact_adagrad" in name:
+        assert (h["optimizer"], h["lr"], h["eps"]) == ("EXACT_ADAGRAD", pytest.approx(0.05), pytest.approx(1e-2))
+        for t, rows in enumerate(P.TABLE_ROWS):  # per element: [rows, dim], its elements not all alike per row
+            state = h["states"][f"t{t}"]
+            assert tuple(state.shape) == (rows, P.DIM)
+            assert float((state - state[:, :1]).abs().max()) > 1e-5
+        # the sums of squared gradients are small (~2e-4): also equal relative to their size
+        scale = max(float(v.abs().max()) for v in s["states"].values())
+        assert scale > 1e-5 and _max_diff(h["states"], s["states"]) <= 1e-5 * scale
+    # the checkpoint's view of the optimizer state: stock's keys, global shapes and this rank's shards
+    assert h["optimizer_state_layout"] == s["optimizer_state_layout"], name
+    if "adagrad" in name:
+        dim = P.DIM if "exact_adagrad" in name else None
+        for param, states in h["optimizer_state_layout"].items():
+            t = param.split(".")[-2]
+            shape, shards = states[f"{t}.momentum1"]
+            assert shape == ((P.TABLE_ROWS[int(t[1:])], dim) if dim else (P.TABLE_ROWS[int(t[1:])],))
+            assert len(shards) == 1 and len(shards[0][0]) == len(shape)
 
 
 def test_clipping_is_per_bag_and_the_shared_row_pass_does_not_clip_again() -> None:

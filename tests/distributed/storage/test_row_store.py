@@ -7,7 +7,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from herald_torchrec.distributed.storage.optimizer_params import parse_optimizer
+from herald_torchrec.distributed.storage.optimizer_params import StateLayout, parse_optimizer
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, guest_capacity, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 
@@ -29,6 +29,12 @@ def test_layout_matches_torchrec_row_wise() -> None:
     assert s.owned_keys(1).tolist() == [4, 5, 6]
     assert s.owner[0].tolist() == [0] * 5 + [1] * 5
     assert s.state_widths == [1, 1] and make(opt="exact_sgd").state_widths == [0, 0]
+    # Adagrad keeps one float per element: a row carries dim floats of state
+    ada = make(opt="exact_adagrad")
+    assert ada.state_layout == StateLayout.PER_ELEMENT and ada.state_widths == [4, 8]
+    assert [tuple(ada.state_view(t).shape) for t in range(2)] == [(8, 4), (7, 8)]
+    assert tuple(s.state_view(0).shape) == (8,) and make(opt="exact_sgd").state_view(0) is None
+    assert [ada.row_width(t) for t in range(2)] == [8, 16] and ada.packed_widths(np.array([1, 0])).tolist() == [16, 8]
     # an empty home block still gets its guest slots
     e = RowStore([TableSpec("c", 5, 4)], 3, 4, cache_ratio=0.2)
     assert e.home_len == [0] and e.capacity == [1] and e.owned_keys(0).size == 0
@@ -46,14 +52,19 @@ def test_bad_arguments() -> None:
         parse_optimizer("nope")
     assert parse_optimizer("rowwise_adagrad") == EmbOptimType.EXACT_ROWWISE_ADAGRAD
     assert parse_optimizer("SGD") == EmbOptimType.EXACT_SGD
+    assert parse_optimizer("adagrad") == parse_optimizer("exact_adagrad") == EmbOptimType.EXACT_ADAGRAD
+    for other in ("rowwise_adagrad_with_counter", "partial_rowwise_adam", "lamb", "row_wise_adagrad"):
+        with pytest.raises(ValueError, match="optimizer"):
+            parse_optimizer(other)
     with pytest.raises(ValueError, match="rank"):
         RowStore(TABLES, 2, 2)
     with pytest.raises(ValueError, match="dim % 4"):
         RowStore([TableSpec("x", 10, 6)], 0, 1)
 
 
-def test_rows_and_state_travel_between_stores() -> None:
-    a, b = make(rank=0), make(rank=1)
+@pytest.mark.parametrize("opt, width", [("exact_rowwise_adagrad", 1), ("exact_adagrad", 4)])
+def test_rows_and_state_travel_between_stores(opt: str, width: int) -> None:
+    a, b = make(rank=0, opt=opt), make(rank=1, opt=opt)
     g = torch.Generator().manual_seed(0)
     for s in (a, b):
         for t in range(2):
@@ -61,11 +72,13 @@ def test_rows_and_state_travel_between_stores() -> None:
                 t,
                 np.arange(s.local_rows[t]),
                 torch.rand(s.local_rows[t], s.dims[t], generator=g),
-                torch.rand(s.local_rows[t], 1, generator=g),
+                torch.rand(s.local_rows[t], s.state_widths[t], generator=g),
             )
     keys = np.array([1, 4, 0])
     w, st = a.read_rows(0, keys)
-    assert w.shape == (3, 4) and st.shape == (3, 1)
+    assert w.shape == (3, 4) and st.shape == (3, width)
+    state = a.state_view(0)[torch.tensor([1, 4, 0])]  # the TBE's own state rows, whole
+    assert torch.equal(st, state.view(3, width))
     assert torch.equal(w, a.weights(0)[torch.tensor([1, 4, 0])])
     # a -> b: leave, update the global map on both, arrive
     a.release(0, keys)
@@ -91,7 +104,7 @@ def test_rows_and_state_travel_between_stores() -> None:
     assert b.num_guests(0) == 2 and b.allocate(0, np.array([3])).tolist() == [6]
 
 
-@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_sgd"])
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"])
 def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> None:
     """One update with g1 + g2 through apply_summed_gradients == the fused backward where the row sits in 2 bags."""
     fused, summed = make(opt=opt, fpt=[2, 1]), make(opt=opt, fpt=[2, 1])
@@ -99,7 +112,7 @@ def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> No
     for t in range(2):
         w = torch.rand(fused.local_rows[t], fused.dims[t], generator=g)
         for s in (fused, summed):
-            s.write_slots(t, np.arange(s.local_rows[t]), w, torch.full((s.local_rows[t], 1), 0.5))
+            s.write_slots(t, np.arange(s.local_rows[t]), w, torch.full((s.local_rows[t], s.state_widths[t]), 0.5))
     # features: f0 (table a), f1 (table a), f2 (table b); B = 2
     idx = torch.tensor([1, 2, 2, 3, 1, 4, 0, 5])
     off = torch.tensor([0, 2, 3, 5, 6, 7, 8])
@@ -125,6 +138,9 @@ def test_summed_gradient_update_is_bit_exact_with_the_fused_path(opt: str) -> No
         _, s1 = fused.read_slots(t, np.arange(fused.local_rows[t]))
         _, s2 = summed.read_slots(t, np.arange(summed.local_rows[t]))
         assert torch.equal(s1, s2)
+        if opt == "exact_adagrad":  # per-element state: each element's squared gradient sum, not a row mean
+            G = W[t].grad[rows[t]]
+            assert torch.allclose(s2[rows[t]], 0.5 + G * G) and not torch.allclose(s2[rows[t]], s2[rows[t]][:, :1])
     # untouched rows did not move
     assert torch.equal(summed.weights(0)[0], fused.weights(0)[0])
     summed.apply_summed_gradients([None, None], [None, None])  # nothing to do
@@ -185,7 +201,8 @@ def test_compiled_directory_updates_match_numpy() -> None:
     assert a.num_guests(0) + a.num_guests(1) > 0 and host_kernels._store_ok(a)  # guests moved; the kernels ran
 
 
-def test_compiled_row_reads_and_writes_match_torch() -> None:
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad"])
+def test_compiled_row_reads_and_writes_match_torch(opt: str) -> None:
     """read_packed / write_packed through host_kernels.rows against the torch path (index_select / index_copy_ per
     storage kind): the same packed floats, with and without optimizer state, and the same storage after a write."""
     from herald_torchrec import _native
@@ -195,17 +212,15 @@ def test_compiled_row_reads_and_writes_match_torch() -> None:
         pytest.skip("no C++ compiler here: the torch path is the only one")
     rng = np.random.default_rng(11)
     stores = [
-        RowStore(
-            [TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3, optimizer="exact_rowwise_adagrad"
-        )
-        for _ in range(2)
+        RowStore([TableSpec("a", 10, 4), TableSpec("b", 7, 4)], 0, 2, cache_ratio=0.3, optimizer=opt) for _ in range(2)
     ]  # one dim: the row layout
     init = [rng.standard_normal(tuple(v.shape)).astype(np.float32) for v, _ in stores[0]._rows2d]
     for st in stores:  # the same contents in both
         with torch.no_grad():
             for (v, _), x in zip(st._rows2d, init):
                 v.copy_(torch.from_numpy(x))
-        assert len(st._rows2d) == 2  # weights and the row-wise state: both kinds travel
+        assert len(st._rows2d) == 2  # weights and the optimizer state: both kinds travel
+        assert st._rows2d[1][0].shape[1] == st.state_widths[0]  # the whole state row: 1 or dim floats
     tables = np.array([0, 1, 1, 0, 1], dtype=np.int64)
     slots = np.array([2, 0, 3, 2, 1], dtype=np.int64)
     got = {}
@@ -217,6 +232,7 @@ def test_compiled_row_reads_and_writes_match_torch() -> None:
                 torch.from_numpy(rng.standard_normal(reads[0].shape[0]).astype(np.float32)) if compiled else got["data"]
             )
             got["data"] = data
+            assert reads[0].shape[0] == 5 * (4 + st.state_widths[0])
             st.write_packed(tables[:3], slots[:3], data[: reads[0].shape[0] // 5 * 3])
             got[compiled] = reads + [v.clone() for v, _ in st._rows2d]
         finally:
