@@ -223,8 +223,8 @@ def fsync_dir(directory: Path) -> None:
 
 
 def storage_problem(e: BaseException, where: Path) -> str | None:
-    """What a storage failure was, in a few words ("no space left on device (12 MiB free on /data)"), or None when
-    `e` is not one. Looks through DCP's CheckpointException (each rank's failure) and exception chains."""
+    """What a storage failure was, in words ("no space left on device (0.0 MiB free where it is written)"), or None
+    when `e` is not one. Looks through DCP's CheckpointException (each rank's failure) and exception chains."""
     for exc in _causes(e):
         if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
             what = STORAGE_ERRNOS[exc.errno]
