@@ -20,6 +20,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from herald_torchrec.app.checkpoint import (
+    CheckpointDirs,
+    CheckpointError,
+    failure_line,
+    save_verified,
+    storage_errors,
+    verify_checkpoint,
+)
 from herald_torchrec.app.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
 from herald_torchrec.app.model_setup import ShardedSetup, shard_model
 from herald_torchrec.app.model_state import full_state
@@ -297,28 +305,19 @@ def first_nonfinite(state: dict[str, Any], ctx: DistContext) -> str | None:
 
 def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
     """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers and the step (data are
-    deterministic by step). Collective. Written into `checkpoint.tmp/`, then renamed by rank 0; the previous
-    checkpoint stays until the new one is complete (`checkpoint.old/` during the swap, also read by `resume`)."""
-    import torch.distributed.checkpoint as dcp
-
-    final, tmp, old = run_dir / CHECKPOINT, run_dir / f"{CHECKPOINT}.tmp", run_dir / f"{CHECKPOINT}.old"
+    deterministic by step), with its manifest (app/checkpoint.py: every file's size and sha256). Collective. Written
+    into `checkpoint.tmp/`, then renamed by rank 0 once the manifest is complete; the previous checkpoint stays until
+    the new one is complete (`checkpoint.old/` during the swap, also read by `resume`)."""
+    dirs = CheckpointDirs.of(run_dir, CHECKPOINT)
     if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        shutil.rmtree(dirs.tmp, ignore_errors=True)  # left by an interrupted save
     _barrier(ctx)
-    meta = json.dumps({"step": step, "identity": _identity(cfg, ctx.world_size)})
-    state = _checkpoint_state(setup, meta)
+    identity = _identity(cfg, ctx.world_size)
+    state = _checkpoint_state(setup, json.dumps({"step": step, "identity": identity}))
     bad = first_nonfinite(state, ctx)
     if bad is not None:  # never replace a good checkpoint with a diverged one
         raise TrainingDiverged(divergence_message(step, f"{bad} is not finite", cfg, run_dir))
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier(ctx)  # every rank's files are in tmp
-    if ctx.is_main:
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(ctx)
+    save_verified(state, dirs, step, identity, ctx)
 
 
 def _barrier(ctx: DistContext) -> None:
@@ -344,12 +343,20 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
                 f"{path}/, a torch.distributed.checkpoint); use another run_dir or trainer.resume=false"
             )
         return None
+    verify_checkpoint(path, ctx)  # every file as written (one-line CheckpointError on every rank), before any load
     try:
         head = {"meta": ""}
-        dcp.load(head, checkpoint_id=str(path))
+        with storage_errors("read", path):
+            dcp.load(head, checkpoint_id=str(path))
         meta = json.loads(head["meta"])
-    except Exception as e:  # not written by this version (or damaged): say which directory it was
+    except CheckpointError:
+        raise
+    except Exception as e:  # not written by this version: say which directory it was
         raise ConfigError(f"cannot read checkpoint {path}: {e}") from e
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException (each rank's traceback): its first line
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConfigError(f"cannot read checkpoint {path}: {failure_line(e)}") from e
     have, want = dict(meta["identity"]), _identity(cfg, ctx.world_size)
     if "global_batch" not in have:  # written before the global batch was recorded
         have["global_batch"] = have["trainer.batch_size"] * have["world_size"]
@@ -368,7 +375,8 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
         )
     setup.dense_optimizer.init_state()  # creates the state entries that DCP fills
     state = _checkpoint_state(setup, "")
-    dcp.load(state, checkpoint_id=str(path))
+    with storage_errors("read", path):
+        dcp.load(state, checkpoint_id=str(path))
     setup.model.load_state_dict(state["model"])
     optim = state.get("optim", {})
     if "fused" in optim:
