@@ -12,8 +12,10 @@ setup: $(STAMP)
 $(STAMP): scripts/setup.sh pyproject.toml
 	@bash scripts/setup.sh
 
-train: setup   # the variable keeps torchrun's restarts (--max-restarts) from hanging: README, Restarts
-	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
+# scripts/launch.py is torchrun that ends a user mistake with its one error line and exit 2 (README, Running);
+# the variable keeps torchrun's restarts (--max-restarts) from hanging: README, Restarts
+train: setup
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(PY) scripts/launch.py --standalone --nproc_per_node $(NPROC) train.py $(ARGS)
 
 lint: setup   # the formatter and the linter (configured in pyproject.toml); `make format` applies the formatting
 	$(VENV)/bin/ruff format --check . || (echo "ruff format: files above need formatting; run 'make format'" && exit 1)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +63,18 @@ def strict_json(x: Any) -> Any:
 
 
 class Logger:
-    """TensorBoard scalars on rank 0; a no-op elsewhere."""
+    """TensorBoard scalars on rank 0; a no-op elsewhere.
 
-    def __init__(self, run_dir: str | os.PathLike | None, enabled: bool) -> None:
+    `purge_step`: TensorBoard hides every event of an earlier writer in this directory at this step or later. A run
+    that starts after step N (a resume from a checkpoint of step N) passes N + 1, so the steps an interrupted run
+    logged after its checkpoint, which this run logs again, never show twice; a fresh run passes 1."""
+
+    def __init__(self, run_dir: str | os.PathLike | None, enabled: bool, purge_step: int | None = None) -> None:
         self.writer = None
         if enabled and run_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:
@@ -82,6 +87,77 @@ class Logger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+            self.writer = None
+
+
+@dataclass
+class LossWindow:
+    """The training loss of one logging window as the mean over every rank's samples of every step in it (not rank
+    0's share): each rank adds its steps' mean losses, `global_mean` sums (loss x samples, samples) over the ranks
+    with one all-reduce of two numbers per window. Only the logged value changes; the model never sees it."""
+
+    samples_per_step: int  # this rank's batch
+    loss_x_samples: float = 0.0
+    samples: int = 0
+
+    def add(self, step_loss: float) -> None:
+        self.loss_x_samples += step_loss * self.samples_per_step
+        self.samples += self.samples_per_step
+
+    @property
+    def empty(self) -> bool:
+        return self.samples == 0
+
+    def global_mean(self) -> float:
+        """The window's mean loss over all ranks' samples, then a new window. Collective where torch.distributed
+        runs more than one rank: every rank calls it at the same step."""
+        totals = torch.tensor([self.loss_x_samples, float(self.samples)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(totals)  # CPU tensor: gloo, or the gloo side of "cpu:gloo,cuda:nccl"
+        self.loss_x_samples, self.samples = 0.0, 0
+        total, n = (float(x) for x in totals)
+        return total / n if n else float("nan")
+
+
+@dataclass
+class RunHistory:
+    """metrics.json's step-by-step record: the global training loss of each logging window (`loss_history`, at the
+    window's last step) and each evaluation (`eval_history`). A resumed run starts from the part of the previous
+    metrics.json up to its checkpoint's step (`read_earlier`), so the file keeps the whole run's history."""
+
+    losses: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss"}
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "auc", "logloss"}
+
+    def add_loss(self, step: int, loss: float) -> None:
+        self.losses.append({"step": step, "loss": loss})
+
+    def add_eval(self, step: int, auc: float, logloss: float) -> None:
+        self.evals.append({"step": step, "auc": auc, "logloss": logloss})
+
+    def as_metrics(self) -> dict[str, Any]:
+        """metrics.json's history fields: both lists, and the first and last logged loss of the whole run."""
+        return {
+            "first_loss": self.losses[0]["loss"] if self.losses else None,
+            "last_loss": self.losses[-1]["loss"] if self.losses else None,
+            "loss_history": list(self.losses),
+            "eval_history": list(self.evals),
+        }
+
+    @classmethod
+    def read_earlier(cls, path: str | os.PathLike, up_to_step: int) -> tuple["RunHistory", str | None]:
+        """The history of the metrics.json at `path` up to `up_to_step` (a resumed checkpoint's step; what the
+        interrupted run recorded after it is trained again), and None; or an empty history and a one-line note
+        saying why nothing was kept (no file, unreadable), for the run to print."""
+        path = Path(path)
+        try:
+            earlier = json.loads(path.read_text())
+            losses = [dict(h) for h in earlier.get("loss_history", []) if int(h["step"]) <= up_to_step]
+            evals = [dict(h) for h in earlier.get("eval_history", []) if int(h["step"]) <= up_to_step]
+        except FileNotFoundError:
+            return cls(), f"no {path} to take the history before step {up_to_step} from; metrics.json starts there"
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            return cls(), f"cannot read the history before step {up_to_step} from {path} ({e}); it starts there"
+        return cls(losses, evals), None
 
 
 def hbm_cache_stats(model: torch.nn.Module) -> dict[str, Any]:

@@ -28,7 +28,14 @@ from herald_torchrec.app.checkpoint import (
     storage_errors,
     verify_checkpoint,
 )
-from herald_torchrec.app.metrics import Logger, auc_logloss, save_torch_atomic, write_json_atomic
+from herald_torchrec.app.metrics import (
+    Logger,
+    LossWindow,
+    RunHistory,
+    auc_logloss,
+    save_torch_atomic,
+    write_json_atomic,
+)
 from herald_torchrec.app.model_setup import ShardedSetup, shard_model
 from herald_torchrec.app.model_state import full_state
 from herald_torchrec.app.runtime import DIST_TIMEOUT_S, DistContext, affinity_mode, init_distributed, shutdown
@@ -543,7 +550,13 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
         if point.world_size != ctx.world_size:
             say(resharded_note(point, cfg, ctx.world_size))
-    logger = Logger(run_dir, ctx.is_main)
+    # TensorBoard: whatever an earlier run logged in run_dir after this run's first step is hidden (Logger)
+    logger = Logger(run_dir, ctx.is_main, purge_step=start + 1)
+    history = RunHistory()  # metrics.json's record, on rank 0; a resumed run's starts with the earlier part
+    if point is not None and ctx.is_main:
+        history, note = RunHistory.read_earlier(run_dir / "metrics.json", start)
+        if note is not None:
+            say(f"[herald] note: {note}")
     steps_cap = cfg.trainer.steps
     stream = local_samples(
         source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs, reorder=setup.reorder
@@ -553,11 +566,18 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
     global_batch = cfg.trainer.batch_size * ctx.world_size
-    step, loss_sum, loss_n, t0, t_log, train_time = start, 0.0, 0, time.time(), time.time(), 0.0
-    history, first_loss, last_loss = [], None, None
+    step, t0, t_log, train_time = start, time.time(), time.time(), 0.0
+    window = LossWindow(cfg.trainer.batch_size)  # the logged loss: every rank's samples of the window
     traffic = CommCounter()  # bytes handed to torch.distributed during training steps, the same for every scheduler
     sent_at_log = 0
     watch = DivergenceWatch()
+    config = OmegaConf.to_container(cfg, resolve=True)
+
+    def write_metrics(status: str, **fields: Any) -> None:
+        """metrics.json (rank 0): the run's status and history so far, and `fields`."""
+        if ctx.is_main:
+            record = {"status": status, "steps": step, "resumed_from_step": start, **history.as_metrics()}
+            write_json_atomic(run_dir / "metrics.json", {**record, **fields, "config": config})
 
     def stop_if_diverged() -> None:
         """Collective, at a step every rank is at: raise TrainingDiverged on every rank (metrics.json says so)."""
@@ -565,26 +585,14 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         if bad is None:
             return
         msg = divergence_message(bad[0], f"loss is {bad[1]}", cfg, run_dir)
-        if ctx.is_main:
-            write_json_atomic(
-                run_dir / "metrics.json",
-                {
-                    "status": "diverged",
-                    "error": msg,
-                    "diverged_at_step": bad[0],
-                    "steps": step,
-                    "resumed_from_step": start,
-                    "eval_history": history,
-                    "config": OmegaConf.to_container(cfg, resolve=True),
-                },
-            )
+        write_metrics("diverged", error=msg, diverged_at_step=bad[0])
         logger.close()
         close = getattr(setup.pipeline, "close", None)  # Herald's input stage: stopped on every rank, at one step
         if close is not None:
             close()
         raise TrainingDiverged(msg)
 
-    done = False
+    done, evaluated_at = False, None
     while not done:
         seg_start, seg_steps = time.time(), 0
         while not eval_every or seg_steps < eval_every:  # the same iterator throughout: pipelines keep their lookahead
@@ -598,15 +606,13 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
             seg_steps += 1
             loss_value = float(loss)
             watch.see(step, loss_value)
-            loss_sum += loss_value
-            loss_n += 1
+            window.add(loss_value)
             if step % cfg.trainer.log_interval == 0:
                 stop_if_diverged()
+                avg = window.global_mean()  # collective, every rank at this step
+                history.add_loss(step, avg)
                 now = time.time()
-                avg = loss_sum / loss_n
                 sps = cfg.trainer.log_interval * global_batch / max(now - t_log, 1e-9)
-                first_loss = avg if first_loss is None else first_loss
-                last_loss = avg
                 extra = setup.step_stats()
                 sent = traffic.total_bytes() + setup.host_bytes()
                 extra["rank0_bytes_per_step"] = (sent - sent_at_log) / cfg.trainer.log_interval  # rank 0's own sends
@@ -618,9 +624,10 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
                 logger.scalars(
                     step, {"train/loss": avg, "train/samples_per_s": sps, **{f"sched/{k}": v for k, v in extra.items()}}
                 )
-                loss_sum, loss_n, t_log = 0.0, 0, now
+                t_log = now
             if ckpt_every and step % ckpt_every == 0:
                 stop_if_diverged()
+                write_metrics("running")  # the history up to this checkpoint, for a resume after an interruption
                 save_checkpoint(setup, run_dir, step, cfg, ctx)
         train_time += time.time() - seg_start
         stop_if_diverged()  # before an evaluation and at the end of training
@@ -630,42 +637,40 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
             auc, ll = evaluate(setup, source, cfg, ctx)
             say(f"eval @ step {step}: auc {auc:.4f}  logloss {ll:.4f}")
             logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
-            history.append({"step": step, "auc": auc, "logloss": ll})
-    if loss_n:
-        last_loss = loss_sum / loss_n
-        first_loss = last_loss if first_loss is None else first_loss
-    if not eval_every or not history or history[-1]["step"] != step:
+            history.add_eval(step, auc, ll)
+            evaluated_at = step
+    if not window.empty:  # the steps after the last progress line (every rank has the same number)
+        history.add_loss(step, window.global_mean())
+    if evaluated_at != step:
         auc, ll = evaluate(setup, source, cfg, ctx)
         logger.scalars(step, {"eval/auc": auc, "eval/logloss": ll})
-        history.append({"step": step, "auc": auc, "logloss": ll})
-    auc, ll = history[-1]["auc"], history[-1]["logloss"]
+        history.add_eval(step, auc, ll)
+    else:
+        auc, ll = history.evals[-1]["auc"], history.evals[-1]["logloss"]
     samples_per_s = (step - start) * global_batch / max(train_time, 1e-9)
     sent = torch.tensor([float(traffic.total_bytes() + setup.host_bytes())], dtype=torch.float64)
     if ctx.world_size > 1:
         dist.all_reduce(sent)
-    metrics = {
-        "status": "finished",
+    close = getattr(setup.pipeline, "close", None)  # Herald's input stage (ended with the stream): joined here
+    if close is not None:
+        close()
+    fields = {
         "auc": auc,
         "logloss": ll,
-        "steps": step,
         "samples_per_s": samples_per_s,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
         "world_size": ctx.world_size,
         "global_batch": global_batch,
         "comm_bytes_per_step": float(sent) / max(step - start, 1),  # all ranks together, embeddings + sample exchange
         "wall_s": time.time() - t0,
-        "resumed_from_step": start,
-        "eval_history": history,
         **setup.final_stats(step - start),
-        "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if cfg.trainer.save_final:
         state = full_state(setup.model, ctx)
         if ctx.is_main:
             save_torch_atomic(run_dir / "final_state.pt", state)
-    if ctx.is_main:
-        write_json_atomic(run_dir / "metrics.json", metrics)
+    write_metrics("finished", **fields)
+    metrics = {"status": "finished", "steps": step, "resumed_from_step": start, **history.as_metrics(), **fields}
+    metrics["config"] = config
     logger.scalars(step, {"eval/final_auc": auc})
     logger.close()
     say(
