@@ -102,6 +102,42 @@ class _Scheduled:
         return self.ec * self.R
 
 
+def _round_scores(
+    v: _Scheduled,
+    N: int,
+    group: np.ndarray,
+    G: int,
+    key_group: np.ndarray,
+    owner_weight: float,
+    wtype: type,
+    out_dtype: type,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A best-response round's marginal scores over G groups (ranks, or hosts), dense: for sample s and group g, the
+    sum over its keys of 2 x [some sample reads k in g] + owner_weight x [g owns k and nobody reads it there]
+    ([N, G]), and each sample's correction at its own group for the keys only it reads there ([N]). `group`: the
+    current group of every element's sample; `key_group`: the group owning every key. Counts are group-major
+    [G, K], so each group's row of per-key scores is one contiguous array to gather from."""
+    es, ec, K = v.es, v.ec, v.K
+    code = group * K + ec
+    c = np.bincount(code, minlength=G * K)
+    self_only = c[code] == 1  # the sample's own group: its keys that nobody else reads there
+    corr = np.bincount(es, weights=self_only * ((key_group[ec] == group) * owner_weight - 2.0), minlength=N)
+    W = (c > 0) * wtype(2)  # [G * K]: the score of key k in group g
+    kio = key_group * K + np.arange(K)  # each key's owner cell
+    W[kio] += (c[kio] == 0) * wtype(owner_weight)
+    if v.cols is not None:  # per group, the sum over a sample's keys ([S, N] gathers, summed in order)
+        sc = np.empty((N, G), dtype=out_dtype)
+        for g in range(G):
+            sc[:, g] = np.add.reduce(W[g * K : (g + 1) * K][v.cols], axis=0)
+    else:
+        sc = np.bincount(
+            np.repeat(es * G, G) + np.tile(np.arange(G), es.shape[0]),
+            weights=W.reshape(G, K).T[ec].ravel(),
+            minlength=N * G,
+        ).reshape(N, G)
+    return sc, corr
+
+
 class HeraldPolicy(SchedulePolicy):
     """Ours (see the module docstring).
 
@@ -308,30 +344,17 @@ class HeraldPolicy(SchedulePolicy):
             a = balanced_assign(score, B)
         else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
             a = np.argmax(score, axis=1)
-        kio = own * K + np.arange(K)  # dense: each key's owner cell in rank-major [R, K] counts
         for _ in range(self.refine):
             ea = a[es]
-            # (key, rank) read counts: rank-major [R, K] on the dense path (each rank's row of per-key scores is then
-            # one contiguous array to gather from), key-major [K, R] for the reader lists below
-            code = ea * K + ec if dense else v.ecR + ea
-            c = np.bincount(code, minlength=K * R)
-            # the sample's own rank: its keys that nobody else reads there
-            self_only = c[code] == 1
-            corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
             if dense:
-                W = (c > 0) * self._wtype(2)  # [R * K]: the score of key k at rank r
-                W[kio] += (c[kio] == 0) * self._wtype(self.owner_weight)
-                if v.cols is not None:  # per rank, the sum over a sample's keys ([S, N] gathers, summed in order)
-                    sc = np.empty((N, R), dtype=np.float32)
-                    for r in range(R):
-                        sc[:, r] = np.add.reduce(W[r * K : (r + 1) * K][v.cols], axis=0)
-                else:
-                    sc = np.bincount(
-                        np.repeat(es * R, R) + np.tile(np.arange(R), es.shape[0]),
-                        weights=W.reshape(R, K).T[ec].ravel(),
-                        minlength=N * R,
-                    ).reshape(N, R)
+                sc, corr = _round_scores(v, N, ea, R, own, self.owner_weight, self._wtype, np.float32)
             else:
+                # (key, rank) read counts, key-major [K, R]: the reader lists below expand from them
+                code = v.ecR + ea
+                c = np.bincount(code, minlength=K * R)
+                # the sample's own rank: its keys that nobody else reads there
+                self_only = c[code] == 1
+                corr = np.bincount(es, weights=self_only * ((eo == ea) * self.owner_weight - 2.0), minlength=N)
                 nz = np.flatnonzero(c)
                 kk, rr = nz // R, nz % R
                 lam = np.bincount(kk, minlength=K)
@@ -360,30 +383,11 @@ class HeraldPolicy(SchedulePolicy):
         return a * by_rank.astype(np.float64) + (1.0 - a) * by_host[:, hcol]
 
     def _host_round(self, v: "_Scheduled", a: np.ndarray, hcol: np.ndarray, host_own: np.ndarray) -> np.ndarray:
-        """A best-response round's marginal scores [N, H] with hosts for ranks: for sample s and host h, the sum
-        over its keys of 2 x [another sample reads k on h] + owner_weight x [h owns k and nobody else reads it on
-        h] (the sample's current host corrected for its own reads, as the rank-level round does)."""
-        H, K, N = self.num_hosts, v.K, a.shape[0]
-        es, ec = v.es, v.ec
-        eh = hcol[a[es]]  # the current host of every element's sample
-        code = eh * K + ec
-        c = np.bincount(code, minlength=H * K)
-        self_only = c[code] == 1
-        corr = np.bincount(es, weights=self_only * ((host_own[ec] == eh) * self.owner_weight - 2.0), minlength=N)
-        W = (c > 0) * 2.0  # [H * K]: the score of key k on host h
-        kio = host_own * K + np.arange(K)
-        W[kio] += (c[kio] == 0) * self.owner_weight
-        if v.cols is not None:
-            sc = np.empty((N, H), dtype=np.float64)
-            for h in range(H):
-                sc[:, h] = np.add.reduce(W[h * K : (h + 1) * K][v.cols], axis=0)
-        else:
-            sc = np.bincount(
-                np.repeat(es * H, H) + np.tile(np.arange(H), es.shape[0]),
-                weights=W.reshape(H, K).T[ec].ravel(),
-                minlength=N * H,
-            ).reshape(N, H)
-        sc[np.arange(N), hcol[a]] += corr
+        """A best-response round's marginal scores [N, H] with hosts for ranks (`_round_scores` over hosts), the
+        sample's current host corrected for its own reads, as the rank-level round does."""
+        H = self.num_hosts
+        sc, corr = _round_scores(v, a.shape[0], hcol[a[v.es]], H, host_own, self.owner_weight, np.float64, np.float64)
+        sc[np.arange(a.shape[0]), hcol[a]] += corr
         return sc
 
     @property
