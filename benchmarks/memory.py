@@ -25,35 +25,22 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step\s+(\d+)\b")
 
 
-def children(pid: int) -> list[int]:
-    """Every descendant process of `pid` (from /proc's parent links)."""
-    parent: dict[int, int] = {}
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """torchrun's workers by rank: the direct children of the agent process `agent_pid` that carry a RANK in their
+    environment (read from /proc; a worker's own subprocesses, which inherit RANK, are not its children)."""
+    workers = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def rank_of(pid: int) -> int | None:
-    """The RANK in a process's environment (torchrun's workers have one), else None."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if ppid == agent_pid else []
+        except OSError:
+            continue
+        rank = next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
+        if rank is not None:
+            workers[rank] = int(entry)
+    return workers
 
 
 def rss_mb(pid: int) -> float | None:
@@ -98,9 +85,9 @@ def main() -> None:
             if not m:
                 continue
             step = int(m.group(1))
-            for pid in children(proc.pid):
-                rank, mb = rank_of(pid), rss_mb(pid)
-                if rank is not None and mb is not None:
+            for rank, pid in worker_pids(proc.pid).items():
+                mb = rss_mb(pid)
+                if mb is not None:
                     samples.setdefault(rank, []).append((step, round(mb, 1)))
             print(
                 f"step {step}: " + ", ".join(f"rank {r} {s[-1][1]:.0f} MB" for r, s in sorted(samples.items())),

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.memory import worker_pids
 from tests.helpers.app_runs import run_app
 from tests.helpers.ranks import REPO_ROOT
 from tests.scenarios.test_app_exactness import _max_diff
@@ -40,28 +41,6 @@ TRY_TIMEOUT_S = 240  # one killed-and-restarted job; it takes ~45 s, a hang take
 SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
-
-
 def run_and_kill(run_dir: Path, kill_rank: int, share_store: bool) -> tuple[int, str, bool]:
     """Start the job under `torchrun --max-restarts 2`, SIGKILL worker `kill_rank` once the first checkpoint is
     complete, and wait for the job to end (at most TRY_TIMEOUT_S: then every process is killed and the log shows
@@ -78,10 +57,10 @@ def run_and_kill(run_dir: Path, kill_rank: int, share_store: bool) -> tuple[int,
         killed, t0 = False, time.time()
         while p.poll() is None and time.time() - t0 < TRY_TIMEOUT_S:
             if not killed and (run_dir / "checkpoint" / ".metadata").exists():
-                for child in _children(p.pid):
-                    if _rank_of(child) == kill_rank:
-                        os.kill(child, signal.SIGKILL)
-                        killed = True
+                worker = worker_pids(p.pid).get(kill_rank)
+                if worker is not None:
+                    os.kill(worker, signal.SIGKILL)
+                    killed = True
             time.sleep(0.05)
         rc = p.poll()
         if rc is None:
