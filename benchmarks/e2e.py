@@ -18,9 +18,11 @@ a 2-core machine with 4 ranks are dominated by CPU oversubscription; the byte co
 default nice 19 (`scheduler.input_priority`).
 
 Network mode (`--bandwidth none,1gbit,200mbit --workload wdl64,dcn --rounds 3 --plot f.png`, root + iproute2): every
-rank its own host in a network namespace behind a tc-shaped link, launched as a multi-node torchrun; adds the bytes
-really on the wire and CPU seconds per step, and per workload the links at which herald beats the best stock config
-(`breakeven` in the JSON, one line each at the end). See benchmarks/e2e_net.py and benchmarks/netem.py.
+emulated host a network namespace behind a tc-shaped link, launched as a multi-node torchrun (one agent per host);
+adds the bytes really on the wire (in total and per host link) and CPU seconds per step, and per workload the links
+at which herald beats the best stock config (`breakeven` in the JSON, one line each at the end). Each rank is its own
+host unless `--ranks-per-host N` puts N ranks in each (talking over its loopback; `--ranks 8 --ranks-per-host 4`:
+2 hosts of 4). See benchmarks/e2e_net.py and benchmarks/netem.py.
 """
 
 from __future__ import annotations
@@ -104,8 +106,15 @@ def main() -> None:
     net = ap.add_argument_group("network mode (root + iproute2; see benchmarks/e2e_net.py)")
     net.add_argument(
         "--bandwidth",
-        help="comma list of per-rank link rates, e.g. none,1gbit,200mbit: every rank its own "
+        help="comma list of per-host link rates, e.g. none,1gbit,200mbit: every emulated host its own "
         "network namespace, linked through a bridge, shaped with tc tbf (none = same topology, unshaped)",
+    )
+    net.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help="ranks in each emulated host (one torchrun agent per host, its ranks on the host's loopback); must "
+        "divide every --ranks entry (default 1: every rank its own host)",
     )
     net.add_argument("--workload", help=f"comma list of {sorted(WORKLOADS)} or model names (default: --model)")
     net.add_argument("--rounds", type=int, default=1, help="alternating rounds; best and median per config")
@@ -161,8 +170,8 @@ def main() -> None:
     if args.bandwidth:
         main_network(args, ranks, scheds)
         return
-    if args.plot or args.workload:
-        raise SystemExit("e2e: --plot and --workload need --bandwidth (network mode)")
+    if args.plot or args.workload or args.ranks_per_host != 1:
+        raise SystemExit("e2e: --plot, --workload and --ranks-per-host need --bandwidth (network mode)")
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="herald-e2e-") as tmp:
         for r in ranks:

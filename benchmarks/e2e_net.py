@@ -1,13 +1,17 @@
-"""Network mode of benchmarks/e2e.py: every rank its own host behind a shaped link (see netem.py).
+"""Network mode of benchmarks/e2e.py: emulated hosts behind shaped links, each of H ranks (see netem.py).
 
     .venv/bin/python benchmarks/e2e.py --bandwidth none,1gbit,200mbit --workload wdl64,dcn --ranks 2 --rounds 3 \\
         --steps 60 --out benchmarks/results/e2e_net.json --plot benchmarks/results/e2e_net.png
+    .venv/bin/python benchmarks/e2e.py --bandwidth none,1gbit --ranks 8 --ranks-per-host 4 ...  # 2 hosts of 4
 
-For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs
-`ip netns exec <rank ns> torchrun --nnodes R --node_rank r --nproc_per_node 1 --rdzv-backend c10d
---rdzv-endpoint <rank 0 addr>:port train.py ...` for every rank at once (GLOO_SOCKET_IFNAME = the rank's veth), and
-records the app's numbers (step ms, samples/s, AUC, `comm_bytes_per_step`) with the bytes the ranks really put on
-the wire (bridge-side veth counters, headers included) and the CPU seconds of all rank processes.
+For every (workload, bandwidth, R, scheduler) -- a "config" -- each round runs, for every host h of the R / H at once,
+`ip netns exec <host ns> torchrun --nnodes R/H --node_rank h --nproc_per_node H --rdzv-backend c10d
+--rdzv-endpoint <host 0 addr>:port train.py ...` (GLOO_SOCKET_IFNAME = the host's veth; H = `--ranks-per-host`,
+default 1: every rank its own host), as one torchrun agent per machine runs on a real cluster: its workers get
+LOCAL_WORLD_SIZE=H and GROUP_RANK=h, which is how Herald tells the hosts apart. The ranks of a host talk over the
+namespace's loopback, unshaped and uncounted. It records the app's numbers (step ms, samples/s, AUC,
+`comm_bytes_per_step`) with the bytes the hosts really put on the wire (bridge-side veth counters, headers included;
+in total and per host link, sent and received) and the CPU seconds of all processes.
 
 `step_ms` / `samples_per_s` are the app's (metrics.json: the whole training loop, first steps' warm-up included).
 `steady_step_ms`, `wire_bytes_per_step` and `cpu_s_per_step` cover steps `--warmup-steps`+1 .. `--steps` only:
@@ -59,7 +63,7 @@ NUMERIC = (
 )
 
 
-def rank_commands(
+def host_commands(
     net: netem.Network,
     scheduler: str,
     model_args: list[str],
@@ -68,33 +72,34 @@ def rank_commands(
     args: argparse.Namespace,
     rdzv_id: str,
 ) -> list[list[str]]:
-    """One command per rank: torchrun of one node inside the rank's namespace, gloo bound to its veth.
+    """One command per host: torchrun of one node with the host's ranks inside its namespace, gloo bound to its veth.
 
     Node 0 hosts the rendezvous store (`is_host`): torchrun's own guess compares the endpoint with the machine's
-    hostname addresses, which the namespace addresses are not.
+    hostname addresses, which the namespace addresses are not. The rendezvous numbers the agents by address, which
+    netem plans in host order, so host h runs ranks h*H .. h*H+H-1.
     """
     plan = net.plan
-    ranks = len(plan.rank_ns)
+    hosts = plan.hosts
     log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
     overrides = e2e_common.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
     env_vars = [f"{e2e_common.PHASE_TIMES_ENV}=1"] if args.phase_times else []
-    cpus = host_cpus(args.host_cpus, ranks)
+    cpus = host_cpus(args.host_cpus, hosts)
     return [
         [
-            *net.exec_prefix(r),
-            *(["taskset", "-c", ",".join(map(str, cpus[r]))] if cpus else []),
+            *net.exec_prefix(h),
+            *(["taskset", "-c", ",".join(map(str, cpus[h]))] if cpus else []),
             "env",
-            f"GLOO_SOCKET_IFNAME={plan.rank_if[r]}",
+            f"GLOO_SOCKET_IFNAME={plan.host_eth[h]}",
             *env_vars,
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nnodes",
-            str(ranks),
+            str(hosts),
             "--node_rank",
-            str(r),
+            str(h),
             "--nproc_per_node",
-            "1",
+            str(plan.ranks_per_host),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
@@ -102,28 +107,28 @@ def rank_commands(
             "--rdzv-id",
             rdzv_id,
             "--rdzv-conf",
-            f"is_host={int(r == 0)}",
+            f"is_host={int(h == 0)}",
             "--local-addr",
-            plan.addrs[r],
+            plan.addrs[h],
             "--max-restarts",
             "0",
             "train.py",
             *overrides,
         ]
-        for r in range(ranks)
+        for h in range(hosts)
     ]
 
 
-def host_cpus(mode: str, ranks: int) -> list[list[int]] | None:
+def host_cpus(mode: str, hosts: int) -> list[list[int]] | None:
     """The cores of each emulated host: "shared" (None: every host may use every core, as ranks of one machine do),
     or "split" (a block each, disjoint when there are at least as many cores as hosts, as separate machines have;
-    herald_torchrec.app.runtime.cpu_blocks). The app's `cpu_affinity` binds nothing here: each host runs one local
-    rank."""
+    herald_torchrec.app.runtime.cpu_blocks). Inside a host, the app's `cpu_affinity` (auto) splits the host's cores
+    among its local ranks, as on a real machine; with one rank per host it binds nothing."""
     if mode == "shared":
         return None
     if mode != "split":
         raise ValueError(f"--host-cpus must be shared or split, got '{mode}'")
-    return cpu_blocks(list(os.sched_getaffinity(0)), ranks)
+    return cpu_blocks(list(os.sched_getaffinity(0)), hosts)
 
 
 def run_config(
@@ -137,10 +142,11 @@ def run_config(
     tag: str,
 ) -> dict:
     """One run of one config on `net`: the app's numbers plus wire bytes and CPU seconds, per training step."""
-    ranks = len(net.plan.rank_ns)
+    plan = net.plan
+    ranks = plan.ranks
     run_dir = tmp / tag
     net.shape(netem.parse_rate(bandwidth))
-    cmds = rank_commands(
+    cmds = host_commands(
         net, scheduler, e2e_common.workload_args(workload), steps, run_dir, args, f"{net.plan.run_id}-{tag}"
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as torchrun --standalone sets for >1 proc
@@ -157,21 +163,25 @@ def run_config(
     )
     wall, after = time.time() - t0, net.counters()
     if not (run_dir / "metrics.json").exists():
-        detail = "\n".join(f"--- rank {r} (exit {c}):\n{t}" for r, (c, t) in enumerate(zip(res.codes, res.tails)))
+        detail = "\n".join(f"--- host {h} (exit {c}):\n{t}" for h, (c, t) in enumerate(zip(res.codes, res.tails)))
         raise RuntimeError(f"e2e: {workload} {bandwidth} R={ranks} {scheduler} failed:\n{detail}")
     rec = e2e_common.read_metrics(run_dir, "\n".join(res.tails), steps)
-    whole = netem.wire_delta(before, after, net.plan.host_if)
+    whole = netem.wire_delta(before, after, plan.bridge_port)
     rec |= {
+        "ranks": ranks,
+        "ranks_per_host": plan.ranks_per_host,
+        "hosts": plan.hosts,
         "steps": steps,
-        "wire_bytes_per_step_raw": whole["total"] / steps,
+        "wire_bytes_per_step_raw": whole.total / steps,
         "cpu_s_per_step_raw": res.cpu_s / steps,
         "wall_s": wall,
         "exit_codes": res.codes,
     }
-    rec |= loop_figures(res.marks, net.plan.host_if, steps - args.warmup_steps)
+    rec |= loop_figures(res.marks, plan.bridge_port, steps - args.warmup_steps)
     loop_wire = rec.get("wire_bytes_per_step", float("nan"))
     print(
-        f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks} {scheduler:16s} {wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
+        f"[e2e-net] {workload:6s} {bandwidth:8s} R={ranks}{rph_label(plan.ranks_per_host)} {scheduler:16s} "
+        f"{wall:5.1f}s  step {rec['step_ms']:7.1f} ms"
         f" (steady {rec.get('steady_step_ms', float('nan')):7.1f})"
         f"  app {rec['comm_bytes_per_step']:.3g} B/step  wire {loop_wire:.3g} B/step"
         f"  cpu {rec.get('cpu_s_per_step', float('nan')):.3f} s/step"
@@ -187,8 +197,14 @@ def loop_marks(warmup_steps: int, steps: int) -> dict[str, str]:
     return {"start": start, "end": STEP_MARK.format(step=steps)}
 
 
-def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], steps: int) -> dict:
-    """Wire bytes (total and by rank), CPU seconds and wall ms per step over the `steps` between the two marks."""
+def rph_label(ranks_per_host: int) -> str:
+    """ "" for one rank per host (every rank its own host), else " (H/host)"."""
+    return "" if ranks_per_host == 1 else f" ({ranks_per_host}/host)"
+
+
+def loop_figures(marks: dict[str, netem.Snapshot], bridge_port: tuple[str, ...], steps: int) -> dict:
+    """Wire bytes (total, and per host link sent and received), CPU seconds and wall ms per step over the `steps`
+    between the two marks."""
     if "start" not in marks or "end" not in marks:
         print(
             f"[e2e-net] warning: the training-loop marks were not both seen ({sorted(marks)}); only whole-run figures",
@@ -196,10 +212,11 @@ def loop_figures(marks: dict[str, netem.Snapshot], host_if: tuple[str, ...], ste
         )
         return {}
     a, b = marks["start"], marks["end"]
-    wire = netem.wire_delta(a.extra, b.extra, host_if)
+    wire = netem.wire_delta(a.extra, b.extra, bridge_port)
     return {
-        "wire_bytes_per_step": wire["total"] / steps,
-        "wire_bytes_per_step_by_rank": [wire[f"rank{r}"] / steps for r in range(len(host_if))],
+        "wire_bytes_per_step": wire.total / steps,
+        "wire_bytes_per_step_by_host": [x / steps for x in wire.sent],  # what each host sends over its link
+        "wire_rx_bytes_per_step_by_host": [x / steps for x in wire.received],  # and what it receives
         "cpu_s_per_step": (b.cpu_s - a.cpu_s) / steps,
         "steady_step_ms": 1000.0 * (b.t - a.t) / steps,
         # the same CPU by kind of thread, all ranks: training threads, Herald's input threads, the rest (gloo, agents)
@@ -267,7 +284,7 @@ def plot(result: dict, path: Path) -> None:
                 label = LABELS.get(s, s) + ("" if len(result["config"]["ranks"]) == 1 else f" R={r}")
                 ax.plot(range(len(bws)), ys, marker="o", label=label, lw=2.5 if s.startswith("herald") else 1.2)
         ax.set_xticks(range(len(bws)), ["unshaped" if b == "none" else b for b in bws])
-        ax.set_xlabel("link rate per rank (tbf, both directions)")
+        ax.set_xlabel("link rate per host (tbf, both directions)")
         ax.set_ylabel("steady step time, ms (best of rounds)")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -279,8 +296,10 @@ def plot(result: dict, path: Path) -> None:
     cores = {"split": "each host on cores of its own", "shared": "the hosts sharing the machine's cores"}.get(
         c.get("host_cpus") or "shared", ""
     )
+    rph = int(c.get("ranks_per_host") or 1)
+    hosts = "one network namespace per rank" if rph == 1 else f"one network namespace per host of {rph} ranks"
     title = (
-        f"herald_torchrec e2e: one network namespace per rank, {cores}, gloo on CPU; {c.get('steps')} steps x "
+        f"herald_torchrec e2e: {hosts}, {cores}, gloo on CPU; {c.get('steps')} steps x "
         f"{c.get('batch')} per rank, best of {c.get('rounds')} round(s), after {c.get('warmup_steps')} warm-up"
     )
     fig.suptitle(textwrap.fill(title, width=int(70 * len(workloads))), fontsize=10)  # one panel: two lines
@@ -295,7 +314,8 @@ def plot(result: dict, path: Path) -> None:
 def main_net(
     args: argparse.Namespace, ranks: list[int], scheds: list[str], save: Callable[[dict], None] | None = None
 ) -> dict:
-    """Run the sweep on emulated networks (one per rank count); returns the result object.
+    """Run the sweep on emulated networks (one per rank count, `args.ranks_per_host` ranks per host: 1 where the
+    caller's options lack it); returns the result object.
 
     `save(result)` gets the results so far after every run, so a sweep cut short still leaves its rounds behind. A
     run that fails is reported and recorded under "failures"; the sweep goes on.
@@ -308,6 +328,10 @@ def main_net(
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if not 0 <= args.warmup_steps < args.steps:
         raise ValueError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+    per_host = ranks_per_host(args)
+    bad = [r for r in ranks if r % per_host]
+    if per_host < 1 or bad:
+        raise ValueError(f"--ranks-per-host must be >= 1 and divide every --ranks entry, got {per_host} for {bad}")
     netem.check_prerequisites()
     left = netem.leftover_namespaces()
     if left:
@@ -320,12 +344,12 @@ def main_net(
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
     failures: list[dict] = []
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
-        nets = {r: stack.enter_context(netem.Network(r)) for r in ranks}
+        nets = {r: stack.enter_context(netem.Network(r, per_host)) for r in ranks}
         for r, net in nets.items():
             p = net.plan
             print(
-                f"[e2e-net] R={r}: namespaces {', '.join(p.rank_ns)} on {p.addrs[0]}/{p.prefixlen}.., "
-                f"bridge in {p.bridge_ns}",
+                f"[e2e-net] R={r}: {p.hosts} host(s) of {p.ranks_per_host} rank(s), namespaces "
+                f"{', '.join(p.host_ns)} on {p.addrs[0]}/{p.prefixlen}.., bridge in {p.bridge_ns}",
                 file=sys.stderr,
             )
         for k in range(args.rounds):
@@ -351,6 +375,11 @@ def main_net(
     return assemble(records, failures, args, bandwidths, workloads, ranks, scheds)
 
 
+def ranks_per_host(args: argparse.Namespace) -> int:
+    """`--ranks-per-host`; 1 (every rank its own host) for callers whose options lack it (benchmarks/compare.py)."""
+    return int(getattr(args, "ranks_per_host", None) or 1)
+
+
 def assemble(
     records: dict[tuple, list[dict]],
     failures: list[dict],
@@ -369,13 +398,15 @@ def assemble(
         "bandwidth": bandwidths,
         "workloads": workloads,
         "ranks": ranks,
+        "ranks_per_host": ranks_per_host(args),
         "schedulers": scheds,
         "out": str(args.out) if args.out else None,
         "workload_overrides": {w: e2e_common.workload_args(w) for w in workloads},
         "thread_figures": "cpu_ms_per_step_{training,input,other}: the steady CPU by kind of thread, all ranks "
         "(training = each rank's main thread, input = Herald's input stage, other = gloo, torchrun)",
         "steady_figures": "steady_step_ms, wire/cpu *_per_step: steps warmup_steps+1..steps (log lines of both)",
-        "wire_bytes": "sum over ranks of bytes sent onto their veth (Ethernet/IP/TCP headers, DDP all-reduce included)",
+        "wire_bytes": "sum over hosts of bytes sent onto their link (Ethernet/IP/TCP headers, DDP all-reduce "
+        "included; a host's ranks talk over its loopback, not counted); *_by_host: per host link, sent and received",
         "cores": os.cpu_count(),
         "cpu_floor": "cpu_s_per_step / cores: the step time if every core were busy with this run's work; a steady "
         "step near it means the run is bound by the machine's CPU, not by waits or the link",
@@ -479,15 +510,24 @@ def by_thread(rec: dict) -> str:
     return " / ".join(f"{v:.1f}" for v in vals) if all(v is not None for v in vals) else "-"
 
 
+def busiest_link(rec: dict) -> str:
+    """ "sent / received" MB per step of the busiest host link (each direction's own busiest), or "-" where the run
+    did not read them per host."""
+    sent, received = rec.get("wire_bytes_per_step_by_host"), rec.get("wire_rx_bytes_per_step_by_host")
+    return f"{max(sent) / 1e6:.2f} / {max(received) / 1e6:.2f}" if sent and received else "-"
+
+
 def markdown_table(result: dict) -> str:
     """A README-ready table: per workload, bandwidth, R and scheduler the best step time, its ratio to the best stock
-    config, the app's and the wire's bytes per step, AUC and CPU seconds per step (median over rounds)."""
+    config, the app's and the wire's bytes per step (all hosts, and the busiest host link), AUC and CPU seconds per
+    step (median over rounds). R reads "8 (4/host)" where hosts hold several ranks."""
     cores = result["config"].get("cores") or os.cpu_count() or 1
+    per_host = rph_label(int(result["config"].get("ranks_per_host") or 1))
     lines = [
         "| workload | link | R | scheduler | step ms (app, best) | steady step ms (best) | vs best stock (steady) | "
-        f"app MB/step | wire MB/step | AUC | CPU s/step (median) | CPU floor ms (CPU / {cores} cores) | "
-        "CPU ms/step by thread: training / input / other (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "app MB/step | wire MB/step | busiest host link MB/step: sent / received | AUC | CPU s/step (median) | "
+        f"CPU floor ms (CPU / {cores} cores) | CPU ms/step by thread: training / input / other (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, per_bw in result["runs"].items():
         for b, per_r in per_bw.items():
@@ -499,9 +539,9 @@ def markdown_table(result: dict) -> str:
                     wire = best.get("wire_bytes_per_step", best["wire_bytes_per_step_raw"]) / 1e6
                     cpu = med.get("cpu_s_per_step", med.get("cpu_s_per_step_raw", float("nan")))
                     lines.append(
-                        f"| {w} | {b} | {r} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
-                        f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {best['auc']:.4f} | {cpu:.3f} | "
-                        f"{1e3 * cpu / cores:.1f} | {by_thread(med)} |"
+                        f"| {w} | {b} | {r}{per_host} | {s} | {best['step_ms']:.1f} | {step_of(best):.1f} | {ratio} | "
+                        f"{best['comm_bytes_per_step'] / 1e6:.2f} | {wire:.2f} | {busiest_link(best)} | "
+                        f"{best['auc']:.4f} | {cpu:.3f} | {1e3 * cpu / cores:.1f} | {by_thread(med)} |"
                     )
     return "\n".join(lines)
 
@@ -510,6 +550,7 @@ def pivot_table(result: dict) -> str:
     """The compact README table: steady step ms (best of rounds) per scheduler in columns, one row per workload,
     link and R, with herald's ratio to the best stock config, plus bytes per step (app / wire) per scheduler."""
     scheds = result["config"]["schedulers"]
+    per_host = rph_label(int(result["config"].get("ranks_per_host") or 1))
     head = " | ".join(f"{s} ms" for s in scheds)
     lines = [
         f"| workload | link | R | {head} | herald / best stock: best of rounds (each round) | MB/step app (wire): "
@@ -535,7 +576,7 @@ def pivot_table(result: dict) -> str:
                     else "-"
                     for s in scheds
                 )
-                lines.append(f"| {w} | {b} | {r} | {' | '.join(cells)} | {ratio} | {mb} |")
+                lines.append(f"| {w} | {b} | {r}{per_host} | {' | '.join(cells)} | {ratio} | {mb} |")
     return "\n".join(lines)
 
 

@@ -1,19 +1,22 @@
-"""An emulated cluster on one machine: one network namespace per rank, linked by veths into a bridge, shaped with tc.
+"""An emulated cluster on one machine: one network namespace per host, linked by veths into a bridge, shaped with tc.
 
 Why: gloo over an unshaped loopback moves bytes almost for free, so a scheme that sends fewer bytes only shows it in
-time when every rank sits behind a link of a real rate. Here each rank is its own "host":
+time when every host sits behind a link of a real rate. Each host holds `ranks_per_host` ranks (H; ranks h*H ..
+h*H+H-1 on host h, as torchrun numbers them): those talk over the namespace's loopback, the hosts over the bridge.
 
-    ns <run>-r0 [eth <addr0>] --veth-- [hv0] \\
-    ns <run>-r1 [eth <addr1>] --veth-- [hv1] --- bridge, in a namespace <run>-br of its own
+    ns <run>-r0 [eth <addr0>] --veth-- [port0] \\
+    ns <run>-r1 [eth <addr1>] --veth-- [port1] --- bridge, in a namespace <run>-br of its own
     ...
 
-Shaping (`tc qdisc ... tbf`) sits on both ends of each rank's veth: the rank's end limits what it sends, the bridge's
-end what it receives, so every rank has a full-duplex link of the given rate. "none" is the same topology unshaped.
+(with H > 1 the host namespaces are named <run>-h0, <run>-h1, ...; with H = 1 every rank is its own host.)
+Shaping (`tc qdisc ... tbf`) sits on both ends of each host's veth: the host's end limits what it sends, the bridge's
+end what it receives, so every host has a full-duplex link of the given rate. "none" is the same topology unshaped.
 
 Everything the run creates lives in namespaces it made (nothing is added to the root namespace), so deleting those
 namespaces removes every veth and the bridge with them; `Network` does that in `__exit__` (normal exit, exceptions,
-Ctrl-C). The bytes really on the wire are read from the bridge-side veth counters (`ip -s -j link`): what a rank sends
-is what its bridge-side veth receives, Ethernet/IP/TCP headers included.
+Ctrl-C). The bytes really on the wire are read from the bridge-side veth counters (`ip -s -j link`): what a host sends
+is what its bridge port receives, Ethernet/IP/TCP headers included; traffic between the ranks of one host never
+reaches them.
 
 The pure parts (name and address planning, rate parsing, tc command lines, counter parsing) need no root and are
 unit-tested in tests/benchmarks/test_netem.py.
@@ -69,20 +72,35 @@ def parse_bandwidths(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class NetPlan:
-    """Names and addresses of one emulated cluster; `rank_*` lists are indexed by rank (node)."""
+    """Names and addresses of one emulated cluster; the `host_*` lists and `addrs` are indexed by host."""
 
     run_id: str
     bridge_ns: str
     bridge: str
-    rank_ns: tuple[str, ...]
-    rank_if: tuple[str, ...]  # the rank's end of its veth (inside rank_ns): GLOO_SOCKET_IFNAME
-    host_if: tuple[str, ...]  # the bridge's end of that veth (inside bridge_ns): where the wire counters are read
+    ranks_per_host: int
+    host_ns: tuple[str, ...]
+    host_eth: tuple[str, ...]  # the host's end of its veth (inside host_ns): GLOO_SOCKET_IFNAME of its ranks
+    bridge_port: tuple[str, ...]  # the bridge's end of that veth (inside bridge_ns): where the wire counters are read
     addrs: tuple[str, ...]
     prefixlen: int
 
     @property
     def namespaces(self) -> tuple[str, ...]:
-        return (*self.rank_ns, self.bridge_ns)
+        return (*self.host_ns, self.bridge_ns)
+
+    @property
+    def hosts(self) -> int:
+        return len(self.host_ns)
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        """The host a global rank runs on (torchrun: global rank = group rank * local world size + local rank)."""
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} is not in 0..{self.ranks - 1}")
+        return rank // self.ranks_per_host
 
 
 def new_run_id() -> str:
@@ -105,30 +123,53 @@ def pick_subnet(routes_text: str, token: int) -> ipaddress.IPv4Network:
     raise NetemUnavailable("no free 10.x.y.0/24 subnet for the emulated network")
 
 
-def plan_network(ranks: int, run_id: str, subnet: ipaddress.IPv4Network) -> NetPlan:
-    """Namespace, interface and address names for `ranks` hosts; hosts get .1, .2, ... of `subnet`."""
+def host_addresses(hosts: int, subnet: ipaddress.IPv4Network) -> list[str]:
+    """`hosts` addresses of `subnet` whose text sorts in host order: .1-.9 for up to 9 hosts, else .10-.99 or
+    .100-.254 (all with the same number of digits).
+
+    Why: torchrun's c10d rendezvous numbers its agents (GROUP_RANK, hence the global ranks) by their address *as
+    text*, so "10.0.0.10" would come before "10.0.0.2" and host h would not run ranks h*H..h*H+H-1.
+    """
+    usable = list(subnet.hosts())
+    base = int(subnet.network_address)
+    for first in (1, 10, 100):
+        last = first + hosts - 1
+        if len(str(last)) == len(str(first)) and last <= len(usable):
+            return [str(ipaddress.ip_address(base + first + h)) for h in range(hosts)]
+    raise ValueError(f"{hosts} hosts do not fit the subnet {subnet} ({len(usable)} addresses)")
+
+
+def plan_network(ranks: int, run_id: str, subnet: ipaddress.IPv4Network, ranks_per_host: int = 1) -> NetPlan:
+    """Namespace, interface and address names for `ranks` ranks, `ranks_per_host` of them per host (one namespace
+    and one link each); hosts get addresses of `subnet` that sort in host order (`host_addresses`)."""
     if ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    if ranks_per_host < 1 or ranks % ranks_per_host:
+        raise ValueError(f"--ranks-per-host must be >= 1 and divide --ranks {ranks}, got {ranks_per_host}")
     if not re.fullmatch(r"[0-9a-z]{1,8}", run_id):
         raise ValueError(f"run id must be 1-8 lowercase letters or digits, got '{run_id}'")
-    hosts = list(subnet.hosts())
-    if ranks > len(hosts):
-        raise ValueError(f"--ranks {ranks} does not fit the subnet {subnet} ({len(hosts)} hosts)")
+    hosts = ranks // ranks_per_host
+    try:
+        addrs = host_addresses(hosts, subnet)
+    except ValueError:
+        raise ValueError(f"--ranks {ranks} ({hosts} hosts) does not fit the subnet {subnet}") from None
     base = f"{PREFIX}{run_id}"
-    rank_if = tuple(f"e{run_id}r{r}" for r in range(ranks))
-    host_if = tuple(f"h{run_id}r{r}" for r in range(ranks))
+    tag = "r" if ranks_per_host == 1 else "h"  # every rank its own host, or hosts of several ranks
+    host_eth = tuple(f"e{run_id}{tag}{h}" for h in range(hosts))
+    bridge_port = tuple(f"h{run_id}{tag}{h}" for h in range(hosts))
     bridge = f"b{run_id}"
-    for name in (*rank_if, *host_if, bridge):
+    for name in (*host_eth, *bridge_port, bridge):
         if len(name) > IFNAME_MAX:
             raise ValueError(f"interface name '{name}' is longer than {IFNAME_MAX} characters (shorter run id)")
     return NetPlan(
         run_id=run_id,
         bridge_ns=f"{base}-br",
         bridge=bridge,
-        rank_ns=tuple(f"{base}-r{r}" for r in range(ranks)),
-        rank_if=rank_if,
-        host_if=host_if,
-        addrs=tuple(str(hosts[r]) for r in range(ranks)),
+        ranks_per_host=ranks_per_host,
+        host_ns=tuple(f"{base}-{tag}{h}" for h in range(hosts)),
+        host_eth=host_eth,
+        bridge_port=bridge_port,
+        addrs=tuple(addrs),
         prefixlen=subnet.prefixlen,
     )
 
@@ -141,14 +182,16 @@ def setup_commands(plan: NetPlan) -> list[list[str]]:
         ["ip", "-n", b, "link", "add", plan.bridge, "type", "bridge"],
         ["ip", "-n", b, "link", "set", plan.bridge, "up"],
     ]
-    for ns, rif, hif, addr in zip(plan.rank_ns, plan.rank_if, plan.host_if, plan.addrs):
+    for ns, eth, port, addr in zip(plan.host_ns, plan.host_eth, plan.bridge_port, plan.addrs):
         cmds += [
-            ["ip", "-n", b, "link", "add", hif, "type", "veth", "peer", "name", rif, "netns", ns],
-            ["ip", "-n", b, "link", "set", hif, "master", plan.bridge],
-            ["ip", "-n", b, "link", "set", hif, "up"],
-            ["ip", "-n", ns, "addr", "add", f"{addr}/{plan.prefixlen}", "dev", rif],
-            ["ip", "-n", ns, "link", "set", rif, "up"],
-            ["ip", "-n", ns, "link", "set", "lo", "up"],  # torchrun's agent talks to its worker over localhost
+            ["ip", "-n", b, "link", "add", port, "type", "veth", "peer", "name", eth, "netns", ns],
+            ["ip", "-n", b, "link", "set", port, "master", plan.bridge],
+            ["ip", "-n", b, "link", "set", port, "up"],
+            ["ip", "-n", ns, "addr", "add", f"{addr}/{plan.prefixlen}", "dev", eth],
+            ["ip", "-n", ns, "link", "set", eth, "up"],
+            # torchrun's agent talks to its workers over localhost, and a host's ranks to each other (the kernel
+            # routes traffic to the namespace's own address over lo, so it never reaches the shaped veth)
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
         ]
     return cmds
 
@@ -159,12 +202,12 @@ def tbf_burst_bytes(rate_bps: int) -> int:
 
 
 def shaping_commands(plan: NetPlan, rate_bps: int | None) -> list[list[str]]:
-    """tc command lines that put both ends of every rank's veth at `rate_bps` (None: remove shaping).
+    """tc command lines that put both ends of every host's veth at `rate_bps` (None: remove shaping).
 
     `replace` and `del` make the commands idempotent, so one topology serves every bandwidth of a sweep. Removing a
     root qdisc that is not there fails harmlessly; callers run those with check=False.
     """
-    ends = [(ns, i) for ns, i in zip(plan.rank_ns, plan.rank_if)] + [(plan.bridge_ns, i) for i in plan.host_if]
+    ends = [(ns, i) for ns, i in zip(plan.host_ns, plan.host_eth)] + [(plan.bridge_ns, i) for i in plan.bridge_port]
     if rate_bps is None:
         return [["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"] for ns, dev in ends]
     shape = ["tbf", "rate", f"{rate_bps}bit", "burst", str(tbf_burst_bytes(rate_bps)), "latency", f"{TBF_LATENCY_MS}ms"]
@@ -187,17 +230,32 @@ def parse_link_stats(json_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def wire_delta(
-    before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]], host_if: Sequence[str]
-) -> dict[str, int]:
-    """Bytes the ranks put on the wire between two counter reads: per rank (by bridge-side veth) and in total.
+@dataclass(frozen=True)
+class WireBytes:
+    """Bytes on the host links between two counter reads, by host: `sent` onto its link, `received` from it."""
 
-    A rank's sends are its bridge-side veth's receives, so `rx_bytes` of the host ends is counted.
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        """Every byte the hosts put on the wire (each crosses the bridge once: what one sends, another receives)."""
+        return sum(self.sent)
+
+
+def wire_delta(
+    before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]], bridge_port: Sequence[str]
+) -> WireBytes:
+    """Bytes the hosts put on and took off the wire between two counter reads, per host (by bridge port).
+
+    A host's sends are its bridge port's receives (`rx_bytes`), and what it receives its port's sends (`tx_bytes`:
+    the bridge also floods the odd broadcast, such as ARP, to every port).
     """
-    per = [after[i]["rx_bytes"] - before[i]["rx_bytes"] for i in host_if]
-    if any(p < 0 for p in per):
-        raise ValueError(f"interface counters went backwards: {per}")
-    return {"total": sum(per), **{f"rank{r}": p for r, p in enumerate(per)}}
+    sent = tuple(after[i]["rx_bytes"] - before[i]["rx_bytes"] for i in bridge_port)
+    received = tuple(after[i]["tx_bytes"] - before[i]["tx_bytes"] for i in bridge_port)
+    if any(p < 0 for p in (*sent, *received)):
+        raise ValueError(f"interface counters went backwards: sent {sent}, received {received}")
+    return WireBytes(sent, received)
 
 
 def check_prerequisites() -> None:
@@ -227,11 +285,11 @@ class Network:
     SIGTERM and SIGHUP are turned into KeyboardInterrupt while it is open, so a killed benchmark still cleans up.
     """
 
-    def __init__(self, ranks: int, run_id: str | None = None) -> None:
+    def __init__(self, ranks: int, ranks_per_host: int = 1, run_id: str | None = None) -> None:
         check_prerequisites()
         run_id = run_id or new_run_id()
         routes = _run(["ip", "-4", "route", "show", "table", "all"], check=False).stdout
-        self.plan = plan_network(ranks, run_id, pick_subnet(routes, int(run_id, 16)))
+        self.plan = plan_network(ranks, run_id, pick_subnet(routes, int(run_id, 16)), ranks_per_host)
         self.rate_bps: int | None = None
         self._old_handlers: dict[int, object] = {}
 
@@ -293,7 +351,7 @@ class Network:
         return left
 
     def shape(self, rate_bps: int | None) -> None:
-        """Set every link to `rate_bps` (None: unshaped)."""
+        """Set every host's link to `rate_bps` (None: unshaped)."""
         for cmd in shaping_commands(self.plan, rate_bps):
             _run(cmd, check=rate_bps is not None)
         self.rate_bps = rate_bps
@@ -302,8 +360,9 @@ class Network:
         """Counters of the bridge-side veths."""
         return parse_link_stats(_run(["ip", "-n", self.plan.bridge_ns, "-s", "-j", "link", "show"]).stdout)
 
-    def exec_prefix(self, rank: int) -> list[str]:
-        return ["ip", "netns", "exec", self.plan.rank_ns[rank]]
+    def exec_prefix(self, host: int) -> list[str]:
+        """The command prefix that runs a command inside host `host`'s namespace."""
+        return ["ip", "netns", "exec", self.plan.host_ns[host]]
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -389,7 +448,7 @@ def thread_cpu_delta(
 
 @dataclass
 class Snapshot:
-    """What was measured when a mark first appeared in a rank's output."""
+    """What was measured when a mark first appeared in a host's output."""
 
     t: float  # time.monotonic()
     cpu_s: float  # CPU seconds of the processes `pids()` named at that moment (cumulative since their start)
@@ -400,8 +459,8 @@ class Snapshot:
 @dataclass
 class RanksResult:
     codes: list[int | None]
-    tails: list[str]  # the last lines of each rank's output
-    cpu_s: float  # user+sys of every rank process over the whole run (set-up and evaluation included)
+    tails: list[str]  # the last lines of each command's output (a host's torchrun agent and its ranks)
+    cpu_s: float  # user+sys of every process over the whole run (set-up and evaluation included)
     marks: dict[str, Snapshot]
 
 
@@ -417,14 +476,15 @@ def run_ranks(
     probe: Callable[[], object] | None = None,
     poll_s: float = 0.02,
 ) -> RanksResult:
-    """Start one process per rank and wait for all, snapshotting when given lines appear in their output.
+    """Start one process per host (its torchrun agent) and wait for all, snapshotting when given lines appear in their
+    output.
 
-    `marks` maps a name to a regex; the first time it matches a line of any rank's output, the CPU seconds of the
+    `marks` maps a name to a regex; the first time it matches a line of any host's output, the CPU seconds of the
     processes `pids()` lists at the first mark (the ranks' torchrun agents and workers) and `probe()` are recorded --
     e.g. marks around the training loop give its CPU time and wire bytes without set-up and evaluation. A mark
     printed just before every process exits may be missed (nothing is snapshotted after the processes are gone).
     Each command runs in a session of its own; on a failure, a timeout or Ctrl-C the ones still running get SIGTERM
-    (torchrun passes it to its worker), then SIGKILL, then `stop()` (e.g. `Network.kill_processes`). Once one exits,
+    (torchrun passes it to its workers), then SIGKILL, then `stop()` (e.g. `Network.kill_processes`). Once one exits,
     the others get `grace_s` to finish (a rank that failed leaves the rest blocked in a collective). The whole-run
     CPU time is the user+sys of the reaped children (RUSAGE_CHILDREN covers descendants their parents waited for).
     """

@@ -41,10 +41,10 @@ def test_parse_rate_rejects_bad_input_naming_the_option(bad: str) -> None:
 
 def test_plan_names_addresses_and_limits() -> None:
     plan = netem.plan_network(3, "a1b2c3", ipaddress.ip_network("10.42.7.0/24"))
-    assert plan.rank_ns == ("hneta1b2c3-r0", "hneta1b2c3-r1", "hneta1b2c3-r2")
+    assert plan.host_ns == ("hneta1b2c3-r0", "hneta1b2c3-r1", "hneta1b2c3-r2")
     assert plan.bridge_ns == "hneta1b2c3-br" and plan.namespaces[-1] == plan.bridge_ns
     assert plan.addrs == ("10.42.7.1", "10.42.7.2", "10.42.7.3") and plan.prefixlen == 24
-    names = [*plan.rank_if, *plan.host_if, plan.bridge]
+    names = [*plan.host_eth, *plan.bridge_port, plan.bridge]
     assert len(set(names)) == len(names) and all(len(n) <= netem.IFNAME_MAX for n in names)
     other = netem.plan_network(3, "ffffff", ipaddress.ip_network("10.42.7.0/24"))
     assert not set(other.namespaces) & set(plan.namespaces)  # runs do not collide
@@ -55,6 +55,91 @@ def test_plan_names_addresses_and_limits() -> None:
         netem.plan_network(7, "a1", ipaddress.ip_network("10.0.0.0/29"))  # 6 hosts
     with pytest.raises(ValueError, match="run id"):
         netem.plan_network(2, "Bad-Id", ipaddress.ip_network("10.0.0.0/24"))
+
+
+def test_plan_with_several_ranks_per_host_has_one_namespace_and_link_per_host() -> None:
+    subnet = ipaddress.ip_network("10.42.7.0/24")
+    plan = netem.plan_network(8, "a1b2c3", subnet, ranks_per_host=4)
+    assert plan.hosts == 2 and plan.ranks == 8 and plan.ranks_per_host == 4
+    assert plan.host_ns == ("hneta1b2c3-h0", "hneta1b2c3-h1") and plan.namespaces[-1] == "hneta1b2c3-br"
+    assert plan.host_eth == ("ea1b2c3h0", "ea1b2c3h1") and plan.bridge_port == ("ha1b2c3h0", "ha1b2c3h1")
+    assert plan.addrs == ("10.42.7.1", "10.42.7.2")
+    assert [plan.host_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # ranks h*H .. h*H+H-1 on host h
+    pairs = netem.plan_network(8, "a1b2c3", subnet, ranks_per_host=2)
+    assert pairs.hosts == 4 and [pairs.host_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert pairs.host_ns[3] == "hneta1b2c3-h3" and pairs.addrs[3] == "10.42.7.4"
+    one = netem.plan_network(8, "a1b2c3", subnet, ranks_per_host=1)
+    assert one == netem.plan_network(8, "a1b2c3", subnet)  # the default: every rank its own host, named r0, r1, ..
+    assert one.hosts == 8 and one.host_ns[7] == "hneta1b2c3-r7" and [one.host_of(r) for r in range(8)] == list(range(8))
+    with pytest.raises(ValueError, match="rank 8"):
+        plan.host_of(8)
+    for bad in (3, 0, -2, 16):
+        with pytest.raises(ValueError, match="--ranks-per-host"):
+            netem.plan_network(8, "a1", subnet, ranks_per_host=bad)
+
+
+def test_host_addresses_sort_as_text_in_host_order() -> None:
+    """torchrun's c10d rendezvous numbers the agents by address text: host h must sort h-th."""
+    subnet = ipaddress.ip_network("10.3.4.0/24")
+    assert netem.host_addresses(9, subnet) == [f"10.3.4.{i}" for i in range(1, 10)]  # as before: .1, .2, ...
+    for n, first in ((10, 10), (90, 10), (91, 100), (155, 100)):
+        addrs = netem.host_addresses(n, subnet)
+        assert addrs[0] == f"10.3.4.{first}" and len(set(addrs)) == n and sorted(addrs) == addrs
+        assert all(ipaddress.ip_address(a) in subnet for a in addrs)
+    plan = netem.plan_network(24, "abc", subnet, ranks_per_host=2)
+    assert list(plan.addrs) == sorted(plan.addrs) and plan.addrs[0] == "10.3.4.10"
+    with pytest.raises(ValueError, match="--ranks 312"):
+        netem.plan_network(312, "abc", subnet, ranks_per_host=2)  # 156 hosts
+
+
+def test_setup_and_shaping_commands_per_host() -> None:
+    plan = netem.plan_network(8, "abc", ipaddress.ip_network("10.9.9.0/24"), ranks_per_host=4)
+    cmds = netem.setup_commands(plan)
+    assert cmds[:3] == [["ip", "netns", "add", ns] for ns in ("hnetabc-h0", "hnetabc-h1", "hnetabc-br")]
+    veths = [c for c in cmds if "veth" in c]
+    assert veths == [
+        ["ip", "-n", "hnetabc-br", "link", "add", f"habch{h}", "type", "veth", "peer", "name", f"eabch{h}", "netns"]
+        + [f"hnetabc-h{h}"]
+        for h in range(2)
+    ]
+    assert ["ip", "-n", "hnetabc-h1", "addr", "add", "10.9.9.2/24", "dev", "eabch1"] in cmds
+    assert sum(c == ["ip", "-n", f"hnetabc-h{h}", "link", "set", "lo", "up"] for c in cmds for h in range(2)) == 2
+    shape = netem.shaping_commands(plan, 1_000_000_000)
+    assert [(c[2], c[6]) for c in shape] == [
+        ("hnetabc-h0", "eabch0"),
+        ("hnetabc-h1", "eabch1"),
+        ("hnetabc-br", "habch0"),
+        ("hnetabc-br", "habch1"),
+    ]  # both ends of each host's link, none per rank
+    assert all(c[8:11] == ["tbf", "rate", "1000000000bit"] for c in shape)
+    assert len(netem.shaping_commands(plan, None)) == 4
+
+
+def test_wire_bytes_per_host_link() -> None:
+    """Counters of two hosts' bridge ports: per host sent (port rx) and received (port tx), in host order."""
+    plan = netem.plan_network(8, "abc", ipaddress.ip_network("10.9.9.0/24"), ranks_per_host=4)
+
+    def stats(sent: list[int], received: list[int]) -> dict:
+        ports = [
+            {"ifname": port, "stats64": {"rx": {"bytes": s, "packets": 1}, "tx": {"bytes": r, "packets": 1}}}
+            for port, s, r in zip(plan.bridge_port, sent, received)
+        ]
+        lo = {"ifname": "lo", "stats64": {"rx": {"bytes": 9, "packets": 1}, "tx": {"bytes": 9, "packets": 1}}}
+        return netem.parse_link_stats(json.dumps([lo, *ports]))
+
+    wire = netem.wire_delta(stats([100, 200], [50, 60]), stats([1100, 700], [560, 1070]), plan.bridge_port)
+    assert wire.sent == (1000, 500) and wire.received == (510, 1010) and wire.total == 1500
+    marks = {
+        "start": netem.Snapshot(0.0, 0.0, stats([0, 0], [0, 0])),
+        "end": netem.Snapshot(1.0, 2.0, stats([40, 80], [84, 36])),
+    }
+    f = e2e_net.loop_figures(marks, plan.bridge_port, steps=4)
+    assert f["wire_bytes_per_step_by_host"] == [10.0, 20.0] and f["wire_rx_bytes_per_step_by_host"] == [21.0, 9.0]
+    assert f["wire_bytes_per_step"] == 30.0
+    assert e2e_net.busiest_link(f) == "0.00 / 0.00" and e2e_net.busiest_link({}) == "-"
+    assert e2e_net.busiest_link(
+        {"wire_bytes_per_step_by_host": [1e6, 3e6], "wire_rx_bytes_per_step_by_host": [2e6, 1e6]}
+    ) == ("3.00 / 2.00")
 
 
 def test_pick_subnet_avoids_the_hosts_routes() -> None:
@@ -80,19 +165,19 @@ def test_setup_commands_build_every_link_inside_the_runs_namespaces() -> None:
             plan.bridge_ns,
             "link",
             "add",
-            plan.host_if[r],
+            plan.bridge_port[r],
             "type",
             "veth",
             "peer",
             "name",
-            plan.rank_if[r],
+            plan.host_eth[r],
             "netns",
-            plan.rank_ns[r],
+            plan.host_ns[r],
         ]
         for r in range(2)
     ]
-    assert ["ip", "-n", plan.rank_ns[1], "addr", "add", "10.9.9.2/24", "dev", plan.rank_if[1]] in cmds
-    assert ["ip", "-n", plan.bridge_ns, "link", "set", plan.host_if[0], "master", plan.bridge] in cmds
+    assert ["ip", "-n", plan.host_ns[1], "addr", "add", "10.9.9.2/24", "dev", plan.host_eth[1]] in cmds
+    assert ["ip", "-n", plan.bridge_ns, "link", "set", plan.bridge_port[0], "master", plan.bridge] in cmds
 
 
 def test_shaping_commands_both_ends_of_every_link() -> None:
@@ -101,19 +186,19 @@ def test_shaping_commands_both_ends_of_every_link() -> None:
     assert len(cmds) == 4
     ends = {(c[2], c[6]) for c in cmds}
     assert ends == {
-        (plan.rank_ns[0], plan.rank_if[0]),
-        (plan.rank_ns[1], plan.rank_if[1]),
-        (plan.bridge_ns, plan.host_if[0]),
-        (plan.bridge_ns, plan.host_if[1]),
+        (plan.host_ns[0], plan.host_eth[0]),
+        (plan.host_ns[1], plan.host_eth[1]),
+        (plan.bridge_ns, plan.bridge_port[0]),
+        (plan.bridge_ns, plan.bridge_port[1]),
     }
     assert cmds[0] == [
         "tc",
         "-n",
-        plan.rank_ns[0],
+        plan.host_ns[0],
         "qdisc",
         "replace",
         "dev",
-        plan.rank_if[0],
+        plan.host_eth[0],
         "root",
         "tbf",
         "rate",
@@ -144,8 +229,9 @@ def test_parse_link_stats_and_wire_delta() -> None:
     after = json.loads(IP_S_J)
     after[1]["stats64"]["rx"]["bytes"] = 5000
     after[2]["stats"]["rx"]["bytes"] = 2300
+    after[1]["stats64"]["tx"]["bytes"] = 2700  # host 0 received 2000 bytes, host 1 none
     delta = netem.wire_delta(before, netem.parse_link_stats(json.dumps(after)), ["habcr0", "habcr1"])
-    assert delta == {"total": 6000, "rank0": 4000, "rank1": 2000}
+    assert delta == netem.WireBytes(sent=(4000, 2000), received=(2000, 0)) and delta.total == 6000
     with pytest.raises(ValueError, match="backwards"):
         netem.wire_delta(netem.parse_link_stats(json.dumps(after)), before, ["habcr0"])
     with pytest.raises(ValueError, match="counters"):
@@ -187,10 +273,12 @@ def test_loop_figures_use_the_counters_and_cpu_between_the_marks() -> None:
     later["habcr0"]["rx_bytes"] += 4000
     later["habcr1"]["rx_bytes"] += 1000
     marks = {"start": netem.Snapshot(10.0, 5.0, stats), "end": netem.Snapshot(12.0, 9.0, later)}
+    later["habcr1"]["tx_bytes"] += 3000
     f = e2e_net.loop_figures(marks, ("habcr0", "habcr1"), steps=10)
     assert f == {
         "wire_bytes_per_step": 500.0,
-        "wire_bytes_per_step_by_rank": [400.0, 100.0],
+        "wire_bytes_per_step_by_host": [400.0, 100.0],
+        "wire_rx_bytes_per_step_by_host": [0.0, 300.0],
         "cpu_s_per_step": 0.4,
         "steady_step_ms": pytest.approx(200.0),
     }
@@ -242,20 +330,20 @@ def test_rotated_rounds_start_at_different_configs() -> None:
     assert all(sorted(o) == configs for o in orders)
 
 
-def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: Path) -> None:
+def test_host_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: Path) -> None:
     class FakeNet:
         plan = netem.plan_network(2, "abc", ipaddress.ip_network("10.9.9.0/24"))
 
         def exec_prefix(self, r: int) -> list[str]:
-            return ["ip", "netns", "exec", self.plan.rank_ns[r]]
+            return ["ip", "netns", "exec", self.plan.host_ns[r]]
 
     args = argparse.Namespace(
         batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2, host_cpus="shared"
     )
-    cmds = e2e_net.rank_commands(FakeNet(), "torchrec_planner", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
+    cmds = e2e_net.host_commands(FakeNet(), "torchrec_planner", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
     for r, c in enumerate(cmds):
-        assert c[:4] == ["ip", "netns", "exec", FakeNet.plan.rank_ns[r]]
-        assert f"GLOO_SOCKET_IFNAME={FakeNet.plan.rank_if[r]}" in c
+        assert c[:4] == ["ip", "netns", "exec", FakeNet.plan.host_ns[r]]
+        assert f"GLOO_SOCKET_IFNAME={FakeNet.plan.host_eth[r]}" in c
         flags = dict(
             zip(
                 c[c.index("torch.distributed.run") + 1 : c.index("train.py") : 2],
@@ -282,12 +370,59 @@ def test_rank_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: P
         assert "taskset" not in c  # shared: every emulated host may use every core
     if len(os.sched_getaffinity(0)) >= 2:  # split: each host its own block of cores, disjoint
         args.host_cpus = "split"
-        cmds = e2e_net.rank_commands(FakeNet(), "herald", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
+        cmds = e2e_net.host_commands(FakeNet(), "herald", e2e.WORKLOADS["wdl64"], 7, tmp_path, args, "rid")
         blocks = [c[c.index("taskset") + 2] for c in cmds]
         assert all(c[4:6] == ["taskset", "-c"] for c in cmds)
         cores = [set(map(int, b.split(","))) for b in blocks]
         assert not cores[0] & cores[1] and cores[0] | cores[1] <= os.sched_getaffinity(0)
     assert e2e_net.host_cpus("shared", 2) is None
+
+
+def test_host_commands_run_one_agent_per_host_with_its_ranks(tmp_path: Path) -> None:
+    """8 ranks as 2 hosts of 4: two torchrun agents, each with --nproc_per_node 4 and node rank = host index (so its
+    workers get LOCAL_WORLD_SIZE=4 and GROUP_RANK=host); with --host-cpus split each host gets a block of cores."""
+
+    class FakeNet:
+        plan = netem.plan_network(8, "abc", ipaddress.ip_network("10.9.9.0/24"), ranks_per_host=4)
+
+        def exec_prefix(self, h: int) -> list[str]:
+            return ["ip", "netns", "exec", self.plan.host_ns[h]]
+
+    args = argparse.Namespace(
+        batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=5, host_cpus="shared"
+    )
+    cmds = e2e_net.host_commands(FakeNet(), "herald", e2e.WORKLOADS["wdl64"], 30, tmp_path, args, "rid")
+    assert len(cmds) == 2
+    for h, c in enumerate(cmds):
+        assert c[:4] == ["ip", "netns", "exec", f"hnetabc-h{h}"] and f"GLOO_SOCKET_IFNAME=eabch{h}" in c
+        run = c.index("torch.distributed.run")
+        flags = dict(zip(c[run + 1 : c.index("train.py") : 2], c[run + 2 : c.index("train.py") : 2]))
+        assert flags["--nnodes"] == "2" and flags["--node_rank"] == str(h) and flags["--nproc_per_node"] == "4"
+        assert (
+            flags["--rdzv-endpoint"] == f"10.9.9.1:{e2e_net.RDZV_PORT}" and flags["--local-addr"] == f"10.9.9.{h + 1}"
+        )
+        assert flags["--rdzv-conf"] == f"is_host={int(h == 0)}"
+    args.host_cpus = "split"
+    cmds = e2e_net.host_commands(FakeNet(), "herald", e2e.WORKLOADS["wdl64"], 30, tmp_path, args, "rid")
+    blocks = [set(map(int, c[c.index("taskset") + 2].split(","))) for c in cmds]
+    assert blocks == [set(b) for b in e2e_net.host_cpus("split", 2)]  # a block per host, not per rank
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not blocks[0] & blocks[1]
+
+
+def test_ranks_per_host_must_divide_the_ranks_and_needs_network_mode(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    args = argparse.Namespace(
+        bandwidth="none", workload="dcn", model="dcn", rounds=1, steps=20, warmup_steps=5, ranks_per_host=4
+    )
+    monkeypatch.setattr(netem, "check_prerequisites", lambda: pytest.fail("checked the machine before the options"))
+    with pytest.raises(ValueError, match="--ranks-per-host .* 4 for \\[6\\]"):
+        e2e_net.main_net(args, [8, 6], ["herald"])
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--ranks", "8", "--ranks-per-host", "4", "--steps", "20"])
+    with pytest.raises(SystemExit, match="--ranks-per-host need --bandwidth"):
+        e2e.main()
+    assert e2e_net.ranks_per_host(argparse.Namespace()) == 1  # benchmarks/compare.py's options lack it
 
 
 def test_without_root_the_benchmark_says_so_and_exits_2(
@@ -327,7 +462,7 @@ def test_network_is_built_shaped_and_removed() -> None:
         assert all(ns in names for ns in plan.namespaces)
         net.shape(200_000_000)
         q = subprocess.run(
-            ["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]], capture_output=True, text=True
+            ["tc", "-n", plan.host_ns[0], "qdisc", "show", "dev", plan.host_eth[0]], capture_output=True, text=True
         ).stdout
         assert "tbf" in q and "200Mbit" in q
         before = net.counters()
@@ -336,11 +471,12 @@ def test_network_is_built_shaped_and_removed() -> None:
             f"[s.sendto(bytes(1000), ('{plan.addrs[1]}', 9)) for _ in range(50)]"
         )
         subprocess.run([*net.exec_prefix(0), sys.executable, "-c", send], check=True, timeout=60)
-        sent = netem.wire_delta(before, net.counters(), plan.host_if)
-        assert sent["rank0"] >= 50 * 1000 and sent["total"] >= sent["rank0"]  # UDP payloads + headers + ARP
+        wire = netem.wire_delta(before, net.counters(), plan.bridge_port)
+        assert wire.sent[0] >= 50 * 1000 and wire.total >= wire.sent[0]  # UDP payloads + headers + ARP
+        assert wire.received[1] >= 50 * 1000
         net.shape(None)
         q = subprocess.run(
-            ["tc", "-n", plan.rank_ns[0], "qdisc", "show", "dev", plan.rank_if[0]], capture_output=True, text=True
+            ["tc", "-n", plan.host_ns[0], "qdisc", "show", "dev", plan.host_eth[0]], capture_output=True, text=True
         ).stdout
         assert "tbf" not in q
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -360,8 +496,9 @@ def _fake_result() -> dict:
             "cpu_s_per_step": 0.05,
             "cpu_s_per_step_raw": 0.3,
         }
-        if app < 1e6:  # herald's runs measured their threads
+        if app < 1e6:  # herald's runs measured their threads and the wire per host link
             best |= {"cpu_ms_per_step_training": 30.0, "cpu_ms_per_step_input": 12.5, "cpu_ms_per_step_other": 7.5}
+            best |= {"wire_bytes_per_step_by_host": [1.2e6, 0.6e6], "wire_rx_bytes_per_step_by_host": [0.9e6, 0.9e6]}
         return {"best": best, "median": best, "rounds": [best]}
 
     runs = {
@@ -399,12 +536,15 @@ def test_ratios_and_markdown_table_compare_with_the_best_stock_config() -> None:
     assert len(table) == 2 + 2 * 2 * 3
     assert "CPU floor ms (CPU / 4 cores)" in table[0]  # the step time if the run's CPU kept every core busy
     assert (
-        "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 0.7000 | 0.050 | 12.5 | 30.0 / 12.5 / 7.5 |"
+        "| dcn | 200mbit | 2 | herald | 25.0 | 20.0 | 0.17x | 0.60 | 1.80 | 1.20 / 0.90 | 0.7000 | 0.050 | 12.5 | "
+        "30.0 / 12.5 / 7.5 |" in table
+    )  # the busiest host link: 1.2 MB sent, 0.9 MB received per step
+    assert (
+        "| dcn | 200mbit | 2 | torchrec_tw | 125.0 | 120.0 | 1.00x | 3.00 | 9.00 | - | 0.7000 | 0.050 | 12.5 | - |"
         in table
     )
-    assert (
-        "| dcn | 200mbit | 2 | torchrec_tw | 125.0 | 120.0 | 1.00x | 3.00 | 9.00 | 0.7000 | 0.050 | 12.5 | - |" in table
-    )
+    result["config"]["ranks_per_host"] = 2  # 2 ranks on one emulated host
+    assert "| dcn | 200mbit | 2 (2/host) | torchrec_tw | 125.0 |" in e2e_net.markdown_table(result)
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -508,8 +648,9 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class FakeNetwork:
-        def __init__(self, ranks: int) -> None:
-            self.plan = netem.plan_network(ranks, "abc", ipaddress.ip_network("10.9.9.0/24"))
+        def __init__(self, ranks: int, ranks_per_host: int = 1) -> None:
+            built.append((ranks, ranks_per_host))
+            self.plan = netem.plan_network(ranks, "abc", ipaddress.ip_network("10.9.9.0/24"), ranks_per_host)
 
         def __enter__(self) -> "FakeNetwork":
             return self
@@ -518,6 +659,7 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
             pass
 
     calls = []
+    built: list[tuple[int, int]] = []
 
     def fake_run(net, workload, bandwidth, scheduler, steps, args, tmp, tag):  # noqa: ANN001, ANN202
         calls.append((workload, bandwidth, scheduler))
@@ -561,6 +703,11 @@ def test_sweep_runs_rounds_in_rotating_order_saves_as_it_goes_and_survives_a_fai
     )
     assert result["ratios"]["dcn"]["200mbit"]["2"]["herald_vs_best_stock_step_time"] == pytest.approx(2.0, rel=0.02)
     assert len(saved[0]["runs"]["dcn"]) == 1  # the first save holds one run
+    assert result["config"]["ranks_per_host"] == 1 and built == [(2, 1)]
+    args.ranks_per_host, args.rounds, args.bandwidth = 4, 1, "none"
+    result = e2e_net.main_net(args, [8], ["torchrec_tw"])
+    assert built[-1] == (8, 4) and result["config"]["ranks_per_host"] == 4  # one network of 2 hosts x 4 ranks
+    assert "| dcn | none | 8 (4/host) | " in e2e_net.pivot_table(result)
 
 
 def test_workloads_name_their_overrides_and_bad_ones_are_rejected() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import socket
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -65,8 +66,18 @@ def planners(plan_on: str, hosts: np.ndarray) -> np.ndarray:
 
 
 def host_key() -> int:
-    """This machine, as an int64 every rank on it shares (a hash of the host name)."""
-    return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little", signed=True)
+    """This machine, as an int64 every rank on it shares: a hash of the host name and, under torchrun, its GROUP_RANK.
+
+    Why GROUP_RANK: clusters run one torchrun agent per machine, whose group rank then names the machine even where
+    host names repeat (containers, or network namespaces emulating hosts on one machine, which all report the same
+    name); several agents on one machine count as separate hosts. `torchrun --standalone` gives every rank
+    GROUP_RANK=0, so a single-machine run stays one host; without torchrun the host name alone decides.
+    """
+    name = socket.gethostname()
+    group = os.environ.get("GROUP_RANK")
+    if group is not None:
+        name = f"{name}/group{group}"
+    return int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little", signed=True)
 
 
 @dataclass(frozen=True)

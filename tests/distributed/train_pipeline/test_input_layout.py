@@ -179,6 +179,28 @@ def test_who_plans_for_whom() -> None:
     assert planners("every_rank", hosts).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_host_key_tells_torchrun_agents_on_one_machine_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One torchrun agent per host: agents sharing a host name (network namespaces emulating hosts, containers)
+    are different hosts by GROUP_RANK; the ranks of one agent, and every rank without torchrun, share a key."""
+    from herald_torchrec.distributed.train_pipeline import input_round
+    from herald_torchrec.distributed.train_pipeline.input_round import host_key, planners
+
+    monkeypatch.setattr(input_round.socket, "gethostname", lambda: "node-a")
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    plain = host_key()
+    assert plain == host_key() and isinstance(plain, int) and -(2**63) <= plain < 2**63
+    keys = []
+    for group in ("0", "0", "1", "1"):  # --nnodes 2 --nproc_per_node 2 on one machine
+        monkeypatch.setenv("GROUP_RANK", group)
+        keys.append(host_key())
+    assert keys[0] == keys[1] and keys[2] == keys[3] and keys[0] != keys[2]
+    assert planners("host", np.array(keys, dtype=np.int64)).tolist() == [0, 0, 2, 2]  # one planner per host
+    monkeypatch.setattr(input_round.socket, "gethostname", lambda: "node-b")
+    assert host_key() != keys[2]  # the same group rank on another machine name: another host
+    monkeypatch.delenv("GROUP_RANK")
+    assert host_key() != plain  # without torchrun the host name alone decides
+
+
 @pytest.mark.parametrize("u, ids64", [(1, False), (2, False), (1, True)])
 def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
     """The samples' blocks and their reassembly compiled (host_kernels.sample_blocks_uniform / received_uniform)
