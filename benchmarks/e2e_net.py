@@ -61,6 +61,7 @@ NUMERIC = (
     "input_wait_ms_median",
     *(f"cpu_ms_per_step_{k}" for k in netem.THREAD_KINDS),
 )
+PER_HOST = ("wire_bytes_per_step_by_host", "wire_rx_bytes_per_step_by_host")  # one number per host link
 
 
 def host_commands(
@@ -237,12 +238,17 @@ def step_of(rec: dict) -> float:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Best (the run with the lowest step time) and median of every numeric field over a config's rounds."""
+    """Best (the run with the lowest step time) and median of every numeric field over a config's rounds; the
+    per-host-link lists (PER_HOST) host by host."""
     best = min(records, key=step_of)
     median = {
         k: statistics.median(r[k] for r in records) for k in NUMERIC if all(r.get(k) is not None for r in records)
     }
-    return {"best": {k: best[k] for k in NUMERIC if best.get(k) is not None}, "median": median, "rounds": records}
+    for k in PER_HOST:
+        if all(r.get(k) for r in records):
+            median[k] = [statistics.median(col) for col in zip(*(r[k] for r in records))]
+    keep = (*NUMERIC, *PER_HOST)
+    return {"best": {k: best[k] for k in keep if best.get(k) is not None}, "median": median, "rounds": records}
 
 
 def rotated(configs: list, round_index: int, rounds: int) -> list:

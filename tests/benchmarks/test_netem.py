@@ -256,6 +256,17 @@ def test_summary_reports_the_fastest_round_and_medians() -> None:
     waits = e2e_net.summarize([rec | {"input_wait_ms_median": w} for w in (0.5, 0.02, 7.0)])
     assert waits["best"]["input_wait_ms_median"] == 0.5 and waits["median"]["input_wait_ms_median"] == 0.5
     assert "input_wait_ms_median" not in s["best"] and "input_wait_ms_median" not in s["median"]
+    # wire bytes per host link: the best round's lists, and the median host by host
+    hosts = e2e_net.summarize(
+        [
+            r | {"wire_bytes_per_step_by_host": [h0, 9.0], "wire_rx_bytes_per_step_by_host": [1.0, h0]}
+            for r, h0 in ((slow, 3.0), (rec, 5.0), (mid, 4.0))
+        ]
+    )
+    assert hosts["best"]["wire_bytes_per_step_by_host"] == [5.0, 9.0]
+    assert hosts["median"]["wire_bytes_per_step_by_host"] == [4.0, 9.0]
+    assert hosts["median"]["wire_rx_bytes_per_step_by_host"] == [1.0, 4.0]
+    assert "wire_bytes_per_step_by_host" not in s["best"] and "wire_bytes_per_step_by_host" not in s["median"]
 
 
 def test_proc_cpu_seconds_parses_user_and_sys() -> None:
@@ -481,6 +492,31 @@ def test_network_is_built_shaped_and_removed() -> None:
         assert "tbf" not in q
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in names for ns in plan.namespaces)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2")
+def test_ranks_of_one_host_talk_off_the_wire() -> None:
+    """4 ranks as 2 hosts of 2: traffic inside a host's namespace (to its own address) stays off its shaped link,
+    traffic to the other host is counted on both host links (sent by one, received by the other)."""
+    with netem.Network(4, ranks_per_host=2) as net:
+        plan = net.plan
+        assert len(plan.namespaces) == 3 and plan.host_ns[0].endswith("-h0")
+        net.shape(200_000_000)
+
+        def send(to: str) -> netem.WireBytes:
+            body = (
+                "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                f"[s.sendto(bytes(1000), ('{to}', 9)) for _ in range(200)]"
+            )
+            before = net.counters()
+            subprocess.run([*net.exec_prefix(0), sys.executable, "-c", body], check=True, timeout=60)
+            return netem.wire_delta(before, net.counters(), plan.bridge_port)
+
+        inside = send(plan.addrs[0])
+        assert inside.total < 5_000  # at most an odd broadcast: 200 kB went over host 0's loopback
+        across = send(plan.addrs[1])
+        assert across.sent[0] >= 200 * 1000 and across.received[1] >= 200 * 1000
 
 
 def _fake_result() -> dict:
