@@ -436,6 +436,21 @@ def test_ranks_per_host_must_divide_the_ranks_and_needs_network_mode(
     assert e2e_net.ranks_per_host(argparse.Namespace()) == 1  # benchmarks/compare.py's options lack it
 
 
+def test_compare_py_options_launch_one_rank_per_host_on_shared_cores(tmp_path: Path) -> None:
+    """benchmarks/compare.py passes its own options to main_net: no --ranks-per-host, no --host-cpus."""
+
+    class FakeNet:
+        plan = netem.plan_network(2, "abc", ipaddress.ip_network("10.9.9.0/24"))
+
+        def exec_prefix(self, h: int) -> list[str]:
+            return ["ip", "netns", "exec", self.plan.host_ns[h]]
+
+    args = argparse.Namespace(batch=64, locality=0.5, cache_ratio=0.1, extra=[], phase_times=False, warmup_steps=2)
+    cmds = e2e_net.host_commands(FakeNet(), "herald", e2e.WORKLOADS["dcn"], 4, tmp_path, args, "rid")
+    assert len(cmds) == 2 and not any("taskset" in c for c in cmds)
+    assert all(c[c.index("--nproc_per_node") + 1] == "1" for c in cmds)
+
+
 def test_without_root_the_benchmark_says_so_and_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
