@@ -101,6 +101,9 @@ class HeraldOptions:
     """CPU priority of the input stage's thread: "low" (nice 19), "idle" (SCHED_IDLE) or "normal"."""
     native: str = "auto"
     """Herald's compiled kernels: "auto", "on" (an error if they cannot build) or "off" (numpy only)."""
+    host_relay: bool = True
+    """Where ranks share hosts, a shared row crosses to each reading host once and one gradient sum crosses back
+    (one reader per host relays: distributed/step/host_relay.py); False sends to and from every reader directly."""
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -146,6 +149,8 @@ class HeraldOptions:
                 f"input stage's thread), got {self.input_priority!r}",
             )
         put("native", check_native(self.native))
+        if not isinstance(self.host_relay, bool):
+            raise OptionError("host_relay", f"must be true or false, got {self.host_relay!r}")
 
     @classmethod
     def named(cls, prefix: str, base: HeraldOptions | None = None, **settings: Any) -> HeraldOptions:

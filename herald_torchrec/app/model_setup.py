@@ -324,6 +324,8 @@ def herald_options(sc: DictConfig) -> HeraldOptions:
     settings.update({k: sc[k] for k in ("plan_on", "input_priority", "native") if sc.get(k)})  # empty: the default
     if "prefetch" in sc:
         settings["prefetch"] = sc.prefetch
+    if "host_relay" in sc:
+        settings["host_relay"] = sc.host_relay
     return HeraldOptions.named(CONFIG_KEY, **settings)
 
 

@@ -89,8 +89,10 @@ from herald_torchrec.distributed.step.extension import (
     StepExtension,
     check_plan_served,
 )
+from herald_torchrec.distributed.step.host_relay import HostMap, LinkRows
 from herald_torchrec.distributed.step.prepare import (
     LocalInput,
+    MoveStep,
     SharedStep,
     classify,
     local_input,
@@ -100,9 +102,11 @@ from herald_torchrec.distributed.step.prepare import (
 from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
+from herald_torchrec.schedule.herald.planner import host_ids
 from herald_torchrec.schedule.plan import Plan
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
+HOST_ROW_KINDS = ("cross_host", "intra_host")  # rows sent to ranks of another host / of the own host
 UNSCHEDULED_WARNING = (
     "a Herald-managed EmbeddingBagCollection trained with no plan queued runs unscheduled: the static plan (rows stay "
     "at their home rank, the same model as stock TorchRec, no embedding scheduling); to schedule it, drive training "
@@ -248,6 +252,8 @@ class ShardedHeraldEmbeddingBagCollection(
         self._plans: deque[Plan | None] = deque()
         self._warned_unscheduled = False  # UNSCHEDULED_WARNING given (once per module)
         self._pending: SharedStep | None = None
+        self.hosts: HostMap | None = None  # which ranks share a host (`set_hosts`; None: not known, no relays)
+        self.step_host_rows = {k: 0 for k in HOST_ROW_KINDS}  # this rank's rows of the step by link (host map set)
         # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
         self._extensions: tuple[StepExtension, ...] = comparison_extensions(
             policy,
@@ -438,7 +444,7 @@ class ShardedHeraldEmbeddingBagCollection(
         with phase("step.prepare_moves"):
             moves = prepare_moves(plan, self._store)  # global checks: every rank raises alike
         with phase("step.prepare_shared"):
-            shared = prepare_shared(plan, self._store, moves)
+            shared = prepare_shared(plan, self._store, moves, self.hosts)
         self._exec.marks.mark(shared)
         try:
             cls = None
@@ -483,10 +489,37 @@ class ShardedHeraldEmbeddingBagCollection(
         for k, v in counts.items():
             self.step_counters[k] += v
             self.total_counters[k] += v
+        self._count_host_rows(moves, shared, training)
         self._pending = shared if training else None
         self._extension_pending = [part for part in extension_steps if part.pending] if training else []
         self.steps += 1
         return out
+
+    def set_hosts(self, host_keys: Any, relay: bool = True) -> None:
+        """Which ranks share a host: one integer key per rank (equal keys, one host; HeraldTrainPipeline passes the
+        keys it gathered for planning). Where some host has several ranks, every shared row crosses to a reading host
+        once and one gradient sum crosses back (`relay`; step/host_relay.py), and `step_host_rows` counts this rank's
+        rows by link. Call it between steps, on every rank with the same keys."""
+        keys = np.asarray(host_keys)
+        if keys.ndim != 1 or keys.shape[0] != self.world_size or keys.dtype.kind not in "iu":
+            raise ValueError(
+                f"set_hosts: expected one integer host key per rank ({self.world_size}), got {host_keys!r}"
+            )
+        self.hosts = HostMap(host_ids(keys.tolist(), self.world_size), bool(relay))
+
+    def _count_host_rows(self, moves: MoveStep, shared: SharedStep, training: bool) -> None:
+        """This rank's rows of the step by link, where ranks share hosts: moves, values and forwards, and the
+        gradients that `finish_step` will send (training only)."""
+        hm = self.hosts
+        links = LinkRows()
+        if hm is not None and hm.shares_hosts:
+            if not moves.globally_empty:
+                links += LinkRows.of(hm, self.rank, moves.dst[moves.send_idx])
+            if not shared.globally_empty:
+                links += shared.value_links or LinkRows()
+                if training:
+                    links += shared.grad_links or LinkRows()
+        self.step_host_rows = {"cross_host": links.cross, "intra_host": links.intra}
 
     def _divides_gradients(self) -> bool:
         if self.gradient_division is not None:

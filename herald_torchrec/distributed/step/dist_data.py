@@ -167,6 +167,29 @@ class SharedGradDist(_PlanAllToAll):
         return _AllToAllAwaitable(self._start(grad, sh.grad_splits, sh.send_splits, None), None, lambda out: out)
 
 
+class RelayValueDist(_PlanAllToAll):
+    """Host relays forward the values they received to the other readers of their host (host_relay.py): an
+    all-to-all whose splits are non-zero inside hosts only; the awaitable gives the forwarded values in receive
+    order (after the owners' values in value order)."""
+
+    kind = "relay_value"
+
+    def __call__(self, values: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
+        return _AllToAllAwaitable(self._start(values, sh.fwd_splits, sh.fwd_recv_splits, None), None, lambda out: out)
+
+
+class RelayGradDist(_PlanAllToAll):
+    """Readers send the gradients of rows their host's relay returns for them (host_relay.py), inside the host; the
+    awaitable gives them in receive order, for the relay to add to its own before the sums go to the owners."""
+
+    kind = "relay_grad"
+
+    def __call__(self, grad: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
+        return _AllToAllAwaitable(
+            self._start(grad, sh.relay_grad_splits, sh.relay_grad_recv_splits, None), None, lambda out: out
+        )
+
+
 class ErrorFlagDist:
     """A step's rank-local errors raised on every rank together (so that no rank is left waiting in a collective),
     for steps whose data collectives cannot carry the flag: one 8-byte MAX all-reduce of (rank + 1 or 0). With one

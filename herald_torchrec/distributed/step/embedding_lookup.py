@@ -17,12 +17,20 @@ import torch
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.comm import PlanComm, phase
-from herald_torchrec.distributed.step.dist_data import ErrorCheck, RowMoveDist, SharedGradDist, StepExchangeDist
+from herald_torchrec.distributed.step.dist_data import (
+    ErrorCheck,
+    RelayGradDist,
+    RelayValueDist,
+    RowMoveDist,
+    SharedGradDist,
+    StepExchangeDist,
+)
 from herald_torchrec.distributed.step.lookup_layout import (
     GradSumLayout,
     grad_send_order,
     grad_sum_layout,
     lookup_layout,
+    value_items,
     with_owner_bags,
 )
 from herald_torchrec.distributed.step.prepare import LocalInput, MoveStep, SharedMarks, SharedStep, sent_by_kind
@@ -116,6 +124,8 @@ class HeraldLookup:
         self._move_dist = RowMoveDist(comm)
         self._exchange_dist = StepExchangeDist(comm)
         self._grad_dist = SharedGradDist(comm)
+        self._relay_value_dist = RelayValueDist(comm)
+        self._relay_grad_dist = RelayGradDist(comm)
 
     def apply_moves(self, ms: MoveStep, check: ErrorCheck | None) -> dict[str, int]:
         """The moves alone (outside a training step, e.g. a checkpoint load sending rows home): every row leaves, then
@@ -142,6 +152,11 @@ class HeraldLookup:
         values = st.read_packed(sh.value_table, slots, with_state=False)  # read before the moves
         rows, vals = self._exchange_dist(self._departing(ms), ms, values, sh, check).wait()
         moved = self._land(ms, rows) if not ms.globally_empty else {}
+        if sh.relayed:  # relays hand the values they received to their host's other readers
+            with phase("step.exchange.relay"):
+                idx, width = value_items(sh, st, sh.fwd_idx)
+                fwd = vals.view(-1, width).index_select(0, torch.from_numpy(idx).to(vals.device)).view(-1)
+                vals = torch.cat([vals, self._relay_value_dist(fwd, sh).wait()])
         if sh.n_fill:  # reads of rows that arrived here in the moves
             k = sh.recv_gkey.shape[0] - sh.n_fill
             fill_slots = st.slot_of_all[sh.recv_gkey[k:]].astype(np.int64)
@@ -229,7 +244,11 @@ class HeraldLookup:
         grad = vals.grad if vals is not None and vals.grad is not None else None
         if grad is None:
             grad = torch.zeros(int(st.dims_arr[sh.recv_table].sum()), dtype=torch.float32, device=self.device)
-        grad = self._in_grad_order(grad.detach(), sh)
+        grad = grad.detach()
+        if sh.relayed:  # gradients to the host's relay first, which adds them to its own
+            with phase("finish_step.relay"):
+                grad = self._relay_grads(grad, sh)
+        grad = self._in_grad_order(grad, sh)
         sh.values = sh.owner_update = None
         back = self._grad_dist(grad, sh).wait()  # laid out as send_off
         if sh.send_gkey.shape[0] == 0:
@@ -244,6 +263,20 @@ class HeraldLookup:
                 update.backward(summed)
             else:
                 st.apply_summed_gradients_packed(lay.tables, lay.slots, summed.view(-1))
+
+    def _relay_grads(self, grad: torch.Tensor, sh: SharedStep) -> torch.Tensor:
+        """The value gradients (value order) after the relay stage: the gradients this rank's relays take are sent
+        to them, and, as a relay, the ones received are added to its own pairs of the same rows."""
+        st = self.store
+        idx, width = value_items(sh, st, sh.relay_grad_idx)
+        send = grad.view(-1, width).index_select(0, torch.from_numpy(idx).to(grad.device)).view(-1)
+        back = self._relay_grad_dist(send.contiguous(), sh).wait()
+        if sh.relay_add_idx.shape[0] == 0:
+            return grad
+        add, width = value_items(sh, st, sh.relay_add_idx)
+        out = grad.clone().view(-1, width)
+        out.index_add_(0, torch.from_numpy(add).to(grad.device), back.view(-1, width).to(out.dtype))
+        return out.view(-1)
 
     def _in_grad_order(self, grad: torch.Tensor, sh: SharedStep) -> torch.Tensor:
         """The gradients of the values (value order: by sender before the moves) in send order (by owner after

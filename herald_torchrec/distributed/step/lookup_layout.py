@@ -33,9 +33,9 @@ def value_items(sh: SharedStep, st: RowStore, pairs: np.ndarray) -> tuple[np.nda
 
 def grad_send_order(sh: SharedStep, st: RowStore) -> tuple[np.ndarray, int] | None:
     """The value gradients' reorder into gradient send order (by owner after the moves) as `value_items`, or None
-    when it is the identity (no shared row moved, e.g. static plans)."""
+    when it is the identity (no shared row moved, e.g. static plans; never when relays take some gradients first)."""
     idx = sh.grad_idx
-    if (idx == np.arange(idx.shape[0])).all():
+    if idx.shape[0] == sh.recv_gkey.shape[0] and (idx == np.arange(idx.shape[0])).all():
         return None
     return value_items(sh, st, idx)
 

@@ -23,6 +23,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from herald_torchrec.distributed import host_kernels
+from herald_torchrec.distributed.step.host_relay import (
+    FROM_OWNER,
+    FROM_RELAY,
+    TO_OWNER,
+    TO_RELAY,
+    HostMap,
+    LinkRows,
+    pair_routes,
+)
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.storage.row_store import RowStore
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan
@@ -84,6 +93,21 @@ class SharedStep:
         None  # the values in value order (torch.Tensor, flat; a leaf requiring grad when training)
     )
     owner_update: "object | None" = None  # embedding_lookup.OwnerUpdate: the TBE call whose backward is deferred
+    # through host relays (host_relay.py; all empty without them): values this rank forwards as a relay (value-order
+    # positions, by destination) after the first all-to-all, and the values it receives so (value order: after the
+    # owners' values, before the fills); gradients it sends to its relays first (value-order positions, by relay),
+    # and, as a relay, the value-order position each received gradient is added to before the sums go to the owners
+    relayed: bool = False  # some rank relays this step (a global fact: the collectives below run on every rank)
+    fwd_idx: np.ndarray = field(default_factory=empty_ids)
+    fwd_splits: list[int] = field(default_factory=list)
+    fwd_recv_splits: list[int] = field(default_factory=list)
+    relay_grad_idx: np.ndarray = field(default_factory=empty_ids)
+    relay_grad_splits: list[int] = field(default_factory=list)
+    relay_grad_recv_splits: list[int] = field(default_factory=list)
+    relay_add_idx: np.ndarray = field(default_factory=empty_ids)
+    # rows this rank sends by link, where ranks share hosts (None: not counted): values and forwards, gradients
+    value_links: LinkRows | None = None
+    grad_links: LinkRows | None = None
 
 
 @dataclass
@@ -252,10 +276,12 @@ def sent_by_kind(ms: MoveStep) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ shared rows
-def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
+def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None = None) -> SharedStep:
     """Check the plan's shared rows (owners as after the moves, readers sorted and distinct; global checks) and lay
     out this rank's part of the values (sent with the moves, by the owners before them) and of the gradient return
-    (to the owners after them). Call it before the step's moves are applied: it reads the current owners."""
+    (to the owners after them). Call it before the step's moves are applied: it reads the current owners. With a
+    `hosts` map whose ranks share hosts, rows are counted by host and (`hosts.relay`) delivered through one relay
+    per host (host_relay.py); the compiled layout knows neither, so numpy lays those steps out."""
     R, r = st.world_size, st.rank
     sh = plan.shared
     n = len(sh)
@@ -267,7 +293,12 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     owner = np.asarray(sh.owner, dtype=np.int64)
     ro = np.asarray(sh.reader_offsets, dtype=np.int64)
     readers = np.asarray(sh.readers, dtype=np.int64)
-    fast = host_kernels.prepare_shared(st, table, row, owner, ro, readers, ms.gkey_sorted, ms.dst_sorted)
+    by_host = hosts is not None and hosts.shares_hosts
+    fast = (
+        None
+        if by_host
+        else host_kernels.prepare_shared(st, table, row, owner, ro, readers, ms.gkey_sorted, ms.dst_sorted)
+    )
     if fast is not None:  # the same checks and layout, compiled (None: numpy below raises or handles unsorted rows)
         return SharedStep(globally_empty=False, **fast)
     T = st.num_tables
@@ -303,16 +334,30 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
     p_pre = st.owner_all[p_key].astype(np.int64)  # owner before the moves: it holds the value now
     p_w = st.dims_arr[p_tab]
     fill = (readers == p_own) & (p_pre != p_own)  # the reader gets the row itself in the moves
-    # values: owner before the moves -> reader (fill pairs excepted); this rank's reads = received, then its fills
-    via = np.flatnonzero(~fill)
-    v_send, v_recv, value_splits, recv_splits = routes(p_pre[via], readers[via], p_w[via], r, R)
+    rt = pair_routes(pair_key, readers, p_pre, p_own, fill, hosts if by_host else None)
+    # values: owner before the moves (or the host's relay after them) -> reader, fill pairs excepted; this rank's
+    # reads in value order = received from the owners, then from its relays, then its fills
+    via = np.flatnonzero(~fill & (rt.value_stage == FROM_OWNER))
+    v_send, v_recv, value_splits, recv_splits = routes(rt.value_src[via], readers[via], p_w[via], r, R)
     v_send, v_recv = via[v_send], via[v_recv]
+    fwd = np.flatnonzero(~fill & (rt.value_stage == FROM_RELAY))
+    f_send, f_recv, fwd_splits, fwd_recv_splits = routes(rt.value_src[fwd], readers[fwd], p_w[fwd], r, R)
+    f_send, f_recv = fwd[f_send], fwd[f_recv]
     fills = np.flatnonzero(fill & (readers == r))
-    mine = np.concatenate([v_recv, fills])
-    # gradients: reader -> owner after the moves
-    g_send, g_recv, grad_splits, send_splits = routes(readers, p_own, p_w, r, R)
+    mine = np.concatenate([v_recv, f_recv, fills])
     position = np.empty(readers.shape[0], dtype=np.int64)
     position[mine] = np.arange(mine.shape[0], dtype=np.int64)
+    # gradients: reader -> its host's relay (added to the relay's own) -> owner after the moves
+    up = np.flatnonzero(rt.grad_stage == TO_RELAY)
+    u_send, u_recv, relay_grad_splits, relay_grad_recv_splits = routes(readers[up], rt.grad_dst[up], p_w[up], r, R)
+    u_send, u_recv = up[u_send], up[u_recv]
+    last = np.flatnonzero(rt.grad_stage == TO_OWNER)
+    g_send, g_recv, grad_splits, send_splits = routes(readers[last], rt.grad_dst[last], p_w[last], r, R)
+    g_send, g_recv = last[g_send], last[g_recv]
+    value_links = grad_links = None
+    if by_host:
+        value_links = LinkRows.of(hosts, r, np.concatenate([readers[v_send], readers[f_send]]))
+        grad_links = LinkRows.of(hosts, r, np.concatenate([rt.grad_dst[u_send], rt.grad_dst[g_send]]))
     return SharedStep(
         send_table=p_tab[g_recv],
         send_row=p_row[g_recv],
@@ -323,8 +368,8 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
         recv_row=p_row[mine],
         recv_off=exclusive_cumsum(p_w[mine]),
         recv_splits=recv_splits,
-        n_values_out=int((readers[g_recv] != r).sum()),
-        n_grads_out=int((p_own[g_send] != r).sum()),
+        n_values_out=int(((p_own == r) & (readers != r)).sum()),
+        n_grads_out=int(((readers == r) & (p_own != r)).sum()),
         globally_empty=False,
         marked=gkey,
         recv_gkey=p_key[mine],
@@ -334,6 +379,16 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep) -> SharedStep:
         n_fill=int(fills.shape[0]),
         grad_idx=position[g_send],
         grad_splits=grad_splits,
+        relayed=rt.relayed,
+        fwd_idx=position[rt.relay_pair[f_send]],
+        fwd_splits=fwd_splits,
+        fwd_recv_splits=fwd_recv_splits,
+        relay_grad_idx=position[u_send],
+        relay_grad_splits=relay_grad_splits,
+        relay_grad_recv_splits=relay_grad_recv_splits,
+        relay_add_idx=position[rt.relay_pair[u_recv]],
+        value_links=value_links,
+        grad_links=grad_links,
     )
 
 

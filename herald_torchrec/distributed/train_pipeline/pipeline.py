@@ -7,7 +7,8 @@
 Everything Herald needs comes from the sharded model: the Herald-managed modules (every EBC sharded by
 `HeraldEmbeddingBagCollectionSharder`, the Herald part of mixed EBCs included) give the tables, the features that
 read them and the scheduler's settings (policy, cache ratio, lookahead: the sharder is the one place they are set).
-The pipeline's own settings (the input stage's `plan_on`, `prefetch`, `input_priority`, and the policy's options) are
+The pipeline's own settings (the input stage's `plan_on`, `prefetch`, `input_priority`, `host_relay`, and the policy's
+options) are
 a `HeraldOptions` too (herald_torchrec/options.py): `options=` (e.g. the sharder's `sharder.options`) and keywords.
 The first batch gives the batch size per rank. The input stage (`ScheduledInput`) then gathers ids from the KJTs,
 plans L global batches ahead, exchanges samples so that this rank holds exactly the B the plan assigns it, and
@@ -136,7 +137,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
 
     Extra keyword arguments: `options` (a `HeraldOptions`, e.g. the sharder's: its policy, cache ratio and lookahead
     must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
-    `input_priority` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
+    `input_priority`, `host_relay` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
     `on_plan(plan)` is called with the plan of every batch once it has trained (statistics);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches
     a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
@@ -146,9 +147,10 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     rank) or "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `input_priority`
     (default "low") the CPU priority of the background thread (with `prefetch` > 0): "low" (nice 19), "idle"
     (SCHED_IDLE) or "normal" (input_thread.py says why); `policy_options` go to the policy (e.g. fae's
-    `hot_budget`, het's `staleness`); `profile` (global batches, the scheduler's view) is handed to
-    `policy.profile()` when the policy is built (fae / p2res choose their replicated rows from it). The rest go to
-    TrainPipelineSparseDist.
+    `hot_budget`, het's `staleness`); `host_relay` (default True): where ranks share machines, each shared row
+    crosses to a reading machine once and one gradient sum crosses back (distributed/step/host_relay.py);
+    `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the policy is built (fae /
+    p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist.
 
     `input_wait_ms` holds, per batch (the last `WAITS_KEPT`), how long the training thread waited for the
     background input stage (with `prefetch` > 0): ~0 while the stage keeps ahead of training."""
@@ -167,6 +169,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         plan_on: Optional[str] = None,
         input_priority: Optional[str] = None,
         policy_options: Optional[dict[str, Any]] = None,
+        host_relay: Optional[bool] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
@@ -175,6 +178,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             "plan_on": plan_on,
             "input_priority": input_priority,
             "policy_options": policy_options,
+            "host_relay": host_relay,
         }
         given_options = options is not None
         # checked before any set-up: a typo must not cost a model build
@@ -227,6 +231,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         name = o.runnable_policy()
         extra: dict[str, Any] = {}
         hosts = self.input_stage.hosts
+        if hosts is not None:  # the data plane relays shared rows through one rank per host (where hosts are shared)
+            for m in self._herald_modules:
+                m.set_hosts(hosts, relay=o.host_relay)
         if getattr(POLICIES[name], "takes_hosts", False) and hosts is not None and "hosts" not in o.policy_options:
             # the ranks grouped by machine, as every rank gathered them: host-aware LAIA across machines (all
             # ranks on one machine: one host, the plans are those without a host map)
@@ -340,6 +347,6 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if trained is not None and self._on_plan is not None:
             self._on_plan(trained)
         for m in self._herald_modules:
-            for k, v in m.step_counters.items():
+            for k, v in (*m.step_counters.items(), *m.step_host_rows.items()):
                 self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
         return out

@@ -447,3 +447,78 @@ def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None
     assert r0["error"] == "ValueError: scheduler bug at step 3"  # the planner raises its own error...
     assert "scheduler failed on rank(s) [0]" in r1["error"]  # ...the other rank says where to look
     assert r0["trained"] == r1["trained"] <= 3  # no rank runs ahead or hangs in a collective
+
+
+def relay_worker(rank: int, world: int, out_dir: str) -> None:
+    """12 steps of Herald on two "machines" of two ranks, with host relays on, then off (one DCP checkpoint each,
+    and this rank's rows by link)."""
+    import socket
+
+    import torch.distributed.checkpoint as dcp
+
+    real_hostname = socket.gethostname
+    socket.gethostname = lambda: f"machine-{rank // 2}"
+    out = {}
+    try:
+        for name, relay in (("relay_on", True), ("relay_off", False)):
+            dmp, pipeline = build("herald", host_relay=relay)
+            it = iter(batches(rank, 12))
+            for _ in range(12):
+                pipeline.progress(it)
+            dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / name / "ckpt"))
+            out[name] = dict(pipeline.trained_counters)
+    finally:
+        socket.gethostname = real_hostname
+    torch.save(out, rank_result(out_dir, rank))
+
+
+def one_process_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
+    """The model `build` trains, trained in one process on the global batches (every rank's slice, in rank order)
+    with the same optimizers: the loss is the global batch's mean, as DDP's averaging and TorchRec's gradient
+    division make it."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    model = TwoEBCModel()
+    tables = torch.optim.SGD([*model.ebc_a.parameters(), *model.ebc_b.parameters()], lr=0.2)
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    slices = [batches(r, steps) for r in range(world)]
+    for i in range(steps):
+        parts = [slices[r][i] for r in range(world)]
+        keys = parts[0].sparse_features.keys()
+        jts = [[p.sparse_features[k] for p in parts] for k in keys]
+        kjt = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat([jt.values() for per_key in jts for jt in per_key]),
+            lengths=torch.cat([jt.lengths() for per_key in jts for jt in per_key]),
+        )
+        dense = torch.cat([p.dense_features for p in parts])
+        loss, _ = model(Batch(dense_features=dense, sparse_features=kjt, labels=torch.cat([p.labels for p in parts])))
+        tables.zero_grad()
+        head.zero_grad()
+        loss.backward()
+        tables.step()
+        head.step()
+    return {f"model.{k}": v for k, v in model.state_dict().items()}
+
+
+def test_host_relays_train_the_same_model_with_fewer_rows_across_machines(tmp_path: Path) -> None:
+    """Four ranks on two machines: Herald sends each shared row to a reading machine once and sums its readers'
+    gradients there (host relays) and trains the model of one process on the global batches, as without relays;
+    the rows on the wire are the same in all, fewer of them cross machines, the others stay inside one."""
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:relay_worker", tmp_path, world_size=4)
+    ref = one_process_reference(4, 12)
+    for name in ("relay_on", "relay_off"):
+        got = full_checkpoint(tmp_path / name / "ckpt")
+        assert sum(".embedding_bags." in k for k in got) == 3 and all(k in ref for k in got)
+        worst = max(float((ref[k] - got[k]).abs().max()) for k in got)
+        assert worst < 1e-5, (name, worst)
+    res = [torch.load(rank_result(tmp_path, q)) for q in range(4)]
+    on, off = (
+        {k: sum(r[name].get(k, 0) for r in res) for k in ("cross_host", "intra_host")}
+        for name in ("relay_on", "relay_off")
+    )
+    assert on["cross_host"] + on["intra_host"] == off["cross_host"] + off["intra_host"]  # the same rows in all
+    assert 0 < on["cross_host"] < off["cross_host"], (on, off)
