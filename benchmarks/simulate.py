@@ -18,9 +18,10 @@ processes on a shared machine disturb less; sched_cpu_ms_last_quarter: the media
 where a cost that grows as the caches fill shows), rows_per_sample, plan_digest (a hash of every plan in its wire
 encoding: two runs with the same digest made the same plans, so a scheduler change that should not alter the plans
 can be checked with its speed in one command). With ranks r..r+H-1 on one host (--ranks-per-host H,
-schedule/traffic.py): cross_host_rows_per_sample and intra_host_rows_per_sample (as the data plane delivers the rows
-today), the same with the suffix _host_aggregated (each shared value crossing once per reading host, gradients summed
-inside a host before they cross), cross_host_by_kind[_host_aggregated] (crossing rows per step) and
+schedule/traffic.py): cross_host_rows_per_sample and intra_host_rows_per_sample (each row to and from every reader
+directly: the data plane with host_relay off), the same with the suffix _host_aggregated (each shared value crossing
+once per reading host, gradients summed inside a host before they cross: the data plane's host relays, its
+default), cross_host_by_kind[_host_aggregated] (crossing rows per step) and
 cross_host_by_kind_table_class[_host_aggregated] (per kind / table size: tiny < 1,000 rows, mid < 20,000, large),
 busiest_rank_over_mean (rows the busiest rank sends + receives over the mean rank's, median over the steps).
 Progress goes to stderr.

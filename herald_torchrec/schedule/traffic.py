@@ -2,9 +2,10 @@
 
 Ranks r .. r+H-1 share a host (H = `ranks_per_host`; the last host may hold fewer). On real clusters the links
 between hosts are what embedding traffic costs, so the simulator reports a plan's rows split by host. Two ways of
-delivering the same plan are counted, so that the gain of a host-aware data plane is measured before it is built:
+delivering the same plan are counted (the names of the fields say "today" and "host-aggregated"):
 
-* **today** (what the data plane does): each shared row's value goes to every reading rank, each reader's gradient
+* **direct** ("today": the data plane with `host_relay=False`, and the comparison systems' own collectives): each
+  shared row's value goes to every reading rank, each reader's gradient
   comes back on its own; every row move, pull and push is one rank-to-rank transfer; an all-reduce is a flat ring
   over the ranks in order (each of its R links carries 2 (R-1) / R rows per reduced row; the links from one host to
   the next cross).
@@ -13,6 +14,8 @@ delivering the same plan are counted, so that the gain of a host-aware data plan
   several ranks of one host to one rank (shared gradients, cache pushes) are summed inside the host and one sum
   crosses; an all-reduce is hierarchical (inside each host, then a ring over the hosts: 2 (hosts-1) crossing rows per
   reduced row). Row moves stay point to point. The rows on the wire in all are the same; only where they go changes.
+  The data plane delivers Herald's shared rows so by default where ranks share hosts (one relay per row and host,
+  distributed/step/host_relay.py); HET's cache pulls and pushes and the replicas' flat all-reduce are not relayed.
 
 A transfer inside one rank (a parameter-server model pulling a row its own rank holds) counts as intra-host, so that
 `cross + intra` of every kind equals the plan's counter for it. numpy only.
