@@ -6,6 +6,7 @@
     python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
     python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
         [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the comparison systems
+    python benchmarks/simulate.py --workers 64 --ranks-per-host 8 --policies herald,herald_rep --json  # replicas
     python benchmarks/simulate.py --merge r8.json r16.json r32.json --json --plot sweep.png  # runs made one R each
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
