@@ -129,6 +129,7 @@ def test_checker_catches_a_dropped_allreduce_and_a_replica_in_shared():
         ({"replicate": True, "replica_budget": -1}, "replica_budget"),
         ({"replicate": True, "replica_interval": 0}, "replica_interval"),
         ({"replicate": True, "replica_row_margin": 2.0}, "replica_row_margin"),
+        ({"host_laia": 1}, "host_laia"),
     ],
 )
 def test_bad_replica_settings_are_named(kw, name):
