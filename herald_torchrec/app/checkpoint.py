@@ -241,9 +241,10 @@ def storage_problem(e: BaseException, where: Path) -> str | None:
 
 
 @contextmanager
-def storage_errors(action: str, path: Path) -> Iterator[None]:
-    """Turn a storage failure inside the block into `CheckpointError("cannot {action} checkpoint {path}: no space
-    left on device ...")`; anything else propagates unchanged. The original stays chained (`from`) and in the debug
+def storage_errors(action: str, path: Path, what: str = "checkpoint") -> Iterator[None]:
+    """Turn a storage failure inside the block into `CheckpointError("cannot {action} {what} {path}: no space
+    left on device ...")` (`what`: "checkpoint", or another output such as "final state"); anything else propagates
+    unchanged. The original stays chained (`from`) and in the debug
     log, never printed: train.py shows only the line."""
     try:
         yield
@@ -252,11 +253,11 @@ def storage_errors(action: str, path: Path) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        what = storage_problem(e, path)
-        if what is None:
+        problem = storage_problem(e, path)
+        if problem is None:
             raise
-        log.debug("storage failure while trying to %s checkpoint %s", action, path, exc_info=e)
-        raise CheckpointError(f"cannot {action} checkpoint {path}: {what}") from e
+        log.debug("storage failure while trying to %s %s %s", action, what, path, exc_info=e)
+        raise CheckpointError(f"cannot {action} {what} {path}: {problem}") from e
 
 
 def failure_line(e: BaseException) -> str:

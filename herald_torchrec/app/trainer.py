@@ -577,7 +577,8 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         """metrics.json (rank 0): the run's status and history so far, and `fields`."""
         if ctx.is_main:
             record = {"status": status, "steps": step, "resumed_from_step": start, **history.as_metrics()}
-            write_json_atomic(run_dir / "metrics.json", {**record, **fields, "config": config})
+            with storage_errors("write", run_dir / "metrics.json", "metrics"):
+                write_json_atomic(run_dir / "metrics.json", {**record, **fields, "config": config})
 
     def stop_if_diverged() -> None:
         """Collective, at a step every rank is at: raise TrainingDiverged on every rank (metrics.json says so)."""
@@ -667,7 +668,8 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
     if cfg.trainer.save_final:
         state = full_state(setup.model, ctx)
         if ctx.is_main:
-            save_torch_atomic(run_dir / "final_state.pt", state)
+            with storage_errors("write", run_dir / "final_state.pt", "final state"):
+                save_torch_atomic(run_dir / "final_state.pt", state)
     write_metrics("finished", **fields)
     metrics = {"status": "finished", "steps": step, "resumed_from_step": start, **history.as_metrics(), **fields}
     metrics["config"] = config

@@ -122,6 +122,14 @@ def test_storage_failures_are_one_line(tmp_path: Path, case: str, wrapped: bool)
     assert "\n" not in msg and "Traceback" not in msg and e.value.__cause__ is raised
 
 
+def test_other_outputs_name_themselves(tmp_path: Path) -> None:
+    """final_state.pt and metrics.json go through the same wrapper: the line names what could not be written."""
+    with pytest.raises(CheckpointError) as e:
+        with storage_errors("write", tmp_path / "final_state.pt", "final state"):
+            raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "final_state.pt.tmp"))
+    assert str(e.value).startswith(f"cannot write final state {tmp_path / 'final_state.pt'}: read-only file system")
+
+
 def test_a_short_write_on_a_full_device_says_so(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(ck, "_free_bytes", lambda where: 4096)
     with pytest.raises(CheckpointError, match=r"^cannot read checkpoint .*: no space left on device \(0\.0 MiB free"):
