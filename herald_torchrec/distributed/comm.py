@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -107,6 +108,37 @@ class CommCounter:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout the default process group was created with (what the user gave `init_process_group`), or torch's
+    default for gloo where the group does not say (another backend, a torch that stores it elsewhere)."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        timeout = backend.options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return dist.default_pg_timeout
+
+
+def host_subgroups(group: dist.ProcessGroup | None, host: np.ndarray) -> tuple[dist.ProcessGroup, np.ndarray] | None:
+    """A process group over the ranks of this rank's host (`host`: the host id of every rank of `group`) and those
+    ranks, as ranks of `group` in order; None where `group` does not span every process (torch creates groups with
+    every process of the default group, which the other processes would not join). Collective: every rank calls it
+    with the same `host`. The group waits as long as the default group does."""
+    if not dist.is_initialized() or dist.get_world_size(group) != dist.get_world_size():
+        return None
+    R = dist.get_world_size(group)
+    world = [dist.get_global_rank(group, r) if group is not None else r for r in range(R)]
+    members = [np.flatnonzero(host == h) for h in range(int(host.max()) + 1)]
+    mine, _ = dist.new_subgroups_by_enumeration(
+        [[world[r] for r in m] for m in members if m.size],
+        timeout=default_group_timeout(),
+        backend=dist.get_backend(group),
+    )
+    return mine, members[int(host[dist.get_rank(group)])]
 
 
 class PlanComm:

@@ -77,7 +77,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embed
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from herald_torchrec.distributed.comm import CommCounter, PlanComm, phase
+from herald_torchrec.distributed.comm import CommCounter, PlanComm, host_subgroups, phase
 from herald_torchrec.distributed.comparison.extensions import comparison_extensions
 from herald_torchrec.distributed.state.checkpoint import HeraldCheckpoint, install_state_dict_hooks
 from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimizer
@@ -246,6 +246,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._init_home_rows(module, configs)
 
         self.comm_counter = CommCounter()
+        self._pg = env.process_group
         self._comm = PlanComm(env.process_group, self.comm_counter)
         self._exec = HeraldLookup(self._store, self._comm, self.device)  # the step's store-side work
         self._error_dist = ErrorFlagDist(self._comm, self.rank, self.world_size, self.device)
@@ -253,6 +254,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._warned_unscheduled = False  # UNSCHEDULED_WARNING given (once per module)
         self._pending: SharedStep | None = None
         self.hosts: HostMap | None = None  # which ranks share a host (`set_hosts`; None: not known, no relays)
+        self._relay_group_ready = False
         self.step_host_rows = {k: 0 for k in HOST_ROW_KINDS}  # this rank's rows of the step by link (host map set)
         # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
         self._extensions: tuple[StepExtension, ...] = comparison_extensions(
@@ -445,6 +447,8 @@ class ShardedHeraldEmbeddingBagCollection(
             moves = prepare_moves(plan, self._store)  # global checks: every rank raises alike
         with phase("step.prepare_shared"):
             shared = prepare_shared(plan, self._store, moves, self.hosts)
+        if shared.relayed and not self._relay_group_ready:
+            self._make_relay_group()
         self._exec.marks.mark(shared)
         try:
             cls = None
@@ -505,7 +509,20 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError(
                 f"set_hosts: expected one integer host key per rank ({self.world_size}), got {host_keys!r}"
             )
-        self.hosts = HostMap(host_ids(keys.tolist(), self.world_size), bool(relay))
+        hosts = HostMap(host_ids(keys.tolist(), self.world_size), bool(relay))
+        if self.hosts is None or not np.array_equal(hosts.host, self.hosts.host):
+            self._relay_group_ready = False  # made at the first step that relays (collective)
+        self.hosts = hosts
+
+    def _make_relay_group(self) -> None:
+        """The relay stages run among the ranks of one host: a process group per host, made once, at the first step
+        that relays (every rank reaches it: `relayed` comes from the plan). Where no group can be made (the module's
+        group does not span every process) they run over the module's group, with zero splits outside the host."""
+        made = host_subgroups(self._pg, self.hosts.host)
+        if made is not None:
+            group, members = made
+            self._exec.use_relay_comm(PlanComm(group, self.comm_counter), members)
+        self._relay_group_ready = True
 
     def _count_host_rows(self, moves: MoveStep, shared: SharedStep, training: bool) -> None:
         """This rank's rows of the step by link, where ranks share hosts: moves, values and forwards, and the

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.types import Awaitable
@@ -167,27 +168,39 @@ class SharedGradDist(_PlanAllToAll):
         return _AllToAllAwaitable(self._start(grad, sh.grad_splits, sh.send_splits, None), None, lambda out: out)
 
 
-class RelayValueDist(_PlanAllToAll):
-    """Host relays forward the values they received to the other readers of their host (host_relay.py): an
-    all-to-all whose splits are non-zero inside hosts only; the awaitable gives the forwarded values in receive
-    order (after the owners' values in value order)."""
+class _RelayAllToAll(_PlanAllToAll):
+    """An all-to-all among the ranks of one host (`comm` over them; `members`: their ranks in the module's group, in
+    the host group's order): the relay stages' splits are zero outside the host, so only the host's peers take
+    part. Over the module's own group (`members` all its ranks) where no host group could be made."""
+
+    def __init__(self, comm: PlanComm, members: np.ndarray) -> None:
+        super().__init__(comm)
+        self._members = np.asarray(members, dtype=np.int64)
+
+    def _local(self, splits: list[int]) -> list[int]:
+        return [splits[m] for m in self._members]
+
+
+class RelayValueDist(_RelayAllToAll):
+    """Host relays forward the values they received to the other readers of their host (host_relay.py); the
+    awaitable gives the forwarded values in receive order (after the owners' values in value order)."""
 
     kind = "relay_value"
 
     def __call__(self, values: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
-        return _AllToAllAwaitable(self._start(values, sh.fwd_splits, sh.fwd_recv_splits, None), None, lambda out: out)
+        send, recv = self._local(sh.fwd_splits), self._local(sh.fwd_recv_splits)
+        return _AllToAllAwaitable(self._start(values, send, recv, None), None, lambda out: out)
 
 
-class RelayGradDist(_PlanAllToAll):
+class RelayGradDist(_RelayAllToAll):
     """Readers send the gradients of rows their host's relay returns for them (host_relay.py), inside the host; the
     awaitable gives them in receive order, for the relay to add to its own before the sums go to the owners."""
 
     kind = "relay_grad"
 
     def __call__(self, grad: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
-        return _AllToAllAwaitable(
-            self._start(grad, sh.relay_grad_splits, sh.relay_grad_recv_splits, None), None, lambda out: out
-        )
+        send, recv = self._local(sh.relay_grad_splits), self._local(sh.relay_grad_recv_splits)
+        return _AllToAllAwaitable(self._start(grad, send, recv, None), None, lambda out: out)
 
 
 class ErrorFlagDist:

@@ -124,8 +124,13 @@ class HeraldLookup:
         self._move_dist = RowMoveDist(comm)
         self._exchange_dist = StepExchangeDist(comm)
         self._grad_dist = SharedGradDist(comm)
-        self._relay_value_dist = RelayValueDist(comm)
-        self._relay_grad_dist = RelayGradDist(comm)
+        self.use_relay_comm(comm, np.arange(comm.world_size))
+
+    def use_relay_comm(self, comm: PlanComm, members: np.ndarray) -> None:
+        """The relay stages' group: this rank's host (`members`: its ranks in the module's group, in `comm`'s order),
+        or the module's own group (every rank)."""
+        self._relay_value_dist = RelayValueDist(comm, members)
+        self._relay_grad_dist = RelayGradDist(comm, members)
 
     def apply_moves(self, ms: MoveStep, check: ErrorCheck | None) -> dict[str, int]:
         """The moves alone (outside a training step, e.g. a checkpoint load sending rows home): every row leaves, then

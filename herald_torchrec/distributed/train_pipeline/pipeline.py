@@ -34,7 +34,6 @@ with a shorter wait. A stream that ended (a finite iterator, an epoch) needs not
 from __future__ import annotations
 
 import atexit
-import datetime
 import warnings
 import weakref
 from collections import deque
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from herald_torchrec.distributed.comm import PlanComm
+from herald_torchrec.distributed.comm import PlanComm, default_group_timeout
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.train_pipeline.input_layout import ManagedTables
 from herald_torchrec.distributed.train_pipeline.input_stage import ScheduledInput
@@ -84,19 +83,6 @@ def managed_tables(modules: list[ShardedHeraldEmbeddingBagCollection]) -> Manage
             rows.append(int(m.store.rows[t]))
             features.append(tuple(f for f, ft in zip(m.feature_names, m.feature_table) if ft == t))
     return ManagedTables(tuple(names), tuple(rows), tuple(features), tuple(offsets))
-
-
-def default_group_timeout() -> datetime.timedelta:
-    """The timeout the default process group was created with (what the user gave `init_process_group`), or torch's
-    default for gloo where the group does not say (another backend, a torch that stores it elsewhere)."""
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        timeout = backend.options._timeout
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return timeout
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-    return dist.default_pg_timeout
 
 
 def host_process_group() -> Optional[dist.ProcessGroup]:
