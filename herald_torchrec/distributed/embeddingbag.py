@@ -148,7 +148,7 @@ class ShardedHeraldEmbeddingBagCollection(
     ShardedModule[KJTList, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
     FusedOptimizerModule,
 ):
-    """Herald-managed EmbeddingBagCollection (sum pooling, unweighted) on one FBGEMM TBE per rank.
+    """Herald-managed EmbeddingBagCollection (SUM or MEAN pooling, unweighted) on one FBGEMM TBE per rank.
 
     Args:
         module: the unsharded EBC; its weights (unless on meta) are copied into the home rows.
@@ -196,8 +196,8 @@ class ShardedHeraldEmbeddingBagCollection(
             )
         configs = module.embedding_bag_configs()
         for c in configs:
-            if c.pooling != PoolingType.SUM:
-                raise ValueError(f"table {c.name!r}: only SUM pooling is supported, got {c.pooling}")
+            if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {c.name!r}: SUM or MEAN pooling is supported, got {c.pooling}")
             if c.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
                 raise ValueError(
                     f"table {c.name!r}: data_type={c.data_type.name}: Herald-managed rows are float32; make the table "
@@ -228,6 +228,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self.feature_names = [f for c in configs for f in c.feature_names]  # input keys, same order
         self.feature_table = [t for t, c in enumerate(configs) for _ in c.feature_names]
         self.feature_dims = [configs[t].embedding_dim for t in self.feature_table]
+        # MEAN pooling: a bag's sum (from every source: the TBE, shared values, extensions) times 1 / its length,
+        # as FBGEMM's MEAN mode pools (0 for an empty bag); None when every table sums
+        mean = np.array([configs[t].pooling == PoolingType.MEAN for t in self.feature_table], dtype=bool)
+        self._mean_features = mean if mean.any() else None
 
         self._store = RowStore(
             [TableSpec(c.name, c.num_embeddings, c.embedding_dim) for c in configs],
@@ -244,6 +248,11 @@ class ShardedHeraldEmbeddingBagCollection(
             cache_stats=cache_stats,
         )
         self._init_home_rows(module, configs)
+        if self._mean_features is not None and self._store.gradient_clipping:
+            raise ValueError(
+                "Herald-managed EmbeddingBagCollection: gradient clipping with MEAN pooling is not supported (the "
+                "clipped bag gradient would be that of the sum); use SUM pooling or no clipping for these tables"
+            )
 
         self.comm_counter = CommCounter()
         self._pg = env.process_group
@@ -479,6 +488,8 @@ class ShardedHeraldEmbeddingBagCollection(
                 out = self._exec.pooled(local, shared, training)
                 for part in extension_steps:
                     out = part.pooled(out, training)
+                if self._mean_features is not None:
+                    out = out * self._mean_scale(local.lengths)
         finally:
             self._exec.marks.reset(shared)
         if training and self.world_size > 1 and self._divides_gradients():
@@ -498,6 +509,13 @@ class ShardedHeraldEmbeddingBagCollection(
         self._extension_pending = [part for part in extension_steps if part.pending] if training else []
         self.steps += 1
         return out
+
+    def _mean_scale(self, lengths: np.ndarray) -> torch.Tensor:
+        """[B, sum of feature dims]: 1 / the bag's length in the columns of MEAN features (1 for an empty bag, whose
+        sum is 0), 1 elsewhere."""
+        inv = np.where(self._mean_features[:, None], 1.0 / np.maximum(lengths, 1), 1.0)  # [F, B]
+        cols = np.repeat(inv.T, self.feature_dims, axis=1).astype(np.float32)
+        return torch.from_numpy(cols).to(self.device)
 
     def set_hosts(self, host_keys: Any, relay: bool = True) -> None:
         """Which ranks share a host: one integer key per rank (equal keys, one host; HeraldTrainPipeline passes the

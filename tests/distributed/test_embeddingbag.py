@@ -29,7 +29,7 @@ def make_ebc(weighted: bool = False, pooling=None, data_type=None):
     return EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
 
 
-def make_module(rank: int = 0, world: int = 1, cache_ratio: float = 0.1, ebc=None):
+def make_module(rank: int = 0, world: int = 1, cache_ratio: float = 0.1, ebc=None, fused_params=None):
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 
@@ -40,7 +40,7 @@ def make_module(rank: int = 0, world: int = 1, cache_ratio: float = 0.1, ebc=Non
         ebc if ebc is not None else make_ebc(),
         None,
         env,
-        fused_params={"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1},
+        fused_params={"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.1, **(fused_params or {})},
         cache_ratio=cache_ratio,
     )
 
@@ -87,8 +87,11 @@ def test_bad_cache_ratio_and_unsupported_modules() -> None:
         HeraldEmbeddingBagCollectionSharder(fused_params={"optimizer": "adam"})
     with pytest.raises(ValueError, match="weighted"):
         make_module(ebc=make_ebc(weighted=True))
-    with pytest.raises(ValueError, match="SUM pooling"):
-        make_module(ebc=make_ebc(pooling=PoolingType.MEAN))
+    make_module(ebc=make_ebc(pooling=PoolingType.MEAN))  # MEAN trains (tests/distributed/storage/...optimizer_params)
+    with pytest.raises(ValueError, match="gradient clipping with MEAN pooling"):
+        make_module(
+            ebc=make_ebc(pooling=PoolingType.MEAN), fused_params={"gradient_clipping": True, "max_gradient": 1.0}
+        )
     from torchrec.types import DataType
 
     # a reduced-precision table would silently train in float32 (stock TorchRec keeps it FP16): refused by name

@@ -189,30 +189,36 @@ class RandomPlanner:
 
 
 # ------------------------------------------------------------------------------------------ model & helpers
-def table_configs():
-    from torchrec import EmbeddingBagConfig
+def table_configs(mean_tables: tuple[str, ...] = ()):
+    """The test tables (`mean_tables`: those pooled by MEAN instead of SUM)."""
+    from torchrec import EmbeddingBagConfig, PoolingType
 
     return [
         EmbeddingBagConfig(
-            name=f"t{t}", embedding_dim=DIM, num_embeddings=r, feature_names=[f for f, tt in FEATURES if tt == t]
+            name=f"t{t}",
+            embedding_dim=DIM,
+            num_embeddings=r,
+            feature_names=[f for f, tt in FEATURES if tt == t],
+            pooling=PoolingType.MEAN if f"t{t}" in mean_tables else PoolingType.SUM,
         )
         for t, r in enumerate(TABLE_ROWS)
     ]
 
 
-def make_model():
+def make_model(mean_tables: tuple[str, ...] = ()):
     import torch.nn as nn
     from torchrec import EmbeddingBagCollection
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ebc = EmbeddingBagCollection(tables=table_configs(), device=torch.device("cpu"))
+            self.ebc = EmbeddingBagCollection(tables=table_configs(mean_tables), device=torch.device("cpu"))
             self.bottom = nn.Linear(NUM_DENSE, 8)
             self.over = nn.Sequential(nn.Linear(DIM * len(FEATURES) + 8, 16), nn.ReLU(), nn.Linear(16, 1))
 
         def forward(self, dense: torch.Tensor, kjt) -> torch.Tensor:
-            emb = self.ebc(kjt).values()
+            kt = self.ebc(kjt)  # by key: stock's sharded EBC orders its keys by pooling type when tables mix them
+            emb = torch.cat([kt[f] for f, _ in FEATURES], dim=1)
             return self.over(torch.cat([emb, torch.relu(self.bottom(dense))], dim=1)).squeeze(1)
 
     torch.manual_seed(1234)  # identical dense init everywhere
@@ -339,6 +345,25 @@ def _row_wise_plan(model, sharder, world: int):
             "ebc": construct_module_sharding_plan(
                 model.ebc,
                 {c.name: row_wise(compute_kernel="fused") for c in table_configs()},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
+        }
+    )
+
+
+def _table_wise_plan(model, sharder, world: int):
+    """A manual TABLE_WISE (FUSED) plan: table t on rank t % world."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    return ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc,
+                {c.name: table_wise(rank=t % world, compute_kernel="fused") for t, c in enumerate(table_configs())},
                 sharder=sharder,
                 local_size=world,
                 world_size=world,

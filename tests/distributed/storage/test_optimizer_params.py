@@ -227,7 +227,16 @@ RUNS = {
     # nothing names the optimizer: stock trains FBGEMM's default (EXACT_SGD, lr 0.01), and so must Herald
     "unnamed_default": (None, None, None),
     "unnamed_lr_only": ({"learning_rate": 0.5}, None, None),  # what TorchRec's create_test_sharder passes
+    # MEAN pooling on t2 (multi-hot bags of 0-3 ids, empty ones included) and t1 (two features)
+    "mean_pooling_rowwise_adagrad": (
+        {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-2},
+        None,
+        None,
+    ),
 }
+# runs whose model pools these tables by MEAN; they compare with stock TABLE_WISE, whose bags are whole on one rank:
+# stock ROW_WISE averages each shard's part of a bag by that part's length, then sums the parts (not the bag's mean)
+MEAN_TABLES = {"mean_pooling_rowwise_adagrad": ("t1", "t2")}
 
 
 def _optimizer_class(name: str) -> type:
@@ -237,10 +246,10 @@ def _optimizer_class(name: str) -> type:
     return getattr(importlib.import_module(mod), cls)
 
 
-def _model(in_backward):
+def _model(in_backward, mean_tables: tuple[str, ...] = ()):
     import tests.scenarios.test_module_parity as P
 
-    model = P.make_model()
+    model = P.make_model(mean_tables)
     with torch.no_grad():
         for name, w in P.init_tables().items():
             model.ebc.embedding_bags[name].weight.copy_(w)
@@ -264,7 +273,7 @@ def _optimizer_state_layout(dmp) -> dict:
     return out
 
 
-def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
+def _run_herald(fp, in_backward, batches, rank: int, world: int, mean_tables: tuple[str, ...] = ()) -> dict:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.types import ShardingEnv
@@ -272,7 +281,7 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
     import tests.scenarios.test_module_parity as P
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
 
-    model = _model(in_backward)
+    model = _model(in_backward, mean_tables)
     sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, policy="random", fused_params=fp)
     dmp = DistributedModelParallel(
         model,
@@ -301,8 +310,10 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int) -> dict:
     }
 
 
-def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
-    """Stock TorchRec ROW_WISE (FUSED) with the same settings; tables read out of its TBE shards."""
+def _run_stock(
+    fp, in_backward, batches, rank: int, world: int, mean_tables: tuple[str, ...] = (), table_wise: bool = False
+) -> dict:
+    """Stock TorchRec ROW_WISE (FUSED; or TABLE_WISE) with the same settings; tables read out of its TBE shards."""
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.types import ShardingEnv
@@ -313,14 +324,14 @@ def _run_stock(fp, in_backward, batches, rank: int, world: int) -> dict:
 
     if fp is not None and "optimizer" in fp:
         fp = {**fp, "optimizer": parse_optimizer(fp["optimizer"])}
-    model = _model(in_backward)
+    model = _model(in_backward, mean_tables)
     sharder = StockSharder(fused_params=fp)
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=torch.device("cpu"),
         sharders=[sharder],
-        plan=P._row_wise_plan(model, sharder, world),
+        plan=(P._table_wise_plan if table_wise else P._row_wise_plan)(model, sharder, world),
     )
     sebc = get_unwrapped_module(dmp).ebc
     shards = []  # (table, row offset, weight view, state view or None)
@@ -363,9 +374,10 @@ def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> No
     result = {}
     for name in runs:
         fp, in_backward, unclipped = RUNS[name]
+        mean = MEAN_TABLES.get(name, ())
         res = {
-            "herald": _run_herald(fp, in_backward, batches, rank, world),
-            "stock": _run_stock(fp, in_backward, batches, rank, world),
+            "herald": _run_herald(fp, in_backward, batches, rank, world, mean),
+            "stock": _run_stock(fp, in_backward, batches, rank, world, mean, table_wise=bool(mean)),
         }
         if unclipped is not None:
             res["unclipped"] = P.run_reference(unclipped, batches, world, True)["weights"]
@@ -432,8 +444,9 @@ def test_herald_trains_like_stock_row_wise(optimizer_runs: dict, name: str) -> N
         # the sums of squared gradients are small (~2e-4): also equal relative to their size
         scale = max(float(v.abs().max()) for v in s["states"].values())
         assert scale > 1e-5 and _max_diff(h["states"], s["states"]) <= 1e-5 * scale
-    # the checkpoint's view of the optimizer state: stock's keys, global shapes and this rank's shards
-    assert h["optimizer_state_layout"] == s["optimizer_state_layout"], name
+    # the checkpoint's view of the optimizer state: stock ROW_WISE's keys, global shapes and this rank's shards
+    if name not in MEAN_TABLES:  # (those compare with TABLE_WISE, whose shards are whole tables)
+        assert h["optimizer_state_layout"] == s["optimizer_state_layout"], name
     if "adagrad" in name:
         dim = P.DIM if "exact_adagrad" in name else None
         for param, states in h["optimizer_state_layout"].items():
