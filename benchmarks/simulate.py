@@ -6,6 +6,7 @@
     python benchmarks/simulate.py --workers 8,16,32,64 --steps 200 --policies herald --json --plot rows.png
     python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
         [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the comparison systems
+    python benchmarks/simulate.py --workers 64 --ranks-per-host 8 --policies herald,herald_rep --json  # replicas
     python benchmarks/simulate.py --merge r8.json r16.json r32.json --json --plot sweep.png  # runs made one R each
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
@@ -130,6 +131,16 @@ VARIANTS = {
         "herald",
         lambda args: {"hosts": args.ranks_per_host, "intra_host_cost": args.intra_host_cost},
     ),  # host-aware LAIA over the --ranks-per-host layout
+    "herald_rep": (
+        "herald",
+        lambda args: {
+            "hosts": args.ranks_per_host,
+            "intra_host_cost": args.intra_host_cost,
+            "replicate": True,
+            "host_laia": False,
+            **({} if args.replica_budget is None else {"replica_budget": args.replica_budget}),
+        },
+    ),  # herald (rank-level LAIA) + the rows every host reads replicated, host-aware (schedule/herald/replicas.py)
 }
 
 
@@ -252,8 +263,10 @@ def run_policies(args, R: int) -> dict:
         entry.update(hosts[n].summary(n_meas, R * B))
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]
-        if n in ("herald", "herald_host"):
+        if n in ("herald", *VARIANTS):
             entry["tables"] = pols[n].tables
+        if getattr(pols[n], "replicas", None) is not None and n not in ("fae", "p2res"):
+            entry.update(pols[n].replicas.describe())
         if n == "het":
             entry["staleness"] = pols[n].staleness
         if n in ("fae", "p2res"):
@@ -442,6 +455,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="fae / p2res: share of the --steps batches profiled (a prefix of the stream)",
     )
     p.add_argument("--fae-window", type=int, default=8, help="fae: global batches reordered together")
+    p.add_argument(
+        "--replica-budget",
+        type=int,
+        default=None,
+        help="herald_rep: replicated rows per rank (default: the policy's REPLICA_BUDGET)",
+    )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
     p.add_argument("--plot", help="PNG: transmitted rows per sample (and crossing hosts) vs workers per policy")
@@ -475,7 +494,11 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
-    for name, v in (("--staleness", args.staleness), ("--hot-budget", args.hot_budget)):
+    for name, v in (
+        ("--staleness", args.staleness),
+        ("--hot-budget", args.hot_budget),
+        ("--replica-budget", args.replica_budget),
+    ):
         if v is not None and v < 0:
             p.error(f"{name} must be >= 0, got {v}")
     if args.fae_window < 1:

@@ -161,6 +161,7 @@ class PlanChecker:
             return
         ver = np.asarray(rv.version, dtype=np.int64)[order]
         if rv.replica is not None:
+            self._replay_moves(plan, res, pk, pr, self.home_ver)  # Herald's replicas: its moves (fae / p2res: none)
             self._check_replicas(plan, res, pk, pr, np.asarray(rv.replica, dtype=bool)[order], ver)
             return
         res.stale_reads += int((ver != self.latest[pk]).sum())
@@ -170,6 +171,8 @@ class PlanChecker:
     ) -> None:
         """Replay home copies and replicas (see the module docstring)."""
         rs = plan.replicas if plan.replicas is not None else ReplicaSync()
+        declared = self._gid(rs.replicated_table, rs.replicated_row)
+        self.rep_ver[declared] = self.home_ver[declared]  # a declared set is built from the owners' copies
         th = self._gid(rs.to_home_table, rs.to_home_row)
         self.home_ver[th] = self.rep_ver[th]
         tr = self._gid(rs.to_replicas_table, rs.to_replicas_row)
@@ -195,9 +198,20 @@ class PlanChecker:
         lost = by_rep & ~in_ar
         if lost.any():
             self._err(res, f"{int(lost.sum())} rows read through replicas have no all-reduce of their gradients")
-        ok = fresh & ~mixed
+        remote_pair = pr != self.owner[pk]
+        bad = self._check_owner_reads(plan, res, pk, pr, keys, kidx, ~by_rep & ~mixed, remote_pair)
+        if plan.moves.row.shape[0]:
+            moved = np.isin(keys, self._gid(plan.moves.table, plan.moves.row)) & by_rep
+            if moved.any():
+                self._err(res, f"{int(moved.sum())} rows read through replicas move in the same step")
+        res.stale_reads += int(n[bad & fresh].sum())
+        ok = fresh & ~mixed & ~bad
         rk, hk = by_rep & ~mixed, ~by_rep & ~mixed
-        self.rep_ver[keys[rk]] = np.where(ok[rk] & in_ar[rk], self.latest[keys[rk]] + 1, -1)
+        rep_new = np.where(ok[rk] & in_ar[rk], self.latest[keys[rk]] + 1, -1)
+        self.rep_ver[keys[rk]] = rep_new
+        # the owner applies the all-reduced gradient to its own copy too (distributed/step/replicas.py), so a row
+        # leaves the set without a sync; the owner's copy is as fresh as the replicas
+        self.home_ver[keys[rk]] = np.where(self.home_ver[keys[rk]] == self.latest[keys[rk]], rep_new, -1)
         self.home_ver[keys[hk]] = np.where(ok[hk], self.latest[keys[hk]] + 1, -1)
         self.home_ver[keys[mixed]] = self.rep_ver[keys[mixed]] = -1
         c = plan.counters
@@ -206,62 +220,42 @@ class PlanChecker:
             self._err(
                 res, f"counter allreduce={c.get('allreduce', 0)}, expected 2 (R-1) x {ar.shape[0]} rows = {want_ar}"
             )
-        remote = int((~rep & (pr != self.home[pk])).sum())
+        remote = int((~rep & remote_pair).sum())
         if c.get("shared_value", 0) != remote or c.get("shared_grad", 0) != remote:
             self._err(
                 res,
-                f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != home reads by "
-                f"non-home ranks {remote}",
+                f"shared_value/shared_grad {c.get('shared_value')}/{c.get('shared_grad')} != owner reads by "
+                f"other ranks {remote}",
             )
+
+    def _check_owner_reads(self, plan: Plan, res: StepCheck, pk, pr, keys, kidx, via_owner, remote_pair) -> np.ndarray:
+        """Replica plans: the keys read through their owner by another rank are exactly `shared`, each with its
+        true owner and reader set (a key read by its owner alone is exclusive); keys read through replicas are not
+        in `shared`. Returns the keys (bool over `keys`) served wrongly."""
+        R = self.R
+        sh = plan.shared
+        sg = self._gid(sh.table, sh.row)
+        cnt = np.diff(np.asarray(sh.reader_offsets, dtype=np.int64))
+        listed = np.repeat(sg, cnt) * R + np.asarray(sh.readers, dtype=np.int64)
+        need = via_owner & (np.bincount(kidx, weights=remote_pair, minlength=keys.shape[0]) > 0)
+        want = pk[need[kidx]] * R + pr[need[kidx]]
+        wrong_owner = sg[np.asarray(sh.owner, dtype=np.int64) != self.owner[sg]]
+        off = np.setxor1d(listed, want) // R
+        bad = np.isin(keys, np.concatenate([off, wrong_owner]))
+        if listed.shape[0] != np.unique(listed).shape[0]:
+            self._err(res, "a shared key lists a reader twice")
+        if bad.any() or (~np.isin(sg, keys)).any():
+            self._err(
+                res,
+                f"{int(bad.sum())} keys are served wrongly by `shared` (missing, listed with other readers or "
+                f"another owner, or read through replicas), {int((~np.isin(sg, keys)).sum())} shared keys not read",
+            )
+        return bad
 
     def _check_ownership(self, plan: Plan, res: StepCheck, pk, pr, keys, kstart, kcount) -> None:
         self._set_mode(res, "ownership")
         R = self.R
-        mv = plan.moves
-        if len(mv):
-            g = self._gid(mv.table, mv.row)
-            src, dst, kind = (
-                np.asarray(mv.src, dtype=np.int64),
-                np.asarray(mv.dst, dtype=np.int64),
-                np.asarray(mv.kind),
-            )
-            if np.unique(g).shape[0] != g.shape[0]:
-                self._err(res, "a row moves more than once in one step")
-            bad = src != self.owner[g]
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                self._err(
-                    res,
-                    f"{int(bad.sum())} moves do not start at the row's owner (e.g. table "
-                    f"{int(mv.table[i])} row {int(mv.row[i])}: src {int(src[i])}, owner {int(self.owner[g[i]])})",
-                )
-                self.held[g[bad]] = -1  # the destination receives a copy that is not the authoritative one
-            if ((dst < 0) | (dst >= R)).any():
-                self._err(res, "move destination out of range")
-                dst = np.clip(dst, 0, R - 1)
-            if (src == dst).any():
-                self._err(res, "move with src == dst")
-            eh = kind == EVICT_HOME
-            if (dst[eh] != self.home[g[eh]]).any():
-                self._err(res, "EVICT_HOME to a rank that is not the row's home")
-            mi = kind == MIGRATE
-            if mi.any():
-                is_reader = np.isin(g[mi] * R + dst[mi], pk * R + pr)
-                if not is_reader.all():
-                    self._err(res, f"{int((~is_reader).sum())} MIGRATE moves go to a rank that does not read the row")
-            if (~np.isin(kind, (MIGRATE, EVICT_HOME, FORWARD))).any():
-                self._err(res, "unknown move kind")
-            # simultaneous: every row leaves, then arrives
-            t = self.tab_of[g]
-            leave = self.owner[g] != self.home[g]
-            np.add.at(self.guests, (self.owner[g][leave], t[leave]), -1)
-            arrive = dst != self.home[g]
-            np.add.at(self.guests, (dst[arrive], t[arrive]), 1)
-            self.owner[g] = dst
-            over = self.guests > self.cap[None, :]
-            if over.any():
-                r, tt = np.argwhere(over)[0]
-                self._err(res, f"rank {r} holds {self.guests[r, tt]} guests of table {tt} > capacity {self.cap[tt]}")
+        self._replay_moves(plan, res, pk, pr, self.held)
         # ---- reads -----------------------------------------------------------------------------------------
         own = self.owner[keys]
         sh = plan.shared
@@ -318,6 +312,56 @@ class PlanChecker:
         fresh = self.held[keys] == self.latest[keys]
         res.stale_reads += int((kcount * (~fresh | ~ok)).sum())
         self.held[keys] = np.where(fresh & ok, self.latest[keys] + 1, -1)
+
+    def _replay_moves(self, plan: Plan, res: StepCheck, pk, pr, copy_version: np.ndarray) -> None:
+        """Apply the plan's row moves to the checker's owners and guest counts, checking each (module docstring); a
+        move that does not start at the owner invalidates the copy it carries (`copy_version` := -1)."""
+        R = self.R
+        mv = plan.moves
+        if len(mv):
+            g = self._gid(mv.table, mv.row)
+            src, dst, kind = (
+                np.asarray(mv.src, dtype=np.int64),
+                np.asarray(mv.dst, dtype=np.int64),
+                np.asarray(mv.kind),
+            )
+            if np.unique(g).shape[0] != g.shape[0]:
+                self._err(res, "a row moves more than once in one step")
+            bad = src != self.owner[g]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                self._err(
+                    res,
+                    f"{int(bad.sum())} moves do not start at the row's owner (e.g. table "
+                    f"{int(mv.table[i])} row {int(mv.row[i])}: src {int(src[i])}, owner {int(self.owner[g[i]])})",
+                )
+                copy_version[g[bad]] = -1  # the destination receives a copy that is not the authoritative one
+            if ((dst < 0) | (dst >= R)).any():
+                self._err(res, "move destination out of range")
+                dst = np.clip(dst, 0, R - 1)
+            if (src == dst).any():
+                self._err(res, "move with src == dst")
+            eh = kind == EVICT_HOME
+            if (dst[eh] != self.home[g[eh]]).any():
+                self._err(res, "EVICT_HOME to a rank that is not the row's home")
+            mi = kind == MIGRATE
+            if mi.any():
+                is_reader = np.isin(g[mi] * R + dst[mi], pk * R + pr)
+                if not is_reader.all():
+                    self._err(res, f"{int((~is_reader).sum())} MIGRATE moves go to a rank that does not read the row")
+            if (~np.isin(kind, (MIGRATE, EVICT_HOME, FORWARD))).any():
+                self._err(res, "unknown move kind")
+            # simultaneous: every row leaves, then arrives
+            t = self.tab_of[g]
+            leave = self.owner[g] != self.home[g]
+            np.add.at(self.guests, (self.owner[g][leave], t[leave]), -1)
+            arrive = dst != self.home[g]
+            np.add.at(self.guests, (dst[arrive], t[arrive]), 1)
+            self.owner[g] = dst
+            over = self.guests > self.cap[None, :]
+            if over.any():
+                r, tt = np.argwhere(over)[0]
+                self._err(res, f"rank {r} holds {self.guests[r, tt]} guests of table {tt} > capacity {self.cap[tt]}")
 
     def _set_mode(self, res: StepCheck, mode: str) -> None:
         if self.mode is None:

@@ -50,10 +50,21 @@ from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.herald.replicas import REPLICA_BUDGET, REPLICA_INTERVAL, REPLICA_ROW_MARGIN, ReplicaChoice
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms, select_tables
-from herald_torchrec.schedule.plan import EVICT_HOME, FORWARD, MIGRATE, Plan, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import (
+    EVICT_HOME,
+    FORWARD,
+    MIGRATE,
+    Plan,
+    ReadVersions,
+    ReplicaSync,
+    RowMoves,
+    SharedRows,
+)
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
-from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, step_reads
+from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, StepReads, step_reads
+from herald_torchrec.schedule.traffic import FAN_OUT, KindTransfers
 
 INTRA_HOST_COST = 0.2  # default: a row moved inside a host costs a fifth of one crossing hosts (docs/scheduler.md)
 
@@ -151,6 +162,16 @@ class HeraldPolicy(SchedulePolicy):
         default), one host for all ranks, or a host per rank leave LAIA rank-level (the plans without a host map).
     intra_host_cost: a row moved inside a host over one crossing hosts, in [0, 1] (module docstring); 0.2 by
         default, docs/scheduler.md says why.
+    replicate: replicate the rows every rank reads (`schedule.herald.replicas`): off by default, so that the
+        plans without it stay those of plain Herald; the data plane runs them with `HeraldOptions.replicate`.
+    replica_budget: replicated rows per rank (every rank holds every replica); None = `REPLICA_BUDGET`.
+    replica_interval: steps between two choices of the replicated set (the cost model's window of recent steps).
+    replica_row_margin: the extra rows, as a share of its all-reduce, a replicated row may cost over the shared path.
+    host_laia: with a host map, whether LAIA scores hosts (True) or ranks only, the host map then serving replication's
+        cost model alone (host-aware LAIA moves more rows in all at R <= 32: docs/scheduler.md).
+    The replica defaults are measured (schedule/herald/replicas.py, docs/scheduler.md): a row pays for replication
+    only where hosts are given (without a host map nothing is replicated); the rows that pay are few (~250 of 337,694
+    at R=64 on the synthetic default), so the budget of 4,096 rows per rank (2 MiB at dim 128) is never the limit.
     The choice is made on the first plan() (or by calling `profile(batches)`) and exposed by `tables`, `refine`
     and `selection`.
     """
@@ -175,6 +196,11 @@ class HeraldPolicy(SchedulePolicy):
         owner_weight: float = 2.0,
         hosts: int | Sequence[int] | None = None,
         intra_host_cost: float = INTRA_HOST_COST,
+        replicate: bool = False,
+        replica_budget: int | None = None,
+        replica_interval: int = REPLICA_INTERVAL,
+        replica_row_margin: float = REPLICA_ROW_MARGIN,
+        host_laia: bool = True,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         for name, v in (("refine", refine), ("max_refine", max_refine)):
@@ -203,7 +229,10 @@ class HeraldPolicy(SchedulePolicy):
         self.host_of_rank = host_ids(hosts, self.num_ranks)
         self.num_hosts = int(self.host_of_rank.max()) + 1 if self.num_ranks else 0
         # host-aware only where it can change a score: more than one host, and some host with several ranks
-        self.host_aware = 1 < self.num_hosts < self.num_ranks
+        if not isinstance(host_laia, (bool, np.bool_)):
+            raise ValueError(f"herald: host_laia must be True or False, got {host_laia!r}")
+        hosts_matter = 1 < self.num_hosts < self.num_ranks
+        self.host_aware = hosts_matter and bool(host_laia)
         # per-key score rows: small integers when the weights are (fewer bytes to gather), else float32
         whole = self.owner_weight.is_integer() and (2 + self.owner_weight) * self.layout.num_tables < 2**15
         self._wtype = np.int16 if whole else np.float32
@@ -236,6 +265,31 @@ class HeraldPolicy(SchedulePolicy):
         # w(c) for c = 0..N: weight of an owned key read by c samples of the batch
         c = np.arange(self.global_batch + 1, dtype=np.float64)
         self._geo = ((self.num_ranks - 1) / self.num_ranks) ** np.maximum(c - 1, 0)
+        if not isinstance(replicate, (bool, np.bool_)):
+            raise ValueError(f"herald: replicate must be True or False, got {replicate!r}")
+        # rows replicated on every rank (None: plain Herald, the plans without replicas)
+        self.replicas: ReplicaChoice | None = (
+            ReplicaChoice(
+                self.layout,
+                self.num_ranks,
+                REPLICA_BUDGET if replica_budget is None else replica_budget,
+                replica_interval,
+                self.host_of_rank if hosts_matter else None,
+                self.intra_host_cost,
+                replica_row_margin,
+            )
+            if replicate
+            else None
+        )
+
+    @classmethod
+    def runs_with(cls, replicate: bool = False, **_: object) -> None:
+        """The data plane runs Herald's plans, but not yet its replicas (the replica region serves fae / p2res)."""
+        if replicate:
+            raise ValueError(
+                "policy 'herald' with replicate=True only models traffic for now (benchmarks/simulate.py "
+                "--policies herald_rep); the data plane does not run Herald's replicas yet"
+            )
 
     # ---- table selection --------------------------------------------------------------------------------------
     def _set_tables(self, idx: np.ndarray) -> None:
@@ -424,6 +478,7 @@ class HeraldPolicy(SchedulePolicy):
         for j in range(len(window), 0, -1):
             nu[window[j - 1].keys] = j
         d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
+        joining = self._replica_step(keys, rd, own, want, window) if self.replicas is not None else None
         if self._native is not None:
             victims, room = self._native.make_room(keys, own, home, want, single, self.step, self.lookahead + 1)
         else:
@@ -436,7 +491,8 @@ class HeraldPolicy(SchedulePolicy):
         for w in window:
             nu[w.keys] = 0
         if self._native is not None:
-            return self._assemble_native(sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind)
+            plan = self._assemble_native(sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind)
+            return plan if joining is None else self._with_replicas(plan, rd, want, joining)
         # ---- moves -------------------------------------------------------------------------------------------
         mig = np.flatnonzero(want != own)
         mv_gid = np.concatenate([keys[mig], victims])
@@ -464,7 +520,7 @@ class HeraldPolicy(SchedulePolicy):
             "shared_value": remote,
             "shared_grad": remote,
         }
-        return Plan(
+        plan = Plan(
             step=self.step,
             num_ranks=R,
             batch_per_rank=B,
@@ -473,6 +529,71 @@ class HeraldPolicy(SchedulePolicy):
             shared=shared,
             counters=counters,
         )
+        return plan if joining is None else self._with_replicas(plan, rd, want, joining)
+
+    # ---- replicas ----------------------------------------------------------------------------------------------
+    def _replica_step(self, keys, rd: StepReads, own, want, window: list[BatchKeys]) -> np.ndarray:
+        """The replicas' part of the step before the moves: the window learns the step's reads, the set is chosen
+        again when due, replicated rows stay with their owner (`want`) and are pinned against eviction. Returns the
+        rows joining the set in this step."""
+        rep = self.replicas
+        rep.observe(keys, rd.pair_key, rd.pair_rank, own)
+        joining = np.zeros(0, dtype=np.int64)
+        if rep.due(self.step):
+            joining = rep.choose([(w.keys, w.count) for w in window])
+        rk = rep.member[keys]
+        want[rk] = own[rk]
+        self.directory.last_use[rep.rows] = self.step
+        return joining
+
+    def _with_replicas(self, plan: Plan, rd: StepReads, want: np.ndarray, joining: np.ndarray) -> Plan:
+        """The plan with the replicated rows read from every reader's replica: out of `shared`, their remote
+        reads become hits, their gradients all-reduced; the set declared when rows join it (their values from their
+        owner), the version of every read reported for the checker."""
+        rep, R, d = self.replicas, self.num_ranks, self.directory
+        keys, pk, pr = rd.keys, rd.pair_key, rd.pair_rank
+        rk = rep.member[keys]
+        prk = rk[pk]
+        moved_remote = int((prk & (want[pk] != pr)).sum())
+        c = plan.counters
+        c["hit"] += moved_remote
+        c["shared_value"] -= moved_remote
+        c["shared_grad"] -= moved_remote
+        ar = keys[rk]
+        c["allreduce"] = 2 * (R - 1) * int(ar.shape[0])
+        c["replica_sync"] = (R - 1) * int(joining.shape[0])
+        sh = plan.shared
+        keep = ~rep.member[self.layout.offsets[sh.table] + sh.row]
+        if not keep.all():
+            counts = np.diff(sh.reader_offsets)
+            plan.shared = SharedRows(
+                table=sh.table[keep],
+                row=sh.row[keep],
+                owner=sh.owner[keep],
+                reader_offsets=np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64),
+                readers=sh.readers[np.repeat(keep, counts)],
+            )
+        sync = ReplicaSync()
+        sync.allreduce_table, sync.allreduce_row = split_gid(self.layout, d.table, ar)
+        if joining.shape[0]:  # the whole new set: the data plane rebuilds its replicas from the owners' copies
+            sync.replicated_table, sync.replicated_row = split_gid(self.layout, d.table, rep.rows)
+        plan.replicas = sync
+        # the data plane does not run Herald's replicas yet (its replica region serves fae / p2res): set_plan refuses
+        plan.executable = False
+        pg = keys[pk]
+        t, row = split_gid(self.layout, d.table, pg)
+        plan.reads = ReadVersions(table=t, row=row, rank=pr.copy(), version=rep.version[pg], replica=prk)
+        rep.version[keys] += 1
+        self.last_transfers = {}
+        if joining.shape[0]:  # each joining row from its owner to every other rank, with its optimizer state
+            src = np.repeat(d.owner[joining].astype(np.int64), R)
+            dst = np.tile(np.arange(R, dtype=np.int64), joining.shape[0])
+            other = src != dst
+            jt = d.table[joining].astype(np.int64)
+            self.last_transfers["replica_sync"] = KindTransfers(
+                np.repeat(joining, R)[other], src[other], dst[other], FAN_OUT, np.repeat(jt, R)[other]
+            )
+        return plan
 
     def _decide(self, bk: BatchKeys, rd, own: np.ndarray, sample_rank: np.ndarray):
         """(want, single, sole) per read key: the owner it should have after the step (module docstring, 3.),
@@ -687,6 +808,8 @@ class HeraldPolicy(SchedulePolicy):
                 "guests": self.directory.occupancy(),
             }
         )
+        if self.replicas is not None:
+            out.update(self.replicas.describe())
         if self.selection is not None:
             out["selection"] = self.selection.describe()
         return out
