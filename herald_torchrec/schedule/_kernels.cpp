@@ -221,6 +221,7 @@ struct Slots {
   int64_t G;
   const int64_t* cap;
   const int64_t* base;
+  const int64_t* alloc;  // slots reserved per group (GuestSlots.reserve grows them before the kernels add)
   int64_t* fill;
   int64_t* slot;
   int32_t* pos_of;
@@ -362,10 +363,13 @@ void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector
     sl.pos_of[keys[i]] = -1;
     if (pos[i] < sl.base[groups[i]] + sl.fill[groups[i]] - d[groups[i]]) holes.push_back(pos[i]);
   }
-  std::sort(holes.begin(), holes.end());
+  std::sort(holes.begin(), holes.end());  // regions are disjoint: holes region by region, movers likewise
+  std::vector<int64_t> ug;
+  for (int64_t g = 0; g < sl.G; ++g)
+    if (d[g]) ug.push_back(g);
+  std::stable_sort(ug.begin(), ug.end(), [&](int64_t x, int64_t y) { return sl.base[x] < sl.base[y]; });
   size_t h = 0;
-  for (int64_t g = 0; g < sl.G; ++g) {
-    if (!d[g]) continue;
+  for (int64_t g : ug) {
     const int64_t nf = sl.fill[g] - d[g];
     for (int64_t p = sl.base[g] + nf; p < sl.base[g] + sl.fill[g]; ++p) {
       if (sl.slot[p] < 0) continue;
@@ -387,6 +391,7 @@ void slots_add(Slots& sl, const std::vector<int64_t>& keys, const std::vector<in
   for (int64_t g : groups) ++a[g];
   for (int64_t g = 0; g < sl.G; ++g) {
     if (sl.fill[g] + a[g] > sl.cap[g]) throw std::runtime_error("GuestSlots.add: group over capacity");
+    if (sl.fill[g] + a[g] > sl.alloc[g]) throw std::runtime_error("GuestSlots.add: region not reserved");
     next[g] = sl.base[g] + sl.fill[g];
   }
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -425,7 +430,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 4; }
+int herald_kernels_version() { return 5; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -529,13 +534,13 @@ int64_t herald_assemble(int64_t K, const int64_t* keys, const int64_t* own, cons
 int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
                      const uint8_t* single, int64_t R, int64_t T, const int16_t* table, const int32_t* owner,
                      const int16_t* nu, const int32_t* last, uint8_t* picked, int64_t step, int64_t L1,
-                     const int64_t* cap, const int64_t* base, int64_t* fill, int64_t* slot, int32_t* pos_of,
-                     int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
+                     const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
+                     int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
                      const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims, int64_t max_victims,
                      int64_t* n_victims, int64_t* room) {
   try {
     const int64_t G = R * T;
-    Slots sl{G, cap, base, fill, slot, pos_of};
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
     Prio prio{nu, last, picked, step, L1};
     std::vector<int64_t> tk(K), freed(G, 0), deficit(G), left(G), chosen, vpos, arr, arr_g;
@@ -625,11 +630,11 @@ int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const i
 // OwnershipDirectory.apply_moves + EvictionPool.arrived: every row leaves its owner, then arrives at dst.
 int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_t T, const int16_t* table,
                        int32_t* owner, const int32_t* home, int64_t G, const int64_t* cap, const int64_t* base,
-                       int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size, int64_t* tau,
+                       const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size, int64_t* tau,
                        const int64_t* row, int64_t* pool_keys, int64_t* pool_count, const int32_t* group_of_slot,
                        const int32_t* floor) {
   try {
-    Slots sl{G, cap, base, fill, slot, pos_of};
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
     std::vector<int64_t> k, g;
     for (int64_t i = 0; i < M; ++i) {

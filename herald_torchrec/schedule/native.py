@@ -20,7 +20,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 4  # herald_kernels_version() of the source this module expects
+VERSION = 5  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -74,6 +74,7 @@ SIGNATURES = {
             _i64p,
             _i64p,
             _i64p,
+            _i64p,
             _i32p,
             _i64,
             _i64p,
@@ -99,6 +100,7 @@ SIGNATURES = {
             _i32p,
             _i32p,
             _i64,
+            _i64p,
             _i64p,
             _i64p,
             _i64p,
@@ -354,11 +356,17 @@ def _check(rc: int) -> None:
 
 class DirectoryArrays:
     """The addresses of a HeraldPolicy's ownership directory, guest slots, eviction pool, next-use and picked arrays,
-    which the capacity kernels update in place. Those arrays are never replaced while the kernels keep the
-    directory (numpy's GuestSlots.remove / add, which replace `fill`, are not called then)."""
+    which the capacity kernels update in place. The guest slots replace their slot arrays when they grow
+    (`GuestSlots.generation`): the addresses are read again then; every other array is updated in place only."""
 
     def __init__(self, directory, pool, next_use: np.ndarray, picked: np.ndarray) -> None:
+        self.directory, self.pool, self.next_use_a, self.picked_a = directory, pool, next_use, picked
         d, sl = directory, directory.slots
+        self.R, self.T, self.G, self.pool_size = d.num_ranks, d.num_tables, sl.num_groups, pool.size
+        self._bind()
+
+    def _bind(self) -> None:
+        d, sl, pool = self.directory, self.directory.slots, self.pool
         self.arrays = (
             d.table,
             d.owner,
@@ -366,6 +374,7 @@ class DirectoryArrays:
             d.last_use,
             sl.cap,
             sl.base,
+            sl.alloc,
             sl.fill,
             sl.slot,
             sl.pos_of,
@@ -373,9 +382,9 @@ class DirectoryArrays:
             pool.row,
             pool.keys,
             pool.count,
-            pool.group_of_slot,
-            next_use,
-            picked,
+            sl.group_of_slot,
+            self.next_use_a,
+            self.picked_a,
         )  # kept alive here
         (
             self.table,
@@ -384,6 +393,7 @@ class DirectoryArrays:
             self.last_use,
             self.cap,
             self.base,
+            self.alloc,
             self.fill,
             self.slot,
             self.pos_of,
@@ -395,7 +405,11 @@ class DirectoryArrays:
             self.next_use,
             self.picked,
         ) = (_p(a) for a in self.arrays)
-        self.R, self.T, self.G, self.pool_size, self.pool = d.num_ranks, d.num_tables, sl.num_groups, pool.size, pool
+        self.generation = sl.generation
+
+    def _current(self) -> None:
+        if self.generation != self.directory.slots.generation:
+            self._bind()
 
     @staticmethod
     def supported(directory, pool, next_use: np.ndarray, picked: np.ndarray) -> bool:
@@ -408,6 +422,7 @@ class DirectoryArrays:
             (d.last_use, np.int32),
             (sl.cap, np.int64),
             (sl.base, np.int64),
+            (sl.alloc, np.int64),
             (sl.fill, np.int64),
             (sl.slot, np.int64),
             (sl.pos_of, np.int32),
@@ -415,7 +430,7 @@ class DirectoryArrays:
             (pool.row, np.int64),
             (pool.keys, np.int64),
             (pool.count, np.int64),
-            (pool.group_of_slot, np.int32),
+            (sl.group_of_slot, np.int32),
             (next_use, np.int16),
             (picked, np.bool_),
         )
@@ -427,6 +442,7 @@ class DirectoryArrays:
         if want.dtype != np.int64 or not want.flags.c_contiguous or not want.flags.writeable:
             raise ValueError("make_room: `want` must be a writeable C-contiguous int64 array (it is updated in place)")
         keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
+        self._current()
         victims, nv = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
         room, rb = np.empty(self.G, dtype=np.int64), np.zeros(1, dtype=np.int64)
         _check(
@@ -448,6 +464,7 @@ class DirectoryArrays:
                 int(L1),
                 self.cap,
                 self.base,
+                self.alloc,
                 self.fill,
                 self.slot,
                 self.pos_of,
@@ -468,8 +485,19 @@ class DirectoryArrays:
         return victims[: int(nv[0])], room
 
     def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
-        """OwnershipDirectory.apply_moves, then EvictionPool.arrived."""
+        """OwnershipDirectory.apply_moves, then EvictionPool.arrived. The groups that gain guests get their regions
+        first (GuestSlots.reserve, numpy: it may replace the slot arrays); the kernel checks the capacity."""
         gid, dst = _c(gid, np.int64), _c(dst, np.int64)
+        d, sl = self.directory, self.directory.slots
+        if gid.shape[0]:
+            tab = d.table[gid].astype(np.int64)
+            home = d.home[gid]
+            src = d.owner[gid].astype(np.int64)
+            arrive, leave = dst != home, src != home
+            net = np.bincount(dst[arrive] * self.T + tab[arrive], minlength=self.G)
+            net -= np.bincount(src[leave] * self.T + tab[leave], minlength=self.G)
+            sl.reserve(np.minimum(sl.fill + net, sl.cap))
+        self._current()
         _check(
             lib().herald_apply_moves(
                 gid.shape[0],
@@ -482,6 +510,7 @@ class DirectoryArrays:
                 self.G,
                 self.cap,
                 self.base,
+                self.alloc,
                 self.fill,
                 self.slot,
                 self.pos_of,
