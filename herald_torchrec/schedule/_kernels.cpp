@@ -443,7 +443,7 @@ const char* herald_last_error() { return last_error.c_str(); }
 // (one reader) and sole (the first reader).
 void herald_decide(int64_t K, const int64_t* own, const int64_t* count, const int64_t* start, const int64_t* pr,
                    int64_t E, const int64_t* cid, int64_t width, const int64_t* smp, const int64_t* sample_rank,
-                   int64_t R, int64_t* want, uint8_t* single, int64_t* sole) {
+                   int64_t R, int64_t dense_cells, int64_t* want, uint8_t* single, int64_t* sole) {
   std::vector<int64_t> far_idx(K, -1);
   int64_t F = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -456,6 +456,27 @@ void herald_decide(int64_t K, const int64_t* own, const int64_t* count, const in
     if (!single[k] && !owner_reads) far_idx[k] = F++;
   }
   if (F == 0) return;
+  if (F * R > dense_cells) {  // no [F, R] table: count per (key, reader) pair, found in the key's sorted readers
+    std::vector<int64_t> cp(start[K - 1] + count[K - 1], 0);
+    auto count_pair = [&](int64_t i, int64_t r) {
+      const int64_t k = cid[i];
+      if (far_idx[k] < 0) return;
+      const int64_t* lo = pr + start[k];
+      ++cp[std::lower_bound(lo, lo + count[k], r) - pr];
+    };
+    if (width > 0) {
+      for (int64_t i = 0, n = 0; i < E; i += width, ++n)
+        for (int64_t j = i; j < i + width; ++j) count_pair(j, sample_rank[n]);
+    } else {
+      for (int64_t i = 0; i < E; ++i) count_pair(i, sample_rank[smp[i]]);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      if (far_idx[k] < 0) continue;
+      const int64_t* c = cp.data() + start[k];
+      want[k] = pr[start[k] + (std::max_element(c, c + count[k]) - c)];  // the first maximum: lowest rank
+    }
+    return;
+  }
   std::vector<int64_t> cnt(F * R, 0);
   auto count_at = [&](int64_t i, int64_t r) {
     const int64_t f = far_idx[cid[i]];
@@ -737,6 +758,49 @@ int64_t herald_step_reads(const int64_t* cid, int64_t E, int64_t width, const in
     for (int64_t r = 0; r < R; ++r)
       if (m[r]) pair_key[P] = k, pair_rank[P] = r, ++P;
     count[k] = P - start[k];
+  }
+  return P;
+}
+
+// reads.step_reads, sparse path: the same pairs as herald_step_reads without its [K, R] table (K x R cells: 16 M at
+// R=256 on a small model, 10^8 and more on full-size tables). Elements are taken rank by rank (a counting sort of
+// their ranks) and every key's readers appended as they come, so each key's list comes out sorted by rank; `last`
+// (per key, the rank that last read it) keeps a reader once. O(E + K + R) time and memory.
+int64_t herald_step_reads_sparse(const int64_t* cid, int64_t E, int64_t width, const int64_t* smp,
+                                 const int64_t* sample_rank, int64_t K, int64_t R, int64_t* count, int64_t* start,
+                                 int64_t* pair_key, int64_t* pair_rank) {
+  // items: samples (width > 0: a sample's `width` elements are contiguous) or elements, bucketed by rank
+  const int64_t n = width > 0 ? E / width : E;
+  std::vector<int64_t> first(R + 1, 0);
+  std::vector<int32_t> order(n);
+  for (int64_t i = 0; i < n; ++i) ++first[(width > 0 ? sample_rank[i] : sample_rank[smp[i]]) + 1];
+  for (int64_t r = 0; r < R; ++r) first[r + 1] += first[r];
+  {
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[next[width > 0 ? sample_rank[i] : sample_rank[smp[i]]]++] = static_cast<int32_t>(i);
+  }
+  // one pass, rank by rank: each key's first element at a rank makes a pair (pairs come out rank-major)
+  std::vector<int32_t> last(K, -1), tk(E), tr(E);
+  std::fill(count, count + K, int64_t{0});
+  const int64_t w = width > 0 ? width : 1;
+  int64_t P = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t r32 = static_cast<int32_t>(r);
+    for (int64_t q = first[r]; q < first[r + 1]; ++q) {
+      const int64_t* c = cid + static_cast<int64_t>(order[q]) * w;
+      for (int64_t j = 0; j < w; ++j) {
+        const int64_t k = c[j];
+        if (last[k] != r32) last[k] = r32, tk[P] = static_cast<int32_t>(k), tr[P] = r32, ++P, ++count[k];
+      }
+    }
+  }
+  // then key by key (a stable counting sort by key keeps each key's readers in rank order)
+  int64_t s = 0;
+  for (int64_t k = 0; k < K; ++k) start[k] = s, s += count[k];
+  std::vector<int64_t> at(start, start + K);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t q = at[tk[p]]++;
+    pair_key[q] = tk[p], pair_rank[q] = tr[p];
   }
   return P;
 }

@@ -117,7 +117,7 @@ SIGNATURES = {
         ctypes.c_int,
     ),
     "herald_decide": (
-        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64p, _u8p, _i64p],
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
     ),
     "herald_assemble": (
@@ -156,6 +156,7 @@ SIGNATURES = {
         _i64,
     ),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_step_reads_sparse": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
@@ -254,6 +255,23 @@ def step_reads(
     return count, start, pk[:P], pr[:P]
 
 
+def step_reads_sparse(
+    cid: np.ndarray, width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray, K: int, R: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(count, start, pair_key, pair_rank) of reads.step_reads without a [K, R] table (its sparse path)."""
+    c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
+    E = c.shape[0]
+    if E >= 2**31 or K >= 2**31:
+        raise ValueError(f"step_reads_sparse: {E} elements / {K} keys do not fit its int32 scratch")
+    count, start = np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int64)
+    pk, pr = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
+    s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
+    P = lib().herald_step_reads_sparse(
+        _p(c), E, int(width or 0), _p(s), _p(rk), K, R, _p(count), _p(start), _p(pk), _p(pr)
+    )
+    return count, start, pk[:P], pr[:P]
+
+
 def decide(
     own: np.ndarray,
     count: np.ndarray,
@@ -264,8 +282,10 @@ def decide(
     smp: np.ndarray | None,
     sample_rank: np.ndarray,
     R: int,
+    dense_cells: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment)."""
+    """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment); the
+    reader counts of shared keys in an [F, R] table up to `dense_cells` cells, else per (key, reader) pair."""
     K = own.shape[0]
     own, count, start, pr = _c(own, np.int64), _c(count, np.int64), _c(start, np.int64), _c(pair_rank, np.int64)
     c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
@@ -283,6 +303,7 @@ def decide(
         _p(s),
         _p(rk),
         R,
+        int(dense_cells),
         _p(want),
         _p(single),
         _p(sole),
