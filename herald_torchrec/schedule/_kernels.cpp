@@ -221,6 +221,7 @@ struct Slots {
   int64_t G;
   const int64_t* cap;
   const int64_t* base;
+  const int64_t* alloc;  // slots reserved per group (GuestSlots.reserve grows them before the kernels add)
   int64_t* fill;
   int64_t* slot;
   int32_t* pos_of;
@@ -362,10 +363,13 @@ void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector
     sl.pos_of[keys[i]] = -1;
     if (pos[i] < sl.base[groups[i]] + sl.fill[groups[i]] - d[groups[i]]) holes.push_back(pos[i]);
   }
-  std::sort(holes.begin(), holes.end());
+  std::sort(holes.begin(), holes.end());  // regions are disjoint: holes region by region, movers likewise
+  std::vector<int64_t> ug;
+  for (int64_t g = 0; g < sl.G; ++g)
+    if (d[g]) ug.push_back(g);
+  std::stable_sort(ug.begin(), ug.end(), [&](int64_t x, int64_t y) { return sl.base[x] < sl.base[y]; });
   size_t h = 0;
-  for (int64_t g = 0; g < sl.G; ++g) {
-    if (!d[g]) continue;
+  for (int64_t g : ug) {
     const int64_t nf = sl.fill[g] - d[g];
     for (int64_t p = sl.base[g] + nf; p < sl.base[g] + sl.fill[g]; ++p) {
       if (sl.slot[p] < 0) continue;
@@ -387,6 +391,7 @@ void slots_add(Slots& sl, const std::vector<int64_t>& keys, const std::vector<in
   for (int64_t g : groups) ++a[g];
   for (int64_t g = 0; g < sl.G; ++g) {
     if (sl.fill[g] + a[g] > sl.cap[g]) throw std::runtime_error("GuestSlots.add: group over capacity");
+    if (sl.fill[g] + a[g] > sl.alloc[g]) throw std::runtime_error("GuestSlots.add: region not reserved");
     next[g] = sl.base[g] + sl.fill[g];
   }
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -425,7 +430,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 4; }
+int herald_kernels_version() { return 5; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -438,7 +443,7 @@ const char* herald_last_error() { return last_error.c_str(); }
 // (one reader) and sole (the first reader).
 void herald_decide(int64_t K, const int64_t* own, const int64_t* count, const int64_t* start, const int64_t* pr,
                    int64_t E, const int64_t* cid, int64_t width, const int64_t* smp, const int64_t* sample_rank,
-                   int64_t R, int64_t* want, uint8_t* single, int64_t* sole) {
+                   int64_t R, int64_t dense_cells, int64_t* want, uint8_t* single, int64_t* sole) {
   std::vector<int64_t> far_idx(K, -1);
   int64_t F = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -451,6 +456,27 @@ void herald_decide(int64_t K, const int64_t* own, const int64_t* count, const in
     if (!single[k] && !owner_reads) far_idx[k] = F++;
   }
   if (F == 0) return;
+  if (F * R > dense_cells) {  // no [F, R] table: count per (key, reader) pair, found in the key's sorted readers
+    std::vector<int64_t> cp(start[K - 1] + count[K - 1], 0);
+    auto count_pair = [&](int64_t i, int64_t r) {
+      const int64_t k = cid[i];
+      if (far_idx[k] < 0) return;
+      const int64_t* lo = pr + start[k];
+      ++cp[std::lower_bound(lo, lo + count[k], r) - pr];
+    };
+    if (width > 0) {
+      for (int64_t i = 0, n = 0; i < E; i += width, ++n)
+        for (int64_t j = i; j < i + width; ++j) count_pair(j, sample_rank[n]);
+    } else {
+      for (int64_t i = 0; i < E; ++i) count_pair(i, sample_rank[smp[i]]);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      if (far_idx[k] < 0) continue;
+      const int64_t* c = cp.data() + start[k];
+      want[k] = pr[start[k] + (std::max_element(c, c + count[k]) - c)];  // the first maximum: lowest rank
+    }
+    return;
+  }
   std::vector<int64_t> cnt(F * R, 0);
   auto count_at = [&](int64_t i, int64_t r) {
     const int64_t f = far_idx[cid[i]];
@@ -529,13 +555,13 @@ int64_t herald_assemble(int64_t K, const int64_t* keys, const int64_t* own, cons
 int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
                      const uint8_t* single, int64_t R, int64_t T, const int16_t* table, const int32_t* owner,
                      const int16_t* nu, const int32_t* last, uint8_t* picked, int64_t step, int64_t L1,
-                     const int64_t* cap, const int64_t* base, int64_t* fill, int64_t* slot, int32_t* pos_of,
-                     int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
+                     const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
+                     int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
                      const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims, int64_t max_victims,
                      int64_t* n_victims, int64_t* room) {
   try {
     const int64_t G = R * T;
-    Slots sl{G, cap, base, fill, slot, pos_of};
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
     Prio prio{nu, last, picked, step, L1};
     std::vector<int64_t> tk(K), freed(G, 0), deficit(G), left(G), chosen, vpos, arr, arr_g;
@@ -625,11 +651,11 @@ int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const i
 // OwnershipDirectory.apply_moves + EvictionPool.arrived: every row leaves its owner, then arrives at dst.
 int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_t T, const int16_t* table,
                        int32_t* owner, const int32_t* home, int64_t G, const int64_t* cap, const int64_t* base,
-                       int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size, int64_t* tau,
+                       const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size, int64_t* tau,
                        const int64_t* row, int64_t* pool_keys, int64_t* pool_count, const int32_t* group_of_slot,
                        const int32_t* floor) {
   try {
-    Slots sl{G, cap, base, fill, slot, pos_of};
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
     std::vector<int64_t> k, g;
     for (int64_t i = 0; i < M; ++i) {
@@ -732,6 +758,49 @@ int64_t herald_step_reads(const int64_t* cid, int64_t E, int64_t width, const in
     for (int64_t r = 0; r < R; ++r)
       if (m[r]) pair_key[P] = k, pair_rank[P] = r, ++P;
     count[k] = P - start[k];
+  }
+  return P;
+}
+
+// reads.step_reads, sparse path: the same pairs as herald_step_reads without its [K, R] table (K x R cells: 16 M at
+// R=256 on a small model, 10^8 and more on full-size tables). Elements are taken rank by rank (a counting sort of
+// their ranks) and every key's readers appended as they come, so each key's list comes out sorted by rank; `last`
+// (per key, the rank that last read it) keeps a reader once. O(E + K + R) time and memory.
+int64_t herald_step_reads_sparse(const int64_t* cid, int64_t E, int64_t width, const int64_t* smp,
+                                 const int64_t* sample_rank, int64_t K, int64_t R, int64_t* count, int64_t* start,
+                                 int64_t* pair_key, int64_t* pair_rank) {
+  // items: samples (width > 0: a sample's `width` elements are contiguous) or elements, bucketed by rank
+  const int64_t n = width > 0 ? E / width : E;
+  std::vector<int64_t> first(R + 1, 0);
+  std::vector<int32_t> order(n);
+  for (int64_t i = 0; i < n; ++i) ++first[(width > 0 ? sample_rank[i] : sample_rank[smp[i]]) + 1];
+  for (int64_t r = 0; r < R; ++r) first[r + 1] += first[r];
+  {
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[next[width > 0 ? sample_rank[i] : sample_rank[smp[i]]]++] = static_cast<int32_t>(i);
+  }
+  // one pass, rank by rank: each key's first element at a rank makes a pair (pairs come out rank-major)
+  std::vector<int32_t> last(K, -1), tk(E), tr(E);
+  std::fill(count, count + K, int64_t{0});
+  const int64_t w = width > 0 ? width : 1;
+  int64_t P = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t r32 = static_cast<int32_t>(r);
+    for (int64_t q = first[r]; q < first[r + 1]; ++q) {
+      const int64_t* c = cid + static_cast<int64_t>(order[q]) * w;
+      for (int64_t j = 0; j < w; ++j) {
+        const int64_t k = c[j];
+        if (last[k] != r32) last[k] = r32, tk[P] = static_cast<int32_t>(k), tr[P] = r32, ++P, ++count[k];
+      }
+    }
+  }
+  // then key by key (a stable counting sort by key keeps each key's readers in rank order)
+  int64_t s = 0;
+  for (int64_t k = 0; k < K; ++k) start[k] = s, s += count[k];
+  std::vector<int64_t> at(start, start + K);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t q = at[tk[p]]++;
+    pair_key[q] = tk[p], pair_rank[q] = tr[p];
   }
   return P;
 }

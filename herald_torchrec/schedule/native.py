@@ -20,7 +20,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 4  # herald_kernels_version() of the source this module expects
+VERSION = 5  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -74,6 +74,7 @@ SIGNATURES = {
             _i64p,
             _i64p,
             _i64p,
+            _i64p,
             _i32p,
             _i64,
             _i64p,
@@ -103,6 +104,7 @@ SIGNATURES = {
             _i64p,
             _i64p,
             _i64p,
+            _i64p,
             _i32p,
             _i64,
             _i64p,
@@ -115,7 +117,7 @@ SIGNATURES = {
         ctypes.c_int,
     ),
     "herald_decide": (
-        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64p, _u8p, _i64p],
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
     ),
     "herald_assemble": (
@@ -154,6 +156,7 @@ SIGNATURES = {
         _i64,
     ),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_step_reads_sparse": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
@@ -252,6 +255,23 @@ def step_reads(
     return count, start, pk[:P], pr[:P]
 
 
+def step_reads_sparse(
+    cid: np.ndarray, width: int | None, smp: np.ndarray | None, sample_rank: np.ndarray, K: int, R: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(count, start, pair_key, pair_rank) of reads.step_reads without a [K, R] table (its sparse path)."""
+    c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
+    E = c.shape[0]
+    if E >= 2**31 or K >= 2**31:
+        raise ValueError(f"step_reads_sparse: {E} elements / {K} keys do not fit its int32 scratch")
+    count, start = np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int64)
+    pk, pr = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
+    s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
+    P = lib().herald_step_reads_sparse(
+        _p(c), E, int(width or 0), _p(s), _p(rk), K, R, _p(count), _p(start), _p(pk), _p(pr)
+    )
+    return count, start, pk[:P], pr[:P]
+
+
 def decide(
     own: np.ndarray,
     count: np.ndarray,
@@ -262,8 +282,10 @@ def decide(
     smp: np.ndarray | None,
     sample_rank: np.ndarray,
     R: int,
+    dense_cells: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment)."""
+    """HeraldPolicy._plan's ownership decision: (want, single, sole) per read key (see the kernel's comment); the
+    reader counts of shared keys in an [F, R] table up to `dense_cells` cells, else per (key, reader) pair."""
     K = own.shape[0]
     own, count, start, pr = _c(own, np.int64), _c(count, np.int64), _c(start, np.int64), _c(pair_rank, np.int64)
     c, rk = _c(cid, np.int64), _c(sample_rank, np.int64)
@@ -281,6 +303,7 @@ def decide(
         _p(s),
         _p(rk),
         R,
+        int(dense_cells),
         _p(want),
         _p(single),
         _p(sole),
@@ -354,11 +377,17 @@ def _check(rc: int) -> None:
 
 class DirectoryArrays:
     """The addresses of a HeraldPolicy's ownership directory, guest slots, eviction pool, next-use and picked arrays,
-    which the capacity kernels update in place. Those arrays are never replaced while the kernels keep the
-    directory (numpy's GuestSlots.remove / add, which replace `fill`, are not called then)."""
+    which the capacity kernels update in place. The guest slots replace their slot arrays when they grow
+    (`GuestSlots.generation`): the addresses are read again then; every other array is updated in place only."""
 
     def __init__(self, directory, pool, next_use: np.ndarray, picked: np.ndarray) -> None:
+        self.directory, self.pool, self.next_use_a, self.picked_a = directory, pool, next_use, picked
         d, sl = directory, directory.slots
+        self.R, self.T, self.G, self.pool_size = d.num_ranks, d.num_tables, sl.num_groups, pool.size
+        self._bind()
+
+    def _bind(self) -> None:
+        d, sl, pool = self.directory, self.directory.slots, self.pool
         self.arrays = (
             d.table,
             d.owner,
@@ -366,6 +395,7 @@ class DirectoryArrays:
             d.last_use,
             sl.cap,
             sl.base,
+            sl.alloc,
             sl.fill,
             sl.slot,
             sl.pos_of,
@@ -373,9 +403,9 @@ class DirectoryArrays:
             pool.row,
             pool.keys,
             pool.count,
-            pool.group_of_slot,
-            next_use,
-            picked,
+            sl.group_of_slot,
+            self.next_use_a,
+            self.picked_a,
         )  # kept alive here
         (
             self.table,
@@ -384,6 +414,7 @@ class DirectoryArrays:
             self.last_use,
             self.cap,
             self.base,
+            self.alloc,
             self.fill,
             self.slot,
             self.pos_of,
@@ -395,7 +426,11 @@ class DirectoryArrays:
             self.next_use,
             self.picked,
         ) = (_p(a) for a in self.arrays)
-        self.R, self.T, self.G, self.pool_size, self.pool = d.num_ranks, d.num_tables, sl.num_groups, pool.size, pool
+        self.generation = sl.generation
+
+    def _current(self) -> None:
+        if self.generation != self.directory.slots.generation:
+            self._bind()
 
     @staticmethod
     def supported(directory, pool, next_use: np.ndarray, picked: np.ndarray) -> bool:
@@ -408,6 +443,7 @@ class DirectoryArrays:
             (d.last_use, np.int32),
             (sl.cap, np.int64),
             (sl.base, np.int64),
+            (sl.alloc, np.int64),
             (sl.fill, np.int64),
             (sl.slot, np.int64),
             (sl.pos_of, np.int32),
@@ -415,7 +451,7 @@ class DirectoryArrays:
             (pool.row, np.int64),
             (pool.keys, np.int64),
             (pool.count, np.int64),
-            (pool.group_of_slot, np.int32),
+            (sl.group_of_slot, np.int32),
             (next_use, np.int16),
             (picked, np.bool_),
         )
@@ -427,6 +463,7 @@ class DirectoryArrays:
         if want.dtype != np.int64 or not want.flags.c_contiguous or not want.flags.writeable:
             raise ValueError("make_room: `want` must be a writeable C-contiguous int64 array (it is updated in place)")
         keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
+        self._current()
         victims, nv = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
         room, rb = np.empty(self.G, dtype=np.int64), np.zeros(1, dtype=np.int64)
         _check(
@@ -448,6 +485,7 @@ class DirectoryArrays:
                 int(L1),
                 self.cap,
                 self.base,
+                self.alloc,
                 self.fill,
                 self.slot,
                 self.pos_of,
@@ -468,8 +506,19 @@ class DirectoryArrays:
         return victims[: int(nv[0])], room
 
     def apply_moves(self, gid: np.ndarray, dst: np.ndarray) -> None:
-        """OwnershipDirectory.apply_moves, then EvictionPool.arrived."""
+        """OwnershipDirectory.apply_moves, then EvictionPool.arrived. The groups that gain guests get their regions
+        first (GuestSlots.reserve, numpy: it may replace the slot arrays); the kernel checks the capacity."""
         gid, dst = _c(gid, np.int64), _c(dst, np.int64)
+        d, sl = self.directory, self.directory.slots
+        if gid.shape[0]:
+            tab = d.table[gid].astype(np.int64)
+            home = d.home[gid]
+            src = d.owner[gid].astype(np.int64)
+            arrive, leave = dst != home, src != home
+            net = np.bincount(dst[arrive] * self.T + tab[arrive], minlength=self.G)
+            net -= np.bincount(src[leave] * self.T + tab[leave], minlength=self.G)
+            sl.reserve(np.minimum(sl.fill + net, sl.cap))
+        self._current()
         _check(
             lib().herald_apply_moves(
                 gid.shape[0],
@@ -482,6 +531,7 @@ class DirectoryArrays:
                 self.G,
                 self.cap,
                 self.base,
+                self.alloc,
                 self.fill,
                 self.slot,
                 self.pos_of,

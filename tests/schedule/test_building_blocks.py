@@ -173,6 +173,77 @@ def test_guest_slots_random_ops_keep_groups_packed():
             np.testing.assert_array_equal(gs.payload["last"][gs.pos_of[m]], m * 10)  # payload moved with keys
 
 
+def test_guest_slots_hold_memory_for_the_guests_held_not_the_capacity():
+    """At R=256 a directory reserved one slot per rank per cacheable row (R x sum(capacity), here 5.1 M slots, 41 MB
+    of int64 plus the eviction pool's 20 MB group map) though a row is a guest of one rank at most: the slots now
+    grow with the guests held."""
+    R, rows = 256, [50_000] * 4
+    d = OwnershipDirectory(rows, R, cache_ratio=0.1)
+    pool = EvictionPool(d.slots, d.last_use)
+    G = d.slots.num_groups
+    rng = np.random.default_rng(0)
+    gid = rng.choice(d.layout.total_rows, 3000, replace=False)
+    dst = (d.home[gid].astype(np.int64) + 1 + rng.integers(0, R - 1, 3000)) % R  # never home: 3000 guests
+    pool.arrived(d.apply_moves(gid, dst))
+    held = int(d.slots.fill.sum())
+    assert held == 3000
+    bound = 2 * (2 * held + 8 * G)  # regions at most twice their members (or MIN_REGION = 8), the array twice those
+    assert d.slots.slot.shape[0] <= bound and pool.group_of_slot.shape[0] <= bound
+    assert d.nbytes() < 5_000_000  # 18 bytes per row (3.6 MB) + the slots held; reserving them all: 45 MB
+    np.testing.assert_array_equal(d.slots.slot[d.slots.pos_of[gid]], gid)
+    np.testing.assert_array_equal(d.slots.group_of_slot[d.slots.pos_of[gid]], d.group(dst, gid))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_guest_slots_grow_and_compact_keeping_member_order(seed):
+    """Regions move as they grow (and the array compacts): members stay packed, keep their payload, their group's
+    slot map and their order within the group (the ties of pick_victims go to the lower slot)."""
+    rng = np.random.default_rng(seed)
+    cap = np.array([0, 3, 40, 200, 1000, 17])
+    G, n_keys = cap.shape[0], 5000
+    gs = GuestSlots(cap, n_keys, payload=("last",))
+    order = {g: [] for g in range(G)}  # members of every group in slot order, as a reference
+    group_of = np.full(n_keys, -1)
+    generations = set()
+    for _ in range(120):
+        ks = np.flatnonzero(group_of >= 0)
+        if ks.shape[0] and rng.random() < 0.4:
+            out = rng.choice(ks, size=min(ks.shape[0], int(rng.integers(1, 60))), replace=False)
+            gs.remove(out, group_of[out])
+            for g in set(group_of[out].tolist()):  # swap-remove: the last members fill the holes, in order
+                mem = gs.members(g).tolist()
+                assert sorted(mem) == sorted(set(order[g]) - set(out.tolist()))
+                order[g] = mem
+            group_of[out] = -1
+        else:
+            free = np.flatnonzero(group_of < 0)
+            g = rng.integers(0, G, int(rng.integers(1, 120)))
+            room = cap - gs.fill
+            take = np.zeros(g.shape[0], dtype=bool)
+            for i, x in enumerate(g.tolist()):
+                if room[x] > 0:
+                    take[i], room[x] = True, room[x] - 1
+            g = g[take]
+            ks = rng.choice(free, g.shape[0], replace=False)
+            before = {x: gs.members(x).tolist() for x in range(G)}
+            pos = gs.add(ks, g)
+            gs.payload["last"][pos] = ks * 10
+            for x in range(G):  # old members first, in their order, then the arrivals in input order
+                assert gs.members(x).tolist() == before[x] + ks[g == x].tolist()
+                order[x] = gs.members(x).tolist()
+            group_of[ks] = g
+        generations.add(gs.generation)
+        for x in range(G):
+            m = gs.members(x)
+            assert m.tolist() == order[x] and gs.fill[x] <= gs.alloc[x] <= cap[x]
+            np.testing.assert_array_equal(gs.payload["last"][gs.pos_of[m]], m * 10)
+            np.testing.assert_array_equal(gs.group_of_slot[gs.base[x] : gs.base[x] + gs.alloc[x]], x)
+        assert (gs.pos_of[group_of < 0] == -1).all()
+        reg = np.stack([gs.base, gs.base + gs.alloc], axis=1)[np.argsort(gs.base)]  # disjoint, below `top`
+        assert (reg[1:, 0] >= reg[:-1, 1]).all() and reg[-1, 1] <= gs.top <= gs.slot.shape[0]
+    assert len(generations) > 2  # the array was replaced (compacted) several times
+
+
 def test_pick_victims_lowest_priority_first():
     gs = GuestSlots(np.array([4, 4]), 20)
     gs.add(np.array([1, 2, 3, 4, 5, 6]), np.array([0, 0, 0, 0, 1, 1]))

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from herald_torchrec import _native
-from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native
+from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native, reads
 from herald_torchrec.schedule.herald import planner as herald_mod
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.plan_wire import encode_plan_tree
+from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="no C++ compiler here: the numpy path is the only one")
 
@@ -191,3 +192,69 @@ def test_host_aware_plans_equal(kind):
     # host-aware LAIA scores in numpy on both paths; the rest of the plan (decision, eviction, assembly) is compiled
     _compare(_trace(kind, 4, 12, 30, seed=21), 4, 12, 2, refine=2, hosts=2)
     _compare(_trace(kind, 8, 8, 24, seed=22), 8, 8, 3, refine=1, hosts=[0, 1, 0, 1, 2, 2, 3, 3], intra_host_cost=0.5)
+
+
+# ---- past DENSE_LIMIT: no [K, R] table ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,R", [("dense", 3), ("dense", 8), ("jagged", 5)])
+def test_step_reads_sparse_equals_dense(kind, R):
+    """The (key, reader) CSR without a [K, R] table (compiled: rank by rank; numpy: sorted codes) equals the dense
+    bitmap's, pair for pair, in order."""
+    rng = np.random.default_rng(40 + R)
+    b = _batch(_trace(kind, R, 16, 1, seed=41 + R)[0], 0)
+    bk = batch_keys(b, Scratch())
+    K = bk.keys.shape[0]
+    smp = None if bk.width is not None else bk.smp
+    for _ in range(3):
+        rank = rng.permutation(np.repeat(np.arange(R), 16))
+        want = native.step_reads(bk.cid, bk.width, smp, rank, K, R)
+        got = native.step_reads_sparse(bk.cid, bk.width, smp, rank, K, R)
+        codes = want[2] * R + want[3]
+        for a, c in zip(got, want):
+            np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(reads.sorted_distinct(rng.permutation(np.repeat(codes, 3))), codes)
+        _native.set_mode(False)
+        try:
+            np_dense = step_reads(bk, rank, R)
+        finally:
+            _native.set_mode(True)
+        np.testing.assert_array_equal(np_dense.pair_key * R + np_dense.pair_rank, codes)
+
+
+@pytest.mark.parametrize("kind,R", [("dense", 4), ("dense", 8), ("jagged", 4)])
+def test_sparse_reads_plans_equal(kind, R, monkeypatch):
+    """Past DENSE_LIMIT (here 4 cells: every step, and most steps have 2+ far keys) who-reads-what, the ownership
+    decision and, without refine rounds, the assignment use no [K, R] table: the same plans as the dense paths,
+    compiled and numpy alike."""
+    trace = _trace(kind, R, 12, 24, seed=30 + R)
+    dense, _ = _run(trace, R, 12, 2, refine=0)
+    monkeypatch.setattr(reads, "DENSE_LIMIT", 4)
+    sparse, _ = _run(trace, R, 12, 2, refine=0)
+    assert sparse == dense
+    _compare(trace, R, 12, 2, refine=0)
+    _compare(trace, R, 12, 2, refine=1)  # refine rounds past the limit: numpy's reader-list rounds on both paths
+
+
+def test_past_dense_limit_the_plan_stays_compiled(monkeypatch):
+    """At R=256 on a small model (K x R past DENSE_LIMIT) who-reads-what and the assignment fell back to numpy
+    (np.unique took 67 % of a 606 ms plan): past the limit they now stay compiled, with no [K, R] table."""
+    monkeypatch.setattr(reads, "DENSE_LIMIT", 4)
+    compiled = []  # who-reads-what of every step, by kernel
+    kernels = {"dense": native.step_reads, "sparse": getattr(native, "step_reads_sparse", None)}
+
+    def counted(kind):
+        def run(cid, width, smp, rank, K, R):
+            assert kind == "sparse" or K * R <= reads.DENSE_LIMIT, "a [K, R] table past DENSE_LIMIT"
+            compiled.append(kind)
+            return kernels[kind](cid, width, smp, rank, K, R)
+
+        return run
+
+    def numpy_rounds(*args, **kwargs):
+        raise AssertionError("the numpy assignment ran: the compiled path switched off")
+
+    monkeypatch.setattr(native, "step_reads", counted("dense"))
+    monkeypatch.setattr(native, "step_reads_sparse", counted("sparse"), raising=False)
+    monkeypatch.setattr(herald_mod, "balanced_assign", numpy_rounds)
+    plans, pol = _run(_trace("dense", 8, 12, 12, seed=50), 8, 12, 2, refine=0)
+    assert pol._native is not None and len(plans) == 10
+    assert compiled == ["sparse"] * 10

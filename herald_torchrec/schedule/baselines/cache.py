@@ -50,7 +50,7 @@ class WorkerCaches:
     def lookup(self, rank: np.ndarray, gid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot or -1, cached version or -1) of rows at workers."""
         pos = self.slots.pos_of[rank * self.n + gid].astype(np.int64)
-        if self.slots.slot.shape[0] == 0:  # no cache at all
+        if self.slots.slot.shape[0] == 0:  # nothing cached yet (slots are reserved as rows arrive)
             return pos, np.full(pos.shape[0], -1, dtype=np.int64)
         ver = np.where(pos >= 0, self.slots.payload["ver"][np.maximum(pos, 0)], -1)
         return pos, ver
@@ -101,6 +101,7 @@ class WorkerCaches:
         ver_p[pos[stale]] = P[pair_gid[stale]]
         # insert misses (LRU victims among rows not read this step)
         self._insert(pair_rank[miss], pair_gid[miss], P[pair_gid[miss]], step, c)
+        ver_p = sl.payload["ver"]  # replaced where the cache's slots grew
         # updates
         uk = keys
         V[uk] += 1

@@ -84,6 +84,7 @@ class StaleCaches(WorkerCaches):
         own_p[pos[pull]] = pend[pull]
         self.evicted = []
         new = self._insert(pair_rank[miss], pair_gid[miss], Cg[miss], step, c)
+        own_p, pend_p = sl.payload["own"], sl.payload["pend"]  # replaced where the cache's slots grew
         action = np.where(pull, UPDATE_PULL, HIT).astype(np.int8)
         action[miss] = np.where(new >= 0, MISS_PULL, MISS_UNCACHED)
         new = new[new >= 0]

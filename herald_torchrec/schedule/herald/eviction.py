@@ -48,8 +48,11 @@ class EvictionPool:
         self.keys = np.zeros((int(big.sum()), self.size), dtype=np.int64)
         self.count = np.zeros(G, dtype=np.int64)
         self.rebuilds = 0  # groups rebuilt from their members (a cost counter, for tests and profiling)
-        # the group of every slot (the groups' regions are fixed)
-        self.group_of_slot = np.repeat(np.arange(G, dtype=np.int32), slots.cap)
+
+    @property
+    def group_of_slot(self) -> np.ndarray:
+        """The group of every slot (the slots' own map: regions move as they grow)."""
+        return self.slots.group_of_slot
 
     # ---- keeping the invariant -----------------------------------------------------------------------------------
     def arrived(self, pos: np.ndarray) -> None:

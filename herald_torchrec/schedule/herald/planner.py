@@ -45,7 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.schedule import native
+from herald_torchrec.schedule import native, reads
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.eviction import EvictionPool
@@ -63,7 +63,7 @@ from herald_torchrec.schedule.plan import (
     SharedRows,
 )
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
-from herald_torchrec.schedule.reads import DENSE_LIMIT, BatchKeys, StepReads, step_reads
+from herald_torchrec.schedule.reads import BatchKeys, StepReads, step_reads
 from herald_torchrec.schedule.traffic import FAN_OUT, KindTransfers
 
 INTRA_HOST_COST = 0.2  # default: a row moved inside a host costs a fifth of one crossing hosts (docs/scheduler.md)
@@ -367,8 +367,10 @@ class HeraldPolicy(SchedulePolicy):
             return np.repeat(np.arange(R, dtype=np.int64), B)
         own = (own_k - first) % R
         # dense per-key [R] rows summed per sample; jagged batches with many ranks expand reader lists instead
-        dense = K * R <= DENSE_LIMIT and (v.cols is not None or R <= 16)
-        if dense and native.enabled() and not self.host_aware:  # the same arithmetic, compiled (schedule/native.py)
+        dense = K * R <= reads.DENSE_LIMIT and (v.cols is not None or R <= 16)
+        # the same arithmetic, compiled (schedule/native.py): its refine rounds use [K, R] tables, its first pass
+        # does not (the numpy paths agree without refine rounds)
+        if (dense or self.refine == 0) and native.enabled() and not self.host_aware:
             per_sample = 0 if v.cols is None else v.cols.shape[0]
             a = native.assign(
                 N,
@@ -468,7 +470,16 @@ class HeraldPolicy(SchedulePolicy):
         pk, pr = rd.pair_key, rd.pair_rank
         if self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
             want, single, sole = native.decide(
-                own, rd.count, rd.start, pr, bk.cid, bk.width, None if bk.width is not None else bk.smp, sample_rank, R
+                own,
+                rd.count,
+                rd.start,
+                pr,
+                bk.cid,
+                bk.width,
+                None if bk.width is not None else bk.smp,
+                sample_rank,
+                R,
+                reads.DENSE_LIMIT,
             )
         else:
             want, single, sole = self._decide(bk, rd, own, sample_rank)
@@ -609,11 +620,24 @@ class HeraldPolicy(SchedulePolicy):
         want[m_single] = sole[m_single]
         far = ~single & ~owner_reads
         if far.any():  # shared key whose owner does not read it: move to the reader with most samples
-            fidx = np.cumsum(far) - 1
             el = far[bk.cid]
             F = int(far.sum())
-            cnt = np.bincount(fidx[bk.cid[el]] * R + bk.element_ranks(sample_rank)[el], minlength=F * R).reshape(F, R)
-            want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+            if F * R <= reads.DENSE_LIMIT:
+                fidx = np.cumsum(far) - 1
+                er = bk.element_ranks(sample_rank)[el]
+                cnt = np.bincount(fidx[bk.cid[el]] * R + er, minlength=F * R).reshape(F, R)
+                want[far] = np.argmax(cnt, axis=1)  # ties: lowest rank
+            else:  # no [F, R] table: count per (key, reader) pair (pair codes are sorted), first maximum per key
+                pair_code = pk * R + pr
+                at = np.searchsorted(pair_code, bk.cid[el] * R + bk.element_ranks(sample_rank)[el])
+                cp = np.bincount(at, minlength=pk.shape[0])
+                fk = np.flatnonzero(far)
+                best = np.maximum.reduceat(cp, rd.start[fk])  # far keys have >= 2 readers: no empty segment
+                kmax = np.zeros(K, dtype=np.int64)
+                kmax[fk] = best
+                top = np.flatnonzero(far[pk] & (cp == kmax[pk]))
+                first = top[np.concatenate([[True], pk[top][1:] != pk[top][:-1]])]  # lowest rank per key
+                want[pk[first]] = pr[first]
         return want, single, sole
 
     def _assemble_native(self, sample_rank, rd, own, want, single, sole, victims, v_src, v_dst, v_kind) -> Plan:
