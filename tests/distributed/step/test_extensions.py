@@ -99,3 +99,20 @@ def test_a_plan_moving_or_sharing_a_row_read_through_replicas_is_refused() -> No
     with pytest.raises(ValueError, match="moves replicated rows"):
         region.begin(plan(moves=move(0, 3)), None)  # begin checks first: no collective, no region built
     assert region.copies is None
+
+
+def test_a_replicating_pipeline_over_modules_without_the_region_is_refused() -> None:
+    """policy_options={"replicate": True} given to the pipeline alone: its plans would carry replicas that the
+    modules (sharded without it) cannot run; refused when the pipeline is built, naming the cure."""
+    import torch
+
+    from herald_torchrec import HeraldTrainPipeline
+
+    model = torch.nn.ModuleDict({"ebc": make("herald")})
+    with pytest.raises(ValueError, match=r"replicate=True, but the modules were sharded without a replica region"):
+        HeraldTrainPipeline(
+            model,
+            torch.optim.SGD([torch.zeros(1)], lr=0.1),
+            torch.device("cpu"),
+            policy_options={"replicate": True},
+        )
