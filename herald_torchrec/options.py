@@ -90,7 +90,9 @@ class HeraldOptions:
     lookahead: int = 1
     """Future global batches the scheduler sees (>= 0)."""
     policy_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
-    """The policy's own settings (e.g. fae's `hot_budget`, het's `staleness`), checked by the policy."""
+    """The policy's own settings (e.g. fae's `hot_budget`, het's `staleness`, herald's `replicate`), checked by the
+    policy; `replicate` (herald: rows every host reads replicated on every rank) is also checked here, since the
+    sharder reads it to give the modules their replica region (`replicates`)."""
     unscheduled_tables: Collection[str] = frozenset()
     """Tables left to TorchRec's own sharding (a frozenset of table names)."""
     plan_on: str = "host"
@@ -129,6 +131,12 @@ class HeraldOptions:
                 f"{{'staleness': 0}}), got {self.policy_options!r}",
             )
         put("policy_options", MappingProxyType(dict(self.policy_options)))
+        if not isinstance(self.policy_options.get("replicate", False), bool):
+            raise OptionError(
+                "policy_options",
+                f"replicate must be true or false (rows replicated on every rank), got "
+                f"{self.policy_options['replicate']!r}",
+            )
         if isinstance(self.unscheduled_tables, str):
             raise OptionError(
                 "unscheduled_tables", f"must be a collection of table names, got the string {self.unscheduled_tables!r}"
@@ -166,6 +174,12 @@ class HeraldOptions:
         from herald_torchrec.schedule import runnable_policy
 
         return runnable_policy(self.policy, **self.policy_options)
+
+    @property
+    def replicates(self) -> bool:
+        """Whether the policy replicates rows on every rank (`policy_options["replicate"]`): the sharded modules
+        then run the replica region (distributed/step/replicas.py)."""
+        return bool(self.policy_options.get("replicate", False))
 
     def scheduler_settings(self) -> dict[str, Any]:
         """The settings the sharded modules carry for the pipeline's scheduler (`SCHEDULER_SETTINGS`)."""

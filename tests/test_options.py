@@ -18,6 +18,7 @@ BAD = [
     ({"lookahead": -1}, "lookahead must be an integer >= 0"),
     ({"lookahead": "many"}, "lookahead must be an integer >= 0"),
     ({"policy_options": [("staleness", 0)]}, "policy_options must be a mapping"),
+    ({"policy_options": {"replicate": "yes"}}, "policy_options replicate must be true or false"),
     ({"unscheduled_tables": "t0"}, "unscheduled_tables must be a collection of table names, got the string 't0'"),
     ({"plan_on": "everyone"}, "plan_on must be one of ['host', 'rank0', 'every_rank'] (where plans are made)"),
     ({"prefetch": 2.5}, "prefetch must be an integer >= 0 (batches the input stage schedules ahead of training"),

@@ -38,9 +38,10 @@ Layout, as TorchRec splits embeddingbag.py / dist_data.py / sharding/*: this mod
 (it orders a step: plans, error checks, counters); step/prepare.py prepares the step in numpy (what to send where, no
 process group), lookup_layout.py its lookup's index layouts, static_plan.py the plan when none is queued;
 dist_data.py holds the step's collectives as awaitable dist objects; embedding_lookup.py does the store-side work
-(moves applied, values read and pooled, shared-row updates); the comparison systems' plans (replicas, HET's cache)
-run in step extensions beside this step (step/extension.py, comparison/extensions.py), which a module gets only when
-it is built for their policy; state/ holds the checkpoint view and the fused optimizer.
+(moves applied, values read and pooled, shared-row updates); rows replicated on every rank (step/replicas.py: Herald
+with `replicate`, fae, p2res) and HET's cache run in step extensions beside this step (step/extension.py,
+comparison/extensions.py), which a module gets only when it is built for a policy that uses them; state/ holds the
+checkpoint view and the fused optimizer.
 
 Counters (rows, this rank's part of the step; the sum over ranks equals `plan.counters` of the same plan, with the
 scheduler's definitions): `hit` distinct keys read here that this rank owns after the moves and that did not move
@@ -99,6 +100,7 @@ from herald_torchrec.distributed.step.prepare import (
     prepare_moves,
     prepare_shared,
 )
+from herald_torchrec.distributed.step.replicas import ReplicaExtension
 from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
@@ -168,6 +170,9 @@ class ShardedHeraldEmbeddingBagCollection(
             gets the gradient of the global mean loss). None (default) follows TorchRec's global switch
             `torchrec.distributed.comm_ops.set_gradient_division` (on by default), read at every step; False gives
             rows the plain sum over ranks of the per-rank gradients.
+        replicate: the policy replicates rows on every rank (Herald's `policy_options={"replicate": True}`, read by
+            the sharder as `HeraldOptions.replicates`): the module runs the replica region (step/replicas.py) beside
+            its step, as fae / p2res modules do. Without it a plan carrying replicas is refused.
     """
 
     def __init__(
@@ -184,8 +189,11 @@ class ShardedHeraldEmbeddingBagCollection(
         check_errors_globally: bool = True,
         gradient_division: bool | None = None,
         qcomm_codecs_registry: dict | None = None,
+        replicate: bool = False,
     ) -> None:
         super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        if not isinstance(replicate, bool):
+            raise ValueError(f"replicate must be True or False, got {replicate!r}")
         self.gradient_division = gradient_division
         self.cache_ratio = check_cache_ratio(cache_ratio)
         if not isinstance(module, EmbeddingBagCollection):
@@ -265,13 +273,15 @@ class ShardedHeraldEmbeddingBagCollection(
         self.hosts: HostMap | None = None  # which ranks share a host (`set_hosts`; None: not known, no relays)
         self._relay_group_ready = False
         self.step_host_rows = {k: 0 for k in HOST_ROW_KINDS}  # this rank's rows of the step by link (host map set)
-        # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step
-        self._extensions: tuple[StepExtension, ...] = comparison_extensions(
-            policy,
-            ExtensionResources(
-                self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp
-            ),
+        # the comparison system of the module's policy (fae / p2res replicas, HET's cache), if any, beside its step;
+        # Herald's replica region when its policy replicates
+        resources = ExtensionResources(
+            self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp
         )
+        extensions = comparison_extensions(policy, resources)
+        if replicate and not any(e.plan_part == "replicas" for e in extensions):
+            extensions += (ReplicaExtension(resources),)
+        self._extensions: tuple[StepExtension, ...] = extensions
         self._extension_pending: list[ExtensionStep] = []
         self.ownership_version = 0  # +1 whenever ownership is reset to home (a load): schedulers rebuild from home
         # TorchRec-layout state dicts and the fused optimizer, given this module's public surface
@@ -352,6 +362,11 @@ class ShardedHeraldEmbeddingBagCollection(
             )
         check_plan_served(plan, self._extensions, self.policy)
         self._plans.append(plan)
+
+    @property
+    def runs_replicas(self) -> bool:
+        """Whether the module runs a replica region (plans carrying `replicas`: Herald replicating, fae, p2res)."""
+        return any(e.plan_part == "replicas" for e in self._extensions)
 
     @property
     def queued_plans(self) -> int:

@@ -17,8 +17,9 @@ trains the same under this sharder as under TorchRec's ROW_WISE sharding.
 Herald's settings are one `HeraldOptions` (herald_torchrec/options.py), checked once when it is built:
 `HeraldEmbeddingBagCollectionSharder(options=HeraldOptions(cache_ratio=0.1, policy="herald", lookahead=4))`, or the
 same settings as keywords, as above. The sharded modules carry `cache_ratio` (their guest capacity), `policy` and
-`lookahead` (for the pipeline that runs the scheduler: the data plane itself only executes plans); the sharder keeps
-`unscheduled_tables` with TorchRec; the pipeline takes the input stage's settings from the same options type.
+`lookahead` (for the pipeline that runs the scheduler: the data plane itself only executes plans), and a replica
+region when the policy replicates (`policy_options={"replicate": True}`); the sharder keeps `unscheduled_tables` with
+TorchRec; the pipeline takes the input stage's settings from the same options type.
 
 The embedding optimizer is taken exactly as TorchRec's sharders take it (optimizer_params.py): `fused_params`, and
 per table an optimizer set with `apply_optimizer_in_backward` on the unsharded EBC, which overrides them (FBGEMM's
@@ -206,6 +207,7 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             check_errors_globally=self.check_errors_globally,
             gradient_division=self.gradient_division,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
+            replicate=self.options.replicates,
         )
         if not self.unscheduled_tables:
             return herald

@@ -30,7 +30,7 @@ from tests.helpers.ranks import REPO_ROOT, run_ranks
 RUNS = {  # name: (extra args, ranks)
     "herald": (["scheduler=herald"], 2),
     "static": (["scheduler=static"], 2),
-    # P²RES: replicated rows all-reduced on every rank (distributed/comparison/replicas.py), the rest read from home
+    # P²RES: replicated rows all-reduced on every rank (distributed/step/replicas.py), the rest read from home
     "p2res": (["scheduler=p2res"], 2),
     "torchrec": (["scheduler=torchrec", "sharding.types=[row_wise]"], 2),
     # four tables (tiny, mid-sized, large) left to TorchRec's TABLE_WISE / COLUMN_WISE sharding, the rest Herald's

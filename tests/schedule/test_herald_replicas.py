@@ -137,11 +137,13 @@ def test_bad_replica_settings_are_named(kw, name):
         make_policy("herald", [10, 20], 4, 2, **kw)
 
 
-def test_the_data_plane_refuses_herald_replicas_for_now():
+def test_herald_replica_plans_are_executable():
+    """The data plane runs Herald's replicas (distributed/step/replicas.py): the policy is runnable with them and
+    its plans are executable, the declared set included."""
     from herald_torchrec.schedule import runnable_policy
 
     assert runnable_policy("herald", replicate=False) == "herald"
-    with pytest.raises(ValueError, match="replicate=True"):
-        runnable_policy("herald", replicate=True)
+    assert runnable_policy("herald", replicate=True) == "herald"
     rows, batches = everyone_reads_table0(1)
-    assert not make_policy("herald", rows, R, B, 0.2, 0, hosts=2, replicate=True).plan([batches[0]]).executable
+    plan = make_policy("herald", rows, R, B, 0.2, 0, hosts=2, replicate=True).plan([batches[0]])
+    assert plan.executable and plan.replicas.replicated_row.shape[0] > 0

@@ -2,10 +2,11 @@
 
 Why: the systems Herald answers train in Herald's own engine, so their plans run through the same module, but
 beside Herald's step rather than inside it. Rows replicated on every rank (`fae` / `p2res` plans, `Plan.replicas`:
-replicas.py) and HET's per-worker cache (`het` plans, `Plan.cache`: het_cache.py) each take the ids they serve out
-of the step's local input before Herald's path (moves, shared rows) sees them, add their pooled values to the
-output, and apply their own updates after the backward. A module gets the extension of its policy when it is built
-(`comparison_extensions`); Herald's modules get none.
+the replica region of step/replicas.py, which Herald's own replicated rows use too) and HET's per-worker cache
+(`het` plans, `Plan.cache`: het_cache.py) each take the ids they serve out of the step's local input before Herald's
+path (moves, shared rows) sees them, add their pooled values to the output, and apply their own updates after the
+backward. A module gets the extension of its policy when it is built (`comparison_extensions`); Herald's modules get
+none of these (only the replica region, when their policy replicates).
 
 Collectives (every rank, in the same order, driven by the plan alone): `begin` (replica syncs, HET's evictions and
 pulls), `finish` (the replicas' gradient all-reduce, HET's pushes).
@@ -21,62 +22,10 @@ import torch
 
 from herald_torchrec.distributed.comm import phase
 from herald_torchrec.distributed.comparison.het_cache import CacheReads, WorkerCache
-from herald_torchrec.distributed.comparison.replicas import ReplicaRegion, ReplicaStep
 from herald_torchrec.distributed.step.extension import ExtensionResources, StepExtension
 from herald_torchrec.distributed.step.prepare import LocalInput
+from herald_torchrec.distributed.step.replicas import ReplicaExtension
 from herald_torchrec.schedule.plan import Plan
-
-
-# ------------------------------------------------------------------------------------------------- replicas
-@dataclass
-class ReplicaPart:
-    """One step's reads through the replicas on this rank (`reads` None: the plan reads none)."""
-
-    region: ReplicaRegion
-    full_local: LocalInput | None  # the step's ids before the replicas took theirs
-    remaining: LocalInput | None
-    reads: ReplicaStep | None
-
-    def pooled(self, out: torch.Tensor, training: bool) -> torch.Tensor:
-        if self.reads is None:
-            return out
-        return self.region.pooled(self.full_local, self.reads, out, training)  # type: ignore[arg-type]
-
-    def count(self, hits: np.ndarray, reads: np.ndarray, counters: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Replica reads are local reads (hits); `allreduce` counts the rows this rank all-reduces."""
-        if self.reads is None:
-            return hits, reads
-        rh = self.region.hits(self.reads)
-        counters["allreduce"] = int(self.reads.table.shape[0])
-        return hits + rh, reads + rh
-
-    @property
-    def pending(self) -> bool:
-        return self.reads is not None
-
-    def finish(self) -> None:
-        if self.reads is not None:
-            with phase("finish_step.replicas"):
-                self.region.finish(self.reads)
-
-
-class ReplicaExtension:
-    """Rows replicated on every rank (fae, p2res). The region is built at once: it is empty until a plan declares
-    rows."""
-
-    plan_part = "replicas"
-
-    def __init__(self, res: ExtensionResources) -> None:
-        self.region = ReplicaRegion(
-            res.store, res.comm, res.device, res.optimizer, res.learning_rate, res.eps, res.tbe_settings
-        )
-
-    def begin(self, plan: Plan, local: LocalInput | None, ownership_version: int) -> ReplicaPart:
-        remaining, reads = self.region.begin(plan, local)
-        return ReplicaPart(self.region, local, remaining, reads)
-
-    def set_learning_rate(self, lr: float) -> None:
-        self.region.set_learning_rate(float(lr))
 
 
 # ---------------------------------------------------------------------------------------------- HET's cache

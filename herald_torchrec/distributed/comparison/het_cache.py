@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from herald_torchrec.distributed.comm import PlanComm
-from herald_torchrec.distributed.comparison.replicas import drop_ids
 from herald_torchrec.distributed.step.prepare import LocalInput, routes
+from herald_torchrec.distributed.step.replicas import drop_ids
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule.plan import HIT, MISS_PULL, MISS_UNCACHED, UPDATE_PULL, Plan

@@ -1,9 +1,9 @@
 """`StepExtension`: a system that runs its own part of a step beside Herald's, in the same sharded module.
 
-Why: the comparison systems (FAE / P²RES replicas, HET's cache: distributed/comparison/) train in Herald's engine,
-so their plans run through the same module, but their rows, collectives and updates are theirs. The module is
-built with the extensions its policy needs (none for Herald), so Herald's step holds no branch for them and a
-module without extensions does no work for them.
+Why: rows replicated on every rank (replicas.py: Herald with `replicate`, FAE, P²RES) and the comparison systems'
+HET cache (distributed/comparison/) run through the same module, but their rows, collectives and updates are theirs.
+The module is built with the extensions its policy needs (none for plain Herald), so Herald's step holds no branch
+for them and a module without extensions does no work for them.
 
 An extension's step, in the order the module calls it (collective hooks run on every rank, in the same order,
 driven by the plan alone):
@@ -88,7 +88,10 @@ def check_plan_served(plan: Plan, extensions: Sequence[StepExtension], policy: s
     served = {e.plan_part for e in extensions}
     for part in EXTENSION_PLAN_PARTS:
         if getattr(plan, part) is not None and part not in served:
+            how = "the policy that planned it"
+            if part == "replicas":
+                how += " and, for Herald's replicated rows, policy_options={'replicate': True}"
             raise ValueError(
                 f"set_plan: plan {plan.step} carries `{part}`, which the module built for policy "
-                f"{policy!r} does not run (build it with the policy that planned it)"
+                f"{policy!r} does not run (build it with {how})"
             )

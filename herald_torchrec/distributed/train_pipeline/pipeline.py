@@ -186,6 +186,11 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             )
         # the scheduler's settings as the modules carry them, the rest as given
         self.options = HeraldOptions.named(WHERE, options, **sharded_with)
+        if self.options.replicates and not all(m.runs_replicas for m in modules):
+            raise ValueError(
+                "HeraldTrainPipeline: policy_options has replicate=True, but the modules were sharded without a "
+                "replica region; shard with the same options (sharder.options)"
+            )
         self._profile = profile
         self.tables = managed_tables(modules)
         self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]

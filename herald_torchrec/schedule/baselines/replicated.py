@@ -10,7 +10,7 @@ through its home (the home rank reads locally: `hit`; every other reader gets th
 each, with optimizer state).
 
 The plans carry `ReadVersions` with `replica` set and a `ReplicaSync`, from which the checker replays the home
-copies and the replicas independently (schedule/checker.py). They are executable (distributed/comparison/replicas.py):
+copies and the replicas independently (schedule/checker.py). They are executable (distributed/step/replicas.py):
 keys read through their home go through the data plane's shared path (`Plan.shared`: owner = home, as `static` plans
 them; a key read only by its home rank is exclusive), keys read through replicas are left out of `shared` and read
 from every rank's replica region; the first plan after `profile()` names the whole replicated set
@@ -37,7 +37,7 @@ class ReplicaPolicyBase(SchedulePolicy):
     """Home placement + rows replicated on every rank. Subclasses choose the replicated rows (`profile`) and which
     keys of a step are read through replicas (`_replica_keys`)."""
 
-    executable = True  # the data plane runs them (replica region: distributed/comparison/replicas.py)
+    executable = True  # the data plane runs them (replica region: distributed/step/replicas.py)
     kinds = REPLICA_KINDS
 
     def __init__(self, *args, hot_budget: int | None = None, profile_fraction: float = 0.05, **kwargs) -> None:

@@ -163,7 +163,7 @@ class HeraldPolicy(SchedulePolicy):
     intra_host_cost: a row moved inside a host over one crossing hosts, in [0, 1] (module docstring); 0.2 by
         default, docs/scheduler.md says why.
     replicate: replicate the rows every rank reads (`schedule.herald.replicas`): off by default, so that the
-        plans without it stay those of plain Herald; the data plane runs them with `HeraldOptions.replicate`.
+        plans without it stay those of plain Herald; the data plane runs them (`HeraldOptions.replicates`).
     replica_budget: replicated rows per rank (every rank holds every replica); None = `REPLICA_BUDGET`.
     replica_interval: steps between two choices of the replicated set (the cost model's window of recent steps).
     replica_row_margin: the extra rows, as a share of its all-reduce, a replicated row may cost over the shared path.
@@ -281,15 +281,6 @@ class HeraldPolicy(SchedulePolicy):
             if replicate
             else None
         )
-
-    @classmethod
-    def runs_with(cls, replicate: bool = False, **_: object) -> None:
-        """The data plane runs Herald's plans, but not yet its replicas (the replica region serves fae / p2res)."""
-        if replicate:
-            raise ValueError(
-                "policy 'herald' with replicate=True only models traffic for now (benchmarks/simulate.py "
-                "--policies herald_rep); the data plane does not run Herald's replicas yet"
-            )
 
     # ---- table selection --------------------------------------------------------------------------------------
     def _set_tables(self, idx: np.ndarray) -> None:
@@ -588,9 +579,7 @@ class HeraldPolicy(SchedulePolicy):
         sync.allreduce_table, sync.allreduce_row = split_gid(self.layout, d.table, ar)
         if joining.shape[0]:  # the whole new set: the data plane rebuilds its replicas from the owners' copies
             sync.replicated_table, sync.replicated_row = split_gid(self.layout, d.table, rep.rows)
-        plan.replicas = sync
-        # the data plane does not run Herald's replicas yet (its replica region serves fae / p2res): set_plan refuses
-        plan.executable = False
+        plan.replicas = sync  # the data plane's replica region runs it (distributed/step/replicas.py)
         pg = keys[pk]
         t, row = split_gid(self.layout, d.table, pg)
         plan.reads = ReadVersions(table=t, row=row, rank=pr.copy(), version=rep.version[pg], replica=prk)
