@@ -479,7 +479,7 @@ def validate(paths: list[str], sim_path: Path = SIM_VALIDATION) -> dict:
                         wire_host = max(wire) if wire else m["wire_bytes_per_step"] / hosts
                         rows.append(
                             {
-                                "file": Path(f).name,
+                                "file": _shown(f),
                                 "workload": wname,
                                 "link": bw,
                                 "ranks": ranks,
@@ -505,6 +505,12 @@ def validate(paths: list[str], sim_path: Path = SIM_VALIDATION) -> dict:
         "inside_bounds": sum(1 for x in rows if x["lower_ms"] <= x["measured_ms"] <= x["predicted_ms"]),
     }
     return {"rows": rows, "summary": summary}
+
+
+def _shown(path: str) -> str:
+    """A results file relative to the repository, any other by its full path."""
+    p = Path(path).resolve()
+    return str(p.relative_to(HERE.parent)) if p.is_relative_to(HERE.parent) else str(p)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -561,7 +567,8 @@ def validation_markdown(v: dict) -> str:
     ]
     for x in v["rows"]:
         lines.append(
-            f"| {x['file']} | {x['workload']} | {x['link']} | {x['ranks']} ({x['hosts']}) | {x['scheduler']} | "
+            f"| {Path(x['file']).name} | {x['workload']} | {x['link']} | {x['ranks']} ({x['hosts']}) | "
+            f"{x['scheduler']} | "
             f"{x['cpu_floor_ms']:.1f} | {x['link_ms']:.1f} | {x['predicted_ms']:.1f} ({x['lower_ms']:.1f}) | "
             f"{x['measured_ms']:.1f} | {100 * x['error']:+.0f} % |"
         )
