@@ -55,7 +55,7 @@ def test_dense_simulated_rows_and_herald_input_stage() -> None:
     assert WL.sample_bytes == 13 * 4 + 4 + 26 * 4 == 160
     assert h.parts["ids"] == 8 * 256 * 26 * 4 == 212_992  # the 26.6 KB per rank and planner
     assert h.parts["samples"] == 8 * 256 * 0.5 * 160 == 163_840
-    assert h.collectives == 0
+    assert h.host_bytes == 212_992 + 163_840 and h.collectives == 0
 
 
 def test_comm_and_step_estimate() -> None:
