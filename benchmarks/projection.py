@@ -426,7 +426,7 @@ def rate_bps(bw: str) -> float:
 
 
 def validation_point(
-    wl: Workload, policy: str, ranks: int, rph: int, batch: int, sim: dict | None, relay: bool, bps: float
+    wl: Workload, policy: str, ranks: int, rph: int, batch: int, sim: dict | None, relay: bool
 ) -> Traffic:
     """The bytes one emulated run puts on its busiest host link per step: the same formulas as the projection, with
     gloo's all-reduce for ROW_WISE's forward and the run's own relay setting for Herald."""
@@ -472,7 +472,7 @@ def validate(paths: list[str], sim_path: Path = SIM_VALIDATION) -> dict:
                         if policy is None or (policy == "herald" and sim is None):
                             continue
                         m = res["median"]
-                        t = validation_point(wl, policy, ranks, rph, batch, sim, sched != "herald_no_relay", bps)
+                        t = validation_point(wl, policy, ranks, rph, batch, sim, sched != "herald_no_relay")
                         cpu = m["cpu_s_per_step"] * 1e3 / cfg["cores"]
                         link = t.host_bytes * 8 / bps * 1e3
                         pred, measured = cpu + link, m["steady_step_ms"]
