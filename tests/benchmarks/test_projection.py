@@ -1,0 +1,89 @@
+"""benchmarks/projection.py: the cost model's pure functions on a hand-computed case (R=16, two hosts of 8), and
+the script end to end on the committed inputs (no plot)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers.ranks import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+import projection as pj  # noqa: E402
+
+# 26 single-id features, rows of 64 floats, 13 dense inputs, 100 dense parameters
+WL = pj.Workload("hand", features=26, dim=64, bag=1, num_dense=13, dense_params=100, source="test")
+
+
+def test_table_wise_two_hosts_by_hand() -> None:
+    t = pj.table_wise(16, 8, 256, WL)
+    # hosts: 13 tables each; 2,048 samples on the other host; pooled rows of 256 B, forward + backward
+    assert t.parts["embedding"] == 2 * 13 * 2048 * 256 == 13_631_488
+    # ids: 2,048 local samples x 13 remote features x (8 B id + 4 B length)
+    assert t.parts["ids"] == 2048 * 13 * 12 == 319_488
+    assert t.host_bytes == 13_950_976
+    # GPUs: the busiest holds 2 tables and sends them to 15 x 256 samples
+    assert t.gpu_bytes == 2 * (2 * 3840 * 256) + 2 * 3840 * 12 == 4_024_320
+    assert t.collectives == 4
+    assert pj.table_wise(8, 8, 256, WL).host_bytes == 0.0  # one host: nothing crosses
+
+
+def test_row_wise_reduce_scatter_and_gloo_allreduce() -> None:
+    n = 16 * 256 * 26 * 64 * 4  # every sample's partial pooled sums from every shard
+    assert n == 27_262_976
+    rs = pj.row_wise(16, 8, 256, WL)
+    assert rs.parts["embedding"] == pytest.approx(2 * 15 / 16 * n) == 51_118_080
+    assert rs.parts["ids"] == pytest.approx(8 * 256 * 26 * 12 * 8 / 16) == 319_488
+    assert rs.gpu_bytes == pytest.approx(51_118_080 + 256 * 26 * 12 * 15 / 16)
+    ar = pj.row_wise(16, 8, 256, WL, forward="allreduce")
+    assert ar.parts["embedding"] == pytest.approx(3 * 15 / 16 * n) == 76_677_120
+    with pytest.raises(ValueError, match="forward must be"):
+        pj.row_wise(16, 8, 256, WL, forward="tree")
+
+
+def test_dense_simulated_rows_and_herald_input_stage() -> None:
+    assert pj.dense_allreduce(16, 8, WL).host_bytes == pytest.approx(2 * 15 / 16 * 100 * 4) == 750
+    assert pj.dense_allreduce(8, 8, WL).host_bytes == 0.0
+    t = pj.simulated_rows(
+        16, 8, 256, WL, cross_per_sample=2.0, intra_per_sample=1.0, busiest_over_mean=1.5, collectives=4
+    )
+    assert t.host_bytes == 2.0 * 16 * 256 * 256 / 2 == 1_048_576  # the mean host sends and receives half
+    assert t.gpu_bytes == 3.0 * 256 * 256 * 1.5 == 294_912
+    h = pj.herald_input_stage(16, 8, 256, WL)
+    assert WL.sample_bytes == 13 * 4 + 4 + 26 * 4 == 160
+    assert h.parts["ids"] == 8 * 256 * 26 * 4 == 212_992  # the issue's 26.6 KB per rank and planner
+    assert h.parts["samples"] == 8 * 256 * 0.5 * 160 == 163_840
+    assert h.host_bytes == 212_992 + 163_840 and h.collectives == 0
+
+
+def test_comm_and_step_estimate() -> None:
+    links = pj.Links("test", host_gbit=100.0)
+    # 12.5 MB at 12.5 GB/s = 1 ms, plus two collectives at 50 us
+    assert pj.comm_ms(pj.Traffic(12.5e6, 0.0, 2), links, hosts=2) == pytest.approx(1.1)
+    # one host: the host link is not used; 3 GB at 300 GB/s = 10 ms, plus 20 us
+    assert pj.comm_ms(pj.Traffic(1e12, 3e9, 1), links, hosts=1) == pytest.approx(10.02)
+    s = pj.step_estimate(8.0, 1.0, 2.0, 1.5, input_stage_ms=15.0)
+    assert (s.step_ms, s.stall_ms, s.planner_bound) == (15.0, 4.0, True)
+    assert s.embedding_comm_share == pytest.approx(0.1)
+    s = pj.step_estimate(8.0, 1.0, 2.0, 1.5, input_stage_ms=5.0)
+    assert (s.step_ms, s.stall_ms, s.planner_bound) == (11.0, 0.0, False)
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        pj.num_hosts(16, 0)
+
+
+def test_script_end_to_end_is_labelled_a_projection(capsys) -> None:
+    committed = [str(REPO_ROOT / "benchmarks/results/e2e_link_sweep_r2_split_cpu2_2026-11-26.json")]
+    out = pj.main(["--e2e", *committed])
+    assert out["label"] == "projection"
+    assert out["table_markdown"].startswith("Projection")
+    for link in ("100gbit", "25gbit"):
+        rows = out["projection"][link]
+        assert [int(r) for r in rows] == [8, 16, 32, 64, 128, 256]
+        assert set(rows["64"]["policies"]) == set(pj.POLICIES)
+    # the link sweep's 18 points, each with predicted bytes within 5 % of the measured wire bytes
+    v = out["validation"]["rows"]
+    assert len(v) == 18
+    assert all(abs(x["predicted_host_link_mb"] / x["measured_wire_mb_busiest_host"] - 1) < 0.05 for x in v)
+    assert '"label": "projection"' in capsys.readouterr().out
