@@ -46,7 +46,6 @@ E2E_DEFAULT = [
     str(RESULTS / "e2e_200mbit_wdl_r2_split_cpu2_2026-11-26.json"),
     str(RESULTS / "e2e_unshaped_r2_split_cpu2_2026-11-26_run1.json"),
     str(RESULTS / "e2e_r8_*hosts_cpu2_*.json"),  # the 8-rank runs on hosts of several ranks
-    "/tmp/e2e8/*.json",  # earlier 8-rank runs of the same kind, where this machine still has them
 ]
 
 FLOAT_BYTES = 4  # FP32 rows, pooled embeddings, gradients and dense parameters
