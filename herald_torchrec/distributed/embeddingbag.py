@@ -150,7 +150,8 @@ class ShardedHeraldEmbeddingBagCollection(
     ShardedModule[KJTList, torch.Tensor, KeyedTensor, HeraldEmbeddingBagCollectionContext],
     FusedOptimizerModule,
 ):
-    """Herald-managed EmbeddingBagCollection (SUM or MEAN pooling, unweighted) on one FBGEMM TBE per rank.
+    """Herald-managed EmbeddingBagCollection (SUM or MEAN pooling; weighted features pool by SUM) on one FBGEMM TBE
+    per rank.
 
     Args:
         module: the unsharded EBC; its weights (unless on meta) are copied into the home rows.
@@ -198,14 +199,16 @@ class ShardedHeraldEmbeddingBagCollection(
         self.cache_ratio = check_cache_ratio(cache_ratio)
         if not isinstance(module, EmbeddingBagCollection):
             raise ValueError(f"expected an EmbeddingBagCollection, got {type(module).__name__}")
-        if module.is_weighted():
-            raise ValueError(
-                "Herald-managed EmbeddingBagCollection: weighted (per-sample weight) features are not supported"
-            )
+        self.weighted_features = bool(module.is_weighted())  # id-score lists: each id's row scaled by its weight
         configs = module.embedding_bag_configs()
         for c in configs:
             if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {c.name!r}: SUM or MEAN pooling is supported, got {c.pooling}")
+            if self.weighted_features and c.pooling != PoolingType.SUM:  # TorchRec's own EBC refuses it in its forward
+                raise ValueError(
+                    f"table {c.name!r}: a weighted EmbeddingBagCollection pools by SUM only (as TorchRec's own, whose "
+                    f"torch.nn.EmbeddingBag takes per-sample weights with mode='sum' only), got {c.pooling.name}"
+                )
             if c.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
                 raise ValueError(
                     f"table {c.name!r}: data_type={c.data_type.name}: Herald-managed rows are float32; make the table "
@@ -279,6 +282,11 @@ class ShardedHeraldEmbeddingBagCollection(
             self._store, self._comm, self.device, self.optimizer_type, self.learning_rate, self.eps, fp
         )
         extensions = comparison_extensions(policy, resources)
+        if self.weighted_features and any(e.plan_part == "cache" for e in extensions):
+            raise ValueError(
+                f"policy {policy!r}: HET's cache does not run weighted features; use another policy for a weighted "
+                "EmbeddingBagCollection"
+            )
         if replicate and not any(e.plan_part == "replicas" for e in extensions):
             extensions += (ReplicaExtension(resources),)
         self._extensions: tuple[StepExtension, ...] = extensions
@@ -411,8 +419,13 @@ class ShardedHeraldEmbeddingBagCollection(
     def _parse_input(self, features: KeyedJaggedTensor) -> LocalInput:
         if features.variable_stride_per_key():
             raise ValueError("Herald-managed EBC: variable batch size per feature is not supported")
-        if features.weights_or_none() is not None:
-            raise ValueError("Herald-managed EBC: weighted KeyedJaggedTensors are not supported")
+        weights = features.weights_or_none()
+        if self.weighted_features and weights is None:
+            raise ValueError("Herald-managed EBC: the EBC is weighted (is_weighted=True), its input KJT has no weights")
+        if not self.weighted_features and weights is not None:
+            raise ValueError(
+                "Herald-managed EBC: the input KJT has weights but the EBC is not weighted (build it is_weighted=True)"
+            )
         keys = tuple(features.keys())
         idx = self._key_index.get(keys)
         if idx is None:
@@ -423,7 +436,8 @@ class ShardedHeraldEmbeddingBagCollection(
             idx = self._key_index[keys] = np.array([index[f] for f in self.feature_names], dtype=np.int64)
         vals = features.values().detach().to("cpu").numpy().astype(np.int64, copy=False)
         lens = features.lengths().detach().to("cpu").numpy().astype(np.int64, copy=False)
-        return local_input(vals, lens, len(keys), features.stride(), idx, self._store, self.feature_names)
+        w = None if weights is None else weights.detach().to("cpu", torch.float32).numpy()
+        return local_input(vals, lens, len(keys), features.stride(), idx, self._store, self.feature_names, w)
 
     def _sync_error(self, err: Exception | None) -> None:
         """Raise on every rank if any rank failed its local checks (so that no rank is left in a collective)."""

@@ -85,8 +85,9 @@ def test_bad_cache_ratio_and_unsupported_modules() -> None:
             HeraldEmbeddingBagCollectionSharder(cache_ratio=bad)
     with pytest.raises(ValueError, match="optimizer"):
         HeraldEmbeddingBagCollectionSharder(fused_params={"optimizer": "adam"})
-    with pytest.raises(ValueError, match="weighted"):
-        make_module(ebc=make_ebc(weighted=True))
+    make_module(ebc=make_ebc(weighted=True))  # weighted features train (tests/distributed/test_weighted_features.py)
+    with pytest.raises(ValueError, match="table 't0': a weighted EmbeddingBagCollection pools by SUM only"):
+        make_module(ebc=make_ebc(weighted=True, pooling=PoolingType.MEAN))  # TorchRec's own EBC refuses it too
     make_module(ebc=make_ebc(pooling=PoolingType.MEAN))  # MEAN trains (tests/distributed/storage/...optimizer_params)
     with pytest.raises(ValueError, match="gradient clipping with MEAN pooling"):
         make_module(

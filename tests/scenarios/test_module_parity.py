@@ -43,9 +43,14 @@ LR_DENSE = 0.1
 EPS = 1e-8
 
 
-def make_batches(world: int, steps: int = STEPS, batch: int = BATCH, seed: int = 0) -> list[dict]:
-    """Global batches: per feature CSR (offsets [N+1], values int64), dense [N, 4], labels [N]; Zipf-skewed ids."""
+def make_batches(
+    world: int, steps: int = STEPS, batch: int = BATCH, seed: int = 0, weighted: bool = False
+) -> list[dict]:
+    """Global batches: per feature CSR (offsets [N+1], values int64), dense [N, 4], labels [N]; Zipf-skewed ids.
+    `weighted`: also per feature a float32 weight per id in [0.2, 2) (`batch["weights"]`, id-score lists), drawn from
+    a stream of their own, so the ids are those of the unweighted batches."""
     rng = np.random.default_rng(seed)
+    wrng = np.random.default_rng(seed + 1000) if weighted else None
     n = world * batch
     perms = [rng.permutation(r) for r in TABLE_ROWS]  # hot rows spread over the home blocks
     probs = []
@@ -63,6 +68,10 @@ def make_batches(world: int, steps: int = STEPS, batch: int = BATCH, seed: int =
         dense = rng.standard_normal((n, NUM_DENSE)).astype(np.float32)
         labels = (rng.random(n) < 0.3).astype(np.float32)
         out.append({"features": feats, "dense": dense, "labels": labels})
+        if wrng is not None:
+            out[-1]["weights"] = {
+                name: wrng.uniform(0.2, 2.0, size=v.shape[0]).astype(np.float32) for name, (_, v) in feats.items()
+            }
     return out
 
 
@@ -205,14 +214,16 @@ def table_configs(mean_tables: tuple[str, ...] = ()):
     ]
 
 
-def make_model(mean_tables: tuple[str, ...] = ()):
+def make_model(mean_tables: tuple[str, ...] = (), weighted: bool = False):
     import torch.nn as nn
     from torchrec import EmbeddingBagCollection
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ebc = EmbeddingBagCollection(tables=table_configs(mean_tables), device=torch.device("cpu"))
+            self.ebc = EmbeddingBagCollection(
+                tables=table_configs(mean_tables), is_weighted=weighted, device=torch.device("cpu")
+            )
             self.bottom = nn.Linear(NUM_DENSE, 8)
             self.over = nn.Sequential(nn.Linear(DIM * len(FEATURES) + 8, 16), nn.ReLU(), nn.Linear(16, 1))
 
@@ -233,7 +244,7 @@ def init_tables() -> dict[str, torch.Tensor]:
 def local_kjt(batch: dict, samples: np.ndarray):
     from torchrec import KeyedJaggedTensor
 
-    keys, vals, lens = [], [], []
+    keys, vals, lens, weights = [], [], [], []
     for name, _ in FEATURES:
         offsets, v = batch["features"][name]
         lengths = np.diff(offsets)[samples]
@@ -241,10 +252,13 @@ def local_kjt(batch: dict, samples: np.ndarray):
             np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         )
         keys.append(name), vals.append(v[idx]), lens.append(lengths)
+        if "weights" in batch:  # id-score lists: each id's weight travels with it
+            weights.append(batch["weights"][name][idx])
     return KeyedJaggedTensor(
         keys=keys,
         values=torch.from_numpy(np.concatenate(vals)),
         lengths=torch.from_numpy(np.concatenate(lens).astype(np.int64)),
+        weights=torch.from_numpy(np.concatenate(weights)) if weights else None,
     )
 
 
@@ -293,7 +307,8 @@ def run_reference(opt: str, batches: list[dict], world: int, division: bool) -> 
     n = world * BATCH
     for b in batches:
         kjt = local_kjt(b, np.arange(n))
-        emb = tbe(kjt.values(), kjt.offsets())  # KJT key-major layout == TBE feature-major layout
+        # KJT key-major layout == TBE feature-major layout; weighted batches: FBGEMM's per-sample weights
+        emb = tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none())
         x = torch.cat([emb, torch.relu(model.bottom(torch.from_numpy(b["dense"])))], dim=1)
         logits = model.over(x).squeeze(1)
         loss = (

@@ -192,7 +192,9 @@ class HeraldLookup:
 
     def pooled(self, local: LocalInput, sh: SharedStep, training: bool = False) -> torch.Tensor:
         """Pooled embeddings [B, sum of dims]: the TBE over exclusive ids, plus the received values of shared ids
-        summed into their bags (differentiable w.r.t. the received values), all features in one pass.
+        summed into their bags (differentiable w.r.t. the received values), all features in one pass. Weighted
+        features scale each id's row by its weight: FBGEMM's per-sample weights in the TBE, and torch ops (not the
+        compiled gather-add, which has no weights) for the shared values.
 
         Training, where this rank owns shared rows after the moves (and the update can be fused, `_fuses_update`),
         the same TBE call also holds one extra bag per owned shared row and its backward waits for
@@ -205,7 +207,10 @@ class HeraldLookup:
             grads = grad_sum_layout(sh, st)
             lay, bag_rows = with_owner_bags(lay, grads, st, local.batch_size)
             update = OwnerUpdate(grads, bag_rows)
-        out = st.lookup(torch.from_numpy(lay.indices).to(self.device), torch.from_numpy(lay.offsets).to(self.device))
+        psw = None if lay.weights is None else torch.from_numpy(lay.weights).to(self.device)
+        out = st.lookup(
+            torch.from_numpy(lay.indices).to(self.device), torch.from_numpy(lay.offsets).to(self.device), psw
+        )
         values = lay.value_src.size > 0
         if update is not None:  # the model sees a detached alias of the batch's bags; the TBE's graph waits
             update.tbe_out = out
@@ -213,7 +218,7 @@ class HeraldLookup:
             out = out.detach()
             if not values:  # a leaf whose .grad is the bags' gradient (else _AddSharedValues hands it over)
                 update.detached = out.requires_grad_(True)
-        if values and self._gathers_in_place(out, sh.values):
+        if values and lay.value_weights is None and self._gathers_in_place(out, sh.values):  # (the loop: no weights)
             vals = sh.values.view(-1, lay.width)
             if torch.is_grad_enabled() and (vals.requires_grad or out.requires_grad):
                 out = _GatherAddSharedValues.apply(out, vals, lay.value_src, lay.out_dst, update)
@@ -222,6 +227,8 @@ class HeraldLookup:
         elif values:
             w = lay.width
             v = sh.values.view(-1, w).index_select(0, torch.from_numpy(lay.value_src).to(self.device))
+            if lay.value_weights is not None:  # weighted features: w * value here, so w * the bag's grad in backward
+                v = v * torch.from_numpy(lay.value_weights).to(v).view(-1, 1)
             v = st.clip_pooled_gradient(v)  # each bag's gradient clipped, as the TBE clips its own pooled output's
             dst = torch.from_numpy(lay.out_dst).to(self.device)
             if torch.is_grad_enabled() and (v.requires_grad or out.requires_grad):

@@ -45,17 +45,37 @@ class LookupLayout:
     """The step's lookup, in index arrays: the TBE reads `indices` / `offsets` (exclusive ids, local slots, one bag
     per feature and sample); the received values, viewed as items of `width` floats, are gathered at `value_src`
     and summed into the pooled output's items `out_dst` (shared ids). `width` is the dim when every table has the
-    same one (items are rows: the pooled output [B, F * dim] viewed as [B * F, dim]), else 1 (items are floats)."""
+    same one (items are rows: the pooled output [B, F * dim] viewed as [B * F, dim]), else 1 (items are floats).
+    Weighted features: `weights` are the TBE's per-sample weights (one per index) and `value_weights` multiply the
+    gathered value items (one per item of `value_src`); both None for unweighted ones."""
 
     indices: np.ndarray
     offsets: np.ndarray
     value_src: np.ndarray
     out_dst: np.ndarray
     width: int = 1
+    weights: np.ndarray | None = None
+    value_weights: np.ndarray | None = None
 
 
 def lookup_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
-    """Index layout of the pooled output [B, sum of feature dims] for this batch (after the step's moves)."""
+    """Index layout of the pooled output [B, sum of feature dims] for this batch (after the step's moves), with the
+    ids' weights where the features are weighted."""
+    lay = _unweighted_layout(local, sh, marks, st)
+    if local.weights is None:
+        return lay
+    # both layouts keep the local order of the ids: exclusive ids in `indices`, shared ids in `value_src`
+    ex = marks.by_key[local.gkeys] == SharedMarks.NOT_SHARED
+    lay.weights = np.ascontiguousarray(local.weights[ex], dtype=np.float32)
+    w_shared = local.weights[~ex].astype(np.float32, copy=False)
+    if lay.width == 1 and w_shared.shape[0]:  # float items: each value's weight on each of its dim floats
+        f = local.seg[~ex] // local.batch_size
+        w_shared = np.repeat(w_shared, st.dims_arr[st.feature_table_arr][f])
+    lay.value_weights = w_shared
+    return lay
+
+
+def _unweighted_layout(local: LocalInput, sh: SharedStep, marks: SharedMarks, st: RowStore) -> LookupLayout:
     B, F = local.batch_size, local.lengths.shape[0]
     if st.uniform_dim is not None:  # rows: the same layout, compiled (None: kernels off, or numpy raises below)
         fast = host_kernels.lookup_layout(local.gkeys, local.seg, marks.by_key, st.slot_of_all, B, F)
@@ -126,7 +146,8 @@ def with_owner_bags(
     fast = host_kernels.owner_bags(lay.offsets, lay.indices, gs.tables, gs.slots, st.first_feature, B, F)
     if fast is not None:  # the same layout, compiled
         offsets, indices, bag_rows = fast
-        return LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width), bag_rows
+        out = LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width, None, lay.value_weights)
+        return _owner_bag_weights(out, lay.weights, B, F), bag_rows
     k, n, feat = st.one_row_bags(gs.tables)  # the extra bags as the store's own one-row-bag updates place them
     main = np.diff(lay.offsets).reshape(F, B)
     extra = np.zeros((F, n), dtype=np.int64)
@@ -142,4 +163,19 @@ def with_owner_bags(
     indices = np.empty(lay.indices.shape[0] + order.shape[0], dtype=np.int64)
     indices[m_pos] = lay.indices
     indices[e_pos] = gs.slots[order]
-    return LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width), (B + k) * F + feat
+    out = LookupLayout(indices, offsets, lay.value_src, lay.out_dst, lay.width, None, lay.value_weights)
+    return _owner_bag_weights(out, lay.weights, B, F), (B + k) * F + feat
+
+
+def _owner_bag_weights(lay: LookupLayout, batch_weights: np.ndarray | None, batch_size: int, F: int) -> LookupLayout:
+    """The per-sample weights of `with_owner_bags`' layout: the batch's ids keep theirs (in order), the owner's
+    one-row bags weigh 1 (their gradients are the readers' sums, already weighted)."""
+    if batch_weights is None:
+        return lay
+    lengths = np.diff(lay.offsets)
+    per_feature = lengths.shape[0] // F  # B + n bags: the batch's B, then the owner's n
+    in_batch = np.arange(lengths.shape[0], dtype=np.int64) % per_feature < batch_size
+    weights = np.ones(lay.indices.shape[0], dtype=np.float32)
+    weights[np.repeat(in_batch, lengths)] = batch_weights
+    lay.weights = weights
+    return lay

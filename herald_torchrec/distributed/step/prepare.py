@@ -120,6 +120,7 @@ class LocalInput:
     lengths: np.ndarray  # int64 [F, B]
     gkeys: np.ndarray  # global key (store.key_base[table] + id) of every value
     seg: np.ndarray  # f * B + bag of every value
+    weights: np.ndarray | None = None  # float32 per-sample weight of every value (weighted features), else None
 
 
 def routes(
@@ -153,24 +154,29 @@ def local_input(
     index: np.ndarray,
     st: RowStore,
     feature_names: list[str],
+    weights: np.ndarray | None = None,
 ) -> LocalInput:
     """A KJT's values / lengths (`num_keys` keys in its own order) -> this module's features in table order, with
     every id range-checked. `index[f]` = position in the KJT of module feature f (feature order = the store's
-    `feature_table_map`); `feature_names` name the module features in errors."""
+    `feature_table_map`); `feature_names` name the module features in errors. `weights` (weighted features: one
+    float per value, laid out as `vals`) are reordered with their ids."""
     B, K, F = batch_size, num_keys, len(feature_names)
     if lens.shape[0] != B * K:
         raise ValueError(f"input KeyedJaggedTensor: {lens.shape[0]} lengths for {K} keys x batch {B}")
     lens = lens.reshape(K, B)
     ftab = st.feature_table_arr
+    if weights is not None and weights.shape[0] != vals.shape[0]:
+        raise ValueError(f"input KeyedJaggedTensor: {weights.shape[0]} weights for {vals.shape[0]} values")
     if K == F and (index == np.arange(F)).all():  # the module's features, in its order: use the KJT as it is
         values, lengths = vals, lens
     else:
         per_key_len = lens.sum(axis=1)
-        values = vals[ragged_arange(exclusive_cumsum(per_key_len)[index], per_key_len[index])]
-        lengths = lens[index]
+        taken = ragged_arange(exclusive_cumsum(per_key_len)[index], per_key_len[index])
+        values, lengths = vals[taken], lens[index]
+        weights = None if weights is None else weights[taken]
     fast = host_kernels.local_input(values, lengths, ftab, st, B)
     if fast is not None:  # the same checks and keys, compiled (None: numpy below raises)
-        return LocalInput(B, values, lengths, *fast)
+        return LocalInput(B, values, lengths, *fast, weights=weights)
     flen = lengths.sum(axis=1)
     bad = (values < 0) | (values >= np.repeat(st.rows_arr[ftab], flen))
     if bad.any():
@@ -183,7 +189,7 @@ def local_input(
         )
     gkeys = values + np.repeat(st.key_base[ftab], flen)
     seg = np.repeat(np.arange(F * B, dtype=np.int64), lengths.reshape(-1))
-    return LocalInput(B, values, lengths, gkeys, seg)
+    return LocalInput(B, values, lengths, gkeys, seg, weights)
 
 
 # ------------------------------------------------------------------------------------------------------ moves

@@ -79,7 +79,8 @@ def drop_ids(local: LocalInput, keep: np.ndarray) -> LocalInput:
     F, B = local.lengths.shape
     seg = local.seg[keep]
     lengths = np.bincount(seg, minlength=F * B).astype(np.int64).reshape(F, B)
-    return LocalInput(local.batch_size, local.values[keep], lengths, local.gkeys[keep], seg)
+    weights = None if local.weights is None else local.weights[keep]
+    return LocalInput(local.batch_size, local.values[keep], lengths, local.gkeys[keep], seg, weights)
 
 
 class ReplicaRegion:
@@ -266,6 +267,8 @@ class ReplicaRegion:
         src = ragged_arange(voff[np.searchsorted(step.read, mark)], d)
         dst = ragged_arange(bag * int(f_dims.sum()) + f_col[f], d)
         v = vals.index_select(0, torch.from_numpy(src).to(self.device))
+        if local.weights is not None:  # weighted features: w * value (and w * the bag's gradient in backward)
+            v = v * torch.from_numpy(np.repeat(local.weights[via], d)).to(v)
         extra = torch.zeros(out.numel(), dtype=v.dtype, device=self.device).index_add(
             0, torch.from_numpy(dst).to(self.device), v
         )

@@ -377,6 +377,12 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.owner_all[gk] = ranks.astype(np.int32)
 
     # ----------------------------------------------------------------- compute
-    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Pooled TBE forward over local slots (features laid out as `feature_table_map`); fused update in backward."""
-        return self.tbe(indices, offsets)
+    def lookup(
+        self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Pooled TBE forward over local slots (features laid out as `feature_table_map`); fused update in backward.
+        `per_sample_weights` (weighted features): each id's row is scaled by its weight in its bag, and its gradient
+        by the same weight, as FBGEMM's weighted SUM pooling does."""
+        if per_sample_weights is None:
+            return self.tbe(indices, offsets)
+        return self.tbe(indices, offsets, per_sample_weights=per_sample_weights)

@@ -14,7 +14,7 @@ Vocabulary:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ class SliceLayout:
     key_rows: np.ndarray  # per managed key: the smallest table it feeds (its ids must be below this)
     table_keys: list[np.ndarray] = field(default_factory=list)  # per managed table: indices into `managed`
     ids_dtype: np.dtype = np.dtype(np.int32)  # wire type of managed ids (int64 only for tables >= 2^31 rows)
+    weighted: bool = False  # the KJTs carry weights (id-score lists): each id's float32 weight travels with it
 
     @property
     def num_keys(self) -> int:
@@ -76,6 +77,7 @@ class SliceLayout:
         # per-sample byte counts, asked for several times a step (a torch dtype's size needs a tensor): once here
         self._dense_bytes = int(np.prod(self.dense_shape, dtype=np.int64)) * _itemsize(self.dense_dtype)
         label_bytes = int(np.prod(self.label_shape, dtype=np.int64)) * _itemsize(self.label_dtype)
+        self.weight_bytes = 4 if self.weighted else 0  # bytes of one id's weight on the wire (float32)
         self._fixed_bytes = self._dense_bytes + label_bytes
 
     def dense_bytes(self) -> int:
@@ -91,6 +93,7 @@ class SliceLayout:
         import zlib
 
         text = "\x00".join(self.keys) + f"|{self.dense_shape}|{self.dense_dtype}|{self.label_shape}|{self.label_dtype}"
+        text += "|weighted" if self.weighted else ""
         return np.array([self.batch_size, self.num_keys, zlib.crc32(text.encode())], dtype=np.int64)
 
 
@@ -148,6 +151,7 @@ def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
         key_rows=key_rows,
         table_keys=table_keys,
         ids_dtype=ids_dtype,
+        weighted=kjt.weights_or_none() is not None,
     )
 
 
@@ -160,6 +164,7 @@ class HostSlice:
     values: np.ndarray
     fixed: np.ndarray  # uint8 [n, fixed_bytes]: dense features then label, per sample
     uniform: int = -1  # the one length of every bag (`uniform_length`), else -1: computed once per slice
+    weights: np.ndarray | None = None  # float32, laid out as `values` (weighted KJTs), else None
 
     def key_offsets(self) -> np.ndarray:
         return exclusive_cumsum(self.lengths.sum(axis=1))
@@ -174,8 +179,11 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
         raise ValueError(f"the batch's KJT keys {list(keys)} differ from the first batch's {list(layout.keys)}")
     if kjt.variable_stride_per_key():
         raise ValueError("Herald input stage: KJTs with a variable batch size per feature are not supported")
-    if kjt.weights_or_none() is not None:
-        raise ValueError("Herald input stage: weighted KeyedJaggedTensors are not supported")
+    if (kjt.weights_or_none() is not None) != layout.weighted:
+        raise ValueError(
+            f"the batch's KJT is {'un' if layout.weighted else ''}weighted, the first batch's was "
+            f"{'' if layout.weighted else 'un'}weighted: every batch has weights or none has"
+        )
     n = int(kjt.stride())
     if n > layout.batch_size:
         raise ValueError(
@@ -202,7 +210,12 @@ def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
         if layout.fixed_bytes()
         else np.zeros((n, 0), dtype=np.uint8)
     )
-    return HostSlice(n=n, lengths=lengths, values=values, fixed=fixed, uniform=uniform_length(lengths))
+    weights = None
+    if layout.weighted:
+        weights = kjt.weights().detach().cpu().numpy().astype(np.float32, copy=False)
+        if weights.shape[0] != values.shape[0]:
+            raise ValueError(f"KJT: {weights.shape[0]} weights for {values.shape[0]} values")
+    return HostSlice(n=n, lengths=lengths, values=values, fixed=fixed, uniform=uniform_length(lengths), weights=weights)
 
 
 def _check_managed_ids(values: np.ndarray, per_key: np.ndarray, layout: SliceLayout) -> None:
@@ -329,20 +342,33 @@ def global_batch(ids: GatheredIds, layout: SliceLayout, tables: ManagedTables, i
     return GlobalBatch(offs, vals, lay, index)
 
 
-def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray) -> np.ndarray:
+def sample_major_ids(s: HostSlice, keys: np.ndarray, samples: np.ndarray, of: np.ndarray | None = None) -> np.ndarray:
     """int64 ids of `keys` (positions in the slice's keys) of the given local samples, sample after sample, key after
-    key within one: the order in which ids travel with their samples."""
+    key within one: the order in which ids travel with their samples. `of`: another array laid out as the slice's
+    values (its weights), taken in the same order."""
+    values = s.values if of is None else of
     if keys.shape[0] == 0 or samples.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=values.dtype)
     u = s.uniform
     if u >= 0:  # the slice's values are a [K, n, u] block
-        return s.values.reshape(s.lengths.shape[0], s.n, u)[keys][:, samples].transpose(1, 0, 2).reshape(-1)
+        return values.reshape(s.lengths.shape[0], s.n, u)[keys][:, samples].transpose(1, 0, 2).reshape(-1)
     koff = s.key_offsets()
     within = np.zeros_like(s.lengths)
     within[:, 1:] = np.cumsum(s.lengths[:, :-1], axis=1)
     starts = (koff[keys][None, :] + within[keys][:, samples].T).reshape(-1)  # (sample, key)
     widths = s.lengths[keys][:, samples].T.reshape(-1)
-    return s.values[ragged_arange(starts, widths)]
+    return values[ragged_arange(starts, widths)]
+
+
+def key_major(sample_major: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Values that travelled sample after sample (key after key within one) in a KJT's order (key after key,
+    samples in order within one); `lengths` [K, n] are the bags' lengths."""
+    K, n = lengths.shape
+    if sample_major.shape[0] == 0:
+        return sample_major
+    flat = lengths.T.reshape(-1)  # (sample, key) order
+    start = exclusive_cumsum(flat).reshape(n, K).T  # [K, n]: where each bag starts in the sample-major values
+    return sample_major[ragged_arange(start.reshape(-1), lengths.reshape(-1))]
 
 
 @dataclass(frozen=True)
@@ -375,11 +401,13 @@ def sample_blocks(
     `route.order[route.cut[d] : route.cut[d + 1]]` (local indices). Every block has their dense + label bytes; where
     `route.with_ids[d]` (a rank that does not plan, so it never received this slice's managed ids) then their bag
     lengths of every key (int32 [n, K], sample-major; left out where `uniform`: the slice's bags all have one length,
-    which the header told) and their managed ids (the wire's dtype, sample-major); last, their carried ids (int64,
-    sample-major). Returns (blocks, bytes of lengths and managed ids in each block)."""
+    which the header told) and their managed ids (the wire's dtype, sample-major); then their carried ids (int64,
+    sample-major); last, for weighted KJTs, the weights of every key's ids (float32, sample-major: the weights
+    travel with their samples to every rank, planners included, which gathered only ids). Returns (blocks, bytes of
+    lengths and managed ids in each block)."""
     order, cut, with_ids = route.order, route.cut, route.with_ids
     R = cut.shape[0] - 1
-    if s.uniform >= 0 and uniform:  # the same blocks, compiled (None: kernels off)
+    if s.uniform >= 0 and uniform and not layout.weighted:  # the same blocks, compiled (None: kernels off)
         fast = host_kernels.sample_blocks_uniform(
             s.fixed, s.values, s.n, s.uniform, layout.managed, layout.carried, layout.ids_dtype, order, cut, with_ids
         )
@@ -390,16 +418,19 @@ def sample_blocks(
 
     u = s.uniform
 
-    def ids_and_cut(keys: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-        """The samples' ids of `keys` as bytes, and the byte offset at which each sample's ids start."""
+    def ids_and_cut(keys: np.ndarray, dtype: np.dtype, of: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The samples' ids of `keys` (or their weights, `of`) as bytes, and the byte offset at which each sample's
+        start."""
         if u >= 0:
             cut_bytes = dtype.itemsize * keys.shape[0] * u * np.arange(order.shape[0] + 1, dtype=np.int64)
         else:
             per_sample = s.lengths[keys][:, order].sum(axis=0)
             cut_bytes = dtype.itemsize * np.concatenate([[0], np.cumsum(per_sample)]).astype(np.int64)
-        return sample_major_ids(s, keys, order).astype(dtype, copy=False).view(np.uint8), cut_bytes
+        return sample_major_ids(s, keys, order, of).astype(dtype, copy=False).view(np.uint8), cut_bytes
 
     car, car_cut = ids_and_cut(layout.carried, np.dtype(np.int64))
+    if layout.weighted:  # every key's weights, float32, after the carried ids
+        wts, w_cut = ids_and_cut(np.arange(layout.num_keys, dtype=np.int64), np.dtype(np.float32), s.weights)
     if with_ids.any():
         man, man_cut = ids_and_cut(layout.managed, layout.ids_dtype)
         lw = 0 if uniform else 4 * layout.num_keys  # bytes of one sample's lengths
@@ -412,21 +443,35 @@ def sample_blocks(
             parts += [lens[a * lw : b * lw], man[man_cut[a] : man_cut[b]]]
             id_bytes[d] = (b - a) * lw + int(man_cut[b] - man_cut[a])
         parts.append(car[car_cut[a] : car_cut[b]])
+        if layout.weighted:
+            parts.append(wts[w_cut[a] : w_cut[b]])
         blocks.append(np.concatenate(parts))
     return blocks, id_bytes
 
 
+class ReceivedSamples(NamedTuple):
+    """The samples a rank received (`received_samples`), in source-rank order: dense + label bytes [n, fixed_bytes],
+    KJT lengths [K * n] and values (keys in the slices' order), and their weights laid out as the values (weighted
+    KJTs; else None)."""
+
+    fixed: np.ndarray
+    lengths: np.ndarray
+    values: np.ndarray
+    weights: np.ndarray | None = None
+
+
 def received_samples(
     blocks: Sequence[np.ndarray], n_from: np.ndarray, uniform_from: np.ndarray, layout: SliceLayout
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of `sample_blocks` on a rank that does not plan (every block holds lengths and ids): (dense + label
-    bytes [n, fixed_bytes], KJT lengths [K * n] and values, keys in the slices' order) of the received samples, in
-    source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1 (lengths sent)."""
+) -> ReceivedSamples:
+    """Inverse of `sample_blocks` on a rank that does not plan (every block holds lengths and ids): the received
+    samples, in source-rank order. `uniform_from[q]`: the one bag length of rank q's slice (its header), or -1
+    (lengths sent)."""
     K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
+    wb = layout.weight_bytes
     u = int(uniform_from[0]) if len(uniform_from) else -1
     if u >= 0 and (np.asarray(uniform_from) == u).all():
         return _received_uniform(blocks, n_from, u, layout)
-    fixed, lens, man, car = [], [], [], []
+    fixed, lens, man, car, wts = [], [], [], [], []
     for blk, n, u in zip(blocks, n_from.tolist(), uniform_from.tolist()):
         fixed.append(blk[: n * fb])
         at = n * fb
@@ -436,13 +481,15 @@ def received_samples(
             ln = blk[at : at + 4 * K * n].view(np.int32).reshape(n, K).T.astype(np.int64)
             at += 4 * K * n
         m, c = int(ln[layout.managed].sum()), int(ln[layout.carried].sum())
-        if blk.shape[0] != at + m * it + 8 * c:  # both sides are this module: a mismatch is a protocol bug
+        w = int(ln.sum()) * wb
+        if blk.shape[0] != at + m * it + 8 * c + w:  # both sides are this module: a mismatch is a protocol bug
             raise RuntimeError(
                 f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
-                f"{at + m * it + 8 * c}"
+                f"{at + m * it + 8 * c + w}"
             )
         man.append(blk[at : at + m * it].view(layout.ids_dtype).astype(np.int64))
-        car.append(blk[at + m * it :].view(np.int64))
+        car.append(blk[at + m * it : at + m * it + 8 * c].view(np.int64))
+        wts.append(key_major(blk[at + m * it + 8 * c :].view(np.float32), ln) if wb else None)
         lens.append(ln)
     n_all = int(n_from.sum())
     lens_all = np.concatenate(lens, axis=1) if lens else np.zeros((K, 0), dtype=np.int64)
@@ -456,7 +503,20 @@ def received_samples(
         base += vals.shape[0]
     values = np.concatenate([managed, carried])[ragged_arange(start.reshape(-1), lens_all.reshape(-1))]
     fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
-    return fixed_all, lens_all.reshape(-1), values
+    return ReceivedSamples(fixed_all, lens_all.reshape(-1), values, _merge_keys(wts, lens) if wb else None)
+
+
+def _merge_keys(per_source: list[np.ndarray], lens: list[np.ndarray]) -> np.ndarray:
+    """One KJT-ordered array (key after key, the sources' samples in order within one) from each source's own
+    KJT-ordered array (`lens[q]`: its [K, n_q] lengths)."""
+    if not per_source:
+        return np.zeros(0, dtype=np.float32)
+    parts = []
+    K = lens[0].shape[0]
+    cuts = [np.concatenate([[0], np.cumsum(ln.sum(axis=1))]) for ln in lens]
+    for k in range(K):
+        parts += [a[c[k] : c[k + 1]] for a, c in zip(per_source, cuts)]
+    return np.concatenate(parts).astype(np.float32, copy=False)
 
 
 def assigned_kjt_parts(
@@ -486,6 +546,39 @@ def assigned_kjt_parts(
     return lens.reshape(-1), values
 
 
+class PlannerParts(NamedTuple):
+    """What the samples assigned to a rank that plans brought (its gathered ids hold the rest): dense + label bytes
+    [n, fixed_bytes], carried ids (as `assigned_kjt_parts` takes them) and, for weighted KJTs, every id's weight in
+    the KJT's order (else None)."""
+
+    fixed: np.ndarray
+    carried: np.ndarray
+    weights: np.ndarray | None
+
+
+def planner_parts(
+    blocks: Sequence[np.ndarray], n_from: np.ndarray, ids: GatheredIds, layout: SliceLayout, mine: np.ndarray
+) -> PlannerParts:
+    """Inverse of `sample_blocks` on a rank that plans: the blocks of the samples `mine` (global indices, in order;
+    `n_from[q]` of them from rank q)."""
+    fb = layout.fixed_bytes()
+    fixed = np.concatenate([g[: n * fb] for g, n in zip(blocks, n_from)]).reshape(mine.shape[0], fb)
+    if not layout.weighted:
+        carried = np.concatenate([g[n * fb :] for g, n in zip(blocks, n_from)]).view(np.int64)
+        return PlannerParts(fixed, carried, None)
+    lens = ids.lengths[:, mine]  # [K, n]
+    cut = np.concatenate([[0], np.cumsum(n_from)]).astype(np.int64)
+    car, wts = [], []
+    for q, g in enumerate(blocks):
+        ln = lens[:, cut[q] : cut[q + 1]]
+        c = 8 * int(ln[layout.carried].sum())
+        at = int(n_from[q]) * fb
+        car.append(g[at : at + c])
+        wts.append(g[at + c :])
+    weights = key_major(np.concatenate(wts).view(np.float32), lens)
+    return PlannerParts(fixed, np.concatenate(car).view(np.int64), weights)
+
+
 def _received_uniform(
     blocks: Sequence[np.ndarray], n_from: np.ndarray, u: int, layout: SliceLayout
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -493,37 +586,51 @@ def _received_uniform(
     [n, J, u] managed ids (wire dtype), then [n, C, u] carried ids (int64), so the KJT's [K, n, u] values are two
     transposes (or one compiled pass)."""
     K, fb, it = layout.num_keys, layout.fixed_bytes(), layout.ids_dtype.itemsize
-    J, C = layout.managed.shape[0], layout.carried.shape[0]
+    J, C, wb = layout.managed.shape[0], layout.carried.shape[0], layout.weight_bytes
     for blk, n in zip(blocks, n_from.tolist()):
-        if blk.shape[0] != n * (fb + J * u * it + 8 * C * u):  # both sides are this module: a mismatch is a bug
+        if blk.shape[0] != n * (fb + J * u * it + 8 * C * u + wb * K * u):  # both sides are this module: a bug
             raise RuntimeError(
                 f"herald input stage: a block of {n} samples has {blk.shape[0]} bytes, its lengths say "
-                f"{n * (fb + J * u * it + 8 * C * u)}"
+                f"{n * (fb + J * u * it + 8 * C * u + wb * K * u)}"
             )
     n_all = int(n_from.sum())
     lengths = np.full(K * n_all, u, dtype=np.int64)
-    fast = host_kernels.received_uniform(
-        list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype
-    )
+    fast = None
+    if not wb:
+        fast = host_kernels.received_uniform(
+            list(blocks), n_from, fb, K, u, layout.managed, layout.carried, layout.ids_dtype
+        )
     if fast is not None:  # the same arrays, compiled
-        return fast[0], lengths, fast[1]
-    fixed, man, car = [], [], []
+        return ReceivedSamples(fast[0], lengths, fast[1])
+    fixed, man, car, wts = [], [], [], []
     for blk, n in zip(blocks, n_from.tolist()):
         m = n * J * u * it
         fixed.append(blk[: n * fb])
         man.append(blk[n * fb : n * fb + m].view(layout.ids_dtype).reshape(n, J, u))
-        car.append(blk[n * fb + m :].view(np.int64).reshape(n, C, u))
+        car.append(blk[n * fb + m : n * fb + m + 8 * n * C * u].view(np.int64).reshape(n, C, u))
+        if wb:
+            wts.append(blk[n * fb + m + 8 * n * C * u :].view(np.float32).reshape(n, K, u))
     values = np.empty((K, n_all, u), dtype=np.int64)
     if n_all:
         values[layout.managed] = np.concatenate(man).transpose(1, 0, 2)
         if C:
             values[layout.carried] = np.concatenate(car).transpose(1, 0, 2)
     fixed_all = np.concatenate(fixed).reshape(n_all, fb) if n_all else np.zeros((0, fb), dtype=np.uint8)
-    return fixed_all, lengths, values.reshape(-1)
+    weights = None
+    if wb:
+        weights = np.concatenate(wts).transpose(1, 0, 2).reshape(-1) if n_all else np.zeros(0, np.float32)
+    return ReceivedSamples(fixed_all, lengths, values.reshape(-1), weights)
 
 
-def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, layout: SliceLayout) -> Batch:
-    """A TorchRec Batch from the assembled KJT parts and the received dense / label bytes."""
+def assigned_batch(
+    lengths: np.ndarray,
+    values: np.ndarray,
+    fixed: np.ndarray,
+    layout: SliceLayout,
+    weights: np.ndarray | None = None,
+) -> Batch:
+    """A TorchRec Batch from the assembled KJT parts (`weights`: of weighted KJTs) and the received dense / label
+    bytes."""
     n = fixed.shape[0]
     dense_b = layout.dense_bytes()
     fixed = np.ascontiguousarray(fixed)
@@ -531,7 +638,10 @@ def assigned_batch(lengths: np.ndarray, values: np.ndarray, fixed: np.ndarray, l
     labels = torch.from_numpy(np.ascontiguousarray(fixed[:, dense_b:])).view(layout.label_dtype)
     dense, labels = dense.reshape(n, *layout.dense_shape), labels.reshape(n, *layout.label_shape)
     kjt = KeyedJaggedTensor(
-        keys=list(layout.keys), values=torch.from_numpy(values), lengths=torch.from_numpy(lengths.astype(np.int32))
+        keys=list(layout.keys),
+        values=torch.from_numpy(values),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        weights=None if weights is None else torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
     )
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 

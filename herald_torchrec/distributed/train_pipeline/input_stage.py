@@ -99,6 +99,7 @@ from herald_torchrec.distributed.train_pipeline.input_layout import (
     SliceLayout,
     assigned_batch,
     assigned_kjt_parts,
+    planner_parts,
     received_samples,
     sample_blocks,
     slice_layout,
@@ -390,13 +391,11 @@ class ScheduledInput:
         rank) from what every rank sent it."""
         lay, n_from, cur = self._layout, moves.n_from, moves.pending
         if cur.ids is None:  # the samples brought their lengths and ids
-            fixed, lengths, values = received_samples(got, n_from, cur.uniform, lay)
-            return assigned_batch(lengths, values, fixed, lay)
-        fb = lay.fixed_bytes()
-        fixed = np.concatenate([g[: n * fb] for g, n in zip(got, n_from)]).reshape(moves.mine.shape[0], fb)
-        carried = np.concatenate([g[n * fb :] for g, n in zip(got, n_from)]).view(np.int64)
-        lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, carried)
-        return assigned_batch(lengths, values, fixed, lay)
+            r = received_samples(got, n_from, cur.uniform, lay)
+            return assigned_batch(r.lengths, r.values, r.fixed, lay, r.weights)
+        parts = planner_parts(got, n_from, cur.ids, lay, moves.mine)
+        lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, parts.carried)
+        return assigned_batch(lengths, values, parts.fixed, lay, parts.weights)
 
     def _plan_next(self, window: Sequence[Pending], first: int) -> OutgoingPlan | FailedPlan | None:
         """Plan window[first] from it and the (up to) L gathered after it, where plans are made; the planner also
@@ -442,7 +441,7 @@ class ScheduledInput:
         (input_layout.sample_blocks)."""
         lay = self._layout
         ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize
-        return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8
+        return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8 + lay.num_keys * u * lay.weight_bytes
 
     def _heads(self, work: Round, head: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
         """Every rank's header words of this round (`head`: this rank's): from an all-gather, unless the previous

@@ -246,10 +246,10 @@ def _optimizer_class(name: str) -> type:
     return getattr(importlib.import_module(mod), cls)
 
 
-def _model(in_backward, mean_tables: tuple[str, ...] = ()):
+def _model(in_backward, mean_tables: tuple[str, ...] = (), weighted: bool = False):
     import tests.scenarios.test_module_parity as P
 
-    model = P.make_model(mean_tables)
+    model = P.make_model(mean_tables, weighted)
     with torch.no_grad():
         for name, w in P.init_tables().items():
             model.ebc.embedding_bags[name].weight.copy_(w)
@@ -273,7 +273,9 @@ def _optimizer_state_layout(dmp) -> dict:
     return out
 
 
-def _run_herald(fp, in_backward, batches, rank: int, world: int, mean_tables: tuple[str, ...] = ()) -> dict:
+def _run_herald(
+    fp, in_backward, batches, rank: int, world: int, mean_tables: tuple[str, ...] = (), weighted: bool = False
+) -> dict:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
     from torchrec.distributed.types import ShardingEnv
@@ -281,7 +283,7 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int, mean_tables: tu
     import tests.scenarios.test_module_parity as P
     from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
 
-    model = _model(in_backward, mean_tables)
+    model = _model(in_backward, mean_tables, weighted)
     sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=P.CACHE_RATIO, policy="random", fused_params=fp)
     dmp = DistributedModelParallel(
         model,
@@ -307,11 +309,19 @@ def _run_herald(fp, in_backward, batches, rank: int, world: int, mean_tables: tu
         "lr": sebc._store.tbe.get_learning_rate(),
         "eps": args.eps,
         "clip": (args.gradient_clipping, args.max_gradient),
+        "counters": dict(sebc.total_counters),
     }
 
 
 def _run_stock(
-    fp, in_backward, batches, rank: int, world: int, mean_tables: tuple[str, ...] = (), table_wise: bool = False
+    fp,
+    in_backward,
+    batches,
+    rank: int,
+    world: int,
+    mean_tables: tuple[str, ...] = (),
+    table_wise: bool = False,
+    weighted: bool = False,
 ) -> dict:
     """Stock TorchRec ROW_WISE (FUSED; or TABLE_WISE) with the same settings; tables read out of its TBE shards."""
     import torch.distributed as dist
@@ -324,7 +334,7 @@ def _run_stock(
 
     if fp is not None and "optimizer" in fp:
         fp = {**fp, "optimizer": parse_optimizer(fp["optimizer"])}
-    model = _model(in_backward, mean_tables)
+    model = _model(in_backward, mean_tables, weighted)
     sharder = StockSharder(fused_params=fp)
     dmp = DistributedModelParallel(
         model,

@@ -1,6 +1,6 @@
 """The input stage's bookkeeping without a process group: two ranks' Batch slices -> the scheduler's global batch
 (multi-hot, empty bags, a table read by two keys, a key no Herald table reads) -> any rank's assigned samples as a KJT
-that equals the original samples' bags, key by key."""
+that equals the original samples' bags, key by key; weighted KJTs' weights travel with their ids."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from herald_torchrec.distributed.train_pipeline.input_layout import (
     global_batch,
     host_slice,
     managed_ids,
+    planner_parts,
     received_samples,
     sample_blocks,
     sample_major_ids,
@@ -108,9 +109,10 @@ def test_samples_carry_their_ids_to_ranks_that_do_not_plan(uniform: bool | int) 
             got[d].append(blocks[d])
     # rank 1 rebuilds its samples: rank 0's then its own, each in local order
     mine = [(q, i) for q in range(R) for i in range(B) if dest[q][i] == 1]
-    fixed, lengths, values = received_samples(
+    fixed, lengths, values, weights = received_samples(
         got[1], np.array([int((d == 1).sum()) for d in dest]), uniform_from, layout
     )
+    assert weights is None  # unweighted KJTs
     out = assigned_batch(lengths, values, fixed, layout)
     jt = out.sparse_features.to_dict()
     for k, key in enumerate(KEYS):
@@ -230,7 +232,7 @@ def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
                 blocks, id_bytes = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), True)
                 results.append(([b.copy() for b in blocks], id_bytes.copy()))
                 to_1.append(blocks[1])
-            results.append(received_samples(to_1, n_to_1, np.array([u, u]), layout))
+            results.append(tuple(received_samples(to_1, n_to_1, np.array([u, u]), layout))[:3])
         finally:
             _native.set_mode(True)
     half = len(results) // 2
@@ -241,3 +243,61 @@ def test_compiled_sample_blocks_match_numpy(u: int, ids64: bool) -> None:
             else:
                 assert np.array_equal(g, w) and g.dtype == w.dtype and g.shape == w.shape
     assert results[half - 1][0].shape == (int(n_to_1.sum()), layout.fixed_bytes())
+
+
+def weighted_slice(seed: int, length: int | None = None) -> tuple[Batch, list[list[list[tuple[int, float]]]]]:
+    """`make_slice` with a distinct float32 weight per id (id-score lists): bags of (id, weight) pairs."""
+    batch, bags = make_slice(seed, length)
+    kjt = batch.sparse_features
+    weights = (torch.arange(kjt.values().numel(), dtype=torch.float32) + 1) * 0.5 + seed * 100
+    kjt = KeyedJaggedTensor(keys=KEYS, values=kjt.values(), lengths=kjt.lengths(), weights=weights)
+    it = iter(weights.tolist())
+    pairs = [[[(int(v), next(it)) for v in bag] for bag in key] for key in bags]
+    return Batch(batch.dense_features, kjt, batch.labels), pairs
+
+
+def bag_pairs(batch: Batch) -> dict[str, list[list[tuple[int, float]]]]:
+    """Per key, per sample: the (id, weight) pairs of an assembled batch."""
+    out = {}
+    for key, jt in batch.sparse_features.to_dict().items():
+        vals, wts, lens = jt.values().tolist(), jt.weights().tolist(), jt.lengths().tolist()
+        cuts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        out[key] = [list(zip(vals[a:b], wts[a:b])) for a, b in zip(cuts[:-1], cuts[1:])]
+    return out
+
+
+@pytest.mark.parametrize("length", [None, 1, 2])
+def test_weights_travel_with_their_ids(length: int | None) -> None:
+    """Weighted KJTs: two ranks' slices -> the global batch -> each rank's assigned samples, on a rank that plans
+    (ids from the gathered batch, weights from the samples' blocks) and on one that does not (everything from the
+    blocks): every id keeps its own weight, key by key and sample by sample."""
+    slices = [weighted_slice(1, length), weighted_slice(2, length)]
+    layout = slice_layout(slices[0][0], TABLES)
+    assert layout.weighted and layout.weight_bytes == 4
+    hs = [host_slice(b, layout) for b, _ in slices]
+    ids = gather_ids(np.stack([h.lengths for h in hs]), [managed_ids(h, layout) for h in hs], layout)
+    uniform_from = np.array([-1 if length is None else length] * R)
+    dest = [np.array([1, 0, 1, 1]), np.array([0, 1, 1, 0])]  # rank 0 plans, rank 1 does not
+    with_ids = np.array([False, True])
+    got: list[list[np.ndarray]] = [[], []]
+    for q in range(R):
+        blocks, _ = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), length is not None)
+        for d in range(R):
+            got[d].append(blocks[d])
+    n_to = [np.array([int((d == r).sum()) for d in dest]) for r in range(R)]
+    mine = [np.array([q * B + i for q in range(R) for i in range(B) if dest[q][i] == r]) for r in range(R)]
+    # rank 0 plans
+    parts = planner_parts(got[0], n_to[0], ids, layout, mine[0])
+    lengths, values = assigned_kjt_parts(ids, layout, mine[0], parts.carried)
+    planned = assigned_batch(lengths, values, parts.fixed, layout, parts.weights)
+    # rank 1 does not
+    r1 = received_samples(got[1], n_to[1], uniform_from, layout)
+    received = assigned_batch(r1.lengths, r1.values, r1.fixed, layout, r1.weights)
+    for r, out in ((0, planned), (1, received)):
+        pairs = bag_pairs(out)
+        for k, key in enumerate(KEYS):
+            assert pairs[key] == [slices[g // B][1][k][g % B] for g in mine[r]], (r, key)
+        assert torch.equal(out.labels, torch.cat([b.labels for b, _ in slices])[mine[r]])
+    # every batch of a weighted stage has weights (and none of an unweighted one)
+    with pytest.raises(ValueError, match="KJT is unweighted, the first batch's was weighted"):
+        host_slice(make_slice(3, length)[0], layout)

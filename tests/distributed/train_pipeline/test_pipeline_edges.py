@@ -34,15 +34,15 @@ class TwoEBCModel(torch.nn.Module):
     """Two EmbeddingBagCollections (t0 + t1 reading f0, f1; t2 reading f2) and a small dense head; TorchRec's
     (loss, output) convention."""
 
-    def __init__(self, batch_norm: bool = False) -> None:
+    def __init__(self, batch_norm: bool = False, weighted: bool = False) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         super().__init__()
         torch.manual_seed(0)
         cfg = lambda t, f: EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f])  # noqa: E731
-        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")])
-        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")])
+        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")], is_weighted=weighted)
+        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")], is_weighted=weighted)
         self.norm = torch.nn.BatchNorm1d(3) if batch_norm else torch.nn.Identity()
         self.head = torch.nn.Linear(3 + 12, 1)
 
@@ -54,12 +54,14 @@ class TwoEBCModel(torch.nn.Module):
         return loss, (loss.detach(), logit.detach(), batch.labels)
 
 
-def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | None = None):
-    """n batches of this rank's slice (multi-hot f1 with empty bags), deterministic by rank."""
+def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | None = None, weighted: bool = False):
+    """n batches of this rank's slice (multi-hot f1 with empty bags), deterministic by rank; `weighted`: with a
+    weight in [0.2, 2) per id (id-score lists; drawn apart, so the ids are those of the unweighted batches)."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(10 + rank)
+    wg = torch.Generator().manual_seed(1000 + rank)
     out = []
     for i in range(n):
         m = short_last if (short_last is not None and i == n - 1) else B
@@ -75,12 +77,13 @@ def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | N
         )
         if big_id_at is not None and i == big_id_at:
             vals[0] = 2**31 + 3  # wraps to 3 in int32
-        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=vals, lengths=lens)
+        wts = torch.rand(vals.shape[0], generator=wg) * 1.8 + 0.2 if weighted else None
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=vals, lengths=lens, weights=wts)
         out.append(Batch(torch.randn(m, 3, generator=g), kjt, torch.randint(0, 2, (m,), generator=g).float()))
     return out
 
 
-def build(kind: str, batch_norm: bool = False, **pipeline_kwargs):
+def build(kind: str, batch_norm: bool = False, weighted: bool = False, **pipeline_kwargs):
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -90,7 +93,7 @@ def build(kind: str, batch_norm: bool = False, **pipeline_kwargs):
 
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
 
-    model = TwoEBCModel(batch_norm)
+    model = TwoEBCModel(batch_norm, weighted)
     init = {n: b.weight.detach().clone() for e in (model.ebc_a, model.ebc_b) for n, b in e.embedding_bags.items()}
     for ebc in (model.ebc_a, model.ebc_b):
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
@@ -472,14 +475,14 @@ def relay_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(out, rank_result(out_dir, rank))
 
 
-def one_process_reference(world: int, steps: int, data=batches) -> dict[str, torch.Tensor]:
+def one_process_reference(world: int, steps: int, data=batches, weighted: bool = False) -> dict[str, torch.Tensor]:
     """The model `build` trains, trained in one process on the global batches (every rank's slice `data(rank,
     steps)`, in rank order) with the same optimizers: the loss is the global batch's mean, as DDP's averaging and
     TorchRec's gradient division make it."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    model = TwoEBCModel()
+    model = TwoEBCModel(weighted=weighted)
     tables = torch.optim.SGD([*model.ebc_a.parameters(), *model.ebc_b.parameters()], lr=0.2)
     head = torch.optim.SGD(model.head.parameters(), lr=0.1)
     slices = [data(r, steps) for r in range(world)]
@@ -491,6 +494,7 @@ def one_process_reference(world: int, steps: int, data=batches) -> dict[str, tor
             keys=keys,
             values=torch.cat([jt.values() for per_key in jts for jt in per_key]),
             lengths=torch.cat([jt.lengths() for per_key in jts for jt in per_key]),
+            weights=torch.cat([jt.weights() for per_key in jts for jt in per_key]) if weighted else None,
         )
         dense = torch.cat([p.dense_features for p in parts])
         loss, _ = model(Batch(dense_features=dense, sparse_features=kjt, labels=torch.cat([p.labels for p in parts])))
@@ -522,3 +526,45 @@ def test_host_relays_train_the_same_model_with_fewer_rows_across_machines(tmp_pa
     )
     assert on["cross_host"] + on["intra_host"] == off["cross_host"] + off["intra_host"]  # the same rows in all
     assert 0 < on["cross_host"] < off["cross_host"], (on, off)
+
+
+def weighted_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+    """12 steps of the two-EBC model with weighted features (id-score lists), Herald's pipeline or stock's."""
+    import torch.distributed.checkpoint as dcp
+
+    dmp, pipeline = build(kind, weighted=True)
+    it = iter(batches(rank, 12, weighted=True))
+    for _ in range(12):
+        pipeline.progress(it)
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+    counters = dict(pipeline.trained_counters) if kind == "herald" else {}
+    torch.save({"counters": counters}, rank_result(out_dir, rank))
+
+
+def test_weighted_features_train_like_stock_and_one_process(tmp_path: Path) -> None:
+    """Weighted EBCs (multi-hot bags, empty bags, weights != 1) through HeraldTrainPipeline: the weights travel with
+    their ids through the input stage (rank 0 plans, rank 1 gets its samples' ids with them) and scale each id's row
+    and gradient; the model equals stock TorchRec's (its default sharding here) and one process's on the global
+    batches, and differs from the unweighted model."""
+    import functools
+
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    got = {}
+    for kind in ("stock", "herald"):
+        run_ranks(
+            "tests.distributed.train_pipeline.test_pipeline_edges:weighted_worker",
+            tmp_path / kind,
+            world_size=2,
+            kind=kind,
+        )
+        got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    stock, herald = got["stock"], got["herald"]
+    assert sorted(stock) == sorted(herald) and sum(".embedding_bags." in k for k in stock) == 3
+    assert max(float((stock[k] - herald[k]).abs().max()) for k in stock) < 1e-5
+    ref = one_process_reference(2, 12, functools.partial(batches, weighted=True), weighted=True)
+    assert max(float((ref[k] - herald[k]).abs().max()) for k in herald) < 1e-5
+    unweighted = one_process_reference(2, 12)
+    assert max(float((unweighted[k] - herald[k]).abs().max()) for k in herald) > 1e-3  # the weights mattered
+    r0 = torch.load(rank_result(tmp_path / "herald", 0), weights_only=False)
+    assert r0["counters"]["shared_value"] + r0["counters"]["migrate"] > 0  # rows moved and were shared
