@@ -126,6 +126,13 @@ class Feed:
             self.base += 1
 
 
+def owner_balance_kwargs(value) -> dict:
+    """herald_rep's owner_balance from --owner-balance (none given: the policy's default)."""
+    if value is None:
+        return {}
+    return {"owner_balance": None if value == "off" else value}
+
+
 # simulator names for a policy run with settings of its own: name -> (policy, settings from the command line)
 VARIANTS = {
     "herald_host": (
@@ -140,9 +147,24 @@ VARIANTS = {
             "replicate": True,
             "host_laia": False,
             **({} if args.replica_budget is None else {"replica_budget": args.replica_budget}),
+            **owner_balance_kwargs(args.owner_balance),
         },
-    ),  # herald (rank-level LAIA) + the rows every host reads replicated, host-aware (schedule/herald/replicas.py)
+    ),  # herald (rank-level LAIA) + the rows every host reads replicated, host-aware (schedule/herald/replicas.py),
+    # + owner balancing (on with replicas; schedule/herald/balance.py)
 }
+
+
+def owner_balance_arg(text: str):
+    """--owner-balance: 'off' (None to the policy) or a factor >= 1."""
+    if text == "off":
+        return "off"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'off' or a number >= 1, got {text!r}")
+    if not v >= 1.0:
+        raise argparse.ArgumentTypeError(f"expected 'off' or a number >= 1, got {text!r}")
+    return v
 
 
 def policy_kwargs(args, name: str) -> dict:
@@ -268,6 +290,9 @@ def run_policies(args, R: int) -> dict:
             entry["tables"] = pols[n].tables
         if getattr(pols[n], "replicas", None) is not None and n not in ("fae", "p2res"):
             entry.update(pols[n].replicas.describe())
+        if getattr(pols[n], "owner_balance", None) is not None:
+            entry["owner_balance"] = pols[n].owner_balance
+            entry["owner_balanced_rows"] = pols[n].balanced
         if n == "het":
             entry["staleness"] = pols[n].staleness
         if n in ("fae", "p2res"):
@@ -461,6 +486,13 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=None,
         help="herald_rep: replicated rows per rank (default: the policy's REPLICA_BUDGET)",
+    )
+    p.add_argument(
+        "--owner-balance",
+        type=owner_balance_arg,
+        default=None,
+        help="herald_rep: hand shared rows from owners above this factor x the mean rank's rows to their least "
+        "loaded readers; 'off' disables (default: the policy's, on with replicas)",
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")

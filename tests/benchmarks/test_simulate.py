@@ -119,6 +119,22 @@ def test_cli_errors():
         sim.main(["--data", "criteo", *SMALL])
     with pytest.raises(SystemExit, match="--workers"):
         sim.main(["--workers", "a,b", *SMALL])
+    with pytest.raises(SystemExit):
+        sim.main(["--owner-balance", "0.5", *SMALL])
+
+
+def test_owner_balance_is_herald_reps_setting(capsys):
+    """herald_rep balances owners by default (the factor and the rows handed on are reported), `--owner-balance off`
+    turns it off; plain herald's plans do not depend on it."""
+    sim = load_simulate()
+    args = ["--workers", "8", "--ranks-per-host", "4", "--policies", "herald,herald_rep", "--json", *SMALL]
+    on = sim.main(args)["policies"]
+    off = sim.main([*args, "--owner-balance", "off"])["policies"]
+    capsys.readouterr()
+    assert on["herald_rep"]["owner_balance"] > 1 and "owner_balance" not in off["herald_rep"]
+    assert "owner_balance" not in on["herald"]
+    assert on["herald"]["plan_digest"] == off["herald"]["plan_digest"]
+    assert on["herald_rep"]["stale_reads"] == off["herald_rep"]["stale_reads"] == 0
 
 
 @pytest.mark.parametrize(

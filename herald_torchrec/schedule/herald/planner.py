@@ -17,7 +17,9 @@ Per step (batches[0] = current global batch, batches[1:] = up to L lookahead bat
       `refine` is chosen with the tables (`schedule.tables`) to fit the scheduling-time budget.
 2. Reader sets under the final assignment (`schedule.reads`: one bitmap over (key, rank)).
 3. Ownership: a key read by one rank moves there (MIGRATE); a shared key stays with its owner when the owner
-   reads it, else moves to the reader with the most samples reading it (ties: lowest rank). Arrivals beyond a
+   reads it, else moves to the reader with the most samples reading it (ties: lowest rank). With `owner_balance`
+   (on with replicas), an owner whose rows sent + received in the step exceed that factor x the mean rank's hands its
+   widest shared rows to their least loaded readers (`schedule.herald.balance`: a migration each). Arrivals beyond a
    rank's guest capacity evict guests not read in this step: first those not used in the lookahead window, then
    those used furthest ahead (Belady-like), least recently used first among equals. An evicted guest that the
    next batch reads is FORWARDed to the rank its sample is predicted to go to (the rank owning most of that
@@ -48,6 +50,7 @@ import numpy as np
 from herald_torchrec.schedule import native, reads
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald.balance import OWNER_BALANCE, balance_owners, check_factor
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.replicas import REPLICA_BUDGET, REPLICA_INTERVAL, REPLICA_ROW_MARGIN, ReplicaChoice
@@ -169,6 +172,9 @@ class HeraldPolicy(SchedulePolicy):
     replica_row_margin: the extra rows, as a share of its all-reduce, a replicated row may cost over the shared path.
     host_laia: with a host map, whether LAIA scores hosts (True) or ranks only, the host map then serving replication's
         cost model alone (host-aware LAIA moves more rows in all at R <= 32: docs/scheduler.md).
+    owner_balance: hand shared rows from owners above this factor x the mean rank's rows in the step to their least
+        loaded readers (`schedule.herald.balance`); "auto" (the default): `OWNER_BALANCE` (1.15) with `replicate`,
+        off without it (plain Herald's plans unchanged); None: off.
     The replica defaults are measured (schedule/herald/replicas.py, docs/scheduler.md): a row pays for replication
     only where hosts are given (without a host map nothing is replicated); the rows that pay are few (~250 of 337,694
     at R=64 on the synthetic default), so the budget of 4,096 rows per rank (2 MiB at dim 128) is never the limit.
@@ -201,6 +207,7 @@ class HeraldPolicy(SchedulePolicy):
         replica_interval: int = REPLICA_INTERVAL,
         replica_row_margin: float = REPLICA_ROW_MARGIN,
         host_laia: bool = True,
+        owner_balance: float | str | None = "auto",
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         for name, v in (("refine", refine), ("max_refine", max_refine)):
@@ -281,6 +288,12 @@ class HeraldPolicy(SchedulePolicy):
             if replicate
             else None
         )
+        if isinstance(owner_balance, str):
+            if owner_balance != "auto":
+                raise ValueError(f"herald: owner_balance must be None, a number >= 1 or 'auto', got {owner_balance!r}")
+            owner_balance = OWNER_BALANCE if replicate else None
+        self.owner_balance = check_factor(owner_balance)
+        self.balanced = 0  # rows handed on by owner balancing, over the policy's life
 
     # ---- table selection --------------------------------------------------------------------------------------
     def _set_tables(self, idx: np.ndarray) -> None:
@@ -481,6 +494,9 @@ class HeraldPolicy(SchedulePolicy):
             nu[window[j - 1].keys] = j
         d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
         joining = self._replica_step(keys, rd, own, want, window) if self.replicas is not None else None
+        if self.owner_balance is not None:
+            skip = None if self.replicas is None else self.replicas.member[keys]
+            self.balanced += balance_owners(want, own, rd.count, rd.start, pk, pr, skip, R, self.owner_balance)
         if self._native is not None:
             victims, room = self._native.make_room(keys, own, home, want, single, self.step, self.lookahead + 1)
         else:
@@ -818,6 +834,8 @@ class HeraldPolicy(SchedulePolicy):
                 "hosts": self.num_hosts,
                 "host_aware": self.host_aware,
                 "intra_host_cost": self.intra_host_cost,
+                "owner_balance": self.owner_balance,
+                "owner_balanced": self.balanced,
                 "guests": self.directory.occupancy(),
             }
         )

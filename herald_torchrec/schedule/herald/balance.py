@@ -1,0 +1,123 @@
+"""Owner balancing: hand shared rows from overloaded owners to their least loaded readers (one step, numpy).
+
+Why: the owner of a shared row sends its value to every remote reader and takes every gradient back, 2 rows per
+remote reader; home placement is TorchRec's ROW_WISE blocks, so the Zipf heads of every table (rows 0, 1, ...) start
+on the lowest ranks, and a row read by n other ranks every step costs its owner 2 n rows a step. Replication takes
+the rows every rank reads off the shared path; the heads read by many but not all ranks stay, and at R=64 they make
+ranks 0-3 the busiest of a BSP step (1.3-1.4x the mean rank's rows; benchmarks/RESULTS.md).
+
+Each rank's load in the step is the rows it sends plus receives under the decided owners: 2 per remote read it
+makes, 2 per remote read of a row it owns, 1 per migration it sends or takes. While a rank's load is above
+`factor` x the mean, its shared rows that it reads itself, most remote readers first, move to the reader with the
+least load, where the move keeps that reader at or below the threshold. Moving row k (n = readers - 1 remote
+readers) from an owner that reads it to another reader: the old owner's load falls by 2 n - 3 (it stops serving,
+becomes a remote reader, sends the row), the new owner's rises by 2 n - 1; the step moves 1 row more (the
+migration; 0 when the row was migrating this step anyway, whose previous target's load falls by 2 n - 1). The new
+owner keeps the row while it reads it (the ownership rule), so a hot row moves about once. It is an ordinary
+MIGRATE of a row read this step, as the ownership rule already makes for shared rows whose owner does not read them:
+the protocol's exactness is untouched, and the capacity pass after it may cancel a move like any other arrival.
+Replicated rows are left out (no shared path). Deterministic: ties go to the lowest rank, then the lowest key.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+OWNER_BALANCE = 1.15  # default factor over the mean rank's rows above which an owner hands rows on (docs/scheduler.md)
+
+
+def check_factor(factor) -> float | None:
+    """The owner-balance setting: None (off) or a number >= 1."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.floating)) or not factor >= 1.0:
+        raise ValueError(f"herald: owner_balance must be None or a number >= 1, got {factor!r}")
+    return float(factor)
+
+
+def rank_loads(
+    want: np.ndarray,
+    own: np.ndarray,
+    count: np.ndarray,
+    pair_key: np.ndarray,
+    pair_rank: np.ndarray,
+    skip: np.ndarray | None,
+    num_ranks: int,
+) -> np.ndarray:
+    """Rows every rank sends + receives in the step (float64 [R]): shared values and gradients of the keys not in
+    `skip` (read by `pair_rank` of `pair_key`, owned by `want`) and the migrations own -> want."""
+    R = num_ranks
+    po = want[pair_key]
+    remote = pair_rank != po
+    if skip is not None:
+        remote &= ~skip[pair_key]
+    load = 2.0 * (np.bincount(pair_rank[remote], minlength=R) + np.bincount(po[remote], minlength=R))
+    mig = want != own
+    load += np.bincount(own[mig], minlength=R) + np.bincount(want[mig], minlength=R)
+    return load
+
+
+def balance_owners(
+    want: np.ndarray,
+    own: np.ndarray,
+    count: np.ndarray,
+    start: np.ndarray,
+    pair_key: np.ndarray,
+    pair_rank: np.ndarray,
+    skip: np.ndarray | None,
+    num_ranks: int,
+    factor: float,
+) -> int:
+    """Move shared rows off overloaded owners (module docstring), in place in `want` (the owner of every key after
+    the step; `own`: before it). `count` / `start` / `pair_*`: the step's readers per key (CSR, sorted by key then
+    rank); `skip`: keys that are not on the shared path (replicated). Returns the number of rows handed on."""
+    R = num_ranks
+    load = rank_loads(want, own, count, pair_key, pair_rank, skip, R)
+    thr = factor * float(load.mean())
+    over = load > thr
+    if not over.any():
+        return 0
+    # candidates: shared keys (>= 2 readers) whose owner after the step reads them, owned by an overloaded rank
+    K = want.shape[0]
+    owner_reads = np.zeros(K, dtype=bool)
+    owner_reads[pair_key[pair_rank == want[pair_key]]] = True
+    cand = owner_reads & (count >= 2) & over[want]
+    if skip is not None:
+        cand &= ~skip
+    ck = np.flatnonzero(cand)
+    if ck.shape[0] == 0:
+        return 0
+    # per owner, most remote readers first (then lowest key)
+    o = np.lexsort((ck, -count[ck], want[ck]))
+    ck = ck[o]
+    co = want[ck]
+    bounds = np.searchsorted(co, np.arange(R + 1))
+    heap = [(-load[r], r) for r in np.flatnonzero(over).tolist()]
+    heapq.heapify(heap)
+    moved = 0
+    while heap:
+        _, r = heapq.heappop(heap)
+        for k in ck[bounds[r] : bounds[r + 1]].tolist():
+            if load[r] <= thr:
+                break
+            n = int(count[k]) - 1
+            gain = 2 * n - 1  # the new owner's extra rows
+            drop = gain if want[k] != own[k] else gain - 2  # the old one's fewer rows (it sends the row if it owns it)
+            if drop <= 0:
+                continue  # one remote reader: handing the row on would not lighten its owner
+            readers = pair_rank[start[k] : start[k] + count[k]]
+            readers = readers[(readers != r) & (readers != own[k])]  # (own[k] reads no migrating row: kept simple)
+            if readers.shape[0] == 0:
+                continue
+            lr = load[readers]
+            best = int(np.argmin(lr))  # ties: the lowest rank (readers are sorted)
+            if lr[best] + gain > thr:
+                continue  # no reader takes it without becoming overloaded; a smaller row may fit
+            dst = int(readers[best])
+            load[dst] += gain
+            load[r] -= drop
+            want[k] = dst
+            moved += 1
+    return moved
