@@ -147,10 +147,9 @@ VARIANTS = {
             "replicate": True,
             "host_laia": False,
             **({} if args.replica_budget is None else {"replica_budget": args.replica_budget}),
-            **owner_balance_kwargs(args.owner_balance),
         },
     ),  # herald (rank-level LAIA) + the rows every host reads replicated, host-aware (schedule/herald/replicas.py),
-    # + owner balancing (on with replicas; schedule/herald/balance.py)
+    # + owner balancing (on with replicas by default; schedule/herald/balance.py)
 }
 
 
@@ -174,6 +173,7 @@ def policy_kwargs(args, name: str) -> dict:
         base, extra = VARIANTS[name]
         return {**policy_kwargs(args, base), **extra(args)}
     if name == "herald":
+        kw.update(owner_balance_kwargs(args.owner_balance))
         if args.refine is not None:
             kw["refine"] = args.refine
         if args.budget_ms is not None:
@@ -491,8 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--owner-balance",
         type=owner_balance_arg,
         default=None,
-        help="herald_rep: hand shared rows from owners above this factor x the mean rank's rows to their least "
-        "loaded readers; 'off' disables (default: the policy's, on with replicas)",
+        help="herald and its variants: hand shared rows from owners above this factor x the mean rank's rows to "
+        "their least loaded readers; 'off' disables (default: the policy's, on with replicas only)",
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
