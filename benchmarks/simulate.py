@@ -127,7 +127,7 @@ class Feed:
 
 
 def owner_balance_kwargs(value) -> dict:
-    """herald_rep's owner_balance from --owner-balance (none given: the policy's default)."""
+    """herald's (and its variants') owner_balance from --owner-balance (none given: the policy's default, 1.15)."""
     if value is None:
         return {}
     return {"owner_balance": None if value == "off" else value}
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
         type=owner_balance_arg,
         default=None,
         help="herald and its variants: hand shared rows from owners above this factor x the mean rank's rows to "
-        "their least loaded readers; 'off' disables (default: the policy's, on with replicas only)",
+        "their least loaded readers; 'off' disables (default: the policy's, 1.15)",
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")

@@ -123,21 +123,20 @@ def test_cli_errors():
         sim.main(["--owner-balance", "0.5", *SMALL])
 
 
-def test_owner_balance_is_herald_reps_setting(capsys):
-    """herald_rep balances owners by default (the factor and the rows handed on are reported), `--owner-balance off`
-    turns it off; plain herald's plans do not depend on it unless a factor is given."""
+def test_owner_balance_is_on_by_default_and_off_on_request(capsys):
+    """herald and herald_rep balance owners by default (the factor and the rows handed on are reported);
+    `--owner-balance off` turns it off, a factor replaces the default."""
     sim = load_simulate()
     args = ["--workers", "8", "--ranks-per-host", "4", "--policies", "herald,herald_rep", "--json", *SMALL]
     on = sim.main(args)["policies"]
     off = sim.main([*args, "--owner-balance", "off"])["policies"]
     capsys.readouterr()
-    assert on["herald_rep"]["owner_balance"] > 1 and "owner_balance" not in off["herald_rep"]
-    assert "owner_balance" not in on["herald"]
-    assert on["herald"]["plan_digest"] == off["herald"]["plan_digest"]
+    for name in ("herald", "herald_rep"):
+        assert on[name]["owner_balance"] > 1 and "owner_balance" not in off[name]
+        assert on[name]["stale_reads"] == off[name]["stale_reads"] == 0
     forced = sim.main([*args, "--owner-balance", "1.05"])["policies"]
     capsys.readouterr()
     assert forced["herald"]["owner_balance"] == 1.05 and forced["herald"]["stale_reads"] == 0
-    assert on["herald_rep"]["stale_reads"] == off["herald_rep"]["stale_reads"] == 0
 
 
 @pytest.mark.parametrize(

@@ -173,8 +173,9 @@ class HeraldPolicy(SchedulePolicy):
     host_laia: with a host map, whether LAIA scores hosts (True) or ranks only, the host map then serving replication's
         cost model alone (host-aware LAIA moves more rows in all at R <= 32: docs/scheduler.md).
     owner_balance: hand shared rows from owners above this factor x the mean rank's rows in the step to their least
-        loaded readers (`schedule.herald.balance`); "auto" (the default): `OWNER_BALANCE` (1.15) with `replicate`,
-        off without it (plain Herald's plans unchanged); None: off.
+        loaded readers (`schedule.herald.balance`); "auto" (the default): `OWNER_BALANCE` (1.15); None: off. Measured
+        on the synthetic default, 8 ranks per host: the busiest rank 1.93x -> 1.15x the mean at R=64, 1.23x -> 1.13x
+        at R=16, for +0.02-0.05 % rows and ~10 % more planner CPU; nothing changes at R=2 (benchmarks/RESULTS.md).
     The replica defaults are measured (schedule/herald/replicas.py, docs/scheduler.md): a row pays for replication
     only where hosts are given (without a host map nothing is replicated); the rows that pay are few (~250 of 337,694
     at R=64 on the synthetic default), so the budget of 4,096 rows per rank (2 MiB at dim 128) is never the limit.
@@ -291,7 +292,7 @@ class HeraldPolicy(SchedulePolicy):
         if isinstance(owner_balance, str):
             if owner_balance != "auto":
                 raise ValueError(f"herald: owner_balance must be None, a number >= 1 or 'auto', got {owner_balance!r}")
-            owner_balance = OWNER_BALANCE if replicate else None
+            owner_balance = OWNER_BALANCE
         self.owner_balance = check_factor(owner_balance)
         self.balanced = 0  # rows handed on by owner balancing, over the policy's life
 
