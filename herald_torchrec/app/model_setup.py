@@ -34,6 +34,7 @@ from herald_torchrec.app.runtime import DistContext
 from herald_torchrec.data.batch import to_batch
 from herald_torchrec.data.samples import Samples
 from herald_torchrec.data.source import DataSource
+from herald_torchrec.distributed.embeddingbag import HOST_ROW_KINDS
 from herald_torchrec.distributed.sharder import with_row_wise
 from herald_torchrec.models import FeatureSpec, TrainModel, table_name
 from herald_torchrec.options import HeraldOptions, check_native, settings_named
@@ -99,6 +100,7 @@ class PlanStats:
 
     def __init__(self) -> None:
         self.total, self.win = _Tally(), _Tally()
+        self.last_window_steps = 0  # steps in the window `window()` last returned
 
     def add(self, plan: Plan) -> None:
         self.total.add(plan)
@@ -107,6 +109,7 @@ class PlanStats:
     def window(self) -> dict[str, float]:
         """Rows per step by kind and the hit rate since the last call (for progress lines / TensorBoard)."""
         w, self.win = self.win, _Tally()
+        self.last_window_steps = w.steps
         out = {f"rows_{k}": v / max(w.steps, 1) for k, v in w.rows.items() if k != "hit"}
         out["hit_rate"] = w.hit_rate()
         return out
@@ -408,8 +411,17 @@ def _herald(
     pipeline = HeraldTrainPipeline(dmp, optimizer, ctx.device, options=options, on_plan=stats.add, profile=profile)
     sched_ms, sched_cpu_ms = pipeline.input_stage.sched_ms, pipeline.input_stage.sched_cpu_ms
 
+    links_at_log = dict.fromkeys(HOST_ROW_KINDS, 0)
+
     def step_stats() -> dict[str, float]:
         out = stats.window()
+        # this rank's rows per step by link since the last line, where ranks share machines (host relays)
+        steps = max(stats.last_window_steps, 1)
+        sent = {k: pipeline.trained_counters.get(k, 0) for k in HOST_ROW_KINDS}
+        if any(sent.values()):
+            for k in HOST_ROW_KINDS:
+                out[f"rank0_rows_{k}"] = (sent[k] - links_at_log[k]) / steps  # printed by rank 0
+        links_at_log.update(sent)
         # medians over the logging window: planning time (wall, and the planner's CPU on a rank that plans), and the
         # training thread's wait for its batch (~0 while the input stage keeps ahead)
         for key, recent in (
