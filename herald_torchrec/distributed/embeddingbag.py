@@ -73,13 +73,14 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from herald_torchrec.distributed.comm import CommCounter, PlanComm, host_subgroups, phase
 from herald_torchrec.distributed.comparison.extensions import comparison_extensions
+from herald_torchrec.distributed.manageable import config_refusal, settings_refusal
 from herald_torchrec.distributed.state.checkpoint import HeraldCheckpoint, install_state_dict_hooks
 from herald_torchrec.distributed.state.fused_optimizer import HeraldFusedOptimizer
 from herald_torchrec.distributed.step.dist_data import ErrorCheck, ErrorFlagDist
@@ -201,19 +202,10 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError(f"expected an EmbeddingBagCollection, got {type(module).__name__}")
         self.weighted_features = bool(module.is_weighted())  # id-score lists: each id's row scaled by its weight
         configs = module.embedding_bag_configs()
-        for c in configs:
-            if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"table {c.name!r}: SUM or MEAN pooling is supported, got {c.pooling}")
-            if self.weighted_features and c.pooling != PoolingType.SUM:  # TorchRec's own EBC refuses it in its forward
-                raise ValueError(
-                    f"table {c.name!r}: a weighted EmbeddingBagCollection pools by SUM only (as TorchRec's own, whose "
-                    f"torch.nn.EmbeddingBag takes per-sample weights with mode='sum' only), got {c.pooling.name}"
-                )
-            if c.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
-                raise ValueError(
-                    f"table {c.name!r}: data_type={c.data_type.name}: Herald-managed rows are float32; make the table "
-                    "FP32 or leave it to TorchRec's sharding (the sharder's unscheduled_tables)"
-                )
+        for c in configs:  # the predicate the sharder leaves tables to TorchRec by (manageable.py)
+            refusal = config_refusal(c, self.weighted_features)
+            if refusal is not None:
+                raise refusal.error(c.name)
         self._env = env
         self.rank, self.world_size = env.rank, env.world_size
         self.policy, self.lookahead, self.module_fqn = policy, int(lookahead), module_fqn
@@ -225,6 +217,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self.optimizer_settings = resolve_table_settings(
             module, fused_params, table_name_to_parameter_sharding, self.device
         )
+        for c in configs:
+            refusal = settings_refusal(c, self.optimizer_settings)
+            if refusal is not None:
+                raise refusal.error(c.name)
         fp = dict(self.optimizer_settings)
         self.optimizer_type = fp.pop("optimizer")
         self.learning_rate = float(fp.pop("learning_rate", 0.01))
@@ -259,12 +255,6 @@ class ShardedHeraldEmbeddingBagCollection(
             cache_stats=cache_stats,
         )
         self._init_home_rows(module, configs)
-        if self._mean_features is not None and self._store.gradient_clipping:
-            raise ValueError(
-                "Herald-managed EmbeddingBagCollection: gradient clipping with MEAN pooling is not supported (the "
-                "clipped bag gradient would be that of the sum); use SUM pooling or no clipping for these tables"
-            )
-
         self.comm_counter = CommCounter()
         self._pg = env.process_group
         self._comm = PlanComm(env.process_group, self.comm_counter)

@@ -37,28 +37,34 @@ with the dense optimizer instead of the fused one):
     model = DistributedModelParallel(model, sharders=[sharder], plan=planner.collective_plan(model, [sharder], pg))
 
 The EBC is then sharded into a `ShardedMixedEmbeddingBagCollection` (mixed.py): Herald's module for the managed
-tables and TorchRec's `ShardedEmbeddingBagCollection`, with the same fused optimizer, for the rest.
+tables and TorchRec's `ShardedEmbeddingBagCollection`, with the same fused params, for the rest.
+
+One sharder serves any model (DMP keeps one sharder per module type): a table Herald cannot train exactly as stock
+TorchRec does (an FP16 table, an in-backward optimizer setting Herald cannot honour, ...; manageable.py, the same
+predicate the sharded module refuses it by) is left to TorchRec as if named in `unscheduled_tables`, and an EBC none
+of whose tables Herald can manage is sharded entirely by TorchRec's `EmbeddingBagCollectionSharder` with the same
+fused params. A warning names such tables and the reason, once per EBC; the math is never changed. With no plan,
+DMP's default planner gives them this sharder's ROW_WISE + FUSED (stock ROW_WISE); `planner_constraints(ebc)` lets
+the planner give them any stock model-parallel type, as for unscheduled tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Collection, Sequence
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
+from herald_torchrec.distributed.manageable import TableSplit, split_tables
 from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection, sub_collection
-from herald_torchrec.distributed.storage.optimizer_params import (
-    DEFAULT_FUSED_PARAMS,
-    resolve_table_settings,
-    sharder_fused_params,
-)
+from herald_torchrec.distributed.storage.optimizer_params import DEFAULT_FUSED_PARAMS, sharder_fused_params
 from herald_torchrec.options import HeraldOptions
 
 
@@ -102,6 +108,10 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         super().__init__(fused_params=fp, qcomm_codecs_registry=qcomm_codecs_registry)
         self.check_errors_globally = check_errors_globally
         self.gradient_division = gradient_division
+        # tables `planner_constraints` gave stock types because Herald refuses them: the sharder then offers those
+        # types to the planner, as it does for unscheduled tables
+        self._planned_stock: set[str] = set()
+        self._warned: set[tuple[str, ...]] = set()  # the refusals already warned about (once per EBC)
 
     @property
     def cache_ratio(self) -> float:
@@ -119,13 +129,20 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def unscheduled_tables(self) -> frozenset[str]:
         return frozenset(self.options.unscheduled_tables)
 
+    @property
+    def offers_stock_types(self) -> bool:
+        """Whether the planner is offered TorchRec's types beside ROW_WISE: with unscheduled tables, or once
+        `planner_constraints` left tables to TorchRec (then plan with those constraints: they pin Herald's tables
+        to ROW_WISE + FUSED). Otherwise every table is planned ROW_WISE + FUSED, which TorchRec runs too."""
+        return bool(self.unscheduled_tables or self._planned_stock)
+
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        if not self.unscheduled_tables:
+        if not self.offers_stock_types:
             return [ShardingType.ROW_WISE.value]
         return [ShardingType.ROW_WISE.value, *self._stock_types(compute_device_type)]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        if not self.unscheduled_tables:
+        if not self.offers_stock_types:
             return [EmbeddingComputeKernel.FUSED.value]
         return super().compute_kernels(sharding_type, compute_device_type)
 
@@ -143,18 +160,21 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device_type: str = "cpu",
     ) -> dict[str, ParameterConstraints]:
         """Per-table planner constraints: managed tables ROW_WISE + FUSED (their home placement); unscheduled
-        tables any of `stock_sharding_types` (default: every type this sharder offers them).
+        tables and those Herald leaves to TorchRec any of `stock_sharding_types` (default: every type this sharder
+        offers them).
 
         With `world_size`, an unscheduled table with fewer rows than ranks is kept off ROW_WISE (when another type is
         allowed): its ROW_WISE sharding leaves a rank an empty shard, and where that is the rank's only TorchRec
         table, FBGEMM's CPU TBE takes its GPU path and fails."""
         names = [c.name for c in module.embedding_bag_configs()]
         self._check_unscheduled(names)
+        split = self.split(module, device=torch.device(device_type))
+        self._planned_stock |= set(split.refused)
         allowed = list(stock_sharding_types) if stock_sharding_types else None
         small_ok = [t for t in (allowed or self.sharding_types(device_type)) if t != ShardingType.ROW_WISE.value]
         out = {}
         for c in module.embedding_bag_configs():
-            if c.name not in self.unscheduled_tables:
+            if c.name in split.managed:
                 out[c.name] = ParameterConstraints(
                     sharding_types=[ShardingType.ROW_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
                 )
@@ -163,6 +183,30 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             else:
                 out[c.name] = ParameterConstraints(sharding_types=allowed)
         return out
+
+    def split(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding] | None = None,
+        device: torch.device | None = None,
+    ) -> TableSplit:
+        """Which of `module`'s tables Herald manages and which go to TorchRec (unscheduled or refused, with the
+        reasons): manageable.split_tables with this sharder's fused params and unscheduled tables."""
+        return split_tables(module, self.fused_params, self.unscheduled_tables, params, device)
+
+    def _warn_refused(self, split: TableSplit, module_fqn: str | None) -> None:
+        key = (module_fqn or "", *split.refused)
+        if not split.refused or key in self._warned:
+            return
+        self._warned.add(key)
+        where = f"EmbeddingBagCollection {module_fqn!r}" if module_fqn else "an EmbeddingBagCollection"
+        whole = "the whole EBC is sharded by TorchRec" if not split.managed else "the others stay Herald's"
+        reasons = "; ".join(f"{t!r}: {r.reason}" for t, r in split.refused.items())
+        warnings.warn(
+            f"HeraldEmbeddingBagCollectionSharder: tables {list(split.refused)} of {where} are left to TorchRec's own "
+            f"sharding, which trains them as stock does, without embedding scheduling ({whole}): {reasons}",
+            stacklevel=3,
+        )
 
     def _check_unscheduled(self, tables: list[str]) -> None:
         unknown = sorted(self.unscheduled_tables - set(tables))
@@ -180,14 +224,23 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedHeraldEmbeddingBagCollection | ShardedMixedEmbeddingBagCollection:
+    ) -> ShardedHeraldEmbeddingBagCollection | ShardedMixedEmbeddingBagCollection | ShardedEmbeddingBagCollection:
         names = [c.name for c in module.embedding_bag_configs()]
         self._check_unscheduled(names)
-        managed = [n for n in names if n not in self.unscheduled_tables]
+        split = self.split(module, params, device)
+        self._warn_refused(split, module_fqn)
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(f"tables {missing} have no sharding in the plan")
+        stock_sharder = EmbeddingBagCollectionSharder(
+            fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
+        )
+        if not split.managed:  # nothing for Herald: TorchRec's own sharded EBC, as its sharder would build it
+            stock = stock_sharder.shard(module, params, env, device, module_fqn)
+            stock.herald_refusals = dict(split.refused)  # read by HeraldTrainPipeline to say why it has no module
+            return stock
         wrong = {
-            n: params[n].sharding_type
-            for n in managed
-            if n in params and params[n].sharding_type != ShardingType.ROW_WISE.value
+            n: params[n].sharding_type for n in split.managed if params[n].sharding_type != ShardingType.ROW_WISE.value
         }
         if wrong:
             raise ValueError(
@@ -195,8 +248,8 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 "`constraints=sharder.planner_constraints(ebc)`, or list them in unscheduled_tables"
             )
         herald = ShardedHeraldEmbeddingBagCollection(
-            module=sub_collection(module, managed) if self.unscheduled_tables else module,
-            table_name_to_parameter_sharding={n: params[n] for n in managed if n in params},
+            module=sub_collection(module, list(split.managed)) if split.left else module,
+            table_name_to_parameter_sharding={n: params[n] for n in split.managed},
             env=env,
             fused_params=self.fused_params,
             device=device,
@@ -209,18 +262,11 @@ class HeraldEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             replicate=self.options.replicates,
         )
-        if not self.unscheduled_tables:
+        if not split.left:
             return herald
-        rest = [n for n in names if n in self.unscheduled_tables]
-        missing = [n for n in rest if n not in params]
-        if missing:
-            raise ValueError(f"unscheduled tables {missing} have no sharding in the plan")
-        # one fused optimizer over the whole EBC: the TorchRec part resolves (TorchRec's own way) from the same
-        # fused params and in-backward settings, which must give its tables the Herald tables' settings
-        resolve_table_settings(module, self.fused_params, None, device)
-        stock_sharder = EmbeddingBagCollectionSharder(
-            fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
-        )
+        # the TorchRec part resolves its tables' optimizer TorchRec's own way, from the same fused params and
+        # in-backward settings: a table left to it trains as under TorchRec's sharder, whatever Herald's tables use
+        rest = list(split.left)
         stock = stock_sharder.shard(sub_collection(module, rest), {n: params[n] for n in rest}, env, device, module_fqn)
         return ShardedMixedEmbeddingBagCollection(
             module, herald, stock, qcomm_codecs_registry=self.qcomm_codecs_registry

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import inspect
 import math
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -188,6 +188,12 @@ def _fp32(key: str, value: Any) -> SparseType:
     return SparseType.FP32
 
 
+class IgnoredEverywhere(ValueError):
+    """A setting that stock TorchRec would not apply either (a torch-optimizer argument FBGEMM's kernel does not
+    implement, weight decay without a mode, or on CPU): refused wherever the table goes, never handed to TorchRec's
+    sharding in Herald's place, which would train without it (distributed/manageable.py)."""
+
+
 def check_settings(fused_params: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
     """Validate resolved fused params for Herald's TBE; returns the TBE keyword arguments (optimizer as
     EmbOptimType, neutral torch-optimizer arguments dropped). With `device`, also refuses settings FBGEMM ignores
@@ -200,7 +206,7 @@ def check_settings(fused_params: Mapping[str, Any], device: torch.device | None 
             continue
         if key in NEUTRAL_SETTINGS:
             if value != NEUTRAL_SETTINGS[key]:
-                raise ValueError(
+                raise IgnoredEverywhere(
                     f"{key}={value!r}: FBGEMM's {opt.name} kernel does not implement it (TorchRec would train without "
                     f"it); only {key}={NEUTRAL_SETTINGS[key]!r} is accepted"
                 )
@@ -208,20 +214,20 @@ def check_settings(fused_params: Mapping[str, Any], device: torch.device | None 
         if key in _ROWWISE_ADAGRAD_ONLY and opt != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
             neutral = _checked_value(key, value) == (WeightDecayMode.NONE if key == "weight_decay_mode" else 0.0)
             if not neutral:
-                raise ValueError(f"{key}={value!r}: FBGEMM's {opt.name} kernel does not apply it")
+                raise IgnoredEverywhere(f"{key}={value!r}: FBGEMM's {opt.name} kernel does not apply it")
             continue
         if key not in _ANY_OPTIMIZER | _ROWWISE_ADAGRAD_ONLY:
             raise ValueError(f"{key}: not a fused-optimizer setting Herald-managed tables support")
         out[key] = _checked_value(key, value)
     if out.get("weight_decay", 0.0) and out.get("weight_decay_mode", WeightDecayMode.NONE) == WeightDecayMode.NONE:
-        raise ValueError(
+        raise IgnoredEverywhere(
             f"weight_decay={out['weight_decay']!r}: FBGEMM applies it only with weight_decay_mode L2 or DECOUPLE "
             "(without one, TorchRec's TBE trains without it); set weight_decay_mode"
         )
     if device is not None and torch.device(device).type == "cpu":
         for key, neutral in CPU_IGNORED_SETTINGS.items():
             if key in out and out[key] != neutral:
-                raise ValueError(
+                raise IgnoredEverywhere(
                     f"{key}={out[key]!r}: FBGEMM's CPU kernels do not apply it (stock TorchRec's CPU tables ignore it "
                     "too); Herald refuses it rather than train without it"
                 )
@@ -282,6 +288,66 @@ def in_backward_params(param: torch.Tensor) -> dict[str, Any]:
     return out
 
 
+def resolve_each_table(
+    module: EmbeddingBagCollection,
+    fused_params: Mapping[str, Any] | None,
+    table_name_to_parameter_sharding: Mapping[str, ParameterSharding] | None = None,
+    device: torch.device | None = None,
+    tables: Collection[str] | None = None,
+) -> dict[str, dict[str, Any] | ValueError]:
+    """Per table of `module` (or of `tables`, in EBC order), TorchRec's resolution (Herald's defaults <
+    `fused_params` < in-backward optimizer < the plan's per-table settings), validated for Herald's TBE: the TBE
+    settings, or the ValueError naming the setting Herald refuses."""
+    base = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
+    params = dict(module.named_parameters())
+    resolved: dict[str, dict[str, Any] | ValueError] = {}
+    for c in module.embedding_bag_configs():
+        if tables is not None and c.name not in tables:
+            continue
+        param = params.get(f"embedding_bags.{c.name}.weight")
+        try:
+            fp = merge_fused_params(base, in_backward_params(param) if param is not None else {})
+            ps = (table_name_to_parameter_sharding or {}).get(c.name)
+            if ps is not None:
+                fp = add_params_from_parameter_sharding(fp, ps)
+            resolved[c.name] = check_settings(convert_to_fbgemm_types(fp), device)
+        except ValueError as e:
+            resolved[c.name] = e
+    return resolved
+
+
+def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    diff = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)), key=lambda k: (k != "optimizer", k))
+    return diff[0] if diff else None
+
+
+def agreeing_settings(settings: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Tables of one Herald TBE share one fused optimizer: of `settings` (table -> resolved settings), the tables
+    outside the largest group of equal settings (ties: the group of the earliest table), each with a one-line
+    reason naming the first setting that differs."""
+    groups: list[list[str]] = []
+    for name, s in settings.items():
+        for g in groups:
+            if settings[g[0]] == s:
+                g.append(name)
+                break
+        else:
+            groups.append([name])
+    if len(groups) <= 1:
+        return {}
+    kept = max(groups, key=len)  # max keeps the first of equal lengths
+    ref = settings[kept[0]]
+    out = {}
+    for name in settings:
+        key = _first_difference(ref, settings[name])
+        if name not in kept and key is not None:
+            out[name] = (
+                f"{key}: resolves to {settings[name].get(key)!r}, the other Herald-managed tables of the EBC "
+                f"({kept[0]!r}, ...) to {ref.get(key)!r}; Herald-managed tables of one EBC share one fused optimizer"
+            )
+    return out
+
+
 def resolve_table_settings(
     module: EmbeddingBagCollection,
     fused_params: Mapping[str, Any] | None,
@@ -291,29 +357,17 @@ def resolve_table_settings(
     """The validated TBE settings of `module`'s tables: per table, TorchRec's resolution (Herald's defaults <
     `fused_params` < in-backward optimizer < the plan's per-table settings); all tables must agree (Herald keeps
     them in one TBE). Raises ValueError naming the setting otherwise."""
-    base = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
-    params = dict(module.named_parameters())
-    resolved: dict[str, dict[str, Any]] = {}
-    for c in module.embedding_bag_configs():
-        param = params.get(f"embedding_bags.{c.name}.weight")
-        fp = merge_fused_params(base, in_backward_params(param) if param is not None else {})
-        ps = (table_name_to_parameter_sharding or {}).get(c.name)
-        if ps is not None:
-            fp = add_params_from_parameter_sharding(fp, ps)
-        try:
-            resolved[c.name] = check_settings(convert_to_fbgemm_types(fp), device)
-        except ValueError as e:
-            raise ValueError(f"table {c.name!r}: {e}") from None
+    resolved = resolve_each_table(module, fused_params, table_name_to_parameter_sharding, device)
+    for name, s in resolved.items():
+        if isinstance(s, ValueError):
+            raise type(s)(f"table {name!r}: {s}") from None
     names = list(resolved)
     first = resolved[names[0]]
     for n in names[1:]:
-        diff = sorted(
-            (k for k in set(first) | set(resolved[n]) if first.get(k) != resolved[n].get(k)),
-            key=lambda k: (k != "optimizer", k),
-        )
-        if diff:
+        key = _first_difference(first, resolved[n])
+        if key is not None:
             raise ValueError(
-                f"{diff[0]}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(diff[0])!r} vs "
-                f"{resolved[n].get(diff[0])!r}); Herald-managed tables of one EBC share one fused optimizer"
+                f"{key}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(key)!r} vs "
+                f"{resolved[n].get(key)!r}); Herald-managed tables of one EBC share one fused optimizer"
             )
     return first

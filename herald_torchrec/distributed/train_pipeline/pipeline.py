@@ -172,10 +172,14 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         super().__init__(model, optimizer, device, execute_all_batches, *args, **kwargs)
         modules = herald_modules(model)
         if not modules:
-            raise ValueError(
-                "HeraldTrainPipeline: the model has no Herald-managed sharded module "
-                "(shard it with HeraldEmbeddingBagCollectionSharder)"
+            left = {t: r.reason for m in model.modules() for t, r in getattr(m, "herald_refusals", {}).items()}
+            why = (
+                f": HeraldEmbeddingBagCollectionSharder left every table to TorchRec ({left}); train it with "
+                "TrainPipelineSparseDist"
+                if left
+                else " (shard it with HeraldEmbeddingBagCollectionSharder)"
             )
+            raise ValueError(f"HeraldTrainPipeline: the model has no Herald-managed sharded module{why}")
         self._herald_modules = modules
         sharded_with = scheduler_settings(modules)
         ours = options.scheduler_settings()

@@ -475,14 +475,16 @@ def relay_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(out, rank_result(out_dir, rank))
 
 
-def one_process_reference(world: int, steps: int, data=batches, weighted: bool = False) -> dict[str, torch.Tensor]:
-    """The model `build` trains, trained in one process on the global batches (every rank's slice `data(rank,
-    steps)`, in rank order) with the same optimizers: the loss is the global batch's mean, as DDP's averaging and
-    TorchRec's gradient division make it."""
+def one_process_reference(
+    world: int, steps: int, data=batches, weighted: bool = False, model=None
+) -> dict[str, torch.Tensor]:
+    """The model `build` trains (or `model()`, a TwoEBCModel-like class), trained in one process on the global
+    batches (every rank's slice `data(rank, steps)`, in rank order) with the same optimizers: the loss is the global
+    batch's mean, as DDP's averaging and TorchRec's gradient division make it."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    model = TwoEBCModel(weighted=weighted)
+    model = TwoEBCModel(weighted=weighted) if model is None else model()
     tables = torch.optim.SGD([*model.ebc_a.parameters(), *model.ebc_b.parameters()], lr=0.2)
     head = torch.optim.SGD(model.head.parameters(), lr=0.1)
     slices = [data(r, steps) for r in range(world)]

@@ -1,0 +1,235 @@
+"""One `HeraldEmbeddingBagCollectionSharder` serves any model: tables Herald cannot train exactly as stock TorchRec
+does are left to TorchRec's own sharding by the sharder itself (distributed/manageable.py), with a warning naming
+them; an EBC none of whose tables Herald manages is TorchRec's `ShardedEmbeddingBagCollection`.
+
+- in one process: which tables go where and why (FP16, an in-backward optimizer Herald cannot honour, tables whose
+  optimizers disagree), the refusals no sharding honours stay errors, and the planner is offered stock types for
+  the tables `planner_constraints` leaves to TorchRec;
+- on 2 gloo ranks: a model with an ordinary EBC and an FP16 one, sharded with `[HeraldEmbeddingBagCollectionSharder]`
+  alone by DMP's default planner and trained through HeraldTrainPipeline, equals the same model under TorchRec's
+  sharder (ROW_WISE) and TrainPipelineSparseDist (<= 1e-5 on the FP32 tables and the dense head; the FP16 table
+  within FP16's rounding) and one process's on the global batches; a model whose every EBC is left to TorchRec is
+  refused by HeraldTrainPipeline, naming the tables.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, batches, one_process_reference
+from tests.helpers.ranks import rank_result, run_ranks
+
+STEPS = 12
+
+
+class FP16Model(torch.nn.Module):
+    """test_pipeline_edges' TwoEBCModel (ebc_a: t0 + t1 reading f0, f1; ebc_b: t2 reading f2; a dense head) with
+    the tables of `fp16` in half precision (TorchRec's `data_type=DataType.FP16`)."""
+
+    def __init__(self, fp16: tuple[str, ...] = ("t2",)) -> None:
+        from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        super().__init__()
+        torch.manual_seed(0)
+
+        def cfg(t: str, f: str) -> EmbeddingBagConfig:
+            dtype = DataType.FP16 if t in fp16 else DataType.FP32
+            return EmbeddingBagConfig(
+                name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f], data_type=dtype
+            )
+
+        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")])
+        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")])
+        self.head = torch.nn.Linear(3 + 12, 1)
+
+    def forward(self, batch):
+        a = self.ebc_a(batch.sparse_features).values().float()
+        b = self.ebc_b(batch.sparse_features).values().float()
+        logit = self.head(torch.cat([batch.dense_features, a, b], dim=1)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
+        return loss, (loss.detach(), logit.detach(), batch.labels)
+
+
+def make_ebc(fp16: bool = False, weighted: bool = False, mean: bool = False):
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t,
+                embedding_dim=4,
+                num_embeddings=40,
+                feature_names=[f"f{t}"],
+                data_type=DataType.FP16 if fp16 and t == "t1" else DataType.FP32,
+                pooling=PoolingType.MEAN if mean and t == "t1" else PoolingType.SUM,
+            )
+            for t in ("t0", "t1", "t2")
+        ],
+        is_weighted=weighted,
+    )
+
+
+def test_the_sharder_leaves_what_herald_refuses_to_torchrec() -> None:
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+    from herald_torchrec.distributed.manageable import split_tables
+
+    sharder = HeraldEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    # an FP16 table: the module's own refusal, now the reason it goes to TorchRec
+    split = sharder.split(make_ebc(fp16=True))
+    assert split.managed == ("t0", "t2") and split.left == ("t1",), split
+    assert "data_type=FP16" in split.refused["t1"].reason
+    # an in-backward optimizer Herald cannot honour (Adam reads the TBE's step counter)
+    ebc = make_ebc()
+    apply_optimizer_in_backward(torch.optim.Adam, [ebc.embedding_bags["t2"].weight], {"lr": 0.1})
+    split = sharder.split(ebc)
+    assert split.managed == ("t0", "t1") and list(split.refused) == ["t2"]
+    assert "optimizer" in split.refused["t2"].reason and "ADAM" in split.refused["t2"].reason
+    # tables whose optimizers disagree: one Herald TBE per EBC keeps the settings of the most tables
+    ebc = make_ebc()
+    apply_optimizer_in_backward(RowWiseAdagrad, [ebc.embedding_bags["t1"].weight], {"lr": 0.1})
+    split = sharder.split(ebc)
+    assert split.managed == ("t0", "t2") and list(split.refused) == ["t1"]
+    assert split.refused["t1"].reason.startswith("optimizer: resolves to"), split.refused["t1"].reason
+    # unscheduled tables stay the user's, beside the refused ones
+    split = split_tables(make_ebc(fp16=True), sharder.fused_params, unscheduled=["t0"])
+    assert split.managed == ("t2",) and split.left == ("t0", "t1") and list(split.refused) == ["t1"]
+    # MEAN pooling with gradient clipping: refused per table
+    clip = HeraldEmbeddingBagCollectionSharder(fused_params={"gradient_clipping": True, "max_gradient": 1.0})
+    assert clip.split(make_ebc(mean=True)).left == ("t1",)
+    assert sharder.split(make_ebc(mean=True)).left == ()
+    # what no sharding trains as asked stays an error, never a table handed over
+    with pytest.raises(ValueError, match="table 't1': a weighted EmbeddingBagCollection pools by SUM only"):
+        sharder.split(make_ebc(weighted=True, mean=True))
+    ebc = make_ebc()
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t0"].weight], {"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match="table 't0': momentum=0.9"):
+        sharder.split(ebc)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    wd = {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.L2}
+    with pytest.raises(ValueError, match="weight_decay=0.1: FBGEMM's CPU kernels"):
+        HeraldEmbeddingBagCollectionSharder(fused_params=wd).split(make_ebc(), device=torch.device("cpu"))
+
+
+def test_planner_constraints_give_refused_tables_stock_types() -> None:
+    from herald_torchrec.distributed import HeraldEmbeddingBagCollectionSharder
+
+    sharder = HeraldEmbeddingBagCollectionSharder()
+    assert sharder.sharding_types("cpu") == ["row_wise"] and sharder.compute_kernels("row_wise", "cpu") == ["fused"]
+    c = sharder.planner_constraints(make_ebc())  # nothing refused: only the home placement is offered
+    assert all(v.sharding_types == ["row_wise"] for v in c.values()) and sharder.sharding_types("cpu") == ["row_wise"]
+    c = sharder.planner_constraints(make_ebc(fp16=True), ["table_wise"])
+    assert c["t1"].sharding_types == ["table_wise"]
+    assert c["t0"].sharding_types == ["row_wise"] and c["t0"].compute_kernels == ["fused"]
+    offered = sharder.sharding_types("cpu")
+    assert "table_wise" in offered and "row_wise" in offered and "data_parallel" not in offered
+    assert "dense" not in sharder.compute_kernels("table_wise", "cpu")
+
+
+def build(kind: str, fp16: tuple[str, ...] = ("t2",)):
+    """The model sharded by DMP with Herald's sharder alone and its default planner (`herald`), or with TorchRec's
+    sharder planned ROW_WISE (`stock`: the placement Herald's tables and the tables it leaves get by default; TorchRec
+    offers ROW_WISE on CUDA only, and runs it on CPU too), and the pipeline class to train it with."""
+    import torch.distributed as dist
+    from torchrec.distributed import TrainPipelineSparseDist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
+    from herald_torchrec.distributed.sharder import with_row_wise
+    from tests.scenarios.test_dropin import set_tables
+
+    class RowWiseStock(EmbeddingBagCollectionSharder):
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return with_row_wise(super().sharding_types(compute_device_type))
+
+    model = FP16Model(fp16)
+    init = {n: b.weight.detach().clone() for e in (model.ebc_a, model.ebc_b) for n, b in e.embedding_bags.items()}
+    for ebc in (model.ebc_a, model.ebc_b):
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
+    herald = kind == "herald"
+    plan = None
+    if herald:
+        sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2)
+    else:
+        sharder = RowWiseStock()
+        rw = {t: ParameterConstraints(sharding_types=["row_wise"]) for t in ROWS}
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), constraints=rw)
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    set_tables(dmp, init)  # TorchRec's shards draw their own values: start from the unsharded model's
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
+    left = [str(w.message) for w in caught if "left to TorchRec" in str(w.message)]
+    return dmp, dense, (HeraldTrainPipeline if herald else TrainPipelineSparseDist), left
+
+
+def any_model_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import get_unwrapped_module
+
+    dmp, dense, pipeline_cls, left = build(kind)
+    pipeline = pipeline_cls(dmp, dense, torch.device("cpu"))
+    it = iter(batches(rank, STEPS))
+    for _ in range(STEPS):
+        pipeline.progress(it)
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+    net = get_unwrapped_module(dmp)
+    out = {"types": {n: type(getattr(net, n)).__name__ for n in ("ebc_a", "ebc_b")}, "warnings": left}
+    if kind == "herald":
+        out["counters"] = dict(pipeline.trained_counters)
+        pipeline.close()
+        dmp2, dense2, _, _ = build(kind, fp16=("t0", "t1", "t2"))  # every EBC left to TorchRec
+        try:
+            pipeline_cls(dmp2, dense2, torch.device("cpu"))
+            out["no_herald_error"] = None
+        except ValueError as e:
+            out["no_herald_error"] = str(e)
+    torch.save(out, rank_result(out_dir, rank))
+
+
+def test_one_herald_sharder_shards_an_fp16_ebc_with_torchrec(tmp_path: Path) -> None:
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    got = {}
+    for kind in ("stock", "herald"):
+        run_ranks("tests.distributed.test_any_model_sharder:any_model_worker", tmp_path / kind, world_size=2, kind=kind)
+        got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    r0 = torch.load(rank_result(tmp_path / "herald", 0))
+    assert r0["types"] == {"ebc_a": "ShardedHeraldEmbeddingBagCollection", "ebc_b": "ShardedEmbeddingBagCollection"}
+    (warning,) = r0["warnings"]
+    assert "['t2']" in warning and "data_type=FP16" in warning and "'ebc_b'" in warning, warning
+    assert r0["counters"]["shared_value"] + r0["counters"]["migrate"] > 0  # ebc_a was scheduled
+    err = r0["no_herald_error"]
+    assert err and "no Herald-managed sharded module" in err and "'t2'" in err and "data_type=FP16" in err, err
+    stock, herald = got["stock"], got["herald"]
+    assert sorted(stock) == sorted(herald)
+    t2 = next(k for k in stock if k.endswith("embedding_bags.t2.weight"))
+    assert stock[t2].dtype == herald[t2].dtype == torch.float16  # trained in its own precision, as stock does
+    fp32 = [k for k in stock if k != t2]
+    assert sum(".embedding_bags." in k for k in fp32) == 2
+    worst = max(float((stock[k] - herald[k]).abs().max()) for k in fp32)
+    assert worst <= 1e-5, worst
+    init = FP16Model().ebc_b.embedding_bags["t2"].weight.detach().float()
+    assert float((stock[t2].float() - init).abs().max()) > 1e-3  # t2 trained: the comparison is not vacuous
+    assert torch.allclose(stock[t2].float(), herald[t2].float(), rtol=1e-3, atol=1e-5)  # FP16 rounding
+    # and one process on the global batches (torch's SGD on every table; FP16's rounding differs for t2 alone)
+    ref = one_process_reference(2, STEPS, model=FP16Model)
+    worst = max(float((ref[k] - herald[k]).abs().max()) for k in fp32)
+    assert worst <= 1e-5, worst
