@@ -234,8 +234,7 @@ RUNS = {
         None,
     ),
 }
-# runs whose model pools these tables by MEAN; they compare with stock TABLE_WISE, whose bags are whole on one rank:
-# stock ROW_WISE averages each shard's part of a bag by that part's length, then sums the parts (not the bag's mean)
+# runs whose model pools these tables by MEAN (compared with stock ROW_WISE, as every run here)
 MEAN_TABLES = {"mean_pooling_rowwise_adagrad": ("t1", "t2")}
 
 
@@ -387,7 +386,7 @@ def optimizer_worker(rank: int, world: int, out_dir: str, runs: list[str]) -> No
         mean = MEAN_TABLES.get(name, ())
         res = {
             "herald": _run_herald(fp, in_backward, batches, rank, world, mean),
-            "stock": _run_stock(fp, in_backward, batches, rank, world, mean, table_wise=bool(mean)),
+            "stock": _run_stock(fp, in_backward, batches, rank, world, mean),
         }
         if unclipped is not None:
             res["unclipped"] = P.run_reference(unclipped, batches, world, True)["weights"]
@@ -455,8 +454,7 @@ def test_herald_trains_like_stock_row_wise(optimizer_runs: dict, name: str) -> N
         scale = max(float(v.abs().max()) for v in s["states"].values())
         assert scale > 1e-5 and _max_diff(h["states"], s["states"]) <= 1e-5 * scale
     # the checkpoint's view of the optimizer state: stock ROW_WISE's keys, global shapes and this rank's shards
-    if name not in MEAN_TABLES:  # (those compare with TABLE_WISE, whose shards are whole tables)
-        assert h["optimizer_state_layout"] == s["optimizer_state_layout"], name
+    assert h["optimizer_state_layout"] == s["optimizer_state_layout"], name
     if "adagrad" in name:
         dim = P.DIM if "exact_adagrad" in name else None
         for param, states in h["optimizer_state_layout"].items():
