@@ -20,6 +20,8 @@ SCHEDULER_ARGS = {
     "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
     # shared rows sent to and from every reader directly, not once per host (host_relay.py; A/B on shared hosts)
     "herald_no_relay": ["scheduler=herald", "scheduler.host_relay=false"],
+    # Herald replicating the rows every host reads (all-reduced), beside the relays
+    "herald_replicate": ["scheduler=herald", "scheduler.replicate=true"],
     # the input stage 16 batches ahead instead of the default 2 (measured: no gain, the stage cannot run ahead on a
     # saturated core at either depth)
     "herald_prefetch16": ["scheduler=herald", "scheduler.prefetch=16"],
