@@ -118,9 +118,10 @@ def pair_routes(
     first = np.ones(order.shape[0], dtype=bool)
     first[1:] = codes[1:] != codes[:-1]
     relay_code, relay_of_code = codes[first], order[first]  # the lowest non-fill reader of every (row, host)
-    at = np.minimum(np.searchsorted(relay_code, code), max(relay_code.shape[0] - 1, 0))
-    has = relay_code.shape[0] > 0
-    relay_pair = np.where(has & (relay_code[at] == code), relay_of_code[at], own_pair) if has else own_pair
+    relay_pair = own_pair  # a (row, host) with no non-fill reader has no relay: its pairs are direct
+    if relay_code.shape[0]:
+        at = np.minimum(np.searchsorted(relay_code, code), relay_code.shape[0] - 1)
+        relay_pair = np.where(relay_code[at] == code, relay_of_code[at], own_pair)
     is_relay = relay_pair == own_pair
     direct_value = is_relay | fill | (reader_host == host[owner_before])  # (a fill pair needs no value at all)
     direct_grad = is_relay | (reader_host == host[owner_after])
