@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -84,9 +85,9 @@ def open_trace(args, global_batch: int) -> tuple[list[int], Iterator[np.ndarray]
         spec = SyntheticSpec(locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed)
         gen = SyntheticCTR(spec)
 
-        def it() -> Iterator[np.ndarray]:
-            for i in gen.train_indices():
-                yield gen.global_batch(i, global_batch).ids
+        def it() -> Iterator[np.ndarray]:  # the training stream (held-out blocks skipped), as the trainer cuts it
+            for first in itertools.count(0, global_batch):
+                yield gen.train_samples(first, global_batch).ids
 
         return list(gen.table_rows), it()
     module, cls = LOADERS[args.data]
