@@ -82,7 +82,11 @@ def parse_workers(text: str) -> list[int]:
 def open_trace(args, global_batch: int) -> tuple[list[int], Iterator[np.ndarray]]:
     """(table_rows, iterator of int64 id arrays [global_batch, T]) in log order."""
     if args.data == "synthetic":
-        spec = SyntheticSpec(locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed)
+        # held-out blocks of one global batch each: every R replays the trace its figures were measured on (a
+        # trainer run at this global batch with data.val_block set to it sees the same samples)
+        spec = SyntheticSpec(
+            locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed, val_block=global_batch
+        )
         gen = SyntheticCTR(spec)
 
         def it() -> Iterator[np.ndarray]:  # the training stream (held-out blocks skipped), as the trainer cuts it
