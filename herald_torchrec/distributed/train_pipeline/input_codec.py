@@ -19,7 +19,7 @@ about arbitrary objects, this module translates (`PipelineableCodec`):
 Fields are the object's dataclass fields, or its `vars()`; a field may also be a list, tuple or dict of the above
 (one level). The rebuilt object is a shallow copy of the first slice's with its sample fields replaced (so frozen
 dataclasses and classes whose `__init__` takes other arguments work). `torchrec.datasets.utils.Batch` never comes
-here: it is the stage's own form (the fast path, unchanged).
+here: it is the stage's own form (the fast path, unchanged); a subclass of it does, so that it comes back as itself.
 
 Managed keys (read by Herald-managed tables) keep their names in the internal KJT and must appear in exactly one
 KJT field; other keys are renamed `field/key` where two fields share them.

@@ -120,9 +120,10 @@ def check_batch(batch: object) -> Batch:
 
 def slice_layout(batch: object, tables: ManagedTables) -> SliceLayout:
     """The layout the first slice defines (raises ValueError for what the stage cannot carry). A batch of another
-    type than torchrec's Batch (any Pipelineable) travels as the Batch its codec makes (input_codec.py)."""
+    type than torchrec's Batch (any Pipelineable, subclasses of Batch included: they come back as themselves) travels
+    as the Batch its codec makes (input_codec.py)."""
     codec = None
-    if not isinstance(batch, Batch):
+    if type(batch) is not Batch:
         codec = PipelineableCodec.of(batch, tables.keys())
         batch = codec.encode(batch)
     batch = check_batch(batch)

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
+from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
@@ -25,6 +26,7 @@ from herald_torchrec.distributed.train_pipeline.input_layout import (
     planner_parts,
     received_samples,
     sample_blocks,
+    sample_major_ids,
     slice_layout,
 )
 
@@ -198,3 +200,30 @@ def test_what_the_stage_cannot_carry_is_one_line_naming_the_field() -> None:
         r"field idlist: weights, the first batch's KJT had none",
         first_slice=first,
     )
+
+
+@dataclass
+class TaggedBatch(Batch):
+    """A user's subclass of torchrec's Batch with a per-sample field of its own."""
+
+    sample_id: Optional[torch.Tensor] = None
+
+
+def test_a_batch_subclass_comes_back_as_itself_with_its_own_fields() -> None:
+    """torchrec's Batch keeps its own path; a subclass travels through the codec, so its extra field is not lost."""
+    plain = make_sample(3)
+    kjt3 = plain.idlist
+    b = TaggedBatch(plain.float_features, kjt3, plain.label.float(), sample_id=torch.arange(B) * 10)
+    tables = ManagedTables(("ta", "tb"), (10, 7), (("a",), ("b",)), (0,))
+    layout = slice_layout(b, tables)
+    assert layout.codec is not None
+    assert slice_layout(Batch(b.dense_features, kjt3, b.labels), tables).codec is None  # Batch itself: no codec
+    hs = host_slice(b, layout)
+    ids = gather_ids(hs.lengths[None], [managed_ids(hs, layout)], layout)
+    mine = np.array([2, 0, 3, 1])
+    lengths, values = assigned_kjt_parts(ids, layout, mine, sample_major_ids(hs, layout.carried, mine))
+    out = assigned_batch(lengths, values, hs.fixed[mine], layout)
+    assert type(out) is TaggedBatch
+    assert torch.equal(out.sample_id, b.sample_id[mine]) and torch.equal(out.labels, b.labels[mine])
+    assert torch.equal(out.dense_features, b.dense_features[mine])
+    assert bags(out.sparse_features) == {k: [v[i] for i in mine] for k, v in bags(kjt3).items()}
