@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
@@ -185,6 +186,8 @@ def host_slice(batch: object, layout: SliceLayout) -> HostSlice:
     """Parse a slice for the wire, with every check a rank can make alone (ValueError names what is wrong)."""
     if layout.codec is not None:
         batch = layout.codec.encode(batch)
+    elif type(batch) is not Batch and isinstance(batch, Pipelineable):
+        raise ValueError(f"a {type(batch).__name__} batch after a first batch of torchrec.datasets.utils.Batch")
     batch = check_batch(batch)
     kjt = batch.sparse_features
     keys = tuple(kjt.keys())

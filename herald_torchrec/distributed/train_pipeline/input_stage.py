@@ -316,7 +316,8 @@ class ScheduledInput:
             return False
         if (got[:, 1:] != got[0, 1:]).any():
             raise ValueError(
-                "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes): "
+                "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes, a "
+                "Pipelineable's fields and batch-independent values): "
                 f"batch sizes {got[:, 1].tolist()}, key counts {got[:, 2].tolist()}; every rank must feed slices "
                 "of the same global batch"
             )

@@ -195,6 +195,10 @@ def test_what_the_stage_cannot_carry_is_one_line_naming_the_field() -> None:
     refused(replace(make_sample(2), idscore=None), r"fields .* differ|field idscore: a NoneType", first_slice=first)
     refused(replace(make_sample(2), idlist=first.idscore), r"field idlist: keys \['w', 'x'\] differ", first_slice=first)
     refused(make_sample(2, n=B + 1), r"a batch of 5 samples, more than the first batch's 4", first_slice=first)
+    as_batch = Batch(first.float_features, first.idlist, first.label)
+    refused(as_batch, r"a Batch batch after a first batch of Sample", first_slice=first)
+    with pytest.raises(ValueError, match=r"a Sample batch after a first batch of torchrec.datasets.utils.Batch"):
+        host_slice(first, slice_layout(as_batch, ManagedTables(("ta", "tb"), (10, 7), (("a",), ("b",)), (0,))))
     refused(
         replace(make_sample(2), idlist=kjt(["a", "x", "b"], rng, weighted=True)),
         r"field idlist: weights, the first batch's KJT had none",
