@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -81,12 +82,16 @@ def parse_workers(text: str) -> list[int]:
 def open_trace(args, global_batch: int) -> tuple[list[int], Iterator[np.ndarray]]:
     """(table_rows, iterator of int64 id arrays [global_batch, T]) in log order."""
     if args.data == "synthetic":
-        spec = SyntheticSpec(locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed)
+        # held-out blocks of one global batch each: every R replays the trace its figures were measured on (a
+        # trainer run at this global batch with data.val_block set to it sees the same samples)
+        spec = SyntheticSpec(
+            locality=args.locality, zipf=args.zipf, scale=args.scale, seed=args.seed, val_block=global_batch
+        )
         gen = SyntheticCTR(spec)
 
-        def it() -> Iterator[np.ndarray]:
-            for i in gen.train_indices():
-                yield gen.global_batch(i, global_batch).ids
+        def it() -> Iterator[np.ndarray]:  # the training stream (held-out blocks skipped), as the trainer cuts it
+            for first in itertools.count(0, global_batch):
+                yield gen.train_samples(first, global_batch).ids
 
         return list(gen.table_rows), it()
     module, cls = LOADERS[args.data]

@@ -5,6 +5,7 @@ Kept as one direct function (nanoGPT style) over small helpers; `train.py` only 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -12,7 +13,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -48,17 +49,16 @@ from herald_torchrec.models import FeatureSpec, TrainModel, build_model
 
 CHECKPOINT = "checkpoint"  # a torch.distributed.checkpoint directory under run_dir
 # what a checkpoint must agree on to be resumed (the rest — scheduler, cache ratio, logging, the number of ranks and
-# so each rank's batch — may change). The global batch fixes the sample stream: the data are cut into global batches
-# of ranks x trainer.batch_size samples, and the validation batches are interleaved by batch index.
+# each rank's batch, so the global batch — may change). The data split is fixed per sample, and a checkpoint records
+# the training samples it consumed (DataPosition), so a resumed run continues at the next sample at any global batch.
 RESUME_KEYS = (
     "model",
     "data",
     "seed",
     "trainer.embedding_optimizer",
     "trainer.dense_optimizer",
-    "global_batch",
 )
-RECORDED_KEYS = ("trainer.batch_size", "world_size")  # in the checkpoint's identity, free to change on resume
+RECORDED_KEYS = ("trainer.batch_size", "world_size", "global_batch")  # in the identity, free to change on resume
 
 
 class ConfigError(ValueError):
@@ -127,6 +127,92 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
 
 
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a training stream stands, in samples rather than steps: every epoch before `epoch` and the first `sample`
+    training samples of `epoch` are trained (`samples_trained` in all). It does not depend on the global batch, so a
+    run resumed at another one continues at exactly the next training sample. `reordered`: the stream's global batches
+    were reordered (fae), so `sample` counts whole reordered global batches, not a prefix of the epoch."""
+
+    epoch: int = 0
+    sample: int = 0
+    samples_trained: int = 0
+    reordered: bool = False
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "DataPosition":
+        return cls(int(meta["epoch"]), int(meta["sample"]), int(meta["samples_trained"]), bool(meta["reordered"]))
+
+
+class TrainStream:
+    """This rank's slices of the training global batches from `start` on: each epoch's training samples cut into
+    consecutive global batches from its first untrained sample. A global batch never spans two epochs (an epoch's
+    incomplete tail is dropped), so every epoch is the same samples whatever the global batch, and "the samples after
+    the checkpoint" is the rest of its epoch, then the next epochs. `reorder` (the scheduler's, e.g. fae's) transforms
+    each epoch's global batches before the slicing. The stream notes where each epoch began in its own batch count, so
+    `position_after(n)` is known when a checkpoint is written, however far the pipeline has read ahead."""
+
+    def __init__(
+        self,
+        source: DataSource,
+        batch: int,
+        ctx: DistContext,
+        epochs: int | None,
+        start: DataPosition = DataPosition(),
+        reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None,
+    ) -> None:
+        self.source, self.batch, self.ctx, self.epochs, self.start, self.reorder = (
+            source,
+            batch,
+            ctx,
+            epochs,
+            start,
+            reorder,
+        )
+        self.global_batch = batch * ctx.world_size
+        self._epoch_at: list[int] = []  # batches this stream yielded before each epoch it began
+        self._epoch_first: list[tuple[int, int]] = []  # (epoch, its first sample in this stream)
+
+    def __iter__(self) -> Iterator[Samples]:
+        g, b, r = self.global_batch, self.batch, self.ctx.rank
+        lo, hi = r * b, (r + 1) * b
+        passes = itertools.count(self.start.epoch) if self.epochs is None else range(self.start.epoch, self.epochs)
+        n = 0
+        for epoch in passes:
+            first = self.start.sample if epoch == self.start.epoch else 0
+            self._epoch_first.append((epoch, first))
+            self._epoch_at.append(n)
+            if self.reorder is None:  # the source cuts this rank's slice (the synthetic log makes only that)
+                slices = self.source.train_slices(g, lo, hi, first)
+            else:  # a reorder needs whole global batches; `first` counts whole reordered batches (resume checks it)
+                whole = self.reorder(self.source.train_batches(g))
+                slices = (s.take(slice(lo, hi)) for s in itertools.islice(whole, first // g, None))
+            produced = False
+            for s in slices:
+                produced = True
+                n += 1
+                yield s
+            if not produced and first == 0:
+                raise ConfigError(
+                    f"the training split has no complete global batch of {g} samples ({self.ctx.world_size} ranks x "
+                    f"trainer.batch_size={b}); use a smaller batch or more data"
+                )
+
+    def position_after(self, n: int) -> DataPosition:
+        """Where the stream stands once its first n global batches are trained: just after the n-th batch, in the
+        epoch that batch belongs to (the last epoch begun before it)."""
+        if n <= 0:
+            return self.start
+        i = bisect.bisect_left(self._epoch_at, n) - 1  # the last epoch that began before batch n
+        epoch, first = self._epoch_first[i]
+        return DataPosition(
+            epoch,
+            first + (n - self._epoch_at[i]) * self.global_batch,
+            self.start.samples_trained + n * self.global_batch,
+            self.reorder is not None or self.start.reordered,
+        )
+
+
 def local_samples(
     source: DataSource,
     batch: int,
@@ -135,27 +221,27 @@ def local_samples(
     epochs: int | None,
     reorder: Callable[[Iterator[Samples]], Iterator[Samples]] | None = None,
 ) -> Iterator[Samples]:
-    """This rank's slice of each global batch; the training stream loops over epochs (None = forever). `reorder`
-    (the scheduler's, e.g. fae's) transforms each epoch's global batches before the slicing."""
+    """This rank's slice of each global batch: the training stream from its start (`TrainStream`, looping over
+    `epochs`, None = forever), or one pass over the held-out split."""
+    if train:
+        yield from TrainStream(source, batch, ctx, epochs, reorder=reorder)
+        return
     g = batch * ctx.world_size
     lo, hi = ctx.rank * batch, (ctx.rank + 1) * batch
-    passes = itertools.count() if (train and epochs is None) else range(epochs if train else 1)
-    for _ in passes:
-        produced = False
-        if reorder is None:  # the source cuts this rank's slice (the synthetic log makes only that)
-            slices = source.train_slices(g, lo, hi) if train else source.val_slices(g, lo, hi)
-        else:  # a reorder needs whole global batches
-            slices = (
-                s.take(slice(lo, hi)) for s in reorder(source.train_batches(g) if train else source.val_batches(g))
-            )
-        for s in slices:
-            produced = True
-            yield s
-        if not produced:
-            raise ConfigError(
-                f"the {'training' if train else 'validation'} split has no complete global batch of {g} samples "
-                f"({ctx.world_size} ranks x trainer.batch_size={batch}); use a smaller batch or more data"
-            )
+    slices = (
+        source.val_slices(g, lo, hi)
+        if reorder is None
+        else (s.take(slice(lo, hi)) for s in reorder(source.val_batches(g)))
+    )
+    produced = False
+    for s in slices:
+        produced = True
+        yield s
+    if not produced:
+        raise ConfigError(
+            f"the validation split has no complete global batch of {g} samples ({ctx.world_size} ranks x "
+            f"trainer.batch_size={batch}); use a smaller batch or more data"
+        )
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # train.py's Hydra config groups
@@ -247,11 +333,18 @@ def check_splits(source: DataSource, cfg: DictConfig, ctx: DistContext) -> None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a resumed run continues: the global step, and the shape of the run that wrote the checkpoint."""
+    """Where a resumed run continues: the global step, the training samples consumed (None: a checkpoint of an
+    earlier version, which recorded only the step; it continues at its own global batch by skipping `step` batches),
+    and the shape of the run that wrote the checkpoint."""
 
     step: int
+    position: DataPosition | None
     world_size: int
     batch_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
 
 
 def _identity(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -310,17 +403,21 @@ def first_nonfinite(state: dict[str, Any], ctx: DistContext) -> str | None:
     return bad or f"a tensor of rank {int(float(flag)) - 1}"
 
 
-def save_checkpoint(setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext) -> None:
-    """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers and the step (data are
-    deterministic by step), with its manifest (app/checkpoint.py: every file's size and sha256). Collective. Written
-    into `checkpoint.tmp/`, then renamed by rank 0 once the manifest is complete; the previous checkpoint stays until
-    the new one is complete (`checkpoint.old/` during the swap, also read by `resume`)."""
+def save_checkpoint(
+    setup: ShardedSetup, run_dir: Path, step: int, cfg: DictConfig, ctx: DistContext, position: DataPosition
+) -> None:
+    """`<run_dir>/checkpoint/`: a torch.distributed.checkpoint of the model, both optimizers, the step and the training
+    samples consumed (`position`: the data are deterministic per sample), with its manifest (app/checkpoint.py: every
+    file's size and sha256). Collective. Written into `checkpoint.tmp/`, then renamed by rank 0 once the manifest is
+    complete; the previous checkpoint stays until the new one is complete (`checkpoint.old/` during the swap, also read
+    by `resume`)."""
     dirs = CheckpointDirs.of(run_dir, CHECKPOINT)
     if ctx.is_main:
         shutil.rmtree(dirs.tmp, ignore_errors=True)  # left by an interrupted save
     _barrier(ctx)
     identity = _identity(cfg, ctx.world_size)
-    state = _checkpoint_state(setup, json.dumps({"step": step, "identity": identity}))
+    meta = {"step": step, "identity": identity, "data_position": asdict(position)}
+    state = _checkpoint_state(setup, json.dumps(meta))
     bad = first_nonfinite(state, ctx)
     if bad is not None:  # never replace a good checkpoint with a diverged one
         raise TrainingDiverged(divergence_message(step, f"{bad} is not finite", cfg, run_dir))
@@ -335,9 +432,10 @@ def _barrier(ctx: DistContext) -> None:
 def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext) -> ResumePoint | None:
     """Load `<run_dir>/checkpoint/` into a fresh setup (TorchRec's idiom: the setup's own state dicts, filled in place
     by DCP, then loaded; Herald tables come back at their home placement); returns where to continue (None: no
-    checkpoint, start from step 0). The number of ranks may differ from the checkpoint's (DCP reshards the tables and
-    optimizer state) as long as the global batch is the same, so the run continues over exactly the samples the
-    checkpoint had not trained. Refuses (ConfigError) a checkpoint of another model, data, optimizer or global batch."""
+    checkpoint, start from step 0). The number of ranks and the batch size may differ from the checkpoint's (DCP
+    reshards the tables and optimizer state): the checkpoint records the training samples it consumed, and the run
+    continues at the next one. Refuses (ConfigError) a checkpoint of another model, data or optimizer, and another
+    global batch where the stream is counted in global batches (`check_data_position`)."""
     import torch.distributed.checkpoint as dcp
 
     path = run_dir / CHECKPOINT
@@ -367,13 +465,8 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
     have, want = dict(meta["identity"]), _identity(cfg, ctx.world_size)
     if "global_batch" not in have:  # written before the global batch was recorded
         have["global_batch"] = have["trainer.batch_size"] * have["world_size"]
-    if have["global_batch"] != want["global_batch"]:
-        raise ConfigError(
-            f"{path} was trained with global batches of {have['global_batch']} samples ({have['world_size']} "
-            f"rank(s) x trainer.batch_size={have['trainer.batch_size']}), this run makes {want['global_batch']}: "
-            "the data are cut into global batches (validation batches interleaved by batch index), so only the same "
-            f"global batch continues the same samples; use ranks x trainer.batch_size = {have['global_batch']}"
-        )
+    position = DataPosition.from_meta(meta["data_position"]) if "data_position" in meta else None
+    check_data_position(path, have, want, position, setup.reorder is not None)
     # keys the checkpoint does not record (written by an earlier version) are not compared
     diff = {k: (have[k], want[k]) for k in RESUME_KEYS if k in have and have[k] != want[k]}
     if diff:
@@ -390,7 +483,57 @@ def resume(setup: ShardedSetup, run_dir: Path, cfg: DictConfig, ctx: DistContext
         setup.model.fused_optimizer.load_state_dict(optim["fused"])
     if "dense" in optim:
         setup.dense_optimizer.load_state_dict(optim["dense"])
-    return ResumePoint(int(meta["step"]), int(have["world_size"]), int(have["trainer.batch_size"]))
+    return ResumePoint(int(meta["step"]), position, int(have["world_size"]), int(have["trainer.batch_size"]))
+
+
+def check_data_position(
+    path: Path, have: dict[str, Any], want: dict[str, Any], position: DataPosition | None, reorders: bool
+) -> None:
+    """Refuse (ConfigError) a resume that could not continue after exactly the samples the checkpoint trained:
+    - a checkpoint of an earlier version records only its step, so only its own global batch continues its stream;
+      on the synthetic log, whose split then held out every val_every-th global batch, also only with data.val_block
+      equal to that global batch (`have["data"]` gets the block it used, so the data compare equal);
+    - a stream whose global batches are reordered (fae) counts its position in whole reordered global batches: a
+      checkpoint written or resumed under a reordering scheduler continues mid-epoch only at the same global batch
+      and under a reordering scheduler again."""
+    g_have, g_want = have["global_batch"], want["global_batch"]
+    shape = f"{have['world_size']} rank(s) x trainer.batch_size={have['trainer.batch_size']}"
+    if position is None:
+        if g_have != g_want:
+            raise ConfigError(
+                f"{path} was trained with global batches of {g_have} samples ({shape}), this run makes {g_want}: "
+                "the checkpoint was written by an earlier version, which records steps and not samples, so only the "
+                f"same global batch continues the same samples; use ranks x trainer.batch_size = {g_have}"
+            )
+        data = have.get("data")
+        if isinstance(data, dict) and data.get("name") == "synthetic" and "val_block" not in data:
+            block = (want.get("data") or {}).get("val_block", g_have)
+            if block != g_have:
+                raise ConfigError(
+                    f"{path} was written by an earlier version, whose synthetic split held out every val_every-th "
+                    f"global batch of {g_have} samples; resume it with data.val_block={g_have} (now {block})"
+                )
+            have["data"] = {**data, "val_block": block}
+        return
+    if not (reorders or position.reordered) or position.sample == 0:
+        return
+    if g_have != g_want:
+        raise ConfigError(
+            f"{path} stands at sample {position.sample} of epoch {position.epoch} of a stream whose global batches "
+            f"{'are' if reorders else 'were'} reordered (scheduler fae reorders each epoch's global batches, so its "
+            f"place is counted in global batches of {g_have} samples, {shape}); this run makes {g_want}: use ranks x "
+            f"trainer.batch_size = {g_have}"
+        )
+    if reorders != position.reordered:
+        raise ConfigError(
+            f"{path} stands mid-epoch (sample {position.sample} of epoch {position.epoch}) in a stream "
+            + (
+                "in log order, which a reordering scheduler (fae) would not continue sample for sample"
+                if reorders
+                else "reordered by scheduler fae, which only fae continues sample for sample"
+            )
+            + "; resume under the checkpoint's scheduler (at the end of this epoch any scheduler continues)"
+        )
 
 
 LOCK_FILE = ".lock"  # in run_dir: held (flock) by rank 0 of the job writing there
@@ -473,12 +616,19 @@ def claim_run_dir(run_dir: Path, cfg: DictConfig, ctx: DistContext) -> RunDirLoc
 
 
 def resharded_note(point: ResumePoint, cfg: DictConfig, world_size: int) -> str:
-    """The line a run resumed at another number of ranks prints. Nothing else needs to change: the same global batch
-    is the same samples, and its update does not depend on how it is split between ranks (DDP averages the dense
-    gradients; TorchRec's gradient division scales the embedding gradients alike, and Herald's equal stock's)."""
+    """The line a run resumed at another shape prints. Nothing else needs to change: a global batch's update does not
+    depend on how it is split between ranks (DDP averages the dense gradients; TorchRec's gradient division scales the
+    embedding gradients alike, and Herald's equal stock's), and another global batch continues at the next sample."""
+    g = world_size * cfg.trainer.batch_size
+    same = point.global_batch == g
     return (
         f"[herald] resharded: checkpoint of {point.world_size} rank(s) x batch {point.batch_size}, now {world_size} x "
-        f"{cfg.trainer.batch_size} (the same global batch: the same samples and updates)"
+        f"{cfg.trainer.batch_size} "
+        + (
+            "(the same global batch: the same samples and updates)"
+            if same
+            else f"(global batch {point.global_batch} -> {g}: the next samples, cut into the new global batches)"
+        )
     )
 
 
@@ -547,8 +697,16 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
     point = resume(setup, run_dir, cfg, ctx) if cfg.trainer.get("resume") else None
     start = 0 if point is None else point.step
     if point is not None:
-        say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}")
-        if point.world_size != ctx.world_size:
+        at = (
+            ""
+            if point.position is None
+            else (
+                f", training sample {point.position.sample} of epoch {point.position.epoch} "
+                f"({point.position.samples_trained} samples trained)"
+            )
+        )
+        say(f"[herald] resumed from {run_dir / CHECKPOINT} at step {start}{at}")
+        if (point.world_size, point.batch_size) != (ctx.world_size, cfg.trainer.batch_size):
             say(resharded_note(point, cfg, ctx.world_size))
     # TensorBoard: whatever an earlier run logged in run_dir after this run's first step is hidden (Logger)
     logger = Logger(run_dir, ctx.is_main, purge_step=start + 1)
@@ -558,10 +716,16 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         if note is not None:
             say(f"[herald] note: {note}")
     steps_cap = cfg.trainer.steps
-    stream = local_samples(
-        source, cfg.trainer.batch_size, ctx, train=True, epochs=cfg.trainer.epochs, reorder=setup.reorder
-    )
-    stream = itertools.islice(stream, start, steps_cap)  # the data are deterministic: skip what was trained
+    if point is None or point.position is None:  # from the start; an earlier version's checkpoint: skip its batches
+        train_stream = TrainStream(source, cfg.trainer.batch_size, ctx, cfg.trainer.epochs, reorder=setup.reorder)
+        stream_base = 0  # the global step of the stream's first batch
+        stream = itertools.islice(train_stream, start, steps_cap)
+    else:  # the samples after the checkpoint's, at this run's global batch
+        train_stream = TrainStream(
+            source, cfg.trainer.batch_size, ctx, cfg.trainer.epochs, point.position, reorder=setup.reorder
+        )
+        stream_base = start
+        stream = itertools.islice(train_stream, None if steps_cap is None else max(steps_cap - start, 0))
     ckpt_every = cfg.trainer.get("checkpoint_interval") or 0
     train_iter = setup.train_batches(stream)  # once: a scheduler's lookahead spans evaluation pauses
     eval_every = cfg.trainer.eval_interval or 0
@@ -629,7 +793,7 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
             if ckpt_every and step % ckpt_every == 0:
                 stop_if_diverged()
                 write_metrics("running")  # the history up to this checkpoint, for a resume after an interruption
-                save_checkpoint(setup, run_dir, step, cfg, ctx)
+                save_checkpoint(setup, run_dir, step, cfg, ctx, train_stream.position_after(step - stream_base))
         train_time += time.time() - seg_start
         stop_if_diverged()  # before an evaluation and at the end of training
         if seg_steps == 0:
@@ -662,6 +826,7 @@ def _train(cfg: DictConfig, ctx: DistContext, source: DataSource) -> dict[str, A
         "world_size": ctx.world_size,
         "global_batch": global_batch,
         "comm_bytes_per_step": float(sent) / max(step - start, 1),  # all ranks together, embeddings + sample exchange
+        "data_position": asdict(train_stream.position_after(step - stream_base)),  # the training samples consumed
         "wall_s": time.time() - t0,
         **setup.final_stats(step - start),
     }

@@ -19,6 +19,7 @@ SYNTHETIC_KEYS = (
     "num_dense",
     "seed",
     "val_every",
+    "val_block",
 )
 
 

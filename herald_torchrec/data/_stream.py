@@ -270,6 +270,7 @@ class LoaderStats:
     rows_malformed: int = 0
     samples_yielded: int = 0
     samples_dropped: int = 0  # the incomplete trailing global batch
+    samples_skipped: int = 0  # the head of the split a resumed run had trained already (`start`)
     batches: int = 0
     first_malformed_line: int | None = None  # 1-based line number in the file
     first_malformed_reason: str | None = None
@@ -413,12 +414,18 @@ class StreamingSource(DataSource):
     def _is_val(self, rows: np.ndarray) -> np.ndarray:
         return validation_mask(rows, self.val_fraction, self.split_seed)
 
-    def _pass(self, split: str, global_batch: int) -> Iterator[Samples]:
+    def _pass(self, split: str, global_batch: int, start: int = 0) -> Iterator[Samples]:
         if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
             raise ValueError(f"{self.kind}: global_batch must be a positive integer, got {global_batch!r}")
-        return self._stream(split, int(global_batch))
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(
+                f"{self.kind}: start must be an integer >= 0 (samples of the split to skip), got {start!r}"
+            )
+        return self._stream(split, int(global_batch), int(start))
 
-    def _stream(self, split: str, global_batch: int) -> Iterator[Samples]:
+    def _stream(self, split: str, global_batch: int, start: int = 0) -> Iterator[Samples]:
+        """The split's samples from its sample `start` on (the first `start` are read and skipped), cut into
+        consecutive global batches."""
         stats = LoaderStats(split=split)
         self.stats = stats
         self.pass_stats[split] = stats
@@ -427,7 +434,13 @@ class StreamingSource(DataSource):
             samples, sample_rows = self._build(payload, rows)
             val = self._is_val(sample_rows)
             keep = val if split == "val" else ~val
-            buf.add(samples if keep.all() else samples.take(keep))
+            kept = samples if keep.all() else samples.take(keep)
+            if start:  # still inside the skipped head of the split
+                skip = min(start, len(kept))
+                start -= skip
+                stats.samples_skipped += skip
+                kept = kept.take(slice(skip, len(kept)))
+            buf.add(kept)
             for batch in buf.pop_full():
                 stats.batches += 1
                 stats.samples_yielded += len(batch)
@@ -442,8 +455,8 @@ class StreamingSource(DataSource):
                 file=sys.stderr,
             )
 
-    def train_batches(self, global_batch: int) -> Iterator[Samples]:
-        return self._pass("train", global_batch)
+    def train_batches(self, global_batch: int, start: int = 0) -> Iterator[Samples]:
+        return self._pass("train", global_batch, start)
 
     def val_batches(self, global_batch: int) -> Iterator[Samples]:
         return self._pass("val", global_batch)

@@ -8,6 +8,13 @@ Every sample is a pure function of (seed, position in the log): its random draws
 (counter-based, like Philox), not a generator's state. So any rank, and the simulator, can produce any batch — or
 just its own slice of one, at 1/R of the cost — without state, and runs are bit-for-bit repeatable whatever the batch
 size. numpy only (the control plane uses it too).
+
+Split: the log is cut into blocks of `val_block` samples and every `val_every`-th block is held out for validation
+(blocks val_every-1, 2*val_every-1, ...). The split is fixed in samples, not in global batches, so the training
+stream — the training samples in log order, `train_samples(first, count)` — is the same whatever the global batch,
+and a run may continue from any training sample at another global batch (trainer.resume). The default block (512
+samples) is the default global batch (2 ranks x 256): there, the held-out blocks are exactly the every-tenth global
+batches that earlier versions held out.
 """
 
 from __future__ import annotations
@@ -79,7 +86,8 @@ class SyntheticSpec:
     trend_life: int = 20_000  # samples over which a trending id rises and fades
     num_dense: int = 13
     seed: int = 0
-    val_every: int = 10  # every val_every-th global batch is held out for validation
+    val_every: int = 10  # every val_every-th block of val_block samples is held out for validation
+    val_block: int = 512  # samples per split block (= the default global batch, 2 ranks x 256)
 
     def __post_init__(self) -> None:
         checks = [
@@ -92,6 +100,10 @@ class SyntheticSpec:
             (self.trend_life >= 1, f"trend_life must be >= 1, got {self.trend_life}"),
             (self.num_dense >= 0, f"num_dense must be >= 0, got {self.num_dense}"),
             (self.val_every >= 2, f"val_every must be >= 2, got {self.val_every}"),
+            (
+                isinstance(self.val_block, int) and not isinstance(self.val_block, bool) and self.val_block >= 1,
+                f"val_block must be an integer >= 1, got {self.val_block!r}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -190,8 +202,11 @@ class SyntheticCTR:
         its slice of a global batch, and a sample is the same whatever the batch size."""
         if start < 0 or count < 0:
             raise ValueError(f"samples: need start >= 0 and count >= 0, got start={start}, count={count}")
+        return self.samples_at(np.arange(start, start + count, dtype=np.int64))
+
+    def samples_at(self, pos: np.ndarray) -> Samples:
+        """The samples at log positions `pos` (int64, any order): each one depends on its own position only."""
         T, D = self.num_tables, self.num_dense
-        pos = np.arange(start, start + count, dtype=np.int64)
         ids = self._ids(pos)
         u = self._uniforms(pos, 4 * T, 2 * D + 1)
         dense = np.sqrt(-2.0 * np.log(u[:, :D])) * np.cos(2.0 * math.pi * u[:, D : 2 * D])  # Box-Muller normals
@@ -219,17 +234,29 @@ class SyntheticCTR:
             raise ValueError(f"batch_slice: need index >= 0, got {index}")
         return self.samples(index * size + lo, hi - lo)
 
-    def is_validation(self, index: int) -> bool:
-        return index % self.spec.val_every == self.spec.val_every - 1
+    # ---- the split: blocks of val_block samples, every val_every-th held out ---------------------------
+    def train_positions(self, first: int, count: int) -> np.ndarray:
+        """Log positions of training samples first..first+count-1 (the log without its held-out blocks)."""
+        if first < 0 or count < 0:
+            raise ValueError(f"train_positions: need first >= 0 and count >= 0, got first={first}, count={count}")
+        v, k = self.spec.val_every, self.spec.val_block
+        j = np.arange(first, first + count, dtype=np.int64)
+        per_cycle = (v - 1) * k  # training samples between two held-out blocks
+        return j // per_cycle * (v * k) + j % per_cycle
 
-    def train_indices(self, start: int = 0):
-        """Chronological indices of training batches (validation batches are interleaved and skipped)."""
-        i = start
-        while True:
-            if not self.is_validation(i):
-                yield i
-            i += 1
+    def val_positions(self, first: int, count: int) -> np.ndarray:
+        """Log positions of held-out samples first..first+count-1 (the held-out blocks, in log order)."""
+        if first < 0 or count < 0:
+            raise ValueError(f"val_positions: need first >= 0 and count >= 0, got first={first}, count={count}")
+        v, k = self.spec.val_every, self.spec.val_block
+        j = np.arange(first, first + count, dtype=np.int64)
+        return j // k * (v * k) + (v - 1) * k + j % k
 
-    def val_indices(self, count: int) -> list[int]:
-        v = self.spec.val_every
-        return [k * v + v - 1 for k in range(count)]
+    def train_samples(self, first: int, count: int) -> Samples:
+        """Training samples first..first+count-1: a pure function of the sample's place in the training stream,
+        whatever global batch they are cut into."""
+        return self.samples_at(self.train_positions(first, count))
+
+    def val_samples(self, first: int, count: int) -> Samples:
+        """Held-out samples first..first+count-1."""
+        return self.samples_at(self.val_positions(first, count))

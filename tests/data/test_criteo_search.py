@@ -144,6 +144,22 @@ def test_leak_column_contents_change_nothing(tmp_path):
     np.testing.assert_array_equal(a.bags["product_title"].values, b.bags["product_title"].values)
 
 
+def test_a_pass_from_a_training_sample():
+    """`train_batches(g, start)` skips the split's first `start` samples (a resumed run's head) and cuts the rest into
+    global batches: the stream after exactly `start` samples, whatever the global batch."""
+    src = CriteoSearchSource(SAMPLE, val_fraction=0.3, rows_per_table=ROWS, chunk_bytes=700)
+    every = collect(src.train_batches(1))
+    for g, start in [(7, 5), (4, 0), (9, 33), (1, len(every) - 1)]:
+        got = collect(src.train_batches(g, start))
+        n = (len(every) - start) // g * g
+        assert len(got) == n and src.pass_stats["train"].samples_skipped == start, (g, start)
+        np.testing.assert_array_equal(got.ids, every.ids[start : start + n])
+        np.testing.assert_array_equal(got.labels, every.labels[start : start + n])
+    assert list(src.train_batches(3, len(every))) == []  # nothing after the last sample
+    with pytest.raises(ValueError, match="start must be an integer >= 0"):
+        src.train_batches(3, -1)
+
+
 def test_split_blocks_and_gzip_give_the_same_stream(tmp_path):
     every = collect(CriteoSearchSource(SAMPLE, val_fraction=0.0, rows_per_table=ROWS).train_batches(1))
     src = CriteoSearchSource(SAMPLE, val_fraction=0.3, rows_per_table=ROWS, chunk_bytes=700)  # many small blocks

@@ -35,7 +35,7 @@ def test_a_rank_makes_only_its_slice() -> None:
 def test_source_slices_match_the_global_batches() -> None:
     from herald_torchrec.data.source import DataSource, SyntheticSource
 
-    src = SyntheticSource(SyntheticSpec(seed=1), epoch_batches=3, val_batches=2)
+    src = SyntheticSource(SyntheticSpec(seed=1, val_block=64), epoch_batches=3, val_batches=2)
     for mine, full in [
         (src.train_slices(64, 32, 64), src.train_batches(64)),
         (src.val_slices(64, 32, 64), src.val_batches(64)),
@@ -118,10 +118,10 @@ def test_trainer_draws_only_this_ranks_slice() -> None:
     from herald_torchrec.app.trainer import local_samples
     from herald_torchrec.data.source import SyntheticSource
 
-    src = SyntheticSource(SyntheticSpec(seed=5), epoch_batches=4, val_batches=2)
+    src = SyntheticSource(SyntheticSpec(seed=5, val_block=16), epoch_batches=4, val_batches=2)
     made = []
-    samples = src.gen.samples
-    src.gen.samples = lambda start, count: made.append(count) or samples(start, count)  # type: ignore[method-assign]
+    samples_at = src.gen.samples_at
+    src.gen.samples_at = lambda pos: made.append(len(pos)) or samples_at(pos)  # type: ignore[method-assign]
     ctx = DistContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
     got = list(local_samples(src, 8, ctx, train=True, epochs=1))
     assert made == [8] * 4 and [len(b) for b in got] == [8] * 4
@@ -129,3 +129,60 @@ def test_trainer_draws_only_this_ranks_slice() -> None:
     made.clear()
     reordered = list(local_samples(src, 8, ctx, train=True, epochs=1, reorder=lambda it: reversed(list(it))))
     assert made == [16] * 4 and np.array_equal(reordered[0].ids, got[-1].ids)
+
+
+def _old_train_index(k: int, val_every: int = 10) -> int:
+    """The k-th training global batch of earlier versions, which held out every val_every-th *global batch*."""
+    return k // (val_every - 1) * val_every + k % (val_every - 1)
+
+
+def test_default_global_batch_gives_the_earlier_batches() -> None:
+    """At the default global batch (2 ranks x 256 = val_block) the blocks are the global batches: every training and
+    held-out batch is the one of the old per-batch split, and an epoch is still 1000 global batches."""
+    from herald_torchrec.data.source import SyntheticSource
+
+    src = SyntheticSource(SyntheticSpec(), epoch_batches=1000, val_batches=20)
+    gen = src.gen
+    for k, got in zip(range(23), src.train_batches(512)):  # past two held-out batches (indices 9 and 19)
+        want = gen.global_batch(_old_train_index(k), 512)
+        assert np.array_equal(got.ids, want.ids) and np.array_equal(got.dense, want.dense), k
+        assert np.array_equal(got.labels, want.labels), k
+    vals = list(src.val_batches(512))
+    assert len(vals) == 20
+    for k in (0, 1, 19):
+        assert np.array_equal(vals[k].ids, gen.global_batch(k * 10 + 9, 512).ids), k
+    assert src.epoch_samples == 1000 * 512  # 1000 global batches of 512 per epoch, as before
+    last = list(SyntheticSource(SyntheticSpec(), epoch_batches=12).train_batches(512))
+    assert len(last) == 12 and np.array_equal(last[-1].ids, gen.global_batch(_old_train_index(11), 512).ids)
+
+
+@pytest.mark.parametrize("g", [64, 100, 512, 768])
+def test_split_does_not_depend_on_the_global_batch(g: int) -> None:
+    """Whatever the global batch, its training batches are consecutive cuts of one training stream (and the held-out
+    batches of one held-out stream): the split is fixed in samples, every val_every-th block of val_block."""
+    from herald_torchrec.data.source import SyntheticSource
+
+    spec = SyntheticSpec(seed=7, table_rows=(50, 400, 3000), val_every=4, val_block=96)
+    src = SyntheticSource(spec, epoch_batches=20, val_batches=10)  # 1920 training, 960 held-out samples
+    gen = src.gen
+    train, val = list(src.train_batches(g)), list(src.val_batches(g))
+    assert len(train) == 1920 // g and len(val) == 960 // g  # each epoch's incomplete tail dropped
+    got = np.concatenate([b.ids for b in train])
+    assert np.array_equal(got, gen.train_samples(0, len(got)).ids)
+    got_val = np.concatenate([b.ids for b in val])
+    assert np.array_equal(got_val, gen.val_samples(0, len(got_val)).ids)
+    # the held-out blocks are blocks 3, 7, 11, ... of 96 log positions; training takes the rest, in log order
+    pos = gen.train_positions(0, 1920)
+    assert pos[287] == 287 and pos[288] == 384 and len(np.unique(pos // 96 % 4)) == 3 and (pos // 96 % 4 != 3).all()
+    assert (gen.val_positions(0, 960) // 96 % 4 == 3).all() and gen.val_positions(96, 1)[0] == 7 * 96
+    # a cut from training sample `start` on: the stream after exactly `start` samples
+    start = 250
+    rest = np.concatenate([b.ids for b in src.train_batches(g, start)])
+    assert len(rest) == (1920 - start) // g * g and np.array_equal(rest, gen.train_samples(start, len(rest)).ids)
+    mine = list(src.train_slices(g, g // 2, g, start))  # a rank's slice of the same cut
+    assert np.array_equal(mine[0].ids, gen.train_samples(start + g // 2, g - g // 2).ids)
+
+
+def test_bad_val_block() -> None:
+    with pytest.raises(ValueError, match="val_block"):
+        SyntheticSpec(val_block=0)

@@ -25,3 +25,45 @@ def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list
             own_dir = [] if any(o.startswith("run_dir=") for o in overrides) else [f"run_dir={Path(out_dir) / name}"]
             train(compose("config", overrides=[*overrides, *own_dir]), ctx)
     torch.save({"runs": list(runs)}, rank_result(out_dir, rank))
+
+
+def train_schedules(rank: int, world_size: int, out_dir: str, runs: dict[str, list], schedules: dict) -> None:
+    """`train_configs`, where a run named in `schedules` trains its own sequence of global batch sizes instead of
+    the app's fixed one: the synthetic log's training samples in order, cut into global batches of the listed sizes
+    (e.g. [256] * 10 + [96] * 10), all on this one rank. The uninterrupted reference of a run resumed at another global
+    batch: the same samples, the same steps, in one go."""
+    import herald_torchrec.app.trainer as trainer
+    from herald_torchrec.app.trainer import DataPosition, TrainStream
+
+    class ScheduledStream(TrainStream):
+        sizes: list[int] = []
+
+        def __iter__(self):
+            assert self.ctx.world_size == 1, "a schedule is trained on one rank"
+            first = 0
+            for g in self.sizes:
+                yield self.source.gen.train_samples(first, g)
+                first += g
+
+        def position_after(self, n: int) -> DataPosition:
+            done = sum(self.sizes[:n])
+            return DataPosition(0, done, done)
+
+    from hydra import compose, initialize_config_dir
+
+    from herald_torchrec.app.runtime import init_distributed
+
+    ctx = init_distributed("gloo")
+    plain = trainer.TrainStream
+    try:
+        with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+            for name, overrides in runs.items():
+                ScheduledStream.sizes = list(schedules.get(name, []))
+                trainer.TrainStream = ScheduledStream if name in schedules else plain
+                own_dir = (
+                    [] if any(o.startswith("run_dir=") for o in overrides) else [f"run_dir={Path(out_dir) / name}"]
+                )
+                trainer.train(compose("config", overrides=[*overrides, *own_dir]), ctx)
+    finally:
+        trainer.TrainStream = plain
+    torch.save({"runs": list(runs)}, rank_result(out_dir, rank))

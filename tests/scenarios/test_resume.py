@@ -63,6 +63,9 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert _max_diff({k: first["model"][k] for k in tables}, {k: second["model"][k] for k in tables}) <= 1e-5
 
 
+FAE = [o for o in COMMON if not o.startswith("scheduler")] + ["scheduler=fae", "scheduler.window=2"]
+
+
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     old = tmp_path / "old"  # a run_dir with only the unsharded checkpoint of earlier versions: refused, not ignored
     old.mkdir()
@@ -71,15 +74,15 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     first, other_batch, other_optim, from_old = run_app_many(
         [  # in order, in one process, each through train.py's CLI path
             [*COMMON, "trainer.steps=10", f"run_dir={run}"],
-            [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
+            [*FAE, "trainer.steps=20", "trainer.resume=true", "trainer.batch_size=128", f"run_dir={run}"],
             [*COMMON, "trainer.steps=20", "trainer.resume=true", "trainer.dense_optimizer=sgd", f"run_dir={run}"],
             [*COMMON, "trainer.steps=20", "trainer.resume=true", f"run_dir={old}"],
         ]
     )
     assert first.returncode == 0 and (run / "checkpoint" / ".metadata").exists(), first.stderr[-3000:]
-    p = other_batch  # another global batch would be another sample stream
+    p = other_batch  # fae counts its place in whole reordered global batches: only the same global batch continues
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "trained with global batches of 256 samples" in p.stderr and "this run makes 128" in p.stderr, p.stderr
+    assert "scheduler fae reorders" in p.stderr and "this run makes 128" in p.stderr, p.stderr
     p = other_optim
     assert p.returncode == 2 and "is from a different run" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "trainer.dense_optimizer" in p.stderr
@@ -135,3 +138,69 @@ def test_resume_at_another_world_size(tmp_path: Path) -> None:
     # and the two uninterrupted runs agree: the same samples, the same updates, whatever the number of ranks
     a, b = torch.load(d["whole2"] / "final_state.pt"), torch.load(d["whole1"] / "final_state.pt")
     assert all(_max_diff(a[part], b[part]) <= 1e-5 for part in ("tables", "optimizer_state", "dense"))
+
+
+def _meta_position(run_dir: Path, tmp: Path) -> dict:
+    return _read_checkpoint(run_dir / "checkpoint", tmp)["meta"]["data_position"]
+
+
+def test_resume_at_another_global_batch(tmp_path: Path) -> None:
+    """2 ranks x 128 -> 1 x 96 and 1 x 192 -> 2 x 80: a checkpoint of step 10 resumed at another global batch trains
+    exactly the training samples after the checkpoint's (asserted on the recorded sample counts) and ends at step 20
+    at the model of one uninterrupted run over the same sample sequence — 10 global batches of the old size, then 10
+    of the new — on one rank with stock TorchRec (tests/helpers/app_ranks.py train_schedules): every table, its
+    Adagrad state and every dense parameter within 1e-5."""
+    d = {n: tmp_path / n for n in ("split2", "split1", "ref2", "ref1")}
+    split1 = run_app_many([[*RESHARD, "trainer.batch_size=192", "trainer.steps=10", f"run_dir={d['split1']}"]])[0]
+    assert split1.returncode == 0, split1.stderr[-3000:]
+    at1 = _meta_position(d["split1"], tmp_path)  # the checkpoint of step 10, before the resume replaces it
+    resumed = ["trainer.steps=20", "trainer.resume=true"]
+    runs2 = {
+        "split2": [*RESHARD, "trainer.batch_size=128", "trainer.steps=10", f"run_dir={d['split2']}"],
+        "to_two": [*RESHARD, "trainer.batch_size=80", *resumed, f"run_dir={d['split1']}"],  # 1 x 192 -> 2 x 80
+    }
+    run_ranks("tests.helpers.app_ranks:train_configs", tmp_path / "two", world_size=2, timeout=900, runs=runs2)
+    at2 = _meta_position(d["split2"], tmp_path)
+    reference = [
+        "scheduler=torchrec",
+        "sharding.types=[table_wise]",
+        "trainer.steps=20",
+        "trainer.checkpoint_interval=0",
+    ]
+    runs1 = {
+        "to_one": [*RESHARD, "trainer.batch_size=96", *resumed, f"run_dir={d['split2']}"],  # 2 x 128 -> 1 x 96
+        "ref2": [*RESHARD, *reference, "trainer.batch_size=256", f"run_dir={d['ref2']}"],
+        "ref1": [*RESHARD, *reference, "trainer.batch_size=192", f"run_dir={d['ref1']}"],
+    }
+    schedules = {"ref2": [256] * 10 + [96] * 10, "ref1": [192] * 10 + [160] * 10}
+    run_ranks(
+        "tests.helpers.app_ranks:train_schedules",
+        tmp_path / "one",
+        world_size=1,
+        timeout=900,
+        runs=runs1,
+        schedules=schedules,
+    )
+    # the checkpoints of step 10 stood after 10 global batches of the old size
+    assert at2 == {"epoch": 0, "sample": 2560, "samples_trained": 2560, "reordered": False}
+    assert at1 == {"epoch": 0, "sample": 1920, "samples_trained": 1920, "reordered": False}
+    for name, old, new in (("split2", 2560, 96), ("split1", 1920, 160)):
+        metrics = json.loads((d[name] / "metrics.json").read_text())
+        assert metrics["resumed_from_step"] == 10 and metrics["steps"] == 20, name
+        assert metrics["global_batch"] == new, name
+        # the resumed run trained samples old .. old + 10 x new, no more, no fewer: the next ones after the checkpoint
+        assert metrics["data_position"] == {
+            "epoch": 0,
+            "sample": old + 10 * new,
+            "samples_trained": old + 10 * new,
+            "reordered": False,
+        }, name
+        assert _meta_position(d[name], tmp_path)["samples_trained"] == old + 10 * new, name
+    for split, ref in (("split2", "ref2"), ("split1", "ref1")):
+        a, b = torch.load(d[split] / "final_state.pt"), torch.load(d[ref] / "final_state.pt")
+        for part in ("tables", "optimizer_state", "dense"):
+            assert a[part] and _max_diff(a[part], b[part]) <= 1e-5, (split, part, _max_diff(a[part], b[part]))
+    log2 = (tmp_path / "two" / "rank0.log").read_text()
+    assert "training sample 1920 of epoch 0" in log2 and "global batch 192 -> 160" in log2, log2[-3000:]
+    log1 = (tmp_path / "one" / "rank0.log").read_text()
+    assert "training sample 2560 of epoch 0" in log1 and "global batch 256 -> 96" in log1, log1[-3000:]

@@ -18,8 +18,7 @@ NAMES = sorted(POLICIES)
 
 def synthetic_trace(R: int, B: int, steps: int, locality: float = 0.5, seed: int = 0):
     gen = SyntheticCTR(SyntheticSpec(table_rows=(3, 9, 40, 300, 2000), locality=locality, trend_life=200, seed=seed))
-    it = gen.train_indices()
-    return gen.table_rows, [gen.global_batch(next(it), R * B).ids for _ in range(steps)]
+    return gen.table_rows, [gen.train_samples(i * R * B, R * B).ids for i in range(steps)]
 
 
 def jagged_trace(R: int, B: int, steps: int, rows=(6, 50, 400), seed: int = 0):

@@ -20,9 +20,11 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
+from herald_torchrec.distributed.train_pipeline.input_codec import PipelineableCodec
 from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -68,6 +70,8 @@ class SliceLayout:
     table_keys: list[np.ndarray] = field(default_factory=list)  # per managed table: indices into `managed`
     ids_dtype: np.dtype = np.dtype(np.int32)  # wire type of managed ids (int64 only for tables >= 2^31 rows)
     weighted: bool = False  # the KJTs carry weights (id-score lists): each id's float32 weight travels with it
+    # a batch type other than torchrec's Batch: its translation to and from the stage's Batch (None: Batch itself)
+    codec: PipelineableCodec | None = None
 
     @property
     def num_keys(self) -> int:
@@ -94,6 +98,7 @@ class SliceLayout:
 
         text = "\x00".join(self.keys) + f"|{self.dense_shape}|{self.dense_dtype}|{self.label_shape}|{self.label_dtype}"
         text += "|weighted" if self.weighted else ""
+        text += f"|{self.codec.signature_text()}" if self.codec is not None else ""
         return np.array([self.batch_size, self.num_keys, zlib.crc32(text.encode())], dtype=np.int64)
 
 
@@ -114,8 +119,14 @@ def check_batch(batch: object) -> Batch:
     return batch
 
 
-def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
-    """The layout the first slice defines (raises ValueError for what the stage cannot carry)."""
+def slice_layout(batch: object, tables: ManagedTables) -> SliceLayout:
+    """The layout the first slice defines (raises ValueError for what the stage cannot carry). A batch of another
+    type than torchrec's Batch (any Pipelineable, subclasses of Batch included: they come back as themselves) travels
+    as the Batch its codec makes (input_codec.py)."""
+    codec = None
+    if type(batch) is not Batch:
+        codec = PipelineableCodec.of(batch, tables.keys())
+        batch = codec.encode(batch)
     batch = check_batch(batch)
     kjt = batch.sparse_features
     keys = tuple(kjt.keys())
@@ -152,6 +163,7 @@ def slice_layout(batch: Batch, tables: ManagedTables) -> SliceLayout:
         table_keys=table_keys,
         ids_dtype=ids_dtype,
         weighted=kjt.weights_or_none() is not None,
+        codec=codec,
     )
 
 
@@ -170,8 +182,12 @@ class HostSlice:
         return exclusive_cumsum(self.lengths.sum(axis=1))
 
 
-def host_slice(batch: Batch, layout: SliceLayout) -> HostSlice:
+def host_slice(batch: object, layout: SliceLayout) -> HostSlice:
     """Parse a slice for the wire, with every check a rank can make alone (ValueError names what is wrong)."""
+    if layout.codec is not None:
+        batch = layout.codec.encode(batch)
+    elif type(batch) is not Batch and isinstance(batch, Pipelineable):
+        raise ValueError(f"a {type(batch).__name__} batch after a first batch of torchrec.datasets.utils.Batch")
     batch = check_batch(batch)
     kjt = batch.sparse_features
     keys = tuple(kjt.keys())
@@ -628,9 +644,9 @@ def assigned_batch(
     fixed: np.ndarray,
     layout: SliceLayout,
     weights: np.ndarray | None = None,
-) -> Batch:
+) -> object:
     """A TorchRec Batch from the assembled KJT parts (`weights`: of weighted KJTs) and the received dense / label
-    bytes."""
+    bytes; of the user's own batch type where the slices were another Pipelineable (`layout.codec`)."""
     n = fixed.shape[0]
     dense_b = layout.dense_bytes()
     fixed = np.ascontiguousarray(fixed)
@@ -643,10 +659,11 @@ def assigned_batch(
         lengths=torch.from_numpy(lengths.astype(np.int32)),
         weights=None if weights is None else torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
     )
-    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+    out = Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+    return out if layout.codec is None else layout.codec.decode(out)
 
 
-def one_process_global_batch(batch: Batch, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
+def one_process_global_batch(batch: object, tables: ManagedTables, index: int | None = None) -> GlobalBatch:
     """The scheduler's view of a whole global batch held by one process (profiling, simulation): the same path as
     the input stage with a single rank."""
     layout = slice_layout(batch, tables)

@@ -1,5 +1,8 @@
 """The Herald input stage: from this rank's `Batch` slice of each global batch to its *assigned* samples plus the Plan.
 
+(A slice of another `Pipelineable` type travels as the `Batch` that input_codec.py makes of it, and its assigned
+samples come back as that type: everything below speaks of the `Batch`.)
+
 Per step, every rank:
 (1) learns every rank's header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then
     the bytes of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors
@@ -313,7 +316,8 @@ class ScheduledInput:
             return False
         if (got[:, 1:] != got[0, 1:]).any():
             raise ValueError(
-                "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes): "
+                "ranks disagree on the input's layout (KJT keys, batch size per rank, dense / label shapes, a "
+                "Pipelineable's fields and batch-independent values): "
                 f"batch sizes {got[:, 1].tolist()}, key counts {got[:, 2].tolist()}; every rank must feed slices "
                 "of the same global batch"
             )

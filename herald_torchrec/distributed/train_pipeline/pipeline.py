@@ -2,7 +2,7 @@
 
     pipeline = HeraldTrainPipeline(model, optimizer, device)   # TrainPipelineSparseDist's signature
     for _ in range(steps):
-        pipeline.progress(batches)   # an iterator of torchrec Batch: this rank's slice of each global batch
+        pipeline.progress(batches)   # an iterator of torchrec Batch (or any Pipelineable): this rank's slices
 
 Everything Herald needs comes from the sharded model: the Herald-managed modules (every EBC sharded by
 `HeraldEmbeddingBagCollectionSharder`, the Herald part of mixed EBCs included) give the tables, the features that
@@ -119,7 +119,8 @@ def warn_if_batch_coupled(model: torch.nn.Module) -> None:
 
 
 class HeraldTrainPipeline(TrainPipelineSparseDist):
-    """`TrainPipelineSparseDist` whose `progress(iterator of Batch)` schedules each global batch first.
+    """`TrainPipelineSparseDist` whose `progress(iterator of Batch or any Pipelineable)` schedules each global batch
+    first (a Pipelineable other than Batch travels field by field: input_codec.py).
 
     Extra keyword arguments: `options` (a `HeraldOptions`, e.g. the sharder's: its policy, cache ratio and lookahead
     must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
