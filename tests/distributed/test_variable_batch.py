@@ -95,3 +95,13 @@ def test_vbe_without_inverse_indices_is_refused_by_name() -> None:
         ValueError, match="Herald-managed EBC: .*variable batch size per feature.*needs inverse_indices"
     ):
         make_module()(x)
+
+
+def test_a_vbe_batch_enters_the_input_stage_with_one_bag_per_sample() -> None:
+    from torchrec.datasets.utils import Batch
+
+    from herald_torchrec.distributed.train_pipeline.input_layout import check_batch
+
+    got = check_batch(Batch(torch.zeros(4, 3), vbe_kjt(), torch.zeros(4))).sparse_features
+    assert not got.variable_stride_per_key() and got.stride() == 4
+    assert got.lengths().tolist() == [2, 1, 1, 2, 1, 0, 2, 1]
