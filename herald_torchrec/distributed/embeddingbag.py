@@ -105,6 +105,7 @@ from herald_torchrec.distributed.step.replicas import ReplicaExtension
 from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, home_range
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
+from herald_torchrec.distributed.variable_batch import expand_variable_batch
 from herald_torchrec.schedule.herald.planner import host_ids
 from herald_torchrec.schedule.plan import Plan
 
@@ -386,6 +387,8 @@ class ShardedHeraldEmbeddingBagCollection(
         # The batch is already local (the permutation stage placed it): nothing to distribute. The awaitable has
         # the type TorchRec's train pipelines fuse (KJTListSplitsAwaitable of no-op awaitables), so the module can
         # be pipelined like a stock sharded EBC; input_dist may run a step ahead there, which is why it is pure.
+        # A VBE input gets one bag per sample, as the unsharded EBC's output does (variable_batch.py).
+        features = expand_variable_batch(features, "Herald-managed EBC")
         ctx.batch_size = features.stride()
         return KJTListSplitsAwaitable([NoWait(NoWait(features))], ctx)
 
@@ -407,8 +410,6 @@ class ShardedHeraldEmbeddingBagCollection(
 
     # ----------------------------------------------------------------- step
     def _parse_input(self, features: KeyedJaggedTensor) -> LocalInput:
-        if features.variable_stride_per_key():
-            raise ValueError("Herald-managed EBC: variable batch size per feature is not supported")
         weights = features.weights_or_none()
         if self.weighted_features and weights is None:
             raise ValueError("Herald-managed EBC: the EBC is weighted (is_weighted=True), its input KJT has no weights")

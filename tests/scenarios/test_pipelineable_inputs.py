@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers.pipeline import drain
@@ -49,8 +50,37 @@ def make_global_model():
     return TestSparseNN(tables=tables, weighted_tables=weighted, num_float_features=NUM_FLOAT)
 
 
-def inputs(rank: int, world: int, seed: int, steps: int):
-    """This rank's ModelInput of each step (TorchRec's generator: the global batch split by rank)."""
+def user_bags(mi):
+    """`mi` with its id-list KJT made VBE: feature_0 holds one bag per pair of samples (a request's user features,
+    deduplicated), the samples of a pair pointing at it by `inverse_indices`; the pooled values are those of
+    ModelInput's first sample of each pair for both."""
+    import dataclasses
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = mi.idlist_features
+    parts, lengths, strides, inverse = [], [], [], []
+    for k, jt in kjt.to_dict().items():
+        bags = range(0, B, 2) if k == "feature_0" else range(B)
+        off = jt.offsets()
+        for b in bags:
+            parts.append(jt.values()[off[b] : off[b + 1]])
+            lengths.append(int(off[b + 1] - off[b]))
+        strides.append([len(bags)])
+        inverse.append(torch.arange(B) // 2 if k == "feature_0" else torch.arange(B))
+    vbe = KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.cat(parts),
+        lengths=torch.tensor(lengths, dtype=kjt.lengths().dtype),
+        stride_per_key_per_rank=strides,
+        inverse_indices=(kjt.keys(), torch.stack(inverse)),
+    )
+    return dataclasses.replace(mi, idlist_features=vbe)
+
+
+def inputs(rank: int, world: int, seed: int, steps: int, vbe: bool = False):
+    """This rank's ModelInput of each step (TorchRec's generator: the global batch split by rank), with a VBE id-list
+    KJT if `vbe` (`user_bags`)."""
     from torchrec.distributed.test_utils.test_model import ModelInput
 
     tables, weighted = table_configs()
@@ -65,7 +95,7 @@ def inputs(rank: int, world: int, seed: int, steps: int):
             pooling_avg=3,
             random_seed=seed + s,
         )
-        out.append(local[rank])
+        out.append(user_bags(local[rank]) if vbe else local[rank])
     return out
 
 
@@ -79,7 +109,7 @@ def sharder_fused_params() -> dict:
     return fused
 
 
-def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
+def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str, vbe: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -108,11 +138,11 @@ def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
     )
     Pipeline = HeraldTrainPipeline if herald else TrainPipelineSparseDist
     pipeline = Pipeline(dmp, dense, torch.device("cpu"))
-    steps = drain(pipeline, inputs(rank, world, 100, STEPS))
+    steps = drain(pipeline, inputs(rank, world, 100, STEPS, vbe))
     pipeline.detach()
     dmp.eval()
     with torch.no_grad():
-        preds = torch.cat([dmp(x).detach().clone() for x in inputs(rank, world, 900, 2)])
+        preds = torch.cat([dmp(x).detach().clone() for x in inputs(rank, world, 900, 2, vbe)])
     dcp.save(
         {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()},
         checkpoint_id=str(Path(out_dir) / "ckpt"),
@@ -128,10 +158,23 @@ def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
     torch.save({"steps": steps, "preds": preds, **extra}, rank_result(out_dir, rank))
 
 
-def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("vbe", [False, True], ids=["model_input", "vbe_user_bags"])
+def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: Path, vbe: bool) -> None:
+    """With `vbe`, each rank's id-list KJT is VBE (`user_bags`): stock's sharded EBC pools the distinct bags and
+    selects them per sample, Herald's input stage gives each sample its bag (variable_batch.py)."""
+    if vbe:  # the inputs really are VBE, and not the plain ones: the pair's second sample reads the first's bag
+        x, plain = inputs(0, 2, 100, 1, vbe=True)[0].idlist_features, inputs(0, 2, 100, 1)[0].idlist_features
+        assert x.variable_stride_per_key() and x.stride_per_key() == [B // 2, B]
+        assert not torch.equal(x.values(), plain.values())
     results, per_rank = {}, {}
     for kind in ("stock", "herald"):
-        run_ranks("tests.scenarios.test_pipelineable_inputs:sparse_nn_worker", tmp_path / kind, world_size=2, kind=kind)
+        run_ranks(
+            "tests.scenarios.test_pipelineable_inputs:sparse_nn_worker",
+            tmp_path / kind,
+            world_size=2,
+            kind=kind,
+            vbe=vbe,
+        )
         results[kind] = full_checkpoint(tmp_path / kind / "ckpt")
         per_rank[kind] = [torch.load(rank_result(tmp_path / kind, r)) for r in range(2)]
     stock, herald = results["stock"], results["herald"]

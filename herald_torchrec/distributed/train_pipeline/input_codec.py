@@ -39,6 +39,8 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from herald_torchrec.distributed.variable_batch import expand_variable_batch
+
 WHERE = "HeraldTrainPipeline input: "
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
 
@@ -112,18 +114,25 @@ def _fields(obj: object) -> list[tuple[str, Any]]:
 
 
 def _leaves(obj: object) -> Iterator[tuple[FieldPath, Any, Container | None]]:
-    """Every leaf of the object with its path (and the container it sits in, if any)."""
+    """Every leaf of the object with its path (and the container it sits in, if any); a VBE KJT as one bag per
+    sample (variable_batch.py: the EBCs' outputs and gradients are the same)."""
     for attr, value in _fields(obj):
         if isinstance(value, (list, tuple)) and not _is_plain(value):
             box = Container(attr, type(value), tuple(range(len(value))))
             for i, v in enumerate(value):
-                yield FieldPath(attr, i), v, box
+                yield FieldPath(attr, i), _per_sample(FieldPath(attr, i), v), box
         elif isinstance(value, dict):
             box = Container(attr, type(value), tuple(value))
             for k, v in value.items():
-                yield FieldPath(attr, k), v, box
+                yield FieldPath(attr, k), _per_sample(FieldPath(attr, k), v), box
         else:
-            yield FieldPath(attr), value, None
+            yield FieldPath(attr), _per_sample(FieldPath(attr), value), None
+
+
+def _per_sample(path: FieldPath, value: Any) -> Any:
+    if isinstance(value, KeyedJaggedTensor):
+        return expand_variable_batch(value, f"{WHERE}field {path}")
+    return value
 
 
 def _is_plain(value: object) -> bool:
@@ -378,11 +387,6 @@ class PipelineableCodec:
 
 
 def _check_kjt(path: FieldPath, kjt: KeyedJaggedTensor) -> None:
-    if kjt.variable_stride_per_key():
-        raise ValueError(
-            f"{WHERE}field {path}: a KeyedJaggedTensor with a variable batch size per feature (VBE) cannot be "
-            "carried: the input stage moves whole samples"
-        )
     w = kjt.weights_or_none()
     if w is not None and w.dtype != torch.float32:
         raise ValueError(f"{WHERE}field {path}: weights of dtype {w.dtype}; the input stage carries float32 weights")

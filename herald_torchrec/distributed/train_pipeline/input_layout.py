@@ -25,6 +25,7 @@ from torchrec.streamable import Pipelineable
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.train_pipeline.input_codec import PipelineableCodec
+from herald_torchrec.distributed.variable_batch import expand_variable_batch
 from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -112,10 +113,11 @@ def check_batch(batch: object) -> Batch:
             f"HeraldTrainPipeline consumes torchrec.datasets.utils.Batch (dense_features, sparse_features, labels), "
             f"got {type(batch).__name__}"
         )
-    if not isinstance(batch.sparse_features, KeyedJaggedTensor):
-        raise ValueError(
-            f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(batch.sparse_features).__name__}"
-        )
+    kjt = batch.sparse_features
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise ValueError(f"Batch.sparse_features must be a KeyedJaggedTensor, got {type(kjt).__name__}")
+    if kjt.variable_stride_per_key():  # one bag per sample: the same outputs and gradients (variable_batch.py)
+        return Batch(batch.dense_features, expand_variable_batch(kjt, "HeraldTrainPipeline input"), batch.labels)
     return batch
 
 
@@ -193,8 +195,6 @@ def host_slice(batch: object, layout: SliceLayout) -> HostSlice:
     keys = tuple(kjt.keys())
     if keys != layout.keys:
         raise ValueError(f"the batch's KJT keys {list(keys)} differ from the first batch's {list(layout.keys)}")
-    if kjt.variable_stride_per_key():
-        raise ValueError("Herald input stage: KJTs with a variable batch size per feature are not supported")
     if (kjt.weights_or_none() is not None) != layout.weighted:
         raise ValueError(
             f"the batch's KJT is {'un' if layout.weighted else ''}weighted, the first batch's was "

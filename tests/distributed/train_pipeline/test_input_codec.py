@@ -176,9 +176,11 @@ def test_what_the_stage_cannot_carry_is_one_line_naming_the_field() -> None:
         values=torch.arange(3),
         lengths=torch.tensor([1, 1, 1]),
         stride_per_key_per_rank=[[2], [1]],
-        inverse_indices=(["w", "x"], torch.zeros(2, B, dtype=torch.int64)),
+    )  # VBE without inverse_indices: no bag per sample (with them, each sample gets its bag: test_variable_batch)
+    refused(
+        replace(first, idscore=vbe),
+        r"field idscore: a KeyedJaggedTensor with a variable batch size per feature .* needs inverse_indices",
     )
-    refused(replace(first, idscore=vbe), r"field idscore: a KeyedJaggedTensor with a variable batch size per feature")
     k64 = first.idscore
     refused(
         replace(first, idscore=KeyedJaggedTensor(["w", "x"], k64.values(), k64.weights().double(), k64.lengths())),
