@@ -130,7 +130,8 @@ def test_several_planners_never_degrade():
     """Each planner decides alone: a decision that depends on its clock could make their plans differ."""
     rows, batches = _trace(6)
     pol = make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e-3)
-    pol.set_planners(2)
+    with pytest.warns(RuntimeWarning, match=r"plan_budget_ms=0.001 is unused: 2 ranks make plans"):
+        pol.set_planners(2)
     plans, _ = _run(pol, rows, batches)
     assert vars(pol.plan_levels()) == {"full": 6, "reduced": 0, "static": 0}
     assert pol.describe()["plan_budget"] == "unused: 2 planners"

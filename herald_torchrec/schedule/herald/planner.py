@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -488,8 +489,17 @@ class HeraldPolicy(SchedulePolicy):
 
     def set_planners(self, count: int) -> None:
         """How many ranks make plans (the input stage's `plan_on`): the budget depends on this rank's clock, so it is
-        used only where one rank makes them all (`schedule.herald.budget` says why)."""
+        used only where one rank makes them all (`schedule.herald.budget` says why); a fixed budget left unused
+        warns."""
         self.budget.planners = int(count)
+        if count > 1 and isinstance(self.budget.setting, float):
+            warnings.warn(
+                f"herald: plan_budget_ms={self.budget.setting:g} is unused: {count} ranks make plans (plan_on="
+                "'every_rank', or 'host' on several machines), and a decision read from each planner's clock could "
+                "make their plans differ; plan_on='rank0' makes every plan on one rank",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def plan_levels(self) -> LevelCounts:
         """Plans made so far at each level of the budget (full, reduced, static)."""
