@@ -183,6 +183,8 @@ def policy_kwargs(args, name: str) -> dict:
             kw["refine"] = args.refine
         if args.budget_ms is not None:
             kw["budget_ms"] = args.budget_ms
+        if getattr(args, "plan_budget_ms", None) is not None:
+            kw["plan_budget_ms"] = args.plan_budget_ms
     if name == "het" and args.staleness is not None:
         kw["staleness"] = args.staleness
     if name in ("fae", "p2res"):
@@ -298,6 +300,9 @@ def run_policies(args, R: int) -> dict:
         if getattr(pols[n], "owner_balance", None) is not None:
             entry["owner_balance"] = pols[n].owner_balance
             entry["owner_balanced_rows"] = pols[n].balanced
+        if getattr(args, "plan_budget_ms", None) is not None and hasattr(pols[n], "plan_levels"):
+            levels = pols[n].plan_levels()  # plans made cheaper because planning took longer than the budget
+            entry.update(plans_full=levels.full, plans_reduced=levels.reduced, plans_static=levels.static)
         if n == "het":
             entry["staleness"] = pols[n].staleness
         if n in ("fae", "p2res"):
@@ -472,6 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
     p.add_argument("--budget-ms", type=float, default=None, help="herald: scheduling-time budget per step")
+    p.add_argument(
+        "--plan-budget-ms",
+        type=float,
+        default=None,
+        help="herald: a fixed planning budget per plan in ms (schedule/herald/budget.py): plans whose planner CPU "
+        "exceeds it get fewer tables, then static (timing-dependent plans); counted as plans_reduced / plans_static",
+    )
     p.add_argument("--staleness", type=int, default=None, help="het: staleness bound S (default 0 = het_bsp)")
     p.add_argument(
         "--hot-budget",

@@ -412,6 +412,16 @@ def _herald(
     sched_ms, sched_cpu_ms = pipeline.input_stage.sched_ms, pipeline.input_stage.sched_cpu_ms
 
     links_at_log = dict.fromkeys(HOST_ROW_KINDS, 0)
+    levels_at_log: dict[str, Any] = {"policy": None, "plans_reduced": 0, "plans_static": 0}
+
+    def plan_levels() -> dict[str, int]:
+        """Plans made so far below the full plan by the planning budget (schedule/herald/budget.py), on a rank
+        that plans with a policy that has one; else empty."""
+        levels = getattr(pipeline.policy, "plan_levels", None)
+        if levels is None:
+            return {}
+        counts = levels()
+        return {"plans_reduced": counts.reduced, "plans_static": counts.static}
 
     def step_stats() -> dict[str, float]:
         out = stats.window()
@@ -432,6 +442,14 @@ def _herald(
             window = list(itertools.islice(reversed(recent), cfg.trainer.log_interval))
             if window:
                 out[key] = float(np.median(window))
+        # plans made cheaper since the last line because planning fell behind training (a new policy after a
+        # checkpoint load counts from 0)
+        levels = plan_levels()
+        if levels:
+            same = levels_at_log["policy"] is pipeline.policy
+            for k, v in levels.items():
+                out[k] = v - (levels_at_log[k] if same else 0)
+            levels_at_log.update(levels, policy=pipeline.policy)
         return out
 
     def final_stats(steps: int) -> dict[str, Any]:
@@ -451,6 +469,9 @@ def _herald(
             "sched_cpu_ms_median": float(np.median(sched_cpu_ms)) if sched_cpu_ms else 0.0,
             # over the last WAITS_KEPT batches at most
             "input_wait_ms_median": float(np.median(pipeline.input_wait_ms)) if pipeline.input_wait_ms else 0.0,
+            # plans made with fewer scheduled tables / static plans because planning fell behind training (the planning
+            # budget, schedule/herald/budget.py; counted where plans are made, rank 0 included)
+            **plan_levels(),
             "guest_occupancy": float(np.mean(list(herald.guest_occupancy().values()))),
             "unscheduled_tables": [table_name(n) for n in unsched],
             "dropped_samples": pipeline.input_stage.dropped_samples,

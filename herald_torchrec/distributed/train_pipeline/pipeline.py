@@ -22,7 +22,10 @@ The input stage's collectives run on host tensors, over a gloo process group of 
 with NCCL works, and the CPU tests run the same path).
 
 The background thread runs at a lower CPU priority (`input_priority`, default "low"; input_thread.py says why), and
-the pipeline records how long training waits for it (`input_wait_ms`).
+the pipeline records how long training waits for it (`input_wait_ms`). It hands each step's time (without that wait)
+and the wait to a policy that takes them (`observe_step`: Herald's planning budget, schedule/herald/budget.py, which
+makes cheaper plans when planning falls behind a step), and tells it how many ranks make plans (`set_planners`): the
+pipeline measures, the policy decides.
 
 `close()` stops that thread at a round every rank agrees on (collective: every rank, after the same number of
 `progress()` calls, before `destroy_process_group()`). A loop over an endless iterator otherwise ends with the
@@ -34,6 +37,7 @@ with a shorter wait. A stream that ended (a finite iterator, an epoch) needs not
 from __future__ import annotations
 
 import atexit
+import time
 import warnings
 import weakref
 from collections import deque
@@ -116,6 +120,19 @@ def warn_if_batch_coupled(model: torch.nn.Module) -> None:
             "stock training and the trained model is no longer the same (see README, Known limitations)",
             stacklevel=3,
         )
+
+
+class WaitRecord(deque):
+    """The training thread's recent waits for its batch (ms, the last `maxlen`), and their running total: the
+    pipeline takes a step's wait from the total, however many batches the step drew."""
+
+    def __init__(self, iterable: Iterable[float] = (), maxlen: Optional[int] = None) -> None:
+        super().__init__(iterable, maxlen=maxlen)
+        self.total_ms = float(sum(self))
+
+    def append(self, ms: float) -> None:
+        super().append(ms)
+        self.total_ms += ms
 
 
 class HeraldTrainPipeline(TrainPipelineSparseDist):
@@ -206,7 +223,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
         # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step).
         # The most recent WAITS_KEPT batches only, so that a long run does not grow it without bound
-        self.input_wait_ms: deque[float] = deque(maxlen=WAITS_KEPT)
+        self.input_wait_ms = WaitRecord(maxlen=WAITS_KEPT)
         self._in_flight: deque[Optional[Plan]] = deque()  # plans of the batches drawn and not yet trained
         self._source: Optional[Iterable[Batch]] = None
         self._scheduled: Optional[Iterator[Batch]] = None
@@ -246,6 +263,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         )
         if self._profile is not None:
             policy.profile(self._profile)
+        set_planners = getattr(policy, "set_planners", None)
+        if set_planners is not None:  # the input stage knows who plans before it builds the policy
+            set_planners(int(self.input_stage.is_planner.sum()))
         return policy
 
     def _ownership_versions(self) -> tuple[int, ...]:
@@ -333,7 +353,9 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
                 )
             self._source = dataloader_iter
             self._scheduled = self._schedule(iter(dataloader_iter))
+        started, waited_before = time.perf_counter(), self.input_wait_ms.total_ms
         out = super().progress(self._scheduled)  # type: ignore[arg-type]
+        self._observe_step(started, waited_before)
         for m in self._herald_modules:
             # the step ends here: its shared rows' update (a no-op if the fused optimizer's step already did it).
             # With only dense optimizers given (in-backward embedding optimizers) it would otherwise wait for the
@@ -346,3 +368,12 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             for k, v in (*m.step_counters.items(), *m.step_host_rows.items()):
                 self.trained_counters[k] = self.trained_counters.get(k, 0) + int(v)
         return out
+
+    def _observe_step(self, started: float, waited_before: float) -> None:
+        """Hand the step's wall time without its wait for input, and that wait, to a policy that takes them (on the
+        rank that plans). With `prefetch=0` the step itself plans: there is no separate step time to budget by."""
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is None or not self.options.prefetch:
+            return
+        waited = self.input_wait_ms.total_ms - waited_before
+        observe((time.perf_counter() - started) * 1e3 - waited, waited)

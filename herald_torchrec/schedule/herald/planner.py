@@ -42,6 +42,8 @@ compiled assign kernel scores ranks only; the rest of the plan is the same code 
 from __future__ import annotations
 
 import functools
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,10 +53,16 @@ from herald_torchrec.schedule import native, reads
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.balance import OWNER_BALANCE, balance_owners, check_factor
+from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget, check_plan_budget
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.replicas import REPLICA_BUDGET, REPLICA_INTERVAL, REPLICA_ROW_MARGIN, ReplicaChoice
-from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms, select_tables
+from herald_torchrec.schedule.herald.tables import (
+    TableSelection,
+    default_budget_ms,
+    reduced_selection,
+    select_tables,
+)
 from herald_torchrec.schedule.plan import (
     EVICT_HOME,
     FORWARD,
@@ -176,6 +184,11 @@ class HeraldPolicy(SchedulePolicy):
         loaded readers (`schedule.herald.balance`); "auto" (the default): `OWNER_BALANCE` (1.15); None: off. Measured
         on the synthetic default, 8 ranks per host: the busiest rank 1.93x -> 1.15x the mean at R=64, 1.23x -> 1.13x
         at R=16, for +0.02-0.05 % rows and ~10 % more planner CPU; nothing changes at R=2 (benchmarks/RESULTS.md).
+    plan_budget_ms: the planning budget per plan (`schedule.herald.budget`): "auto" (the default) = the training
+        step time the pipeline measures (`observe_step`; never triggers without it, nor on the 2-core reference
+        runs), a number = that fixed budget in ms, None = off. A planner over it makes cheaper plans (fewer
+        scheduled tables and no refine rounds, then static ones), counted in `describe()`; used only where one rank
+        makes every plan (`set_planners`).
     The replica defaults are measured (schedule/herald/replicas.py, docs/scheduler.md): a row pays for replication
     only where hosts are given (without a host map nothing is replicated); the rows that pay are few (~250 of 337,694
     at R=64 on the synthetic default), so the budget of 4,096 rows per rank (2 MiB at dim 128) is never the limit.
@@ -209,6 +222,7 @@ class HeraldPolicy(SchedulePolicy):
         replica_row_margin: float = REPLICA_ROW_MARGIN,
         host_laia: bool = True,
         owner_balance: float | str | None = "auto",
+        plan_budget_ms: float | str | None = "auto",
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         for name, v in (("refine", refine), ("max_refine", max_refine)):
@@ -295,6 +309,10 @@ class HeraldPolicy(SchedulePolicy):
             owner_balance = OWNER_BALANCE
         self.owner_balance = check_factor(owner_balance)
         self.balanced = 0  # rows handed on by owner balancing, over the policy's life
+        # the planning budget (schedule/herald/budget.py): cheaper plans while the planner is behind training
+        self.budget = PlanBudget(plan_budget_ms)
+        self._reduced: TableSelection | None = None  # the cheaper selection (made from `selection` when first needed)
+        self._level = FULL  # the level of the plan being made
 
     # ---- table selection --------------------------------------------------------------------------------------
     def _set_tables(self, idx: np.ndarray) -> None:
@@ -458,22 +476,73 @@ class HeraldPolicy(SchedulePolicy):
         is then skipped. The plans are the same."""
         return self.forward and self.num_ranks > 2
 
+    # ---- planning budget --------------------------------------------------------------------------------------
+    @staticmethod
+    def runs_with(plan_budget_ms: float | str | None = "auto", **_: object) -> None:
+        """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
+        check_plan_budget(plan_budget_ms)
+
+    def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
+        """A training step's wall time without its wait for input, and that wait, in ms (the pipeline calls it after
+        every step; from the training thread, while plans are made in the input thread: plain float updates)."""
+        self.budget.observe_step(step_ms, wait_ms)
+
+    def set_planners(self, count: int) -> None:
+        """How many ranks make plans (the input stage's `plan_on`): the budget depends on this rank's clock, so it is
+        used only where one rank makes them all (`schedule.herald.budget` says why); a fixed budget left unused
+        warns."""
+        self.budget.planners = int(count)
+        if count > 1 and isinstance(self.budget.setting, float):
+            warnings.warn(
+                f"herald: plan_budget_ms={self.budget.setting:g} is unused: {count} ranks make plans (plan_on="
+                "'every_rank', or 'host' on several machines), and a decision read from each planner's clock could "
+                "make their plans differ; plan_on='rank0' makes every plan on one rank",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def plan_levels(self) -> LevelCounts:
+        """Plans made so far at each level of the budget (full, reduced, static)."""
+        return self.budget.counts
+
+    def _reduced_selection(self) -> TableSelection:
+        if self._reduced is None:
+            assert self.selection is not None  # the first plan profiles at FULL
+            self._reduced = reduced_selection(self.selection, self.global_batch, self.num_ranks, self.layout.num_tables)
+        return self._reduced
+
     # ---- step -------------------------------------------------------------------------------------------------
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
         if self.selection is None:
             self.profile(batches)
+            self._level = FULL
+        if self._level != REDUCED:
+            return self._plan_step(batches, static=self._level == STATIC)
+        scheduled, sel_key, refine = self.scheduled, self._sel_key, self.refine
+        self._set_tables(self._reduced_selection().tables)
+        self.refine = 0
+        try:
+            return self._plan_step(batches, static=False)
+        finally:
+            self.scheduled, self._sel_key, self.refine = scheduled, sel_key, refine
+
+    def _plan_step(self, batches: list[GlobalBatch], static: bool) -> Plan:
+        """One plan (module docstring); `static`: owners as they are and every sample on its own rank (no LAIA, no
+        migration, no owner balancing: `schedule.herald.budget`'s STATIC level)."""
         b = batches[0]
         R, B = self.num_ranks, self.batch_per_rank
         d = self.directory
         bk = self.keys_of(b)
         own_k = d.owner[bk.keys].astype(np.int64)
-        sample_rank = self.assign(b, bk, own_k)
+        sample_rank = np.repeat(np.arange(R, dtype=np.int64), B) if static else self.assign(b, bk, own_k)
         rd = step_reads(bk, sample_rank, R)
         keys = rd.keys
         own = own_k
         home = d.home[keys].astype(np.int64)
         pk, pr = rd.pair_key, rd.pair_rank
-        if self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
+        if static:  # every row stays with its owner: a read by another rank is a shared read
+            want, single, sole = own.copy(), rd.count == 1, pr[rd.start]
+        elif self._native is not None:  # the same decision, compiled (want: int64, which make_room updates in place)
             want, single, sole = native.decide(
                 own,
                 rd.count,
@@ -495,7 +564,7 @@ class HeraldPolicy(SchedulePolicy):
             nu[window[j - 1].keys] = j
         d.last_use[keys] = self.step  # also pins this step's keys: they are never eviction victims
         joining = self._replica_step(keys, rd, own, want, window) if self.replicas is not None else None
-        if self.owner_balance is not None:
+        if self.owner_balance is not None and not static:
             skip = None if self.replicas is None else self.replicas.member[keys]
             self.balanced += balance_owners(want, own, rd.count, rd.start, pk, pr, skip, R, self.owner_balance)
         if self._native is not None:
@@ -822,7 +891,11 @@ class HeraldPolicy(SchedulePolicy):
     def plan(self, batches):  # keep the window's batch objects for _forward
         bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
         self._window_batches = bl[1 : self.lookahead + 1]
-        return super().plan(bl)
+        self._level = self.budget.choose()
+        cpu = time.thread_time()
+        plan = super().plan(bl)
+        self.budget.record(self._level, (time.thread_time() - cpu) * 1e3)
+        return plan
 
     def describe(self) -> dict:
         out = super().describe()
@@ -837,6 +910,7 @@ class HeraldPolicy(SchedulePolicy):
                 "intra_host_cost": self.intra_host_cost,
                 "owner_balance": self.owner_balance,
                 "owner_balanced": self.balanced,
+                **self.budget.describe(),
                 "guests": self.directory.occupancy(),
             }
         )

@@ -111,3 +111,14 @@ def select_tables(
             chosen.pop()
     sel = np.array(sorted(chosen), dtype=np.int64)
     return TableSelection(sel, int(refine), benefit, estimate_ms(N, num_ranks, T, len(chosen), refine), budget_ms)
+
+
+def reduced_selection(sel: TableSelection, num_samples: int, num_ranks: int, num_tables: int) -> TableSelection:
+    """The cheaper selection a planner that is behind uses (`schedule.herald.budget`): no best-response rounds (by the
+    time model above, most of what can be saved) and the better half of the scheduled tables by benefit (at least
+    one), which shrinks the first LAIA pass with the elements it scores. Ties keep the lower table index."""
+    t = sel.tables
+    order = t[np.lexsort((t, -sel.benefit[t]))] if t.shape[0] else t
+    keep = np.sort(order[: max(1, (t.shape[0] + 1) // 2)]) if t.shape[0] else t
+    est = estimate_ms(num_samples, num_ranks, num_tables, int(keep.shape[0]), 0)
+    return TableSelection(keep.astype(np.int64), 0, sel.benefit, est, sel.budget_ms)
