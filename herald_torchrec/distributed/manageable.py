@@ -51,10 +51,10 @@ def config_refusal(config: EmbeddingBagConfig, weighted: bool) -> Refusal | None
         )
     if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         return Refusal(f"SUM or MEAN pooling is supported, got {config.pooling}")
-    if config.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
+    if config.data_type not in (DataType.FP32, DataType.FP16):  # stock keeps rows in their precision: so does Herald
         return Refusal(
-            f"data_type={config.data_type.name}: Herald-managed rows are float32; make the table FP32 or leave it to "
-            "TorchRec's sharding"
+            f"data_type={config.data_type.name}: Herald-managed rows are FP32 or FP16; make the table one of those or "
+            "leave it to TorchRec's sharding"
         )
     return None
 

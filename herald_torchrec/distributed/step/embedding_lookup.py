@@ -331,7 +331,7 @@ class HeraldLookup:
             W = flat[off : off + n].view(shp).cpu()
             off += n
             name = st.tables[t].name
-            weights[name] = W[:, : st.dims[t]].clone()
+            weights[name] = W[:, : st.dims[t]].to(st.row_dtype)  # a copy, in the rows' precision (exact)
             if st.state_widths[t]:  # [rows] (per row) or [rows, dim] (per element), as TorchRec shapes it
                 states[name] = W[:, st.dims[t] :].reshape(st.state_layout.shape(st.rows[t], st.dims[t])).clone()
         return weights, states

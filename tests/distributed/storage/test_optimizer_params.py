@@ -45,7 +45,7 @@ def _in_backward(ebc, cls, kwargs: dict) -> None:
             {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.COUNTER},
             "weight_decay_mode",
         ),
-        ({"weights_precision": SparseType.FP16}, "weights_precision"),
+        ({"output_dtype": SparseType.FP16}, "output_dtype"),  # pooled embeddings in float32, as TorchRec's
         ({"prefetch_pipeline": True}, "prefetch_pipeline"),
         ({"max_gradient": 0.0}, "max_gradient"),
         ({"gradient_clipping": 1}, "gradient_clipping"),
