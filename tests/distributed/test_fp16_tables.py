@@ -103,6 +103,8 @@ def test_fp16_tables_are_herald_managed_and_mixed_precisions_split() -> None:
     sd = sebc.state_dict()
     assert sd["embedding_bags.t0.weight"].dtype == torch.float16
     assert dict(sebc.named_parameters())["embedding_bags.t0.weight"].dtype == torch.float16
+    with pytest.raises(ValueError, match="HET's cache runs FP32 tables only"):
+        ShardedHeraldEmbeddingBagCollection(make_ebc(("fp16",)), None, ShardingEnv(1, 0, None), policy="het")
     # other precisions: left to TorchRec by name, as before
     split = sharder.split(make_ebc(("fp32", "int8")))
     assert split.left == ("t1",) and "data_type=INT8" in split.refused["t1"].reason
@@ -146,13 +148,36 @@ def test_fp16_rows_move_bit_for_bit() -> None:
         st.weights(0).copy_(torch.randn(st.local_rows[0], 4, generator=g))
         st.state_view(0).copy_(torch.rand(st.local_rows[0], generator=g))
     packed = st.read_packed(np.array([0, 0]), np.array([1, 2]))
+    assert packed.dtype == torch.float32 and packed.numel() == 2 * (4 // 2 + 1)  # float16 bits: 2 words a row
+    assert list(st.packed_widths(np.array([0, 1]))) == [3, 3] and list(st.packed_widths(np.array([0]), False)) == [4]
     st.write_packed(np.array([1, 1]), np.array([3, 4]), packed)
     assert torch.equal(st.weights(1)[3:5], st.weights(0)[1:3])
     assert torch.equal(st.state_view(1)[3:5], st.state_view(0)[1:3])
+    rows, state = st.unpack_rows(0, packed.view(2, 3))
+    assert rows.dtype == torch.float16 and torch.equal(rows, st.weights(0)[1:3])
+    # shared values (no state) are float32 values, exact: every float16 is a float32
+    values = st.read_packed(np.array([0]), np.array([1]), with_state=False)
+    assert torch.equal(values, st.weights(0)[1].float())
+    # tables of different dims take the per-table path, with the same packing
+    mixed = RowStore(
+        [TableSpec("a", 10, 4), TableSpec("b", 10, 8)],
+        0,
+        2,
+        cache_ratio=0.5,
+        tbe_settings={"weights_precision": SparseType.FP16},
+    )
+    with torch.no_grad():
+        mixed.weights(1).copy_(torch.randn(mixed.local_rows[1], 8, generator=g))
+        mixed.state_view(1).copy_(torch.rand(mixed.local_rows[1], generator=g))
+    packed = mixed.read_packed(np.array([1, 1]), np.array([0, 1]))
+    assert packed.numel() == 2 * (8 // 2 + 1)
+    mixed.write_packed(np.array([1, 1]), np.array([6, 7]), packed)
+    assert torch.equal(mixed.weights(1)[6:8], mixed.weights(1)[0:2])
+    assert torch.equal(mixed.state_view(1)[6:8], mixed.state_view(1)[0:2])
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks
-def build(kind: str, opt: str):
+def build(kind: str, opt: str, world: int = 2):
     """The model sharded by DMP: `herald` (Herald's sharder, default planner), `stock_rw` / `stock_tw` (TorchRec's
     sharder, every table ROW_WISE / TABLE_WISE), all from the same initial tables; and its pipeline class."""
     import torch.distributed as dist
@@ -188,7 +213,7 @@ def build(kind: str, opt: str):
         types = ["row_wise"] if kind == "stock_rw" else ["table_wise"]
         constraints = {t: ParameterConstraints(sharding_types=types) for t in ROWS}
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=2, compute_device="cpu"), constraints=constraints
+            topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints
         )
         plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     with warnings.catch_warnings():
@@ -231,7 +256,12 @@ def fp16_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
             "param_dtypes": {k: p.dtype for k, p in dmp.named_parameters() if ".embedding_bags." in k},
         }
         if kind == "herald":
-            res["fp16_counters"] = dict(net.ebc_a.total_counters)
+            res["fp16_counters"] = dict(getattr(net.ebc_a, "total_counters", {}))  # {}: not Herald's module
+            res["wire"] = {  # this rank's rows and values sent, and their bytes on the wire
+                n: (dict(getattr(getattr(net, n), "total_counters", {})), dict(getattr(net, n).comm_counter.bytes))
+                for n in ("ebc_a", "ebc_b")
+                if hasattr(getattr(net, n), "comm_counter")
+            }
             pipeline.close()
             # the checkpoint loads into a fresh model (its initial tables) bit for bit, FP16 tables included
             fresh, _, _ = build(kind, opt)
@@ -279,6 +309,15 @@ def test_fp16_ebc_is_herald_managed_in_float16(fp16_runs: dict) -> None:
         }
         c = res["fp16_counters"]
         assert c["migrate"] + c["forward"] > 0 and c["shared_value"] > 0, c  # FP16 rows moved and were shared
+        # on the wire (this rank's sends, dim 4): an FP16 row moves as 4 float16 + its float32 state (row-wise
+        # Adagrad: 1), its shared value as 4 float16; its gradient stays float32; the FP32 table's in float32
+        state = 4 if opt == "rowwise_adagrad" else 0
+        for ebc, elem in (("ebc_a", 2), ("ebc_b", 4)):
+            n, sent = res["wire"][ebc]
+            rows = n["migrate"] + n["evict_home"] + n["forward"]
+            assert rows and sent["moves"] == rows * (4 * elem + state), (ebc, n, sent)
+            assert n["shared_value"] and sent["shared_value"] == n["shared_value"] * 4 * elem, (ebc, n, sent)
+            assert sent["shared_grad"] == n["shared_grad"] * 4 * 4, (ebc, n, sent)
         for where in ("state_dict_dtypes", "param_dtypes"):
             got = {k.rsplit(".", 2)[-2]: v for k, v in res[where].items()}
             assert got == {"t0": torch.float16, "t1": torch.float16, "t2": torch.float32}, (where, got)
@@ -307,7 +346,7 @@ def test_fp16_tables_train_as_stock(fp16_runs: dict, opt: str, stock: str) -> No
     states = [k for k in s if k.startswith("optim.") and "momentum1" in k]
     assert len(states) == (3 if opt == "rowwise_adagrad" else 0), states
     for k in states:  # float32 state of rows that followed the same updates
-        assert float(s[k].abs().max()) > 1e-3, k  # the state grew: the comparison is not vacuous
+        assert float(s[k].abs().max()) > 1e-4, k  # the state grew: the comparison is not vacuous
         assert torch.allclose(h[k], s[k], rtol=1e-5, atol=1e-8), (k, float((h[k] - s[k]).abs().max()))
     dense = [k for k in s if k.startswith("model.head")]
     assert dense and all(float((h[k] - s[k]).abs().max()) <= 1e-5 for k in dense)
@@ -320,3 +359,45 @@ def test_fp16_checkpoint_round_trip(fp16_runs: dict, opt: str) -> None:
     for k in saved:
         assert saved[k].dtype == reloaded[k].dtype and torch.equal(saved[k], reloaded[k]), k
     assert any(v.dtype == torch.float16 for v in saved.values())
+
+
+def fp16_relay_worker(rank: int, world: int, out_dir: str) -> None:
+    """4 ranks on two "machines" of two: the FP16 model trained with host relays (shared FP16 values forwarded inside
+    a machine, as float16 bits) and without."""
+    import socket
+
+    from torchrec.distributed.model_parallel import get_unwrapped_module
+
+    from herald_torchrec import HeraldTrainPipeline
+
+    socket.gethostname = lambda: f"machine-{rank // 2}"  # this process only: the ranks sit on two "machines"
+    out = {}
+    for relay in (True, False):
+        dmp, dense, _ = build("herald", "sgd", world=world)
+        pipeline = HeraldTrainPipeline(dmp, dense, torch.device("cpu"), host_relay=relay)
+        it = iter(batches(rank, STEPS))
+        for _ in range(STEPS):
+            pipeline.progress(it)
+        pipeline.close()
+        net = get_unwrapped_module(dmp)
+        tables = {}
+        for n in ("ebc_a", "ebc_b"):
+            weights, _ = getattr(net, n).full_tables()
+            tables.update(weights)
+        out[relay] = {"tables": tables, "bytes": dict(net.ebc_a.comm_counter.bytes)}
+    torch.save(out, rank_result(out_dir, rank))
+
+
+def test_fp16_values_relayed_inside_a_machine(tmp_path: Path) -> None:
+    run_ranks("tests.distributed.test_fp16_tables:fp16_relay_worker", tmp_path, world_size=4, timeout=400)
+    res = torch.load(rank_result(tmp_path, 0), weights_only=False)
+    on, off = res[True], res[False]
+    assert on["bytes"].get("relay_value", 0) > 0 and not off["bytes"].get("relay_value", 0)  # relays ran for FP16
+    init = {n: b.weight.detach() for e in (FP16Model().ebc_a, FP16Model().ebc_b) for n, b in e.embedding_bags.items()}
+    for t, w in on["tables"].items():
+        assert w.dtype == (torch.float16 if t in FP16_TABLES else torch.float32), t
+        assert float((w.float() - init[t].float()).abs().max()) > 1e-3, t  # trained
+        if t in FP16_TABLES:  # gradients summed per machine first: another float32 order (module doc)
+            assert _fp16_close(w, off["tables"][t]), (t, float((w.float() - off["tables"][t].float()).abs().max()))
+        else:
+            assert float((w - off["tables"][t]).abs().max()) <= 1e-5, t

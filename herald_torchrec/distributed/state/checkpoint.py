@@ -451,12 +451,13 @@ class HeraldCheckpoint:
         start = exclusive_cumsum(r_width)
         for t in np.unique(r_tab).tolist():
             sel = np.flatnonzero(r_tab == t)
-            w, d = int(r_width[sel[0]]), st.dims[t]
+            w = int(r_width[sel[0]])
             block = got[torch.from_numpy(ragged_arange(start[sel], r_width[sel])).to(got.device)].view(-1, w)
             idx = torch.from_numpy(r_row[sel] - st.home_lo[t]).to(got.device)
-            self.home_w[t].index_copy_(0, idx, block[:, :d].to(self.home_w[t].dtype))  # packed float32 -> the rows
+            rows, state = st.unpack_rows(t, block)  # float16 rows travel as their bits (read_packed)
+            self.home_w[t].index_copy_(0, idx, rows.to(self.home_w[t].dtype))
             if self.has_state:
-                self.home_s[t].index_copy_(0, idx, block[:, d:].reshape((-1,) + self.home_s[t].shape[1:]))
+                self.home_s[t].index_copy_(0, idx, state.reshape((-1,) + self.home_s[t].shape[1:]))
 
     # ---------------------------------------------------------------------- load
     def send_guests_home(self) -> None:

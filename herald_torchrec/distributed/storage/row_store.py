@@ -23,8 +23,10 @@ the same kernel (a forward over one-row bags, then a backward) — bit-exact wit
 
 Row precision: the TBE keeps the rows in the tables' `weights_precision` (FP32 or FP16, the EBC's `data_type`, as
 stock TorchRec's TBE does; `row_dtype`), and FBGEMM updates an FP16 row in float32 and rounds it back. Optimizer
-state stays float32 either way. Host reads return rows in float32 (`read_packed`: exact, every float16 is a float32)
-and writes round nothing (what they write came from float16 rows).
+state stays float32 either way. A moved row (`read_packed` with its state) carries its float16 bits, two to a
+float32 word, so it moves in half the bytes and arrives bit for bit; values without state (shared values, snapshots)
+are read as float32, which is exact (every float16 is a float32), and written back without rounding anything
+(shared values go on the wire as float16 bits again: step/dist_data.py `half_words`).
 
 Optimizer state = the TBE's `split_optimizer_states()` views, laid out as `state_layout` says (`StateLayout`: none
 for SGD, one float per row for row-wise Adagrad, one per element for Adagrad; all named `momentum1` by TorchRec),
