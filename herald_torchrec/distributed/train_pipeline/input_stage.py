@@ -174,6 +174,7 @@ class Round:
     made: OutgoingPlan | FailedPlan | None = None  # the plan this rank made for this round, where it plans
     announced: np.ndarray | None = None  # [R, PAY_WORDS]: this round's header words, from the last round's trailers
     next_words: Announcement | None = None  # this rank's header words of the next round: this round's trailer
+    level: int = 0  # this rank's level word in this round's header (`ScheduledInput._level_word`)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class RoundResult:
     end_of_data: bool = False  # the gather found some rank without a full slice: every rank stops gathering
     planned: PlannedBatch | None = None  # the plan this round carried (made here or received), with its generation
     next_announced: np.ndarray | None = None  # [R, PAY_WORDS]: the next round's header words, from the trailers
+    levels: np.ndarray | None = None  # [R]: every rank's level word in this round's header
 
 
 class ScheduledInput:
@@ -401,9 +403,20 @@ class ScheduledInput:
         lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, parts.carried)
         return assigned_batch(lengths, values, parts.fixed, lay, parts.weights)
 
-    def _plan_next(self, window: Sequence[Pending], first: int) -> OutgoingPlan | FailedPlan | None:
+    def _level_word(self) -> int:
+        """The level word this rank puts in a round's header: what its planner's budget asks for (`level_word`,
+        schedule/herald/budget.py), where several ranks plan; 0 (FULL) elsewhere and for a policy without one."""
+        policy = self._current.policy
+        word = getattr(policy, "level_word", None) if self.plans_here and self.is_planner.sum() > 1 else None
+        return 0 if word is None else int(word())
+
+    def _plan_next(
+        self, window: Sequence[Pending], first: int, levels: np.ndarray | None
+    ) -> OutgoingPlan | FailedPlan | None:
         """Plan window[first] from it and the (up to) L gathered after it, where plans are made; the planner also
-        encodes the plan for the others. A failing scheduler is returned, so that every rank raises together."""
+        encodes the plan for the others. Where several ranks plan, the plan's level is the one the planners agree
+        on from `levels` (every rank's level word in the last round completed: the same on every planner). A failing
+        scheduler is returned, so that every rank raises together."""
         generation, policy = self._current
         if not self.plans_here:
             return None
@@ -411,6 +424,9 @@ class ScheduledInput:
         try:
             if policy is None:
                 raise RuntimeError("herald input stage: no scheduler on a rank that plans")
+            agree = getattr(policy, "agree_level", None)
+            if agree is not None and levels is not None and self.is_planner.sum() > 1:
+                agree(levels[self.is_planner].tolist())
             with phase("input.plan"):
                 cpu = time.thread_time()
                 plan = policy.plan(batches)
@@ -502,8 +518,11 @@ class ScheduledInput:
         else:
             pay = [np.zeros(0, np.uint8)] * R
         my_slice = (parsed if parsed is not None else NO_SLICE).header
-        head = np.concatenate([my_slice.words(), [plan_word(made)], [b.shape[0] for b in pay]])  # this rank's words
+        head = np.concatenate(  # this rank's words
+            [my_slice.words(), [plan_word(made), work.level], [b.shape[0] for b in pay]]
+        )
         heads = self._heads(work, head, moves)
+        result.levels = heads.levels.copy()
         if work.carries_plan:
             self._raise_failed_plan(made, heads)
         if receives_plan:
@@ -576,16 +595,19 @@ class ScheduledInput:
         window: deque[Pending] = deque()  # gathered batches, not yet exchanged
         planned: deque[PlannedBatch] = deque()  # the plans of window[0], window[1], ... on every rank
         exhausted = False
+        levels = None  # every rank's level word in the last round completed (the planners agree on a plan's level)
         for _ in range(self.lookahead + 2):
             with phase("input.gather"):
-                gathered = self._round(Round(gather=draw())).gathered
-            if gathered is None:  # the end of the data
+                got = self._round(Round(gather=draw(), level=self._level_word()))
+            levels = got.levels
+            if got.gathered is None:  # the end of the data
                 exhausted = True
                 break
-            window.append(gathered)
+            window.append(got.gathered)
 
         next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
-        next_made = self._plan_next(window, 0) if next_planning else None
+        next_made = self._plan_next(window, 0, levels) if next_planning else None
+        level = self._level_word()  # published with the plan just made, in the round that carries it
         ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
         announced = None  # the next round's header words, where the previous round's trailers brought them
         trailers = self.R > 1
@@ -593,12 +615,15 @@ class ScheduledInput:
             carries_plan, made, parsed = next_planning, next_made, ahead
             j = len(planned) + int(carries_plan)  # the first batch without a plan once this round's has travelled
             next_planning = j < len(window)
-            next_made = self._plan_next(window, j) if next_planning else None
+            next_made = self._plan_next(window, j, levels) if next_planning else None
+            next_level = self._level_word()
             # `parsed` (drawn last round) is None exactly when the data had ended by then: this round gathers nothing
             ahead = draw() if not exhausted else None
             next_words = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                next_words = Announcement((ahead if ahead is not None else NO_SLICE).header, plan_word(next_made))
+                next_words = Announcement(
+                    (ahead if ahead is not None else NO_SLICE).header, plan_word(next_made), next_level
+                )
             exchange = Exchange(window[0], planned[0].plan) if planned else None
             self._ahead_samples = ahead.samples if ahead is not None else 0
             with phase("input.exchange_and_gather"):
@@ -610,9 +635,10 @@ class ScheduledInput:
                         made=made,
                         announced=announced,
                         next_words=next_words,
+                        level=level,
                     )
                 )
-            announced = result.next_announced
+            announced, levels, level = result.next_announced, result.levels, next_level
             if result.planned is not None:
                 planned.append(result.planned)
                 self.sched_ms.append(result.planned.plan.sched_seconds * 1e3)  # timed by the policy itself
