@@ -149,7 +149,8 @@ class Announcement:
 
 @dataclass(frozen=True)
 class RoundHeads:
-    """Every rank's header words of one round, [R, PAY_WORDS + R] int64 (row q: rank q's), by name."""
+    """Every rank's header words of one round as one rank holds them, [R, PAY_WORDS + 1] int64 (row q: rank q's
+    first PAY_WORDS words, then the bytes of its samples sent to this rank), by name."""
 
     words: np.ndarray
 
@@ -178,9 +179,10 @@ class RoundHeads:
         """The planning level each rank's planner asks for (schedule/herald/budget.py; 0 on ranks that do not plan)."""
         return self.words[:, LEVEL_WORD]
 
-    def sample_bytes_to(self, rank: int) -> np.ndarray:
-        """The bytes of its samples each rank sends `rank` this round."""
-        return self.words[:, PAY_WORDS + rank]
+    @property
+    def sample_bytes_here(self) -> np.ndarray:
+        """The bytes of its samples each rank sends this rank this round."""
+        return self.words[:, PAY_WORDS]
 
 
 @dataclass

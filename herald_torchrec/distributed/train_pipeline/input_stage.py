@@ -4,13 +4,15 @@
 samples come back as that type: everything below speaks of the `Batch`.)
 
 Per step, every rank:
-(1) learns every rank's header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then
-    the bytes of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors
-    and a failed scheduler become known to every rank here, so all ranks stop or raise together. In steady state the
-    first 5 words came with the previous round's all-to-all (a 40-byte trailer per rank: each slice is parsed a
-    round before it is gathered, each plan made a round before it travels) and the sample bytes are computed by the
-    receiver from the plan (every bag of one length: a fixed size per sample), so the round is one collective;
-    otherwise (the first rounds, slices whose lengths travel) the words are all-gathered first;
+(1) learns every rank's header: 6 words (status, samples, managed ids, uniform bag length, plan bytes, the
+    planning level its planner asks for: schedule/herald/budget.py) and the bytes of this round's samples it sends
+    to this rank — end of data, short batches, rank-local input errors and a failed scheduler become known to every
+    rank here, so all ranks stop or raise together. In steady state the 6 words came with the previous round's
+    all-to-all (a 48-byte trailer per rank: each slice is parsed a round before it is gathered, each plan made a
+    round before it travels) and the sample bytes are computed by the receiver from the plan (every bag of one
+    length: a fixed size per sample), so the round is one collective; otherwise (the first rounds, slices whose
+    lengths travel) an all-to-all of 7 words per pair of ranks comes first (the 6, then the bytes the sender's
+    samples bring the receiver: 56 (R - 1) bytes per rank, never the R x R words of every header);
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
     to the ranks that plan (below), so each of them holds the ids of the whole global batch (dense features, labels
     and the other features stay put);
@@ -19,7 +21,8 @@ Per step, every rank:
     batch and the next L and sends the plan to the other ranks of its machine (schedule/plan_wire.py: ~11 KB on the
     W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
     no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
-    `plan_on="every_rank"`: every rank plans for itself and nothing is sent;
+    `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
+    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a
@@ -44,11 +47,11 @@ L=0, no carried features. Global sample g = q * B + i is sample i of rank q's sl
     # rank 0: Batch(dense=[d0, d1], f=[[5], [2]], labels=[0., 1.])    # samples g0, g1
     # rank 1: Batch(dense=[d2, d3], f=[[1], [6]], labels=[0., 1.])    # samples g2, g3
 
-    # (1) header words of the round that gathers batch 0, from every rank (all-gathered in the first rounds;
-    #     later they ride on the round before, as its 40-byte trailer, and the sample bytes are computed):
-    #          status  samples  ids  uniform  plan bytes  sample bytes to rank 0, to rank 1
-    # rank 0:  DATA    2        2    1        0           0, 0
-    # rank 1:  DATA    2        2    1        0           0, 0
+    # (1) header words of the round that gathers batch 0, from every rank (by an all-to-all in the first rounds;
+    #     later they ride on the round before, as its 48-byte trailer, and the sample bytes are computed):
+    #          status  samples  ids  uniform  plan bytes  level  sample bytes to the receiver
+    # rank 0:  DATA    2        2    1        0           0      0
+    # rank 1:  DATA    2        2    1        0           0      0
     # (2) ids to the planner, in the same round's all-to-all (int32; no lengths: every bag has length 1):
     # rank 0 -> rank 0: f = [5, 2]     rank 1 -> rank 0: f = [1, 6]     rank 1 receives no ids
     # after: rank 0 holds batch 0's ids f = [5, 2, 1, 6] (g0..g3, the scheduler's GlobalBatch);
@@ -59,14 +62,14 @@ L=0, no carried features. Global sample g = q * B + i is sample i of rank q's sl
     #     size in its header word "plan bytes", and sends it to rank 1 one round before batch 0's samples move.
 
     # (4) the round that exchanges batch 0 (it also carries the ids of batch 3 and the plan of batch 1): one
-    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344, rank 1:
-    #     DATA 2 2 1 0: batch 3's slices and the plan bytes), and each rank computes the sample bytes it receives
-    #     from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
+    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344 0, rank 1:
+    #     DATA 2 2 1 0 0: batch 3's slices, the plan bytes, the level words), and each rank computes the sample
+    #     bytes it receives from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
     #     Each rank's block to each rank, in order:
-    # rank 0 -> rank 0: trailer (40) | its ids of batch 3 (8) | g1: dense + label (8)                  =  56 bytes
-    # rank 0 -> rank 1: trailer (40) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~396 bytes
-    # rank 1 -> rank 0: trailer (40) | its ids of batch 3 (8) | g2: dense + label (8)                  =  56 bytes
-    # rank 1 -> rank 1: trailer (40) | g3: dense + label, f (12)                                      =  52 bytes
+    # rank 0 -> rank 0: trailer (48) | its ids of batch 3 (8) | g1: dense + label (8)                  =  64 bytes
+    # rank 0 -> rank 1: trailer (48) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~404 bytes
+    # rank 1 -> rank 0: trailer (48) | its ids of batch 3 (8) | g2: dense + label (8)                  =  64 bytes
+    # rank 1 -> rank 1: trailer (48) | g3: dense + label, f (12)                                      =  60 bytes
     # (a sample sent to rank 1, which does not plan, brings its ids of f; rank 0 has them from (2))
 
     # After: each rank holds its assigned samples of batch 0 as a Batch, and the plan (ScheduledBatch):
@@ -276,9 +279,26 @@ class ScheduledInput:
         t = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64))
         parts = [torch.empty_like(t) for _ in range(self.R)]
         self.comm.counter.add(kind, t.numel() * 8 * (self.R - 1))
-        with phase("input.header_all_gather"):
+        with phase("input.setup_all_gather"):
             _all_gather(parts, t, group=self.comm.group)
         return torch.stack(parts).numpy()
+
+    def _exchange_heads(self, head: np.ndarray) -> np.ndarray:
+        """[R, PAY_WORDS + 1] int64: every rank's first PAY_WORDS header words, then the bytes of its samples sent to
+        this rank, from this rank's header `head` (PAY_WORDS + R words). One all-to-all of PAY_WORDS + 1 words per
+        pair of ranks: each rank receives the one size word of every rank's R that concerns it, so a rank's share
+        grows as R, not as R x R (an all-gather of every header)."""
+        R = self.R
+        if R == 1:
+            return head[None, :].copy()
+        send = np.empty((R, PAY_WORDS + 1), dtype=np.int64)
+        send[:, :PAY_WORDS] = head[:PAY_WORDS]
+        send[:, PAY_WORDS] = head[PAY_WORDS:]
+        out = torch.empty(R * (PAY_WORDS + 1), dtype=torch.int64)
+        self.comm.counter.add("control", (PAY_WORDS + 1) * 8 * (R - 1))
+        with phase("input.header_all_to_all"):
+            _all_to_all_single(out, torch.from_numpy(send.reshape(-1)), group=self.comm.group)
+        return out.numpy().reshape(R, PAY_WORDS + 1)
 
     def _all_to_all_bytes(self, blocks: list[np.ndarray], recv: list[int]) -> list[np.ndarray]:
         """Send blocks[d] (uint8) to rank d; receive recv[q] bytes from rank q (sizes known on both sides)."""
@@ -464,16 +484,17 @@ class ScheduledInput:
         return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8 + lay.num_keys * u * lay.weight_bytes
 
     def _heads(self, work: Round, head: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
-        """Every rank's header words of this round (`head`: this rank's): from an all-gather, unless the previous
-        round's trailers announced them (`work.announced`) and this rank can size what it receives from the plan
-        alone (`_recv_sizes`). Then the round is a single all-to-all; the announced words are checked against
-        `head`, and the sample bytes this rank sends against what its receivers compute."""
+        """Every rank's header words of this round that this rank needs (`head`: this rank's PAY_WORDS + R): from an
+        all-to-all of them (`_exchange_heads`), unless the previous round's trailers announced them
+        (`work.announced`) and this rank can size what it receives from the plan alone (`_recv_sizes`). Then the
+        round is a single all-to-all; the announced words are checked against `head`, and the sample bytes this
+        rank sends against what its receivers compute."""
         R, r, known = self.R, self.rank, work.announced
         sizes: list[int] | None = None
         if known is not None:
             sizes = [0] * R if moves is None else self._recv_sizes(moves.pending, moves.n_from)
         if known is None or sizes is None:
-            return RoundHeads(self._all_gather_words(head, "control") if R > 1 else head[None, :])
+            return RoundHeads(self._exchange_heads(head))
         # no gather: its words (END) are not used
         checked = slice(0, PAY_WORDS) if work.gather is not None else slice(PLAN_WORD, PAY_WORDS)
         if not np.array_equal(known[r, checked], head[checked]):
@@ -489,9 +510,9 @@ class ScheduledInput:
                 raise RuntimeError(
                     f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute"
                 )
-        words = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
+        words = np.empty((R, PAY_WORDS + 1), dtype=np.int64)
         words[:, :PAY_WORDS] = known
-        words[:, PAY_WORDS + r] = sizes
+        words[:, PAY_WORDS] = sizes
         return RoundHeads(words)
 
     def _round(self, work: Round) -> RoundResult:
@@ -547,7 +568,7 @@ class ScheduledInput:
             for d, p in enumerate(pay)
         ]
         t = trailer.shape[0]
-        recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_to(r))]
+        recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_here)]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
         else:

@@ -4,7 +4,8 @@ global batch from their own copy of the ownership directory. With a budget no pl
 make the same degraded plans, at the levels they agree on through the round headers: two full plans, two reduced,
 then static ones (the words published with plan p - 2 set plan p's level), counted alike on both; every rank
 executes the same plans, and the trained model is the one-process model on the global batches (SGD, <= 1e-5).
-Before the agreement, the budget was unused with several planners: every plan full."""
+Before the agreement, the budget was unused with several planners: every plan full. Sizes: the header words go by
+an all-to-all of exactly what each rank needs, counted in the stage's "control" bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
 from tests.distributed.train_pipeline.test_pipeline_edges import TwoEBCModel, batches, one_process_reference
 from tests.helpers.ranks import rank_result, run_ranks
 
@@ -71,10 +73,14 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
         policy = pipeline.policy
         levels = vars(policy.plan_levels()) if policy is not None else None
         described = policy.describe() if policy is not None else None
+        counter = pipeline.input_stage.comm.counter
+        control = (counter.bytes["control"], counter.calls["control"])
         pipeline.close()
     finally:
         socket.gethostname = real_hostname
-    torch.save({"digests": digests, "levels": levels, "policy": described}, rank_result(out_dir, rank))
+    torch.save(
+        {"digests": digests, "levels": levels, "policy": described, "control": control}, rank_result(out_dir, rank)
+    )
 
 
 def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tmp_path: Path) -> None:
@@ -92,6 +98,16 @@ def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tm
     assert len(res[0]["digests"]) == STEPS
     assert all(r["digests"] == res[0]["digests"] for r in res)
     assert len(set(res[0]["digests"])) == STEPS
+    # the header words: bags of several lengths, so every round exchanges them first, by an all-to-all of
+    # PAY_WORDS + 1 words per pair of ranks (never all-gathered: PAY_WORDS + R words from every rank); the setup's
+    # all-gather of 5 words, and a trailer of PAY_WORDS words per pair on every round after the first L + 2
+    for r in res:
+        sent, calls = r["control"]
+        exchanges, trailers = calls - 1, calls - 1 - (2 + 2)
+        assert sent == 5 * 8 * (WORLD - 1) + exchanges * (PAY_WORDS + 1) * 8 * (
+            WORLD - 1
+        ) + trailers * TRAILER_BYTES * (WORLD - 1), (sent, calls)
+        assert exchanges >= STEPS + 4, calls
     # exact at every level: the model of one process on the global batches
     ref = one_process_reference(WORLD, STEPS)
     got = full_checkpoint(tmp_path / "ckpt")
