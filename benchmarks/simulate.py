@@ -7,6 +7,7 @@
     python benchmarks/simulate.py --workers 8 --steps 50 --policies het_bsp,het,fae,p2res,herald --staleness 2 \
         [--hot-budget ROWS] [--profile-fraction 0.05] [--fae-window 8] --json    # the comparison systems
     python benchmarks/simulate.py --workers 64 --ranks-per-host 8 --policies herald,herald_rep --json  # replicas
+    python benchmarks/simulate.py --workers 16,64 --ranks-per-host 8 --policies herald,herald_hier --json  # per host
     python benchmarks/simulate.py --merge r8.json r16.json r32.json --json --plot sweep.png  # runs made one R each
 
 Prints one JSON object: {"config": {...}, "policies": {NAME: {...}}} for one worker count, or
@@ -25,7 +26,9 @@ once per reading host, gradients summed inside a host before they cross: the dat
 default), cross_host_by_kind[_host_aggregated] (crossing rows per step) and
 cross_host_by_kind_table_class[_host_aggregated] (per kind / table size: tiny < 1,000 rows, mid < 20,000, large),
 busiest_rank_over_mean (rows the busiest rank sends + receives over the mean rank's, median over the steps).
-Progress goes to stderr.
+herald and herald_hier (planned per host, schedule/herald/hierarchy.py) also get plan_ms_per_host and
+protocol_bytes_per_rank (`ProtocolTotals`: herald's for today's protocol, every rank's ids to every host's planner
+and the whole plan back). Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
 """
 
@@ -54,8 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
+from herald_torchrec.schedule.herald.hierarchy import ids_bytes  # noqa: E402
 from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
-from herald_torchrec.schedule.plan_wire import encode_plan_tree  # noqa: E402
+from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402
 from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
 
 LOADERS = {
@@ -185,6 +189,10 @@ def policy_kwargs(args, name: str) -> dict:
             kw["budget_ms"] = args.budget_ms
         if getattr(args, "plan_budget_ms", None) is not None:
             kw["plan_budget_ms"] = args.plan_budget_ms
+    if name == "herald_hier":
+        kw["hosts"] = args.ranks_per_host
+        if args.refine is not None:
+            kw["refine"] = args.refine
     if name == "het" and args.staleness is not None:
         kw["staleness"] = args.staleness
     if name in ("fae", "p2res"):
@@ -210,6 +218,7 @@ def run_policies(args, R: int) -> dict:
     windows: dict[str, deque] = {n: deque() for n in names}
     cursor = {n: 0 for n in names}
     stats = {n: {"rows": [], "bytes": [], "kinds": {}, "hits": 0, "pairs": 0, "ms": [], "cpu_ms": []} for n in names}
+    protocol = {n: ProtocolTotals() for n in names if n in ("herald", "herald_hier")}
     hosts = {n: HostTotals() for n in names}
     table_class = [size_class(r) for r in table_rows]
     digests = {n: hashlib.sha1() for n in names}  # of every plan as the wire encodes it (arrays, dtypes, counters)
@@ -262,6 +271,8 @@ def run_policies(args, R: int) -> dict:
                 st["hits"] += int(plan.counters.get("hit", 0))
                 st["pairs"] += plan.read_pairs()
                 hosts[n].add(host_traffic(plan, args.ranks_per_host, pols[n].last_transfers), table_class)
+                if n in protocol:
+                    protocol[n].add(pols[n], plan, windows[n][0], args.ranks_per_host)
             stats[n]["ms"].append(plan.sched_seconds * 1e3)
             windows[n].popleft()
         step += 1
@@ -291,9 +302,11 @@ def run_policies(args, R: int) -> dict:
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
         entry.update(hosts[n].summary(n_meas, R * B))
+        if n in protocol:
+            entry.update(protocol[n].summary())
         if args.check and checkers[n].errors:
             entry["check_errors"] = checkers[n].errors[:5]
-        if n in ("herald", *VARIANTS):
+        if n in ("herald", "herald_hier", *VARIANTS):
             entry["tables"] = pols[n].tables
         if getattr(pols[n], "replicas", None) is not None and n not in ("fae", "p2res"):
             entry.update(pols[n].replicas.describe())
@@ -315,9 +328,67 @@ def run_policies(args, R: int) -> dict:
     for base in ("het_bsp", "herald_greedy", "static"):
         if base in out and "herald" in out and out[base]["rows_per_step"] > 0:
             ratios[f"herald/{base}"] = round(out["herald"]["rows_per_step"] / out[base]["rows_per_step"], 4)
+    if "herald_hier" in out and "herald" in out and out["herald"]["rows_per_step"] > 0:
+        ratios["herald_hier/herald"] = round(out["herald_hier"]["rows_per_step"] / out["herald"]["rows_per_step"], 4)
     if ratios:
         res["ratios"] = ratios
     return res
+
+
+class ProtocolTotals:
+    """Planning time per host and protocol bytes per rank per step (medians over the measured steps).
+
+    herald_hier: its own record (`HierStep`, schedule/herald/hierarchy.py): plan_ms_per_host = the slowest host's
+    planner + directory role, the slowest directory role alone, and the union of the parts into one Plan (not a
+    host's work); protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the
+    busiest host's / its ranks), its plan part (mean and max over ranks). herald, today's protocol (plan_on="host"):
+    one planner per host plans everything (plan_ms_per_host = its time), every rank sends its ids to every host's
+    planner and receives the whole plan (`encode_plan` bytes)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[float]] = {}
+
+    def _put(self, **vals: float) -> None:
+        for k, v in vals.items():
+            self.rows.setdefault(k, []).append(float(v))
+
+    def add(self, pol, plan, batch: GlobalBatch, ranks_per_host: int) -> None:
+        R, B = pol.num_ranks, pol.batch_per_rank
+        step = getattr(pol, "last_step", None)
+        if step is not None:  # herald_hier
+            P = pol.ranks_per_host
+            per_host = step.per_host_seconds
+            self._put(
+                max_host_ms=per_host.max() * 1e3,
+                max_directory_ms=step.directory_seconds.max() * 1e3,
+                union_ms=step.union_seconds * 1e3,
+                ids=step.ids_bytes.mean(),
+                between_hosts=sum(step.message_bytes.values()) / R,
+                between_hosts_busiest_host=step.host_message_bytes.max() / P,
+                plan_part=step.plan_part_bytes.mean(),
+                plan_part_max=step.plan_part_bytes.max(),
+            )
+            for k, v in step.message_bytes.items():
+                self._put(**{f"msg_{k}": v / R})
+            return
+        H = -(-R // ranks_per_host)
+        self._put(
+            max_host_ms=plan.sched_seconds * 1e3,
+            ids=ids_bytes(batch, R, B).mean() * H,
+            between_hosts=0.0,
+            plan_part=encode_plan(plan).nbytes,
+        )
+
+    def summary(self) -> dict:
+        med = {k: float(np.median(v)) for k, v in self.rows.items()}
+        ms = {k: round(med[k], 3) for k in ("max_host_ms", "max_directory_ms", "union_ms") if k in med}
+        by = {k: round(med[k]) for k in ("ids", "between_hosts", "between_hosts_busiest_host", "plan_part",
+                                         "plan_part_max") if k in med}  # fmt: skip
+        by["total"] = round(med["ids"] + med["between_hosts"] + med["plan_part"])
+        msgs = {k[4:]: round(v) for k, v in med.items() if k.startswith("msg_") and v}
+        if msgs:
+            by["between_hosts_by_kind"] = msgs
+        return {"plan_ms_per_host": ms, "protocol_bytes_per_rank": by}
 
 
 TABLE_CLASSES = ((1_000, "tiny"), (20_000, "mid"))  # rows below the bound; larger tables are "large"

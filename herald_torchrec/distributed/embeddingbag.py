@@ -278,6 +278,10 @@ class ShardedHeraldEmbeddingBagCollection(
                 f"policy {policy!r}: HET's cache does not run weighted features; use another policy for a weighted "
                 "EmbeddingBagCollection"
             )
+        if self._store.row_dtype != torch.float32 and any(e.plan_part == "cache" for e in extensions):
+            raise ValueError(  # a comparison baseline: its pulls read moved rows as values, which FP16 rows are not
+                f"policy {policy!r}: HET's cache runs FP32 tables only; use another policy for FP16 tables"
+            )
         if replicate and not any(e.plan_part == "replicas" for e in extensions):
             extensions += (ReplicaExtension(resources),)
         self._extensions: tuple[StepExtension, ...] = extensions

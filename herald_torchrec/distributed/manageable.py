@@ -5,10 +5,14 @@ ValueError naming the setting), and the sharder must leave exactly those tables 
 that one `HeraldEmbeddingBagCollectionSharder` serves any model (DMP keeps one sharder per module type). Both ask
 `table_refusal`; the sharder asks `split_tables` for a whole EBC.
 
-A refusal is either *Herald's* (an FP16 table, pooling or an in-backward optimizer setting Herald cannot honour
-exactly): TorchRec trains the table as asked, so the sharder hands it to TorchRec and warns; or one that *no*
+A refusal is either *Herald's* (a data type other than FP32 / FP16, pooling or an in-backward optimizer setting
+Herald cannot honour exactly, a precision or optimizer unlike the EBC's other Herald tables', which share one TBE):
+TorchRec trains the table as asked, so the sharder hands it to TorchRec and warns; or one that *no*
 sharding honours (a weighted EBC that does not pool by SUM, a setting FBGEMM's CPU kernels ignore): handing the
 table to TorchRec would train something the user did not ask for, so it stays an error (`Refusal.stock_trains_it`).
+
+FP16 tables are Herald's: their rows stay float16 in Herald's TBE as in stock's (the precision is one of the
+table's resolved settings, `weights_precision`, so an EBC mixing precisions splits as one mixing optimizers does).
 """
 
 from __future__ import annotations
@@ -51,10 +55,10 @@ def config_refusal(config: EmbeddingBagConfig, weighted: bool) -> Refusal | None
         )
     if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         return Refusal(f"SUM or MEAN pooling is supported, got {config.pooling}")
-    if config.data_type != DataType.FP32:  # stock keeps such a table in its precision: never train it in another
+    if config.data_type not in (DataType.FP32, DataType.FP16):  # stock keeps rows in their precision: so does Herald
         return Refusal(
-            f"data_type={config.data_type.name}: Herald-managed rows are float32; make the table FP32 or leave it to "
-            "TorchRec's sharding"
+            f"data_type={config.data_type.name}: Herald-managed rows are FP32 or FP16; make the table one of those or "
+            "leave it to TorchRec's sharding"
         )
     return None
 

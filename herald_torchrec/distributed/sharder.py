@@ -40,10 +40,11 @@ The EBC is then sharded into a `ShardedMixedEmbeddingBagCollection` (mixed.py): 
 tables and TorchRec's `ShardedEmbeddingBagCollection`, with the same fused params, for the rest.
 
 One sharder serves any model (DMP keeps one sharder per module type): a table Herald cannot train exactly as stock
-TorchRec does (an FP16 table, an in-backward optimizer setting Herald cannot honour, ...; manageable.py, the same
-predicate the sharded module refuses it by) is left to TorchRec as if named in `unscheduled_tables`, and an EBC none
-of whose tables Herald can manage is sharded entirely by TorchRec's `EmbeddingBagCollectionSharder` with the same
-fused params. A warning names such tables and the reason, once per EBC; the math is never changed. With no plan,
+TorchRec does (an INT8 table, an in-backward optimizer setting Herald cannot honour, an FP16 table beside more FP32
+ones of its EBC, ...; manageable.py, the same predicate the sharded module refuses it by) is left to TorchRec as if
+named in `unscheduled_tables`, and an EBC none of whose tables Herald can manage is sharded entirely by TorchRec's
+`EmbeddingBagCollectionSharder` with the same fused params. FP16 tables are Herald's, kept in float16 as stock keeps
+them. A warning names such tables and the reason, once per EBC; the math is never changed. With no plan,
 DMP's default planner gives them this sharder's ROW_WISE + FUSED (stock ROW_WISE); `planner_constraints(ebc)` lets
 the planner give them any stock model-parallel type, as for unscheduled tables.
 """

@@ -19,6 +19,7 @@ from herald_torchrec.schedule.baselines.static import StaticPolicy
 from herald_torchrec.schedule.checker import PlanChecker
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
+from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
 from herald_torchrec.schedule.herald.planner import HeraldPolicy
 from herald_torchrec.schedule.plan import Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
 from herald_torchrec.schedule.policy import SchedulePolicy
@@ -31,6 +32,7 @@ POLICIES: dict[str, type[SchedulePolicy]] = {
     "p2res": P2resPolicy,
     "herald_greedy": HeraldGreedyPolicy,
     "herald": HeraldPolicy,
+    "herald_hier": HeraldHierPolicy,
 }
 
 
@@ -81,6 +83,7 @@ __all__ = [
     "HetPolicy",
     "HeraldGreedyPolicy",
     "HeraldPolicy",
+    "HeraldHierPolicy",
     "FaePolicy",
     "P2resPolicy",
     "PlanChecker",

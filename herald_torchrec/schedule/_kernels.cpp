@@ -686,13 +686,17 @@ void herald_balanced_assign(const float* sc, int64_t N, int64_t R, int64_t B, in
 
 // HeraldPolicy.assign in rotated rank coordinates, on the dense path: the first LAIA pass (score = bincount of
 // w0 by (sample, owner)), then `refine` rounds of balanced best response. `own` is every key's owner (rotated),
-// es / ec every scheduled element's sample and key index; S > 0: single-hot, S elements per sample, sample-major.
+// es / ec every scheduled element's sample and key index (own[k] = -1: no rank of this problem owns k, a host
+// planner's remote key: it scores nowhere); S > 0: single-hot, S elements per sample, sample-major.
 // w_int16: the per-key scores are small integers (numpy int16), else float32. Writes the assignment to `a`.
 void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
                    const double* w0, int64_t S, const int64_t* own, int64_t refine,
                    double owner_weight, double stay_bonus, int w_int16, int64_t* a) {
   std::vector<double> score(N * R, 0.0);
-  for (int64_t i = 0; i < E; ++i) score[es[i] * R + own[ec[i]]] += w0[i];
+  for (int64_t i = 0; i < E; ++i) {  // own < 0: a key no rank of this problem owns (a host planner's remote keys)
+    const int64_t o = own[ec[i]];
+    if (o >= 0) score[es[i] * R + o] += w0[i];
+  }
   if (refine == 0) {
     std::vector<float> sc(score.begin(), score.end());
     balanced(sc.data(), N, R, B, a);

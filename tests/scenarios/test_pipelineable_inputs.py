@@ -2,9 +2,10 @@
 EBC and a weighted EBC, both Herald-managed) fed TorchRec's `ModelInput` (float features, an id-list KJT, a weighted
 id-score KJT, labels: a Pipelineable, not a `Batch`) by `HeraldTrainPipeline`, against stock
 `TrainPipelineSparseDist` with the sharder TorchRec's `create_test_sharder` builds (its `fused_params`, learning rate
-0.1 added as it adds it), on 2 gloo ranks. TorchRec's harness idiom: one global model's weights copied into each
-sharded model (`copy_state_dict`), the same `ModelInput.generate` batches, then every table, the row-wise Adagrad
-state and the dense parameters compared (<= 1e-5), and each rank's eval predictions on its own eval batch."""
+0.1 added as it adds it), on 2 gloo ranks, in three of the harness's configurations (optimizer / stock sharding
+type: `CONFIGS`). TorchRec's harness idiom: one global model's weights copied into each sharded model
+(`copy_state_dict`), the same `ModelInput.generate` batches, then every table, the optimizer state and the dense
+parameters compared (<= 1e-5), and each rank's eval predictions on its own eval batch."""
 
 from __future__ import annotations
 
@@ -99,17 +100,31 @@ def inputs(rank: int, world: int, seed: int, steps: int, vbe: bool = False):
     return out
 
 
-def sharder_fused_params() -> dict:
+# the harness's configurations run here: name -> (the optimizer in fused_params, stock's sharding type)
+CONFIGS = {
+    "rowwise_adagrad-table_wise": ("EXACT_ROWWISE_ADAGRAD", "TABLE_WISE"),
+    "adagrad-row_wise": ("EXACT_ADAGRAD", "ROW_WISE"),
+    "sgd-column_wise": ("EXACT_SGD", "COLUMN_WISE"),
+}
+
+
+def sharder_fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD") -> dict:
     """What `create_test_sharder` hands its sharder: the caller's fused_params with learning_rate 0.1 added."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-2}
+    fused = {"optimizer": EmbOptimType[optimizer]}
+    if "ADAGRAD" in optimizer:
+        fused["eps"] = 1e-2
+    else:  # plain SGD at 0.1 moves these tables by ~3e-5, too little for a <= 1e-5 comparison to mean anything
+        fused["learning_rate"] = 5.0
     if "learning_rate" not in fused:
         fused["learning_rate"] = 0.1
     return fused
 
 
-def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str, vbe: bool = False) -> None:
+def sparse_nn_worker(
+    rank: int, world: int, out_dir: str, kind: str, vbe: bool = False, config: str = "rowwise_adagrad-table_wise"
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -123,11 +138,12 @@ def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str, vbe: bool =
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldTrainPipeline
 
     herald = kind == "herald"
-    fused = sharder_fused_params()
+    optimizer, sharding = CONFIGS[config]
+    fused = sharder_fused_params(optimizer)
     if herald:
         sharder = HeraldEmbeddingBagCollectionSharder(fused_params=fused, cache_ratio=0.2, lookahead=2)
     else:
-        sharder = TestEBCSharder(ShardingType.TABLE_WISE.value, EmbeddingComputeKernel.FUSED.value, fused)
+        sharder = TestEBCSharder(ShardingType[sharding].value, EmbeddingComputeKernel.FUSED.value, fused)
     tables, weighted = table_configs()
     torch.manual_seed(1)  # another init than the global model's: the copy below must set every weight
     local = TestSparseNN(tables=tables, weighted_tables=weighted, num_float_features=NUM_FLOAT)
@@ -158,10 +174,15 @@ def sparse_nn_worker(rank: int, world: int, out_dir: str, kind: str, vbe: bool =
     torch.save({"steps": steps, "preds": preds, **extra}, rank_result(out_dir, rank))
 
 
-@pytest.mark.parametrize("vbe", [False, True], ids=["model_input", "vbe_user_bags"])
-def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: Path, vbe: bool) -> None:
-    """With `vbe`, each rank's id-list KJT is VBE (`user_bags`): stock's sharded EBC pools the distinct bags and
-    selects them per sample, Herald's input stage gives each sample its bag (variable_batch.py)."""
+@pytest.mark.parametrize(
+    "config, vbe",
+    [(c, False) for c in CONFIGS] + [("rowwise_adagrad-table_wise", True)],
+    ids=[*CONFIGS, "rowwise_adagrad-table_wise-vbe_user_bags"],
+)
+def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: Path, config: str, vbe: bool) -> None:
+    """Each configuration: the optimizer in both sharders' fused_params, stock's sharding type (CONFIGS). With `vbe`,
+    each rank's id-list KJT is VBE (`user_bags`): stock's sharded EBC pools the distinct bags and selects them per
+    sample, Herald's input stage gives each sample its bag (variable_batch.py)."""
     if vbe:  # the inputs really are VBE, and not the plain ones: the pair's second sample reads the first's bag
         x, plain = inputs(0, 2, 100, 1, vbe=True)[0].idlist_features, inputs(0, 2, 100, 1)[0].idlist_features
         assert x.variable_stride_per_key() and x.stride_per_key() == [B // 2, B]
@@ -174,6 +195,7 @@ def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: 
             world_size=2,
             kind=kind,
             vbe=vbe,
+            config=config,
         )
         results[kind] = full_checkpoint(tmp_path / kind / "ckpt")
         per_rank[kind] = [torch.load(rank_result(tmp_path / kind, r)) for r in range(2)]
@@ -181,11 +203,12 @@ def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: 
     assert sorted(stock) == sorted(herald), sorted(set(stock) ^ set(herald))
     tables = [k for k in stock if ".embedding_bags." in k and k.endswith(".weight")]
     assert len(tables) == 4, sorted(stock)  # both EBCs' tables
-    assert sum("momentum1" in k for k in stock) == 4, sorted(stock)  # row-wise Adagrad's state of every table
+    stateful = CONFIGS[config][0] != "EXACT_SGD"
+    assert sum("momentum1" in k for k in stock) == (4 if stateful else 0), sorted(stock)  # Adagrad's state per table
     assert any("dense" in k for k in stock) and any("over" in k for k in stock)  # the dense parameters too
     worst = {k: float((stock[k].float() - herald[k].float()).abs().max()) for k in stock}
     assert not {k: v for k, v in worst.items() if v > TOL}, worst
-    # row-wise Adagrad's state is a mean of squared gradients (~1e-7 here): compared relative to its size
+    # Adagrad's state sums squared gradients (row-wise: their mean, ~1e-7 here): compared relative to its size
     for k in (k for k in stock if "momentum1" in k):
         size = float(stock[k].abs().max())
         assert size > 0 and worst[k] <= TOL * size, (k, worst[k], size)

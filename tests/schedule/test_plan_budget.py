@@ -1,6 +1,7 @@
 """Herald's planning budget (schedule/herald/budget.py): a planner over its budget makes cheaper plans (fewer
 scheduled tables and no refine rounds, then static ones), each accepted by the checker (0 stale reads) and counted;
-with the default nothing changes (the same plans as before the budget existed); several planners never degrade."""
+with the default nothing changes (the same plans as before the budget existed); several planners plan every batch
+at the level they agree on."""
 
 from __future__ import annotations
 
@@ -126,17 +127,73 @@ def test_auto_budget_follows_the_measured_step():
     assert levels == ["reduced", "static", "static", "static"]
 
 
-def test_several_planners_never_degrade():
-    """Each planner decides alone: a decision that depends on its clock could make their plans differ."""
-    rows, batches = _trace(6)
-    pol = make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e-3)
-    with pytest.warns(RuntimeWarning, match=r"plan_budget_ms=0.001 is unused: 2 ranks make plans"):
+def _run_agreed(policies, rows, batches):
+    """Several planners as the input stage drives them: before plan p each one agrees on the level from the words
+    every planner published with plan p - 2 (plans 0 and 1: the words before any plan). Returns each one's plans
+    and the levels they planned at."""
+    published = [[pol.level_word() for pol in policies]] * 2  # the last gathering round's words, twice
+    plans, levels = [[] for _ in policies], []
+    chk = [PlanChecker(rows, R, B, 0.1, strict=True) for _ in policies]
+    for i in range(len(batches)):
+        window = batches[i : i + L + 1]
+        agreed = {pol.agree_level(published[i]) for pol in policies}
+        assert len(agreed) == 1  # the same words: the same level on every planner
+        levels.append(budget_mod.LEVEL_NAMES[agreed.pop()])
+        for q, pol in enumerate(policies):
+            plans[q].append(pol.plan(window))
+            chk[q].check(plans[q][-1], window[0])
+        published.append([pol.level_word() for pol in policies])
+    assert all(c.stale_reads == 0 and not c.errors for c in chk)
+    return plans, levels
+
+
+def test_several_planners_agree_on_every_level():
+    """A fast planner (a budget it always meets) and a slow one (1 us): the slow one's words set the level of both,
+    two plans late, so both make the same degraded and static plans and count them alike."""
+    rows, batches = _trace(12)
+    fast = make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e9)
+    slow = make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e-3)
+    for pol in (fast, slow):
         pol.set_planners(2)
-    plans, _ = _run(pol, rows, batches)
-    assert vars(pol.plan_levels()) == {"full": 6, "reduced": 0, "static": 0}
-    assert pol.describe()["plan_budget"] == "unused: 2 planners"
+    plans, levels = _run_agreed([fast, slow], rows, batches)
+    assert levels == ["full", "full", "reduced", "reduced"] + ["static"] * 8
+    assert _digest(plans[0]) == _digest(plans[1])
+    assert vars(fast.plan_levels()) == vars(slow.plan_levels()) == {"full": 2, "reduced": 2, "static": 8}
+    assert fast.describe()["plan_budget_planners"] == 2
+    # the same as one planner alone at those levels: a full, reduced or static plan is what it is wherever made
+    assert all(np.array_equal(p.sample_order, np.arange(R * B)) for p in plans[0][4:])
+    # both fast: full plans throughout, the plans of no budget at all
+    fast2 = [make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e9) for _ in range(2)]
+    for pol in fast2:
+        pol.set_planners(2)
+    plans2, levels2 = _run_agreed(fast2, rows, batches)
     ref, _ = _run(make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=None), rows, batches)
-    assert _digest(plans) == _digest(ref)
+    assert levels2 == ["full"] * 12 and _digest(plans2[0]) == _digest(plans2[1]) == _digest(ref)
+    # several planners but no agreement (a policy used outside the input stage): full plans
+    alone = make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=1e-3)
+    alone.set_planners(2)
+    got, _ = _run(alone, rows, batches[:4])
+    assert vars(alone.plan_levels()) == {"full": 4, "reduced": 0, "static": 0}
+
+
+def test_agreement_rule_max_probe_and_bad_words():
+    b = PlanBudget(2.0, planners=3)
+    assert b.wanted() == FULL and b.choose() == FULL  # no words agreed on: FULL
+    b.record(FULL, 5.0)
+    assert b.wanted() == REDUCED  # its own clock: over the budget
+    assert b.choose() == FULL  # but with several planners only the agreed level counts
+    assert b.agree([FULL, STATIC, REDUCED]) == STATIC and b.choose() == STATIC
+    assert b.choose() == FULL  # consumed by the plan: the next one needs its own agreement
+    # the probe counts the agreed degraded plans: the same on every planner
+    a = PlanBudget(2.0, planners=2)
+    seq = [a.agree([REDUCED, FULL]) for _ in range(PROBE_EVERY + 1)]
+    assert seq == [REDUCED] * PROBE_EVERY + [FULL]
+    assert a.agree([FULL, FULL]) == FULL and a.agree([STATIC, STATIC]) == STATIC
+    for bad in ([], [3], [-1, 0]):
+        with pytest.raises(ValueError, match="level words must be 0, 1 or 2"):
+            a.agree(bad)
+    with pytest.raises(ValueError, match="set_planners needs at least one planner"):
+        make_policy("herald", *_trace(1)[:1], R, B, 0.1, L).set_planners(0)
 
 
 def test_budget_rule_levels_probe_and_late_input():

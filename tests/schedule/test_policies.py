@@ -17,7 +17,11 @@ NAMES = sorted(POLICIES)
 
 
 def synthetic_trace(R: int, B: int, steps: int, locality: float = 0.5, seed: int = 0):
-    gen = SyntheticCTR(SyntheticSpec(table_rows=(3, 9, 40, 300, 2000), locality=locality, trend_life=200, seed=seed))
+    # held-out blocks of one global batch (as the simulator cuts them): the trace the plan digests were taken on
+    spec = SyntheticSpec(
+        table_rows=(3, 9, 40, 300, 2000), locality=locality, trend_life=200, seed=seed, val_block=R * B
+    )
+    gen = SyntheticCTR(spec)
     return gen.table_rows, [gen.train_samples(i * R * B, R * B).ids for i in range(steps)]
 
 

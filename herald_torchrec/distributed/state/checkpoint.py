@@ -247,7 +247,7 @@ class HeraldCheckpoint:
                 state = st.state_view(t)
                 s = state[:hl] if state is not None else torch.zeros(state_shape, device=module.device)
             else:
-                w = torch.zeros(hl, dim, dtype=torch.float32, device=module.device)
+                w = torch.zeros(hl, dim, dtype=st.row_dtype, device=module.device)  # float16 for FP16 tables
                 s = torch.zeros(state_shape, dtype=torch.float32, device=module.device)
             self.home_w.append(w)
             self.weights.append(_sharded(w, shards, (rows, dim), r, pg))
@@ -451,12 +451,13 @@ class HeraldCheckpoint:
         start = exclusive_cumsum(r_width)
         for t in np.unique(r_tab).tolist():
             sel = np.flatnonzero(r_tab == t)
-            w, d = int(r_width[sel[0]]), st.dims[t]
+            w = int(r_width[sel[0]])
             block = got[torch.from_numpy(ragged_arange(start[sel], r_width[sel])).to(got.device)].view(-1, w)
             idx = torch.from_numpy(r_row[sel] - st.home_lo[t]).to(got.device)
-            self.home_w[t].index_copy_(0, idx, block[:, :d])
+            rows, state = st.unpack_rows(t, block)  # float16 rows travel as their bits (read_packed)
+            self.home_w[t].index_copy_(0, idx, rows.to(self.home_w[t].dtype))
             if self.has_state:
-                self.home_s[t].index_copy_(0, idx, block[:, d:].reshape((-1,) + self.home_s[t].shape[1:]))
+                self.home_s[t].index_copy_(0, idx, state.reshape((-1,) + self.home_s[t].shape[1:]))
 
     # ---------------------------------------------------------------------- load
     def send_guests_home(self) -> None:

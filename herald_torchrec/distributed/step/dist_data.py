@@ -116,6 +116,23 @@ class RowMoveDist(_PlanAllToAll):
         return _AllToAllAwaitable(self._start(send, ms.send_splits, ms.recv_splits, check), check, lambda out: out)
 
 
+def half_words(values: torch.Tensor) -> torch.Tensor:
+    """Float32 values that are float16 values (read from FP16 rows) as their float16 bits, two to a float32 word:
+    what an FP16 row's shared value travels as (half the bytes, exact). The count must be even (dims are multiples
+    of 4)."""
+    return values.to(torch.float16).view(torch.float32)
+
+
+def from_half_words(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `half_words`: the float32 values (exact)."""
+    return words.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _words(splits: list[int], half: bool) -> list[int]:
+    """Split sizes in float32 words of values in floats: halved when the values travel as float16 bits."""
+    return [s // 2 for s in splits] if half else list(splits)
+
+
 def _per_peer(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> list[list[torch.Tensor]]:
     """Per peer, a's block then b's block (1-D tensors cut by their splits, as views): two kinds in one send."""
     return [list(x) for x in zip(a.split(a_splits), b.split(b_splits))]
@@ -135,27 +152,42 @@ class StepExchangeDist(_PlanAllToAll):
     value order). A shared value is sent by the row's owner *before* the moves, so values need not wait for the
     moves to land: one collective (one synchronisation of the ranks) where moves and values took two. The awaitable
     gives (arriving rows in `MoveStep.recv_idx` order, received values in value order), or None when the step moves
-    and shares nothing on any rank (nothing is issued)."""
+    and shares nothing on any rank (nothing is issued). With `half`, the values (of FP16 rows) travel as their
+    float16 bits (`half_words`) and arrive as float32 values."""
 
     def __call__(
-        self, rows: torch.Tensor, ms: MoveStep, values: torch.Tensor, sh: SharedStep, check: ErrorCheck | None = None
+        self,
+        rows: torch.Tensor,
+        ms: MoveStep,
+        values: torch.Tensor,
+        sh: SharedStep,
+        check: ErrorCheck | None = None,
+        half: bool = False,
     ) -> Awaitable[tuple[torch.Tensor, torch.Tensor] | None]:
         if ms.globally_empty and sh.globally_empty:
             return _AllToAllAwaitable(None, None, lambda out: None)
-        parts = _per_peer(rows, ms.send_splits, values, sh.value_splits)
-        recv_splits = [a + b for a, b in zip(ms.recv_splits, sh.recv_splits)]
+        value_splits, value_recv = _words(sh.value_splits, half), _words(sh.recv_splits, half)
+        if half:
+            values = half_words(values)
+        parts = _per_peer(rows, ms.send_splits, values, value_splits)
+        recv_splits = [a + b for a, b in zip(ms.recv_splits, value_recv)]
         r, elem = self._comm.rank, values.element_size()
         kinds = {}  # off-rank bytes by kind, for the kinds this step has on some rank
         if not ms.globally_empty:
             kinds["moves"] = elem * (sum(ms.send_splits) - ms.send_splits[r])
         if not sh.globally_empty:
-            kinds["shared_value"] = elem * (sum(sh.value_splits) - sh.value_splits[r])
+            kinds["shared_value"] = elem * (sum(value_splits) - value_splits[r])
         if check is not None:  # the flag headers and both kinds go into the send buffer in one copy
             pending = self._comm.start_all_to_all_flagged_parts(parts, recv_splits, kinds, check.flag)
         else:
-            send_splits = [a + b for a, b in zip(ms.send_splits, sh.value_splits)]
+            send_splits = [a + b for a, b in zip(ms.send_splits, value_splits)]
             pending = self._start(torch.cat([x for p in parts for x in p]), send_splits, recv_splits, None, kinds)
-        return _AllToAllAwaitable(pending, check, lambda blocks: _deinterleave(blocks, ms.recv_splits), recv_splits)
+
+        def done(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            moved, vals = _deinterleave(blocks, ms.recv_splits)
+            return moved, (from_half_words(vals) if half else vals)
+
+        return _AllToAllAwaitable(pending, check, done, recv_splits)
 
 
 class SharedGradDist(_PlanAllToAll):
@@ -187,8 +219,13 @@ class RelayValueDist(_RelayAllToAll):
 
     kind = "relay_value"
 
-    def __call__(self, values: torch.Tensor, sh: SharedStep) -> Awaitable[torch.Tensor]:
-        send, recv = self._local(sh.fwd_splits), self._local(sh.fwd_recv_splits)
+    def __call__(self, values: torch.Tensor, sh: SharedStep, half: bool = False) -> Awaitable[torch.Tensor]:
+        """`half`: values of FP16 rows, sent as their float16 bits (`half_words`), given back as float32."""
+        send, recv = _words(self._local(sh.fwd_splits), half), _words(self._local(sh.fwd_recv_splits), half)
+        if half:
+            return _AllToAllAwaitable(
+                self._start(half_words(values), send, recv, None), None, lambda out: from_half_words(out)
+            )
         return _AllToAllAwaitable(self._start(values, send, recv, None), None, lambda out: out)
 
 

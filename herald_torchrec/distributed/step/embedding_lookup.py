@@ -155,13 +155,14 @@ class HeraldLookup:
         if (slots < 0).any():  # pragma: no cover - the plan checks guarantee ownership
             raise RuntimeError("shared value sent by a rank that does not own the row")
         values = st.read_packed(sh.value_table, slots, with_state=False)  # read before the moves
-        rows, vals = self._exchange_dist(self._departing(ms), ms, values, sh, check).wait()
+        half = st.row_dtype == torch.float16  # FP16 rows' values travel as their float16 bits
+        rows, vals = self._exchange_dist(self._departing(ms), ms, values, sh, check, half).wait()
         moved = self._land(ms, rows) if not ms.globally_empty else {}
         if sh.relayed:  # relays hand the values they received to their host's other readers
             with phase("step.exchange.relay"):
                 idx, width = value_items(sh, st, sh.fwd_idx)
                 fwd = vals.view(-1, width).index_select(0, torch.from_numpy(idx).to(vals.device)).view(-1)
-                vals = torch.cat([vals, self._relay_value_dist(fwd, sh).wait()])
+                vals = torch.cat([vals, self._relay_value_dist(fwd, sh, half).wait()])
         if sh.n_fill:  # reads of rows that arrived here in the moves
             k = sh.recv_gkey.shape[0] - sh.n_fill
             fill_slots = st.slot_of_all[sh.recv_gkey[k:]].astype(np.int64)
@@ -317,7 +318,7 @@ class HeraldLookup:
             if keys.size:
                 w, s = st.read_slots(t, st.slots(t, keys))
                 idx = torch.from_numpy(keys).to(self.device)
-                W[idx, : st.dims[t]] = w
+                W[idx, : st.dims[t]] = w.to(W.dtype)  # float16 rows: exact in float32
                 if s.shape[1]:
                     W[idx, st.dims[t] :] = s
             parts.append(W.reshape(-1))
@@ -331,7 +332,7 @@ class HeraldLookup:
             W = flat[off : off + n].view(shp).cpu()
             off += n
             name = st.tables[t].name
-            weights[name] = W[:, : st.dims[t]].clone()
+            weights[name] = W[:, : st.dims[t]].to(st.row_dtype, copy=True)  # in the rows' precision (exact)
             if st.state_widths[t]:  # [rows] (per row) or [rows, dim] (per element), as TorchRec shapes it
                 states[name] = W[:, st.dims[t] :].reshape(st.state_layout.shape(st.rows[t], st.dims[t])).clone()
         return weights, states

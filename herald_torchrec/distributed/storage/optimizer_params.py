@@ -24,7 +24,12 @@ gradient (the TBE's grad_output, CPU and CUDA alike) before summing it per row; 
 gradients of shared values the same way and the owner applies their sum unclipped (RowStore.clip_pooled_gradient), so
 it is exact too. Settings that read the TBE's step counter (counter-based or global weight decay; Adam-like optimizers
 — Herald's extra update pass advances that counter) are refused, as is anything Herald cannot honour (unknown keys,
-reduced precision rows, other optimizers, a torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum).
+other optimizers, a torch optimizer argument FBGEMM's kernel ignores, such as SGD momentum).
+
+Row precision: a table's rows are kept in its `data_type` (FP32 or FP16, FBGEMM's `weights_precision`), as stock
+TorchRec's TBE keeps them; FBGEMM computes the update in float32 and rounds the row to it, wherever the row lives, so
+one summed update is as exact for FP16 rows as for FP32 ones (up to the float32 sum order of shared gradients, which
+may flip an FP16 rounding by one ulp). CUDA's stochastic rounding of FP16 rows is refused (`check_precision`).
 Nothing is silently dropped: each refusal is a ValueError naming the setting and why.
 """
 
@@ -49,6 +54,7 @@ from torchrec.distributed.utils import (
     merge_fused_params,
     optimizer_type_to_emb_opt_type,
 )
+from torchrec.modules.embedding_configs import DataType, data_type_to_sparse_type
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 
@@ -179,13 +185,21 @@ def _flag(key: str, value: Any) -> bool:
     return value
 
 
-def _fp32(key: str, value: Any) -> SparseType:
+# Row precisions Herald moves and updates exactly as stock TorchRec does (FBGEMM's TBE `weights_precision`): the
+# table's own `data_type` (FP32 or FP16), its HBM cache in the same precision (as TorchRec's sharding sets it)
+ROW_PRECISIONS = (SparseType.FP32, SparseType.FP16)
+
+
+def _sparse_type(key: str, value: Any, allowed: tuple[SparseType, ...]) -> SparseType:
     v = convert_to_fbgemm_types({key: value})[key]
     if isinstance(v, str) and v.lower() in {t.value for t in SparseType}:
         v = SparseType(v.lower())
-    if v != SparseType.FP32:
-        raise ValueError(f"{key}: Herald-managed rows are float32 (moved and updated bit-exactly), got {value!r}")
-    return SparseType.FP32
+    if v not in allowed:
+        raise ValueError(
+            f"{key}: Herald-managed rows are {' or '.join(t.name for t in allowed)} (moved and updated as stock "
+            f"TorchRec's), got {value!r}"
+        )
+    return v
 
 
 class IgnoredEverywhere(ValueError):
@@ -224,6 +238,7 @@ def check_settings(fused_params: Mapping[str, Any], device: torch.device | None 
             f"weight_decay={out['weight_decay']!r}: FBGEMM applies it only with weight_decay_mode L2 or DECOUPLE "
             "(without one, TorchRec's TBE trains without it); set weight_decay_mode"
         )
+    check_precision(out, device)
     if device is not None and torch.device(device).type == "cpu":
         for key, neutral in CPU_IGNORED_SETTINGS.items():
             if key in out and out[key] != neutral:
@@ -234,19 +249,63 @@ def check_settings(fused_params: Mapping[str, Any], device: torch.device | None 
     return out
 
 
+def check_precision(settings: dict[str, Any], device: torch.device | None) -> None:
+    """The rows' precision (`weights_precision`, FP32 or FP16) and that of their HBM cache, which TorchRec's sharding
+    sets to the table's (a cache in another precision would round rows Herald reads behind the TBE's back). On CUDA,
+    FP16 rows with FBGEMM's `stochastic_rounding` (its default) are refused: each update rounds by a random draw of
+    the kernel's own, which depends on where in the TBE the row sits, so Herald could not give stock TorchRec's
+    rows; with `stochastic_rounding=False` both round to nearest. FBGEMM's CPU kernels round to nearest always."""
+    precision = settings.get("weights_precision", SparseType.FP32)
+    cache = settings.get("cache_precision", precision)
+    if cache != precision:
+        raise ValueError(
+            f"cache_precision={cache.name}: Herald-managed rows are cached in their own precision "
+            f"(weights_precision={precision.name}), as TorchRec's sharding caches them"
+        )
+    if (
+        precision == SparseType.FP16
+        and device is not None
+        and torch.device(device).type == "cuda"
+        and settings.get("stochastic_rounding", True)
+    ):
+        raise ValueError(
+            "stochastic_rounding=True (FBGEMM's default) with FP16 rows on CUDA: each update rounds by a random draw "
+            "that depends on where the row sits in the TBE, so Herald cannot train stock TorchRec's rows; set "
+            "fused_params stochastic_rounding=False or leave the table to TorchRec"
+        )
+
+
+def table_precision(data_type: DataType) -> SparseType:
+    """A table's row precision as stock TorchRec's TBE keeps it (`data_type_to_sparse_type` of its data_type)."""
+    return data_type_to_sparse_type(data_type)
+
+
+def _no_precision_setting(fused_params: Mapping[str, Any]) -> None:
+    """A table's row precision is its `EmbeddingBagConfig.data_type` (TorchRec's sharding makes the TBE with it and
+    caches rows in it): a precision among the fused params would contradict some table's."""
+    for key in ("weights_precision", "cache_precision"):
+        if key in fused_params:
+            raise ValueError(
+                f"{key}={fused_params[key]!r}: a Herald-managed table's row precision is its "
+                "EmbeddingBagConfig.data_type (FP32 or FP16), not a fused param"
+            )
+
+
 def _checked_value(key: str, value: Any) -> Any:
     if key in ("learning_rate", "weight_decay", "max_norm", "cache_reserved_memory"):
         return _number(key, value, 0.0)
     if key in ("eps", "max_gradient", "cache_load_factor"):
         return _number(key, value, 0.0, low_inclusive=False)
     if key in ("gradient_clipping", "stochastic_rounding", "enforce_hbm"):
-        return _flag(key, value)  # stochastic rounding acts on reduced-precision rows only: none here
+        return _flag(key, value)  # stochastic rounding acts on reduced-precision rows only (FP16: check_precision)
     if key == "prefetch_pipeline":
         if _flag(key, value):
             raise ValueError("prefetch_pipeline=True: Herald moves rows behind the TBE's cache between steps")
         return False
-    if key in ("weights_precision", "cache_precision", "output_dtype"):
-        return _fp32(key, value)
+    if key in ("weights_precision", "cache_precision"):
+        return _sparse_type(key, value, ROW_PRECISIONS)
+    if key == "output_dtype":  # pooled embeddings in float32, as TorchRec's TBEs give them for every row precision
+        return _sparse_type(key, value, (SparseType.FP32,))
     if key == "weight_decay_mode":
         try:
             mode = value if isinstance(value, WeightDecayMode) else WeightDecayMode(int(value))
@@ -270,6 +329,7 @@ def sharder_fused_params(fused_params: Mapping[str, Any] | None) -> dict[str, An
     TBEs take nothing else), validated. Also what the TorchRec-sharded part of a mixed EBC is given, so both parts
     resolve from the same settings."""
     fp = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
+    _no_precision_setting(fp)
     check_settings(fp)
     fp["optimizer"] = parse_optimizer(fp["optimizer"])
     return fp
@@ -299,6 +359,7 @@ def resolve_each_table(
     `fused_params` < in-backward optimizer < the plan's per-table settings), validated for Herald's TBE: the TBE
     settings, or the ValueError naming the setting Herald refuses."""
     base = {**DEFAULT_FUSED_PARAMS, **dict(fused_params or {})}
+    _no_precision_setting(base)
     params = dict(module.named_parameters())
     resolved: dict[str, dict[str, Any] | ValueError] = {}
     for c in module.embedding_bag_configs():
@@ -310,6 +371,8 @@ def resolve_each_table(
             ps = (table_name_to_parameter_sharding or {}).get(c.name)
             if ps is not None:
                 fp = add_params_from_parameter_sharding(fp, ps)
+            _no_precision_setting(fp)
+            fp["weights_precision"] = table_precision(c.data_type)  # rows in the table's own precision, as stock
             resolved[c.name] = check_settings(convert_to_fbgemm_types(fp), device)
         except ValueError as e:
             resolved[c.name] = e
@@ -319,6 +382,11 @@ def resolve_each_table(
 def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     diff = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)), key=lambda k: (k != "optimizer", k))
     return diff[0] if diff else None
+
+
+def _shared_by(key: str) -> str:
+    """What the tables of one Herald TBE share that makes `key` differ between them an error."""
+    return "one row precision (one TBE)" if key in ("weights_precision", "cache_precision") else "one fused optimizer"
 
 
 def agreeing_settings(settings: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
@@ -343,7 +411,7 @@ def agreeing_settings(settings: Mapping[str, Mapping[str, Any]]) -> dict[str, st
         if name not in kept and key is not None:
             out[name] = (
                 f"{key}: resolves to {settings[name].get(key)!r}, the other Herald-managed tables of the EBC "
-                f"({kept[0]!r}, ...) to {ref.get(key)!r}; Herald-managed tables of one EBC share one fused optimizer"
+                f"({kept[0]!r}, ...) to {ref.get(key)!r}; Herald-managed tables of one EBC share {_shared_by(key)}"
             )
     return out
 
@@ -368,6 +436,6 @@ def resolve_table_settings(
         if key is not None:
             raise ValueError(
                 f"{key}: tables {names[0]!r} and {n!r} resolve to different settings ({first.get(key)!r} vs "
-                f"{resolved[n].get(key)!r}); Herald-managed tables of one EBC share one fused optimizer"
+                f"{resolved[n].get(key)!r}); Herald-managed tables of one EBC share {_shared_by(key)}"
             )
     return first

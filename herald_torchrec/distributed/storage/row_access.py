@@ -76,9 +76,30 @@ class RowAccessMixin:
 
     # ------------------------------------------------------------- host access
     def packed_widths(self, tables: np.ndarray, with_state: bool = True) -> np.ndarray:
-        """Floats per item of `read_packed` / `write_packed`: the row, plus its optimizer state if `with_state`."""
-        w = self.dims_arr[tables]
-        return w + np.asarray(self.state_widths, dtype=np.int64)[tables] if with_state else w
+        """Float32 words per item of `read_packed` / `write_packed`: the row (dim floats; with_state and FP16 rows:
+        dim / 2 words, two float16 per word), plus its optimizer state if `with_state`."""
+        if not with_state:
+            return self.dims_arr[tables]
+        return self._row_words[tables] + np.asarray(self.state_widths, dtype=np.int64)[tables]
+
+    @property
+    def _half_rows(self) -> bool:
+        """Rows in float16: a moved row travels as its float16 bits, two to a float32 word (`read_packed`)."""
+        return self.row_dtype == torch.float16
+
+    @property
+    def _row_words(self) -> np.ndarray:
+        """Float32 words of a moved row per table: dim, or dim / 2 for float16 rows (dims are multiples of 4)."""
+        return self.dims_arr // 2 if self._half_rows else self.dims_arr
+
+    def unpack_rows(self, t: int, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Moved rows of table t as `read_packed` (with state) packs them, [n, packed width] float32, split into
+        (rows [n, dim] in the rows' own dtype, optimizer state [n, state width] float32): bit for bit."""
+        words = int(self._row_words[t])
+        rows = block[:, :words]
+        if self._half_rows:
+            rows = rows.contiguous().view(torch.float16)
+        return rows, block[:, words:]
 
     def _begin_access(self) -> None:
         """Whole-table host access (`weights`): write every cache line back (CUDA caching) first."""
@@ -191,8 +212,11 @@ class RowAccessMixin:
 
     def read_packed(self, tables: np.ndarray, slots: np.ndarray, with_state: bool = True) -> torch.Tensor:
         """Rows at (table, local slot) pairs, packed item after item into one flat float32 tensor: the row's dim
-        floats, then (with_state) its optimizer state. One gather per kind for all tables (no per-table loop)."""
+        floats, then (with_state) its optimizer state. One gather per kind for all tables (no per-table loop).
+        With state, float16 rows are packed as their bits, dim / 2 words (`_read_packed_half`, `unpack_rows`)."""
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        if with_state and self._half_rows:
+            return self._read_packed_half(tables, slots)
         if self._rows2d is not None:  # one row gather per storage kind
             self._sync_rows(tables, slots)
             kinds = self._rows2d if with_state else self._rows2d[:1]
@@ -229,6 +253,9 @@ class RowAccessMixin:
     def write_packed(self, tables: np.ndarray, slots: np.ndarray, data: torch.Tensor, with_state: bool = True) -> None:
         """Inverse of `read_packed`: write packed rows (and optimizer state) to (table, local slot) pairs."""
         tables, slots = np.asarray(tables, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        if with_state and self._half_rows:
+            self._write_packed_half(tables, slots, data)
+            return
         if self._rows2d is not None:  # one row scatter per storage kind
             kinds = self._rows2d if with_state else self._rows2d[:1]
             if host_kernels.write_rows(kinds, tables, slots, data):  # host storage: one compiled pass
@@ -259,3 +286,31 @@ class RowAccessMixin:
             for flat, stored, packed in self._packed_positions(tables, slots, start, with_state):
                 flat.index_copy_(0, stored.to(flat.device), data.index_select(0, packed.to(data.device)).to(flat.dtype))
         self._invalidate_rows(tables, slots)
+
+    def _read_packed_half(self, tables: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """`read_packed` with state of float16 rows: each row's float16 bits as dim / 2 float32 words (a view, no
+        rounding: what arrives is the row bit for bit, in half the bytes of float32 values), then its state."""
+        self._sync_rows(tables, slots)
+        if self._rows2d is not None:  # one gather per storage kind
+            parts = [v.index_select(0, torch.from_numpy(base[tables] + slots).to(v.device)) for v, base in self._rows2d]
+            parts[0] = parts[0].view(torch.float32)  # [n, dim] float16, contiguous -> [n, dim / 2] words
+            return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).reshape(-1)
+        width = self.packed_widths(tables)
+        start = exclusive_cumsum(width)
+        out = torch.empty(int(width.sum()), dtype=torch.float32, device=self._weights[0].device)
+        for t in np.unique(tables).tolist():  # tables of different dims: one table at a time
+            m = np.flatnonzero(tables == t)
+            rows, state = self.read_slots(t, slots[m])
+            data = torch.cat([rows.contiguous().view(torch.float32), state.to(torch.float32)], dim=1)
+            out[torch.from_numpy(ragged_arange(start[m], width[m])).to(out.device)] = data.reshape(-1)
+        return out
+
+    def _write_packed_half(self, tables: np.ndarray, slots: np.ndarray, data: torch.Tensor) -> None:
+        """The inverse of `_read_packed_half`."""
+        width = self.packed_widths(tables)
+        start = exclusive_cumsum(width)
+        for t in np.unique(tables).tolist():
+            m = np.flatnonzero(tables == t)
+            pos = torch.from_numpy(ragged_arange(start[m], width[m])).to(data.device)
+            rows, state = self.unpack_rows(t, data[pos].view(m.size, int(width[m[0]])))
+            self.write_slots(t, slots[m], rows, state)

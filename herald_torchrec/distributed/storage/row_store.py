@@ -21,6 +21,13 @@ in the TBE's own backward; `apply_summed_gradients` applies an externally summed
 the same kernel (a forward over one-row bags, then a backward) — bit-exact with the fused path
 (REFERENCE.md in ../shared/docs, checked again in tests/distributed/storage/test_row_store.py).
 
+Row precision: the TBE keeps the rows in the tables' `weights_precision` (FP32 or FP16, the EBC's `data_type`, as
+stock TorchRec's TBE does; `row_dtype`), and FBGEMM updates an FP16 row in float32 and rounds it back. Optimizer
+state stays float32 either way. A moved row (`read_packed` with its state) carries its float16 bits, two to a
+float32 word, so it moves in half the bytes and arrives bit for bit; values without state (shared values, snapshots)
+are read as float32, which is exact (every float16 is a float32), and written back without rounding anything
+(shared values go on the wire as float16 bits again: step/dist_data.py `half_words`).
+
 Optimizer state = the TBE's `split_optimizer_states()` views, laid out as `state_layout` says (`StateLayout`: none
 for SGD, one float per row for row-wise Adagrad, one per element for Adagrad; all named `momentum1` by TorchRec),
 packed with the row whenever a row moves. Weights = `split_embedding_weights()` views.
@@ -37,7 +44,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
@@ -118,6 +125,9 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
             self.device,
         )
         self.optimizer = settings.pop("optimizer")
+        # the rows' precision (the tables' data_type, FP32 or FP16: check_precision), cached on CUDA in the same one
+        self.weights_precision: SparseType = settings.setdefault("weights_precision", SparseType.FP32)
+        settings.setdefault("cache_precision", self.weights_precision)
         # FBGEMM clips per pooled bag: kept here for pooled values summed outside the TBE (clip_pooled_gradient)
         self.gradient_clipping = bool(settings.get("gradient_clipping", False))
         self.max_gradient = float(settings.get("max_gradient", 1.0))
@@ -163,7 +173,8 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
 
         for p in self.tbe.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-        self._weights = self.tbe.split_embedding_weights()  # views [local_rows, dim]
+        self._weights = self.tbe.split_embedding_weights()  # views [local_rows, dim], in the rows' precision
+        self.row_dtype: torch.dtype = self._weights[0].dtype  # float32 or float16 (optimizer state: float32)
         self.state_layout: StateLayout = state_layout(self.optimizer)
         states = self.tbe.split_optimizer_states() if self.state_layout != StateLayout.NONE else []
         # per table: list of state views, [local_rows] (PER_ROW) or [local_rows, dim] (PER_ELEMENT)

@@ -3,9 +3,10 @@ rank announces about its next slice, who plans for whom, what a round carries, a
 gather.
 
 A round's header, per rank: SLICE_WORDS words about the slice it gathers (`SliceHeader`: status, samples, managed
-ids, the one bag length or -1), the bytes of the plan it sends (PLAN_WORD; -1: its scheduler failed), then R words:
-the bytes of its samples sent to each rank. Every rank's header of a round, side by side, is `RoundHeads`. In steady
-state the first PAY_WORDS of them ride on the previous round's all-to-all as a trailer (`Announcement`,
+ids, the one bag length or -1), the bytes of the plan it sends (PLAN_WORD; -1: its scheduler failed), the planning
+level its planner asks for (LEVEL_WORD: schedule/herald/budget.py, where several ranks plan; 0 elsewhere), then R
+words: the bytes of its samples sent to each rank. Every rank's header of a round, side by side, is `RoundHeads`.
+In steady state the first PAY_WORDS of them ride on the previous round's all-to-all as a trailer (`Announcement`,
 TRAILER_BYTES per rank). Pure numpy: the collectives stay in the stage.
 """
 
@@ -48,8 +49,9 @@ class SliceStatus(enum.IntEnum):
 STATUS_WORD, SAMPLES_WORD, IDS_WORD, UNIFORM_WORD = 0, 1, 2, 3  # a slice's header words (`SliceHeader`)
 SLICE_WORDS = 4
 PLAN_WORD = SLICE_WORDS  # then: bytes of the plan the planner sends this round (-1: a scheduler failed)
-PAY_WORDS = PLAN_WORD + 1  # then R words: bytes of this round's samples sent to each rank
-TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice and plan words, riding on this round's all-to-all
+LEVEL_WORD = PLAN_WORD + 1  # then: the planning level this rank's planner asks for (its budget's word; 0: FULL)
+PAY_WORDS = LEVEL_WORD + 1  # then R words: bytes of this round's samples sent to each rank
+TRAILER_BYTES = PAY_WORDS * 8  # the next round's status, slice, plan and level words, riding on this round's all-to-all
 GENERATION_BYTES = 8  # the scheduler generation (int64) in front of a sent plan
 
 
@@ -133,19 +135,22 @@ def parse_slice(batch: Batch | None, lay: SliceLayout) -> ParsedSlice:
 
 @dataclass(frozen=True)
 class Announcement:
-    """This rank's first PAY_WORDS header words of the next round (its slice, its plan's bytes), sent a round early
-    as the trailer of this round's all-to-all, so that the next round needs no all-gather of them."""
+    """This rank's first PAY_WORDS header words of the next round (its slice, its plan's bytes, its planner's level
+    word), sent a round early as the trailer of this round's all-to-all, so that the next round needs no all-gather
+    of them."""
 
     header: SliceHeader
     plan_bytes: int
+    level: int = 0
 
     def words(self) -> np.ndarray:
-        return np.concatenate([self.header.words(), [self.plan_bytes]])
+        return np.concatenate([self.header.words(), [self.plan_bytes, self.level]])
 
 
 @dataclass(frozen=True)
 class RoundHeads:
-    """Every rank's header words of one round, [R, PAY_WORDS + R] int64 (row q: rank q's), by name."""
+    """Every rank's header words of one round as one rank holds them, [R, PAY_WORDS + 1] int64 (row q: rank q's
+    first PAY_WORDS words, then the bytes of its samples sent to this rank), by name."""
 
     words: np.ndarray
 
@@ -169,9 +174,15 @@ class RoundHeads:
     def plan_bytes(self) -> np.ndarray:
         return self.words[:, PLAN_WORD]
 
-    def sample_bytes_to(self, rank: int) -> np.ndarray:
-        """The bytes of its samples each rank sends `rank` this round."""
-        return self.words[:, PAY_WORDS + rank]
+    @property
+    def levels(self) -> np.ndarray:
+        """The planning level each rank's planner asks for (schedule/herald/budget.py; 0 on ranks that do not plan)."""
+        return self.words[:, LEVEL_WORD]
+
+    @property
+    def sample_bytes_here(self) -> np.ndarray:
+        """The bytes of its samples each rank sends this rank this round."""
+        return self.words[:, PAY_WORDS]
 
 
 @dataclass

@@ -4,13 +4,15 @@
 samples come back as that type: everything below speaks of the `Batch`.)
 
 Per step, every rank:
-(1) learns every rank's header of 5 + R words (status, samples, managed ids, uniform bag length, plan bytes, then
-    the bytes of this round's samples it sends to each rank) — end of data, short batches, rank-local input errors
-    and a failed scheduler become known to every rank here, so all ranks stop or raise together. In steady state the
-    first 5 words came with the previous round's all-to-all (a 40-byte trailer per rank: each slice is parsed a
-    round before it is gathered, each plan made a round before it travels) and the sample bytes are computed by the
-    receiver from the plan (every bag of one length: a fixed size per sample), so the round is one collective;
-    otherwise (the first rounds, slices whose lengths travel) the words are all-gathered first;
+(1) learns every rank's header: 6 words (status, samples, managed ids, uniform bag length, plan bytes, the
+    planning level its planner asks for: schedule/herald/budget.py) and the bytes of this round's samples it sends
+    to this rank — end of data, short batches, rank-local input errors and a failed scheduler become known to every
+    rank here, so all ranks stop or raise together. In steady state the 6 words came with the previous round's
+    all-to-all (a 48-byte trailer per rank: each slice is parsed a round before it is gathered, each plan made a
+    round before it travels) and the sample bytes are computed by the receiver from the plan (every bag of one
+    length: a fixed size per sample), so the round is one collective; otherwise (the first rounds, slices whose
+    lengths travel) an all-to-all of 7 words per pair of ranks comes first (the 6, then the bytes the sender's
+    samples bring the receiver: 56 (R - 1) bytes per rank, never the R x R words of every header);
 (2) sends the lengths (unless every bag has the same length) and the ids of the Herald-managed features of its slice
     to the ranks that plan (below), so each of them holds the ids of the whole global batch (dense features, labels
     and the other features stay put);
@@ -19,7 +21,8 @@ Per step, every rank:
     batch and the next L and sends the plan to the other ranks of its machine (schedule/plan_wire.py: ~11 KB on the
     W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
     no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
-    `plan_on="every_rank"`: every rank plans for itself and nothing is sent;
+    `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
+    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a
@@ -44,11 +47,11 @@ L=0, no carried features. Global sample g = q * B + i is sample i of rank q's sl
     # rank 0: Batch(dense=[d0, d1], f=[[5], [2]], labels=[0., 1.])    # samples g0, g1
     # rank 1: Batch(dense=[d2, d3], f=[[1], [6]], labels=[0., 1.])    # samples g2, g3
 
-    # (1) header words of the round that gathers batch 0, from every rank (all-gathered in the first rounds;
-    #     later they ride on the round before, as its 40-byte trailer, and the sample bytes are computed):
-    #          status  samples  ids  uniform  plan bytes  sample bytes to rank 0, to rank 1
-    # rank 0:  DATA    2        2    1        0           0, 0
-    # rank 1:  DATA    2        2    1        0           0, 0
+    # (1) header words of the round that gathers batch 0, from every rank (by an all-to-all in the first rounds;
+    #     later they ride on the round before, as its 48-byte trailer, and the sample bytes are computed):
+    #          status  samples  ids  uniform  plan bytes  level  sample bytes to the receiver
+    # rank 0:  DATA    2        2    1        0           0      0
+    # rank 1:  DATA    2        2    1        0           0      0
     # (2) ids to the planner, in the same round's all-to-all (int32; no lengths: every bag has length 1):
     # rank 0 -> rank 0: f = [5, 2]     rank 1 -> rank 0: f = [1, 6]     rank 1 receives no ids
     # after: rank 0 holds batch 0's ids f = [5, 2, 1, 6] (g0..g3, the scheduler's GlobalBatch);
@@ -59,14 +62,14 @@ L=0, no carried features. Global sample g = q * B + i is sample i of rank q's sl
     #     size in its header word "plan bytes", and sends it to rank 1 one round before batch 0's samples move.
 
     # (4) the round that exchanges batch 0 (it also carries the ids of batch 3 and the plan of batch 1): one
-    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344, rank 1:
-    #     DATA 2 2 1 0: batch 3's slices and the plan bytes), and each rank computes the sample bytes it receives
-    #     from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
+    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344 0, rank 1:
+    #     DATA 2 2 1 0 0: batch 3's slices, the plan bytes, the level words), and each rank computes the sample
+    #     bytes it receives from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
     #     Each rank's block to each rank, in order:
-    # rank 0 -> rank 0: trailer (40) | its ids of batch 3 (8) | g1: dense + label (8)                  =  56 bytes
-    # rank 0 -> rank 1: trailer (40) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~396 bytes
-    # rank 1 -> rank 0: trailer (40) | its ids of batch 3 (8) | g2: dense + label (8)                  =  56 bytes
-    # rank 1 -> rank 1: trailer (40) | g3: dense + label, f (12)                                      =  52 bytes
+    # rank 0 -> rank 0: trailer (48) | its ids of batch 3 (8) | g1: dense + label (8)                  =  64 bytes
+    # rank 0 -> rank 1: trailer (48) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~404 bytes
+    # rank 1 -> rank 0: trailer (48) | its ids of batch 3 (8) | g2: dense + label (8)                  =  64 bytes
+    # rank 1 -> rank 1: trailer (48) | g3: dense + label, f (12)                                      =  60 bytes
     # (a sample sent to rank 1, which does not plan, brings its ids of f; rank 0 has them from (2))
 
     # After: each rank holds its assigned samples of batch 0 as a Batch, and the plan (ScheduledBatch):
@@ -174,6 +177,7 @@ class Round:
     made: OutgoingPlan | FailedPlan | None = None  # the plan this rank made for this round, where it plans
     announced: np.ndarray | None = None  # [R, PAY_WORDS]: this round's header words, from the last round's trailers
     next_words: Announcement | None = None  # this rank's header words of the next round: this round's trailer
+    level: int = 0  # this rank's level word in this round's header (`ScheduledInput._level_word`)
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class RoundResult:
     end_of_data: bool = False  # the gather found some rank without a full slice: every rank stops gathering
     planned: PlannedBatch | None = None  # the plan this round carried (made here or received), with its generation
     next_announced: np.ndarray | None = None  # [R, PAY_WORDS]: the next round's header words, from the trailers
+    levels: np.ndarray | None = None  # [R]: every rank's level word in this round's header
 
 
 class ScheduledInput:
@@ -274,9 +279,26 @@ class ScheduledInput:
         t = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64))
         parts = [torch.empty_like(t) for _ in range(self.R)]
         self.comm.counter.add(kind, t.numel() * 8 * (self.R - 1))
-        with phase("input.header_all_gather"):
+        with phase("input.setup_all_gather"):
             _all_gather(parts, t, group=self.comm.group)
         return torch.stack(parts).numpy()
+
+    def _exchange_heads(self, head: np.ndarray) -> np.ndarray:
+        """[R, PAY_WORDS + 1] int64: every rank's first PAY_WORDS header words, then the bytes of its samples sent to
+        this rank, from this rank's header `head` (PAY_WORDS + R words). One all-to-all of PAY_WORDS + 1 words per
+        pair of ranks: each rank receives the one size word of every rank's R that concerns it, so a rank's share
+        grows as R, not as R x R (an all-gather of every header)."""
+        R = self.R
+        if R == 1:
+            return head[None, :].copy()
+        send = np.empty((R, PAY_WORDS + 1), dtype=np.int64)
+        send[:, :PAY_WORDS] = head[:PAY_WORDS]
+        send[:, PAY_WORDS] = head[PAY_WORDS:]
+        out = torch.empty(R * (PAY_WORDS + 1), dtype=torch.int64)
+        self.comm.counter.add("control", (PAY_WORDS + 1) * 8 * (R - 1))
+        with phase("input.header_all_to_all"):
+            _all_to_all_single(out, torch.from_numpy(send.reshape(-1)), group=self.comm.group)
+        return out.numpy().reshape(R, PAY_WORDS + 1)
 
     def _all_to_all_bytes(self, blocks: list[np.ndarray], recv: list[int]) -> list[np.ndarray]:
         """Send blocks[d] (uint8) to rank d; receive recv[q] bytes from rank q (sizes known on both sides)."""
@@ -401,9 +423,20 @@ class ScheduledInput:
         lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, parts.carried)
         return assigned_batch(lengths, values, parts.fixed, lay, parts.weights)
 
-    def _plan_next(self, window: Sequence[Pending], first: int) -> OutgoingPlan | FailedPlan | None:
+    def _level_word(self) -> int:
+        """The level word this rank puts in a round's header: what its planner's budget asks for (`level_word`,
+        schedule/herald/budget.py), where several ranks plan; 0 (FULL) elsewhere and for a policy without one."""
+        policy = self._current.policy
+        word = getattr(policy, "level_word", None) if self.plans_here and self.is_planner.sum() > 1 else None
+        return 0 if word is None else int(word())
+
+    def _plan_next(
+        self, window: Sequence[Pending], first: int, levels: np.ndarray | None
+    ) -> OutgoingPlan | FailedPlan | None:
         """Plan window[first] from it and the (up to) L gathered after it, where plans are made; the planner also
-        encodes the plan for the others. A failing scheduler is returned, so that every rank raises together."""
+        encodes the plan for the others. Where several ranks plan, the plan's level is the one the planners agree
+        on from `levels` (every rank's level word in the last round completed: the same on every planner). A failing
+        scheduler is returned, so that every rank raises together."""
         generation, policy = self._current
         if not self.plans_here:
             return None
@@ -411,6 +444,9 @@ class ScheduledInput:
         try:
             if policy is None:
                 raise RuntimeError("herald input stage: no scheduler on a rank that plans")
+            agree = getattr(policy, "agree_level", None)
+            if agree is not None and levels is not None and self.is_planner.sum() > 1:
+                agree(levels[self.is_planner].tolist())
             with phase("input.plan"):
                 cpu = time.thread_time()
                 plan = policy.plan(batches)
@@ -448,16 +484,17 @@ class ScheduledInput:
         return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8 + lay.num_keys * u * lay.weight_bytes
 
     def _heads(self, work: Round, head: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
-        """Every rank's header words of this round (`head`: this rank's): from an all-gather, unless the previous
-        round's trailers announced them (`work.announced`) and this rank can size what it receives from the plan
-        alone (`_recv_sizes`). Then the round is a single all-to-all; the announced words are checked against
-        `head`, and the sample bytes this rank sends against what its receivers compute."""
+        """Every rank's header words of this round that this rank needs (`head`: this rank's PAY_WORDS + R): from an
+        all-to-all of them (`_exchange_heads`), unless the previous round's trailers announced them
+        (`work.announced`) and this rank can size what it receives from the plan alone (`_recv_sizes`). Then the
+        round is a single all-to-all; the announced words are checked against `head`, and the sample bytes this
+        rank sends against what its receivers compute."""
         R, r, known = self.R, self.rank, work.announced
         sizes: list[int] | None = None
         if known is not None:
             sizes = [0] * R if moves is None else self._recv_sizes(moves.pending, moves.n_from)
         if known is None or sizes is None:
-            return RoundHeads(self._all_gather_words(head, "control") if R > 1 else head[None, :])
+            return RoundHeads(self._exchange_heads(head))
         # no gather: its words (END) are not used
         checked = slice(0, PAY_WORDS) if work.gather is not None else slice(PLAN_WORD, PAY_WORDS)
         if not np.array_equal(known[r, checked], head[checked]):
@@ -473,9 +510,9 @@ class ScheduledInput:
                 raise RuntimeError(
                     f"herald input stage (rank {r}): sample blocks differ from the sizes receivers compute"
                 )
-        words = np.zeros((R, PAY_WORDS + R), dtype=np.int64)
+        words = np.empty((R, PAY_WORDS + 1), dtype=np.int64)
         words[:, :PAY_WORDS] = known
-        words[:, PAY_WORDS + r] = sizes
+        words[:, PAY_WORDS] = sizes
         return RoundHeads(words)
 
     def _round(self, work: Round) -> RoundResult:
@@ -502,8 +539,11 @@ class ScheduledInput:
         else:
             pay = [np.zeros(0, np.uint8)] * R
         my_slice = (parsed if parsed is not None else NO_SLICE).header
-        head = np.concatenate([my_slice.words(), [plan_word(made)], [b.shape[0] for b in pay]])  # this rank's words
+        head = np.concatenate(  # this rank's words
+            [my_slice.words(), [plan_word(made), work.level], [b.shape[0] for b in pay]]
+        )
         heads = self._heads(work, head, moves)
+        result.levels = heads.levels.copy()
         if work.carries_plan:
             self._raise_failed_plan(made, heads)
         if receives_plan:
@@ -528,7 +568,7 @@ class ScheduledInput:
             for d, p in enumerate(pay)
         ]
         t = trailer.shape[0]
-        recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_to(r))]
+        recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_here)]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
         else:
@@ -576,16 +616,19 @@ class ScheduledInput:
         window: deque[Pending] = deque()  # gathered batches, not yet exchanged
         planned: deque[PlannedBatch] = deque()  # the plans of window[0], window[1], ... on every rank
         exhausted = False
+        levels = None  # every rank's level word in the last round completed (the planners agree on a plan's level)
         for _ in range(self.lookahead + 2):
             with phase("input.gather"):
-                gathered = self._round(Round(gather=draw())).gathered
-            if gathered is None:  # the end of the data
+                got = self._round(Round(gather=draw(), level=self._level_word()))
+            levels = got.levels
+            if got.gathered is None:  # the end of the data
                 exhausted = True
                 break
-            window.append(gathered)
+            window.append(got.gathered)
 
         next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
-        next_made = self._plan_next(window, 0) if next_planning else None
+        next_made = self._plan_next(window, 0, levels) if next_planning else None
+        level = self._level_word()  # published with the plan just made, in the round that carries it
         ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
         announced = None  # the next round's header words, where the previous round's trailers brought them
         trailers = self.R > 1
@@ -593,12 +636,15 @@ class ScheduledInput:
             carries_plan, made, parsed = next_planning, next_made, ahead
             j = len(planned) + int(carries_plan)  # the first batch without a plan once this round's has travelled
             next_planning = j < len(window)
-            next_made = self._plan_next(window, j) if next_planning else None
+            next_made = self._plan_next(window, j, levels) if next_planning else None
+            next_level = self._level_word()
             # `parsed` (drawn last round) is None exactly when the data had ended by then: this round gathers nothing
             ahead = draw() if not exhausted else None
             next_words = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                next_words = Announcement((ahead if ahead is not None else NO_SLICE).header, plan_word(next_made))
+                next_words = Announcement(
+                    (ahead if ahead is not None else NO_SLICE).header, plan_word(next_made), next_level
+                )
             exchange = Exchange(window[0], planned[0].plan) if planned else None
             self._ahead_samples = ahead.samples if ahead is not None else 0
             with phase("input.exchange_and_gather"):
@@ -610,9 +656,10 @@ class ScheduledInput:
                         made=made,
                         announced=announced,
                         next_words=next_words,
+                        level=level,
                     )
                 )
-            announced = result.next_announced
+            announced, levels, level = result.next_announced, result.levels, next_level
             if result.planned is not None:
                 planned.append(result.planned)
                 self.sched_ms.append(result.planned.plan.sched_seconds * 1e3)  # timed by the policy itself

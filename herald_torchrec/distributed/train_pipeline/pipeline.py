@@ -24,8 +24,8 @@ with NCCL works, and the CPU tests run the same path).
 The background thread runs at a lower CPU priority (`input_priority`, default "low"; input_thread.py says why), and
 the pipeline records how long training waits for it (`input_wait_ms`). It hands each step's time (without that wait)
 and the wait to a policy that takes them (`observe_step`: Herald's planning budget, schedule/herald/budget.py, which
-makes cheaper plans when planning falls behind a step), and tells it how many ranks make plans (`set_planners`): the
-pipeline measures, the policy decides.
+makes cheaper plans when planning falls behind a step), and tells it how many ranks make plans (`set_planners`;
+several agree on each plan's level through the input stage's header words): the pipeline measures, the policy decides.
 
 `close()` stops that thread at a round every rank agrees on (collective: every rank, after the same number of
 `progress()` calls, before `destroy_process_group()`). A loop over an endless iterator otherwise ends with the

@@ -28,16 +28,37 @@ On the 2-core reference runs a plan costs ~3 ms of CPU against a ~40 ms step: th
 
 Several planners (`plan_on="every_rank"`, or `plan_on="host"` on several machines) each plan every global batch
 from their own copy of the ownership directory and send the plans to their own ranks only: they agree because the
-policy is deterministic. A decision that depends on each planner's own clock could differ between them, and the
-plans, hence the owners the ranks believe in, would diverge. So the budget is used only where one rank makes every
-plan (`set_planners(1)`: one machine with `plan_on="host"`, or `plan_on="rank0"`); with several planners every plan
-is FULL, and a fixed budget is reported as unused (`describe()`).
+policy is deterministic, so the level of every plan must be the same on all of them, although each one's clock (and
+machine) differs. The rule (`agree`): each planner *publishes* the level its own measurements ask for (`wanted`:
+the rule above, without the probe) as a word of a round's header, which the input stage gives every rank; before
+each plan, every planner takes the words of the last round completed on every rank, and plans at
+
+    level = the probe rule applied to max(the words of every planner)
+
+(the probe counts the agreed degraded plans, so it is the same everywhere too). A planner computes its word right
+after making a plan and publishes it in the header of the round that carries that plan; plans are made a round
+before they travel, so the level of plan p follows the words published with plan p-2 (plans 0 and 1 follow the
+last gathering round's words: FULL unless a budget applied already). The counts (`plans_reduced`, `plans_static`)
+are the same on every planner; only the CPU costs per level (which drive each planner's word) are its own. One
+slow planner degrades every planner's plans: the slowest sets the pace, as it would stall the step for all of
+them. With one planner (`set_planners(1)`) the level is its own word at once, lag 0 (`choose`).
+
+Example: two planners A (fast) and B (slow), `plan_budget_ms=2`, the probe aside. Their words after each plan
+(CPU per plan, FULL / REDUCED: A 1.5 / 0.8 ms, B 3 / 1.5 ms; B's REDUCED cost, unmeasured, is tried once):
+
+    plan p            0     1     2        3        4        5
+    level (agreed)    FULL  FULL  REDUCED  REDUCED  REDUCED  REDUCED     (max(A, B) published after plan p-2)
+    A's word after p  FULL  FULL  FULL     FULL     FULL     FULL
+    B's word after p  RED.  RED.  RED.     RED.     RED.     RED.        (FULL 3 ms > 2; REDUCED 1.5 ms <= 2)
+
+Had B's reduced plans cost 2.5 ms, its word after plan 2 would be STATIC and plans 4, 5, ... static on A and B.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 FULL, REDUCED, STATIC = 0, 1, 2
 LEVEL_NAMES = ("full", "reduced", "static")
@@ -76,12 +97,13 @@ class PlanBudget:
     """The rule of the module docstring, fed by the pipeline (`observe_step`) and by the policy (`record`)."""
 
     setting: float | str | None = "auto"
-    planners: int = 1  # ranks that make plans; the budget is used only where one makes them all
+    planners: int = 1  # ranks that make plans; with several, each plan's level is agreed on (`agree`)
     step_ms: float | None = None  # EWMA of the training step without its input wait
     wait_ms: float = 0.0  # EWMA of the training step's wait for input
     steps_seen: int = 0
     cost_ms: list[float | None] = field(default_factory=lambda: [None, None])  # FULL, REDUCED (STATIC costs ~0)
     counts: LevelCounts = field(default_factory=LevelCounts)
+    agreed: int | None = None  # the level of the next plan, agreed on by several planners (`agree`)
     _degraded_run: int = 0  # degraded plans since the last probe
 
     def __post_init__(self) -> None:
@@ -105,7 +127,7 @@ class PlanBudget:
     @property
     def budget_ms(self) -> float | None:
         """The budget per plan now (None: no budget, every plan FULL)."""
-        if self.setting is None or self.planners != 1:
+        if self.setting is None:
             return None
         if self.setting != "auto":
             return float(self.setting)
@@ -113,20 +135,41 @@ class PlanBudget:
             return None
         return BUDGET_STEP_SHARE * self.step_ms * (0.5 if self.late else 1.0)
 
-    def choose(self) -> int:
-        """The level of the next plan."""
+    def wanted(self) -> int:
+        """The level this planner's own measurements ask for (the first whose cost is within the budget, a level not
+        yet measured tried once), without the probe: the word it publishes where several planners agree."""
         budget = self.budget_ms
         if budget is None:
             return FULL
-        level = next((lv for lv in (FULL, REDUCED) if self.cost_ms[lv] is None or self.cost_ms[lv] <= budget), STATIC)
+        return next((lv for lv in (FULL, REDUCED) if self.cost_ms[lv] is None or self.cost_ms[lv] <= budget), STATIC)
+
+    def _settle(self, level: int) -> int:
+        """The probe rule: every PROBE_EVERY degraded plans in a row, one plan a level up (to measure it again)."""
         if level == FULL:
             self._degraded_run = 0
             return FULL
         self._degraded_run += 1
-        if self._degraded_run > PROBE_EVERY:  # one plan a level up, to measure it again
+        if self._degraded_run > PROBE_EVERY:
             self._degraded_run = 0
             return level - 1
         return level
+
+    def agree(self, words: Sequence[int]) -> int:
+        """The level of the next plan from the words every planner published (`wanted`; the module docstring's
+        rule): the same on every planner given the same words. Kept for `choose`, and returned."""
+        levels = [int(w) for w in words]
+        if not levels or any(w not in (FULL, REDUCED, STATIC) for w in levels):
+            raise ValueError(f"herald planning budget: planners' level words must be 0, 1 or 2, got {levels}")
+        self.agreed = self._settle(max(levels))
+        return self.agreed
+
+    def choose(self) -> int:
+        """The level of the next plan: with one planner, its own at once; with several, the level `agree` set
+        (FULL where no words were agreed on: a policy used outside the input stage). Consumed by the plan."""
+        if self.planners == 1:
+            return self._settle(self.wanted())
+        level, self.agreed = self.agreed, None
+        return FULL if level is None else level
 
     def record(self, level: int, cpu_ms: float) -> None:
         """A plan was made at `level` in `cpu_ms` of the planner's CPU."""
@@ -138,7 +181,8 @@ class PlanBudget:
     def describe(self) -> dict:
         budget = self.budget_ms
         return {
-            "plan_budget": self.setting if self.planners == 1 else f"unused: {self.planners} planners",
+            "plan_budget": self.setting,
+            "plan_budget_planners": self.planners,  # several: every plan's level agreed on by all of them
             "plan_budget_ms_now": None if budget is None else round(budget, 3),
             "step_ms_ewma": None if self.step_ms is None else round(self.step_ms, 3),
             "plans_full": self.counts.full,

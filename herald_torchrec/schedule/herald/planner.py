@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -187,8 +186,8 @@ class HeraldPolicy(SchedulePolicy):
     plan_budget_ms: the planning budget per plan (`schedule.herald.budget`): "auto" (the default) = the training
         step time the pipeline measures (`observe_step`; never triggers without it, nor on the 2-core reference
         runs), a number = that fixed budget in ms, None = off. A planner over it makes cheaper plans (fewer
-        scheduled tables and no refine rounds, then static ones), counted in `describe()`; used only where one rank
-        makes every plan (`set_planners`).
+        scheduled tables and no refine rounds, then static ones), counted in `describe()`; where several ranks plan
+        (`set_planners`), every plan's level is the one they agree on (`agree_level`).
     The replica defaults are measured (schedule/herald/replicas.py, docs/scheduler.md): a row pays for replication
     only where hosts are given (without a host map nothing is replicated); the rows that pay are few (~250 of 337,694
     at R=64 on the synthetic default), so the budget of 4,096 rows per rank (2 MiB at dim 128) is never the limit.
@@ -488,18 +487,22 @@ class HeraldPolicy(SchedulePolicy):
         self.budget.observe_step(step_ms, wait_ms)
 
     def set_planners(self, count: int) -> None:
-        """How many ranks make plans (the input stage's `plan_on`): the budget depends on this rank's clock, so it is
-        used only where one rank makes them all (`schedule.herald.budget` says why); a fixed budget left unused
-        warns."""
+        """How many ranks make plans (the input stage's `plan_on`): with several, each plan's level is the one they
+        agree on (`agree_level`), since a decision read from each planner's own clock could make their plans differ
+        (`schedule.herald.budget` says how)."""
+        if int(count) < 1:
+            raise ValueError(f"herald: set_planners needs at least one planner, got {count!r}")
         self.budget.planners = int(count)
-        if count > 1 and isinstance(self.budget.setting, float):
-            warnings.warn(
-                f"herald: plan_budget_ms={self.budget.setting:g} is unused: {count} ranks make plans (plan_on="
-                "'every_rank', or 'host' on several machines), and a decision read from each planner's clock could "
-                "make their plans differ; plan_on='rank0' makes every plan on one rank",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+
+    def level_word(self) -> int:
+        """The level this planner's own measurements ask for: the word it publishes for `agree_level` (0 FULL,
+        1 REDUCED, 2 STATIC)."""
+        return self.budget.wanted()
+
+    def agree_level(self, words: Sequence[int]) -> int:
+        """Before each plan where several ranks plan: the level words every planner published (`level_word`) in the
+        last round completed on every rank; the next plan is made at the level they agree on (returned)."""
+        return self.budget.agree(words)
 
     def plan_levels(self) -> LevelCounts:
         """Plans made so far at each level of the budget (full, reduced, static)."""

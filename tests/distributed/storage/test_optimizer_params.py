@@ -45,7 +45,7 @@ def _in_backward(ebc, cls, kwargs: dict) -> None:
             {"optimizer": "exact_rowwise_adagrad", "weight_decay": 0.1, "weight_decay_mode": WeightDecayMode.COUNTER},
             "weight_decay_mode",
         ),
-        ({"weights_precision": SparseType.FP16}, "weights_precision"),
+        ({"output_dtype": SparseType.FP16}, "output_dtype"),  # pooled embeddings in float32, as TorchRec's
         ({"prefetch_pipeline": True}, "prefetch_pipeline"),
         ({"max_gradient": 0.0}, "max_gradient"),
         ({"gradient_clipping": 1}, "gradient_clipping"),
@@ -113,15 +113,17 @@ def test_resolution_follows_torchrec_precedence() -> None:
     from herald_torchrec.distributed.storage.optimizer_params import resolve_table_settings
 
     ebc = make_ebc()
+    fp32 = {"weights_precision": SparseType.FP32}  # the tables' own data_type, as TorchRec's sharding makes the TBE
     assert resolve_table_settings(ebc, None) == {
         "optimizer": EmbOptimType.EXACT_SGD,
         "learning_rate": 0.01,
+        **fp32,
     }  # FBGEMM default
     fp = {"optimizer": "exact_sgd", "learning_rate": 0.3, "gradient_clipping": True, "max_gradient": 0.5}
-    assert resolve_table_settings(ebc, fp) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
+    assert resolve_table_settings(ebc, fp) == {**fp, "optimizer": EmbOptimType.EXACT_SGD, **fp32}
     # settings at their "not used" value are accepted and dropped (torch.optim.SGD's momentum=0, no weight decay)
     neutral = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "weight_decay_mode": WeightDecayMode.NONE}
-    assert resolve_table_settings(ebc, {**fp, **neutral}) == {**fp, "optimizer": EmbOptimType.EXACT_SGD}
+    assert resolve_table_settings(ebc, {**fp, **neutral}) == {**fp, "optimizer": EmbOptimType.EXACT_SGD, **fp32}
     _in_backward(ebc, RowWiseAdagrad, {"lr": 0.07, "eps": 1e-3})
     got = resolve_table_settings(ebc, fp)  # in-backward kwargs win; the sharder's other settings stay
     assert got == {
@@ -130,6 +132,7 @@ def test_resolution_follows_torchrec_precedence() -> None:
         "eps": 1e-3,
         "gradient_clipping": True,
         "max_gradient": 0.5,
+        **fp32,
     }
     assert ebc.embedding_bags["t0"].weight._optimizer_kwargs == [{"lr": 0.07, "eps": 1e-3}]  # left as the user set it
     # tables of one Herald TBE must agree

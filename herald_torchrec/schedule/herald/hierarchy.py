@@ -1,0 +1,587 @@
+"""`herald_hier`: Herald planned by one planner per host, for its own samples and ranks, with explicit messages.
+
+Why: the flat planner (`planner.py`) plans the whole global batch; its time and the bytes around it (every rank's
+ids to every host's planner, the whole plan to every rank) grow with R. Here every host plans an R = P problem
+(P = ranks per host) on its own samples, and hosts exchange only what concerns the rows they read.
+
+Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`). Host h's samples are those its ranks
+loaded: global samples [h P B, (h+1) P B); they never leave the host. Every row has one owner rank; the row's *home
+host* (the host of its ROW_WISE home rank, known to everyone from the key) keeps its directory entry (owner rank,
+last use) and decides where it goes next. Each host keeps the guest slots of its own ranks. Per step:
+
+1. demand   (h -> home host A): the distinct keys h's samples read in the current batch, homed on A.
+2. owners   (A -> h): the current owner rank of every demanded key (aligned with the demand).
+3. LAIA on host h: `planner`'s assignment (first pass + refine rounds, the compiled kernel where it runs) over h's P
+   ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key.
+4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
+5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
+   keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
+   lowest rank). No owner balancing, no replicas.
+6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source).
+7. capacity (at t, for its ranks' guest groups only): room for the arrivals: victims (its guests not read in the
+   step; those its own samples' lookahead window reads evicted last, least recently used first), else cancelled
+   arrivals (herald's order). Departures to other hosts are not counted as room, so a cancellation never takes room
+   another host counted on: each host decides alone. Victims go home (EVICT_HOME; no FORWARD).
+   cancels (t -> A): the cancelled arrivals; evictions (t -> the victim's home host): the rows sent home.
+8. decisions (A -> h): the final owner rank of every demanded key; departures (A -> the source host of a move):
+   the rows leaving it; shares (A -> the final owner's host): every shared key's reader ranks.
+The policy returns one whole `Plan`, the union of the hosts' parts, so the checker, the traffic accounting, the
+simulator and the data plane run it unchanged.
+
+Bytes (`MessageBytes`; only messages between two different hosts are counted, a host's own are free): a key is
+KEY_BYTES = 8, a rank RANK_BYTES = 2, a count COUNT_BYTES = 2, an index into an earlier message INDEX_BYTES = 4.
+demand KEY; owners RANK; reads INDEX + RANK + COUNT per pair; arrivals KEY + 2 RANK; cancels INDEX; evictions KEY;
+decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader. A rank's plan part
+(what it would need of the plan): SAMPLE_BYTES = 4 per sample it trains (its order), KEY + RANK + 1 per move it sends
+or receives, KEY + COUNT + RANK per other reader for a shared key it owns, KEY + RANK for one it reads remotely. Its
+ids: ID_BYTES = 8 per id, sent to its own host's planner only.
+
+Worked example (tests/schedule/test_hierarchy.py): R = 4 as 2 hosts of 2 ranks, B = 1, one table of 8 rows (home
+rank = row // 2: host 0 is home to rows 0-3, host 1 to rows 4-7), the samples read rows [0, 4, 4, 6]. Host 0
+(samples 0, 1) demands row 4 from host 1 (8 B; row 0 is its own); host 1 answers owner rank 2 (2 B). LAIA: sample
+0 to rank 0 (owns row 0), sample 1 to rank 1; host 1: sample 2 to rank 2 (owns row 4), sample 3 to rank 3. Host 0
+reports the pair (row 4, rank 1) (8 B). Host 1 decides: row 4 stays with rank 2, which reads it (shared with rank
+1); row 6 and row 0 are hits. Decisions: row 4's owner to host 0 (2 B). Total 20 B between hosts. Plan parts: rank 0
+4 B, rank 1 4 + 10 B, rank 2 4 + 12 B, rank 3 4 B.
+
+Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7 and its part of 8) and per
+directory host (`directory_seconds`: 2, 5, 6, 8 for its keys); the union of the parts into one Plan (`union_seconds`)
+is what a host's data plane would not do (each would keep its own part).
+
+With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
+plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
+from herald by design: samples never cross hosts, decisions are taken per row on the union of reads (as herald's),
+but without owner balancing or forwarding, and each host's eviction order knows only its own lookahead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from herald_torchrec.schedule import native
+from herald_torchrec.schedule.directory import OwnershipDirectory
+from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
+from herald_torchrec.schedule.herald.tables import TableSelection
+from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
+from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
+from herald_torchrec.schedule.reads import BatchKeys, step_reads
+
+KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
+MOVE_ENTRY_BYTES = KEY_BYTES + RANK_BYTES + 1  # key, peer rank, kind
+MESSAGE_KINDS = ("demand", "owners", "reads", "arrivals", "cancels", "evictions", "decisions", "departures", "shares")
+RANKS_PER_HOST = 8
+
+
+@dataclass
+class HierStep:
+    """What one step of the hierarchical planner cost: seconds per host and per directory host, bytes of every
+    message kind between hosts (totals over all host pairs), bytes each host sent + received, and per rank its ids
+    and its plan part (module docstring)."""
+
+    host_seconds: np.ndarray  # float64 [H]
+    directory_seconds: np.ndarray  # float64 [H]
+    union_seconds: float
+    message_bytes: dict[str, int] = field(default_factory=dict)
+    host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
+    ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
+    plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
+
+    @property
+    def per_host_seconds(self) -> np.ndarray:
+        """A host's whole planning time: its own planner and its directory role."""
+        return self.host_seconds + self.directory_seconds
+
+
+def plan_part_bytes(plan: Plan) -> np.ndarray:
+    """Bytes of the part of `plan` each rank needs (module docstring), int64 [R]."""
+    R, B = plan.num_ranks, plan.batch_per_rank
+    out = np.full(R, SAMPLE_BYTES * B, dtype=np.int64)
+    mv = plan.moves
+    out += MOVE_ENTRY_BYTES * (np.bincount(mv.src, minlength=R) + np.bincount(mv.dst, minlength=R))
+    sh = plan.shared
+    counts = np.diff(sh.reader_offsets)
+    owner_rep = np.repeat(sh.owner, counts)
+    remote = sh.readers != owner_rep
+    others = np.bincount(np.repeat(np.arange(len(sh)), counts)[remote], minlength=len(sh))
+    own_bytes = KEY_BYTES + COUNT_BYTES + RANK_BYTES * others
+    out += np.bincount(sh.owner, weights=own_bytes, minlength=R).astype(np.int64)
+    out += (KEY_BYTES + RANK_BYTES) * np.bincount(sh.readers[remote], minlength=R)
+    return out
+
+
+def ids_bytes(batch: GlobalBatch, num_ranks: int, batch_per_rank: int) -> np.ndarray:
+    """Bytes of the ids each rank loads (ID_BYTES per id), int64 [R]: what it sends to a planner."""
+    ends = np.arange(num_ranks + 1, dtype=np.int64) * batch_per_rank
+    per = np.zeros(num_ranks, dtype=np.int64)
+    for off in batch.offsets:
+        per += np.diff(off[ends])
+    return per * ID_BYTES
+
+
+class _Messages:
+    """Bytes between hosts, by kind and by host (a host's messages to itself are free)."""
+
+    def __init__(self, H: int) -> None:
+        self.kind = dict.fromkeys(MESSAGE_KINDS, 0)
+        self.host = np.zeros(H, dtype=np.int64)
+
+    def add(self, kind: str, src: int, dst: int, nbytes: int) -> None:
+        if src != dst and nbytes:
+            self.kind[kind] += int(nbytes)
+            self.host[src] += int(nbytes)
+            self.host[dst] += int(nbytes)
+
+    def add_many(self, kind: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, H: int) -> None:
+        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]."""
+        cross = src != dst
+        if not cross.any():
+            return
+        b = np.asarray(nbytes, dtype=np.int64)[cross]
+        self.kind[kind] += int(b.sum())
+        self.host += np.bincount(src[cross], weights=b, minlength=H).astype(np.int64)
+        self.host += np.bincount(dst[cross], weights=b, minlength=H).astype(np.int64)
+
+
+@dataclass
+class _HostView:
+    """What host h holds in a step: its samples' keys, their current owners, its assignment and reads."""
+
+    bk: BatchKeys
+    own: np.ndarray  # int64 [K] current owner rank of every key
+    home_host: np.ndarray  # int64 [K] home host of every key
+    local_rank: np.ndarray | None = None  # int64 [P B] rank (0..P-1) of every sample
+    pair_gid: np.ndarray | None = None  # (key, reader) pairs: global row, global rank, elements
+    pair_rank: np.ndarray | None = None
+    pair_count: np.ndarray | None = None
+    window_keys: list[np.ndarray] = field(default_factory=list)  # keys of its samples in each lookahead batch
+
+
+class HeraldHierPolicy(SchedulePolicy):
+    """Hierarchical Herald (module docstring).
+
+    hosts: ranks per host (int; ranks r .. r+P-1 share one) or a host key per rank, which must form consecutive
+        groups of equal size (the simulator's and the traffic accounting's host map). Default 8.
+    tables / refine / max_refine / budget_ms / stay_bonus / owner_weight: as `HeraldPolicy`'s, chosen once for the
+        per-host problem (P ranks, P B samples) from host 0's first window; with one host every other keyword is
+        passed to the plain `HeraldPolicy` this policy then is.
+    `last_step` (a `HierStep`) says what the latest plan cost.
+    """
+
+    name = "herald_hier"
+    takes_hosts = True
+
+    def __init__(
+        self,
+        table_rows,
+        num_ranks: int,
+        batch_per_rank: int,
+        cache_ratio: float = 0.1,
+        lookahead: int = 4,
+        *,
+        hosts: int | Sequence[int] | None = RANKS_PER_HOST,
+        tables: str | Sequence[int] = "auto",
+        refine: int | None = None,
+        max_refine: int = 2,
+        budget_ms: float | str | None = "auto",
+        stay_bonus: float = 2.0,
+        owner_weight: float = 2.0,
+        **herald_kwargs,
+    ) -> None:
+        super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
+        R = self.num_ranks
+        host = host_ids(RANKS_PER_HOST if hosts is None else hosts, R)
+        H = int(host.max()) + 1
+        P = -(-R // H)
+        if not np.array_equal(host, np.arange(R) // P) or R % P:
+            raise ValueError(
+                f"herald_hier: hosts must be consecutive groups of equal size (ranks per host dividing num_ranks={R}),"
+                f" got {hosts!r}"
+            )
+        self.ranks_per_host, self.num_hosts = P, H
+        self.host_of_rank = host
+        self.last_step: HierStep | None = None
+        settings = dict(tables=tables, refine=refine, max_refine=max_refine, budget_ms=budget_ms)
+        settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
+        # one host: the per-host problem is the whole problem, and plain herald plans it
+        self._flat: HeraldPolicy | None = None
+        if H == 1:
+            self._flat = HeraldPolicy(
+                self.layout, R, batch_per_rank, cache_ratio, lookahead, **settings, **herald_kwargs
+            )
+            return
+        if herald_kwargs:
+            raise ValueError(
+                f"herald_hier: {sorted(herald_kwargs)} apply with one host only (the plain herald planner); "
+                f"{H} hosts plan without them"
+            )
+        # the per-host problem's settings: a HeraldPolicy of P ranks validates them and chooses tables / refine
+        self._local = HeraldPolicy(self.layout.table_rows, P, batch_per_rank, cache_ratio, lookahead, **settings)
+        self._local.directory = None  # only its settings and its table selection are used
+        self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
+        self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)
+        n = self.layout.total_rows
+        self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)
+        self._picked = np.zeros(n, dtype=bool)
+        c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
+        self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
+
+    # ---- settings -------------------------------------------------------------------------------------------------
+    @property
+    def tables(self) -> list[int]:
+        return self._flat.tables if self._flat is not None else self._local.tables
+
+    @property
+    def refine(self) -> int:
+        return self._flat.refine if self._flat is not None else self._local.refine
+
+    @property
+    def selection(self) -> TableSelection | None:
+        return self._flat.selection if self._flat is not None else self._local.selection
+
+    def describe(self) -> dict:
+        out = self._flat.describe() if self._flat is not None else super().describe()
+        out.update(name=self.name, hosts=self.num_hosts, ranks_per_host=self.ranks_per_host, tables=self.tables)
+        if self._flat is None:
+            out.update(refine=self.refine, guests=self.directory.occupancy())
+        return out
+
+    # ---- per-host batches ---------------------------------------------------------------------------------------
+    def host_batch(self, b: GlobalBatch, h: int) -> GlobalBatch:
+        """Host h's samples of `b` (cached on the batch: a lookahead batch is the current one later)."""
+        key = ("herald_hier_host", self.num_hosts, h)
+        sub = b._cache.get(key)
+        if sub is None:
+            n = self.ranks_per_host * self.batch_per_rank
+            dense = b._cache.get("dense")
+            if dense is not None:
+                sub = GlobalBatch.from_dense(dense[h * n : (h + 1) * n], self.layout, b.index, range_checked=True)
+            else:
+                sub = b.take(np.arange(h * n, (h + 1) * n, dtype=np.int64))
+            b._cache[key] = sub
+        return sub
+
+    def _elements(self, sub: GlobalBatch, bk: BatchKeys) -> _Scheduled:
+        """The host batch's elements in the scheduled tables and their first-pass weights (cached per selection)."""
+        loc = self._local
+        key = ("herald_hier_sched", loc.scheduled.tobytes())
+        hit = sub._cache.get(key)
+        if hit is None:
+            N, cols = sub.num_samples, None
+            if bk.width is not None:
+                idx = np.flatnonzero(loc.scheduled)
+                ec = bk.cid.reshape(-1, bk.width)[:, idx].ravel()
+                es = np.repeat(np.arange(N, dtype=np.int64), idx.shape[0])
+                cols = ec.reshape(N, idx.shape[0]).T if es.shape[0] else None
+            else:
+                m = loc.scheduled[bk.tab]
+                es, ec = bk.smp[m], bk.cid[m]
+            w0 = self._geo[np.minimum(bk.count, N)][ec]
+            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, w0, self.ranks_per_host)
+            sub._cache[key] = hit
+        return hit
+
+    # ---- phase 3: LAIA inside a host -----------------------------------------------------------------------------
+    def host_assign(self, sub: GlobalBatch, bk: BatchKeys, own_local: np.ndarray) -> np.ndarray:
+        """Rank (0..P-1) of every sample of a host batch; `own_local` is every key's owner among the host's ranks
+        (-1: owned outside the host). Rotated coordinates as `HeraldPolicy.assign` (ties to rank step % P first)."""
+        P, B, loc = self.ranks_per_host, self.batch_per_rank, self._local
+        N = sub.num_samples
+        first = self.step % P
+        v = self._elements(sub, bk)
+        if v.es.shape[0] == 0:
+            return np.repeat(np.arange(P, dtype=np.int64), B)
+        own = np.where(own_local >= 0, (own_local - first) % P, -1)
+        refine = loc.refine
+        if native.enabled():
+            per_sample = 0 if v.cols is None else v.cols.shape[0]
+            a = native.assign(
+                N, P, B, v.K, v.es, v.ec, v.w0, per_sample, own, refine, loc.owner_weight, loc.stay_bonus,
+                loc._wtype is np.int16,
+            )  # fmt: skip
+            return (a + first) % P
+        # numpy: group P stands for "outside the host" (its column is dropped)
+        own_g = np.where(own >= 0, own, P)
+        score = np.bincount(v.es * (P + 1) + own_g[v.ec], weights=v.w0, minlength=N * (P + 1))
+        score = score.reshape(N, P + 1)[:, :P]
+        a = balanced_assign(score, B) if refine == 0 else np.argmax(score, axis=1)
+        for _ in range(refine):
+            sc, corr = _round_scores(v, N, a[v.es], P + 1, own_g, loc.owner_weight, loc._wtype, np.float32)
+            sc = np.ascontiguousarray(sc[:, :P])
+            sc[np.arange(N), a] += corr + loc.stay_bonus
+            a = balanced_assign(sc, B)
+        return (a + first) % P
+
+    # ---- step ---------------------------------------------------------------------------------------------------
+    def plan(self, batches):
+        if self._flat is None:
+            return super().plan(batches)
+        t0 = time.perf_counter()
+        plan = self._flat.plan(batches)
+        self.step += 1
+        R = self.num_ranks
+        bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
+        self.last_step = HierStep(
+            host_seconds=np.array([time.perf_counter() - t0]),
+            directory_seconds=np.zeros(1),
+            union_seconds=0.0,
+            message_bytes=dict.fromkeys(MESSAGE_KINDS, 0),
+            host_message_bytes=np.zeros(1, dtype=np.int64),
+            ids_bytes=ids_bytes(bl[0], R, self.batch_per_rank),
+            plan_part_bytes=plan_part_bytes(plan),
+        )
+        return plan
+
+    def _plan(self, batches: list[GlobalBatch]) -> Plan:
+        H, P, R, B = self.num_hosts, self.ranks_per_host, self.num_ranks, self.batch_per_rank
+        d = self.directory
+        b = batches[0]
+        msg = _Messages(H)
+        host_s = np.zeros(H)
+        dir_s = np.zeros(H)
+        if self._local.selection is None:  # once, from host 0's first window (sent to every host: a few bytes)
+            self._local.profile([self.host_batch(x, 0) for x in batches])
+        # ---- phases 1-4 per host: demand, owners, LAIA, reads -------------------------------------------------
+        views: list[_HostView] = []
+        for h in range(H):
+            t0 = time.perf_counter()
+            sub = self.host_batch(b, h)
+            bk = self.keys_of(sub)
+            own = d.owner[bk.keys].astype(np.int64)  # the owners' answer (phase 2)
+            home_host = d.home[bk.keys].astype(np.int64) // P
+            own_local = np.where(own // P == h, own - h * P, -1)
+            a = self.host_assign(sub, bk, own_local)
+            rd = step_reads(bk, a, P)
+            er = bk.element_ranks(a)
+            cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
+            v = _HostView(bk, own, home_host, a)
+            v.pair_gid, v.pair_rank, v.pair_count = bk.keys[rd.pair_key], rd.pair_rank + h * P, cnt
+            v.window_keys = [self.keys_of(self.host_batch(x, h)).keys for x in batches[1:]]
+            views.append(v)
+            host_s[h] += time.perf_counter() - t0
+            hosts_k = np.bincount(home_host, minlength=H)
+            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
+            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+            hosts_p = np.bincount(home_host[rd.pair_key], minlength=H)
+            msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
+        # ---- phase 5 per directory host: the union of the reads of its keys, herald's decision ------------------
+        # (the split of each host's pairs by home host is the reads message; made here, counted to the directory)
+        parts = []
+        for h, v in enumerate(views):
+            hh = d.home[v.pair_gid].astype(np.int64) // P
+            o = np.argsort(hh, kind="stable")
+            bounds = np.searchsorted(hh[o], np.arange(H + 1))
+            parts.append((o, bounds))
+        dec = []
+        for A in range(H):
+            t0 = time.perf_counter()
+            g = np.concatenate([v.pair_gid[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
+            r = np.concatenate([v.pair_rank[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
+            c = np.concatenate([v.pair_count[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
+            srt = np.argsort(g * R + r, kind="stable")
+            g, r, c = g[srt], r[srt], c[srt]
+            dec.append(self._decide(g, r, c))
+            dir_s[A] += time.perf_counter() - t0
+        # ---- union of the decisions (the directory's arrays, one per key read in the step) ----------------------
+        t0 = time.perf_counter()
+        keys = np.concatenate([x[0] for x in dec])
+        own = np.concatenate([x[1] for x in dec])
+        want = np.concatenate([x[2] for x in dec])
+        single = np.concatenate([x[3] for x in dec])
+        sole = np.concatenate([x[4] for x in dec])
+        pg = np.concatenate([x[5] for x in dec])
+        pr = np.concatenate([x[6] for x in dec])
+        home = d.home[keys].astype(np.int64)
+        d.last_use[keys] = self.step  # pins this step's keys (every holder learns its rows' reads)
+        mv = np.flatnonzero(want != own)
+        dst_host = want[mv] // P
+        o = np.argsort(dst_host, kind="stable")
+        mv = mv[o]
+        bounds = np.searchsorted(dst_host[o], np.arange(H + 1))
+        dir_host = home[mv] // P
+        msg.add_many("arrivals", dir_host, want[mv] // P, np.full(mv.shape[0], KEY_BYTES + 2 * RANK_BYTES), H)
+        union_s = time.perf_counter() - t0
+        # ---- phase 7 per host: room for the arrivals in its guest groups ----------------------------------------
+        victims = []
+        for t in range(H):
+            t0 = time.perf_counter()
+            mine = mv[bounds[t] : bounds[t + 1]]
+            nu = self.next_use
+            wk = views[t].window_keys
+            for j in range(len(wk), 0, -1):
+                nu[wk[j - 1]] = j
+            before = want[mine].copy()
+            vt = self._make_room(t, mine, keys, own, home, want, single)
+            for w in wk:
+                nu[w] = 0
+            victims.append(vt)
+            host_s[t] += time.perf_counter() - t0
+            cancelled = mine[want[mine] != before]
+            msg.add_many("cancels", np.full(cancelled.shape[0], t), home[cancelled] // P,
+                         np.full(cancelled.shape[0], INDEX_BYTES), H)  # fmt: skip
+            msg.add_many("evictions", np.full(vt.shape[0], t), d.home[vt].astype(np.int64) // P,
+                         np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
+        victims = np.sort(np.concatenate(victims)) if victims else np.zeros(0, dtype=np.int64)
+        self._picked[victims] = False
+        # ---- phase 8 and the union: one Plan --------------------------------------------------------------------
+        t0 = time.perf_counter()
+        sample_rank = np.concatenate([v.local_rank + h * P for h, v in enumerate(views)])
+        plan = self._assemble(sample_rank, keys, own, want, single, sole, pg, pr, victims, msg)
+        union_s += time.perf_counter() - t0
+        self.last_step = HierStep(
+            host_seconds=host_s,
+            directory_seconds=dir_s,
+            union_seconds=union_s,
+            message_bytes=dict(msg.kind),
+            host_message_bytes=msg.host,
+            ids_bytes=ids_bytes(b, R, B),
+            plan_part_bytes=plan_part_bytes(plan),
+        )
+        return plan
+
+    def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
+        """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
+        rank: (keys, owner, want, single, sole, pair keys, pair ranks)."""
+        d = self.directory
+        if g.shape[0] == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z, np.zeros(0, dtype=bool), z, z, z
+        new = np.empty(g.shape[0], dtype=bool)
+        new[0] = True
+        np.not_equal(g[1:], g[:-1], out=new[1:])
+        start = np.flatnonzero(new)
+        keys = g[start]
+        count = np.diff(np.append(start, g.shape[0]))
+        kid = np.cumsum(new) - 1
+        own = d.owner[keys].astype(np.int64)
+        owner_reads = np.zeros(keys.shape[0], dtype=bool)
+        owner_reads[kid[own[kid] == r]] = True
+        single = count == 1
+        sole = r[start]
+        best = np.maximum.reduceat(c, start)
+        top = np.flatnonzero(c == best[kid])
+        first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
+        want = np.where(owner_reads, own, r[first])
+        return keys, own, want, single, sole, g, r
+
+    def _make_room(self, t, mine, keys, own, home, want, single) -> np.ndarray:
+        """Host t's capacity (phase 7): victims among its guests (returned) and cancelled arrivals (in `want`), so
+        that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks."""
+        d, P, T = self.directory, self.ranks_per_host, self.layout.num_tables
+        lo = t * P * T
+        Gt = P * T
+        tk = d.table[keys].astype(np.int64)
+        last, step, L1 = d.last_use, self.step, self.lookahead + 1
+        nu, picked = self.next_use, self._picked
+        freed = np.zeros(Gt, dtype=np.int64)
+        chosen = np.zeros(0, dtype=np.int64)
+
+        def prio(pos: np.ndarray) -> np.ndarray:
+            gg = d.slots.slot[pos]
+            lu = last[gg].astype(np.int64)
+            n = nu[gg].astype(np.int64)
+            p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
+            return np.where((lu == step) | picked[gg], -1, p)
+
+        for it in range(mine.shape[0] + 2):
+            m = mine[want[mine] != own[mine]]
+            arr = m[want[m] != home[m]]
+            dep = m[(own[m] // P == t) & (own[m] != home[m])]  # guests moving between the host's own ranks
+            arr_g = want[arr] * T + tk[arr] - lo
+            deficit = (
+                d.slots.fill[lo : lo + Gt]
+                - np.bincount(own[dep] * T + tk[dep] - lo, minlength=Gt)
+                + np.bincount(arr_g, minlength=Gt)
+                - freed
+                - d.slots.cap[lo : lo + Gt]
+            )
+            gneed = np.flatnonzero(deficit > 0)
+            if gneed.shape[0] == 0:
+                break
+            left = deficit
+            if it < 2:
+                vpos = self.eviction.pick(gneed + lo, deficit[gneed], prio)
+                v = d.slots.slot[vpos]
+                if v.shape[0]:
+                    picked[v] = True
+                    chosen = np.concatenate([chosen, v])
+                    vcount = np.bincount(d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64) - lo,
+                                         minlength=Gt)  # fmt: skip
+                    freed += vcount
+                    left = deficit - vcount
+                    if (left <= 0).all():
+                        break
+            over = left[arr_g] > 0
+            cand, cg = arr[over], arr_g[over]
+            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
+            from_guest = own[cand] != home[cand]
+            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
+            cand, cg = cand[o], cg[o]
+            n_in = np.bincount(cg, minlength=Gt)
+            start = np.cumsum(n_in) - n_in
+            within = np.arange(cand.shape[0]) - start[cg]
+            drop = within >= n_in[cg] - left[cg]
+            want[cand[drop]] = own[cand[drop]]
+        else:  # pragma: no cover - every round cancels an arrival
+            raise RuntimeError("herald_hier: capacity resolution did not converge")
+        return chosen
+
+    def _assemble(self, sample_rank, keys, own, want, single, sole, pg, pr, victims, msg: _Messages) -> Plan:
+        """The union of the hosts' parts as one Plan, the moves applied to the directory; counts phase 8's
+        departures and shares."""
+        d, R, P, H = self.directory, self.num_ranks, self.ranks_per_host, self.num_hosts
+        o = np.argsort(keys, kind="stable")
+        keys, own, want, single, sole = keys[o], own[o], want[o], single[o], sole[o]
+        po = np.argsort(pg * R + pr, kind="stable")
+        pg, pr = pg[po], pr[po]
+        pk = np.searchsorted(keys, pg)
+        count = np.bincount(pk, minlength=keys.shape[0])
+        home_host = d.home[keys].astype(np.int64) // P
+        mig = np.flatnonzero(want != own)
+        v_src = d.owner[victims].astype(np.int64)
+        v_dst = d.home[victims].astype(np.int64)
+        msg.add_many("departures", home_host[mig], own[mig] // P, np.full(mig.shape[0], KEY_BYTES + RANK_BYTES), H)
+        mv_gid = np.concatenate([keys[mig], victims])
+        mv_src = np.concatenate([own[mig], v_src])
+        mv_dst = np.concatenate([want[mig], v_dst])
+        mv_kind = np.concatenate([np.full(mig.shape[0], MIGRATE, dtype=np.int8), np.full(victims.shape[0], EVICT_HOME,
+                                                                                           dtype=np.int8)])  # fmt: skip
+        exclusive = single & (sole == want)
+        moved = want != own
+        pair_owner = want[pk]
+        hit = int(((pair_owner == pr) & ~moved[pk]).sum())
+        remote = int((pair_owner != pr).sum())
+        ids = np.flatnonzero(~exclusive)
+        offs = np.concatenate([[0], np.cumsum(count[ids])]).astype(np.int64)
+        readers = pr[(~exclusive)[pk]]
+        shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
+        msg.add_many("shares", home_host[ids], want[ids] // P,
+                     KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)  # fmt: skip
+        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
+        srt = np.argsort(mv_gid, kind="stable")
+        t, row = split_gid(self.layout, d.table, mv_gid[srt])
+        moves = RowMoves(table=t, row=row, src=mv_src[srt], dst=mv_dst[srt], kind=mv_kind[srt])
+        counters = {
+            "hit": hit,
+            "migrate": int(mig.shape[0]),
+            "evict_home": int(victims.shape[0]),
+            "forward": 0,
+            "shared_value": remote,
+            "shared_grad": remote,
+        }
+        return Plan(
+            step=self.step,
+            num_ranks=R,
+            batch_per_rank=self.batch_per_rank,
+            sample_order=order_from_assignment(sample_rank, R),
+            moves=moves,
+            shared=shared,
+            counters=counters,
+        )

@@ -1,0 +1,116 @@
+"""The planning budget with several planners (schedule/herald/budget.py): four gloo ranks on two "machines" (each rank
+reports the host name of its pair, as the host-relay test does), `plan_on="host"`: ranks 0 and 2 each plan every
+global batch from their own copy of the ownership directory. With a budget no plan meets (1 us), both planners
+make the same degraded plans, at the levels they agree on through the round headers: two full plans, two reduced,
+then static ones (the words published with plan p - 2 set plan p's level), counted alike on both; every rank
+executes the same plans, and the trained model is the one-process model on the global batches (SGD, <= 1e-5).
+Before the agreement, the budget was unused with several planners: every plan full. Sizes: the header words go by
+an all-to-all of exactly what each rank needs, counted in the stage's "control" bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
+from tests.distributed.train_pipeline.test_pipeline_edges import TwoEBCModel, batches, one_process_reference
+from tests.helpers.ranks import rank_result, run_ranks
+
+STEPS = 12
+WORLD = 4
+
+
+def plan_digest(plan) -> str:
+    """A digest of every array of a plan (with its dtype) and its counters."""
+    import dataclasses
+
+    h = hashlib.sha256()
+    for part in (plan, plan.moves, plan.shared):
+        for f in dataclasses.fields(part):
+            v = getattr(part, f.name)
+            if hasattr(v, "dtype"):
+                h.update(f"{f.name}|{v.dtype}|{v.tolist()}".encode())
+    h.update(repr(sorted(plan.counters.items())).encode())
+    return h.hexdigest()[:16]
+
+
+def agreement_worker(rank: int, world: int, out_dir: str) -> None:
+    """STEPS steps of Herald with a 1 us planning budget, two planners; a DCP checkpoint, the digest of every plan
+    this rank trained with, and (on the planners) the plan counts by level."""
+    import socket
+
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
+
+    real_hostname = socket.gethostname
+    socket.gethostname = lambda: f"machine-{rank // 2}"
+    try:
+        options = HeraldOptions(cache_ratio=0.05, lookahead=2, policy_options={"plan_budget_ms": 1e-3})
+        model = TwoEBCModel()
+        for ebc in (model.ebc_a, model.ebc_b):
+            apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), sharders=[HeraldEmbeddingBagCollectionSharder(options=options)]
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
+        )
+        digests: list[str] = []
+        pipeline = HeraldTrainPipeline(
+            dmp, dense, torch.device("cpu"), options=options, on_plan=lambda p: digests.append(plan_digest(p))
+        )
+        it = iter(batches(rank, STEPS))
+        for _ in range(STEPS):
+            pipeline.progress(it)
+        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+        policy = pipeline.policy
+        levels = vars(policy.plan_levels()) if policy is not None else None
+        described = policy.describe() if policy is not None else None
+        counter = pipeline.input_stage.comm.counter
+        control = (counter.bytes["control"], counter.calls["control"])
+        pipeline.close()
+    finally:
+        socket.gethostname = real_hostname
+    torch.save(
+        {"digests": digests, "levels": levels, "policy": described, "control": control}, rank_result(out_dir, rank)
+    )
+
+
+def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tmp_path: Path) -> None:
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    run_ranks("tests.distributed.train_pipeline.test_budget_agreement:agreement_worker", tmp_path, world_size=WORLD)
+    res = [torch.load(rank_result(tmp_path, q)) for q in range(WORLD)]
+    # ranks 0 and 2 plan (the lowest rank of each machine), 1 and 3 receive their plans
+    assert [r["levels"] is not None for r in res] == [True, False, True, False]
+    # both planners made the same plans at the same levels: degraded, then static
+    assert res[0]["levels"] == res[2]["levels"] == {"full": 2, "reduced": 2, "static": STEPS - 4}, res
+    for q in (0, 2):
+        assert res[q]["policy"]["plan_budget"] == 1e-3 and res[q]["policy"]["plan_budget_planners"] == 2
+    # every rank trained with the same plans, whichever machine's planner made them
+    assert len(res[0]["digests"]) == STEPS
+    assert all(r["digests"] == res[0]["digests"] for r in res)
+    assert len(set(res[0]["digests"])) == STEPS
+    # the header words: bags of several lengths, so every round exchanges them first, by an all-to-all of
+    # PAY_WORDS + 1 words per pair of ranks (never all-gathered: PAY_WORDS + R words from every rank); the setup's
+    # all-gather of 5 words, and a trailer of PAY_WORDS words per pair on every round after the first L + 2
+    for r in res:
+        sent, calls = r["control"]
+        exchanges, trailers = calls - 1, calls - 1 - (2 + 2)
+        assert sent == 5 * 8 * (WORLD - 1) + exchanges * (PAY_WORDS + 1) * 8 * (
+            WORLD - 1
+        ) + trailers * TRAILER_BYTES * (WORLD - 1), (sent, calls)
+        assert exchanges >= STEPS + 4, calls
+    # exact at every level: the model of one process on the global batches
+    ref = one_process_reference(WORLD, STEPS)
+    got = full_checkpoint(tmp_path / "ckpt")
+    assert sum(".embedding_bags." in k for k in got) == 3 and all(k in ref for k in got)
+    worst = max(float((ref[k] - got[k]).abs().max()) for k in got)
+    assert worst < 1e-5, worst

@@ -1,0 +1,133 @@
+"""herald_hier (schedule/herald/hierarchy.py): Herald planned per host. Its plans pass the checker, with one host it
+is herald, each host's planner depends only on its own samples' ids, and the message bytes are the docstring's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
+from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
+from herald_torchrec.schedule.herald.hierarchy import MESSAGE_KINDS, HeraldHierPolicy
+from herald_torchrec.schedule.plan import MIGRATE
+from herald_torchrec.schedule.plan_wire import encode_plan_tree
+
+L = 2
+
+
+def synthetic_window(R: int, B: int, steps: int) -> tuple[list[int], list[GlobalBatch]]:
+    gen = SyntheticCTR(SyntheticSpec(scale=0.002, seed=3))
+    rows = list(gen.table_rows)
+    return rows, [GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, i) for i in range(steps + L)]
+
+
+@pytest.mark.parametrize("R", [16, 32])
+def test_plans_pass_the_checker_and_samples_stay_on_their_host(R):
+    B, steps = 16, 5
+    rows, batches = synthetic_window(R, B, steps)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8)
+    checker = PlanChecker(rows, R, B, 0.1)
+    moved = 0
+    for s in range(steps):
+        plan = pol.plan(batches[s : s + L + 1])
+        checker.check(plan, batches[s])
+        rank = plan.assignment()
+        assert np.array_equal(rank // 8, np.arange(R * B) // (8 * B))  # no sample leaves the host that loaded it
+        moved += int(plan.counters["migrate"])
+        step = pol.last_step
+        assert step.host_seconds.shape == (R // 8,) and (step.host_seconds > 0).all()
+        assert step.message_bytes["demand"] > 0 and step.message_bytes["reads"] > 0
+    assert checker.errors == [] and checker.stale_reads == 0
+    assert moved > 0  # rows did change owner, so the capacity and decision paths ran
+
+
+def test_one_host_is_herald():
+    R, B, steps = 8, 16, 4
+    rows, batches = synthetic_window(R, B, steps)
+    flat = make_policy("herald", rows, R, B, 0.1, L)
+    hier = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8)
+    rows2, batches2 = synthetic_window(R, B, steps)  # own batch objects (their caches are the policy's)
+    for s in range(steps):
+        a = encode_plan_tree(dataclasses.replace(flat.plan(batches[s : s + L + 1]), sched_seconds=0.0))
+        b = encode_plan_tree(dataclasses.replace(hier.plan(batches2[s : s + L + 1]), sched_seconds=0.0))
+        assert np.array_equal(a, b)
+    assert sum(hier.last_step.message_bytes.values()) == 0
+
+
+def test_a_host_plans_from_its_own_samples_only():
+    """Host 1's ids are redrawn (rows host 0 never reads): host 0's sample order and every move of host 0's rows stay
+    the same. A host planner that looked at the other host's ids (e.g. global key counts in LAIA's weights, or
+    ties broken by the whole batch) would change them."""
+    R, B, P, steps = 4, 32, 2, 4
+    rows = [200, 120, 60]
+    rng = np.random.default_rng(0)
+    half = np.array(rows) // 2
+
+    def draw(seed_rng, lo, hi):
+        return np.stack([seed_rng.integers(lo[t], hi[t], size=P * B) for t in range(len(rows))], axis=1)
+
+    zipfy = [np.minimum(rng.zipf(1.3, size=(P * B, len(rows))) - 1, half - 1) for _ in range(steps + L)]
+    other_a = [draw(np.random.default_rng(10 + i), half, np.array(rows)) for i in range(steps + L)]
+    other_b = [draw(np.random.default_rng(99 + i), half, np.array(rows)) for i in range(steps + L)]
+    plans = []
+    for other in (other_a, other_b):
+        pol = HeraldHierPolicy(rows, R, B, 0.5, L, hosts=P)
+        bs = [
+            GlobalBatch.from_dense(np.concatenate([zipfy[i], other[i]]).astype(np.int64), rows, i)
+            for i in range(steps + L)
+        ]
+        plans.append([pol.plan(bs[s : s + L + 1]) for s in range(steps)])
+    changed_other = False
+    for pa, pb in zip(*plans):
+        assert np.array_equal(pa.sample_order[: P * B], pb.sample_order[: P * B])
+        ma = pa.moves.row < half[pa.moves.table]
+        mb = pb.moves.row < half[pb.moves.table]
+        for f in ("table", "row", "src", "dst", "kind"):
+            assert np.array_equal(getattr(pa.moves, f)[ma], getattr(pb.moves, f)[mb])
+        changed_other |= not np.array_equal(pa.sample_order[P * B :], pb.sample_order[P * B :])
+    assert changed_other  # host 1's part did change: the comparison above can see a difference
+
+
+def tiny(ids: list[int]) -> tuple[HeraldHierPolicy, object]:
+    """The module docstring's worked example: 4 ranks as 2 hosts of 2, B = 1, one table of 8 rows."""
+    pol = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0)
+    batch = GlobalBatch.from_dense(np.array(ids, dtype=np.int64)[:, None], [8])
+    return pol, pol.plan([batch])
+
+
+def test_message_bytes_of_the_worked_example():
+    pol, plan = tiny([0, 4, 4, 6])
+    assert np.array_equal(plan.assignment(), [0, 1, 2, 3])
+    st = pol.last_step
+    expect = dict.fromkeys(MESSAGE_KINDS, 0)
+    expect.update(demand=8, owners=2, reads=8, decisions=2)
+    assert st.message_bytes == expect
+    assert st.host_message_bytes.tolist() == [20, 20]
+    assert st.plan_part_bytes.tolist() == [4, 14, 16, 4]
+    assert st.ids_bytes.tolist() == [8, 8, 8, 8]
+    assert plan.counters["hit"] == 3 and plan.counters["shared_value"] == 1 and len(plan.moves) == 0
+
+
+def test_message_bytes_with_migrations_both_ways():
+    """Row 2 (home rank 1, host 0) is read by rank 2 only and row 4 (home rank 2, host 1) by rank 1 only: each
+    migrates to its reader; the arrivals go from each home host to the other."""
+    pol, plan = tiny([0, 4, 2, 6])
+    assert len(plan.moves) == 2 and (plan.moves.kind == MIGRATE).all()
+    assert sorted(zip(plan.moves.row.tolist(), plan.moves.src.tolist(), plan.moves.dst.tolist())) == [
+        (2, 1, 2),
+        (4, 2, 1),
+    ]
+    st = pol.last_step
+    expect = dict.fromkeys(MESSAGE_KINDS, 0)
+    expect.update(demand=16, owners=4, reads=16, decisions=4, arrivals=24)
+    assert st.message_bytes == expect
+    assert st.plan_part_bytes.tolist() == [4, 26, 26, 4]
+
+
+def test_bad_host_map_is_a_clear_error():
+    with pytest.raises(ValueError, match="consecutive groups of equal size"):
+        HeraldHierPolicy([100], 6, 4, hosts=4)
+    with pytest.raises(ValueError, match="apply with one host only"):
+        HeraldHierPolicy([100], 8, 4, hosts=4, replicate=True)
