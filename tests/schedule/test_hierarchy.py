@@ -131,3 +131,19 @@ def test_bad_host_map_is_a_clear_error():
         HeraldHierPolicy([100], 6, 4, hosts=4)
     with pytest.raises(ValueError, match="apply with one host only"):
         HeraldHierPolicy([100], 8, 4, hosts=4, replicate=True)
+
+
+def test_ranks_per_host_without_a_host_map_and_its_check():
+    """Without a host map the policy groups `ranks_per_host` ranks; a host map (the pipeline's) wins; a bad setting
+    is one clear error, from the app's check (runnable_policy) and the constructor alike."""
+    from herald_torchrec.schedule import runnable_policy
+
+    assert HeraldHierPolicy([100], 8, 4, ranks_per_host=2).num_hosts == 4
+    assert HeraldHierPolicy([100], 8, 4).num_hosts == 1  # default: 8 ranks per host
+    assert HeraldHierPolicy([100], 8, 4, hosts=[7, 7, 7, 7, 9, 9, 9, 9], ranks_per_host=2).num_hosts == 2
+    assert runnable_policy("herald_hier", ranks_per_host=4) == "herald_hier"
+    for bad in (0, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+            runnable_policy("herald_hier", ranks_per_host=bad)
+        with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+            HeraldHierPolicy([100], 8, 4, ranks_per_host=bad)

@@ -65,6 +65,7 @@ import numpy as np
 from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald.budget import LevelCounts
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
@@ -163,11 +164,19 @@ class _HostView:
     window_keys: list[np.ndarray] = field(default_factory=list)  # keys of its samples in each lookahead batch
 
 
+def check_ranks_per_host(ranks_per_host: object) -> None:
+    """A clear error for a bad `ranks_per_host` (the app's scheduler.ranks_per_host)."""
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, (int, np.integer)) or ranks_per_host < 1:
+        raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
+
+
 class HeraldHierPolicy(SchedulePolicy):
     """Hierarchical Herald (module docstring).
 
-    hosts: ranks per host (int; ranks r .. r+P-1 share one) or a host key per rank, which must form consecutive
-        groups of equal size (the simulator's and the traffic accounting's host map). Default 8.
+    hosts: the host map: ranks per host (int; ranks r .. r+P-1 share one) or a host key per rank (the training
+        pipeline passes every rank's machine), which must form consecutive groups of equal size (the simulator's and
+        the traffic accounting's host map). None (the default): `ranks_per_host`.
+    ranks_per_host: the ranks of a host where no host map is given (default 8, a GPU host); unused with `hosts`.
     tables / refine / max_refine / budget_ms / stay_bonus / owner_weight: as `HeraldPolicy`'s, chosen once for the
         per-host problem (P ranks, P B samples) from host 0's first window; with one host every other keyword is
         passed to the plain `HeraldPolicy` this policy then is.
@@ -185,7 +194,8 @@ class HeraldHierPolicy(SchedulePolicy):
         cache_ratio: float = 0.1,
         lookahead: int = 4,
         *,
-        hosts: int | Sequence[int] | None = RANKS_PER_HOST,
+        hosts: int | Sequence[int] | None = None,
+        ranks_per_host: int = RANKS_PER_HOST,
         tables: str | Sequence[int] = "auto",
         refine: int | None = None,
         max_refine: int = 2,
@@ -196,7 +206,8 @@ class HeraldHierPolicy(SchedulePolicy):
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         R = self.num_ranks
-        host = host_ids(RANKS_PER_HOST if hosts is None else hosts, R)
+        check_ranks_per_host(ranks_per_host)
+        host = host_ids(ranks_per_host if hosts is None else hosts, R)
         H = int(host.max()) + 1
         P = -(-R // H)
         if not np.array_equal(host, np.arange(R) // P) or R % P:
@@ -231,6 +242,28 @@ class HeraldHierPolicy(SchedulePolicy):
         self._picked = np.zeros(n, dtype=bool)
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
         self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
+
+    # ---- the pipeline's hooks --------------------------------------------------------------------------------------
+    @staticmethod
+    def runs_with(ranks_per_host: object = RANKS_PER_HOST, **herald_options: object) -> None:
+        """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
+        check_ranks_per_host(ranks_per_host)
+        HeraldPolicy.runs_with(**herald_options)
+
+    def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
+        """The pipeline's step time: the planning budget of plain herald with one host (several hosts: none)."""
+        if self._flat is not None:
+            self._flat.observe_step(step_ms, wait_ms)
+
+    def set_planners(self, count: int) -> None:
+        if self._flat is not None:
+            self._flat.set_planners(count)
+
+    def plan_levels(self) -> LevelCounts:
+        """Plans made at each level of the budget; with several hosts every plan is a full one."""
+        if self._flat is not None:
+            return self._flat.plan_levels()
+        return LevelCounts(full=self.step)
 
     # ---- settings -------------------------------------------------------------------------------------------------
     @property
