@@ -404,33 +404,22 @@ class HeraldHierPolicy(SchedulePolicy):
             msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
             hosts_p = np.bincount(home_host[rd.pair_key], minlength=H)
             msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
-        # ---- phase 5 per directory host: the union of the reads of its keys, herald's decision ------------------
-        # (the split of each host's pairs by home host is the reads message; made here, counted to the directory)
-        parts = []
-        for h, v in enumerate(views):
-            hh = d.home[v.pair_gid].astype(np.int64) // P
-            o = np.argsort(hh, kind="stable")
-            bounds = np.searchsorted(hh[o], np.arange(H + 1))
-            parts.append((o, bounds))
-        dec = []
-        for A in range(H):
-            t0 = time.perf_counter()
-            g = np.concatenate([v.pair_gid[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            r = np.concatenate([v.pair_rank[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            c = np.concatenate([v.pair_count[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            srt = np.argsort(g * R + r, kind="stable")
-            g, r, c = g[srt], r[srt], c[srt]
-            dec.append(self._decide(g, r, c))
-            dir_s[A] += time.perf_counter() - t0
-        # ---- union of the decisions (the directory's arrays, one per key read in the step) ----------------------
+        # ---- phase 5, every directory host at once: herald's decision on the union of the reads of its keys ----
+        # One pass over all hosts' (key, reader, elements) reads: sorted by key (hence grouped by home host, as
+        # each home host would receive them), decided by one vectorised `_decide`. Each home host's time is the
+        # pass's time times its share of the reads (the pass is linear in them but for the sort).
         t0 = time.perf_counter()
-        keys = np.concatenate([x[0] for x in dec])
-        own = np.concatenate([x[1] for x in dec])
-        want = np.concatenate([x[2] for x in dec])
-        single = np.concatenate([x[3] for x in dec])
-        sole = np.concatenate([x[4] for x in dec])
-        pg = np.concatenate([x[5] for x in dec])
-        pr = np.concatenate([x[6] for x in dec])
+        g = np.concatenate([v.pair_gid for v in views])
+        r = np.concatenate([v.pair_rank for v in views])
+        c = np.concatenate([v.pair_count for v in views])
+        srt = np.argsort(g * R + r, kind="stable")
+        g, r, c = g[srt], r[srt], c[srt]
+        keys, own, want, single, sole, pg, pr = self._decide(g, r, c)
+        pass_s = time.perf_counter() - t0
+        if g.shape[0]:
+            dir_s += pass_s * np.bincount(d.home[g].astype(np.int64) // P, minlength=H) / g.shape[0]
+        # ---- the directory's arrays, one per key read in the step ----------------------------------------------
+        t0 = time.perf_counter()
         home = d.home[keys].astype(np.int64)
         d.last_use[keys] = self.step  # pins this step's keys (every holder learns its rows' reads)
         mv = np.flatnonzero(want != own)
