@@ -147,3 +147,39 @@ def test_ranks_per_host_without_a_host_map_and_its_check():
             runnable_policy("herald_hier", ranks_per_host=bad)
         with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
             HeraldHierPolicy([100], 8, 4, ranks_per_host=bad)
+
+
+def test_swapped_samples_and_their_bytes():
+    """move_samples: in the second worked example sample 1 (row 4, homed on host 1) and sample 2 (row 2,
+    homed on host 0) each offer to go where their row is; the coordinator (host 0) swaps them, so every read is a
+    hit and no row moves. Bytes between hosts: demand 2 x (key + count), owners 2 x (rank + top other host + its
+    count), host 1's offer, the swap to host 1, each sample's id and owner + its dense part and label, and the
+    decisions of the first demand."""
+    pol = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0, move_samples=True)
+    plan = pol.plan([GlobalBatch.from_dense(np.array([[0], [4], [2], [6]]), [8])])
+    assert plan.assignment().tolist() == [0, 2, 1, 3]
+    assert len(plan.moves) == 0 and plan.counters["hit"] == 4 and pol.last_step.swapped_samples == 2
+    expect = dict.fromkeys(MESSAGE_KINDS, 0)
+    expect.update(demand=20, owners=12, offers=8, swaps=4, samples=2 * (8 + 2 + 56), decisions=4)
+    assert pol.last_step.message_bytes == expect
+    off = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0)  # default: samples stay
+    assert off.plan([GlobalBatch.from_dense(np.array([[0], [4], [2], [6]]), [8])]).assignment().tolist() == [0, 1, 2, 3]
+
+
+def test_swaps_keep_every_rank_at_B_and_pass_the_checker():
+    R, B, steps = 16, 16, 4
+    rows, batches = synthetic_window(R, B, steps)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, move_samples=True)
+    checker = PlanChecker(rows, R, B, 0.1)
+    swapped = 0
+    for s in range(steps):
+        plan = pol.plan(batches[s : s + L + 1])
+        checker.check(plan, batches[s])
+        rank = plan.assignment()
+        assert np.array_equal(np.bincount(rank, minlength=R), np.full(R, B))
+        crossed = int((rank // 8 != np.arange(R * B) // (8 * B)).sum())
+        assert crossed == pol.last_step.swapped_samples
+        swapped += crossed
+        assert (pol.last_step.message_bytes["samples"] > 0) == (crossed > 0)
+    assert checker.errors == [] and checker.stale_reads == 0
+    assert swapped > 0

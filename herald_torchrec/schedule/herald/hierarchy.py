@@ -75,9 +75,15 @@ from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignmen
 from herald_torchrec.schedule.reads import BatchKeys, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
+DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
 MOVE_ENTRY_BYTES = KEY_BYTES + RANK_BYTES + 1  # key, peer rank, kind
-MESSAGE_KINDS = ("demand", "owners", "reads", "arrivals", "cancels", "evictions", "decisions", "departures", "shares")
+MESSAGE_KINDS = (
+    "demand", "owners", "offers", "swaps", "samples", "reads", "arrivals", "cancels", "evictions", "decisions",
+    "departures", "shares",
+)  # fmt: skip
 RANKS_PER_HOST = 8
+SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
+COORDINATOR = 0  # the host that matches the offers (its own are free)
 
 
 @dataclass
@@ -93,6 +99,7 @@ class HierStep:
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
+    swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
 
     @property
     def per_host_seconds(self) -> np.ndarray:
@@ -170,6 +177,15 @@ def check_ranks_per_host(ranks_per_host: object) -> None:
         raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
 
 
+@dataclass
+class _Offers:
+    """A host's offers (phase 2b): global sample, the host it would go to, the gain (first-pass LAIA weight)."""
+
+    sample: np.ndarray  # int64
+    host: np.ndarray  # int64
+    gain: np.ndarray  # float64
+
+
 class HeraldHierPolicy(SchedulePolicy):
     """Hierarchical Herald (module docstring).
 
@@ -177,6 +193,8 @@ class HeraldHierPolicy(SchedulePolicy):
         pipeline passes every rank's machine), which must form consecutive groups of equal size (the simulator's and
         the traffic accounting's host map). None (the default): `ranks_per_host`.
     ranks_per_host: the ranks of a host where no host map is given (default 8, a GPU host); unused with `hosts`.
+    move_samples: the global swap of samples between hosts (module docstring, step 2b); False: samples never leave
+        the host that loaded them. sample_gain: the least gain of a sample's offer (SAMPLE_GAIN).
     tables / refine / max_refine / budget_ms / stay_bonus / owner_weight: as `HeraldPolicy`'s, chosen once for the
         per-host problem (P ranks, P B samples) from host 0's first window; with one host every other keyword is
         passed to the plain `HeraldPolicy` this policy then is.
@@ -196,6 +214,8 @@ class HeraldHierPolicy(SchedulePolicy):
         *,
         hosts: int | Sequence[int] | None = None,
         ranks_per_host: int = RANKS_PER_HOST,
+        move_samples: bool = False,
+        sample_gain: float = SAMPLE_GAIN,
         tables: str | Sequence[int] = "auto",
         refine: int | None = None,
         max_refine: int = 2,
@@ -215,9 +235,15 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"herald_hier: hosts must be consecutive groups of equal size (ranks per host dividing num_ranks={R}),"
                 f" got {hosts!r}"
             )
+        if not isinstance(move_samples, (bool, np.bool_)):
+            raise ValueError(f"herald_hier: move_samples must be True or False, got {move_samples!r}")
+        if isinstance(sample_gain, bool) or not isinstance(sample_gain, (int, float)) or not sample_gain > 0:
+            raise ValueError(f"herald_hier: sample_gain must be a number > 0, got {sample_gain!r}")
+        self.move_samples, self.sample_gain = bool(move_samples), float(sample_gain)
         self.ranks_per_host, self.num_hosts = P, H
         self.host_of_rank = host
         self.last_step: HierStep | None = None
+        self.last_swapped = 0
         settings = dict(tables=tables, refine=refine, max_refine=max_refine, budget_ms=budget_ms)
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
         # one host: the per-host problem is the whole problem, and plain herald plans it
@@ -380,13 +406,46 @@ class HeraldHierPolicy(SchedulePolicy):
         dir_s = np.zeros(H)
         if self._local.selection is None:  # once, from host 0's first window (sent to every host: a few bytes)
             self._local.profile([self.host_batch(x, 0) for x in batches])
-        # ---- phases 1-4 per host: demand, owners, LAIA, reads -------------------------------------------------
-        views: list[_HostView] = []
+        # ---- phases 1-2 per host: demand, owners; the offers of samples that another host would serve better ----
+        n = P * B
+        members = [np.arange(h * n, (h + 1) * n, dtype=np.int64) for h in range(H)]
+        firsts = []
+        offers = []
         for h in range(H):
             t0 = time.perf_counter()
             sub = self.host_batch(b, h)
             bk = self.keys_of(sub)
             own = d.owner[bk.keys].astype(np.int64)  # the owners' answer (phase 2)
+            firsts.append((sub, bk, own))
+            host_s[h] += time.perf_counter() - t0
+            hosts_k = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
+            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
+            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+        # ---- 2b, at the coordinator: pairwise swaps of offered samples (every host keeps P B samples) ---------
+        self.last_swapped = 0
+        if self.move_samples:
+            readers = self._other_readers(firsts, msg)
+            for h, (sub, bk, own) in enumerate(firsts):
+                t0 = time.perf_counter()
+                offers.append(self._offers(sub, bk, own, h, *readers[h]))
+                host_s[h] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            members = self._swap(b, offers, members, msg)
+            dir_s[COORDINATOR] += time.perf_counter() - t0
+        # ---- phases 3-4 per host: LAIA over its ranks, reads -----------------------------------------------------
+        views: list[_HostView] = []
+        for h in range(H):
+            t0 = time.perf_counter()
+            sub, bk, own = firsts[h]
+            if not np.array_equal(members[h], np.arange(h * n, (h + 1) * n)):  # samples arrived: their keys too
+                sub = b.take(members[h])
+                bk = self.keys_of(sub)
+                own = d.owner[bk.keys].astype(np.int64)
+                new_keys = np.setdiff1d(bk.keys, firsts[h][1].keys, assume_unique=True)
+                hk = np.bincount(d.home[new_keys].astype(np.int64) // P, minlength=H)
+                msg.add_many("demand", np.full(H, h), np.arange(H), hk * KEY_BYTES, H)  # owners came with them
+                msg.add_many("decisions", np.arange(H), np.full(H, h), hk * RANK_BYTES, H)
             home_host = d.home[bk.keys].astype(np.int64) // P
             own_local = np.where(own // P == h, own - h * P, -1)
             a = self.host_assign(sub, bk, own_local)
@@ -398,10 +457,6 @@ class HeraldHierPolicy(SchedulePolicy):
             v.window_keys = [self.keys_of(self.host_batch(x, h)).keys for x in batches[1:]]
             views.append(v)
             host_s[h] += time.perf_counter() - t0
-            hosts_k = np.bincount(home_host, minlength=H)
-            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
-            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
-            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
             hosts_p = np.bincount(home_host[rd.pair_key], minlength=H)
             msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         # ---- phase 5, every directory host at once: herald's decision on the union of the reads of its keys ----
@@ -454,7 +509,9 @@ class HeraldHierPolicy(SchedulePolicy):
         self._picked[victims] = False
         # ---- phase 8 and the union: one Plan --------------------------------------------------------------------
         t0 = time.perf_counter()
-        sample_rank = np.concatenate([v.local_rank + h * P for h, v in enumerate(views)])
+        sample_rank = np.empty(R * B, dtype=np.int64)
+        for h, v in enumerate(views):
+            sample_rank[members[h]] = v.local_rank + h * P
         plan = self._assemble(sample_rank, keys, own, want, single, sole, pg, pr, victims, msg)
         union_s += time.perf_counter() - t0
         self.last_step = HierStep(
@@ -465,8 +522,91 @@ class HeraldHierPolicy(SchedulePolicy):
             host_message_bytes=msg.host,
             ids_bytes=ids_bytes(b, R, B),
             plan_part_bytes=plan_part_bytes(plan),
+            swapped_samples=self.last_swapped,
         )
         return plan
+
+    def _other_readers(self, firsts, msg: _Messages) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
+        The home hosts learn it from the demand (which then carries each key's count) and answer it with the
+        owners; simulated here in one pass over every host's demand."""
+        H, P = self.num_hosts, self.ranks_per_host
+        d = self.directory
+        k = np.concatenate([x[1].keys for x in firsts])
+        c = np.concatenate([x[1].count for x in firsts])
+        hh = np.repeat(np.arange(H, dtype=np.int64), [x[1].keys.shape[0] for x in firsts])
+        o = np.lexsort((hh, -c, k))
+        k, c, hh = k[o], c[o], hh[o]
+        new = np.empty(k.shape[0], dtype=bool)
+        new[:1] = True
+        np.not_equal(k[1:], k[:-1], out=new[1:])
+        start = np.flatnonzero(new)
+        uniq = k[start]
+        nxt = np.minimum(start + 1, k.shape[0] - 1)
+        has2 = (nxt != start) & (k[nxt] == uniq)
+        top_h, top_c = hh[start], c[start]
+        sec_h, sec_c = np.where(has2, hh[nxt], 0), np.where(has2, c[nxt], 0)
+        out = []
+        for h, (_, bk, _) in enumerate(firsts):
+            i = np.searchsorted(uniq, bk.keys)
+            mine = top_h[i] == h
+            out.append((np.where(mine, sec_h[i], top_h[i]), np.where(mine, sec_c[i], top_c[i])))
+            hk = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
+            msg.add_many("demand", np.full(H, h), np.arange(H), hk * COUNT_BYTES, H)
+            msg.add_many("owners", np.arange(H), np.full(H, h), hk * (RANK_BYTES + COUNT_BYTES), H)
+        return out
+
+    def _offers(self, sub, bk: BatchKeys, own: np.ndarray, h: int, other: np.ndarray, other_n: np.ndarray) -> _Offers:
+        """Host h's offers (phase 2b): its samples whose scheduled keys are owned or read more on another host than on
+        h, by `sample_gain`: a key counts its first-pass LAIA weight (`_elements`' w0) at its owner's host and 1 at
+        a host whose other samples read it (h, or the other host that reads it most); each with its best host."""
+        H, P = self.num_hosts, self.ranks_per_host
+        v = self._elements(sub, bk)
+        N = sub.num_samples
+        if v.es.shape[0] == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return _Offers(z, z, np.zeros(0))
+        score = np.bincount(v.es * H + (own // P)[v.ec], weights=v.w0, minlength=N * H)
+        score += np.bincount(v.es * H + other[v.ec], weights=(other_n[v.ec] > 0) * 1.0, minlength=N * H)
+        score += np.bincount(v.es * H + h, weights=(bk.count[v.ec] > 1) * 1.0, minlength=N * H)
+        score = score.reshape(N, H)
+        best = np.argmax(score, axis=1)
+        gain = score[np.arange(N), best] - score[:, h]
+        s = np.flatnonzero(gain >= self.sample_gain)
+        return _Offers(s + h * N, best[s], gain[s])
+
+    def _swap(self, b: GlobalBatch, offers: list[_Offers], members: list[np.ndarray], msg: _Messages):
+        """The coordinator's match (phase 2b): between every two hosts, as many swaps as the fewer offers of the two
+        directions, highest gains first; the swapped samples travel with their ids, dense part and label, and their
+        keys' owners. Returns every host's samples (global indices, sorted)."""
+        H, P, B = self.num_hosts, self.ranks_per_host, self.batch_per_rank
+        n = P * B
+        smp = np.concatenate([o.sample for o in offers])
+        dst = np.concatenate([o.host for o in offers])
+        gain = np.concatenate([o.gain for o in offers])
+        src = smp // n
+        msg.add_many("offers", src, np.full(src.shape[0], COORDINATOR), np.full(src.shape[0], INDEX_BYTES + RANK_BYTES
+                     + COUNT_BYTES), H)  # fmt: skip
+        pair = src * H + dst
+        counts = np.bincount(pair, minlength=H * H).reshape(H, H)
+        k = np.minimum(counts, counts.T).ravel()
+        o = np.lexsort((smp, -gain, pair))
+        pair_o = pair[o]
+        start = np.cumsum(counts.ravel()) - counts.ravel()
+        keep = o[np.arange(o.shape[0]) - start[pair_o] < k[pair_o]]
+        if keep.shape[0] == 0:
+            return members
+        moved, to = smp[keep], dst[keep]
+        self.last_swapped = int(moved.shape[0])
+        msg.add_many("swaps", np.full(moved.shape[0], COORDINATOR), moved // n, np.full(moved.shape[0], INDEX_BYTES), H)
+        ids = np.zeros(moved.shape[0], dtype=np.int64)
+        for off in b.offsets:
+            ids += off[moved + 1] - off[moved]
+        msg.add_many("samples", moved // n, to, ids * (ID_BYTES + RANK_BYTES) + DENSE_LABEL_BYTES, H)
+        host = np.repeat(np.arange(H, dtype=np.int64), n)
+        host[moved] = to
+        o = np.argsort(host, kind="stable")
+        return np.split(o, np.arange(1, H) * n)
 
     def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
         """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
