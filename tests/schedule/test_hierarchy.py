@@ -155,7 +155,7 @@ def test_swapped_samples_and_their_bytes():
     hit and no row moves. Bytes between hosts: demand 2 x (key + count), owners 2 x (rank + top other host + its
     count), host 1's offer, the swap to host 1, each sample's id and owner + its dense part and label, and the
     decisions of the first demand."""
-    pol = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0, move_samples=True)
+    pol = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0, move_samples="swap")
     plan = pol.plan([GlobalBatch.from_dense(np.array([[0], [4], [2], [6]]), [8])])
     assert plan.assignment().tolist() == [0, 2, 1, 3]
     assert len(plan.moves) == 0 and plan.counters["hit"] == 4 and pol.last_step.swapped_samples == 2
@@ -169,7 +169,7 @@ def test_swapped_samples_and_their_bytes():
 def test_swaps_keep_every_rank_at_B_and_pass_the_checker():
     R, B, steps = 16, 16, 4
     rows, batches = synthetic_window(R, B, steps)
-    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, move_samples=True)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, move_samples="swap")
     checker = PlanChecker(rows, R, B, 0.1)
     swapped = 0
     for s in range(steps):
@@ -183,3 +183,24 @@ def test_swaps_keep_every_rank_at_B_and_pass_the_checker():
         assert (pol.last_step.message_bytes["samples"] > 0) == (crossed > 0)
     assert checker.errors == [] and checker.stale_reads == 0
     assert swapped > 0
+
+
+def test_several_hosts_refine_once_per_host_with_the_global_batch_budget():
+    """With several hosts each host's LAIA gets one best-response round (HOST_MAX_REFINE) within the wall budget of
+    the whole global batch (hosts plan in parallel); max_refine and budget_ms still override it. With one host the
+    settings are herald's own (max_refine 2)."""
+    from herald_torchrec.schedule.herald.tables import default_budget_ms
+
+    R, B, steps = 16, 64, 1
+    rows, batches = synthetic_window(R, B, steps)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8)
+    pol.plan(batches[: L + 1])
+    assert pol.refine == 1 and pol.selection.budget_ms == default_budget_ms(R * B)
+    two = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, max_refine=2)
+    two.plan(batches[: L + 1])
+    assert two.refine == 2
+    none = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, budget_ms=1.0)
+    none.plan(batches[: L + 1])
+    assert none.refine == 0
+    flat = make_policy("herald_hier", rows, 8, B, 0.1, L, hosts=8)
+    assert flat._flat is not None and flat._flat.max_refine == 2

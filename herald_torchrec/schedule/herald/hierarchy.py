@@ -69,7 +69,7 @@ from herald_torchrec.schedule.herald.budget import LevelCounts
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
-from herald_torchrec.schedule.herald.tables import TableSelection
+from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import BatchKeys, step_reads
@@ -84,6 +84,8 @@ MESSAGE_KINDS = (
 RANKS_PER_HOST = 8
 SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
 COORDINATOR = 0  # the host that matches the offers (its own are free)
+MOVE_SAMPLES = ("off", "swap")
+HOST_MAX_REFINE = 1  # best-response rounds per host with several hosts (module docstring says why)
 
 
 @dataclass
@@ -214,11 +216,11 @@ class HeraldHierPolicy(SchedulePolicy):
         *,
         hosts: int | Sequence[int] | None = None,
         ranks_per_host: int = RANKS_PER_HOST,
-        move_samples: bool = False,
+        move_samples: str = "off",
         sample_gain: float = SAMPLE_GAIN,
         tables: str | Sequence[int] = "auto",
         refine: int | None = None,
-        max_refine: int = 2,
+        max_refine: int | None = None,
         budget_ms: float | str | None = "auto",
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
@@ -235,24 +237,30 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"herald_hier: hosts must be consecutive groups of equal size (ranks per host dividing num_ranks={R}),"
                 f" got {hosts!r}"
             )
-        if not isinstance(move_samples, (bool, np.bool_)):
-            raise ValueError(f"herald_hier: move_samples must be True or False, got {move_samples!r}")
+        if move_samples not in MOVE_SAMPLES:
+            raise ValueError(f"herald_hier: move_samples must be one of {MOVE_SAMPLES}, got {move_samples!r}")
         if isinstance(sample_gain, bool) or not isinstance(sample_gain, (int, float)) or not sample_gain > 0:
             raise ValueError(f"herald_hier: sample_gain must be a number > 0, got {sample_gain!r}")
-        self.move_samples, self.sample_gain = bool(move_samples), float(sample_gain)
+        self.move_samples, self.sample_gain = move_samples, float(sample_gain)
         self.ranks_per_host, self.num_hosts = P, H
         self.host_of_rank = host
         self.last_step: HierStep | None = None
         self.last_swapped = 0
-        settings = dict(tables=tables, refine=refine, max_refine=max_refine, budget_ms=budget_ms)
+        settings = dict(tables=tables, refine=refine, budget_ms=budget_ms)
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
         # one host: the per-host problem is the whole problem, and plain herald plans it
         self._flat: HeraldPolicy | None = None
         if H == 1:
+            if max_refine is not None:
+                settings["max_refine"] = max_refine
             self._flat = HeraldPolicy(
                 self.layout, R, batch_per_rank, cache_ratio, lookahead, **settings, **herald_kwargs
             )
             return
+        # several hosts plan in parallel: each has the wall budget of the whole global batch, and one round
+        settings["max_refine"] = HOST_MAX_REFINE if max_refine is None else max_refine
+        if budget_ms == "auto":
+            settings["budget_ms"] = default_budget_ms(R * batch_per_rank)
         if herald_kwargs:
             raise ValueError(
                 f"herald_hier: {sorted(herald_kwargs)} apply with one host only (the plain herald planner); "
@@ -406,9 +414,10 @@ class HeraldHierPolicy(SchedulePolicy):
         dir_s = np.zeros(H)
         if self._local.selection is None:  # once, from host 0's first window (sent to every host: a few bytes)
             self._local.profile([self.host_batch(x, 0) for x in batches])
-        # ---- phases 1-2 per host: demand, owners; the offers of samples that another host would serve better ----
         n = P * B
         members = [np.arange(h * n, (h + 1) * n, dtype=np.int64) for h in range(H)]
+        self.last_swapped = 0
+        # ---- phases 1-2 per host: demand, owners; the offers of samples that another host would serve better ----
         firsts = []
         offers = []
         for h in range(H):
@@ -416,17 +425,16 @@ class HeraldHierPolicy(SchedulePolicy):
             sub = self.host_batch(b, h)
             bk = self.keys_of(sub)
             own = d.owner[bk.keys].astype(np.int64)  # the owners' answer (phase 2)
-            firsts.append((sub, bk, own))
+            firsts.append((sub, bk, own, members[h]))
             host_s[h] += time.perf_counter() - t0
             hosts_k = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
             msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
             msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
             msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
         # ---- 2b, at the coordinator: pairwise swaps of offered samples (every host keeps P B samples) ---------
-        self.last_swapped = 0
-        if self.move_samples:
+        if self.move_samples == "swap":
             readers = self._other_readers(firsts, msg)
-            for h, (sub, bk, own) in enumerate(firsts):
+            for h, (sub, bk, own, _) in enumerate(firsts):
                 t0 = time.perf_counter()
                 offers.append(self._offers(sub, bk, own, h, *readers[h]))
                 host_s[h] += time.perf_counter() - t0
@@ -437,8 +445,8 @@ class HeraldHierPolicy(SchedulePolicy):
         views: list[_HostView] = []
         for h in range(H):
             t0 = time.perf_counter()
-            sub, bk, own = firsts[h]
-            if not np.array_equal(members[h], np.arange(h * n, (h + 1) * n)):  # samples arrived: their keys too
+            sub, bk, own, first_members = firsts[h]
+            if members[h] is not first_members:  # samples arrived: their keys too
                 sub = b.take(members[h])
                 bk = self.keys_of(sub)
                 own = d.owner[bk.keys].astype(np.int64)
@@ -547,7 +555,7 @@ class HeraldHierPolicy(SchedulePolicy):
         top_h, top_c = hh[start], c[start]
         sec_h, sec_c = np.where(has2, hh[nxt], 0), np.where(has2, c[nxt], 0)
         out = []
-        for h, (_, bk, _) in enumerate(firsts):
+        for h, (_, bk, _, _) in enumerate(firsts):
             i = np.searchsorted(uniq, bk.keys)
             mine = top_h[i] == h
             out.append((np.where(mine, sec_h[i], top_h[i]), np.where(mine, sec_c[i], top_c[i])))
