@@ -4,19 +4,32 @@ Why: the flat planner (`planner.py`) plans the whole global batch; its time and 
 ids to every host's planner, the whole plan to every rank) grow with R. Here every host plans an R = P problem
 (P = ranks per host) on its own samples, and hosts exchange only what concerns the rows they read.
 
-Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`). Host h's samples are those its ranks
-loaded: global samples [h P B, (h+1) P B); they never leave the host. Every row has one owner rank; the row's *home
+Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`; in training, the machines the pipeline
+reports, else `ranks_per_host`). Host h's samples are those its ranks loaded: global samples [h P B, (h+1) P B); by
+default they never leave the host (2b below swaps some). Every row has one owner rank; the row's *home
 host* (the host of its ROW_WISE home rank, known to everyone from the key) keeps its directory entry (owner rank,
 last use) and decides where it goes next. Each host keeps the guest slots of its own ranks. Per step:
 
 1. demand   (h -> home host A): the distinct keys h's samples read in the current batch, homed on A.
 2. owners   (A -> h): the current owner rank of every demanded key (aligned with the demand).
+2b. (move_samples="swap" only; off by default) the demand also carries each key's reader count (COUNT) and the
+   owners' answer the other host that reads it most and its count (RANK + COUNT); every host offers (h -> host 0,
+   the coordinator: INDEX + RANK + COUNT each) its samples whose keys are owned or read more on another host (by
+   `sample_gain` of first-pass LAIA weight); the coordinator swaps offers pairwise between two hosts, highest gains
+   first, so every rank keeps B samples, and tells the loading host (swaps: INDEX each); the sample travels to its
+   new host (samples: ID + RANK per id, its owner known, + DENSE_LABEL_BYTES), which demands its keys new to it.
+   Measured: -0.5 % rows at R=16, nothing at R >= 32, for about as many sample bytes as the rows it saves: off.
 3. LAIA on host h: `planner`'s assignment (first pass + refine rounds, the compiled kernel where it runs) over h's P
-   ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key.
+   ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key. With
+   several hosts the hosts plan in parallel, so each gets the wall budget of the whole global batch
+   (`default_budget_ms(R B)`) and one best-response round (HOST_MAX_REFINE): herald's own time model at the host's
+   size fits none in 5 ms, and without it herald_hier moved 6-8 % more rows than herald at R=16-32 (1.7 % / 0.3 %
+   more with it, 0.5 ms more per host; max_refine=2 moves 2-4 % fewer than herald for another ~0.5 ms).
 4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
 5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
    keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
-   lowest rank). No owner balancing, no replicas.
+   lowest rank). No owner balancing, no replicas. Simulated as one vectorised pass over every host's reads sorted
+   by key (grouped by home host); each home host is charged the pass's time times its share of the reads.
 6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source).
 7. capacity (at t, for its ranks' guest groups only): room for the arrivals: victims (its guests not read in the
    step; those its own samples' lookahead window reads evicted last, least recently used first), else cancelled
@@ -31,7 +44,8 @@ simulator and the data plane run it unchanged.
 Bytes (`MessageBytes`; only messages between two different hosts are counted, a host's own are free): a key is
 KEY_BYTES = 8, a rank RANK_BYTES = 2, a count COUNT_BYTES = 2, an index into an earlier message INDEX_BYTES = 4.
 demand KEY; owners RANK; reads INDEX + RANK + COUNT per pair; arrivals KEY + 2 RANK; cancels INDEX; evictions KEY;
-decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader. A rank's plan part
+decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader; offers, swaps and
+samples as in 2b. A rank's plan part
 (what it would need of the plan): SAMPLE_BYTES = 4 per sample it trains (its order), KEY + RANK + 1 per move it sends
 or receives, KEY + COUNT + RANK per other reader for a shared key it owns, KEY + RANK for one it reads remotely. Its
 ids: ID_BYTES = 8 per id, sent to its own host's planner only.
@@ -50,8 +64,12 @@ is what a host's data plane would not do (each would keep its own part).
 
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
-from herald by design: samples never cross hosts, decisions are taken per row on the union of reads (as herald's),
-but without owner balancing or forwarding, and each host's eviction order knows only its own lookahead.
+from herald by design: samples stay on their host (unless swapped), decisions are taken per row on the union of
+reads (as herald's), but without owner balancing or forwarding, and each host's eviction order knows only its own
+lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in the simulator's default (FORWARD would
+save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
+In training (`scheduler=herald_hier`) the planning rank of every machine runs all hosts' parts and the union, as
+`plan_on` planners do for herald: the per-host split is the protocol's and the simulator's, not yet the data plane's.
 """
 
 from __future__ import annotations
