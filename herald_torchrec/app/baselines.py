@@ -35,6 +35,7 @@ OPTIONS = {
     "fae": ("hot_budget", "profile_fraction", "window"),
     "het": ("staleness",),
     "herald": ("replicate", "plan_budget_ms"),
+    "herald_hier": ("ranks_per_host",),
 }
 REPLICA_POLICIES = ("p2res", "fae")
 

@@ -499,6 +499,7 @@ def _herald(
 SCHEDULERS: dict[str, Callable[..., ShardedSetup]] = {
     "torchrec": _torchrec,
     "herald": _herald,
+    "herald_hier": _herald,
     "static": _herald,
     "p2res": _herald,
     "fae": _herald,

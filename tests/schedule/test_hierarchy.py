@@ -131,3 +131,76 @@ def test_bad_host_map_is_a_clear_error():
         HeraldHierPolicy([100], 6, 4, hosts=4)
     with pytest.raises(ValueError, match="apply with one host only"):
         HeraldHierPolicy([100], 8, 4, hosts=4, replicate=True)
+
+
+def test_ranks_per_host_without_a_host_map_and_its_check():
+    """Without a host map the policy groups `ranks_per_host` ranks; a host map (the pipeline's) wins; a bad setting
+    is one clear error, from the app's check (runnable_policy) and the constructor alike."""
+    from herald_torchrec.schedule import runnable_policy
+
+    assert HeraldHierPolicy([100], 8, 4, ranks_per_host=2).num_hosts == 4
+    assert HeraldHierPolicy([100], 8, 4).num_hosts == 1  # default: 8 ranks per host
+    assert HeraldHierPolicy([100], 8, 4, hosts=[7, 7, 7, 7, 9, 9, 9, 9], ranks_per_host=2).num_hosts == 2
+    assert runnable_policy("herald_hier", ranks_per_host=4) == "herald_hier"
+    for bad in (0, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+            runnable_policy("herald_hier", ranks_per_host=bad)
+        with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+            HeraldHierPolicy([100], 8, 4, ranks_per_host=bad)
+
+
+def test_swapped_samples_and_their_bytes():
+    """move_samples: in the second worked example sample 1 (row 4, homed on host 1) and sample 2 (row 2,
+    homed on host 0) each offer to go where their row is; the coordinator (host 0) swaps them, so every read is a
+    hit and no row moves. Bytes between hosts: demand 2 x (key + count), owners 2 x (rank + top other host + its
+    count), host 1's offer, the swap to host 1, each sample's id and owner + its dense part and label, and the
+    decisions of the first demand."""
+    pol = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0, move_samples="swap")
+    plan = pol.plan([GlobalBatch.from_dense(np.array([[0], [4], [2], [6]]), [8])])
+    assert plan.assignment().tolist() == [0, 2, 1, 3]
+    assert len(plan.moves) == 0 and plan.counters["hit"] == 4 and pol.last_step.swapped_samples == 2
+    expect = dict.fromkeys(MESSAGE_KINDS, 0)
+    expect.update(demand=20, owners=12, offers=8, swaps=4, samples=2 * (8 + 2 + 56), decisions=4)
+    assert pol.last_step.message_bytes == expect
+    off = HeraldHierPolicy([8], 4, 1, 0.25, 0, hosts=2, tables="all", refine=0)  # default: samples stay
+    assert off.plan([GlobalBatch.from_dense(np.array([[0], [4], [2], [6]]), [8])]).assignment().tolist() == [0, 1, 2, 3]
+
+
+def test_swaps_keep_every_rank_at_B_and_pass_the_checker():
+    R, B, steps = 16, 16, 4
+    rows, batches = synthetic_window(R, B, steps)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, move_samples="swap")
+    checker = PlanChecker(rows, R, B, 0.1)
+    swapped = 0
+    for s in range(steps):
+        plan = pol.plan(batches[s : s + L + 1])
+        checker.check(plan, batches[s])
+        rank = plan.assignment()
+        assert np.array_equal(np.bincount(rank, minlength=R), np.full(R, B))
+        crossed = int((rank // 8 != np.arange(R * B) // (8 * B)).sum())
+        assert crossed == pol.last_step.swapped_samples
+        swapped += crossed
+        assert (pol.last_step.message_bytes["samples"] > 0) == (crossed > 0)
+    assert checker.errors == [] and checker.stale_reads == 0
+    assert swapped > 0
+
+
+def test_several_hosts_refine_once_per_host_with_the_global_batch_budget():
+    """With several hosts each host's LAIA gets one best-response round (HOST_MAX_REFINE) within the wall budget of
+    the whole global batch (hosts plan in parallel); max_refine and budget_ms still override it. With one host the
+    settings are herald's own (max_refine 2)."""
+    from herald_torchrec.schedule.herald.tables import default_budget_ms
+
+    R, B, steps = 16, 64, 1
+    rows, batches = synthetic_window(R, B, steps)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8)
+    pol.plan(batches[: L + 1])
+    assert pol.refine == 1 and pol.selection.budget_ms == default_budget_ms(R * B)
+    two = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, max_refine=2)
+    two.plan(batches[: L + 1])
+    assert two.refine == 2
+    none = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8, budget_ms=1.0)
+    none.plan(batches[: L + 1])
+    assert none.refine == 0
+    flat = make_policy("herald_hier", rows, 8, B, 0.1, L, hosts=8)
+    assert flat._flat is not None and flat._flat.max_refine == 2

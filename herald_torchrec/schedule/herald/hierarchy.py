@@ -4,19 +4,32 @@ Why: the flat planner (`planner.py`) plans the whole global batch; its time and 
 ids to every host's planner, the whole plan to every rank) grow with R. Here every host plans an R = P problem
 (P = ranks per host) on its own samples, and hosts exchange only what concerns the rows they read.
 
-Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`). Host h's samples are those its ranks
-loaded: global samples [h P B, (h+1) P B); they never leave the host. Every row has one owner rank; the row's *home
+Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`; in training, the machines the pipeline
+reports, else `ranks_per_host`). Host h's samples are those its ranks loaded: global samples [h P B, (h+1) P B); by
+default they never leave the host (2b below swaps some). Every row has one owner rank; the row's *home
 host* (the host of its ROW_WISE home rank, known to everyone from the key) keeps its directory entry (owner rank,
 last use) and decides where it goes next. Each host keeps the guest slots of its own ranks. Per step:
 
 1. demand   (h -> home host A): the distinct keys h's samples read in the current batch, homed on A.
 2. owners   (A -> h): the current owner rank of every demanded key (aligned with the demand).
+2b. (move_samples="swap" only; off by default) the demand also carries each key's reader count (COUNT) and the
+   owners' answer the other host that reads it most and its count (RANK + COUNT); every host offers (h -> host 0,
+   the coordinator: INDEX + RANK + COUNT each) its samples whose keys are owned or read more on another host (by
+   `sample_gain` of first-pass LAIA weight); the coordinator swaps offers pairwise between two hosts, highest gains
+   first, so every rank keeps B samples, and tells the loading host (swaps: INDEX each); the sample travels to its
+   new host (samples: ID + RANK per id, its owner known, + DENSE_LABEL_BYTES), which demands its keys new to it.
+   Measured: -0.5 % rows at R=16, nothing at R >= 32, for about as many sample bytes as the rows it saves: off.
 3. LAIA on host h: `planner`'s assignment (first pass + refine rounds, the compiled kernel where it runs) over h's P
-   ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key.
+   ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key. With
+   several hosts the hosts plan in parallel, so each gets the wall budget of the whole global batch
+   (`default_budget_ms(R B)`) and one best-response round (HOST_MAX_REFINE): herald's own time model at the host's
+   size fits none in 5 ms, and without it herald_hier moved 6-8 % more rows than herald at R=16-32 (1.7 % / 0.3 %
+   more with it, 0.5 ms more per host; max_refine=2 moves 2-4 % fewer than herald for another ~0.5 ms).
 4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
 5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
    keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
-   lowest rank). No owner balancing, no replicas.
+   lowest rank). No owner balancing, no replicas. Simulated as one vectorised pass over every host's reads sorted
+   by key (grouped by home host); each home host is charged the pass's time times its share of the reads.
 6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source).
 7. capacity (at t, for its ranks' guest groups only): room for the arrivals: victims (its guests not read in the
    step; those its own samples' lookahead window reads evicted last, least recently used first), else cancelled
@@ -31,7 +44,8 @@ simulator and the data plane run it unchanged.
 Bytes (`MessageBytes`; only messages between two different hosts are counted, a host's own are free): a key is
 KEY_BYTES = 8, a rank RANK_BYTES = 2, a count COUNT_BYTES = 2, an index into an earlier message INDEX_BYTES = 4.
 demand KEY; owners RANK; reads INDEX + RANK + COUNT per pair; arrivals KEY + 2 RANK; cancels INDEX; evictions KEY;
-decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader. A rank's plan part
+decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader; offers, swaps and
+samples as in 2b. A rank's plan part
 (what it would need of the plan): SAMPLE_BYTES = 4 per sample it trains (its order), KEY + RANK + 1 per move it sends
 or receives, KEY + COUNT + RANK per other reader for a shared key it owns, KEY + RANK for one it reads remotely. Its
 ids: ID_BYTES = 8 per id, sent to its own host's planner only.
@@ -50,8 +64,12 @@ is what a host's data plane would not do (each would keep its own part).
 
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
-from herald by design: samples never cross hosts, decisions are taken per row on the union of reads (as herald's),
-but without owner balancing or forwarding, and each host's eviction order knows only its own lookahead.
+from herald by design: samples stay on their host (unless swapped), decisions are taken per row on the union of
+reads (as herald's), but without owner balancing or forwarding, and each host's eviction order knows only its own
+lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in the simulator's default (FORWARD would
+save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
+In training (`scheduler=herald_hier`) the planning rank of every machine runs all hosts' parts and the union, as
+`plan_on` planners do for herald: the per-host split is the protocol's and the simulator's, not yet the data plane's.
 """
 
 from __future__ import annotations
@@ -65,18 +83,27 @@ import numpy as np
 from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald.budget import LevelCounts
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
-from herald_torchrec.schedule.herald.tables import TableSelection
+from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import BatchKeys, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
+DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
 MOVE_ENTRY_BYTES = KEY_BYTES + RANK_BYTES + 1  # key, peer rank, kind
-MESSAGE_KINDS = ("demand", "owners", "reads", "arrivals", "cancels", "evictions", "decisions", "departures", "shares")
+MESSAGE_KINDS = (
+    "demand", "owners", "offers", "swaps", "samples", "reads", "arrivals", "cancels", "evictions", "decisions",
+    "departures", "shares",
+)  # fmt: skip
 RANKS_PER_HOST = 8
+SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
+COORDINATOR = 0  # the host that matches the offers (its own are free)
+MOVE_SAMPLES = ("off", "swap")
+HOST_MAX_REFINE = 1  # best-response rounds per host with several hosts (module docstring says why)
 
 
 @dataclass
@@ -92,6 +119,7 @@ class HierStep:
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
+    swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
 
     @property
     def per_host_seconds(self) -> np.ndarray:
@@ -163,11 +191,30 @@ class _HostView:
     window_keys: list[np.ndarray] = field(default_factory=list)  # keys of its samples in each lookahead batch
 
 
+def check_ranks_per_host(ranks_per_host: object) -> None:
+    """A clear error for a bad `ranks_per_host` (the app's scheduler.ranks_per_host)."""
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, (int, np.integer)) or ranks_per_host < 1:
+        raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
+
+
+@dataclass
+class _Offers:
+    """A host's offers (phase 2b): global sample, the host it would go to, the gain (first-pass LAIA weight)."""
+
+    sample: np.ndarray  # int64
+    host: np.ndarray  # int64
+    gain: np.ndarray  # float64
+
+
 class HeraldHierPolicy(SchedulePolicy):
     """Hierarchical Herald (module docstring).
 
-    hosts: ranks per host (int; ranks r .. r+P-1 share one) or a host key per rank, which must form consecutive
-        groups of equal size (the simulator's and the traffic accounting's host map). Default 8.
+    hosts: the host map: ranks per host (int; ranks r .. r+P-1 share one) or a host key per rank (the training
+        pipeline passes every rank's machine), which must form consecutive groups of equal size (the simulator's and
+        the traffic accounting's host map). None (the default): `ranks_per_host`.
+    ranks_per_host: the ranks of a host where no host map is given (default 8, a GPU host); unused with `hosts`.
+    move_samples: the global swap of samples between hosts (module docstring, step 2b); False: samples never leave
+        the host that loaded them. sample_gain: the least gain of a sample's offer (SAMPLE_GAIN).
     tables / refine / max_refine / budget_ms / stay_bonus / owner_weight: as `HeraldPolicy`'s, chosen once for the
         per-host problem (P ranks, P B samples) from host 0's first window; with one host every other keyword is
         passed to the plain `HeraldPolicy` this policy then is.
@@ -185,10 +232,13 @@ class HeraldHierPolicy(SchedulePolicy):
         cache_ratio: float = 0.1,
         lookahead: int = 4,
         *,
-        hosts: int | Sequence[int] | None = RANKS_PER_HOST,
+        hosts: int | Sequence[int] | None = None,
+        ranks_per_host: int = RANKS_PER_HOST,
+        move_samples: str = "off",
+        sample_gain: float = SAMPLE_GAIN,
         tables: str | Sequence[int] = "auto",
         refine: int | None = None,
-        max_refine: int = 2,
+        max_refine: int | None = None,
         budget_ms: float | str | None = "auto",
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
@@ -196,7 +246,8 @@ class HeraldHierPolicy(SchedulePolicy):
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
         R = self.num_ranks
-        host = host_ids(RANKS_PER_HOST if hosts is None else hosts, R)
+        check_ranks_per_host(ranks_per_host)
+        host = host_ids(ranks_per_host if hosts is None else hosts, R)
         H = int(host.max()) + 1
         P = -(-R // H)
         if not np.array_equal(host, np.arange(R) // P) or R % P:
@@ -204,18 +255,30 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"herald_hier: hosts must be consecutive groups of equal size (ranks per host dividing num_ranks={R}),"
                 f" got {hosts!r}"
             )
+        if move_samples not in MOVE_SAMPLES:
+            raise ValueError(f"herald_hier: move_samples must be one of {MOVE_SAMPLES}, got {move_samples!r}")
+        if isinstance(sample_gain, bool) or not isinstance(sample_gain, (int, float)) or not sample_gain > 0:
+            raise ValueError(f"herald_hier: sample_gain must be a number > 0, got {sample_gain!r}")
+        self.move_samples, self.sample_gain = move_samples, float(sample_gain)
         self.ranks_per_host, self.num_hosts = P, H
         self.host_of_rank = host
         self.last_step: HierStep | None = None
-        settings = dict(tables=tables, refine=refine, max_refine=max_refine, budget_ms=budget_ms)
+        self.last_swapped = 0
+        settings = dict(tables=tables, refine=refine, budget_ms=budget_ms)
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
         # one host: the per-host problem is the whole problem, and plain herald plans it
         self._flat: HeraldPolicy | None = None
         if H == 1:
+            if max_refine is not None:
+                settings["max_refine"] = max_refine
             self._flat = HeraldPolicy(
                 self.layout, R, batch_per_rank, cache_ratio, lookahead, **settings, **herald_kwargs
             )
             return
+        # several hosts plan in parallel: each has the wall budget of the whole global batch, and one round
+        settings["max_refine"] = HOST_MAX_REFINE if max_refine is None else max_refine
+        if budget_ms == "auto":
+            settings["budget_ms"] = default_budget_ms(R * batch_per_rank)
         if herald_kwargs:
             raise ValueError(
                 f"herald_hier: {sorted(herald_kwargs)} apply with one host only (the plain herald planner); "
@@ -231,6 +294,28 @@ class HeraldHierPolicy(SchedulePolicy):
         self._picked = np.zeros(n, dtype=bool)
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
         self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
+
+    # ---- the pipeline's hooks --------------------------------------------------------------------------------------
+    @staticmethod
+    def runs_with(ranks_per_host: object = RANKS_PER_HOST, **herald_options: object) -> None:
+        """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
+        check_ranks_per_host(ranks_per_host)
+        HeraldPolicy.runs_with(**herald_options)
+
+    def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
+        """The pipeline's step time: the planning budget of plain herald with one host (several hosts: none)."""
+        if self._flat is not None:
+            self._flat.observe_step(step_ms, wait_ms)
+
+    def set_planners(self, count: int) -> None:
+        if self._flat is not None:
+            self._flat.set_planners(count)
+
+    def plan_levels(self) -> LevelCounts:
+        """Plans made at each level of the budget; with several hosts every plan is a full one."""
+        if self._flat is not None:
+            return self._flat.plan_levels()
+        return LevelCounts(full=self.step)
 
     # ---- settings -------------------------------------------------------------------------------------------------
     @property
@@ -347,13 +432,46 @@ class HeraldHierPolicy(SchedulePolicy):
         dir_s = np.zeros(H)
         if self._local.selection is None:  # once, from host 0's first window (sent to every host: a few bytes)
             self._local.profile([self.host_batch(x, 0) for x in batches])
-        # ---- phases 1-4 per host: demand, owners, LAIA, reads -------------------------------------------------
-        views: list[_HostView] = []
+        n = P * B
+        members = [np.arange(h * n, (h + 1) * n, dtype=np.int64) for h in range(H)]
+        self.last_swapped = 0
+        # ---- phases 1-2 per host: demand, owners; the offers of samples that another host would serve better ----
+        firsts = []
+        offers = []
         for h in range(H):
             t0 = time.perf_counter()
             sub = self.host_batch(b, h)
             bk = self.keys_of(sub)
             own = d.owner[bk.keys].astype(np.int64)  # the owners' answer (phase 2)
+            firsts.append((sub, bk, own, members[h]))
+            host_s[h] += time.perf_counter() - t0
+            hosts_k = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
+            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
+            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
+        # ---- 2b, at the coordinator: pairwise swaps of offered samples (every host keeps P B samples) ---------
+        if self.move_samples == "swap":
+            readers = self._other_readers(firsts, msg)
+            for h, (sub, bk, own, _) in enumerate(firsts):
+                t0 = time.perf_counter()
+                offers.append(self._offers(sub, bk, own, h, *readers[h]))
+                host_s[h] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            members = self._swap(b, offers, members, msg)
+            dir_s[COORDINATOR] += time.perf_counter() - t0
+        # ---- phases 3-4 per host: LAIA over its ranks, reads -----------------------------------------------------
+        views: list[_HostView] = []
+        for h in range(H):
+            t0 = time.perf_counter()
+            sub, bk, own, first_members = firsts[h]
+            if members[h] is not first_members:  # samples arrived: their keys too
+                sub = b.take(members[h])
+                bk = self.keys_of(sub)
+                own = d.owner[bk.keys].astype(np.int64)
+                new_keys = np.setdiff1d(bk.keys, firsts[h][1].keys, assume_unique=True)
+                hk = np.bincount(d.home[new_keys].astype(np.int64) // P, minlength=H)
+                msg.add_many("demand", np.full(H, h), np.arange(H), hk * KEY_BYTES, H)  # owners came with them
+                msg.add_many("decisions", np.arange(H), np.full(H, h), hk * RANK_BYTES, H)
             home_host = d.home[bk.keys].astype(np.int64) // P
             own_local = np.where(own // P == h, own - h * P, -1)
             a = self.host_assign(sub, bk, own_local)
@@ -365,39 +483,24 @@ class HeraldHierPolicy(SchedulePolicy):
             v.window_keys = [self.keys_of(self.host_batch(x, h)).keys for x in batches[1:]]
             views.append(v)
             host_s[h] += time.perf_counter() - t0
-            hosts_k = np.bincount(home_host, minlength=H)
-            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
-            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
-            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
             hosts_p = np.bincount(home_host[rd.pair_key], minlength=H)
             msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
-        # ---- phase 5 per directory host: the union of the reads of its keys, herald's decision ------------------
-        # (the split of each host's pairs by home host is the reads message; made here, counted to the directory)
-        parts = []
-        for h, v in enumerate(views):
-            hh = d.home[v.pair_gid].astype(np.int64) // P
-            o = np.argsort(hh, kind="stable")
-            bounds = np.searchsorted(hh[o], np.arange(H + 1))
-            parts.append((o, bounds))
-        dec = []
-        for A in range(H):
-            t0 = time.perf_counter()
-            g = np.concatenate([v.pair_gid[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            r = np.concatenate([v.pair_rank[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            c = np.concatenate([v.pair_count[o[s[A] : s[A + 1]]] for v, (o, s) in zip(views, parts)])
-            srt = np.argsort(g * R + r, kind="stable")
-            g, r, c = g[srt], r[srt], c[srt]
-            dec.append(self._decide(g, r, c))
-            dir_s[A] += time.perf_counter() - t0
-        # ---- union of the decisions (the directory's arrays, one per key read in the step) ----------------------
+        # ---- phase 5, every directory host at once: herald's decision on the union of the reads of its keys ----
+        # One pass over all hosts' (key, reader, elements) reads: sorted by key (hence grouped by home host, as
+        # each home host would receive them), decided by one vectorised `_decide`. Each home host's time is the
+        # pass's time times its share of the reads (the pass is linear in them but for the sort).
         t0 = time.perf_counter()
-        keys = np.concatenate([x[0] for x in dec])
-        own = np.concatenate([x[1] for x in dec])
-        want = np.concatenate([x[2] for x in dec])
-        single = np.concatenate([x[3] for x in dec])
-        sole = np.concatenate([x[4] for x in dec])
-        pg = np.concatenate([x[5] for x in dec])
-        pr = np.concatenate([x[6] for x in dec])
+        g = np.concatenate([v.pair_gid for v in views])
+        r = np.concatenate([v.pair_rank for v in views])
+        c = np.concatenate([v.pair_count for v in views])
+        srt = np.argsort(g * R + r, kind="stable")
+        g, r, c = g[srt], r[srt], c[srt]
+        keys, own, want, single, sole, pg, pr = self._decide(g, r, c)
+        pass_s = time.perf_counter() - t0
+        if g.shape[0]:
+            dir_s += pass_s * np.bincount(d.home[g].astype(np.int64) // P, minlength=H) / g.shape[0]
+        # ---- the directory's arrays, one per key read in the step ----------------------------------------------
+        t0 = time.perf_counter()
         home = d.home[keys].astype(np.int64)
         d.last_use[keys] = self.step  # pins this step's keys (every holder learns its rows' reads)
         mv = np.flatnonzero(want != own)
@@ -432,7 +535,9 @@ class HeraldHierPolicy(SchedulePolicy):
         self._picked[victims] = False
         # ---- phase 8 and the union: one Plan --------------------------------------------------------------------
         t0 = time.perf_counter()
-        sample_rank = np.concatenate([v.local_rank + h * P for h, v in enumerate(views)])
+        sample_rank = np.empty(R * B, dtype=np.int64)
+        for h, v in enumerate(views):
+            sample_rank[members[h]] = v.local_rank + h * P
         plan = self._assemble(sample_rank, keys, own, want, single, sole, pg, pr, victims, msg)
         union_s += time.perf_counter() - t0
         self.last_step = HierStep(
@@ -443,8 +548,91 @@ class HeraldHierPolicy(SchedulePolicy):
             host_message_bytes=msg.host,
             ids_bytes=ids_bytes(b, R, B),
             plan_part_bytes=plan_part_bytes(plan),
+            swapped_samples=self.last_swapped,
         )
         return plan
+
+    def _other_readers(self, firsts, msg: _Messages) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
+        The home hosts learn it from the demand (which then carries each key's count) and answer it with the
+        owners; simulated here in one pass over every host's demand."""
+        H, P = self.num_hosts, self.ranks_per_host
+        d = self.directory
+        k = np.concatenate([x[1].keys for x in firsts])
+        c = np.concatenate([x[1].count for x in firsts])
+        hh = np.repeat(np.arange(H, dtype=np.int64), [x[1].keys.shape[0] for x in firsts])
+        o = np.lexsort((hh, -c, k))
+        k, c, hh = k[o], c[o], hh[o]
+        new = np.empty(k.shape[0], dtype=bool)
+        new[:1] = True
+        np.not_equal(k[1:], k[:-1], out=new[1:])
+        start = np.flatnonzero(new)
+        uniq = k[start]
+        nxt = np.minimum(start + 1, k.shape[0] - 1)
+        has2 = (nxt != start) & (k[nxt] == uniq)
+        top_h, top_c = hh[start], c[start]
+        sec_h, sec_c = np.where(has2, hh[nxt], 0), np.where(has2, c[nxt], 0)
+        out = []
+        for h, (_, bk, _, _) in enumerate(firsts):
+            i = np.searchsorted(uniq, bk.keys)
+            mine = top_h[i] == h
+            out.append((np.where(mine, sec_h[i], top_h[i]), np.where(mine, sec_c[i], top_c[i])))
+            hk = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
+            msg.add_many("demand", np.full(H, h), np.arange(H), hk * COUNT_BYTES, H)
+            msg.add_many("owners", np.arange(H), np.full(H, h), hk * (RANK_BYTES + COUNT_BYTES), H)
+        return out
+
+    def _offers(self, sub, bk: BatchKeys, own: np.ndarray, h: int, other: np.ndarray, other_n: np.ndarray) -> _Offers:
+        """Host h's offers (phase 2b): its samples whose scheduled keys are owned or read more on another host than on
+        h, by `sample_gain`: a key counts its first-pass LAIA weight (`_elements`' w0) at its owner's host and 1 at
+        a host whose other samples read it (h, or the other host that reads it most); each with its best host."""
+        H, P = self.num_hosts, self.ranks_per_host
+        v = self._elements(sub, bk)
+        N = sub.num_samples
+        if v.es.shape[0] == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return _Offers(z, z, np.zeros(0))
+        score = np.bincount(v.es * H + (own // P)[v.ec], weights=v.w0, minlength=N * H)
+        score += np.bincount(v.es * H + other[v.ec], weights=(other_n[v.ec] > 0) * 1.0, minlength=N * H)
+        score += np.bincount(v.es * H + h, weights=(bk.count[v.ec] > 1) * 1.0, minlength=N * H)
+        score = score.reshape(N, H)
+        best = np.argmax(score, axis=1)
+        gain = score[np.arange(N), best] - score[:, h]
+        s = np.flatnonzero(gain >= self.sample_gain)
+        return _Offers(s + h * N, best[s], gain[s])
+
+    def _swap(self, b: GlobalBatch, offers: list[_Offers], members: list[np.ndarray], msg: _Messages):
+        """The coordinator's match (phase 2b): between every two hosts, as many swaps as the fewer offers of the two
+        directions, highest gains first; the swapped samples travel with their ids, dense part and label, and their
+        keys' owners. Returns every host's samples (global indices, sorted)."""
+        H, P, B = self.num_hosts, self.ranks_per_host, self.batch_per_rank
+        n = P * B
+        smp = np.concatenate([o.sample for o in offers])
+        dst = np.concatenate([o.host for o in offers])
+        gain = np.concatenate([o.gain for o in offers])
+        src = smp // n
+        msg.add_many("offers", src, np.full(src.shape[0], COORDINATOR), np.full(src.shape[0], INDEX_BYTES + RANK_BYTES
+                     + COUNT_BYTES), H)  # fmt: skip
+        pair = src * H + dst
+        counts = np.bincount(pair, minlength=H * H).reshape(H, H)
+        k = np.minimum(counts, counts.T).ravel()
+        o = np.lexsort((smp, -gain, pair))
+        pair_o = pair[o]
+        start = np.cumsum(counts.ravel()) - counts.ravel()
+        keep = o[np.arange(o.shape[0]) - start[pair_o] < k[pair_o]]
+        if keep.shape[0] == 0:
+            return members
+        moved, to = smp[keep], dst[keep]
+        self.last_swapped = int(moved.shape[0])
+        msg.add_many("swaps", np.full(moved.shape[0], COORDINATOR), moved // n, np.full(moved.shape[0], INDEX_BYTES), H)
+        ids = np.zeros(moved.shape[0], dtype=np.int64)
+        for off in b.offsets:
+            ids += off[moved + 1] - off[moved]
+        msg.add_many("samples", moved // n, to, ids * (ID_BYTES + RANK_BYTES) + DENSE_LABEL_BYTES, H)
+        host = np.repeat(np.arange(H, dtype=np.int64), n)
+        host[moved] = to
+        o = np.argsort(host, kind="stable")
+        return np.split(o, np.arange(1, H) * n)
 
     def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
         """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then

@@ -1,0 +1,25 @@
+"""conf/scheduler/herald_hier.yaml reaches the policy through the app's Herald options."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_app_config_builds_herald_hier_options():
+    """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host (and only
+    it) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from herald_torchrec.app.model_setup import SCHEDULERS, herald_options
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=4"])
+        bad = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=0"])
+    options = herald_options(cfg.scheduler)
+    assert options.policy == "herald_hier" and dict(options.policy_options) == {"ranks_per_host": 4}
+    assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
+    with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
+        herald_options(bad.scheduler).runnable_policy()

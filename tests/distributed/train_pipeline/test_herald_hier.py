@@ -1,0 +1,86 @@
+"""herald_hier (schedule/herald/hierarchy.py) trained end to end: four gloo ranks on two "machines" of two ranks (each
+rank reports the host name of its pair, as the replica and host-relay tests do), so the pipeline's host map makes
+two per-host planners. The trained model equals the one-process model on the global batches (SGD, <= 1e-5); rows
+really changed owner, some between the machines; every sample trained on a rank of the machine that loaded it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, batches, one_process_reference
+from tests.helpers.ranks import rank_result, run_ranks
+
+STEPS = 10
+WORLD = 4
+PER_HOST = 2
+
+
+def hier_worker(rank: int, world: int, out_dir: str) -> None:
+    """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
+    description and every trained plan's sample ranks and moves."""
+    import socket
+
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
+
+    real_hostname = socket.gethostname
+    socket.gethostname = lambda: f"machine-{rank // PER_HOST}"
+    plans = []
+    try:
+        options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2)
+        model = TwoEBCModel()
+        for ebc in (model.ebc_a, model.ebc_b):
+            apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), sharders=[HeraldEmbeddingBagCollectionSharder(options=options)]
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
+        )
+
+        def keep(plan) -> None:
+            plans.append({"rank": plan.assignment(), "src": plan.moves.src.copy(), "dst": plan.moves.dst.copy()})
+
+        pipeline = HeraldTrainPipeline(dmp, dense, torch.device("cpu"), options=options, on_plan=keep)
+        it = iter(batches(rank, STEPS))
+        for _ in range(STEPS):
+            pipeline.progress(it)
+        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+        policy = pipeline.policy.describe() if pipeline.policy is not None else None
+        pipeline.close()
+    finally:
+        socket.gethostname = real_hostname
+    torch.save(
+        {"counters": dict(pipeline.trained_counters), "policy": policy, "plans": plans}, rank_result(out_dir, rank)
+    )
+
+
+def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    run_ranks("tests.distributed.train_pipeline.test_herald_hier:hier_worker", tmp_path, world_size=WORLD)
+    ref = one_process_reference(WORLD, STEPS)
+    got = full_checkpoint(tmp_path / "ckpt")
+    assert sum(".embedding_bags." in k for k in got) == 3 and all(k in ref for k in got)
+    worst = max(float((ref[k] - got[k]).abs().max()) for k in got)
+    assert worst < 1e-5, worst
+    res = [torch.load(rank_result(tmp_path, q), weights_only=False) for q in range(WORLD)]
+    planner = res[0]["policy"]
+    assert planner["name"] == "herald_hier" and planner["hosts"] == 2 and planner["ranks_per_host"] == PER_HOST
+    plans = res[0]["plans"]
+    assert len(plans) == STEPS
+    host_of_sample = np.arange(WORLD * B) // (PER_HOST * B)
+    for p in plans:  # no sample leaves the machine that loaded it
+        assert np.array_equal(np.asarray(p["rank"]) // PER_HOST, host_of_sample)
+    # rows changed owner, some between the machines, and the data plane moved them
+    cross = sum(int((p["src"] // PER_HOST != p["dst"] // PER_HOST).sum()) for p in plans)
+    assert cross > 0, cross
+    assert sum(r["counters"].get("migrate", 0) for r in res) > 0, res[0]["counters"]
