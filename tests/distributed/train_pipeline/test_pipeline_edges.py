@@ -32,23 +32,32 @@ HASH = [30, 50, 20]
 
 class TwoEBCModel(torch.nn.Module):
     """Two EmbeddingBagCollections (t0 + t1 reading f0, f1; t2 reading f2) and a small dense head; TorchRec's
-    (loss, output) convention."""
+    (loss, output) convention. `table_options`: EmbeddingBagConfig keywords per table (e.g. a pooling, a data type:
+    the pooled values are read as float32 whatever the table's precision)."""
 
-    def __init__(self, batch_norm: bool = False, weighted: bool = False) -> None:
+    def __init__(
+        self, batch_norm: bool = False, weighted: bool = False, table_options: dict[str, dict] | None = None
+    ) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         super().__init__()
         torch.manual_seed(0)
-        cfg = lambda t, f: EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f])  # noqa: E731
+        options = table_options or {}
+
+        def cfg(t: str, f: str) -> EmbeddingBagConfig:
+            return EmbeddingBagConfig(
+                name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f], **options.get(t, {})
+            )
+
         self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")], is_weighted=weighted)
         self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")], is_weighted=weighted)
         self.norm = torch.nn.BatchNorm1d(3) if batch_norm else torch.nn.Identity()
         self.head = torch.nn.Linear(3 + 12, 1)
 
     def forward(self, batch):
-        a = self.ebc_a(batch.sparse_features).values()
-        b = self.ebc_b(batch.sparse_features).values()
+        a = self.ebc_a(batch.sparse_features).values().float()
+        b = self.ebc_b(batch.sparse_features).values().float()
         logit = self.head(torch.cat([self.norm(batch.dense_features), a, b], dim=1)).squeeze(1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
         return loss, (loss.detach(), logit.detach(), batch.labels)
