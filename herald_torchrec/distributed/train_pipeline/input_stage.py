@@ -22,7 +22,12 @@ Per step, every rank:
     W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
     no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
     `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
-    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py);
+    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py).
+    `scheduler=herald_hier` with one planner per machine (`plan_on="host"`, several machines): each rank sends its
+    ids to its own machine's planner only (2 sends nothing to other machines), and the planners plan their machines'
+    parts together through a gloo group of the planners (planner_transport.py; schedule/herald/hierarchy.py's
+    phases), all-gather the parts, and each sends the whole plan to its machine's ranks as above. Samples then never
+    leave their machine (a plan that sends one elsewhere is an error);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a

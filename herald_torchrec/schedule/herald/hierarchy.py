@@ -79,8 +79,12 @@ from herald by design: samples stay on their host (unless swapped), decisions ar
 reads (as herald's), but without owner balancing or forwarding, and each host's eviction order knows only its own
 lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in the simulator's default (FORWARD would
 save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
-In training (`scheduler=herald_hier`) the planning rank of every machine runs all hosts' parts and the union, as
-`plan_on` planners do for herald: the per-host split is the protocol's and the simulator's, not yet the data plane's.
+In training (`scheduler=herald_hier`, `plan_on="host"`, one planner per machine) each machine's planning rank gathers
+its own machine's ids only and runs `plan_host` for its machine, the messages going through a gloo group of the
+planners (distributed/train_pipeline/planner_transport.py); the parts are all-gathered, so every planner holds the
+whole Plan and sends it to its machine's ranks. Per-rank plan parts (each rank receiving only its part) are not
+built: the data plane would need a plan that holds only a rank's sample order, moves and shared rows, and the
+executor's checks (every rank knowing every move) would have to go.
 """
 
 from __future__ import annotations
