@@ -366,18 +366,16 @@ def train(pipeline, stream: list) -> None:
 def replica_worker(rank: int, world: int, out_dir: str) -> None:
     """Herald replicating on two "machines" of two ranks: the FP16 model (and stock TABLE_WISE's), the weighted
     model."""
-    import socket
 
     from torchrec.distributed.model_parallel import get_unwrapped_module
 
     from herald_torchrec import HeraldOptions
     from tests.distributed.train_pipeline.test_pipeline_edges import TwoEBCModel
+    from tests.helpers.machines import on_machine
     from tests.helpers.ranks import rank_result
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // 2}"
     out, res = Path(out_dir), {}
-    try:
+    with on_machine(f"machine-{rank // 2}"):
         options = HeraldOptions(
             cache_ratio=0.05, lookahead=2, policy_options={"replicate": True, "replica_interval": 2}
         )
@@ -391,8 +389,6 @@ def replica_worker(rank: int, world: int, out_dir: str) -> None:
         dmp, pipeline = build("herald", TwoEBCModel(weighted=True), options)
         train(pipeline, weighted_replica_stream(rank, REPLICA_STEPS))
         res["weighted"] = save_run(dmp, pipeline, out / "weighted")
-    finally:
-        socket.gethostname = real_hostname
     torch.save(res, rank_result(out_dir, rank))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, batches, one_process_reference
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 10
@@ -22,7 +23,6 @@ PER_HOST = 2
 def hier_worker(rank: int, world: int, out_dir: str) -> None:
     """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
     description and every trained plan's sample ranks and moves."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -32,10 +32,8 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
 
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // PER_HOST}"
     plans = []
-    try:
+    with on_machine(f"machine-{rank // PER_HOST}"):
         options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2)
         model = TwoEBCModel()
         for ebc in (model.ebc_a, model.ebc_b):
@@ -64,8 +62,6 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
                        "sched_ms": list(stage.sched_ms)}  # fmt: skip
         ids_sent = stage.ids_sent_bytes
         pipeline.close()
-    finally:
-        socket.gethostname = real_hostname
     torch.save(
         {
             "counters": dict(pipeline.trained_counters),

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 B = 8
@@ -311,15 +312,8 @@ def _plan_on_run(rank: int, plan_on: str, host: str | None = None) -> dict:
     """12 steps of the two-EBC model with plans made as `plan_on` says (`host`: this rank's host name instead of the
     machine's): every plan (arrays with their dtypes), the trained tables and dense head, whether this rank holds a
     scheduler and the plan bytes it sent."""
-    import socket
-
-    real_hostname = socket.gethostname
-    if host is not None:
-        socket.gethostname = lambda: host  # this process only: the ranks then sit on different "machines"
-    try:
+    with on_machine(host):  # this process only: the ranks then sit on different "machines"
         return _plan_on_steps(rank, plan_on)
-    finally:
-        socket.gethostname = real_hostname
 
 
 def _plan_on_steps(rank: int, plan_on: str) -> dict:
@@ -464,14 +458,11 @@ def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None
 def relay_worker(rank: int, world: int, out_dir: str) -> None:
     """12 steps of Herald on two "machines" of two ranks, with host relays on, then off (one DCP checkpoint each,
     and this rank's rows by link)."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // 2}"
     out = {}
-    try:
+    with on_machine(f"machine-{rank // 2}"):
         for name, relay in (("relay_on", True), ("relay_off", False)):
             dmp, pipeline = build("herald", host_relay=relay)
             it = iter(batches(rank, 12))
@@ -479,8 +470,6 @@ def relay_worker(rank: int, world: int, out_dir: str) -> None:
                 pipeline.progress(it)
             dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / name / "ckpt"))
             out[name] = dict(pipeline.trained_counters)
-    finally:
-        socket.gethostname = real_hostname
     torch.save(out, rank_result(out_dir, rank))
 
 
