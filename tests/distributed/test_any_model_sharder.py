@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, batches, one_process_reference
+from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, TwoEBCModel, batches, one_process_reference
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 12
@@ -31,33 +31,14 @@ STEPS = 12
 CLIP = {"gradient_clipping": True, "max_gradient": 1e6}
 
 
-class RefusedModel(torch.nn.Module):
+class RefusedModel(TwoEBCModel):
     """test_pipeline_edges' TwoEBCModel (ebc_a: t0 + t1 reading f0, f1; ebc_b: t2 reading f2; a dense head) with
     the tables of `refused` pooled by MEAN: under `CLIP`, tables Herald leaves to TorchRec."""
 
     def __init__(self, refused: tuple[str, ...] = ("t2",)) -> None:
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import PoolingType
 
-        super().__init__()
-        torch.manual_seed(0)
-
-        def cfg(t: str, f: str) -> EmbeddingBagConfig:
-            pooling = PoolingType.MEAN if t in refused else PoolingType.SUM
-            return EmbeddingBagConfig(
-                name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f], pooling=pooling
-            )
-
-        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")])
-        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")])
-        self.head = torch.nn.Linear(3 + 12, 1)
-
-    def forward(self, batch):
-        a = self.ebc_a(batch.sparse_features).values().float()
-        b = self.ebc_b(batch.sparse_features).values().float()
-        logit = self.head(torch.cat([batch.dense_features, a, b], dim=1)).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
-        return loss, (loss.detach(), logit.detach(), batch.labels)
+        super().__init__(table_options={t: {"pooling": PoolingType.MEAN} for t in refused})
 
 
 def make_ebc(int8: bool = False, weighted: bool = False, mean: bool = False):

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, batches
+from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, TwoEBCModel, batches
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 12
@@ -36,33 +36,14 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad")
 FP16_ULP = 2.0**-10  # float16's spacing relative to a value in [1, 2)
 
 
-class FP16Model(torch.nn.Module):
+class FP16Model(TwoEBCModel):
     """test_pipeline_edges' TwoEBCModel (ebc_a: t0 + t1 reading f0, f1; ebc_b: t2 reading f2; a dense head) with the
     tables of `fp16` in half precision."""
 
     def __init__(self, fp16: tuple[str, ...] = FP16_TABLES) -> None:
-        from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import DataType
 
-        super().__init__()
-        torch.manual_seed(0)
-
-        def cfg(t: str, f: str) -> EmbeddingBagConfig:
-            dtype = DataType.FP16 if t in fp16 else DataType.FP32
-            return EmbeddingBagConfig(
-                name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f], data_type=dtype
-            )
-
-        self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")])
-        self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")])
-        self.head = torch.nn.Linear(3 + 12, 1)
-
-    def forward(self, batch):
-        a = self.ebc_a(batch.sparse_features).values().float()
-        b = self.ebc_b(batch.sparse_features).values().float()
-        logit = self.head(torch.cat([batch.dense_features, a, b], dim=1)).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
-        return loss, (loss.detach(), logit.detach(), batch.labels)
+        super().__init__(table_options={t: {"data_type": DataType.FP16} for t in fp16})
 
 
 def make_ebc(dtypes: tuple[str, ...]):

@@ -10,7 +10,7 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
-from herald_torchrec.schedule.herald.hierarchy import MESSAGE_KINDS, HeraldHierPolicy
+from herald_torchrec.schedule.herald.hierarchy import MESSAGE_KINDS, HeraldHierPolicy, Transport
 from herald_torchrec.schedule.plan import MIGRATE
 from herald_torchrec.schedule.plan_wire import encode_plan_tree
 
@@ -204,3 +204,92 @@ def test_several_hosts_refine_once_per_host_with_the_global_batch_budget():
     assert none.refine == 0
     flat = make_policy("herald_hier", rows, 8, B, 0.1, L, hosts=8)
     assert flat._flat is not None and flat._flat.max_refine == 2
+
+
+def plan_digest(plans) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in plans:
+        h.update(encode_plan_tree(dataclasses.replace(p, sched_seconds=0.0)).tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize(("R", "P", "digest"), [(8, 2, "d4ed9c01ae55cb74"), (16, 4, "ebb56bf8cfc4e6fa")])
+def test_in_process_transport_makes_the_single_object_plans(R, P, digest):
+    """The per-host planners driven through the in-process transport make, step by step, the plans the policy made
+    when it was one object computing every host's part (digests recorded from that code on this window)."""
+    rows, batches = synthetic_window(R, 16, 6)
+    pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P)
+    assert plan_digest([pol.plan(batches[s : s + L + 1]) for s in range(6)]) == digest
+
+
+class ThreadTransport(Transport):
+    """One host per thread, as one planner per machine: each exchange posts this host's messages, waits for every
+    host, then reads what was sent to it."""
+
+    def __init__(self, h: int, board: dict, barrier) -> None:
+        super().__init__()
+        self.h, self.board, self.barrier = h, board, barrier
+
+    def exchange(self, kind, out):
+        for dst, m in out.get(self.h, {}).items():
+            self.board[(kind, self.h, dst)] = m
+        self.barrier.wait()
+        inbox = {s: m for (k, s, dst), m in list(self.board.items()) if k == kind and dst == self.h}
+        self.barrier.wait()
+        self.board.pop((kind, self.h, self.h), None)
+        for dst in out.get(self.h, {}):
+            self.board.pop((kind, self.h, dst), None)
+        self.barrier.wait()
+        return {self.h: inbox}
+
+    def all_gather(self, kind, parts):
+        self.board[(kind, self.h, -1)] = parts[self.h]
+        self.barrier.wait()
+        every = [self.board[(kind, s, -1)] for s in range(self.barrier.parties)]
+        self.barrier.wait()
+        self.board.pop((kind, self.h, -1))
+        self.barrier.wait()
+        return every
+
+
+def test_each_host_plans_from_its_own_samples_in_its_own_replica():
+    """Every host in its own thread with its own policy replica, given only its own ranks' samples (plan_host), makes
+    the same plans as the in-process run: what a host learns of the others comes through the transport. A replica
+    handed the whole global batch is refused."""
+    import threading
+
+    R, P, B, steps = 8, 2, 16, 5
+    H = R // P
+    rows, batches = synthetic_window(R, B, steps)
+    ref = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P)
+    want = [ref.plan(batches[s : s + L + 1]) for s in range(steps)]
+    _, fresh = synthetic_window(R, B, steps)
+    n = P * B
+    own = [[b.take(np.arange(h * n, (h + 1) * n)) for b in fresh] for h in range(H)]
+    board, barrier = {}, threading.Barrier(H)
+    got, errors = [[] for _ in range(H)], []
+
+    def host(h: int) -> None:
+        try:
+            pol = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P)
+            tr = ThreadTransport(h, board, barrier)
+            for s in range(steps):
+                got[h].append(pol.plan_host(h, own[h][s : s + L + 1], tr))
+                assert pol.last_step.ids_bytes[: h * P].sum() == 0 and pol.last_step.ids_bytes[(h + 1) * P :].sum() == 0
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=host, args=(h,)) for h in range(H)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for h in range(H):
+        assert plan_digest(got[h]) == plan_digest(want)
+        assert got[h][-1].counters == want[-1].counters
+    with pytest.raises(ValueError, match="plan_host takes host 0..3's batches"):
+        HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P).plan_host(0, fresh[: L + 1], ThreadTransport(0, {}, barrier))

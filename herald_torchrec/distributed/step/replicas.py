@@ -28,8 +28,12 @@ TorchRec's (SGD and row-wise Adagrad). The gradients reaching the leaf values al
 division (the caller adds them into the pooled output before `_DivideGrad`), as the shared path's do.
 
 Collectives (every rank, same order): `begin` (declare: an all-reduce of the owners' rows, "replica_init";
-to_replicas: "replica_sync"), `finish` (the gradient all-reduce, "allreduce"); a sum of one non-zero contribution
-and zeros is exact, so the copies are bit-identical to the owners' rows.
+to_replicas: "replica_sync"), `finish` (the gradient all-reduce, "allreduce"). The owners' rows are summed as int32
+words: one rank contributes a row's words, every other rank zeros, and an integer sum of one addend and zeros is
+that addend, so the copies are bit-identical to the owners' rows. A float32 sum is not: FP16 rows travel as their
+bits two to a float32 word (storage/row_store.py), and such a word may read as -0.0 (+0.0 + -0.0 gives +0.0: a
+float16 -0.0 lost), a subnormal (flushed where denormals are off) or a signalling NaN (quieted); float32 state's -0.0
+too. The gradients are real float32 values, summed as such.
 """
 
 from __future__ import annotations
@@ -178,8 +182,8 @@ class ReplicaRegion:
         if mine.size:
             pos = torch.from_numpy(ragged_arange(start[mine], width[mine])).to(self.device)
             buf.index_copy_(0, pos, st.read_packed(tables[mine], owner_slot[mine]))
-        if st.world_size > 1:
-            self.comm.all_reduce(buf, kind)
+        if st.world_size > 1:  # summed as int32 words: exact for any bits (module docstring, "Collectives")
+            self.comm.all_reduce(buf.view(torch.int32), kind)
         self.copies.write_packed(tables, slots, buf)
         return owner_slot
 

@@ -194,6 +194,7 @@ class Pending:
     ids: GatheredIds | None  # None on ranks that receive their plans: they get the ids with the samples
     batch: GlobalBatch | None  # the scheduler's view (None on ranks that receive their plans)
     uniform: np.ndarray
+    first_sample: int = 0  # the global index of `ids`' first sample (a machine's first, where planned per machine)
 
     def scheduler_view(self) -> GlobalBatch:
         if self.batch is None:

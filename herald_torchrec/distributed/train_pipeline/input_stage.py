@@ -22,7 +22,12 @@ Per step, every rank:
     W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
     no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
     `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
-    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py);
+    every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py).
+    `scheduler=herald_hier` with one planner per machine (`plan_on="host"`, several machines): each rank sends its
+    ids to its own machine's planner only (2 sends nothing to other machines), and the planners plan their machines'
+    parts together through a gloo group of the planners (planner_transport.py; schedule/herald/hierarchy.py's
+    phases), all-gather the parts, and each sends the whole plan to its machine's ranks as above. Samples then never
+    leave their machine (a plan that sends one elsewhere is an error);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a
@@ -93,6 +98,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed import all_gather as _all_gather
 from torch.distributed import all_to_all_single as _all_to_all_single
 from torchrec.datasets.utils import Batch
@@ -134,6 +140,7 @@ from herald_torchrec.distributed.train_pipeline.input_round import (
     planners,
     raise_bad,
 )
+from herald_torchrec.distributed.train_pipeline.planner_transport import GroupTransport, planner_group
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
@@ -229,7 +236,13 @@ class ScheduledInput:
         # who plans for whom: set at the first batch (the hosts are gathered with the layout)
         self.planner = self.rank  # the rank whose plans this rank executes
         self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
-        self.is_planner = np.ones(self.R, dtype=bool)  # the ranks that plan: only they receive every slice's ids
+        self.planner_of = np.arange(self.R)  # the rank that plans for each rank
+        self.is_planner = np.ones(self.R, dtype=bool)  # the ranks that plan
+        self.ids_to = np.ones(self.R, dtype=bool)  # the ranks this rank sends its slices' ids to
+        self.ids_from = np.ones(self.R, dtype=bool)  # the ranks whose ids this rank gathers (where it plans)
+        self.host_transport: GroupTransport | None = None  # herald_hier planned per machine (module docstring)
+        self.host_index = -1  # this rank's host among the planners' (where it plans per machine)
+        self.ids_sent_bytes = 0  # bytes of this rank's ids sent to other ranks' planners (the tests read it)
         self.hosts: np.ndarray | None = None  # int64 [R], a key per rank's machine (set at the first batch)
         self._factory = policy_factory
         self._current = SchedulerState(0, None)  # replaced as one object by reset_policy
@@ -351,12 +364,39 @@ class ScheduledInput:
         self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)
         self.is_planner = np.zeros(self.R, dtype=bool)
         self.is_planner[planner_of] = True
+        self.ids_to, self.ids_from = self.is_planner.copy(), np.ones(self.R, dtype=bool)
+        self.planner_of = planner_of
         policy = self._factory(layout.batch_size)
         if policy.num_ranks != self.R:
             raise ValueError(f"policy planned for {policy.num_ranks} ranks, but the process group has {self.R}")
+        self._plan_per_host(policy, planner_of)
         self.lookahead = policy.lookahead
         self._current = SchedulerState(self.generation, policy if self.plans_here else None)
         return True
+
+    def _plan_per_host(self, policy: SchedulePolicy, planner_of: np.ndarray) -> None:
+        """herald_hier with one planner per machine (`plan_on="host"`, several machines, the policy's hosts being the
+        machines): each rank's ids go to its own machine's planner only, and the planners plan their machines' parts
+        through a gloo group of the planners (planner_transport.py). Elsewhere nothing changes. Collective (the
+        group): every rank decides the same from the same words."""
+        H = int(getattr(policy, "num_hosts", 1))
+        if self.plan_on != "host" or not hasattr(policy, "plan_host") or H < 2 or not dist.is_initialized():
+            return
+        ranks = np.flatnonzero(self.is_planner)
+        P = self.R // H
+        if ranks.shape[0] != H or not np.array_equal(planner_of, np.arange(self.R) // P * P):
+            return  # the policy's hosts are not the machines: every planner plans everything, as before
+        if dist.get_world_size(self.comm.group) != dist.get_world_size():
+            return  # a subgroup: a group of its planners would need every process of the default group
+        world = [
+            dist.get_global_rank(self.comm.group, int(q)) if self.comm.group is not None else int(q) for q in ranks
+        ]
+        group = planner_group(world)
+        self.ids_to = np.arange(self.R) == self.planner
+        self.ids_from = planner_of == self.rank
+        if self.plans_here:
+            self.host_index = self.rank // P
+            self.host_transport = GroupTransport(group, self.host_index, H, self.comm.counter)
 
     def reset_policy(self) -> None:
         """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership.
@@ -400,7 +440,13 @@ class ScheduledInput:
         get their lengths and managed ids, which only the planners gathered), and the samples the plan assigns here."""
         lay, r = self._layout, self.rank
         B = lay.batch_size
-        route = SampleRoute.by_destination(ex.plan.assignment()[r * B : (r + 1) * B], ~self.is_planner)
+        dest = ex.plan.assignment()[r * B : (r + 1) * B]
+        if not np.array_equal(self.ids_to, self.is_planner) and (self.planner_of[dest] != self.planner).any():
+            raise RuntimeError(
+                f"herald input stage (rank {r}): the plan sends samples to another machine, whose planner never "
+                "gathered their ids (herald_hier planned per machine keeps samples on their machine)"
+            )
+        route = SampleRoute.by_destination(dest, ~self.is_planner)
         uniform = bool(ex.pending.uniform[r] >= 0)
         blocks, id_bytes = sample_blocks(ex.pending.local, lay, route, uniform)
         others = np.arange(self.R) != r
@@ -419,8 +465,9 @@ class ScheduledInput:
         if cur.ids is None:  # the samples brought their lengths and ids
             r = received_samples(got, n_from, cur.uniform, lay)
             return assigned_batch(r.lengths, r.values, r.fixed, lay, r.weights)
-        parts = planner_parts(got, n_from, cur.ids, lay, moves.mine)
-        lengths, values = assigned_kjt_parts(cur.ids, lay, moves.mine, parts.carried)
+        mine = moves.mine - cur.first_sample  # into the gathered ids (this machine's, where planned per machine)
+        parts = planner_parts(got, n_from, cur.ids, lay, mine)
+        lengths, values = assigned_kjt_parts(cur.ids, lay, mine, parts.carried)
         return assigned_batch(lengths, values, parts.fixed, lay, parts.weights)
 
     def _level_word(self) -> int:
@@ -449,7 +496,10 @@ class ScheduledInput:
                 agree(levels[self.is_planner].tolist())
             with phase("input.plan"):
                 cpu = time.thread_time()
-                plan = policy.plan(batches)
+                if self.host_transport is not None:  # this machine's part, with the other machines' planners
+                    plan = policy.plan_host(self.host_index, batches, self.host_transport)
+                else:
+                    plan = policy.plan(batches)
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
             wire = encode_plan(plan) if self.plans_for.any() else None
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
@@ -552,9 +602,10 @@ class ScheduledInput:
             if self._check_heads(heads, parsed):
                 my_ids = ids_block(parsed.full(), parsed.header, lay)
                 if self.plans_here:
-                    ids_in = ids_sizes(heads, lay)
-                to_planners = int(self.is_planner.sum()) - int(self.is_planner[r])
+                    ids_in = [n if self.ids_from[q] else 0 for q, n in enumerate(ids_sizes(heads, lay))]
+                to_planners = int(self.ids_to.sum()) - int(self.ids_to[r])
                 self.comm.counter.add("sample_ids", my_ids.shape[0] * to_planners, call=ex is None)
+                self.ids_sent_bytes += my_ids.shape[0] * to_planners
             else:
                 result.end_of_data = True
         trailer = work.next_words.words().view(np.uint8) if work.next_words is not None else np.zeros(0, np.uint8)
@@ -563,7 +614,7 @@ class ScheduledInput:
         # to each rank: [trailer | ids block (to a planner) | plan (to a rank this one plans for) | samples]
         sends = [
             np.concatenate(
-                [trailer, my_ids[: None if self.is_planner[d] else 0], wire[: None if self.plans_for[d] else 0], p]
+                [trailer, my_ids[: None if self.ids_to[d] else 0], wire[: None if self.plans_for[d] else 0], p]
             )
             for d, p in enumerate(pay)
         ]
@@ -579,9 +630,12 @@ class ScheduledInput:
         if parsed is not None and not result.end_of_data:
             ids: GatheredIds | None = None
             view: GlobalBatch | None = None
-            if self.plans_here:
-                ids, view = decode_ids(heads.uniform, [b[:n] for b, n in zip(got, ids_in)], lay, self.tables)
-            result.gathered = Pending(parsed.full(), ids, view, heads.uniform.copy())
+            first = 0
+            if self.plans_here:  # every rank's ids, or (planned per machine) this machine's ranks' ids
+                src = np.flatnonzero(self.ids_from)
+                ids, view = decode_ids(heads.uniform[src], [got[q][: ids_in[q]] for q in src], lay, self.tables)
+                first = int(src[0]) * lay.batch_size
+            result.gathered = Pending(parsed.full(), ids, view, heads.uniform.copy(), first)
         if isinstance(made, OutgoingPlan):  # planned here
             result.planned = PlannedBatch(made.plan, made.generation)
         elif receives_plan:  # from this rank's planner: [generation int64, encoded plan]

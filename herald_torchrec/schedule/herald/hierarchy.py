@@ -28,9 +28,10 @@ last use) and decides where it goes next. Each host keeps the guest slots of its
 4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
 5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
    keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
-   lowest rank). No owner balancing, no replicas. Simulated as one vectorised pass over every host's reads sorted
-   by key (grouped by home host); each home host is charged the pass's time times its share of the reads.
-6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source).
+   lowest rank). No owner balancing, no replicas. Each home host decides its own keys in one vectorised pass over
+   the reads it received, sorted by key then rank.
+6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source); pins (A -> t): the keys
+   held as guests on t's ranks and read in the step only by other hosts (t must not evict them; t knows its own).
 7. capacity (at t, for its ranks' guest groups only): room for the arrivals: victims (its guests not read in the
    step; those its own samples' lookahead window reads evicted last, least recently used first), else cancelled
    arrivals (herald's order). Departures to other hosts are not counted as room, so a cancellation never takes room
@@ -44,7 +45,8 @@ simulator and the data plane run it unchanged.
 Bytes (`MessageBytes`; only messages between two different hosts are counted, a host's own are free): a key is
 KEY_BYTES = 8, a rank RANK_BYTES = 2, a count COUNT_BYTES = 2, an index into an earlier message INDEX_BYTES = 4.
 demand KEY; owners RANK; reads INDEX + RANK + COUNT per pair; arrivals KEY + 2 RANK; cancels INDEX; evictions KEY;
-decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader; offers, swaps and
+decisions RANK per demanded key; departures KEY + RANK; shares KEY + COUNT + RANK per reader; pins KEY; offers,
+swaps and
 samples as in 2b. A rank's plan part
 (what it would need of the plan): SAMPLE_BYTES = 4 per sample it trains (its order), KEY + RANK + 1 per move it sends
 or receives, KEY + COUNT + RANK per other reader for a shared key it owns, KEY + RANK for one it reads remotely. Its
@@ -58,6 +60,15 @@ reports the pair (row 4, rank 1) (8 B). Host 1 decides: row 4 stays with rank 2,
 1); row 6 and row 0 are hits. Decisions: row 4's owner to host 0 (2 B). Total 20 B between hosts. Plan parts: rank 0
 4 B, rank 1 4 + 10 B, rank 2 4 + 12 B, rank 3 4 B.
 
+Code: `HostPlanner(policy, h, window)` is what host h runs (its phases, from its own samples' window and what it
+receives); `Transport` carries each phase's messages between hosts (`exchange`: host -> host arrays; `all_gather`:
+every host's part of the plan). `HeraldHierPolicy.plan` drives every host in one process through
+`InProcessTransport` (the simulator, the tests); `plan_host(h, window, transport)` runs host h alone, its replica of
+the shared state (the directory, kept in step by applying every whole Plan, which is the union of all hosts' parts)
+in its own process, as the training pipeline does (distributed/train_pipeline/planner_transport.py). Both make the
+same plans. `HierStep.wire_bytes` counts what the transport really sent (its arrays' bytes, int32 ranks and counts,
+int64 keys), next to the protocol's count in `message_bytes`.
+
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7 and its part of 8) and per
 directory host (`directory_seconds`: 2, 5, 6, 8 for its keys); the union of the parts into one Plan (`union_seconds`)
 is what a host's data plane would not do (each would keep its own part).
@@ -68,8 +79,12 @@ from herald by design: samples stay on their host (unless swapped), decisions ar
 reads (as herald's), but without owner balancing or forwarding, and each host's eviction order knows only its own
 lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in the simulator's default (FORWARD would
 save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
-In training (`scheduler=herald_hier`) the planning rank of every machine runs all hosts' parts and the union, as
-`plan_on` planners do for herald: the per-host split is the protocol's and the simulator's, not yet the data plane's.
+In training (`scheduler=herald_hier`, `plan_on="host"`, one planner per machine) each machine's planning rank gathers
+its own machine's ids only and runs `plan_host` for its machine, the messages going through a gloo group of the
+planners (distributed/train_pipeline/planner_transport.py); the parts are all-gathered, so every planner holds the
+whole Plan and sends it to its machine's ranks. Per-rank plan parts (each rank receiving only its part) are not
+built: the data plane would need a plan that holds only a rank's sample order, moves and shared rows, and the
+executor's checks (every rank knowing every move) would have to go.
 """
 
 from __future__ import annotations
@@ -97,7 +112,7 @@ DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (C
 MOVE_ENTRY_BYTES = KEY_BYTES + RANK_BYTES + 1  # key, peer rank, kind
 MESSAGE_KINDS = (
     "demand", "owners", "offers", "swaps", "samples", "reads", "arrivals", "cancels", "evictions", "decisions",
-    "departures", "shares",
+    "departures", "shares", "pins",
 )  # fmt: skip
 RANKS_PER_HOST = 8
 SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
@@ -120,6 +135,7 @@ class HierStep:
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
+    wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
 
     @property
     def per_host_seconds(self) -> np.ndarray:
@@ -177,20 +193,6 @@ class _Messages:
         self.host += np.bincount(dst[cross], weights=b, minlength=H).astype(np.int64)
 
 
-@dataclass
-class _HostView:
-    """What host h holds in a step: its samples' keys, their current owners, its assignment and reads."""
-
-    bk: BatchKeys
-    own: np.ndarray  # int64 [K] current owner rank of every key
-    home_host: np.ndarray  # int64 [K] home host of every key
-    local_rank: np.ndarray | None = None  # int64 [P B] rank (0..P-1) of every sample
-    pair_gid: np.ndarray | None = None  # (key, reader) pairs: global row, global rank, elements
-    pair_rank: np.ndarray | None = None
-    pair_count: np.ndarray | None = None
-    window_keys: list[np.ndarray] = field(default_factory=list)  # keys of its samples in each lookahead batch
-
-
 def check_ranks_per_host(ranks_per_host: object) -> None:
     """A clear error for a bad `ranks_per_host` (the app's scheduler.ranks_per_host)."""
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, (int, np.integer)) or ranks_per_host < 1:
@@ -204,6 +206,292 @@ class _Offers:
     sample: np.ndarray  # int64
     host: np.ndarray  # int64
     gain: np.ndarray  # float64
+
+
+Message = list  # a message between hosts: a list of numpy arrays (its phase says which)
+
+
+class Transport:
+    """The messages between host planners, one phase at a time (module docstring). `exchange(kind, out)`:
+    out[src][dst] is the message host src (a host this process plans) sends host dst; returns inbox[dst][src] for
+    this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
+    calls it with the same kinds in the same order. `all_gather(kind, parts)`: every host's part (parts: this
+    process's hosts), in host order. `last_bytes`: the bytes this process sent to other hosts' processes, by kind, since
+    the planner last read them (the implementation's own wire, next to the protocol's count in `HierStep`)."""
+
+    def __init__(self) -> None:
+        self.last_bytes: dict[str, int] = {}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        self.last_bytes[kind] = self.last_bytes.get(kind, 0) + int(nbytes)
+
+    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+        raise NotImplementedError
+
+    def all_gather(self, kind: str, parts: dict[int, Message]) -> list[Message]:
+        raise NotImplementedError
+
+
+def message_bytes(m: Message) -> int:
+    return int(sum(a.nbytes for a in m))
+
+
+class InProcessTransport(Transport):
+    """Every host in this process (the simulator, the tests): messages are handed over, and their array bytes between
+    different hosts counted as a wire would carry them."""
+
+    def __init__(self, num_hosts: int) -> None:
+        super().__init__()
+        self.num_hosts = num_hosts
+
+    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+        inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
+        for src, to in out.items():
+            for dst, m in to.items():
+                inbox[dst][src] = m
+                if src != dst:
+                    self.count(kind, message_bytes(m))
+        return inbox
+
+    def all_gather(self, kind: str, parts: dict[int, Message]) -> list[Message]:
+        if sorted(parts) != list(range(self.num_hosts)):
+            raise ValueError(f"InProcessTransport: all_gather needs every host's part, got hosts {sorted(parts)}")
+        for m in parts.values():
+            self.count(kind, message_bytes(m) * (self.num_hosts - 1))
+        return [parts[h] for h in range(self.num_hosts)]
+
+
+def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
+    """arrays (aligned with dest) cut into one message per destination host (only non-empty ones)."""
+    o = np.argsort(dest, kind="stable")
+    bounds = np.searchsorted(dest[o], np.arange(H + 1))
+    out = {}
+    for t in np.flatnonzero(np.diff(bounds)).tolist():
+        sel = o[bounds[t] : bounds[t + 1]]
+        out[t] = [a[sel] for a in arrays]
+    return out
+
+
+def _concat(inbox: dict[int, Message], width: int, dtypes: Sequence[type]) -> list[np.ndarray]:
+    """The messages of `inbox` (from every source host, in host order) as `width` concatenated arrays."""
+    ms = [inbox[s] for s in sorted(inbox)]
+    return [
+        np.concatenate([m[i] for m in ms]).astype(dtypes[i], copy=False) if ms else np.zeros(0, dtype=dtypes[i])
+        for i in range(width)
+    ]
+
+
+class HostPlanner:
+    """What host h runs in one step (module docstring, phases 1-8): from its own samples' window and what the other
+    hosts send it. `policy` is this process's replica of the shared state (the directory, kept in step by applying
+    every whole Plan; the guest slots and eviction pool of h's ranks; the per-host settings); h reads the directory
+    only for its own rows' entries (as their home host: owners, decisions) and its own guests (capacity)."""
+
+    def __init__(self, policy: "HeraldHierPolicy", h: int, window: Sequence[GlobalBatch], msg: _Messages) -> None:
+        self.pol, self.h, self.window, self.msg = policy, h, list(window), msg
+        P, B = policy.ranks_per_host, policy.batch_per_rank
+        self.members = np.arange(h * P * B, (h + 1) * P * B, dtype=np.int64)  # global samples planned here
+        self._keys(window[0])
+        self.demand_from: dict[int, np.ndarray] = {}  # as a home host: the keys each host asked about
+        self.victims = np.zeros(0, dtype=np.int64)
+
+    def _keys(self, sub: GlobalBatch) -> None:
+        pol = self.pol
+        self.sub = sub
+        self.bk = pol.keys_of(sub)
+        self.home_host = pol.directory.home[self.bk.keys].astype(np.int64) // pol.ranks_per_host
+        self.own = np.zeros(0, dtype=np.int64)
+
+    # ---- settings, once ---------------------------------------------------------------------------------------
+    def settings(self) -> dict[int, Message]:
+        """Host 0 chooses the per-host tables and refine rounds from its first window and tells every host."""
+        if self.h != 0:
+            return {}
+        sel = self.pol._local.profile(self.window)
+        m = [np.asarray(sel.tables, dtype=np.int64), np.asarray(sel.benefit, dtype=np.float64),
+             np.array([sel.refine, sel.est_ms, np.nan if sel.budget_ms is None else sel.budget_ms])]  # fmt: skip
+        return {t: m for t in range(1, self.pol.num_hosts)}
+
+    def adopt_settings(self, m: Message | None) -> None:
+        loc = self.pol._local
+        if loc.selection is not None:
+            return
+        if m is None:
+            raise RuntimeError(f"herald_hier: host {self.h} received no settings from host 0")
+        tables, benefit, (refine, est_ms, budget) = m
+        loc.selection = TableSelection(
+            tables=tables, refine=int(refine), benefit=benefit, est_ms=float(est_ms),
+            budget_ms=None if np.isnan(budget) else float(budget),
+        )  # fmt: skip
+        loc._set_tables(tables)
+        loc.refine = int(refine)
+
+    # ---- phases 1-2: demand, owners ---------------------------------------------------------------------------
+    def demand(self, count: bool = True) -> dict[int, Message]:
+        """Phase 1: the distinct keys of h's samples, to their home hosts."""
+        H = self.pol.num_hosts
+        if count:
+            k = np.bincount(self.home_host, minlength=H)
+            self.msg.add_many("demand", np.full(H, self.h), np.arange(H), k * KEY_BYTES, H)
+            self.msg.add_many("owners", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
+            self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
+        K = self.bk.keys.shape[0]
+        o = np.argsort(self.home_host, kind="stable")
+        bounds = np.searchsorted(self.home_host[o], np.arange(H + 1))
+        self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its home host
+        self.demand_index[o] = np.arange(K) - bounds[self.home_host[o]]
+        return _split_by(self.home_host, H, [self.bk.keys])
+
+    def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
+        """Phase 2, as a home host: the current owner of every key each host demanded."""
+        owner = self.pol.directory.owner
+        self.demand_from = {s: m[0] for s, m in inbox.items()}
+        return {s: [owner[k].astype(np.int32)] for s, k in self.demand_from.items()}
+
+    def receive_owners(self, inbox: dict[int, Message]) -> None:
+        own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
+        for a, m in inbox.items():
+            own[self.home_host == a] = m[0]
+        self.own = own
+
+    def take_samples(self, sub: GlobalBatch, members: np.ndarray) -> None:
+        """Phase 2b (in-process only): h's samples after the swaps; the keys new to h are demanded, and their owners
+        come with the samples."""
+        pol, H = self.pol, self.pol.num_hosts
+        old = self.bk.keys
+        self.members = members
+        self._keys(sub)
+        self.own = pol.directory.owner[self.bk.keys].astype(np.int64)
+        new_keys = np.setdiff1d(self.bk.keys, old, assume_unique=True)
+        hk = np.bincount(pol.directory.home[new_keys].astype(np.int64) // pol.ranks_per_host, minlength=H)
+        self.msg.add_many("demand", np.full(H, self.h), np.arange(H), hk * KEY_BYTES, H)
+        self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), hk * RANK_BYTES, H)
+
+    # ---- phases 3-4: LAIA over h's ranks, reads --------------------------------------------------------------
+    def assign_and_read(self) -> dict[int, Message]:
+        """Phase 3 (LAIA over h's P ranks) and phase 4: every (key, reader rank) pair of h with its element count, to
+        the key's home host (the key as its index in h's demand)."""
+        pol, h = self.pol, self.h
+        P, H = pol.ranks_per_host, pol.num_hosts
+        bk = self.bk
+        own_local = np.where(self.own // P == h, self.own - h * P, -1)
+        a = pol.host_assign(self.sub, bk, own_local)
+        self.local_rank = a
+        rd = step_reads(bk, a, P)
+        er = bk.element_ranks(a)
+        cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
+        pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
+        self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
+        hosts_p = np.bincount(self.home_host[rd.pair_key], minlength=H)
+        self.msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
+        return _split_by(
+            self.home_host[rd.pair_key],
+            H,
+            [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(np.int32),
+             cnt.astype(np.int32)],
+        )  # fmt: skip
+
+    # ---- phases 5-6, as a home host: decisions, arrivals ------------------------------------------------------
+    def decide(self, inbox: dict[int, Message]) -> dict[int, Message]:
+        """Phase 5: herald's decision for h's keys on the union of their reads; phase 6: every move into a rank of
+        host t, to t (key, source, destination, whether one rank reads it), with the pins: h's keys held as guests
+        on host t and read only by other hosts (t must not evict them this step)."""
+        pol = self.pol
+        R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
+        d = pol.directory
+        gs, rs, cs = [], [], []
+        for s in sorted(inbox):
+            idx, r, c = inbox[s]
+            gs.append(self.demand_from[s][idx])
+            rs.append(r.astype(np.int64))
+            cs.append(c.astype(np.int64))
+        g = np.concatenate(gs) if gs else np.zeros(0, dtype=np.int64)
+        r = np.concatenate(rs) if rs else np.zeros(0, dtype=np.int64)
+        c = np.concatenate(cs) if cs else np.zeros(0, dtype=np.int64)
+        srt = np.argsort(g * R + r, kind="stable")
+        g, r, c = g[srt], r[srt], c[srt]
+        self.keys, self.k_own, self.want, self.single, self.sole, self.pg, self.pr = pol._decide(g, r, c)
+        keys, own, want = self.keys, self.k_own, self.want
+        pk = np.searchsorted(keys, self.pg)
+        owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
+        owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
+        pin = np.flatnonzero((own != d.home[keys]) & ~owner_host_reads)
+        mv = np.flatnonzero(want != own)
+        self.msg.add_many("arrivals", np.full(mv.shape[0], self.h), want[mv] // P,
+                          np.full(mv.shape[0], KEY_BYTES + 2 * RANK_BYTES), H)  # fmt: skip
+        self.msg.add_many("pins", np.full(pin.shape[0], self.h), own[pin] // P, np.full(pin.shape[0], KEY_BYTES), H)
+        out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(np.int32), want[mv].astype(np.int32),
+                                           self.single[mv].astype(np.int8)])  # fmt: skip
+        empty = [np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8)]
+        for t, m in _split_by(own[pin] // P, H, [keys[pin]]).items():
+            out[t] = out.get(t, empty) + m
+        for m in out.values():
+            if len(m) == 4:
+                m.append(np.zeros(0, dtype=np.int64))
+        return out
+
+    # ---- phase 7, for h's ranks: room for the arrivals ---------------------------------------------------------
+    def make_room(self, inbox: dict[int, Message]) -> dict[int, Message]:
+        """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy._make_room`); the
+        cancellations go back to the keys' home hosts."""
+        pol, t = self.pol, self.h
+        P, H = pol.ranks_per_host, pol.num_hosts
+        d = pol.directory
+        keys, own, want, single, pins = _concat(inbox, 5, (np.int64, np.int64, np.int64, bool, np.int64))
+        d.last_use[pins] = pol.step
+        o = np.argsort(keys, kind="stable")
+        keys, own, want, single = keys[o], own[o], want[o], single[o]
+        home = d.home[keys].astype(np.int64)
+        nu = pol.next_use
+        wk = self.window_keys
+        for j in range(len(wk), 0, -1):
+            nu[wk[j - 1]] = j
+        before = want.copy()
+        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single)
+        for w in wk:
+            nu[w] = 0
+        pol._picked[vt] = False
+        self.victims = np.sort(vt)
+        cancelled = keys[want != before]
+        self.msg.add_many("cancels", np.full(cancelled.shape[0], t), home[want != before] // P,
+                          np.full(cancelled.shape[0], INDEX_BYTES), H)  # fmt: skip
+        self.msg.add_many("evictions", np.full(vt.shape[0], t), d.home[vt].astype(np.int64) // P,
+                          np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
+        return _split_by(home[want != before] // P, H, [cancelled])
+
+    # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
+    def part(self, inbox: dict[int, Message]) -> Message:
+        """Phase 8: h's part of the plan, for every host: as a home host, its keys' migrations (key, source,
+        destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
+        capacity host, its victims; as a sample host, the rank of each of its samples."""
+        pol = self.pol
+        R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
+        keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
+        (cancelled,) = _concat(inbox, 1, (np.int64,))
+        at = np.searchsorted(keys, cancelled)
+        want[at] = own[at]
+        o = np.argsort(self.pg * R + self.pr, kind="stable")
+        pg, pr = self.pg[o], self.pr[o]
+        pk = np.searchsorted(keys, pg)
+        count = np.bincount(pk, minlength=keys.shape[0])
+        mig = np.flatnonzero(want != own)
+        self.msg.add_many("departures", np.full(mig.shape[0], self.h), own[mig] // P,
+                          np.full(mig.shape[0], KEY_BYTES + RANK_BYTES), H)  # fmt: skip
+        exclusive = single & (sole == want)
+        moved = want != own
+        pair_owner = want[pk]
+        hit = int(((pair_owner == pr) & ~moved[pk]).sum())
+        remote = int((pair_owner != pr).sum())
+        ids = np.flatnonzero(~exclusive)
+        self.msg.add_many("shares", np.full(ids.shape[0], self.h), want[ids] // P,
+                          KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)  # fmt: skip
+        readers = pr[(~exclusive)[pk]]
+        return [
+            keys[mig], own[mig].astype(np.int32), want[mig].astype(np.int32),
+            keys[ids], want[ids].astype(np.int32), count[ids].astype(np.int32), readers.astype(np.int32),
+            self.victims, self.members, (self.local_rank + self.h * P).astype(np.int32),
+            np.array([hit, remote], dtype=np.int64),
+        ]  # fmt: skip
 
 
 class HeraldHierPolicy(SchedulePolicy):
@@ -424,133 +712,122 @@ class HeraldHierPolicy(SchedulePolicy):
         return plan
 
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
-        H, P, R, B = self.num_hosts, self.ranks_per_host, self.num_ranks, self.batch_per_rank
-        d = self.directory
-        b = batches[0]
+        """Every host's part in this process, through an in-process transport (the simulator, the tests)."""
+        windows = {h: [self.host_batch(x, h) for x in batches] for h in range(self.num_hosts)}
+        return self.plan_hosts(windows, InProcessTransport(self.num_hosts), whole=batches)
+
+    def plan_host(self, host: int, batches: Sequence[GlobalBatch], transport: Transport) -> Plan:
+        """One host's planner in a run where every host plans in its own process (the training pipeline): `batches`
+        are host `host`'s samples of the current batch and the next L (P B samples each), `transport` reaches the
+        other hosts' planners, which call this at the same step. Returns the whole Plan (the union of the parts)."""
+        if self._flat is not None:
+            raise ValueError("herald_hier: plan_host needs several hosts (with one host the policy is plain herald)")
+        bl = list(batches)
+        n = self.ranks_per_host * self.batch_per_rank
+        bad = [i for i, b in enumerate(bl) if b.num_samples != n or b.layout != self.layout]
+        if not bl or bad or not 0 <= host < self.num_hosts:
+            raise ValueError(
+                f"herald_hier: plan_host takes host 0..{self.num_hosts - 1}'s batches of ranks_per_host x "
+                f"batch_per_rank = {n} samples on tables {self.layout.table_rows}; got host {host}, batches {bad}"
+            )
+        t0 = time.perf_counter()
+        plan = self.plan_hosts({host: bl[: self.lookahead + 1]}, transport)
+        plan.sched_seconds = time.perf_counter() - t0
+        self.step += 1
+        return plan
+
+    def plan_hosts(
+        self, windows: dict[int, list[GlobalBatch]], transport: Transport, whole: list[GlobalBatch] | None = None
+    ) -> Plan:
+        """One step of the hosts in `windows` (host -> its samples' window), phase by phase (module docstring), their
+        messages through `transport`; `whole` (the global window) only for move_samples="swap", which needs every
+        host in this process. Returns the whole Plan, applied to this process's directory."""
+        H, P, R = self.num_hosts, self.ranks_per_host, self.num_ranks
         msg = _Messages(H)
-        host_s = np.zeros(H)
-        dir_s = np.zeros(H)
-        if self._local.selection is None:  # once, from host 0's first window (sent to every host: a few bytes)
-            self._local.profile([self.host_batch(x, 0) for x in batches])
-        n = P * B
-        members = [np.arange(h * n, (h + 1) * n, dtype=np.int64) for h in range(H)]
-        self.last_swapped = 0
-        # ---- phases 1-2 per host: demand, owners; the offers of samples that another host would serve better ----
-        firsts = []
-        offers = []
-        for h in range(H):
+        host_s, dir_s = np.zeros(H), np.zeros(H)
+        hosts: dict[int, HostPlanner] = {}
+        for h, w in windows.items():
             t0 = time.perf_counter()
-            sub = self.host_batch(b, h)
-            bk = self.keys_of(sub)
-            own = d.owner[bk.keys].astype(np.int64)  # the owners' answer (phase 2)
-            firsts.append((sub, bk, own, members[h]))
+            hosts[h] = HostPlanner(self, h, w, msg)
             host_s[h] += time.perf_counter() - t0
-            hosts_k = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
-            msg.add_many("demand", np.full(H, h), np.arange(H), hosts_k * KEY_BYTES, H)
-            msg.add_many("owners", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
-            msg.add_many("decisions", np.arange(H), np.full(H, h), hosts_k * RANK_BYTES, H)
-        # ---- 2b, at the coordinator: pairwise swaps of offered samples (every host keeps P B samples) ---------
-        if self.move_samples == "swap":
-            readers = self._other_readers(firsts, msg)
-            for h, (sub, bk, own, _) in enumerate(firsts):
+
+        def run(kind: str, seconds: np.ndarray, fn) -> dict[int, dict[int, list[np.ndarray]]]:
+            out = {}
+            for h, hp in hosts.items():
                 t0 = time.perf_counter()
-                offers.append(self._offers(sub, bk, own, h, *readers[h]))
-                host_s[h] += time.perf_counter() - t0
+                out[h] = fn(hp)
+                seconds[h] += time.perf_counter() - t0
+            return transport.exchange(kind, out)
+
+        if self._local.selection is None:  # once, from host 0's first window, sent to every host (a few bytes)
+            got = run("settings", host_s, lambda hp: hp.settings())
+            for h, hp in hosts.items():
+                hp.adopt_settings(got.get(h, {}).get(0))
+        got = run("demand", host_s, lambda hp: hp.demand())  # phase 1
+        got = run("owners", dir_s, lambda hp: hp.owners(got[hp.h]))  # phase 2
+        for h, hp in hosts.items():
             t0 = time.perf_counter()
-            members = self._swap(b, offers, members, msg)
-            dir_s[COORDINATOR] += time.perf_counter() - t0
-        # ---- phases 3-4 per host: LAIA over its ranks, reads -----------------------------------------------------
-        views: list[_HostView] = []
-        for h in range(H):
-            t0 = time.perf_counter()
-            sub, bk, own, first_members = firsts[h]
-            if members[h] is not first_members:  # samples arrived: their keys too
-                sub = b.take(members[h])
-                bk = self.keys_of(sub)
-                own = d.owner[bk.keys].astype(np.int64)
-                new_keys = np.setdiff1d(bk.keys, firsts[h][1].keys, assume_unique=True)
-                hk = np.bincount(d.home[new_keys].astype(np.int64) // P, minlength=H)
-                msg.add_many("demand", np.full(H, h), np.arange(H), hk * KEY_BYTES, H)  # owners came with them
-                msg.add_many("decisions", np.arange(H), np.full(H, h), hk * RANK_BYTES, H)
-            home_host = d.home[bk.keys].astype(np.int64) // P
-            own_local = np.where(own // P == h, own - h * P, -1)
-            a = self.host_assign(sub, bk, own_local)
-            rd = step_reads(bk, a, P)
-            er = bk.element_ranks(a)
-            cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
-            v = _HostView(bk, own, home_host, a)
-            v.pair_gid, v.pair_rank, v.pair_count = bk.keys[rd.pair_key], rd.pair_rank + h * P, cnt
-            v.window_keys = [self.keys_of(self.host_batch(x, h)).keys for x in batches[1:]]
-            views.append(v)
+            hp.receive_owners(got[h])
             host_s[h] += time.perf_counter() - t0
-            hosts_p = np.bincount(home_host[rd.pair_key], minlength=H)
-            msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
-        # ---- phase 5, every directory host at once: herald's decision on the union of the reads of its keys ----
-        # One pass over all hosts' (key, reader, elements) reads: sorted by key (hence grouped by home host, as
-        # each home host would receive them), decided by one vectorised `_decide`. Each home host's time is the
-        # pass's time times its share of the reads (the pass is linear in them but for the sort).
-        t0 = time.perf_counter()
-        g = np.concatenate([v.pair_gid for v in views])
-        r = np.concatenate([v.pair_rank for v in views])
-        c = np.concatenate([v.pair_count for v in views])
-        srt = np.argsort(g * R + r, kind="stable")
-        g, r, c = g[srt], r[srt], c[srt]
-        keys, own, want, single, sole, pg, pr = self._decide(g, r, c)
-        pass_s = time.perf_counter() - t0
-        if g.shape[0]:
-            dir_s += pass_s * np.bincount(d.home[g].astype(np.int64) // P, minlength=H) / g.shape[0]
-        # ---- the directory's arrays, one per key read in the step ----------------------------------------------
-        t0 = time.perf_counter()
-        home = d.home[keys].astype(np.int64)
-        d.last_use[keys] = self.step  # pins this step's keys (every holder learns its rows' reads)
-        mv = np.flatnonzero(want != own)
-        dst_host = want[mv] // P
-        o = np.argsort(dst_host, kind="stable")
-        mv = mv[o]
-        bounds = np.searchsorted(dst_host[o], np.arange(H + 1))
-        dir_host = home[mv] // P
-        msg.add_many("arrivals", dir_host, want[mv] // P, np.full(mv.shape[0], KEY_BYTES + 2 * RANK_BYTES), H)
-        union_s = time.perf_counter() - t0
-        # ---- phase 7 per host: room for the arrivals in its guest groups ----------------------------------------
-        victims = []
-        for t in range(H):
+        self.last_swapped = 0
+        if self.move_samples == "swap":  # phase 2b: the coordinator needs every host here
+            if whole is None or len(hosts) != H:
+                raise ValueError("herald_hier: move_samples='swap' plans every host in one process (the simulator)")
+            if self._swap_samples(whole, hosts, msg, host_s, dir_s):
+                got = transport.exchange("demand", {h: hp.demand(count=False) for h, hp in hosts.items()})
+                for h, hp in hosts.items():
+                    hp.owners(got[h])  # the directories learn the new demand (its bytes: _swap_samples)
+        got = run("reads", host_s, lambda hp: hp.assign_and_read())  # phases 3-4
+        got = run("arrivals", dir_s, lambda hp: hp.decide(got[hp.h]))  # phases 5-6 (and the pins)
+        got = run("cancels", host_s, lambda hp: hp.make_room(got[hp.h]))  # phase 7
+        parts = {}
+        for h, hp in hosts.items():  # phase 8: every host's part of the plan, to every host
             t0 = time.perf_counter()
-            mine = mv[bounds[t] : bounds[t + 1]]
-            nu = self.next_use
-            wk = views[t].window_keys
-            for j in range(len(wk), 0, -1):
-                nu[wk[j - 1]] = j
-            before = want[mine].copy()
-            vt = self._make_room(t, mine, keys, own, home, want, single)
-            for w in wk:
-                nu[w] = 0
-            victims.append(vt)
-            host_s[t] += time.perf_counter() - t0
-            cancelled = mine[want[mine] != before]
-            msg.add_many("cancels", np.full(cancelled.shape[0], t), home[cancelled] // P,
-                         np.full(cancelled.shape[0], INDEX_BYTES), H)  # fmt: skip
-            msg.add_many("evictions", np.full(vt.shape[0], t), d.home[vt].astype(np.int64) // P,
-                         np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
-        victims = np.sort(np.concatenate(victims)) if victims else np.zeros(0, dtype=np.int64)
-        self._picked[victims] = False
-        # ---- phase 8 and the union: one Plan --------------------------------------------------------------------
+            parts[h] = hp.part(got[h])
+            dir_s[h] += time.perf_counter() - t0
+        every = transport.all_gather("parts", parts)
         t0 = time.perf_counter()
-        sample_rank = np.empty(R * B, dtype=np.int64)
-        for h, v in enumerate(views):
-            sample_rank[members[h]] = v.local_rank + h * P
-        plan = self._assemble(sample_rank, keys, own, want, single, sole, pg, pr, victims, msg)
-        union_s += time.perf_counter() - t0
+        plan = self._union(every, msg)
+        union_s = time.perf_counter() - t0
+        ids = np.zeros(R, dtype=np.int64)
+        for h, w in windows.items():
+            ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
         self.last_step = HierStep(
             host_seconds=host_s,
             directory_seconds=dir_s,
             union_seconds=union_s,
             message_bytes=dict(msg.kind),
             host_message_bytes=msg.host,
-            ids_bytes=ids_bytes(b, R, B),
+            ids_bytes=ids,
             plan_part_bytes=plan_part_bytes(plan),
             swapped_samples=self.last_swapped,
+            wire_bytes=dict(transport.last_bytes),
         )
+        transport.last_bytes.clear()
         return plan
+
+    def _swap_samples(self, b, hosts: dict[int, "HostPlanner"], msg: _Messages, host_s, dir_s) -> bool:
+        """Phase 2b (module docstring), all hosts in this process: the offers, the coordinator's swaps, and every
+        host's new samples (their keys and owners). True if some sample moved."""
+        H = self.num_hosts
+        firsts = [(hp.sub, hp.bk, hp.own, hp.members) for hp in (hosts[h] for h in range(H))]
+        readers = self._other_readers(firsts, msg)
+        offers = []
+        for h, (sub, bk, own, _) in enumerate(firsts):
+            t0 = time.perf_counter()
+            offers.append(self._offers(sub, bk, own, h, *readers[h]))
+            host_s[h] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        members = self._swap(b[0], offers, [f[3] for f in firsts], msg)
+        dir_s[COORDINATOR] += time.perf_counter() - t0
+        moved = False
+        for h in range(H):
+            if members[h] is not firsts[h][3]:  # samples arrived: their keys too (owners came with them)
+                t0 = time.perf_counter()
+                hosts[h].take_samples(b[0].take(members[h]), members[h])
+                host_s[h] += time.perf_counter() - t0
+                moved = True
+        return moved
 
     def _other_readers(self, firsts, msg: _Messages) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
@@ -721,44 +998,43 @@ class HeraldHierPolicy(SchedulePolicy):
             raise RuntimeError("herald_hier: capacity resolution did not converge")
         return chosen
 
-    def _assemble(self, sample_rank, keys, own, want, single, sole, pg, pr, victims, msg: _Messages) -> Plan:
-        """The union of the hosts' parts as one Plan, the moves applied to the directory; counts phase 8's
-        departures and shares."""
-        d, R, P, H = self.directory, self.num_ranks, self.ranks_per_host, self.num_hosts
-        o = np.argsort(keys, kind="stable")
-        keys, own, want, single, sole = keys[o], own[o], want[o], single[o], sole[o]
-        po = np.argsort(pg * R + pr, kind="stable")
-        pg, pr = pg[po], pr[po]
-        pk = np.searchsorted(keys, pg)
-        count = np.bincount(pk, minlength=keys.shape[0])
-        home_host = d.home[keys].astype(np.int64) // P
-        mig = np.flatnonzero(want != own)
+    def _union(self, parts: list[list[np.ndarray]], msg: _Messages) -> Plan:
+        """The whole Plan from every host's part (`HostPlanner.part`), the moves applied to this process's directory:
+        the same arrays, in the same order, as one planner deciding every key at once."""
+        d, R, B = self.directory, self.num_ranks, self.batch_per_rank
+        mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, members, ranks, counts = [
+            np.concatenate([p[i] for p in parts]) for i in range(11)
+        ]
+        o = np.argsort(mig_key, kind="stable")
+        mig_key, mig_src, mig_dst = mig_key[o], mig_src[o].astype(np.int64), mig_dst[o].astype(np.int64)
+        victims = np.sort(victims)
         v_src = d.owner[victims].astype(np.int64)
         v_dst = d.home[victims].astype(np.int64)
-        msg.add_many("departures", home_host[mig], own[mig] // P, np.full(mig.shape[0], KEY_BYTES + RANK_BYTES), H)
-        mv_gid = np.concatenate([keys[mig], victims])
-        mv_src = np.concatenate([own[mig], v_src])
-        mv_dst = np.concatenate([want[mig], v_dst])
-        mv_kind = np.concatenate([np.full(mig.shape[0], MIGRATE, dtype=np.int8), np.full(victims.shape[0], EVICT_HOME,
-                                                                                           dtype=np.int8)])  # fmt: skip
-        exclusive = single & (sole == want)
-        moved = want != own
-        pair_owner = want[pk]
-        hit = int(((pair_owner == pr) & ~moved[pk]).sum())
-        remote = int((pair_owner != pr).sum())
-        ids = np.flatnonzero(~exclusive)
-        offs = np.concatenate([[0], np.cumsum(count[ids])]).astype(np.int64)
-        readers = pr[(~exclusive)[pk]]
-        shared = shared_rows(self.layout, d.table, keys[ids], want[ids], offs, readers)
-        msg.add_many("shares", home_host[ids], want[ids] // P,
-                     KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)  # fmt: skip
+        mv_gid = np.concatenate([mig_key, victims])
+        mv_src = np.concatenate([mig_src, v_src])
+        mv_dst = np.concatenate([mig_dst, v_dst])
+        mv_kind = np.concatenate(
+            [np.full(mig_key.shape[0], MIGRATE, dtype=np.int8), np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)]
+        )
+        # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
+        sh_count = sh_count.astype(np.int64)
+        o = np.argsort(sh_key, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(sh_count)[:-1]]).astype(np.int64)
+        offs = np.concatenate([[0], np.cumsum(sh_count[o])]).astype(np.int64)
+        readers = sh_readers.astype(np.int64)[
+            np.repeat(starts[o], sh_count[o]) + np.arange(int(offs[-1])) - np.repeat(offs[:-1], sh_count[o])
+        ]
+        shared = shared_rows(self.layout, d.table, sh_key[o], sh_owner[o].astype(np.int64), offs, readers)
         self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
         srt = np.argsort(mv_gid, kind="stable")
         t, row = split_gid(self.layout, d.table, mv_gid[srt])
         moves = RowMoves(table=t, row=row, src=mv_src[srt], dst=mv_dst[srt], kind=mv_kind[srt])
+        sample_rank = np.empty(R * B, dtype=np.int64)
+        sample_rank[members] = ranks
+        hit, remote = (int(x) for x in counts.reshape(-1, 2).sum(axis=0))
         counters = {
             "hit": hit,
-            "migrate": int(mig.shape[0]),
+            "migrate": int(mig_key.shape[0]),
             "evict_home": int(victims.shape[0]),
             "forward": 0,
             "shared_value": remote,
@@ -767,7 +1043,7 @@ class HeraldHierPolicy(SchedulePolicy):
         return Plan(
             step=self.step,
             num_ranks=R,
-            batch_per_rank=self.batch_per_rank,
+            batch_per_rank=B,
             sample_order=order_from_assignment(sample_rank, R),
             moves=moves,
             shared=shared,

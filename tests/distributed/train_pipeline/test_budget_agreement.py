@@ -16,6 +16,7 @@ import torch
 
 from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
 from tests.distributed.train_pipeline.test_pipeline_edges import TwoEBCModel, batches, one_process_reference
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 12
@@ -39,7 +40,6 @@ def plan_digest(plan) -> str:
 def agreement_worker(rank: int, world: int, out_dir: str) -> None:
     """STEPS steps of Herald with a 1 us planning budget, two planners; a DCP checkpoint, the digest of every plan
     this rank trained with, and (on the planners) the plan counts by level."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -49,9 +49,7 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
 
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // 2}"
-    try:
+    with on_machine(f"machine-{rank // 2}"):
         options = HeraldOptions(cache_ratio=0.05, lookahead=2, policy_options={"plan_budget_ms": 1e-3})
         model = TwoEBCModel()
         for ebc in (model.ebc_a, model.ebc_b):
@@ -76,8 +74,6 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
         counter = pipeline.input_stage.comm.counter
         control = (counter.bytes["control"], counter.calls["control"])
         pipeline.close()
-    finally:
-        socket.gethostname = real_hostname
     torch.save(
         {"digests": digests, "levels": levels, "policy": described, "control": control}, rank_result(out_dir, rank)
     )

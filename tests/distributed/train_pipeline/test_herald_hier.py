@@ -1,7 +1,8 @@
 """herald_hier (schedule/herald/hierarchy.py) trained end to end: four gloo ranks on two "machines" of two ranks (each
 rank reports the host name of its pair, as the replica and host-relay tests do), so the pipeline's host map makes
-two per-host planners. The trained model equals the one-process model on the global batches (SGD, <= 1e-5); rows
-really changed owner, some between the machines; every sample trained on a rank of the machine that loaded it."""
+two per-host planners, each planning its own machine's part (its ranks' ids only) with the other through a gloo group
+of the planners. The trained model equals the one-process model on the global batches (SGD, <= 1e-5); rows really
+changed owner, some between the machines; every sample trained on a rank of the machine that loaded it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, batches, one_process_reference
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 10
@@ -21,7 +23,6 @@ PER_HOST = 2
 def hier_worker(rank: int, world: int, out_dir: str) -> None:
     """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
     description and every trained plan's sample ranks and moves."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -31,10 +32,8 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
 
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // PER_HOST}"
     plans = []
-    try:
+    with on_machine(f"machine-{rank // PER_HOST}"):
         options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2)
         model = TwoEBCModel()
         for ebc in (model.ebc_a, model.ebc_b):
@@ -55,11 +54,23 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
             pipeline.progress(it)
         dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
         policy = pipeline.policy.describe() if pipeline.policy is not None else None
+        stage = pipeline.input_stage
+        planned = None
+        if pipeline.policy is not None:
+            planned = {"ids_bytes": pipeline.policy.last_step.ids_bytes.tolist(), "host": stage.host_index,
+                       "wire": dict(pipeline.policy.last_step.wire_bytes), "sent": stage.host_transport.sent_total,
+                       "sched_ms": list(stage.sched_ms)}  # fmt: skip
+        ids_sent = stage.ids_sent_bytes
         pipeline.close()
-    finally:
-        socket.gethostname = real_hostname
     torch.save(
-        {"counters": dict(pipeline.trained_counters), "policy": policy, "plans": plans}, rank_result(out_dir, rank)
+        {
+            "counters": dict(pipeline.trained_counters),
+            "policy": policy,
+            "plans": plans,
+            "planned": planned,
+            "ids_sent": ids_sent,
+        },
+        rank_result(out_dir, rank),
     )
 
 
@@ -84,3 +95,17 @@ def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
     cross = sum(int((p["src"] // PER_HOST != p["dst"] // PER_HOST).sum()) for p in plans)
     assert cross > 0, cross
     assert sum(r["counters"].get("migrate", 0) for r in res) > 0, res[0]["counters"]
+    # planned per machine: each rank's ids went to its own machine's planner only (the planners to themselves: no
+    # bytes), and each planner's policy planned its machine's samples only (ids bytes of its own ranks, none of the
+    # others'), exchanging every phase's messages and the plan parts with the other machine's planner
+    for q, r in enumerate(res):
+        if q % PER_HOST:
+            assert r["planned"] is None and r["ids_sent"] > 0
+            continue
+        h = q // PER_HOST
+        assert r["ids_sent"] == 0 and r["planned"]["host"] == h
+        ids = np.asarray(r["planned"]["ids_bytes"])
+        mine = np.arange(WORLD) // PER_HOST == h
+        assert (ids[mine] > 0).all() and (ids[~mine] == 0).all(), ids
+        assert {"demand", "owners", "reads", "arrivals", "cancels", "parts"} <= set(r["planned"]["wire"])
+        assert r["planned"]["sent"] > 0

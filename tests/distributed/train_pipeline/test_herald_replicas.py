@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, one_process_reference
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 STEPS = 14
@@ -87,7 +88,6 @@ def replica_drift(module) -> tuple[list[int], float]:
 def replicas_worker(rank: int, world: int, out_dir: str) -> None:
     """STEPS steps of Herald with replication on two "machines" of two ranks; a DCP checkpoint, this rank's rows
     by kind and (on rank 0, which plans) the policy's description."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -98,9 +98,7 @@ def replicas_worker(rank: int, world: int, out_dir: str) -> None:
     from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
     from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // 2}"
-    try:
+    with on_machine(f"machine-{rank // 2}"):
         options = HeraldOptions(
             cache_ratio=0.05, lookahead=2, policy_options={"replicate": True, "replica_interval": 2}
         )
@@ -121,8 +119,6 @@ def replicas_worker(rank: int, world: int, out_dir: str) -> None:
         dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
         policy = pipeline.policy.describe() if pipeline.policy is not None else None
         pipeline.close()
-    finally:
-        socket.gethostname = real_hostname
     torch.save(
         {"counters": dict(pipeline.trained_counters), "policy": policy, "drift": drift}, rank_result(out_dir, rank)
     )

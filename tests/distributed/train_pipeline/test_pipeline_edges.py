@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
 B = 8
@@ -32,23 +33,32 @@ HASH = [30, 50, 20]
 
 class TwoEBCModel(torch.nn.Module):
     """Two EmbeddingBagCollections (t0 + t1 reading f0, f1; t2 reading f2) and a small dense head; TorchRec's
-    (loss, output) convention."""
+    (loss, output) convention. `table_options`: EmbeddingBagConfig keywords per table (e.g. a pooling, a data type:
+    the pooled values are read as float32 whatever the table's precision)."""
 
-    def __init__(self, batch_norm: bool = False, weighted: bool = False) -> None:
+    def __init__(
+        self, batch_norm: bool = False, weighted: bool = False, table_options: dict[str, dict] | None = None
+    ) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         super().__init__()
         torch.manual_seed(0)
-        cfg = lambda t, f: EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f])  # noqa: E731
+        options = table_options or {}
+
+        def cfg(t: str, f: str) -> EmbeddingBagConfig:
+            return EmbeddingBagConfig(
+                name=t, embedding_dim=4, num_embeddings=ROWS[t], feature_names=[f], **options.get(t, {})
+            )
+
         self.ebc_a = EmbeddingBagCollection(tables=[cfg("t0", "f0"), cfg("t1", "f1")], is_weighted=weighted)
         self.ebc_b = EmbeddingBagCollection(tables=[cfg("t2", "f2")], is_weighted=weighted)
         self.norm = torch.nn.BatchNorm1d(3) if batch_norm else torch.nn.Identity()
         self.head = torch.nn.Linear(3 + 12, 1)
 
     def forward(self, batch):
-        a = self.ebc_a(batch.sparse_features).values()
-        b = self.ebc_b(batch.sparse_features).values()
+        a = self.ebc_a(batch.sparse_features).values().float()
+        b = self.ebc_b(batch.sparse_features).values().float()
         logit = self.head(torch.cat([self.norm(batch.dense_features), a, b], dim=1)).squeeze(1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, batch.labels.float())
         return loss, (loss.detach(), logit.detach(), batch.labels)
@@ -302,15 +312,8 @@ def _plan_on_run(rank: int, plan_on: str, host: str | None = None) -> dict:
     """12 steps of the two-EBC model with plans made as `plan_on` says (`host`: this rank's host name instead of the
     machine's): every plan (arrays with their dtypes), the trained tables and dense head, whether this rank holds a
     scheduler and the plan bytes it sent."""
-    import socket
-
-    real_hostname = socket.gethostname
-    if host is not None:
-        socket.gethostname = lambda: host  # this process only: the ranks then sit on different "machines"
-    try:
+    with on_machine(host):  # this process only: the ranks then sit on different "machines"
         return _plan_on_steps(rank, plan_on)
-    finally:
-        socket.gethostname = real_hostname
 
 
 def _plan_on_steps(rank: int, plan_on: str) -> dict:
@@ -455,14 +458,11 @@ def test_a_failing_planner_stops_every_rank(plan_on_results: list[dict]) -> None
 def relay_worker(rank: int, world: int, out_dir: str) -> None:
     """12 steps of Herald on two "machines" of two ranks, with host relays on, then off (one DCP checkpoint each,
     and this rank's rows by link)."""
-    import socket
 
     import torch.distributed.checkpoint as dcp
 
-    real_hostname = socket.gethostname
-    socket.gethostname = lambda: f"machine-{rank // 2}"
     out = {}
-    try:
+    with on_machine(f"machine-{rank // 2}"):
         for name, relay in (("relay_on", True), ("relay_off", False)):
             dmp, pipeline = build("herald", host_relay=relay)
             it = iter(batches(rank, 12))
@@ -470,8 +470,6 @@ def relay_worker(rank: int, world: int, out_dir: str) -> None:
                 pipeline.progress(it)
             dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / name / "ckpt"))
             out[name] = dict(pipeline.trained_counters)
-    finally:
-        socket.gethostname = real_hostname
     torch.save(out, rank_result(out_dir, rank))
 
 
