@@ -59,7 +59,7 @@ def run_one(ranks: int, scheduler: str, args: argparse.Namespace, out_dir: Path)
         "--nproc_per_node",
         str(ranks),
         "train.py",
-        *train_overrides(scheduler, args, run_dir, [f"model={args.model}"], args.steps),
+        *train_overrides(scheduler, args, run_dir, [f"model={args.model}"], args.steps, ranks),
     ]
     t0 = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

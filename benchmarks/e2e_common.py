@@ -66,9 +66,12 @@ def train_overrides(
     run_dir: Path,
     model_args: list[str],
     steps: int,
+    ranks: int,
     log_interval: int = 1_000_000,
 ) -> list[str]:
-    """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald)."""
+    """Hydra overrides of one run; every run names its scheduler explicitly (the app's default is herald). The
+    synthetic log's held-out blocks are one global batch (`data.val_block`), so every rank count trains and evaluates
+    the samples its earlier figures were measured on (two held-out global batches)."""
     return [
         *SCHEDULER_ARGS[scheduler],
         f"trainer.steps={steps}",
@@ -76,6 +79,7 @@ def train_overrides(
         "trainer.eval_interval=0",
         f"trainer.log_interval={log_interval}",
         "data.val_batches=2",
+        f"data.val_block={ranks * args.batch}",
         f"data.locality={args.locality}",
         f"scheduler.cache_ratio={args.cache_ratio}" if not scheduler.startswith("torchrec") else "seed=0",
         *model_args,

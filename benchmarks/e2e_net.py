@@ -82,7 +82,9 @@ def host_commands(
     plan = net.plan
     hosts = plan.hosts
     log_every = math.gcd(args.warmup_steps, steps)  # both step W and the last step print a STEP_MARK line
-    overrides = e2e_common.train_overrides(scheduler, args, run_dir, model_args, steps, log_interval=log_every)
+    overrides = e2e_common.train_overrides(
+        scheduler, args, run_dir, model_args, steps, plan.ranks, log_interval=log_every
+    )
     env_vars = [f"{e2e_common.PHASE_TIMES_ENV}=1"] if args.phase_times else []
     cpus = host_cpus(getattr(args, "host_cpus", None) or "shared", hosts)  # compare.py's options lack it
     return [
