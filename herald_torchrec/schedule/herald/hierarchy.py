@@ -105,7 +105,7 @@ from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores,
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
-from herald_torchrec.schedule.reads import BatchKeys, step_reads
+from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
 DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
@@ -119,6 +119,9 @@ SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much mo
 COORDINATOR = 0  # the host that matches the offers (its own are free)
 MOVE_SAMPLES = ("off", "swap")
 HOST_MAX_REFINE = 1  # best-response rounds per host with several hosts (module docstring says why)
+# what HierStep's seconds are measured with: wall time, or CPU time (time.process_time, the simulator's
+# --hier-clock cpu), which other jobs on a shared machine disturb less
+CLOCK = time.perf_counter
 
 
 @dataclass
@@ -263,7 +266,7 @@ class InProcessTransport(Transport):
 
 def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
     """arrays (aligned with dest) cut into one message per destination host (only non-empty ones)."""
-    o = np.argsort(dest, kind="stable")
+    o = stable_order(dest)
     bounds = np.searchsorted(dest[o], np.arange(H + 1))
     out = {}
     for t in np.flatnonzero(np.diff(bounds)).tolist():
@@ -336,7 +339,7 @@ class HostPlanner:
             self.msg.add_many("owners", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
             self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
         K = self.bk.keys.shape[0]
-        o = np.argsort(self.home_host, kind="stable")
+        o = stable_order(self.home_host)
         bounds = np.searchsorted(self.home_host[o], np.arange(H + 1))
         self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its home host
         self.demand_index[o] = np.arange(K) - bounds[self.home_host[o]]
@@ -408,11 +411,10 @@ class HostPlanner:
         g = np.concatenate(gs) if gs else np.zeros(0, dtype=np.int64)
         r = np.concatenate(rs) if rs else np.zeros(0, dtype=np.int64)
         c = np.concatenate(cs) if cs else np.zeros(0, dtype=np.int64)
-        srt = np.argsort(g * R + r, kind="stable")
+        srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
-        self.keys, self.k_own, self.want, self.single, self.sole, self.pg, self.pr = pol._decide(g, r, c)
-        keys, own, want = self.keys, self.k_own, self.want
-        pk = np.searchsorted(keys, self.pg)
+        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c)
+        keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
         owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
         owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
         pin = np.flatnonzero((own != d.home[keys]) & ~owner_host_reads)
@@ -439,18 +441,11 @@ class HostPlanner:
         d = pol.directory
         keys, own, want, single, pins = _concat(inbox, 5, (np.int64, np.int64, np.int64, bool, np.int64))
         d.last_use[pins] = pol.step
-        o = np.argsort(keys, kind="stable")
+        o = stable_order(keys)
         keys, own, want, single = keys[o], own[o], want[o], single[o]
         home = d.home[keys].astype(np.int64)
-        nu = pol.next_use
-        wk = self.window_keys
-        for j in range(len(wk), 0, -1):
-            nu[wk[j - 1]] = j
         before = want.copy()
-        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single)
-        for w in wk:
-            nu[w] = 0
-        pol._picked[vt] = False
+        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
         self.msg.add_many("cancels", np.full(cancelled.shape[0], t), home[want != before] // P,
@@ -459,20 +454,31 @@ class HostPlanner:
                           np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
         return _split_by(home[want != before] // P, H, [cancelled])
 
+    def next_use(self, keys: np.ndarray) -> np.ndarray:
+        """The first batch of h's lookahead window (1..L) that reads each key, 0 for none, int64: a binary search in
+        each batch's sorted keys, for the few keys the capacity phase asks about (an array over every row, set and
+        cleared each step, cost 0.3 ms per host and 68 MB on full Criteo tables)."""
+        out = np.zeros(keys.shape[0], dtype=np.int64)
+        for j in range(len(self.window_keys), 0, -1):
+            w = self.window_keys[j - 1]
+            if w.shape[0] == 0 or keys.shape[0] == 0:
+                continue
+            i = np.minimum(np.searchsorted(w, keys), w.shape[0] - 1)
+            out[w[i] == keys] = j
+        return out
+
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
     def part(self, inbox: dict[int, Message]) -> Message:
         """Phase 8: h's part of the plan, for every host: as a home host, its keys' migrations (key, source,
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
         capacity host, its victims; as a sample host, the rank of each of its samples."""
         pol = self.pol
-        R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
+        P, H = pol.ranks_per_host, pol.num_hosts
         keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
         (cancelled,) = _concat(inbox, 1, (np.int64,))
         at = np.searchsorted(keys, cancelled)
         want[at] = own[at]
-        o = np.argsort(self.pg * R + self.pr, kind="stable")
-        pg, pr = self.pg[o], self.pr[o]
-        pk = np.searchsorted(keys, pg)
+        pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
         count = np.bincount(pk, minlength=keys.shape[0])
         mig = np.flatnonzero(want != own)
         self.msg.add_many("departures", np.full(mig.shape[0], self.h), own[mig] // P,
@@ -577,9 +583,6 @@ class HeraldHierPolicy(SchedulePolicy):
         self._local.directory = None  # only its settings and its table selection are used
         self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
         self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)
-        n = self.layout.total_rows
-        self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)
-        self._picked = np.zeros(n, dtype=bool)
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
         self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
 
@@ -695,13 +698,13 @@ class HeraldHierPolicy(SchedulePolicy):
     def plan(self, batches):
         if self._flat is None:
             return super().plan(batches)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plan = self._flat.plan(batches)
         self.step += 1
         R = self.num_ranks
         bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
         self.last_step = HierStep(
-            host_seconds=np.array([time.perf_counter() - t0]),
+            host_seconds=np.array([CLOCK() - t0]),
             directory_seconds=np.zeros(1),
             union_seconds=0.0,
             message_bytes=dict.fromkeys(MESSAGE_KINDS, 0),
@@ -747,16 +750,16 @@ class HeraldHierPolicy(SchedulePolicy):
         host_s, dir_s = np.zeros(H), np.zeros(H)
         hosts: dict[int, HostPlanner] = {}
         for h, w in windows.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             hosts[h] = HostPlanner(self, h, w, msg)
-            host_s[h] += time.perf_counter() - t0
+            host_s[h] += CLOCK() - t0
 
         def run(kind: str, seconds: np.ndarray, fn) -> dict[int, dict[int, list[np.ndarray]]]:
             out = {}
             for h, hp in hosts.items():
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 out[h] = fn(hp)
-                seconds[h] += time.perf_counter() - t0
+                seconds[h] += CLOCK() - t0
             return transport.exchange(kind, out)
 
         if self._local.selection is None:  # once, from host 0's first window, sent to every host (a few bytes)
@@ -766,9 +769,9 @@ class HeraldHierPolicy(SchedulePolicy):
         got = run("demand", host_s, lambda hp: hp.demand())  # phase 1
         got = run("owners", dir_s, lambda hp: hp.owners(got[hp.h]))  # phase 2
         for h, hp in hosts.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             hp.receive_owners(got[h])
-            host_s[h] += time.perf_counter() - t0
+            host_s[h] += CLOCK() - t0
         self.last_swapped = 0
         if self.move_samples == "swap":  # phase 2b: the coordinator needs every host here
             if whole is None or len(hosts) != H:
@@ -782,13 +785,13 @@ class HeraldHierPolicy(SchedulePolicy):
         got = run("cancels", host_s, lambda hp: hp.make_room(got[hp.h]))  # phase 7
         parts = {}
         for h, hp in hosts.items():  # phase 8: every host's part of the plan, to every host
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             parts[h] = hp.part(got[h])
-            dir_s[h] += time.perf_counter() - t0
+            dir_s[h] += CLOCK() - t0
         every = transport.all_gather("parts", parts)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plan = self._union(every, msg)
-        union_s = time.perf_counter() - t0
+        union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
         for h, w in windows.items():
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
@@ -814,18 +817,18 @@ class HeraldHierPolicy(SchedulePolicy):
         readers = self._other_readers(firsts, msg)
         offers = []
         for h, (sub, bk, own, _) in enumerate(firsts):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             offers.append(self._offers(sub, bk, own, h, *readers[h]))
-            host_s[h] += time.perf_counter() - t0
-        t0 = time.perf_counter()
+            host_s[h] += CLOCK() - t0
+        t0 = CLOCK()
         members = self._swap(b[0], offers, [f[3] for f in firsts], msg)
-        dir_s[COORDINATOR] += time.perf_counter() - t0
+        dir_s[COORDINATOR] += CLOCK() - t0
         moved = False
         for h in range(H):
             if members[h] is not firsts[h][3]:  # samples arrived: their keys too (owners came with them)
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 hosts[h].take_samples(b[0].take(members[h]), members[h])
-                host_s[h] += time.perf_counter() - t0
+                host_s[h] += CLOCK() - t0
                 moved = True
         return moved
 
@@ -913,7 +916,7 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
         """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
-        rank: (keys, owner, want, single, sole, pair keys, pair ranks)."""
+        rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks)."""
         d = self.directory
         if g.shape[0] == 0:
             z = np.zeros(0, dtype=np.int64)
@@ -934,26 +937,26 @@ class HeraldHierPolicy(SchedulePolicy):
         top = np.flatnonzero(c == best[kid])
         first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
         want = np.where(owner_reads, own, r[first])
-        return keys, own, want, single, sole, g, r
+        return keys, own, want, single, sole, kid, r
 
-    def _make_room(self, t, mine, keys, own, home, want, single) -> np.ndarray:
+    def _make_room(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:
         """Host t's capacity (phase 7): victims among its guests (returned) and cancelled arrivals (in `want`), so
-        that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks."""
+        that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks;
+        `next_use(keys)`: the first batch of t's lookahead window that reads each key (0: none)."""
         d, P, T = self.directory, self.ranks_per_host, self.layout.num_tables
         lo = t * P * T
         Gt = P * T
         tk = d.table[keys].astype(np.int64)
         last, step, L1 = d.last_use, self.step, self.lookahead + 1
-        nu, picked = self.next_use, self._picked
         freed = np.zeros(Gt, dtype=np.int64)
         chosen = np.zeros(0, dtype=np.int64)
 
         def prio(pos: np.ndarray) -> np.ndarray:
             gg = d.slots.slot[pos]
             lu = last[gg].astype(np.int64)
-            n = nu[gg].astype(np.int64)
+            n = next_use(gg)
             p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
-            return np.where((lu == step) | picked[gg], -1, p)
+            return np.where((lu == step) | np.isin(gg, chosen), -1, p)  # this step's victims stay picked
 
         for it in range(mine.shape[0] + 2):
             m = mine[want[mine] != own[mine]]
@@ -975,7 +978,6 @@ class HeraldHierPolicy(SchedulePolicy):
                 vpos = self.eviction.pick(gneed + lo, deficit[gneed], prio)
                 v = d.slots.slot[vpos]
                 if v.shape[0]:
-                    picked[v] = True
                     chosen = np.concatenate([chosen, v])
                     vcount = np.bincount(d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64) - lo,
                                          minlength=Gt)  # fmt: skip
@@ -985,7 +987,7 @@ class HeraldHierPolicy(SchedulePolicy):
                         break
             over = left[arr_g] > 0
             cand, cg = arr[over], arr_g[over]
-            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
+            val = np.where(single[cand], 2, 0) + (next_use(keys[cand]) > 0)
             from_guest = own[cand] != home[cand]
             o = np.lexsort((keys[cand], ~from_guest, -val, cg))
             cand, cg = cand[o], cg[o]
@@ -1005,7 +1007,7 @@ class HeraldHierPolicy(SchedulePolicy):
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, members, ranks, counts = [
             np.concatenate([p[i] for p in parts]) for i in range(11)
         ]
-        o = np.argsort(mig_key, kind="stable")
+        o = stable_order(mig_key)
         mig_key, mig_src, mig_dst = mig_key[o], mig_src[o].astype(np.int64), mig_dst[o].astype(np.int64)
         victims = np.sort(victims)
         v_src = d.owner[victims].astype(np.int64)
@@ -1018,7 +1020,7 @@ class HeraldHierPolicy(SchedulePolicy):
         )
         # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
         sh_count = sh_count.astype(np.int64)
-        o = np.argsort(sh_key, kind="stable")
+        o = stable_order(sh_key)
         starts = np.concatenate([[0], np.cumsum(sh_count)[:-1]]).astype(np.int64)
         offs = np.concatenate([[0], np.cumsum(sh_count[o])]).astype(np.int64)
         readers = sh_readers.astype(np.int64)[
@@ -1026,7 +1028,7 @@ class HeraldHierPolicy(SchedulePolicy):
         ]
         shared = shared_rows(self.layout, d.table, sh_key[o], sh_owner[o].astype(np.int64), offs, readers)
         self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
-        srt = np.argsort(mv_gid, kind="stable")
+        srt = stable_order(mv_gid)
         t, row = split_gid(self.layout, d.table, mv_gid[srt])
         moves = RowMoves(table=t, row=row, src=mv_src[srt], dst=mv_dst[srt], kind=mv_kind[srt])
         sample_rank = np.empty(R * B, dtype=np.int64)
