@@ -580,7 +580,10 @@ class HeraldHierPolicy(SchedulePolicy):
             )
         # the per-host problem's settings: a HeraldPolicy of P ranks validates them and chooses tables / refine
         self._local = HeraldPolicy(self.layout.table_rows, P, batch_per_rank, cache_ratio, lookahead, **settings)
-        self._local.directory = None  # only its settings and its table selection are used
+        # only its settings and its table selection are used: its per-row state goes (the compiled kernels' view of
+        # it included, which kept a whole second directory alive: 0.7 GB on full Criteo tables)
+        for name in ("directory", "eviction", "next_use", "_picked", "_native"):
+            setattr(self._local, name, None)
         self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
         self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
