@@ -71,7 +71,13 @@ int64 keys), next to the protocol's count in `message_bytes`.
 
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7 and its part of 8) and per
 directory host (`directory_seconds`: 2, 5, 6, 8 for its keys); the union of the parts into one Plan (`union_seconds`)
-is what a host's data plane would not do (each would keep its own part).
+is what a host's data plane would not do (each would keep its own part), though `plan_host` does it today.
+
+Memory: each process holds a replica of the whole directory (every row's owner, home, table, last use and slot
+position: 0.6 GB on full Criteo Kaggle tables) and every rank's guests, where host h's protocol needs only its home
+rows' owners and its own ranks' guests (`benchmarks/hier_memory.py` computes both). A per-host store would need the
+guests' state keyed by a key -> slot map instead of arrays over every row, and `plan_host` applying only the moves
+of its rows and ranks instead of the whole Plan.
 
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
@@ -581,7 +587,7 @@ class HeraldHierPolicy(SchedulePolicy):
         # the per-host problem's settings: a HeraldPolicy of P ranks validates them and chooses tables / refine
         self._local = HeraldPolicy(self.layout.table_rows, P, batch_per_rank, cache_ratio, lookahead, **settings)
         # only its settings and its table selection are used: its per-row state goes (the compiled kernels' view of
-        # it included, which kept a whole second directory alive: 0.7 GB on full Criteo tables)
+        # it included, which kept a whole second directory alive: 0.6 GB on full Criteo tables)
         for name in ("directory", "eviction", "next_use", "_picked", "_native"):
             setattr(self._local, name, None)
         self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
