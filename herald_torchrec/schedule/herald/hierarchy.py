@@ -191,15 +191,25 @@ class _Messages:
             self.host[src] += int(nbytes)
             self.host[dst] += int(nbytes)
 
-    def add_many(self, kind: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, H: int) -> None:
-        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]."""
-        cross = src != dst
+    def add_many(
+        self, kind: str, src: np.ndarray | int, dst: np.ndarray | int, nbytes: np.ndarray | int, H: int
+    ) -> None:
+        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]; src or dst may be one host for all (an int)
+        and nbytes one size for all (an int), which saves the arrays that would repeat them."""
+        cross = np.asarray(src != dst)
         if not cross.any():
             return
-        b = np.asarray(nbytes, dtype=np.int64)[cross]
-        self.kind[kind] += int(b.sum())
-        self.host += np.bincount(src[cross], weights=b, minlength=H).astype(np.int64)
-        self.host += np.bincount(dst[cross], weights=b, minlength=H).astype(np.int64)
+        one_size = np.ndim(nbytes) == 0
+        b = int(nbytes) if one_size else np.asarray(nbytes, dtype=np.int64)[cross]
+        total = int(cross.sum()) * b if one_size else int(b.sum())
+        self.kind[kind] += total
+        for end in (src, dst):
+            if np.ndim(end) == 0:
+                self.host[int(end)] += total
+            elif one_size:
+                self.host += np.bincount(end[cross], minlength=H) * b
+            else:
+                self.host += np.bincount(end[cross], weights=b, minlength=H).astype(np.int64)
 
 
 def check_ranks_per_host(ranks_per_host: object) -> None:
@@ -273,11 +283,12 @@ class InProcessTransport(Transport):
 def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
     """arrays (aligned with dest) cut into one message per destination host (only non-empty ones)."""
     o = stable_order(dest)
-    bounds = np.searchsorted(dest[o], np.arange(H + 1))
+    n = np.bincount(dest, minlength=H)
+    bounds = np.concatenate([[0], np.cumsum(n)]).tolist()
+    grouped = [a[o] for a in arrays]  # one gather per array; each message is a slice (a view) of it
     out = {}
-    for t in np.flatnonzero(np.diff(bounds)).tolist():
-        sel = o[bounds[t] : bounds[t + 1]]
-        out[t] = [a[sel] for a in arrays]
+    for t in np.flatnonzero(n).tolist():
+        out[t] = [a[bounds[t] : bounds[t + 1]] for a in grouped]
     return out
 
 
@@ -308,7 +319,7 @@ class HostPlanner:
         pol = self.pol
         self.sub = sub
         self.bk = pol.keys_of(sub)
-        self.home_host = pol.directory.home[self.bk.keys].astype(np.int64) // pol.ranks_per_host
+        self.home_host = pol.home_of(self.bk.keys) // pol.ranks_per_host
         self.own = np.zeros(0, dtype=np.int64)
 
     # ---- settings, once ---------------------------------------------------------------------------------------
@@ -339,17 +350,18 @@ class HostPlanner:
     def demand(self, count: bool = True) -> dict[int, Message]:
         """Phase 1: the distinct keys of h's samples, to their home hosts."""
         H = self.pol.num_hosts
+        k = np.bincount(self.home_host, minlength=H)
         if count:
-            k = np.bincount(self.home_host, minlength=H)
-            self.msg.add_many("demand", np.full(H, self.h), np.arange(H), k * KEY_BYTES, H)
-            self.msg.add_many("owners", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
-            self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
+            self.msg.add_many("demand", self.h, np.arange(H), k * KEY_BYTES, H)
+            self.msg.add_many("owners", np.arange(H), self.h, k * RANK_BYTES, H)
+            self.msg.add_many("decisions", np.arange(H), self.h, k * RANK_BYTES, H)
         K = self.bk.keys.shape[0]
-        o = stable_order(self.home_host)
-        bounds = np.searchsorted(self.home_host[o], np.arange(H + 1))
+        o = stable_order(self.home_host)  # the keys by home host, each host's in key order: the demand's order
+        bounds = np.concatenate([[0], np.cumsum(k)])
         self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its home host
-        self.demand_index[o] = np.arange(K) - bounds[self.home_host[o]]
-        return _split_by(self.home_host, H, [self.bk.keys])
+        self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
+        self.demand_slices = {t: o[bounds[t] : bounds[t + 1]] for t in np.flatnonzero(k).tolist()}
+        return {t: [self.bk.keys[sel]] for t, sel in self.demand_slices.items()}
 
     def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
         """Phase 2, as a home host: the current owner of every key each host demanded."""
@@ -360,7 +372,7 @@ class HostPlanner:
     def receive_owners(self, inbox: dict[int, Message]) -> None:
         own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
         for a, m in inbox.items():
-            own[self.home_host == a] = m[0]
+            own[self.demand_slices[a]] = m[0]  # aligned with the demand to a
         self.own = own
 
     def take_samples(self, sub: GlobalBatch, members: np.ndarray) -> None:
@@ -373,8 +385,8 @@ class HostPlanner:
         self.own = pol.directory.owner[self.bk.keys].astype(np.int64)
         new_keys = np.setdiff1d(self.bk.keys, old, assume_unique=True)
         hk = np.bincount(pol.directory.home[new_keys].astype(np.int64) // pol.ranks_per_host, minlength=H)
-        self.msg.add_many("demand", np.full(H, self.h), np.arange(H), hk * KEY_BYTES, H)
-        self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), hk * RANK_BYTES, H)
+        self.msg.add_many("demand", self.h, np.arange(H), hk * KEY_BYTES, H)
+        self.msg.add_many("decisions", np.arange(H), self.h, hk * RANK_BYTES, H)
 
     # ---- phases 3-4: LAIA over h's ranks, reads --------------------------------------------------------------
     def assign_and_read(self) -> dict[int, Message]:
@@ -392,7 +404,7 @@ class HostPlanner:
         pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
         self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
         hosts_p = np.bincount(self.home_host[rd.pair_key], minlength=H)
-        self.msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
+        self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         return _split_by(
             self.home_host[rd.pair_key],
             H,
@@ -407,7 +419,6 @@ class HostPlanner:
         on host t and read only by other hosts (t must not evict them this step)."""
         pol = self.pol
         R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
-        d = pol.directory
         gs, rs, cs = [], [], []
         for s in sorted(inbox):
             idx, r, c = inbox[s]
@@ -423,11 +434,10 @@ class HostPlanner:
         keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
         owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
         owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
-        pin = np.flatnonzero((own != d.home[keys]) & ~owner_host_reads)
+        pin = np.flatnonzero((own != pol.home_of(keys)) & ~owner_host_reads)
         mv = np.flatnonzero(want != own)
-        self.msg.add_many("arrivals", np.full(mv.shape[0], self.h), want[mv] // P,
-                          np.full(mv.shape[0], KEY_BYTES + 2 * RANK_BYTES), H)  # fmt: skip
-        self.msg.add_many("pins", np.full(pin.shape[0], self.h), own[pin] // P, np.full(pin.shape[0], KEY_BYTES), H)
+        self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
+        self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
         out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(np.int32), want[mv].astype(np.int32),
                                            self.single[mv].astype(np.int8)])  # fmt: skip
         empty = [np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8)]
@@ -449,15 +459,13 @@ class HostPlanner:
         d.last_use[pins] = pol.step
         o = stable_order(keys)
         keys, own, want, single = keys[o], own[o], want[o], single[o]
-        home = d.home[keys].astype(np.int64)
+        home = pol.home_of(keys)
         before = want.copy()
         vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
-        self.msg.add_many("cancels", np.full(cancelled.shape[0], t), home[want != before] // P,
-                          np.full(cancelled.shape[0], INDEX_BYTES), H)  # fmt: skip
-        self.msg.add_many("evictions", np.full(vt.shape[0], t), d.home[vt].astype(np.int64) // P,
-                          np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
+        self.msg.add_many("cancels", t, home[want != before] // P, INDEX_BYTES, H)
+        self.msg.add_many("evictions", t, pol.home_of(vt) // P, KEY_BYTES, H)
         return _split_by(home[want != before] // P, H, [cancelled])
 
     def next_use(self, keys: np.ndarray) -> np.ndarray:
@@ -487,16 +495,14 @@ class HostPlanner:
         pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
         count = np.bincount(pk, minlength=keys.shape[0])
         mig = np.flatnonzero(want != own)
-        self.msg.add_many("departures", np.full(mig.shape[0], self.h), own[mig] // P,
-                          np.full(mig.shape[0], KEY_BYTES + RANK_BYTES), H)  # fmt: skip
+        self.msg.add_many("departures", self.h, own[mig] // P, KEY_BYTES + RANK_BYTES, H)
         exclusive = single & (sole == want)
         moved = want != own
         pair_owner = want[pk]
         hit = int(((pair_owner == pr) & ~moved[pk]).sum())
         remote = int((pair_owner != pr).sum())
         ids = np.flatnonzero(~exclusive)
-        self.msg.add_many("shares", np.full(ids.shape[0], self.h), want[ids] // P,
-                          KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)  # fmt: skip
+        self.msg.add_many("shares", self.h, want[ids] // P, KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)
         readers = pr[(~exclusive)[pk]]
         return [
             keys[mig], own[mig].astype(np.int32), want[mig].astype(np.int32),
@@ -636,6 +642,17 @@ class HeraldHierPolicy(SchedulePolicy):
         if self._flat is None:
             out.update(refine=self.refine, guests=self.directory.occupancy())
         return out
+
+    # ---- a key's table and home, from the layout --------------------------------------------------------------
+    def table_of(self, keys: np.ndarray) -> np.ndarray:
+        """Table of every key (int64), by a binary search in the layout's T + 1 offsets: no random read of an array
+        over every row (the directory's `table`), which a host planner need not hold."""
+        return np.searchsorted(self.layout.offsets, keys, side="right") - 1
+
+    def home_of(self, keys: np.ndarray) -> np.ndarray:
+        """ROW_WISE home rank of every key (int64), = the directory's `home`, computed from the key."""
+        t = self.table_of(keys)
+        return (keys - self.layout.offsets[t]) // self.directory.block[t]
 
     # ---- per-host batches ---------------------------------------------------------------------------------------
     def host_batch(self, b: GlobalBatch, h: int) -> GlobalBatch:
@@ -955,7 +972,7 @@ class HeraldHierPolicy(SchedulePolicy):
         d, P, T = self.directory, self.ranks_per_host, self.layout.num_tables
         lo = t * P * T
         Gt = P * T
-        tk = d.table[keys].astype(np.int64)
+        tk = self.table_of(keys)
         last, step, L1 = d.last_use, self.step, self.lookahead + 1
         freed = np.zeros(Gt, dtype=np.int64)
         chosen = np.zeros(0, dtype=np.int64)
