@@ -302,3 +302,12 @@ def test_home_and_table_from_the_key_match_the_directory():
     np.testing.assert_array_equal(pol.table_of(keys), pol.directory.table)
     np.testing.assert_array_equal(pol.home_of(keys), pol.directory.home)
     np.testing.assert_array_equal(pol.home_of(keys[[2, 15, 20, 31]]), [2, 0, 2, 7])  # rows 2, 0, 4, 15 of t0, t3, t4
+
+
+def test_the_per_host_settings_planner_holds_no_per_row_state():
+    rows = [4000, 3000, 50]
+    pol = HeraldHierPolicy(rows, 8, 4, 0.1, 2, hosts=4)
+    loc = pol._local  # a HeraldPolicy of P ranks, kept for its settings and table selection only
+    assert (loc.directory, loc.eviction, loc.next_use, loc._picked, loc._native) == (None,) * 5
+    held = sum(v.nbytes for v in vars(loc).values() if isinstance(v, np.ndarray))
+    assert held < sum(rows)  # under a byte per row (a directory is ~20 bytes per row)
