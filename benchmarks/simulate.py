@@ -28,7 +28,8 @@ cross_host_by_kind_table_class[_host_aggregated] (per kind / table size: tiny < 
 busiest_rank_over_mean (rows the busiest rank sends + receives over the mean rank's, median over the steps).
 herald and herald_hier (planned per host, schedule/herald/hierarchy.py) also get plan_ms_per_host and
 protocol_bytes_per_rank (`ProtocolTotals`: herald's for today's protocol, every rank's ids to every host's planner
-and the whole plan back). Progress goes to stderr.
+and the whole plan back; --hier-clock cpu: herald_hier's per-host times in CPU time). peak_rss_mib: the whole process's
+peak resident memory (every policy, the trace and the checker included). Progress goes to stderr.
 Every policy gets its own batch objects (their caches are part of its scheduling time) built from the same ids.
 """
 
@@ -41,6 +42,7 @@ import importlib
 import itertools
 import json
 import os
+import resource
 import sys
 import time
 from collections import deque
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
+from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import ids_bytes  # noqa: E402
 from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402
@@ -583,6 +586,13 @@ def main(argv: list[str] | None = None) -> dict:
         "their least loaded readers; 'off' disables (default: the policy's, 1.15)",
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
+    p.add_argument(
+        "--hier-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="herald_hier: measure plan_ms_per_host in wall time or in this process's CPU time (which other jobs on "
+        "a shared machine disturb less)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
     p.add_argument("--plot", help="PNG: transmitted rows per sample (and crossing hosts) vs workers per policy")
     p.add_argument(
@@ -629,6 +639,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
     workers = parse_workers(args.workers)
+    hierarchy.CLOCK = time.process_time if args.hier_clock == "cpu" else time.perf_counter
     config = {
         "data": args.data,
         "path": args.path,
@@ -643,6 +654,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dim": args.dim,
         "state_width": args.state_width,
         "threads": os.environ.get("OMP_NUM_THREADS"),
+        "hier_clock": args.hier_clock,
     }
     if args.data == "synthetic":
         config.update({"locality": args.locality, "zipf": args.zipf, "scale": args.scale, "seed": args.seed})
@@ -667,6 +679,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["sweep"][str(R)] = run_policies(args, R)
     if args.plot:
         plot(result, args.plot)
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # the whole process
     print(json.dumps(result, indent=None if args.json else 2))
     return result
 

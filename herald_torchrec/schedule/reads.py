@@ -4,7 +4,8 @@ Speed matters here (the whole step has a ~5 ms budget at R=8): sorting the ~50k 
 costs ~2 ms and np.unique ~7 ms on the reference machine. So:
 * `batch_keys` finds the distinct keys of a batch once (the batch object caches it: it is seen first as lookahead)
   with a *representative* scatter — `scratch[gid] = arange(n)` leaves one position per distinct gid — then sorts
-  only the distinct keys. Every element gets the compact id `cid` of its key (index into the sorted keys).
+  only the distinct keys; past `SCRATCH_LIMIT` rows (full-size tables) with one sort of (id, index) packed into
+  int64 (`packed_distinct`). Every element gets the compact id `cid` of its key (index into the sorted keys).
 * `step_reads` marks every (key, rank) code in a dense [K, R] bitmap; its set cells, read in row-major order, are
   the distinct (key, reader) pairs already sorted by key, then rank. Above `DENSE_LIMIT` cells (R=256 on a small
   model, R=128 on full-size tables) no [K, R] table is made: the compiled path takes the elements rank by rank and
@@ -26,6 +27,52 @@ DENSE_LIMIT = 1 << 23  # cells of the dense [K, R] count matrix (64 MiB of int64
 
 
 SCRATCH_LIMIT = 1 << 24  # rows beyond which distinct keys are found by sorting instead of a scratch scatter
+
+
+def packed_order(values: np.ndarray) -> np.ndarray | None:
+    """np.argsort(values, kind="stable") for non-negative integers, by one np.sort of (value, index) packed into one
+    int64 (numpy sorts plain integers 10-15x faster than it argsorts them: 0.05 against 0.67 ms for 15,000 values),
+    or None where value and index bits do not fit in 62."""
+    n = values.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    b = max(int(n - 1).bit_length(), 1)
+    if int(values.min()) < 0 or int(values.max()).bit_length() + b > 62:
+        return None
+    packed = (values.astype(np.int64, copy=False) << b) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    packed &= (1 << b) - 1
+    return packed
+
+
+def stable_order(values: np.ndarray) -> np.ndarray:
+    """np.argsort(values, kind="stable") of integers (int64), the fastest way numpy has: a radix sort where values
+    fit in int16, else `packed_order`, else a merge sort."""
+    v = np.asarray(values)
+    if v.shape[0] and 0 <= int(v.min()) and int(v.max()) < 2**15:
+        return np.argsort(v.astype(np.int16, copy=False), kind="stable").astype(np.int64, copy=False)
+    o = packed_order(v)
+    return o if o is not None else np.argsort(v, kind="stable")
+
+
+def packed_distinct(gid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """np.unique(gid, return_inverse=True, return_counts=True) of non-negative ids from one sort of (id, index)
+    packed into int64 (`packed_order`'s trick: 0.6 against 1.1 ms for a host batch of 53,248 ids on full Criteo
+    tables); None where the bits do not fit."""
+    E = gid.shape[0]
+    b = max(int(E - 1).bit_length(), 1)
+    if int(gid.min()) < 0 or int(gid.max()).bit_length() + b > 62:
+        return None
+    packed = (gid.astype(np.int64, copy=False) << b) | np.arange(E, dtype=np.int64)
+    packed.sort()
+    g = packed >> b
+    new = np.empty(E, dtype=bool)
+    new[0] = True
+    np.not_equal(g[1:], g[:-1], out=new[1:])
+    start = np.flatnonzero(new)
+    cid = np.empty(E, dtype=np.int64)
+    cid[packed & ((1 << b) - 1)] = np.cumsum(new) - 1
+    return g[start], cid, np.diff(np.append(start, E))
 
 
 class Scratch:
@@ -146,8 +193,12 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             cid = s[gid].astype(np.int64)
             cnt = np.bincount(cid, minlength=keys.shape[0])
         elif gid.shape[0] and n_rows > SCRATCH_LIMIT:
-            keys, cid, cnt = np.unique(gid, return_inverse=True, return_counts=True)
-            cid = cid.astype(np.int64).reshape(-1)
+            got = packed_distinct(gid)
+            if got is None:
+                keys, cid, cnt = np.unique(gid, return_inverse=True, return_counts=True)
+                cid = cid.astype(np.int64).reshape(-1)
+            else:
+                keys, cid, cnt = got
         elif gid.shape[0]:
             s = scratch.get(int(gid.max()) + 1, gid.shape[0])
             uniq, cid, cnt = distinct(gid, s)

@@ -164,3 +164,36 @@ def test_real_format_samples(data, fname, shared_data, capsys):
     )
     out = json.loads(capsys.readouterr().out)
     assert all(st["stale_reads"] == 0 for st in out["policies"].values())
+
+
+def test_hier_clock_and_peak_rss(capsys):
+    sim = load_simulate()
+    from herald_torchrec.schedule.herald import hierarchy
+
+    try:
+        out = sim.main(["--workers", "4", "--ranks-per-host", "2", "--policies", "herald_hier", "--hier-clock", "cpu",
+                        "--json", *SMALL])  # fmt: skip
+        assert hierarchy.CLOCK is __import__("time").process_time
+    finally:
+        hierarchy.CLOCK = __import__("time").perf_counter
+    capsys.readouterr()
+    assert out["config"]["hier_clock"] == "cpu" and out["peak_rss_mib"] > 0
+    assert out["policies"]["herald_hier"]["plan_ms_per_host"]["max_host_ms"] > 0
+
+
+def test_hier_memory_counts_one_hosts_needs(capsys):
+    spec = importlib.util.spec_from_file_location("hier_memory", REPO_ROOT / "benchmarks" / "hier_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--scale", "0.0005", "--workers", "4", "--ranks-per-host", "2", "--batch", "8", "--steps", "4"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+    (run,) = out["runs"]
+    rows = run["total_rows"]
+    rep, need = run["replica_bytes"], run["host_needs_bytes"]
+    assert rep["owner"] == rep["home"] == rep["last_use"] == 4 * rows and rep["table"] == 2 * rows  # every row
+    assert need["home_owners"] == 2 * need["home_rows"] and rows / 2 - 8 <= need["home_rows"] <= rows / 2 + 8
+    assert need["guests"] == need["guests_held"] * mod.GUEST_BYTES
+    assert need["total"] == need["home_owners"] + need["guests"] + need["groups_and_pools"]
+    assert need["total"] <= need["total_caches_full"]
+    with pytest.raises(SystemExit):
+        mod.main(["--workers", "3", "--ranks-per-host", "2"])

@@ -9,7 +9,7 @@ from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, g
 from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
-from herald_torchrec.schedule.reads import Scratch, batch_keys, step_reads
+from herald_torchrec.schedule.reads import Scratch, batch_keys, packed_distinct, packed_order, stable_order, step_reads
 
 ROWS = [5, 40, 1000]
 
@@ -100,7 +100,7 @@ def test_large_ids_stay_exact():
 
 
 # ---- distinct keys and reader sets ---------------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [ROWS, [10**7, 3]])  # bitmap path and sort path
+@pytest.mark.parametrize("rows", [ROWS, [10**7, 3], [2**25, 3]])  # bitmap, scratch and packed-sort paths
 def test_batch_keys_and_step_reads_match_bruteforce(rows):
     R, B = 4, 16
     ids = dense_ids(R * B, rows, seed=3)
@@ -116,6 +116,26 @@ def test_batch_keys_and_step_reads_match_bruteforce(rows):
     codes = np.unique(gid * R + rank[smp])
     np.testing.assert_array_equal(bk.keys[rd.pair_key] * R + rd.pair_rank, codes)
     np.testing.assert_array_equal(rd.count, np.bincount(rd.pair_key, minlength=bk.keys.shape[0]))
+
+
+@pytest.mark.parametrize("high", [3, 2**15, 2**40])  # radix (int16), packed, packed
+def test_stable_order_and_packed_distinct_match_numpy(high):
+    v = np.random.default_rng(5).integers(0, high, 5000)
+    np.testing.assert_array_equal(stable_order(v), np.argsort(v, kind="stable"))  # ties keep their order
+    keys, cid, cnt = packed_distinct(v)
+    u, inv, c = np.unique(v, return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(keys, u)
+    np.testing.assert_array_equal(cid, inv.reshape(-1))
+    np.testing.assert_array_equal(cnt, c)
+
+
+def test_packed_sorts_decline_values_too_wide_to_pack():
+    v = np.array([2**61, 5, 2**61, 0], dtype=np.int64)  # 62 value bits + 2 index bits > 62
+    assert packed_order(v) is None and packed_distinct(v) is None
+    np.testing.assert_array_equal(stable_order(v), [3, 1, 0, 2])  # the merge sort then
+    rows = [2**62]
+    b = GlobalBatch.from_dense(v[:, None], rows)
+    np.testing.assert_array_equal(batch_keys(b, Scratch(16)).keys, [0, 5, 2**61])  # np.unique then
 
 
 # ---- directory ----------------------------------------------------------------------------------------------------

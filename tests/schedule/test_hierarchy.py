@@ -293,3 +293,21 @@ def test_each_host_plans_from_its_own_samples_in_its_own_replica():
         assert got[h][-1].counters == want[-1].counters
     with pytest.raises(ValueError, match="plan_host takes host 0..3's batches"):
         HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P).plan_host(0, fresh[: L + 1], ThreadTransport(0, {}, barrier))
+
+
+def test_home_and_table_from_the_key_match_the_directory():
+    rows = [5, 7, 3, 1, 16]  # a one-row table among them; ROW_WISE blocks of 1, 1, 1, 1, 2 rows at R=8
+    pol = HeraldHierPolicy(rows, 8, 2, 0.25, 1, hosts=4)
+    keys = np.arange(sum(rows), dtype=np.int64)
+    np.testing.assert_array_equal(pol.table_of(keys), pol.directory.table)
+    np.testing.assert_array_equal(pol.home_of(keys), pol.directory.home)
+    np.testing.assert_array_equal(pol.home_of(keys[[2, 15, 20, 31]]), [2, 0, 2, 7])  # rows 2, 0, 4, 15 of t0, t3, t4
+
+
+def test_the_per_host_settings_planner_holds_no_per_row_state():
+    rows = [4000, 3000, 50]
+    pol = HeraldHierPolicy(rows, 8, 4, 0.1, 2, hosts=4)
+    loc = pol._local  # a HeraldPolicy of P ranks, kept for its settings and table selection only
+    assert (loc.directory, loc.eviction, loc.next_use, loc._picked, loc._native) == (None,) * 5
+    held = sum(v.nbytes for v in vars(loc).values() if isinstance(v, np.ndarray))
+    assert held < sum(rows)  # under a byte per row (a directory is ~20 bytes per row)

@@ -71,7 +71,13 @@ int64 keys), next to the protocol's count in `message_bytes`.
 
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7 and its part of 8) and per
 directory host (`directory_seconds`: 2, 5, 6, 8 for its keys); the union of the parts into one Plan (`union_seconds`)
-is what a host's data plane would not do (each would keep its own part).
+is what a host's data plane would not do (each would keep its own part), though `plan_host` does it today.
+
+Memory: each process holds a replica of the whole directory (every row's owner, home, table, last use and slot
+position: 0.6 GB on full Criteo Kaggle tables) and every rank's guests, where host h's protocol needs only its home
+rows' owners and its own ranks' guests (`benchmarks/hier_memory.py` computes both). A per-host store would need the
+guests' state keyed by a key -> slot map instead of arrays over every row, and `plan_host` applying only the moves
+of its rows and ranks instead of the whole Plan.
 
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
@@ -105,7 +111,7 @@ from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores,
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
-from herald_torchrec.schedule.reads import BatchKeys, step_reads
+from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
 DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
@@ -119,6 +125,9 @@ SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much mo
 COORDINATOR = 0  # the host that matches the offers (its own are free)
 MOVE_SAMPLES = ("off", "swap")
 HOST_MAX_REFINE = 1  # best-response rounds per host with several hosts (module docstring says why)
+# what HierStep's seconds are measured with: wall time, or CPU time (time.process_time, the simulator's
+# --hier-clock cpu), which other jobs on a shared machine disturb less
+CLOCK = time.perf_counter
 
 
 @dataclass
@@ -182,15 +191,25 @@ class _Messages:
             self.host[src] += int(nbytes)
             self.host[dst] += int(nbytes)
 
-    def add_many(self, kind: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, H: int) -> None:
-        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]."""
-        cross = src != dst
+    def add_many(
+        self, kind: str, src: np.ndarray | int, dst: np.ndarray | int, nbytes: np.ndarray | int, H: int
+    ) -> None:
+        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]; src or dst may be one host for all (an int)
+        and nbytes one size for all (an int), which saves the arrays that would repeat them."""
+        cross = np.asarray(src != dst)
         if not cross.any():
             return
-        b = np.asarray(nbytes, dtype=np.int64)[cross]
-        self.kind[kind] += int(b.sum())
-        self.host += np.bincount(src[cross], weights=b, minlength=H).astype(np.int64)
-        self.host += np.bincount(dst[cross], weights=b, minlength=H).astype(np.int64)
+        one_size = np.ndim(nbytes) == 0
+        b = int(nbytes) if one_size else np.asarray(nbytes, dtype=np.int64)[cross]
+        total = int(cross.sum()) * b if one_size else int(b.sum())
+        self.kind[kind] += total
+        for end in (src, dst):
+            if np.ndim(end) == 0:
+                self.host[int(end)] += total
+            elif one_size:
+                self.host += np.bincount(end[cross], minlength=H) * b
+            else:
+                self.host += np.bincount(end[cross], weights=b, minlength=H).astype(np.int64)
 
 
 def check_ranks_per_host(ranks_per_host: object) -> None:
@@ -263,12 +282,13 @@ class InProcessTransport(Transport):
 
 def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
     """arrays (aligned with dest) cut into one message per destination host (only non-empty ones)."""
-    o = np.argsort(dest, kind="stable")
-    bounds = np.searchsorted(dest[o], np.arange(H + 1))
+    o = stable_order(dest)
+    n = np.bincount(dest, minlength=H)
+    bounds = np.concatenate([[0], np.cumsum(n)]).tolist()
+    grouped = [a[o] for a in arrays]  # one gather per array; each message is a slice (a view) of it
     out = {}
-    for t in np.flatnonzero(np.diff(bounds)).tolist():
-        sel = o[bounds[t] : bounds[t + 1]]
-        out[t] = [a[sel] for a in arrays]
+    for t in np.flatnonzero(n).tolist():
+        out[t] = [a[bounds[t] : bounds[t + 1]] for a in grouped]
     return out
 
 
@@ -299,7 +319,7 @@ class HostPlanner:
         pol = self.pol
         self.sub = sub
         self.bk = pol.keys_of(sub)
-        self.home_host = pol.directory.home[self.bk.keys].astype(np.int64) // pol.ranks_per_host
+        self.home_host = pol.home_of(self.bk.keys) // pol.ranks_per_host
         self.own = np.zeros(0, dtype=np.int64)
 
     # ---- settings, once ---------------------------------------------------------------------------------------
@@ -330,17 +350,18 @@ class HostPlanner:
     def demand(self, count: bool = True) -> dict[int, Message]:
         """Phase 1: the distinct keys of h's samples, to their home hosts."""
         H = self.pol.num_hosts
+        k = np.bincount(self.home_host, minlength=H)
         if count:
-            k = np.bincount(self.home_host, minlength=H)
-            self.msg.add_many("demand", np.full(H, self.h), np.arange(H), k * KEY_BYTES, H)
-            self.msg.add_many("owners", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
-            self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), k * RANK_BYTES, H)
+            self.msg.add_many("demand", self.h, np.arange(H), k * KEY_BYTES, H)
+            self.msg.add_many("owners", np.arange(H), self.h, k * RANK_BYTES, H)
+            self.msg.add_many("decisions", np.arange(H), self.h, k * RANK_BYTES, H)
         K = self.bk.keys.shape[0]
-        o = np.argsort(self.home_host, kind="stable")
-        bounds = np.searchsorted(self.home_host[o], np.arange(H + 1))
+        o = stable_order(self.home_host)  # the keys by home host, each host's in key order: the demand's order
+        bounds = np.concatenate([[0], np.cumsum(k)])
         self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its home host
-        self.demand_index[o] = np.arange(K) - bounds[self.home_host[o]]
-        return _split_by(self.home_host, H, [self.bk.keys])
+        self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
+        self.demand_slices = {t: o[bounds[t] : bounds[t + 1]] for t in np.flatnonzero(k).tolist()}
+        return {t: [self.bk.keys[sel]] for t, sel in self.demand_slices.items()}
 
     def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
         """Phase 2, as a home host: the current owner of every key each host demanded."""
@@ -351,7 +372,7 @@ class HostPlanner:
     def receive_owners(self, inbox: dict[int, Message]) -> None:
         own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
         for a, m in inbox.items():
-            own[self.home_host == a] = m[0]
+            own[self.demand_slices[a]] = m[0]  # aligned with the demand to a
         self.own = own
 
     def take_samples(self, sub: GlobalBatch, members: np.ndarray) -> None:
@@ -364,8 +385,8 @@ class HostPlanner:
         self.own = pol.directory.owner[self.bk.keys].astype(np.int64)
         new_keys = np.setdiff1d(self.bk.keys, old, assume_unique=True)
         hk = np.bincount(pol.directory.home[new_keys].astype(np.int64) // pol.ranks_per_host, minlength=H)
-        self.msg.add_many("demand", np.full(H, self.h), np.arange(H), hk * KEY_BYTES, H)
-        self.msg.add_many("decisions", np.arange(H), np.full(H, self.h), hk * RANK_BYTES, H)
+        self.msg.add_many("demand", self.h, np.arange(H), hk * KEY_BYTES, H)
+        self.msg.add_many("decisions", np.arange(H), self.h, hk * RANK_BYTES, H)
 
     # ---- phases 3-4: LAIA over h's ranks, reads --------------------------------------------------------------
     def assign_and_read(self) -> dict[int, Message]:
@@ -383,7 +404,7 @@ class HostPlanner:
         pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
         self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
         hosts_p = np.bincount(self.home_host[rd.pair_key], minlength=H)
-        self.msg.add_many("reads", np.full(H, h), np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
+        self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         return _split_by(
             self.home_host[rd.pair_key],
             H,
@@ -398,7 +419,6 @@ class HostPlanner:
         on host t and read only by other hosts (t must not evict them this step)."""
         pol = self.pol
         R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
-        d = pol.directory
         gs, rs, cs = [], [], []
         for s in sorted(inbox):
             idx, r, c = inbox[s]
@@ -408,18 +428,16 @@ class HostPlanner:
         g = np.concatenate(gs) if gs else np.zeros(0, dtype=np.int64)
         r = np.concatenate(rs) if rs else np.zeros(0, dtype=np.int64)
         c = np.concatenate(cs) if cs else np.zeros(0, dtype=np.int64)
-        srt = np.argsort(g * R + r, kind="stable")
+        srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
-        self.keys, self.k_own, self.want, self.single, self.sole, self.pg, self.pr = pol._decide(g, r, c)
-        keys, own, want = self.keys, self.k_own, self.want
-        pk = np.searchsorted(keys, self.pg)
+        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c)
+        keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
         owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
         owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
-        pin = np.flatnonzero((own != d.home[keys]) & ~owner_host_reads)
+        pin = np.flatnonzero((own != pol.home_of(keys)) & ~owner_host_reads)
         mv = np.flatnonzero(want != own)
-        self.msg.add_many("arrivals", np.full(mv.shape[0], self.h), want[mv] // P,
-                          np.full(mv.shape[0], KEY_BYTES + 2 * RANK_BYTES), H)  # fmt: skip
-        self.msg.add_many("pins", np.full(pin.shape[0], self.h), own[pin] // P, np.full(pin.shape[0], KEY_BYTES), H)
+        self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
+        self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
         out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(np.int32), want[mv].astype(np.int32),
                                            self.single[mv].astype(np.int8)])  # fmt: skip
         empty = [np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8)]
@@ -439,25 +457,29 @@ class HostPlanner:
         d = pol.directory
         keys, own, want, single, pins = _concat(inbox, 5, (np.int64, np.int64, np.int64, bool, np.int64))
         d.last_use[pins] = pol.step
-        o = np.argsort(keys, kind="stable")
+        o = stable_order(keys)
         keys, own, want, single = keys[o], own[o], want[o], single[o]
-        home = d.home[keys].astype(np.int64)
-        nu = pol.next_use
-        wk = self.window_keys
-        for j in range(len(wk), 0, -1):
-            nu[wk[j - 1]] = j
+        home = pol.home_of(keys)
         before = want.copy()
-        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single)
-        for w in wk:
-            nu[w] = 0
-        pol._picked[vt] = False
+        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
-        self.msg.add_many("cancels", np.full(cancelled.shape[0], t), home[want != before] // P,
-                          np.full(cancelled.shape[0], INDEX_BYTES), H)  # fmt: skip
-        self.msg.add_many("evictions", np.full(vt.shape[0], t), d.home[vt].astype(np.int64) // P,
-                          np.full(vt.shape[0], KEY_BYTES), H)  # fmt: skip
+        self.msg.add_many("cancels", t, home[want != before] // P, INDEX_BYTES, H)
+        self.msg.add_many("evictions", t, pol.home_of(vt) // P, KEY_BYTES, H)
         return _split_by(home[want != before] // P, H, [cancelled])
+
+    def next_use(self, keys: np.ndarray) -> np.ndarray:
+        """The first batch of h's lookahead window (1..L) that reads each key, 0 for none, int64: a binary search in
+        each batch's sorted keys, for the few keys the capacity phase asks about (an array over every row, set and
+        cleared each step, cost 0.3 ms per host and 68 MB on full Criteo tables)."""
+        out = np.zeros(keys.shape[0], dtype=np.int64)
+        for j in range(len(self.window_keys), 0, -1):
+            w = self.window_keys[j - 1]
+            if w.shape[0] == 0 or keys.shape[0] == 0:
+                continue
+            i = np.minimum(np.searchsorted(w, keys), w.shape[0] - 1)
+            out[w[i] == keys] = j
+        return out
 
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
     def part(self, inbox: dict[int, Message]) -> Message:
@@ -465,26 +487,22 @@ class HostPlanner:
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
         capacity host, its victims; as a sample host, the rank of each of its samples."""
         pol = self.pol
-        R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
+        P, H = pol.ranks_per_host, pol.num_hosts
         keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
         (cancelled,) = _concat(inbox, 1, (np.int64,))
         at = np.searchsorted(keys, cancelled)
         want[at] = own[at]
-        o = np.argsort(self.pg * R + self.pr, kind="stable")
-        pg, pr = self.pg[o], self.pr[o]
-        pk = np.searchsorted(keys, pg)
+        pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
         count = np.bincount(pk, minlength=keys.shape[0])
         mig = np.flatnonzero(want != own)
-        self.msg.add_many("departures", np.full(mig.shape[0], self.h), own[mig] // P,
-                          np.full(mig.shape[0], KEY_BYTES + RANK_BYTES), H)  # fmt: skip
+        self.msg.add_many("departures", self.h, own[mig] // P, KEY_BYTES + RANK_BYTES, H)
         exclusive = single & (sole == want)
         moved = want != own
         pair_owner = want[pk]
         hit = int(((pair_owner == pr) & ~moved[pk]).sum())
         remote = int((pair_owner != pr).sum())
         ids = np.flatnonzero(~exclusive)
-        self.msg.add_many("shares", np.full(ids.shape[0], self.h), want[ids] // P,
-                          KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)  # fmt: skip
+        self.msg.add_many("shares", self.h, want[ids] // P, KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)
         readers = pr[(~exclusive)[pk]]
         return [
             keys[mig], own[mig].astype(np.int32), want[mig].astype(np.int32),
@@ -574,12 +592,12 @@ class HeraldHierPolicy(SchedulePolicy):
             )
         # the per-host problem's settings: a HeraldPolicy of P ranks validates them and chooses tables / refine
         self._local = HeraldPolicy(self.layout.table_rows, P, batch_per_rank, cache_ratio, lookahead, **settings)
-        self._local.directory = None  # only its settings and its table selection are used
+        # only its settings and its table selection are used: its per-row state goes (the compiled kernels' view of
+        # it included, which kept a whole second directory alive: 0.6 GB on full Criteo tables)
+        for name in ("directory", "eviction", "next_use", "_picked", "_native"):
+            setattr(self._local, name, None)
         self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
         self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)
-        n = self.layout.total_rows
-        self.next_use = np.zeros(n, dtype=np.int16 if lookahead < 2**15 else np.int32)
-        self._picked = np.zeros(n, dtype=bool)
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
         self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
 
@@ -624,6 +642,17 @@ class HeraldHierPolicy(SchedulePolicy):
         if self._flat is None:
             out.update(refine=self.refine, guests=self.directory.occupancy())
         return out
+
+    # ---- a key's table and home, from the layout --------------------------------------------------------------
+    def table_of(self, keys: np.ndarray) -> np.ndarray:
+        """Table of every key (int64), by a binary search in the layout's T + 1 offsets: no random read of an array
+        over every row (the directory's `table`), which a host planner need not hold."""
+        return np.searchsorted(self.layout.offsets, keys, side="right") - 1
+
+    def home_of(self, keys: np.ndarray) -> np.ndarray:
+        """ROW_WISE home rank of every key (int64), = the directory's `home`, computed from the key."""
+        t = self.table_of(keys)
+        return (keys - self.layout.offsets[t]) // self.directory.block[t]
 
     # ---- per-host batches ---------------------------------------------------------------------------------------
     def host_batch(self, b: GlobalBatch, h: int) -> GlobalBatch:
@@ -695,13 +724,13 @@ class HeraldHierPolicy(SchedulePolicy):
     def plan(self, batches):
         if self._flat is None:
             return super().plan(batches)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plan = self._flat.plan(batches)
         self.step += 1
         R = self.num_ranks
         bl = [batches] if isinstance(batches, GlobalBatch) else list(batches)
         self.last_step = HierStep(
-            host_seconds=np.array([time.perf_counter() - t0]),
+            host_seconds=np.array([CLOCK() - t0]),
             directory_seconds=np.zeros(1),
             union_seconds=0.0,
             message_bytes=dict.fromkeys(MESSAGE_KINDS, 0),
@@ -747,16 +776,16 @@ class HeraldHierPolicy(SchedulePolicy):
         host_s, dir_s = np.zeros(H), np.zeros(H)
         hosts: dict[int, HostPlanner] = {}
         for h, w in windows.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             hosts[h] = HostPlanner(self, h, w, msg)
-            host_s[h] += time.perf_counter() - t0
+            host_s[h] += CLOCK() - t0
 
         def run(kind: str, seconds: np.ndarray, fn) -> dict[int, dict[int, list[np.ndarray]]]:
             out = {}
             for h, hp in hosts.items():
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 out[h] = fn(hp)
-                seconds[h] += time.perf_counter() - t0
+                seconds[h] += CLOCK() - t0
             return transport.exchange(kind, out)
 
         if self._local.selection is None:  # once, from host 0's first window, sent to every host (a few bytes)
@@ -766,9 +795,9 @@ class HeraldHierPolicy(SchedulePolicy):
         got = run("demand", host_s, lambda hp: hp.demand())  # phase 1
         got = run("owners", dir_s, lambda hp: hp.owners(got[hp.h]))  # phase 2
         for h, hp in hosts.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             hp.receive_owners(got[h])
-            host_s[h] += time.perf_counter() - t0
+            host_s[h] += CLOCK() - t0
         self.last_swapped = 0
         if self.move_samples == "swap":  # phase 2b: the coordinator needs every host here
             if whole is None or len(hosts) != H:
@@ -782,13 +811,13 @@ class HeraldHierPolicy(SchedulePolicy):
         got = run("cancels", host_s, lambda hp: hp.make_room(got[hp.h]))  # phase 7
         parts = {}
         for h, hp in hosts.items():  # phase 8: every host's part of the plan, to every host
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             parts[h] = hp.part(got[h])
-            dir_s[h] += time.perf_counter() - t0
+            dir_s[h] += CLOCK() - t0
         every = transport.all_gather("parts", parts)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plan = self._union(every, msg)
-        union_s = time.perf_counter() - t0
+        union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
         for h, w in windows.items():
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
@@ -814,18 +843,18 @@ class HeraldHierPolicy(SchedulePolicy):
         readers = self._other_readers(firsts, msg)
         offers = []
         for h, (sub, bk, own, _) in enumerate(firsts):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             offers.append(self._offers(sub, bk, own, h, *readers[h]))
-            host_s[h] += time.perf_counter() - t0
-        t0 = time.perf_counter()
+            host_s[h] += CLOCK() - t0
+        t0 = CLOCK()
         members = self._swap(b[0], offers, [f[3] for f in firsts], msg)
-        dir_s[COORDINATOR] += time.perf_counter() - t0
+        dir_s[COORDINATOR] += CLOCK() - t0
         moved = False
         for h in range(H):
             if members[h] is not firsts[h][3]:  # samples arrived: their keys too (owners came with them)
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 hosts[h].take_samples(b[0].take(members[h]), members[h])
-                host_s[h] += time.perf_counter() - t0
+                host_s[h] += CLOCK() - t0
                 moved = True
         return moved
 
@@ -913,7 +942,7 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
         """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
-        rank: (keys, owner, want, single, sole, pair keys, pair ranks)."""
+        rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks)."""
         d = self.directory
         if g.shape[0] == 0:
             z = np.zeros(0, dtype=np.int64)
@@ -934,26 +963,26 @@ class HeraldHierPolicy(SchedulePolicy):
         top = np.flatnonzero(c == best[kid])
         first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
         want = np.where(owner_reads, own, r[first])
-        return keys, own, want, single, sole, g, r
+        return keys, own, want, single, sole, kid, r
 
-    def _make_room(self, t, mine, keys, own, home, want, single) -> np.ndarray:
+    def _make_room(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:
         """Host t's capacity (phase 7): victims among its guests (returned) and cancelled arrivals (in `want`), so
-        that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks."""
+        that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks;
+        `next_use(keys)`: the first batch of t's lookahead window that reads each key (0: none)."""
         d, P, T = self.directory, self.ranks_per_host, self.layout.num_tables
         lo = t * P * T
         Gt = P * T
-        tk = d.table[keys].astype(np.int64)
+        tk = self.table_of(keys)
         last, step, L1 = d.last_use, self.step, self.lookahead + 1
-        nu, picked = self.next_use, self._picked
         freed = np.zeros(Gt, dtype=np.int64)
         chosen = np.zeros(0, dtype=np.int64)
 
         def prio(pos: np.ndarray) -> np.ndarray:
             gg = d.slots.slot[pos]
             lu = last[gg].astype(np.int64)
-            n = nu[gg].astype(np.int64)
+            n = next_use(gg)
             p = np.where(n > 0, L1 - n, 0) * (step + 2) + lu + 1
-            return np.where((lu == step) | picked[gg], -1, p)
+            return np.where((lu == step) | np.isin(gg, chosen), -1, p)  # this step's victims stay picked
 
         for it in range(mine.shape[0] + 2):
             m = mine[want[mine] != own[mine]]
@@ -975,7 +1004,6 @@ class HeraldHierPolicy(SchedulePolicy):
                 vpos = self.eviction.pick(gneed + lo, deficit[gneed], prio)
                 v = d.slots.slot[vpos]
                 if v.shape[0]:
-                    picked[v] = True
                     chosen = np.concatenate([chosen, v])
                     vcount = np.bincount(d.owner[v].astype(np.int64) * T + d.table[v].astype(np.int64) - lo,
                                          minlength=Gt)  # fmt: skip
@@ -985,7 +1013,7 @@ class HeraldHierPolicy(SchedulePolicy):
                         break
             over = left[arr_g] > 0
             cand, cg = arr[over], arr_g[over]
-            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
+            val = np.where(single[cand], 2, 0) + (next_use(keys[cand]) > 0)
             from_guest = own[cand] != home[cand]
             o = np.lexsort((keys[cand], ~from_guest, -val, cg))
             cand, cg = cand[o], cg[o]
@@ -1005,7 +1033,7 @@ class HeraldHierPolicy(SchedulePolicy):
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, members, ranks, counts = [
             np.concatenate([p[i] for p in parts]) for i in range(11)
         ]
-        o = np.argsort(mig_key, kind="stable")
+        o = stable_order(mig_key)
         mig_key, mig_src, mig_dst = mig_key[o], mig_src[o].astype(np.int64), mig_dst[o].astype(np.int64)
         victims = np.sort(victims)
         v_src = d.owner[victims].astype(np.int64)
@@ -1018,7 +1046,7 @@ class HeraldHierPolicy(SchedulePolicy):
         )
         # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
         sh_count = sh_count.astype(np.int64)
-        o = np.argsort(sh_key, kind="stable")
+        o = stable_order(sh_key)
         starts = np.concatenate([[0], np.cumsum(sh_count)[:-1]]).astype(np.int64)
         offs = np.concatenate([[0], np.cumsum(sh_count[o])]).astype(np.int64)
         readers = sh_readers.astype(np.int64)[
@@ -1026,7 +1054,7 @@ class HeraldHierPolicy(SchedulePolicy):
         ]
         shared = shared_rows(self.layout, d.table, sh_key[o], sh_owner[o].astype(np.int64), offs, readers)
         self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
-        srt = np.argsort(mv_gid, kind="stable")
+        srt = stable_order(mv_gid)
         t, row = split_gid(self.layout, d.table, mv_gid[srt])
         moves = RowMoves(table=t, row=row, src=mv_src[srt], dst=mv_dst[srt], kind=mv_kind[srt])
         sample_rank = np.empty(R * B, dtype=np.int64)
