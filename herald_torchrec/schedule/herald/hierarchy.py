@@ -105,7 +105,7 @@ from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.budget import LevelCounts
-from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
@@ -1011,17 +1011,7 @@ class HeraldHierPolicy(SchedulePolicy):
                     left = deficit - vcount
                     if (left <= 0).all():
                         break
-            over = left[arr_g] > 0
-            cand, cg = arr[over], arr_g[over]
-            val = np.where(single[cand], 2, 0) + (next_use(keys[cand]) > 0)
-            from_guest = own[cand] != home[cand]
-            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
-            cand, cg = cand[o], cg[o]
-            n_in = np.bincount(cg, minlength=Gt)
-            start = np.cumsum(n_in) - n_in
-            within = np.arange(cand.shape[0]) - start[cg]
-            drop = within >= n_in[cg] - left[cg]
-            want[cand[drop]] = own[cand[drop]]
+            cancel_arrivals(arr, arr_g, left, keys, single, lambda k: next_use(k) > 0, own, home, want)
         else:  # pragma: no cover - every round cancels an arrival
             raise RuntimeError("herald_hier: capacity resolution did not converge")
         return chosen
