@@ -16,6 +16,7 @@ numpy only (the kernels in native.py do the same for HeraldPolicy).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -259,6 +260,15 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
     return np.repeat(starts, lengths) + within, idx
 
 
+@dataclass
+class Arrivals:
+    """Rows that arrived as guests in one `apply_known_moves`: their slots, keys and groups (aligned, int64)."""
+
+    pos: np.ndarray
+    keys: np.ndarray
+    groups: np.ndarray
+
+
 class OwnershipDirectory:
     """Owner rank of every row of every table, home placement, guest capacity and replacement state.
 
@@ -310,11 +320,21 @@ class OwnershipDirectory:
         if gid.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
         src = self.owner[gid].astype(np.int64)
-        leave = src != self.home[gid]
-        self.slots.remove(gid[leave], self.group(src[leave], gid[leave]))
-        arrive = dst != self.home[gid]
+        return self.apply_known_moves(gid, dst, src, self.home[gid], self.table[gid]).pos
+
+    def apply_known_moves(
+        self, gid: np.ndarray, dst: np.ndarray, src: np.ndarray, home: np.ndarray, table: np.ndarray
+    ) -> "Arrivals":
+        """`apply_moves` where the caller already has the rows' current owner `src`, home rank and table (aligned
+        with gid), which saves reading them from the arrays over every row (random reads: herald_hier's union of
+        the hosts' parts). Returns the guests that arrived: their slots, rows and groups."""
+        leave = src != home
+        T = self.num_tables
+        self.slots.remove(gid[leave], src[leave] * T + table[leave])
+        arrive = dst != home
         self.owner[gid] = dst.astype(np.int32)
-        return self.slots.add(gid[arrive], self.group(dst[arrive], gid[arrive]))
+        keys, groups = gid[arrive], dst[arrive] * T + table[arrive]
+        return Arrivals(pos=self.slots.add(keys, groups), keys=keys, groups=groups)
 
     def occupancy(self) -> dict:
         """Guest occupancy summary: guests / capacity over all (rank, table) groups with capacity."""

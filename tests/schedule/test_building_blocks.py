@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import pytest
 
@@ -360,6 +362,34 @@ def test_apply_moves_returns_the_slots_of_arriving_guests():
     np.testing.assert_array_equal(d.slots.slot[pos], arrived)  # in input order
     np.testing.assert_array_equal(pos, d.slots.pos_of[arrived])
     assert d.apply_moves(np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_apply_known_moves_leaves_the_directory_apply_moves_leaves(seed):
+    """The union's directory update (owner, home and table given, not read from the per-row arrays) makes the same
+    owners, slots and pools as apply_moves, and reports the arriving guests' keys and groups."""
+    rng = np.random.default_rng(seed)
+    rows, R = [300, 50, 7], 3
+    a, b = (OwnershipDirectory(rows, num_ranks=R, cache_ratio=0.2) for _ in range(2))
+    pa, pb = (EvictionPool(d.slots, d.last_use, size=4) for d in (a, b))
+    for p in (pa, pb):  # empty pools that every arrival joins (until one overflows)
+        p.tau[:] = np.iinfo(np.int64).max
+    for step in range(6):
+        gid = np.sort(rng.choice(357, size=25, replace=False))
+        dst = rng.integers(0, R, size=25)
+        fits = np.bincount(a.group(dst, gid), minlength=R * 3) + a.slots.fill <= a.slots.cap  # room: the test's
+        gid, dst = gid[fits[a.group(dst, gid)]], dst[fits[a.group(dst, gid)]]  # moves, not the capacity's
+        a.last_use[gid] = b.last_use[gid] = step
+        pa.arrived(a.apply_moves(gid, dst))
+        got = b.apply_known_moves(gid, dst, b.owner[gid].astype(np.int64), b.home[gid], b.table[gid].astype(np.int64))
+        pb.arrived(got.pos, got.keys, got.groups)
+        np.testing.assert_array_equal(b.slots.slot[got.pos], got.keys)
+        np.testing.assert_array_equal(got.groups, b.group(b.owner[got.keys], got.keys))
+        for name in ("owner", "slots.slot", "slots.pos_of", "slots.fill"):
+            np.testing.assert_array_equal(attrgetter(name)(a), attrgetter(name)(b), err_msg=name)
+        for name in ("keys", "count", "tau"):
+            np.testing.assert_array_equal(getattr(pa, name), getattr(pb, name), err_msg=name)
+    assert a.slots.fill.sum() > 0 and pa.count.sum() > 0
 
 
 # ---- LAIA -------------------------------------------------------------------------------------------------------

@@ -302,6 +302,9 @@ def test_home_and_table_from_the_key_match_the_directory():
     np.testing.assert_array_equal(pol.table_of(keys), pol.directory.table)
     np.testing.assert_array_equal(pol.home_of(keys), pol.directory.home)
     np.testing.assert_array_equal(pol.home_of(keys[[2, 15, 20, 31]]), [2, 0, 2, 7])  # rows 2, 0, 4, 15 of t0, t3, t4
+    # the union's tables of sorted keys (every key, a subset that skips tables, none)
+    for sub in (keys, keys[[0, 4, 5, 15, 16, 31]], keys[[12, 13]], keys[:0]):
+        np.testing.assert_array_equal(pol._sorted_tables(sub), pol.directory.table[sub])
 
 
 def test_the_per_host_settings_planner_holds_no_per_row_state():

@@ -55,16 +55,19 @@ class EvictionPool:
         return self.slots.group_of_slot
 
     # ---- keeping the invariant -----------------------------------------------------------------------------------
-    def arrived(self, pos: np.ndarray) -> None:
+    def arrived(self, pos: np.ndarray, keys: np.ndarray | None = None, groups: np.ndarray | None = None) -> None:
         """Rows just added at slots `pos` (their floor already set): those below their group's threshold join its
-        pool; a pool that would overflow is emptied (tau = -1)."""
+        pool; a pool that would overflow is emptied (tau = -1). `keys` and `groups` (aligned with pos): the rows and
+        their groups where the caller has them, which saves two random reads per row of the slot arrays."""
         if pos.shape[0] == 0:
             return
-        low = self.floor[self.slots.slot[pos]] < self.tau[self.group_of_slot[pos]]
+        keys = self.slots.slot[pos] if keys is None else keys
+        groups = self.group_of_slot[pos] if groups is None else groups
+        low = self.floor[keys] < self.tau[groups]
         if not low.any():
             return
         pos = pos[low]
-        g = self.group_of_slot[pos].astype(np.int64)
+        g = groups[low].astype(np.int64)
         order = np.argsort(g, kind="stable")
         pos, g = pos[order], g[order]
         a = np.bincount(g, minlength=self.tau.shape[0])
@@ -142,3 +145,32 @@ class EvictionPool:
         full_n.append(need)
         out.append(self.slots.pick_victims(np.concatenate(full_g), np.concatenate(full_n), priority))
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def cancel_arrivals(
+    arrivals: np.ndarray,
+    groups: np.ndarray,
+    short: np.ndarray,
+    keys: np.ndarray,
+    single: np.ndarray,
+    used_again: Callable[[np.ndarray], np.ndarray],
+    own: np.ndarray,
+    home: np.ndarray,
+    want: np.ndarray,
+) -> None:
+    """Where a guest group is still `short[g]` slots short after its victims, cancel (`want[i] = own[i]`) that many
+    of the arrivals into it, the least valuable first. Kept first: single-reader migrations, then keys used again in
+    the lookahead (`used_again(keys)`, bool); among equals those leaving a guest slot (cancelling them would cascade),
+    so rows coming from home are dropped first; then by key. `arrivals`: indices into the step's keys; `groups`: the
+    guest group each arrival enters."""
+    over = short[groups] > 0
+    cand, cg = arrivals[over], groups[over]
+    val = np.where(single[cand], 2, 0) + used_again(keys[cand])
+    from_guest = own[cand] != home[cand]
+    o = np.lexsort((keys[cand], ~from_guest, -val, cg))
+    cand, cg = cand[o], cg[o]
+    n_in = np.bincount(cg, minlength=short.shape[0])
+    start = np.cumsum(n_in) - n_in
+    within = np.arange(cand.shape[0]) - start[cg]
+    drop = within >= n_in[cg] - short[cg]
+    want[cand[drop]] = own[cand[drop]]

@@ -105,12 +105,12 @@ from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.budget import LevelCounts
-from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
-from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves
-from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
+from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves, SharedRows
+from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
 from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
@@ -649,6 +649,12 @@ class HeraldHierPolicy(SchedulePolicy):
         over every row (the directory's `table`), which a host planner need not hold."""
         return np.searchsorted(self.layout.offsets, keys, side="right") - 1
 
+    def _sorted_tables(self, keys: np.ndarray) -> np.ndarray:
+        """`table_of` for sorted keys: where the layout's T + 1 offsets fall among them (T binary searches)."""
+        T = self.layout.num_tables
+        ends = np.searchsorted(keys, self.layout.offsets)
+        return np.repeat(np.arange(T, dtype=np.int64), np.diff(ends))
+
     def home_of(self, keys: np.ndarray) -> np.ndarray:
         """ROW_WISE home rank of every key (int64), = the directory's `home`, computed from the key."""
         t = self.table_of(keys)
@@ -1011,58 +1017,63 @@ class HeraldHierPolicy(SchedulePolicy):
                     left = deficit - vcount
                     if (left <= 0).all():
                         break
-            over = left[arr_g] > 0
-            cand, cg = arr[over], arr_g[over]
-            val = np.where(single[cand], 2, 0) + (next_use(keys[cand]) > 0)
-            from_guest = own[cand] != home[cand]
-            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
-            cand, cg = cand[o], cg[o]
-            n_in = np.bincount(cg, minlength=Gt)
-            start = np.cumsum(n_in) - n_in
-            within = np.arange(cand.shape[0]) - start[cg]
-            drop = within >= n_in[cg] - left[cg]
-            want[cand[drop]] = own[cand[drop]]
+            cancel_arrivals(arr, arr_g, left, keys, single, lambda k: next_use(k) > 0, own, home, want)
         else:  # pragma: no cover - every round cancels an arrival
             raise RuntimeError("herald_hier: capacity resolution did not converge")
         return chosen
 
     def _union(self, parts: list[list[np.ndarray]], msg: _Messages) -> Plan:
         """The whole Plan from every host's part (`HostPlanner.part`), the moves applied to this process's directory:
-        the same arrays, in the same order, as one planner deciding every key at once."""
+        the same arrays, in the same order, as one planner deciding every key at once.
+
+        Every planner runs it in training, so it reads no array over every row but to update the directory (the
+        owners and guest slots) and the victims' owners: a part's keys come sorted and are distinct across parts
+        (a key has one home host; a victim is a guest nobody read, never a migrating key), so one packed sort
+        orders every move and one the shared keys, and the keys' tables come from the sorted keys and the layout's
+        offsets. The directory gets the moves in key order: its slots only keep the arrivals' order within a group,
+        which is the migrations' key order either way."""
         d, R, B = self.directory, self.num_ranks, self.batch_per_rank
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, members, ranks, counts = [
             np.concatenate([p[i] for p in parts]) for i in range(11)
         ]
-        o = stable_order(mig_key)
-        mig_key, mig_src, mig_dst = mig_key[o], mig_src[o].astype(np.int64), mig_dst[o].astype(np.int64)
-        victims = np.sort(victims)
-        v_src = d.owner[victims].astype(np.int64)
-        v_dst = d.home[victims].astype(np.int64)
+        n_mig = mig_key.shape[0]
+        # moves: the migrations, then the victims (sent home from their owner), in one order by key
         mv_gid = np.concatenate([mig_key, victims])
-        mv_src = np.concatenate([mig_src, v_src])
-        mv_dst = np.concatenate([mig_dst, v_dst])
-        mv_kind = np.concatenate(
-            [np.full(mig_key.shape[0], MIGRATE, dtype=np.int8), np.full(victims.shape[0], EVICT_HOME, dtype=np.int8)]
-        )
+        o = stable_order(mv_gid)
+        mv_gid = mv_gid[o]
+        mv_src = np.concatenate([mig_src.astype(np.int64), d.owner[victims].astype(np.int64)])[o]
+        mv_table = self._sorted_tables(mv_gid)
+        mv_row = mv_gid - self.layout.offsets[mv_table]
+        mv_home = mv_row // self.directory.block[mv_table]
+        mv_dst = np.concatenate([mig_dst.astype(np.int64), np.zeros(victims.shape[0], dtype=np.int64)])[o]
+        is_victim = o >= n_mig
+        mv_dst[is_victim] = mv_home[is_victim]
+        mv_kind = np.where(is_victim, np.int8(EVICT_HOME), np.int8(MIGRATE))
+        moves = RowMoves(table=mv_table, row=mv_row, src=mv_src, dst=mv_dst, kind=mv_kind)
+        got = d.apply_known_moves(mv_gid, mv_dst, mv_src, mv_home, mv_table)
+        self.eviction.arrived(got.pos, got.keys, got.groups)
         # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
         sh_count = sh_count.astype(np.int64)
         o = stable_order(sh_key)
-        starts = np.concatenate([[0], np.cumsum(sh_count)[:-1]]).astype(np.int64)
-        offs = np.concatenate([[0], np.cumsum(sh_count[o])]).astype(np.int64)
-        readers = sh_readers.astype(np.int64)[
-            np.repeat(starts[o], sh_count[o]) + np.arange(int(offs[-1])) - np.repeat(offs[:-1], sh_count[o])
-        ]
-        shared = shared_rows(self.layout, d.table, sh_key[o], sh_owner[o].astype(np.int64), offs, readers)
-        self.eviction.arrived(d.apply_moves(mv_gid, mv_dst))
-        srt = stable_order(mv_gid)
-        t, row = split_gid(self.layout, d.table, mv_gid[srt])
-        moves = RowMoves(table=t, row=row, src=mv_src[srt], dst=mv_dst[srt], kind=mv_kind[srt])
+        keys, cnt = sh_key[o], sh_count[o]
+        offs = np.zeros(keys.shape[0] + 1, dtype=np.int64)
+        np.cumsum(cnt, out=offs[1:])
+        starts = np.cumsum(sh_count) - sh_count  # each key's readers in the parts' order
+        at = np.repeat(starts[o] - offs[:-1], cnt) + np.arange(int(offs[-1]), dtype=np.int64)
+        sh_table = self._sorted_tables(keys)
+        shared = SharedRows(
+            table=sh_table,
+            row=keys - self.layout.offsets[sh_table],
+            owner=sh_owner[o].astype(np.int64),
+            reader_offsets=offs,
+            readers=sh_readers[at].astype(np.int64),
+        )
         sample_rank = np.empty(R * B, dtype=np.int64)
         sample_rank[members] = ranks
         hit, remote = (int(x) for x in counts.reshape(-1, 2).sum(axis=0))
         counters = {
             "hit": hit,
-            "migrate": int(mig_key.shape[0]),
+            "migrate": n_mig,
             "evict_home": int(victims.shape[0]),
             "forward": 0,
             "shared_value": remote,

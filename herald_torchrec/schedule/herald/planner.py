@@ -53,7 +53,7 @@ from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.balance import OWNER_BALANCE, balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget, check_plan_budget
-from herald_torchrec.schedule.herald.eviction import EvictionPool
+from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.replicas import REPLICA_BUDGET, REPLICA_INTERVAL, REPLICA_ROW_MARGIN, ReplicaChoice
 from herald_torchrec.schedule.herald.tables import (
@@ -820,19 +820,7 @@ class HeraldPolicy(SchedulePolicy):
                     if (left <= 0).all():  # the victims made room everywhere: nothing to cancel
                         deficit = left
                         break
-            over = left[arr_g] > 0
-            cand, cg = arr[over], arr_g[over]
-            # keep the most valuable arrivals: single-reader migrations, then keys used again soon; among equals
-            # keep those leaving a guest slot (cancelling them would cascade) and drop those coming from home
-            val = np.where(single[cand], 2, 0) + (nu[keys[cand]] > 0)
-            from_guest = own[cand] != home[cand]
-            o = np.lexsort((keys[cand], ~from_guest, -val, cg))
-            cand, cg = cand[o], cg[o]
-            n_in = np.bincount(cg, minlength=G)
-            start = np.cumsum(n_in) - n_in
-            within = np.arange(cand.shape[0]) - start[cg]
-            drop = within >= n_in[cg] - left[cg]
-            want[cand[drop]] = own[cand[drop]]
+            cancel_arrivals(arr, arr_g, left, keys, single, lambda k: nu[k] > 0, own, home, want)
         else:  # pragma: no cover - every round cancels an arrival
             raise RuntimeError("herald: capacity resolution did not converge")
         picked[chosen] = False
