@@ -17,18 +17,15 @@ from torchrec.streamable import Pipelineable
 
 from herald_torchrec.distributed.train_pipeline.input_layout import (
     ManagedTables,
-    SampleRoute,
     assigned_batch,
     assigned_kjt_parts,
     gather_ids,
     host_slice,
     managed_ids,
-    planner_parts,
-    received_samples,
-    sample_blocks,
     sample_major_ids,
     slice_layout,
 )
+from tests.distributed.train_pipeline.test_input_layout import two_rank_exchange
 
 B, R = 4, 2
 # managed: a, b (idlist), w (idscore); x is in both KJTs and no table reads it (carried, renamed inside)
@@ -101,22 +98,8 @@ def test_any_pipelineable_round_trips_on_planning_and_receiving_ranks() -> None:
     # managed keys keep their names; the key both KJTs hold is renamed by field
     assert layout.keys == ("a", "idlist/x", "b", "w", "idscore/x")
     assert [layout.keys[i] for i in layout.managed] == ["a", "b", "w"]
-    hs = [host_slice(s, layout) for s in slices]
-    ids = gather_ids(np.stack([h.lengths for h in hs]), [managed_ids(h, layout) for h in hs], layout)
     dest = [np.array([1, 0, 1, 1]), np.array([0, 1, 1, 0])]  # rank 0 plans, rank 1 does not
-    with_ids = np.array([False, True])
-    got: list[list[np.ndarray]] = [[], []]
-    for q in range(R):
-        blocks, _ = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), False)
-        for d in range(R):
-            got[d].append(blocks[d])
-    n_to = [np.array([int((d == r).sum()) for d in dest]) for r in range(R)]
-    mine = [np.array([q * B + i for q in range(R) for i in range(B) if dest[q][i] == r]) for r in range(R)]
-    parts = planner_parts(got[0], n_to[0], ids, layout, mine[0])
-    lengths, values = assigned_kjt_parts(ids, layout, mine[0], parts.carried)
-    planned = assigned_batch(lengths, values, parts.fixed, layout, parts.weights)
-    r1 = received_samples(got[1], n_to[1], np.array([-1, -1]), layout)
-    received = assigned_batch(r1.lengths, r1.values, r1.fixed, layout, r1.weights)
+    mine, planned, received = two_rank_exchange(slices, layout, dest)
     for r, out in ((0, planned), (1, received)):
         assert type(out) is Sample
         for name in ("float_features", "label", "mask"):

@@ -45,6 +45,30 @@ def make_slice(seed: int, length: int | None = None) -> tuple[Batch, list[list[l
     ), bags
 
 
+def two_rank_exchange(slices: list, layout, dest: list[np.ndarray], uniform: int | None = None):
+    """The stage's exchange between two ranks in one process: each rank's slice -> the gathered global batch ->
+    the samples `dest` sends to each rank, assigned on rank 0, which plans (ids from the global batch, the rest from
+    the samples' blocks), and on rank 1, which does not (everything from the blocks). `uniform`: every bag of that
+    length (the blocks' fast path). Returns (each rank's global samples, rank 0's batch, rank 1's batch)."""
+    B = layout.batch_size
+    hs = [host_slice(s, layout) for s in slices]
+    ids = gather_ids(np.stack([h.lengths for h in hs]), [managed_ids(h, layout) for h in hs], layout)
+    with_ids = np.array([False, True])
+    got: list[list[np.ndarray]] = [[], []]
+    for q in range(R):
+        blocks, _ = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), uniform is not None)
+        for d in range(R):
+            got[d].append(blocks[d])
+    n_to = [np.array([int((d == r).sum()) for d in dest]) for r in range(R)]
+    mine = [np.array([q * B + i for q in range(R) for i in range(B) if dest[q][i] == r]) for r in range(R)]
+    parts = planner_parts(got[0], n_to[0], ids, layout, mine[0])
+    lengths, values = assigned_kjt_parts(ids, layout, mine[0], parts.carried)
+    planned = assigned_batch(lengths, values, parts.fixed, layout, parts.weights)
+    r1 = received_samples(got[1], n_to[1], np.array([-1 if uniform is None else uniform] * R), layout)
+    received = assigned_batch(r1.lengths, r1.values, r1.fixed, layout, r1.weights)
+    return mine, planned, received
+
+
 @pytest.mark.parametrize("length", [None, 1, 2, 0])
 def test_global_batch_and_assigned_samples_round_trip(length: int | None) -> None:
     """Bags of mixed lengths (ragged index arithmetic), or all of one length (one reshape per step: single-hot data
@@ -274,25 +298,8 @@ def test_weights_travel_with_their_ids(length: int | None) -> None:
     slices = [weighted_slice(1, length), weighted_slice(2, length)]
     layout = slice_layout(slices[0][0], TABLES)
     assert layout.weighted and layout.weight_bytes == 4
-    hs = [host_slice(b, layout) for b, _ in slices]
-    ids = gather_ids(np.stack([h.lengths for h in hs]), [managed_ids(h, layout) for h in hs], layout)
-    uniform_from = np.array([-1 if length is None else length] * R)
     dest = [np.array([1, 0, 1, 1]), np.array([0, 1, 1, 0])]  # rank 0 plans, rank 1 does not
-    with_ids = np.array([False, True])
-    got: list[list[np.ndarray]] = [[], []]
-    for q in range(R):
-        blocks, _ = sample_blocks(hs[q], layout, SampleRoute.by_destination(dest[q], with_ids), length is not None)
-        for d in range(R):
-            got[d].append(blocks[d])
-    n_to = [np.array([int((d == r).sum()) for d in dest]) for r in range(R)]
-    mine = [np.array([q * B + i for q in range(R) for i in range(B) if dest[q][i] == r]) for r in range(R)]
-    # rank 0 plans
-    parts = planner_parts(got[0], n_to[0], ids, layout, mine[0])
-    lengths, values = assigned_kjt_parts(ids, layout, mine[0], parts.carried)
-    planned = assigned_batch(lengths, values, parts.fixed, layout, parts.weights)
-    # rank 1 does not
-    r1 = received_samples(got[1], n_to[1], uniform_from, layout)
-    received = assigned_batch(r1.lengths, r1.values, r1.fixed, layout, r1.weights)
+    mine, planned, received = two_rank_exchange([b for b, _ in slices], layout, dest, length)
     for r, out in ((0, planned), (1, received)):
         pairs = bag_pairs(out)
         for k, key in enumerate(KEYS):
