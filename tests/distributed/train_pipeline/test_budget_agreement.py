@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
-from tests.distributed.train_pipeline.test_pipeline_edges import TwoEBCModel, batches, one_process_reference
+from tests.distributed.train_pipeline.test_pipeline_edges import batches, build, one_process_reference
 from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
@@ -42,28 +42,13 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
     this rank trained with, and (on the planners) the plan counts by level."""
 
     import torch.distributed.checkpoint as dcp
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
+    from herald_torchrec import HeraldOptions
 
     with on_machine(f"machine-{rank // 2}"):
         options = HeraldOptions(cache_ratio=0.05, lookahead=2, policy_options={"plan_budget_ms": 1e-3})
-        model = TwoEBCModel()
-        for ebc in (model.ebc_a, model.ebc_b):
-            apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
-        dmp = DistributedModelParallel(
-            model, device=torch.device("cpu"), sharders=[HeraldEmbeddingBagCollectionSharder(options=options)]
-        )
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
-        )
         digests: list[str] = []
-        pipeline = HeraldTrainPipeline(
-            dmp, dense, torch.device("cpu"), options=options, on_plan=lambda p: digests.append(plan_digest(p))
-        )
+        dmp, pipeline = build("herald", options=options, on_plan=lambda p: digests.append(plan_digest(p)))
         it = iter(batches(rank, STEPS))
         for _ in range(STEPS):
             pipeline.progress(it)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, batches, one_process_reference
+from tests.distributed.train_pipeline.test_pipeline_edges import B, batches, build, one_process_reference
 from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
@@ -25,30 +25,17 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
     description and every trained plan's sample ranks and moves."""
 
     import torch.distributed.checkpoint as dcp
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
+    from herald_torchrec import HeraldOptions
 
     plans = []
     with on_machine(f"machine-{rank // PER_HOST}"):
         options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2)
-        model = TwoEBCModel()
-        for ebc in (model.ebc_a, model.ebc_b):
-            apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
-        dmp = DistributedModelParallel(
-            model, device=torch.device("cpu"), sharders=[HeraldEmbeddingBagCollectionSharder(options=options)]
-        )
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
-        )
 
         def keep(plan) -> None:
             plans.append({"rank": plan.assignment(), "src": plan.moves.src.copy(), "dst": plan.moves.dst.copy()})
 
-        pipeline = HeraldTrainPipeline(dmp, dense, torch.device("cpu"), options=options, on_plan=keep)
+        dmp, pipeline = build("herald", options=options, on_plan=keep)
         it = iter(batches(rank, STEPS))
         for _ in range(STEPS):
             pipeline.progress(it)

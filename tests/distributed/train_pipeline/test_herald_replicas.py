@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed.train_pipeline.test_pipeline_edges import B, TwoEBCModel, one_process_reference
+from tests.distributed.train_pipeline.test_pipeline_edges import B, build, one_process_reference
 from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
@@ -90,28 +90,15 @@ def replicas_worker(rank: int, world: int, out_dir: str) -> None:
     by kind and (on rank 0, which plans) the policy's description."""
 
     import torch.distributed.checkpoint as dcp
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from herald_torchrec import HeraldEmbeddingBagCollectionSharder, HeraldOptions, HeraldTrainPipeline
+    from herald_torchrec import HeraldOptions
     from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
 
     with on_machine(f"machine-{rank // 2}"):
         options = HeraldOptions(
             cache_ratio=0.05, lookahead=2, policy_options={"replicate": True, "replica_interval": 2}
         )
-        model = TwoEBCModel()
-        for ebc in (model.ebc_a, model.ebc_b):
-            apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
-        dmp = DistributedModelParallel(
-            model, device=torch.device("cpu"), sharders=[HeraldEmbeddingBagCollectionSharder(options=options)]
-        )
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
-        )
-        pipeline = HeraldTrainPipeline(dmp, dense, torch.device("cpu"), options=options)
+        dmp, pipeline = build("herald", options=options)
         it = iter(replica_batches(rank, STEPS))
         for _ in range(STEPS):
             pipeline.progress(it)

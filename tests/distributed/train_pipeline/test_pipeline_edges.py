@@ -93,7 +93,9 @@ def batches(rank: int, n: int, big_id_at: int | None = None, short_last: int | N
     return out
 
 
-def build(kind: str, batch_norm: bool = False, weighted: bool = False, **pipeline_kwargs):
+def build(kind: str, batch_norm: bool = False, weighted: bool = False, options=None, **pipeline_kwargs):
+    """The two-EBC model (SGD in backward, lr 0.2; dense SGD, lr 0.1) sharded by Herald (cache 5 %, lookahead 2, or
+    the sharder and pipeline both given `options`, a HeraldOptions) or by stock TorchRec, and its train pipeline."""
     from torchrec.distributed import TrainPipelineSparseDist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -108,11 +110,13 @@ def build(kind: str, batch_norm: bool = False, weighted: bool = False, **pipelin
     for ebc in (model.ebc_a, model.ebc_b):
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.2})
     herald = kind == "herald"
-    sharder = (
-        HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2)
-        if herald
-        else EmbeddingBagCollectionSharder()
-    )
+    if not herald:
+        sharder = EmbeddingBagCollectionSharder()
+    elif options is None:
+        sharder = HeraldEmbeddingBagCollectionSharder(cache_ratio=0.05, lookahead=2)
+    else:
+        sharder = HeraldEmbeddingBagCollectionSharder(options=options)
+        pipeline_kwargs["options"] = options
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])
     if not herald:  # stock shards draw their own values: start from the unsharded model's, as Herald does
         from tests.scenarios.test_dropin import set_tables
