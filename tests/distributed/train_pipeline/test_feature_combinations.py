@@ -418,32 +418,24 @@ def baseline_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the checks
-@pytest.fixture(scope="module")
-def replica_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def _spawn(out: Path, worker: str, world: int) -> dict:
+    """`worker` of this module on `world` ranks: its output folder and every rank's result."""
     from tests.helpers.ranks import rank_result, run_ranks
 
-    out = tmp_path_factory.mktemp("replicas")
     run_ranks(
-        "tests.distributed.train_pipeline.test_feature_combinations:replica_worker",
-        out,
-        world_size=REPLICA_WORLD,
-        timeout=400,
+        f"tests.distributed.train_pipeline.test_feature_combinations:{worker}", out, world_size=world, timeout=400
     )
-    return {"dir": out, "ranks": [torch.load(rank_result(out, q), weights_only=False) for q in range(REPLICA_WORLD)]}
+    return {"dir": out, "ranks": [torch.load(rank_result(out, q), weights_only=False) for q in range(world)]}
+
+
+@pytest.fixture(scope="module")
+def replica_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _spawn(tmp_path_factory.mktemp("replicas"), "replica_worker", REPLICA_WORLD)
 
 
 @pytest.fixture(scope="module")
 def baseline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.helpers.ranks import rank_result, run_ranks
-
-    out = tmp_path_factory.mktemp("baselines")
-    run_ranks(
-        "tests.distributed.train_pipeline.test_feature_combinations:baseline_worker",
-        out,
-        world_size=BASELINE_WORLD,
-        timeout=400,
-    )
-    return {"dir": out, "ranks": [torch.load(rank_result(out, q), weights_only=False) for q in range(BASELINE_WORLD)]}
+    return _spawn(tmp_path_factory.mktemp("baselines"), "baseline_worker", BASELINE_WORLD)
 
 
 def tables_of(run_dir: Path) -> dict[str, torch.Tensor]:
