@@ -107,7 +107,7 @@ from herald_torchrec.distributed.storage.row_layout import check_cache_ratio, ho
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.distributed.variable_batch import expand_variable_batch
 from herald_torchrec.schedule.herald.planner import host_ids
-from herald_torchrec.schedule.plan import Plan
+from herald_torchrec.schedule.plan import Plan, PlanPart
 
 COUNTER_KINDS = ("hit", "migrate", "evict_home", "forward", "shared_value", "shared_grad")
 HOST_ROW_KINDS = ("cross_host", "intra_host")  # rows sent to ranks of another host / of the own host
@@ -358,7 +358,15 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError("set_plan: this plan is counting-only (executable=False); its policy cannot be executed")
         if plan.num_ranks != self.world_size:
             raise ValueError(f"set_plan: plan is for {plan.num_ranks} ranks, the process group has {self.world_size}")
-        if plan.sample_order.shape[0] != plan.num_ranks * plan.batch_per_rank:
+        if isinstance(plan, PlanPart):
+            if plan.rank != self.rank:
+                raise ValueError(f"set_plan: the plan is rank {plan.rank}'s part, this is rank {self.rank}")
+            if plan.sample_order.shape[0] != plan.batch_per_rank:
+                raise ValueError(
+                    f"set_plan: the part's sample_order has {plan.sample_order.shape[0]} entries, expected "
+                    f"{plan.batch_per_rank}"
+                )
+        elif plan.sample_order.shape[0] != plan.num_ranks * plan.batch_per_rank:
             raise ValueError(
                 f"set_plan: sample_order has {plan.sample_order.shape[0]} entries, expected "
                 f"{plan.num_ranks} x {plan.batch_per_rank}"

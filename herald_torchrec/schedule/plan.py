@@ -16,6 +16,7 @@ numpy only: the control plane never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,6 +169,11 @@ class Plan:
         b = self.batch_per_rank
         return self.sample_order[rank * b : (rank + 1) * b]
 
+    def slice_destinations(self, rank: int) -> np.ndarray:
+        """The rank each sample of `rank`'s slice (global samples rank*B .. rank*B + B - 1) trains on."""
+        b = self.batch_per_rank
+        return self.assignment()[rank * b : (rank + 1) * b]
+
     def read_pairs(self) -> int:
         """Distinct (key, reader) pairs of the step, from the counters (hit + transfers that serve a read)."""
         c = self.counters
@@ -225,4 +231,51 @@ class Plan:
             None,
             replicas,
             self.sched_seconds,
+        )
+
+
+@dataclass
+class PlanPart(Plan):
+    """The part of a step's `Plan` that one rank executes (`rank`), where a planner sends each rank only its part.
+
+    Why: the whole plan grows with R (every shared row's readers, every sample's rank), while a rank needs the rows it
+    sends, receives or relays. A part holds every move (each rank's ownership directory applies all of them), the
+    shared rows this rank owns before or after the moves with all their readers, and the rows it reads with the
+    readers its host's relay needs (distributed/step/plan_part.py says which); `sample_order` holds only this rank's
+    B samples and `slice_ranks` where each sample of its own slice goes. The whole step's facts that decide which
+    collectives run on every rank travel too: the tables with shared rows (`shared_tables`) and those with a pair
+    delivered through a host relay (`relayed_tables`), sorted. Counters are the whole step's."""
+
+    rank: int = -1
+    slice_ranks: np.ndarray = field(default_factory=_i64)
+    shared_tables: np.ndarray = field(default_factory=_i64)
+    relayed_tables: np.ndarray = field(default_factory=_i64)
+
+    def assignment(self) -> np.ndarray:
+        raise ValueError(f"plan {self.step}: rank {self.rank}'s part of the plan does not hold every sample's rank")
+
+    def local_samples(self, rank: int) -> np.ndarray:
+        self._check_rank(rank)
+        return self.sample_order
+
+    def slice_destinations(self, rank: int) -> np.ndarray:
+        self._check_rank(rank)
+        return self.slice_ranks
+
+    def _check_rank(self, rank: int) -> None:
+        if rank != self.rank:
+            raise ValueError(f"plan {self.step}: the part of rank {self.rank} was given to rank {rank}")
+
+    def for_tables(self, lo: int, hi: int) -> "PlanPart":
+        whole = Plan.for_tables(self, lo, hi)
+
+        def within(t: np.ndarray) -> np.ndarray:
+            return t[(t >= lo) & (t < hi)] - lo
+
+        return PlanPart(
+            **{f.name: getattr(whole, f.name) for f in dataclasses.fields(Plan)},
+            rank=self.rank,
+            slice_ranks=self.slice_ranks,
+            shared_tables=within(self.shared_tables),
+            relayed_tables=within(self.relayed_tables),
         )

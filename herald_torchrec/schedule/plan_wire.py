@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 
 from herald_torchrec.schedule import native
-from herald_torchrec.schedule.plan import CacheStep, Plan, ReadVersions, ReplicaSync, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import CacheStep, Plan, PlanPart, ReadVersions, ReplicaSync, RowMoves, SharedRows
 
-_TYPES = {cls.__name__: cls for cls in (Plan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
+_TYPES = {cls.__name__: cls for cls in (Plan, PlanPart, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
 _NARROW = tuple(
     (np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64)
 )
 _HEAD = np.dtype("<u4")  # length of the JSON skeleton (or of the flat form's JSON list), in front of it
-_TREE, _FLAT = 0, 1  # the buffer's first byte: which form follows
+_TREE, _FLAT, _PART = 0, 1, 2  # the buffer's first byte: which form follows
 # the flat form writes these fields by name: a plan type with other fields travels in the general form
 FLAT_FIELDS_MATCH = (
     tuple(f.name for f in dataclasses.fields(Plan))
@@ -180,24 +180,123 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
         ]
     except (TypeError, AttributeError):
         return None
-    wide = (rank, *fields, mask)
-    if _compiled_ints(*fields):  # every array narrowed and packed in one pass; an empty one keeps its dtype
-        data, sizes = native.wire_pack(list(wide))
-        sent = [_SIGNED[z] if a.shape[0] else a.dtype.str for a, z in zip(wide, sizes)]
-        parts = [data]
-    else:
-        arrays = [np.ascontiguousarray(_narrow(a)) for a in wide]
-        sent, parts = [a.dtype.str for a in arrays], [a.view(np.uint8) for a in arrays]
+    sent, data = _pack([rank, *fields, mask], fields)
     originals = (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
     meta = json.dumps(head + [n_mv, n_sh, [a.dtype.str for a in originals], sent], separators=(",", ":")).encode()
+    return _framed(_FLAT, meta, data)
+
+
+def _encode_part(plan: PlanPart) -> np.ndarray | None:
+    """The flat form of a rank's part (`PlanPart`), or None where it needs the general one: the flat plan's scalars
+    and arrays, but the rank's own sample order as it is and the readers as counts + ranks (a part's rows have a few
+    readers each: shorter than bitmasks, and for any R), then the part's rank, slice ranks and table lists."""
+    if not FLAT_FIELDS_MATCH or type(plan) is not PlanPart:
+        return None
+    if plan.reads is not None or plan.replicas is not None or plan.cache is not None:
+        return None
+    if (
+        type(plan.moves) is not RowMoves
+        or type(plan.shared) is not SharedRows
+        or type(plan.stateful_kinds) is not tuple
+    ):
+        return None
+    mv, sh = plan.moves, plan.shared
+    fields = (mv.table, mv.row, mv.src, mv.dst, mv.kind, sh.table, sh.row, sh.owner)
+    extra = (plan.slice_ranks, plan.shared_tables, plan.relayed_tables)
+    arrays = (plan.sample_order, *fields, sh.reader_offsets, sh.readers, *extra)
+    if any(type(a) is not np.ndarray or a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
+        return None
+    n_mv, n_sh, ro = mv.table.shape[0], sh.table.shape[0], sh.reader_offsets
+    if any(a.shape[0] != n_mv for a in fields[:5]) or any(a.shape[0] != n_sh for a in fields[5:]):
+        return None
+    if ro.shape[0] != n_sh + 1 or ro[0] != 0 or ro[-1] != sh.readers.shape[0]:
+        return None
+    try:
+        head = [
+            _scalar(plan.step),
+            _scalar(plan.num_ranks),
+            _scalar(plan.batch_per_rank),
+            _scalar(plan.executable),
+            _scalar(plan.stale_reads),
+            _scalar(plan.sched_seconds),
+            {str(k): _scalar(v) for k, v in plan.counters.items()},
+            [_scalar(k) for k in plan.stateful_kinds],
+            _scalar(plan.rank),
+        ]
+    except (TypeError, AttributeError):
+        return None
+    wide = [plan.sample_order, *fields, np.diff(ro), sh.readers, *extra]
+    sent, data = _pack(wide, arrays)
+    lens = [a.shape[0] for a in wide]
+    meta = json.dumps(head + [lens, [a.dtype.str for a in arrays], sent], separators=(",", ":")).encode()
+    return _framed(_PART, meta, data)
+
+
+def _decode_part(buf: np.ndarray) -> PlanPart:
+    n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
+    pos = 1 + _HEAD.itemsize + n
+    step, R, B, executable, stale, seconds, counters, kinds, rank, lens, orig, sent = json.loads(
+        bytes(buf[1 + _HEAD.itemsize : pos])
+    )
+    out, _ = _unpack(buf, pos, lens, sent)
+    order, mv, sh, counts, readers, extra = out[0], out[1:6], out[6:9], out[9], out[10], out[11:]
+    offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    a = [x.astype(o) for x, o in zip([order, *mv, *sh, offsets, readers, *extra], orig)]  # copies, original dtypes
+    return PlanPart(
+        step=step,
+        num_ranks=R,
+        batch_per_rank=B,
+        sample_order=a[0],
+        moves=RowMoves(*a[1:6]),
+        shared=SharedRows(*a[6:11]),
+        counters=counters,
+        stateful_kinds=tuple(kinds),
+        executable=executable,
+        sched_seconds=seconds,
+        stale_reads=stale,
+        rank=rank,
+        slice_ranks=a[11],
+        shared_tables=a[12],
+        relayed_tables=a[13],
+    )
+
+
+def _pack(wide: list[np.ndarray], ints: tuple[np.ndarray, ...]) -> tuple[list[str], list[np.ndarray]]:
+    """Every array narrowed (`_narrow`), back to back: (the dtypes sent, the bytes). One compiled pass where the
+    kernels are on and `ints` hold integers; an empty array keeps its dtype."""
+    if _compiled_ints(*ints):
+        data, sizes = native.wire_pack(wide)
+        return [_SIGNED[z] if a.shape[0] else a.dtype.str for a, z in zip(wide, sizes)], [data]
+    arrays = [np.ascontiguousarray(_narrow(a)) for a in wide]
+    return [a.dtype.str for a in arrays], [a.view(np.uint8) for a in arrays]
+
+
+def _framed(form: int, meta: bytes, data: list[np.ndarray]) -> np.ndarray:
+    """[form byte | length of meta | meta | data]."""
     return np.concatenate(
         [
-            np.array([_FLAT], dtype=np.uint8),
+            np.array([form], dtype=np.uint8),
             np.array([len(meta)], dtype=_HEAD).view(np.uint8),
             np.frombuffer(meta, dtype=np.uint8),
-            *parts,
+            *data,
         ]
     )
+
+
+def _unpack(buf: np.ndarray, start: int, lens: list[int], sent: list[str]) -> tuple[list[np.ndarray], bool]:
+    """The arrays `_pack` wrote at `start` (lengths `lens`), and whether they came back as int64 copies (compiled);
+    else views of `buf` in the dtypes sent. ValueError if the buffer's length does not match."""
+    types = [np.dtype(t) for t in sent]
+    end = start + sum(t.itemsize * n for t, n in zip(types, lens))
+    if end != buf.shape[0]:
+        raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes, {end} read)")
+    if native.enabled() and all(t.kind == "i" for t in types):  # widened to int64 in one pass (copies)
+        return native.wire_unpack(buf[start:], lens, [t.itemsize for t in types]), True
+    out, at = [], start
+    for t, n in zip(types, lens):
+        out.append(buf[at : at + t.itemsize * n].view(t))
+        at += t.itemsize * n
+    return out, False
 
 
 def _decode_flat(buf: np.ndarray) -> Plan:
@@ -206,19 +305,7 @@ def _decode_flat(buf: np.ndarray) -> Plan:
     step, R, B, executable, stale, seconds, counters, kinds, n_mv, n_sh, orig, sent = json.loads(
         bytes(buf[1 + _HEAD.itemsize : pos])
     )
-    lens, start = [R * B] + [n_mv] * 5 + [n_sh] * 4, pos  # assignment, moves, shared, mask
-    types = [np.dtype(t) for t in sent]
-    pos += sum(t.itemsize * n for t, n in zip(types, lens))
-    if pos != buf.shape[0]:
-        raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes, {pos} read)")
-    compiled = native.enabled() and all(t.kind == "i" for t in types)
-    if compiled:  # widened to int64 in one pass (copies)
-        out = native.wire_unpack(buf[start:], lens, [t.itemsize for t in types])
-    else:
-        out, at = [], start
-        for t, n in zip(types, lens):
-            out.append(buf[at : at + t.itemsize * n].view(t))
-            at += t.itemsize * n
+    out, compiled = _unpack(buf, pos, [R * B] + [n_mv] * 5 + [n_sh] * 4, sent)  # assignment, moves, shared, mask
     rank, mask = out[0], out[9]
     csr = native.wire_readers(mask, R) if compiled and n_sh else None
     if csr is not None:
@@ -249,7 +336,7 @@ def _decode_flat(buf: np.ndarray) -> Plan:
 
 def encode_plan(plan: Plan) -> np.ndarray:
     """The plan as a uint8 array (see the module docstring): the flat form where it applies, else the general one."""
-    flat = _encode_flat(plan)
+    flat = _encode_flat(plan) if type(plan) is Plan else _encode_part(plan)
     if flat is not None:
         return flat
     return np.concatenate([np.array([_TREE], dtype=np.uint8), encode_plan_tree(plan)])
@@ -302,10 +389,12 @@ def encode_plan_tree(plan: Plan) -> np.ndarray:
 def decode_plan(buf: np.ndarray) -> Plan:
     """Inverse of `encode_plan` (the arrays are copies: the buffer may be reused)."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    if buf.shape[0] < 1 + _HEAD.itemsize or buf[0] not in (_TREE, _FLAT):
+    if buf.shape[0] < 1 + _HEAD.itemsize or buf[0] not in (_TREE, _FLAT, _PART):
         raise ValueError(f"decode_plan: a malformed plan ({buf.shape[0]} bytes)")
     if buf[0] == _FLAT:
         return _decode_flat(buf)
+    if buf[0] == _PART:
+        return _decode_part(buf)
     n = int(buf[1 : 1 + _HEAD.itemsize].view(_HEAD)[0])
     skeleton = json.loads(bytes(buf[1 + _HEAD.itemsize : 1 + _HEAD.itemsize + n]))
     pos = 1 + _HEAD.itemsize + n

@@ -34,7 +34,7 @@ from herald_torchrec.distributed.step.host_relay import (
 )
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.storage.row_store import RowStore
-from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan
+from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, PlanPart
 
 
 def empty_ids() -> np.ndarray:
@@ -291,15 +291,35 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
     R, r = st.world_size, st.rank
     sh = plan.shared
     n = len(sh)
-    if n == 0:
-        z = empty_ids()
-        return SharedStep(z, z, z, z, [0] * R, z, z, z, [0] * R, 0, 0, True, value_splits=[0] * R, grad_splits=[0] * R)
+    by_host = hosts is not None and hosts.shares_hosts
+    part = plan if isinstance(plan, PlanPart) else None
+    if part is not None:
+        if part.rank != r:
+            raise ValueError(f"plan {plan.step}: the part of rank {part.rank} was given to rank {r}")
+        if part.relayed_tables.shape[0] and not (by_host and hosts.relays):
+            raise ValueError(
+                f"plan {plan.step}: the part was cut for host relays, which this module does not run (set_hosts)"
+            )
+    if n == 0:  # no pair here; the exchange still runs where the step has shared rows on other ranks
+        z, zeros = empty_ids(), [0] * R
+        anywhere = part is not None and part.shared_tables.shape[0] > 0
+        return SharedStep(
+            *(z, z, z, z, zeros, z, z, z, zeros, 0, 0, not anywhere),
+            value_splits=zeros,
+            grad_splits=zeros,
+            relayed=anywhere and part.relayed_tables.shape[0] > 0,
+            fwd_splits=zeros,
+            fwd_recv_splits=zeros,
+            relay_grad_splits=zeros,
+            relay_grad_recv_splits=zeros,
+            value_links=LinkRows() if by_host else None,
+            grad_links=LinkRows() if by_host else None,
+        )
     table = np.asarray(sh.table, dtype=np.int64)
     row = np.asarray(sh.row, dtype=np.int64)
     owner = np.asarray(sh.owner, dtype=np.int64)
     ro = np.asarray(sh.reader_offsets, dtype=np.int64)
     readers = np.asarray(sh.readers, dtype=np.int64)
-    by_host = hosts is not None and hosts.shares_hosts
     fast = (
         None
         if by_host
@@ -341,6 +361,11 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
     p_w = st.dims_arr[p_tab]
     fill = (readers == p_own) & (p_pre != p_own)  # the reader gets the row itself in the moves
     rt = pair_routes(pair_key, readers, p_pre, p_own, fill, hosts if by_host else None)
+    relayed = rt.relayed
+    if part is not None:  # a global fact: the part says it for the whole step (checked where it shows here)
+        relayed, here = part.relayed_tables.shape[0] > 0, rt.relayed
+        if here and not relayed:
+            raise ValueError(f"plan {plan.step}: rank {r}'s part relays rows, but says the step relays none")
     # values: owner before the moves (or the host's relay after them) -> reader, fill pairs excepted; this rank's
     # reads in value order = received from the owners, then from its relays, then its fills
     via = np.flatnonzero(~fill & (rt.value_stage == FROM_OWNER))
@@ -385,7 +410,7 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
         n_fill=int(fills.shape[0]),
         grad_idx=position[g_send],
         grad_splits=grad_splits,
-        relayed=rt.relayed,
+        relayed=relayed,
         fwd_idx=position[rt.relay_pair[f_send]],
         fwd_splits=fwd_splits,
         fwd_recv_splits=fwd_recv_splits,

@@ -16,7 +16,7 @@ import enum
 import hashlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -135,16 +135,21 @@ def parse_slice(batch: Batch | None, lay: SliceLayout) -> ParsedSlice:
 
 @dataclass(frozen=True)
 class Announcement:
-    """This rank's first PAY_WORDS header words of the next round (its slice, its plan's bytes, its planner's level
-    word), sent a round early as the trailer of this round's all-to-all, so that the next round needs no all-gather
-    of them."""
+    """This rank's first PAY_WORDS header words of the next round (its slice, the bytes of the plan it sends each
+    rank, its planner's level word), sent a round early as the trailer of this round's all-to-all, so that the next
+    round needs no all-gather of them."""
 
     header: SliceHeader
-    plan_bytes: int
+    plan_bytes: np.ndarray  # int64 [R]: to each rank (`plan_words`)
     level: int = 0
 
-    def words(self) -> np.ndarray:
-        return np.concatenate([self.header.words(), [self.plan_bytes, self.level]])
+    def words_to(self) -> np.ndarray:
+        """[R, PAY_WORDS] int64: row d is the trailer sent to rank d (only the plan word differs)."""
+        out = np.empty((self.plan_bytes.shape[0], PAY_WORDS), dtype=np.int64)
+        out[:, :SLICE_WORDS] = self.header.words()
+        out[:, PLAN_WORD] = self.plan_bytes
+        out[:, LEVEL_WORD] = self.level
+        return out
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,7 @@ class RoundHeads:
 
     @property
     def plan_bytes(self) -> np.ndarray:
+        """The bytes of the plan each rank sends this rank this round (-1 from every rank whose scheduler failed)."""
         return self.words[:, PLAN_WORD]
 
     @property
@@ -204,12 +210,13 @@ class Pending:
 
 @dataclass(frozen=True)
 class OutgoingPlan:
-    """A plan made on a rank that plans, a round before it travels; `wire` is what it sends the ranks it plans for
-    (None: it plans for itself only)."""
+    """A plan made on a rank that plans, a round before it travels: `plan` is what this rank executes (its own part
+    where the plan travels as parts: distributed/step/plan_part.py), `wires` what it sends each rank it plans for
+    (rank -> encoded plan or part; empty: it plans for itself only)."""
 
     plan: Plan
     generation: int
-    wire: np.ndarray | None = None
+    wires: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -227,14 +234,16 @@ class PlannedBatch(NamedTuple):
     generation: int
 
 
-def plan_word(out: OutgoingPlan | FailedPlan | None) -> int:
-    """The header word of the plan a round carries from this rank: the bytes it sends (generation, then the encoded
-    plan), 0 if none, -1 if its scheduler failed."""
-    if out is None:
-        return 0
+def plan_words(out: OutgoingPlan | FailedPlan | None, world_size: int) -> np.ndarray:
+    """The header word of the plan a round carries from this rank, per receiving rank, int64 [R]: the bytes it sends
+    that rank (generation, then the encoded plan or part), 0 if none, -1 to every rank if its scheduler failed."""
+    words = np.zeros(world_size, dtype=np.int64)
     if isinstance(out, FailedPlan):
-        return -1
-    return 0 if out.wire is None else GENERATION_BYTES + out.wire.shape[0]
+        words[:] = -1
+    elif out is not None:
+        for d, wire in out.wires.items():
+            words[d] = GENERATION_BYTES + wire.shape[0]
+    return words
 
 
 def raise_bad(status: np.ndarray, err: Exception | None) -> None:

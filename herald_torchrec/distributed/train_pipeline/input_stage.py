@@ -104,6 +104,8 @@ from torch.distributed import all_to_all_single as _all_to_all_single
 from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
+from herald_torchrec.distributed.step.host_relay import HostMap
+from herald_torchrec.distributed.step.plan_part import plan_parts, splittable
 from herald_torchrec.distributed.train_pipeline.input_layout import (
     GatheredIds,
     ManagedTables,
@@ -136,7 +138,7 @@ from herald_torchrec.distributed.train_pipeline.input_round import (
     ids_block,
     ids_sizes,
     parse_slice,
-    plan_word,
+    plan_words,
     planners,
     raise_bad,
 )
@@ -244,6 +246,10 @@ class ScheduledInput:
         self.host_index = -1  # this rank's host among the planners' (where it plans per machine)
         self.ids_sent_bytes = 0  # bytes of this rank's ids sent to other ranks' planners (the tests read it)
         self.hosts: np.ndarray | None = None  # int64 [R], a key per rank's machine (set at the first batch)
+        # a planner sends each rank only its part of the plan (step/plan_part.py); the parts keep the readers the
+        # modules' host relays need, so they are cut with the modules' host map (`relay_hosts`, set with them)
+        self.send_parts = True
+        self.relay_hosts: HostMap | None = None
         self._factory = policy_factory
         self._current = SchedulerState(0, None)  # replaced as one object by reset_policy
         self.lookahead = 0
@@ -296,16 +302,18 @@ class ScheduledInput:
             _all_gather(parts, t, group=self.comm.group)
         return torch.stack(parts).numpy()
 
-    def _exchange_heads(self, head: np.ndarray) -> np.ndarray:
-        """[R, PAY_WORDS + 1] int64: every rank's first PAY_WORDS header words, then the bytes of its samples sent to
-        this rank, from this rank's header `head` (PAY_WORDS + R words). One all-to-all of PAY_WORDS + 1 words per
-        pair of ranks: each rank receives the one size word of every rank's R that concerns it, so a rank's share
-        grows as R, not as R x R (an all-gather of every header)."""
+    def _exchange_heads(self, head: np.ndarray, plan_to: np.ndarray) -> np.ndarray:
+        """[R, PAY_WORDS + 1] int64: every rank's first PAY_WORDS header words (its plan word: the bytes of the plan
+        it sends this rank), then the bytes of its samples sent to this rank, from this rank's header `head`
+        (PAY_WORDS + R words) and `plan_to` (its plan bytes to each rank). One all-to-all of PAY_WORDS + 1 words per
+        pair of ranks: each rank receives the size words of every rank that concern it, so a rank's share grows as
+        R, not as R x R (an all-gather of every header)."""
         R = self.R
         if R == 1:
             return head[None, :].copy()
         send = np.empty((R, PAY_WORDS + 1), dtype=np.int64)
         send[:, :PAY_WORDS] = head[:PAY_WORDS]
+        send[:, PLAN_WORD] = plan_to
         send[:, PAY_WORDS] = head[PAY_WORDS:]
         out = torch.empty(R * (PAY_WORDS + 1), dtype=torch.int64)
         self.comm.counter.add("control", (PAY_WORDS + 1) * 8 * (R - 1))
@@ -440,7 +448,7 @@ class ScheduledInput:
         get their lengths and managed ids, which only the planners gathered), and the samples the plan assigns here."""
         lay, r = self._layout, self.rank
         B = lay.batch_size
-        dest = ex.plan.assignment()[r * B : (r + 1) * B]
+        dest = ex.plan.slice_destinations(r)
         if not np.array_equal(self.ids_to, self.is_planner) and (self.planner_of[dest] != self.planner).any():
             raise RuntimeError(
                 f"herald input stage (rank {r}): the plan sends samples to another machine, whose planner never "
@@ -501,10 +509,23 @@ class ScheduledInput:
                 else:
                     plan = policy.plan(batches)
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
-            wire = encode_plan(plan) if self.plans_for.any() else None
+            plan, wires = self._wires(plan)
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return FailedPlan(generation, e)
-        return OutgoingPlan(plan, generation, wire)
+        return OutgoingPlan(plan, generation, wires)
+
+    def _wires(self, plan: Plan) -> tuple[Plan, dict[int, np.ndarray]]:
+        """What this planner executes and what it sends each rank it plans for: each rank's own part
+        (step/plan_part.py) where the plan can travel so (`send_parts`), else the whole plan to every rank."""
+        to = np.flatnonzero(self.plans_for).tolist()
+        if not to:
+            return plan, {}
+        if self.send_parts and splittable(plan):
+            with phase("input.plan_parts"):
+                parts = plan_parts(plan, [self.rank, *to], self.relay_hosts)
+                return parts[self.rank], {d: encode_plan(parts[d]) for d in to}
+        wire = encode_plan(plan)
+        return plan, dict.fromkeys(to, wire)
 
     def _raise_failed_plan(self, made: OutgoingPlan | FailedPlan | None, heads: RoundHeads) -> None:
         """After the header: a scheduler that failed on some rank stops every rank (before any data moves)."""
@@ -533,7 +554,7 @@ class ScheduledInput:
         ids = 0 if planner else lay.managed.shape[0] * u * lay.ids_dtype.itemsize
         return lay.fixed_bytes() + ids + lay.carried.shape[0] * u * 8 + lay.num_keys * u * lay.weight_bytes
 
-    def _heads(self, work: Round, head: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
+    def _heads(self, work: Round, head: np.ndarray, plan_to: np.ndarray, moves: SampleMoves | None) -> RoundHeads:
         """Every rank's header words of this round that this rank needs (`head`: this rank's PAY_WORDS + R): from an
         all-to-all of them (`_exchange_heads`), unless the previous round's trailers announced them
         (`work.announced`) and this rank can size what it receives from the plan alone (`_recv_sizes`). Then the
@@ -544,7 +565,7 @@ class ScheduledInput:
         if known is not None:
             sizes = [0] * R if moves is None else self._recv_sizes(moves.pending, moves.n_from)
         if known is None or sizes is None:
-            return RoundHeads(self._exchange_heads(head))
+            return RoundHeads(self._exchange_heads(head, plan_to))
         # no gather: its words (END) are not used
         checked = slice(0, PAY_WORDS) if work.gather is not None else slice(PLAN_WORD, PAY_WORDS)
         if not np.array_equal(known[r, checked], head[checked]):
@@ -575,10 +596,13 @@ class ScheduledInput:
         result = RoundResult()
         receives_plan = work.carries_plan and q != r
         ids_in, plan_in = [0] * R, [0] * R  # bytes of each rank's ids block and plan coming here
-        my_ids = wire = np.zeros(0, dtype=np.uint8)
-        if isinstance(made, OutgoingPlan) and made.wire is not None:  # the planner: generation, then the plan
-            wire = np.concatenate([np.array([made.generation], dtype=np.int64).view(np.uint8), made.wire])
-            self.comm.counter.add("plan", wire.shape[0] * int(self.plans_for.sum()), call=False)
+        my_ids = none = np.zeros(0, dtype=np.uint8)
+        plan_to = plan_words(made, R)  # bytes of the plan (or part) this rank sends each rank
+        wires: dict[int, np.ndarray] = {}
+        if isinstance(made, OutgoingPlan) and made.wires:  # the planner: generation, then the plan or part
+            generation = np.array([made.generation], dtype=np.int64).view(np.uint8)
+            wires = {d: np.concatenate([generation, w]) for d, w in made.wires.items()}
+            self.comm.counter.add("plan", int(plan_to[plan_to > 0].sum()), call=False)
         # cut the samples first: their bytes per destination travel in the header (unless receivers compute them: one
         # bag length), since a rank that does not plan cannot size the lengths and ids that come with them
         moves = None
@@ -590,9 +614,9 @@ class ScheduledInput:
             pay = [np.zeros(0, np.uint8)] * R
         my_slice = (parsed if parsed is not None else NO_SLICE).header
         head = np.concatenate(  # this rank's words
-            [my_slice.words(), [plan_word(made), work.level], [b.shape[0] for b in pay]]
+            [my_slice.words(), [plan_to[r], work.level], [b.shape[0] for b in pay]]
         )
-        heads = self._heads(work, head, moves)
+        heads = self._heads(work, head, plan_to, moves)
         result.levels = heads.levels.copy()
         if work.carries_plan:
             self._raise_failed_plan(made, heads)
@@ -608,17 +632,17 @@ class ScheduledInput:
                 self.ids_sent_bytes += my_ids.shape[0] * to_planners
             else:
                 result.end_of_data = True
-        trailer = work.next_words.words().view(np.uint8) if work.next_words is not None else np.zeros(0, np.uint8)
-        if work.next_words is not None:
+        t = 0
+        trailers = [none] * R
+        if work.next_words is not None:  # to each rank its own (its plan word differs)
+            trailers = list(work.next_words.words_to().view(np.uint8))
+            t = TRAILER_BYTES
             self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
-        # to each rank: [trailer | ids block (to a planner) | plan (to a rank this one plans for) | samples]
+        # to each rank: [trailer | ids block (to a planner) | plan or part (to a rank this one plans for) | samples]
         sends = [
-            np.concatenate(
-                [trailer, my_ids[: None if self.ids_to[d] else 0], wire[: None if self.plans_for[d] else 0], p]
-            )
+            np.concatenate([trailers[d], my_ids[: None if self.ids_to[d] else 0], wires.get(d, none), p])
             for d, p in enumerate(pay)
         ]
-        t = trailer.shape[0]
         recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_here)]
         if any(b.shape[0] for b in sends) or any(recv):
             got = self._all_to_all_bytes(sends, recv)
@@ -697,7 +721,7 @@ class ScheduledInput:
             next_words = None
             if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
                 next_words = Announcement(
-                    (ahead if ahead is not None else NO_SLICE).header, plan_word(next_made), next_level
+                    (ahead if ahead is not None else NO_SLICE).header, plan_words(next_made, self.R), next_level
                 )
             exchange = Exchange(window[0], planned[0].plan) if planned else None
             self._ahead_samples = ahead.samples if ahead is not None else 0

@@ -247,6 +247,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         if hosts is not None:  # the data plane relays shared rows through one rank per host (where hosts are shared)
             for m in self._herald_modules:
                 m.set_hosts(hosts, relay=o.host_relay)
+            self.input_stage.relay_hosts = self._herald_modules[0].hosts  # the parts of the plans keep their relays
         if getattr(POLICIES[name], "takes_hosts", False) and hosts is not None and "hosts" not in o.policy_options:
             # the ranks grouped by machine, as every rank gathered them: host-aware LAIA across machines (all
             # ranks on one machine: one host, the plans are those without a host map)

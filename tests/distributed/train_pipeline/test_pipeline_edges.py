@@ -323,7 +323,9 @@ def _plan_on_run(rank: int, plan_on: str, host: str | None = None) -> dict:
 def _plan_on_steps(rank: int, plan_on: str) -> dict:
     import dataclasses
 
+    from herald_torchrec.distributed.step.plan_part import plan_parts
     from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
+    from herald_torchrec.schedule.plan import PlanPart
 
     plans = []
     # every_rank runs its input stage in the training thread (prefetch=0), rank0 in the background thread 2 batches
@@ -333,8 +335,12 @@ def _plan_on_steps(rank: int, plan_on: str) -> dict:
     it = iter(batches(rank, 12))
     for _ in range(12):
         pipeline.progress(it)
-    flat = []  # every array of every plan, in field order, with its dtype
+    flat = []  # every array of every plan, in field order, with its dtype: this rank's part of it (a rank that
+    # plans for itself only trains the whole plan: its part is cut here, with the modules' host map)
+    hosts = herald_modules(dmp)[0].hosts
     for p in plans:
+        if not isinstance(p, PlanPart):
+            p = plan_parts(p, [rank], hosts)[rank]
         for part in (p, p.moves, p.shared):
             for f in dataclasses.fields(part):
                 v = getattr(part, f.name)
@@ -406,8 +412,8 @@ def test_one_planner_sends_the_plans_every_rank_would_make(plan_on_results: list
     r = {(m, q): plan_on_results[q][m] for m in ("host", "two_hosts", "rank0", "every_rank") for q in (0, 1)}
     base = r["every_rank", 0]
     assert base["n_plans"] == 12 and any(name == "row" and vals for name, _, vals in base["plans"])  # rows do move
-    for key, res in r.items():
-        assert res["plans"] == base["plans"], key  # the same plans, dtypes included, on every rank in both modes
+    for key, res in r.items():  # the same plans (each rank's part), dtypes included, on every rank in every mode
+        assert res["plans"] == r["every_rank", key[1]]["plans"], key
         for part in ("tables", "dense"):
             assert sorted(res[part]) == sorted(base[part])
             for k in base[part]:
@@ -441,7 +447,7 @@ def test_two_machines_of_two_ranks_train_what_every_rank_planning_trains(tmp_pat
     base = res[0]["every_rank"]
     for q in range(4):
         got = res[q]["two_machines"]
-        assert got["plans"] == base["plans"], q
+        assert got["plans"] == res[q]["every_rank"]["plans"], q
         for part in ("tables", "dense"):
             for k in base[part]:
                 assert torch.equal(got[part][k], base[part][k]), (q, k)

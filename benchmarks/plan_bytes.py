@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Bytes each rank receives of a step's plan: the whole plan against its own part, as the input stage sends them.
+
+    python benchmarks/plan_bytes.py --workers 8,16,32,64,128,256 --steps 30 --warmup 10
+
+A planner sends each rank it plans for only that rank's part of the plan (distributed/step/plan_part.py, encoded by
+schedule/plan_wire.py as the wire sends it). This runs the scheduler over the synthetic default trace at each R (8
+ranks per host, host relays on, as the data plane runs them) and prints, per R, averaged over the steps after
+`--warmup`: the whole plan's bytes, each rank's part (mean and largest), what the parts hold (every move, which every
+part repeats, against the rest), the part the protocol model of schedule/herald/hierarchy.py counts (`plan_part_bytes`:
+a rank's own moves only), and the ids each rank sends its planner. One JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
+from herald_torchrec.distributed.step.host_relay import HostMap  # noqa: E402
+from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
+from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
+from herald_torchrec.schedule.herald.hierarchy import ids_bytes, plan_part_bytes  # noqa: E402
+from herald_torchrec.schedule.plan import SharedRows  # noqa: E402
+from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
+
+
+def measure(args: argparse.Namespace, R: int) -> dict:
+    B, P, L = args.batch, args.ranks_per_host, args.lookahead
+    gen = SyntheticCTR(SyntheticSpec(scale=args.scale, val_block=R * B))
+    rows = list(gen.table_rows)
+    kwargs = {"hosts": P} if args.policy == "herald_hier" else {}
+    pol = make_policy(args.policy, rows, R, B, args.cache_ratio, L, **kwargs)
+    hosts = HostMap(np.arange(R, dtype=np.int64) // P, relay=True)
+
+    def batch(i: int) -> GlobalBatch:
+        return GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, index=i)
+
+    window = [batch(i) for i in range(L)]
+    out: dict[str, list[float]] = {k: [] for k in ("whole", "mean", "max", "moves", "model", "ids", "cut_ms")}
+    for i in range(args.steps):
+        window.append(batch(i + L))
+        plan = pol.plan(window)
+        window.pop(0)
+        if i < args.warmup:
+            continue
+        t = time.perf_counter()
+        parts = plan_parts(plan, range(R), hosts)
+        sizes = np.array([encode_plan(parts[r]).shape[0] for r in range(R)], dtype=np.int64)
+        out["cut_ms"].append((time.perf_counter() - t) * 1e3)
+        out["moves"].append(encode_plan(dataclasses.replace(parts[0], shared=SharedRows())).shape[0])  # no shared row
+        out["whole"].append(encode_plan(plan).shape[0])
+        out["mean"].append(float(sizes.mean()))
+        out["max"].append(float(sizes.max()))
+        out["model"].append(float(plan_part_bytes(plan).mean()))
+        out["ids"].append(float(ids_bytes(window[0], R, B).mean()))
+        print(f"R={R} step {i}: whole {out['whole'][-1]} B, part mean {sizes.mean():.0f} B", file=sys.stderr)
+    avg = {k: round(float(np.mean(v)), 1) for k, v in out.items()}
+    return {
+        "whole_plan_bytes": avg["whole"],
+        "part_bytes_mean": avg["mean"],
+        "part_bytes_max": avg["max"],
+        "part_moves_bytes": avg["moves"],
+        "part_bytes_protocol_model": avg["model"],
+        "ids_bytes_per_rank": avg["ids"],
+        "cut_ms_all_ranks": avg["cut_ms"],
+        "steps_measured": len(out["whole"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", default="8,16,32,64", help="comma list of R")
+    p.add_argument("--ranks-per-host", type=int, default=8)
+    p.add_argument("--policy", choices=["herald", "herald_hier"], default="herald")
+    p.add_argument("--batch", type=int, default=256, help="samples per rank (B)")
+    p.add_argument("--scale", type=float, default=SyntheticSpec.scale, help="synthetic: table size scale")
+    p.add_argument("--cache-ratio", type=float, default=0.1)
+    p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args(argv)
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        raise SystemExit(f"--workers: a comma list of integers, got {args.workers!r}") from None
+    result = {"config": vars(args), "by_workers": {str(R): measure(args, R) for R in workers}}
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

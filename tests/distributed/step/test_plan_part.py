@@ -1,0 +1,152 @@
+"""A rank's part of the plan (step/plan_part.py): on its part every rank lays out exactly what it lays out on the whole
+plan (every SharedStep field, relays included), for the Herald scheduler's plans on 4 and 8 "ranks" in one process,
+with and without host relays; the parts travel through the plan wire and are smaller than the whole plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from herald_torchrec.distributed.step.host_relay import HostMap
+from herald_torchrec.distributed.step.plan_part import owners_before_moves, plan_parts, splittable
+from herald_torchrec.distributed.step.prepare import prepare_moves, prepare_shared
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
+from herald_torchrec.schedule import GlobalBatch, make_policy
+from herald_torchrec.schedule.plan import Plan, PlanPart, ReplicaSync, RowMoves, SharedRows
+from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
+
+# every SharedStep field a rank's collectives and lookups use (`marked` differs by design: a part marks its own rows)
+FIELDS = (
+    "send_table",
+    "send_row",
+    "send_gkey",
+    "send_off",
+    "send_splits",
+    "recv_table",
+    "recv_row",
+    "recv_off",
+    "recv_splits",
+    "n_values_out",
+    "n_grads_out",
+    "globally_empty",
+    "recv_gkey",
+    "value_table",
+    "value_gkey",
+    "value_splits",
+    "n_fill",
+    "grad_idx",
+    "grad_splits",
+    "relayed",
+    "fwd_idx",
+    "fwd_splits",
+    "fwd_recv_splits",
+    "relay_grad_idx",
+    "relay_grad_splits",
+    "relay_grad_recv_splits",
+    "relay_add_idx",
+    "value_links",
+    "grad_links",
+)
+
+
+def _steps(R: int, seed: int, steps: int = 9, Bs: int = 8, rows: tuple[int, ...] = (40, 300, 7, 120)):
+    """Herald's plans for R ranks over skewed batches (moves, forwards, fills, owners reading their rows), and each
+    rank's RowStore kept in step with the moves as HeraldLookup._land does."""
+    L = 2
+    st = [
+        RowStore([TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)], r, R, 0.1, "exact_rowwise_adagrad")
+        for r in range(R)
+    ]
+    pol = make_policy("herald", rows, R, Bs, 0.1, L, tables="all")
+    rng = np.random.default_rng(seed)
+    batches = [
+        GlobalBatch.from_dense(
+            np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1), rows, index=i
+        )
+        for i in range(steps + L)
+    ]
+    for s in range(steps):
+        plan = pol.plan(batches[s : s + L + 1])
+        yield plan, st
+        for r in range(R):
+            m = prepare_moves(plan, st[r])
+            st[r].release_many(m.table[m.send_idx], m.row[m.send_idx])
+            st[r].set_owner_many(m.table, m.row, m.dst)
+            st[r].allocate_many(m.table[m.recv_idx], m.row[m.recv_idx])
+
+
+@pytest.mark.parametrize(
+    "R, hosts",
+    [(4, None), (4, HostMap(np.array([0, 0, 1, 1]))), (8, HostMap(np.repeat([0, 1], 4))), (8, HostMap(np.arange(8)))],
+    ids=["4-no-hosts", "4-as-2x2", "8-as-2x4", "8-one-per-host"],
+)
+def test_every_rank_lays_out_the_same_step_from_its_part(R, hosts) -> None:
+    relayed = fills = 0
+    for relay in (True, False) if hosts is not None else (True,):
+        hm = None if hosts is None else HostMap(hosts.host, relay=relay)
+        for plan, st in _steps(R, seed=R):
+            parts = plan_parts(plan, range(R), hm)
+            for r in range(R):
+                part = decode_plan(encode_plan(parts[r]))  # as it travels
+                assert isinstance(part, PlanPart) and part.rank == r
+                np.testing.assert_array_equal(part.local_samples(r), plan.local_samples(r))
+                np.testing.assert_array_equal(part.slice_destinations(r), plan.slice_destinations(r))
+                ms = prepare_moves(part, st[r])
+                np.testing.assert_array_equal(ms.send_idx, prepare_moves(plan, st[r]).send_idx)
+                whole, got = prepare_shared(plan, st[r], ms, hm), prepare_shared(part, st[r], ms, hm)
+                for f in FIELDS:
+                    np.testing.assert_array_equal(
+                        getattr(got, f), getattr(whole, f), err_msg=f"step {plan.step} rank {r} relay {relay}: {f}"
+                    )
+                assert np.isin(got.marked, whole.marked).all()
+                relayed += got.relayed
+                fills += got.n_fill
+    assert fills > 0
+    if hosts is not None and hosts.shares_hosts:
+        assert relayed > 0  # relays were exercised, and their parts kept what the relays need
+
+
+def test_parts_are_smaller_than_the_whole_plan() -> None:
+    """16 ranks as 2 hosts of 8, 128 samples per rank: a part is on average under 0.7x the whole plan, the largest
+    under the whole (every part repeats every move: the directories apply them all)."""
+    hm = HostMap(np.repeat([0, 1], 8))
+    for plan, _ in _steps(16, seed=1, steps=4, Bs=128, rows=(2000, 50000, 7, 120, 10000, 300)):
+        whole = encode_plan(plan).shape[0]
+        sizes = np.array([encode_plan(p).shape[0] for p in plan_parts(plan, range(16), hm).values()])
+        assert sizes.mean() < 0.7 * whole and sizes.max() < whole, (whole, sizes.tolist())
+
+
+def test_a_rank_without_pairs_still_runs_the_step_exchange() -> None:
+    """The owner before a move is its source, and that owner's part lists the row; a rank with no pair in a step
+    that has shared rows joins the exchange with zero splits, as it does with the whole plan."""
+    st = [RowStore([TableSpec("a", 10, 4)], r, 3, 0.3, "exact_rowwise_adagrad") for r in range(3)]
+    move = RowMoves(np.array([0]), np.array([5]), np.array([1]), np.array([2]), np.array([0], dtype=np.int8))
+    # row 2 (home rank 0) read by 0 and 1; row 5 (home rank 1) moves to rank 2, read by 0 and 2
+    shared = SharedRows(
+        np.array([0, 0]), np.array([2, 5]), np.array([0, 2]), np.array([0, 2, 4]), np.array([0, 1, 0, 2])
+    )
+    plan = Plan(3, 3, 1, np.arange(3), move, shared)
+    np.testing.assert_array_equal(owners_before_moves(plan), [0, 1])
+    parts = plan_parts(plan, [0, 1, 2], None)
+    assert parts[1].shared.row.tolist() == [2, 5]  # rank 1 reads row 2 and sends row 5's value before it moves
+    assert parts[2].shared.row.tolist() == [5]
+    alone = SharedRows(np.array([0]), np.array([2]), np.array([0]), np.array([0, 2]), np.array([0, 1]))
+    part = plan_parts(Plan(3, 3, 1, np.arange(3), RowMoves(), alone), [2], None)[2]
+    assert len(part.shared) == 0 and part.shared_tables.tolist() == [0]
+    got = prepare_shared(part, st[2], prepare_moves(part, st[2]))
+    assert not got.globally_empty and got.value_splits == [0, 0, 0] and got.grad_splits == [0, 0, 0]
+
+
+def test_parts_refuse_what_they_cannot_carry() -> None:
+    plan = Plan(0, 2, 1, np.arange(2), replicas=ReplicaSync())
+    assert not splittable(plan)
+    with pytest.raises(ValueError, match="travel whole"):
+        plan_parts(plan, [0], None)
+    part = plan_parts(Plan(0, 2, 1, np.arange(2)), [1], None)[1]
+    with pytest.raises(ValueError, match="part of rank 1 was given to rank 0"):
+        part.local_samples(0)
+    with pytest.raises(ValueError, match="every sample's rank"):
+        part.assignment()
+    st = RowStore([TableSpec("a", 10, 4)], 0, 2, 0.3, "exact_rowwise_adagrad")
+    with pytest.raises(ValueError, match="part of rank 1 was given to rank 0"):
+        prepare_shared(part, st, prepare_moves(part, st))
