@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.distributed.train_pipeline.test_pipeline_edges import B, batches, build, one_process_reference
+from tests.distributed.train_pipeline.test_pipeline_edges import batches, build, one_process_reference
 from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
 
