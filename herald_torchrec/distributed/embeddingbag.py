@@ -23,8 +23,9 @@ driven by the plan that the pipeline handed over with `set_plan(plan)` (docs/ARC
     gradient clipping, exclusive rows are updated in the TBE's backward and shared rows by a separate pass over
     one-row bags.
 
-Every split size comes from the plan, identical on every rank, so no sizes are exchanged and a plan without moves
-or shared keys costs no data collective (only the 8-byte error-check all-reduce, see `check_errors_globally`; in
+Every split size comes from the plan (each rank's own part of it where a planner sends parts: step/plan_part.py,
+which lays out the same step), so no sizes are exchanged and a plan without moves or shared keys costs no data
+collective (only the 8-byte error-check all-reduce, see `check_errors_globally`; in
 other steps the error flags ride on the step's all-to-all). The per-step work is vectorised over all tables: ids,
 moves and shared pairs are handled by global key (`RowStore.key_base[t] + row`) in one numpy pass each.
 A step that raises ValueError (bad input, plan inconsistent with the batch or the directory) has consumed its plan
@@ -472,9 +473,13 @@ class ShardedHeraldEmbeddingBagCollection(
             self._warned_unscheduled = True
             warnings.warn(UNSCHEDULED_WARNING, stacklevel=2)
         plan = self._plans.popleft() if self._plans and self.training else None  # eval never consumes training plans
+        if not isinstance(plan, PlanPart):
+            self.sync_directory()  # a whole plan (or the static one) is checked against every rank's rows
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._exec.static_plan(local)
+        else:
+            self._store.directory_exact &= not isinstance(plan, PlanPart)  # a part holds some of the moves only
         # extensions (none for Herald's policies): their collectives, driven by the plan alone so that every rank
         # runs them, then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
         extension_steps: list[ExtensionStep] = []
@@ -635,9 +640,25 @@ class ShardedHeraldEmbeddingBagCollection(
         return self._store
 
     def owners(self, table: int | str) -> np.ndarray:
-        """Global owner rank of every row of a table (int32 [rows], identical on every rank)."""
+        """Global owner rank of every row of a table (int32 [rows], identical on every rank) as this rank knows it:
+        exact for every row after `sync_directory()` (collective), and for this rank's own rows always."""
         t = self.table_names.index(table) if isinstance(table, str) else int(table)
         return self._store.owner[t]
+
+    def sync_directory(self) -> None:
+        """Make this rank's ownership map exact for every row (collective; nothing to do, and no communication,
+        where it is). A rank that trains with its parts of the plans (step/plan_part.py) applies only the moves in
+        them, so it knows its own rows exactly and other ranks' as they were; a static plan (eval), a whole plan and a
+        checkpoint read every rank's rows, so they call this first: one all-gather of every rank's guests."""
+        st = self._store
+        if st.directory_exact:
+            return
+        if self.world_size == 1:
+            st.directory_exact = True
+            return
+        with phase("step.sync_directory"):
+            got = self._comm.all_gather_uneven(torch.from_numpy(st.guest_gkeys()), "control")
+            st.rebuild_directory([g.numpy() for g in got])
 
     def hit_rate(self, cumulative: bool = False) -> dict[str, float]:
         """Per table: hits / distinct keys read here (last step, or over all steps), as the `hit` counter counts

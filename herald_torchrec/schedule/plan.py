@@ -238,16 +238,18 @@ class Plan:
 class PlanPart(Plan):
     """The part of a step's `Plan` that one rank executes (`rank`), where a planner sends each rank only its part.
 
-    Why: the whole plan grows with R (every shared row's readers, every sample's rank), while a rank needs the rows it
-    sends, receives or relays. A part holds every move (each rank's ownership directory applies all of them), the
-    shared rows this rank owns before or after the moves with all their readers, and the rows it reads with the
-    readers its host's relay needs (distributed/step/plan_part.py says which); `sample_order` holds only this rank's
-    B samples and `slice_ranks` where each sample of its own slice goes. The whole step's facts that decide which
-    collectives run on every rank travel too: the tables with shared rows (`shared_tables`) and those with a pair
-    delivered through a host relay (`relayed_tables`), sorted. Counters are the whole step's."""
+    Why: the whole plan grows with R (every move, every shared row's readers, every sample's rank), while a rank needs
+    the rows it sends, receives or relays. A part holds the moves this rank sends or receives and those of the shared
+    rows it holds (their owner before the moves sends the values), the shared rows it owns before or after the moves
+    with all their readers, and the rows it reads with the readers its host's relay needs
+    (distributed/step/plan_part.py says which); `sample_order` holds only this rank's B samples and `slice_ranks` where
+    each sample of its own slice goes. The whole step's facts that decide which collectives run on every rank travel
+    too: the tables with moves (`moved_tables`), with shared rows (`shared_tables`) and with a pair delivered through
+    a host relay (`relayed_tables`), each sorted. Counters are the whole step's."""
 
     rank: int = -1
     slice_ranks: np.ndarray = field(default_factory=_i64)
+    moved_tables: np.ndarray = field(default_factory=_i64)
     shared_tables: np.ndarray = field(default_factory=_i64)
     relayed_tables: np.ndarray = field(default_factory=_i64)
 
@@ -276,6 +278,7 @@ class PlanPart(Plan):
             **{f.name: getattr(whole, f.name) for f in dataclasses.fields(Plan)},
             rank=self.rank,
             slice_ranks=self.slice_ranks,
+            moved_tables=within(self.moved_tables),
             shared_tables=within(self.shared_tables),
             relayed_tables=within(self.relayed_tables),
         )

@@ -202,7 +202,7 @@ def _encode_part(plan: PlanPart) -> np.ndarray | None:
         return None
     mv, sh = plan.moves, plan.shared
     fields = (mv.table, mv.row, mv.src, mv.dst, mv.kind, sh.table, sh.row, sh.owner)
-    extra = (plan.slice_ranks, plan.shared_tables, plan.relayed_tables)
+    extra = (plan.slice_ranks, plan.moved_tables, plan.shared_tables, plan.relayed_tables)
     arrays = (plan.sample_order, *fields, sh.reader_offsets, sh.readers, *extra)
     if any(type(a) is not np.ndarray or a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
         return None
@@ -256,8 +256,9 @@ def _decode_part(buf: np.ndarray) -> PlanPart:
         stale_reads=stale,
         rank=rank,
         slice_ranks=a[11],
-        shared_tables=a[12],
-        relayed_tables=a[13],
+        moved_tables=a[12],
+        shared_tables=a[13],
+        relayed_tables=a[14],
     )
 
 

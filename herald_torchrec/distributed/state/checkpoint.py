@@ -128,6 +128,8 @@ class CheckpointedModule(Protocol):
 
     def clear_plans(self) -> None: ...
 
+    def sync_directory(self) -> None: ...
+
     def set_learning_rate(self, lr: float) -> None: ...
 
 
@@ -302,6 +304,7 @@ class HeraldCheckpoint:
         m = self.module
         if m.step_pending:
             m.finish_step()  # the step's shared rows get their update first (collective, like the step itself)
+        m.sync_directory()  # which rows are away, and where (collective; a no-op where every move was applied here)
         if self._fresh == self._version():
             return
         self._check_exposed_globally()  # before the fetch overwrites the home slots of rows away
@@ -482,6 +485,7 @@ class HeraldCheckpoint:
         m, st = self.module, self.module.store
         m.drop_pending()  # its gradients belong to the model being replaced
         m.clear_plans()
+        m.sync_directory()  # which rows are away, and where (collective)
         self.settle()  # the state dicts' tensors, written in place by DCP, are what goes home and is loaded
         self._exposed = None
         if self.views:  # a given tensor that is a home block itself is in place already; one overlapping it is read

@@ -182,11 +182,11 @@ class HeraldLookup:
         return st.read_packed(s_tab, s_slot)
 
     def _land(self, ms: MoveStep, recv: torch.Tensor) -> dict[str, int]:
-        """Apply the moves once the rows have travelled: departing rows released, ownership updated on every rank,
-        arriving rows written to free slots."""
+        """Apply the moves once the rows have travelled: departing rows released, ownership updated (every move of
+        the plan, or of this rank's part of it: step/plan_part.py), arriving rows written to free slots."""
         st = self.store
         st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
-        st.set_owner_many(ms.table, ms.row, ms.dst)  # every rank applies every move to the global ownership map
+        st.set_owner_many(ms.table, ms.row, ms.dst)  # every move it was given, to the ownership map
         r_tab, r_row = ms.table[ms.recv_idx], ms.row[ms.recv_idx]
         st.write_packed(r_tab, st.allocate_many(r_tab, r_row), recv)
         return sent_by_kind(ms)

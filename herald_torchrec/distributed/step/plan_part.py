@@ -1,24 +1,28 @@
 """A rank's part of a step's plan: what a planner sends each rank it plans for, instead of the whole plan.
 
-Why: the whole plan lists every shared row with all its readers and every sample's rank, so what each rank receives
-grows with R, while a rank executes only the pairs it sends, receives or relays. `plan_parts` cuts the whole plan
-into `PlanPart`s (schedule/plan.py) such that `prepare_shared` lays out, on a rank's part, exactly what it lays out on
-the whole plan for that rank: the same pairs in the same relative order, hence the same all-to-all splits on both
-sides of every pair of ranks, bit for bit (tests/distributed/step/test_plan_part.py). The pairs of a shared row that
-a rank needs:
+Why: the whole plan lists every move, every shared row with all its readers and every sample's rank, so what each
+rank receives grows with R, while a rank executes only the rows it sends, receives or relays. `plan_parts` cuts the
+whole plan into `PlanPart`s (schedule/plan.py) such that `prepare_moves` and `prepare_shared` lay out, on a rank's
+part, exactly what they lay out on the whole plan for that rank: the same rows in the same relative order, hence
+the same all-to-all splits on both sides of every pair of ranks, bit for bit
+(tests/distributed/step/test_plan_part.py). The pairs of a shared row that a rank needs:
 
 * as the row's owner before the moves (it sends the values) or after them (it sums the gradients): every pair;
 * as a reader: its own pair and its host's relay pair (host_relay.py: where its value comes from and its gradient
   goes), and, where it is that relay, every pair of its host (it forwards their values and adds their gradients).
 
-Every move stays in every part: each rank's ownership directory applies all of them (and the executor checks the
-moves against it). The whole step's facts that decide which collectives run stay too (`shared_tables`,
-`relayed_tables`), so every rank still runs the same collectives.
+Moves: a part holds those this rank sends or receives, and those of the shared rows it holds (their owner before
+the moves sends the values). So a rank's ownership map (`RowStore.owner_all`) stays exact for its own rows only; the
+executor checks a part's moves against those, and a static plan, a whole plan or a checkpoint first rebuilds the map
+from every rank's guests (`HeraldEmbeddingBagCollection.sync_directory`, one all-gather). The whole step's facts
+that decide which collectives run travel in every part (`moved_tables`, `shared_tables`, `relayed_tables`), so
+every rank still runs the same collectives.
 
 Worked example (4 ranks, hosts {0, 1} and {2, 3}, relays on; row k owned by rank 0 before and after the moves, read
 by ranks 1, 2 and 3; rank 2 relays k for host 1): rank 0's part lists k with readers [1, 2, 3] (it sends k's value
 to 1 and 2 and receives two gradients), rank 1's [1], rank 2's [2, 3] (it forwards the value to 3 and adds 3's
-gradient to its own), rank 3's [2, 3] (its value comes from 2); both parts of host 1 name relays [k: 2].
+gradient to its own), rank 3's [2, 3] (its value comes from 2). Had k moved this step from some rank q to rank 0,
+the move would be in the parts of q and 0 (its two ends) and of ranks 1, 2 and 3 (k's value comes from q).
 
 numpy only; the input stage (train_pipeline/input_stage.py) cuts the parts on the planning rank.
 """
@@ -29,8 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-from herald_torchrec.distributed.step.host_relay import FROM_RELAY, TO_RELAY, HostMap, pair_routes
-from herald_torchrec.schedule.plan import Plan, PlanPart, SharedRows
+from herald_torchrec.distributed.step.host_relay import HostMap, pair_routes
+from herald_torchrec.schedule.plan import Plan, PlanPart, RowMoves, SharedRows
 
 _ROW_BITS = 40  # a (table, row) pair as one int64: table << 40 | row (rows < 2^40)
 
@@ -43,19 +47,77 @@ def splittable(plan: Plan) -> bool:
     )
 
 
+def _tables_in(tables: np.ndarray) -> np.ndarray:
+    """The distinct tables among `tables` (table indices), sorted: a count, not a sort."""
+    return np.flatnonzero(np.bincount(tables)) if tables.shape[0] else tables[:0]
+
+
+def _keys(table: np.ndarray, row: np.ndarray) -> np.ndarray:
+    return (np.asarray(table, dtype=np.int64) << _ROW_BITS) | np.asarray(row, dtype=np.int64)
+
+
+def _positions(where: np.ndarray, what: np.ndarray) -> np.ndarray:
+    """The index in `where` (distinct keys) of each of `what`, -1 where absent."""
+    out = np.full(what.shape[0], -1, dtype=np.int64)
+    if where.shape[0] and what.shape[0]:
+        order = np.argsort(where, kind="stable")
+        at = np.minimum(np.searchsorted(where[order], what), where.shape[0] - 1)
+        hit = where[order[at]] == what
+        out[hit] = order[at[hit]]
+    return out
+
+
 def owners_before_moves(plan: Plan) -> np.ndarray:
-    """The owner of every shared row before the step's moves: a moved row's source, else its owner after them."""
+    """The owner of every shared row before the step's moves: a moved row's source, else its owner after them (a
+    part holds the moves of its shared rows, so this holds for parts too)."""
     sh, mv = plan.shared, plan.moves
     before = np.asarray(sh.owner, dtype=np.int64).copy()
-    if len(mv) and len(sh):
-        moved = (np.asarray(mv.table, dtype=np.int64) << _ROW_BITS) | np.asarray(mv.row, dtype=np.int64)
-        order = np.argsort(moved, kind="stable")
-        moved = moved[order]
-        keys = (np.asarray(sh.table, dtype=np.int64) << _ROW_BITS) | np.asarray(sh.row, dtype=np.int64)
-        at = np.minimum(np.searchsorted(moved, keys), moved.shape[0] - 1)
-        hit = moved[at] == keys
-        before[hit] = np.asarray(mv.src, dtype=np.int64)[order[at[hit]]]
+    at = _positions(_keys(mv.table, mv.row), _keys(sh.table, sh.row))
+    before[at >= 0] = np.asarray(mv.src, dtype=np.int64)[at[at >= 0]]
     return before
+
+
+def _shared_row_of_moves(plan: Plan) -> np.ndarray:
+    """For every move, the index of its row among the shared rows, or len(shared) where the row is not shared."""
+    at = _positions(_keys(plan.shared.table, plan.shared.row), _keys(plan.moves.table, plan.moves.row))
+    at[at < 0] = len(plan.shared)
+    return at
+
+
+def _relays(
+    pair_row: np.ndarray,
+    readers: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    fill: np.ndarray,
+    hosts: HostMap | None,
+    wanted: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(relay pair of every pair, whether its row and host go through a relay): the relay pairs as
+    host_relay.pair_routes chooses them, for the pairs read on the hosts of the `wanted` ranks only (elsewhere a
+    pair is its own: no part here needs them); the relayed rows for every pair, without routing them all: a (row,
+    host) goes through its relay iff it has two readers that do not receive the row in the moves and the host is not
+    both owners' (pair_routes' rule, at the level of the group)."""
+    P = readers.shape[0]
+    own = np.arange(P, dtype=np.int64)
+    if hosts is None or not hosts.relays or P == 0:
+        return own, np.zeros(P, dtype=bool)
+    host, H = hosts.host, hosts.num_hosts
+    r_host = host[readers]
+    group = pair_row * H + r_host
+    if int(group.max()) < 2**24:  # a count per (row, host)
+        live = np.bincount(group[~fill], minlength=int(group.max()) + 1)[group]
+    else:
+        g, cnt = np.unique(group[~fill], return_counts=True)
+        at = np.minimum(np.searchsorted(g, group), g.shape[0] - 1)
+        live = np.where(g[at] == group, cnt[at], 0)
+    relayed = (live >= 2) & ((r_host != host[before]) | (r_host != host[after]))
+    on = np.flatnonzero(np.isin(r_host, np.unique(host[wanted])))  # a wanted rank's host: whole groups
+    rp = own.copy()
+    if on.shape[0]:
+        rt = pair_routes(pair_row[on], readers[on], before[on], after[on], fill[on], hosts)
+        rp[on] = on[rt.relay_pair]
+    return rp, relayed
 
 
 def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[int, PlanPart]:
@@ -73,37 +135,48 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     before = owners_before_moves(plan)
     p_before, p_after = before[pair_row], after[pair_row]
     fill = (readers == p_after) & (p_before != p_after)  # the reader receives the row itself in the moves
-    by_host = hosts if hosts is not None and hosts.shares_hosts else None
-    rt = pair_routes(pair_row, readers, p_before, p_after, fill, by_host)
     tables = np.asarray(sh.table, dtype=np.int64)
-    relayed = (rt.value_stage == FROM_RELAY) | (rt.grad_stage == TO_RELAY)
-    shared_tables, relayed_tables = np.unique(tables), np.unique(tables[pair_row[relayed]])
-    # (rank, pair) for every pair a rank needs: the owners', the reader's own, the relay's, the reader's relay pair
     P = readers.shape[0]
     pair = np.arange(P, dtype=np.int64)
-    rp = rt.relay_pair
-    dest = np.concatenate([p_before, p_after, readers, readers[rp], readers])
-    what = np.concatenate([pair, pair, pair, pair, rp])
     wanted = np.zeros(R, dtype=bool)
     wanted[np.asarray(ranks, dtype=np.int64)] = True
+    rp, relayed = _relays(pair_row, readers, p_before, p_after, fill, hosts, wanted)
+    shared_tables, relayed_tables = _tables_in(tables), _tables_in(tables[pair_row[relayed]])
+    # (rank, pair) for every pair a rank needs: the owners', the reader's own, the relay's, the reader's relay pair
+    dest = np.concatenate([p_before, p_after, readers, readers[rp], readers])
+    what = np.concatenate([pair, pair, pair, pair, rp])
     keep = wanted[dest]
-    code = np.unique(dest[keep] * max(P, 1) + what[keep])  # by rank, then pair (the whole plan's order)
-    code_rank, code_pair = np.divmod(code, max(P, 1))
+    cut = sorted({int(x) for x in ranks})
+    slot = np.full(R, -1, dtype=np.int64)
+    slot[cut] = np.arange(len(cut))
+    needs = np.zeros(len(cut) * P, dtype=bool)  # (part, pair): a mark, not a sort
+    needs[slot[dest[keep]] * P + what[keep]] = True
+    code_rank, code_pair = np.divmod(np.flatnonzero(needs), max(P, 1))  # by part, then pair (the plan's order)
     order = np.asarray(plan.sample_order, dtype=np.int64)
     assignment = plan.assignment()
+    mv = plan.moves
+    m_src, m_dst = np.asarray(mv.src, dtype=np.int64), np.asarray(mv.dst, dtype=np.int64)
+    m_shared = _shared_row_of_moves(plan)  # the shared row each move moves, -1 for none
+    moved_tables = _tables_in(np.asarray(mv.table, dtype=np.int64))
     parts: dict[int, PlanPart] = {}
-    for d in sorted({int(x) for x in ranks}):
-        lo, hi = np.searchsorted(code_rank, [d, d + 1])
+    for i, d in enumerate(cut):
+        lo, hi = np.searchsorted(code_rank, [i, i + 1])
         pairs = code_pair[lo:hi]
-        rows, first = np.unique(pair_row[pairs], return_index=True)
+        rows_of = pair_row[pairs]  # non-decreasing: the pairs are in the whole plan's order
+        first = np.flatnonzero(np.r_[True, rows_of[1:] != rows_of[:-1]]) if pairs.shape[0] else pairs
+        rows = rows_of[first]
         offsets = np.append(first, pairs.shape[0]).astype(np.asarray(sh.reader_offsets).dtype)
         shared = SharedRows(sh.table[rows], sh.row[rows], sh.owner[rows], offsets, sh.readers[pairs])
+        held = np.zeros(n + 1, dtype=bool)  # (index n: no shared row)
+        held[rows] = True
+        m = np.flatnonzero((m_src == d) | (m_dst == d) | held[m_shared])  # in the whole plan's order
+        moves = RowMoves(mv.table[m], mv.row[m], mv.src[m], mv.dst[m], mv.kind[m])
         parts[d] = PlanPart(
             step=plan.step,
             num_ranks=R,
             batch_per_rank=B,
             sample_order=order[d * B : (d + 1) * B].astype(plan.sample_order.dtype),
-            moves=plan.moves,
+            moves=moves,
             shared=shared,
             counters=dict(plan.counters),
             stateful_kinds=plan.stateful_kinds,
@@ -112,6 +185,7 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
             stale_reads=plan.stale_reads,
             rank=d,
             slice_ranks=assignment[d * B : (d + 1) * B],
+            moved_tables=moved_tables,
             shared_tables=shared_tables,
             relayed_tables=relayed_tables,
         )

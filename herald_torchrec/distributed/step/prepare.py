@@ -32,6 +32,7 @@ from herald_torchrec.distributed.step.host_relay import (
     LinkRows,
     pair_routes,
 )
+from herald_torchrec.distributed.step.plan_part import owners_before_moves
 from herald_torchrec.distributed.storage.row_layout import exclusive_cumsum, ragged_arange
 from herald_torchrec.distributed.storage.row_store import RowStore
 from herald_torchrec.schedule.plan import EVICT_HOME, MOVE_KIND_NAMES, Plan, PlanPart
@@ -195,12 +196,15 @@ def local_input(
 # ------------------------------------------------------------------------------------------------------ moves
 def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
     """Check the plan's moves against the ownership directory and the guest capacities (global checks: every rank
-    raises alike) and lay out this rank's part of the moves all-to-all."""
+    raises alike) and lay out this rank's part of the moves all-to-all. A rank's part of the plan (`PlanPart`) holds
+    only some moves and this rank's directory is exact for its own rows only: its moves are checked against its own
+    rows and guest capacities (rank-local checks)."""
     R, r = st.world_size, st.rank
     mv = plan.moves
-    if len(mv) == 0:
+    part = plan if isinstance(plan, PlanPart) else None
+    if len(mv) == 0:  # the all-to-all still runs where the step moves rows on other ranks
         z = empty_ids()
-        return MoveStep(z, z, [0] * R, [0] * R, True)
+        return MoveStep(z, z, [0] * R, [0] * R, part is None or not part.moved_tables.shape[0])
     table = np.asarray(mv.table, dtype=np.int64)
     row = np.asarray(mv.row, dtype=np.int64)
     src = np.asarray(mv.src, dtype=np.int64)
@@ -209,7 +213,7 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
     if not (table.shape == row.shape == src.shape == dst.shape == kind.shape):
         raise ValueError(f"plan {plan.step}: moves arrays differ in length")
     T = st.num_tables
-    if table.min() >= 0 and table.max() < T:  # the same checks and layout, compiled (None: numpy below raises)
+    if part is None and table.min() >= 0 and table.max() < T:  # the same, compiled (None: numpy below raises)
         fast = host_kernels.prepare_moves(
             st, table, row, src, dst, kind, st.packed_widths(table), _KNOWN_KIND, EVICT_HOME
         )
@@ -225,20 +229,33 @@ def prepare_moves(plan: Plan, st: RowStore) -> MoveStep:
         raise ValueError(f"plan {plan.step}: unknown move kind in {np.unique(kind).tolist()}")
     st.check_keys_many(table, row, f"plan {plan.step}: moved rows")
     gkey = st.gkeys(table, row)
-    owner = st.owner_all[gkey]
-    if (owner != src).any():
-        i = int(np.argmax(owner != src))
-        raise ValueError(
-            f"plan {plan.step}: table {_table_name(st, table[i])!r} row {row[i]} moves from rank {src[i]} "
-            f"but is owned by rank {owner[i]}"
-        )
+    if part is None:
+        owner = st.owner_all[gkey]
+        if (owner != src).any():
+            i = int(np.argmax(owner != src))
+            raise ValueError(
+                f"plan {plan.step}: table {_table_name(st, table[i])!r} row {row[i]} moves from rank {src[i]} "
+                f"but is owned by rank {owner[i]}"
+            )
+    else:
+        here = st.owner_all[gkey] == r  # exact for this rank's own rows
+        if ((src == r) != here).any() or (here & (dst == r)).any():
+            i = int(np.argmax(((src == r) != here) | (here & (dst == r))))
+            raise ValueError(
+                f"plan {plan.step}: table {_table_name(st, table[i])!r} row {row[i]} moves from rank {src[i]} to "
+                f"rank {dst[i]}, but rank {r} {'owns' if here[i] else 'does not own'} it"
+            )
     home = row // st.home_block_arr[table]
     if ((kind == EVICT_HOME) & ((dst != home) | (src == home))).any():
         raise ValueError(f"plan {plan.step}: an evict_home move does not send a guest to its home rank")
     gc = st.guest_count_all.copy()
     leaves, arrives = src != home, dst != home  # a guest leaves src / arrives at dst
+    if part is not None:  # only this rank's own guest counts are known here
+        leaves, arrives = leaves & (src == r), arrives & (dst == r)
     gc -= np.bincount(table[leaves] * R + src[leaves], minlength=T * R).reshape(T, R)
     gc += np.bincount(table[arrives] * R + dst[arrives], minlength=T * R).reshape(T, R)
+    if part is not None:
+        gc[:, np.arange(R) != r] = 0
     over = gc > np.asarray(st.capacity, dtype=np.int64)[:, None]
     if over.any():
         t = int(np.argmax(over.any(axis=1)))
@@ -322,7 +339,7 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
     readers = np.asarray(sh.readers, dtype=np.int64)
     fast = (
         None
-        if by_host
+        if by_host or part is not None
         else host_kernels.prepare_shared(st, table, row, owner, ro, readers, ms.gkey_sorted, ms.dst_sorted)
     )
     if fast is not None:  # the same checks and layout, compiled (None: numpy below raises or handles unsorted rows)
@@ -348,8 +365,11 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
     st.check_keys_many(table, row, f"plan {plan.step}: shared rows")
     gkey = st.gkeys(table, row)
     owner_after = owners_after_moves(st, ms, gkey)  # the moves are validated separately; applied virtually here
-    if (owner_after != owner).any():
-        i = int(np.flatnonzero(owner_after != owner)[0])
+    wrong = owner_after != owner
+    if part is not None:  # this rank's directory is exact for its own rows only
+        wrong &= (owner_after == r) | (owner == r)
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
         raise ValueError(
             f"plan {plan.step}: shared row {row[i]} of table {_table_name(st, table[i])!r} names owner {owner[i]}, "
             f"but its owner after the moves is {owner_after[i]}"
@@ -357,7 +377,10 @@ def prepare_shared(plan: Plan, st: RowStore, ms: MoveStep, hosts: HostMap | None
     if not (gkey[1:] > gkey[:-1]).all() and np.unique(gkey).shape[0] != n:  # schedulers list them sorted: no sort
         raise ValueError(f"plan {plan.step}: a row is listed twice in shared")
     p_tab, p_row, p_own, p_key = table[pair_key], row[pair_key], owner[pair_key], gkey[pair_key]
-    p_pre = st.owner_all[p_key].astype(np.int64)  # owner before the moves: it holds the value now
+    if part is None:
+        p_pre = st.owner_all[p_key].astype(np.int64)  # owner before the moves: it holds the value now
+    else:  # a part holds the moves of its shared rows: their sources
+        p_pre = owners_before_moves(part)[pair_key]
     p_w = st.dims_arr[p_tab]
     fill = (readers == p_own) & (p_pre != p_own)  # the reader gets the row itself in the moves
     rt = pair_routes(pair_key, readers, p_pre, p_own, fill, hosts if by_host else None)

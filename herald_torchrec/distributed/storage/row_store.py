@@ -210,6 +210,10 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.slot_of_all = np.full(int(self.key_base[-1]), -1, dtype=np.int32)  # local slot, -1 if not owned here
         self.key_of_all = np.full(int(self.slot_base[-1]), -1, dtype=np.int64)  # row held by a slot, -1 if empty
         self.owner_all = np.empty(int(self.key_base[-1]), dtype=np.int32)  # global
+        # owner_all and guest_count_all hold every rank's rows while every move of every step is applied here; a rank
+        # that runs its parts of the plans applies only its own and its shared rows' moves: exact for its own rows,
+        # and for the others after `rebuild_directory` (HeraldEmbeddingBagCollection.sync_directory)
+        self.directory_exact = True
         self.guest_count_all = np.zeros((T, world_size), dtype=np.int64)  # global
         # free guest slots per table: a stack in free_all[free_base[t] : free_base[t] + free_top[t]], popped from the
         # top
@@ -266,6 +270,27 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         """Keys this rank owns (home rows still here, then guests), int64."""
         k = self.key_of[t]
         return k[k >= 0]
+
+    def guest_gkeys(self) -> np.ndarray:
+        """Global keys of the rows this rank holds away from their home rank (its guests), int64."""
+        parts = []
+        for t in range(self.num_tables):
+            k = self.key_of[t][self.home_len[t] :]
+            parts.append(self.key_base[t] + k[k >= 0])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def rebuild_directory(self, guests: Sequence[np.ndarray]) -> None:
+        """The ownership map and guest counts from every rank's guests (`guests[q]`: rank q's `guest_gkeys()`); every
+        other row is at home. Afterwards the map is exact for every row."""
+        R, T = self.world_size, self.num_tables
+        for t, s in enumerate(self.tables):
+            self.owner[t][:] = home_rank(s.rows, R, np.arange(s.rows))
+        self.guest_count_all[:] = 0
+        for q, g in enumerate(guests):
+            g = np.asarray(g, dtype=np.int64)
+            self.owner_all[g] = q
+            self.guest_count_all[:, q] = np.bincount(self.tables_of(g), minlength=T)
+        self.directory_exact = True
 
     def num_guests(self, t: int) -> int:
         return self.capacity[t] - int(self._free_top[t])
@@ -368,7 +393,8 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         return slots
 
     def set_owner(self, t: int, keys: np.ndarray, ranks: np.ndarray) -> None:
-        """Global ownership map + per-rank guest counts (every rank applies the same updates)."""
+        """Global ownership map + per-rank guest counts (every rank applies the moves it was given: all of a plan's,
+        or its part's, see `directory_exact`)."""
         keys = np.asarray(keys, dtype=np.int64)
         self.set_owner_many(np.full(keys.shape[0], t, dtype=np.int64), keys, ranks)
 

@@ -516,14 +516,17 @@ class ScheduledInput:
 
     def _wires(self, plan: Plan) -> tuple[Plan, dict[int, np.ndarray]]:
         """What this planner executes and what it sends each rank it plans for: each rank's own part
-        (step/plan_part.py) where the plan can travel so (`send_parts`), else the whole plan to every rank."""
+        (step/plan_part.py) where the plan can travel so (`send_parts`), else the whole plan to every rank. Every
+        planner cuts its own part even where it plans for itself alone, so that every rank of a step runs a part (or
+        none does, `plan_on="every_rank"`): a part's rank learns only its own moves, and the directory syncs that
+        follow (`sync_directory`) are collective."""
         to = np.flatnonzero(self.plans_for).tolist()
-        if not to:
-            return plan, {}
-        if self.send_parts and splittable(plan):
+        if self.send_parts and self.plan_on != "every_rank" and splittable(plan):
             with phase("input.plan_parts"):
                 parts = plan_parts(plan, [self.rank, *to], self.relay_hosts)
                 return parts[self.rank], {d: encode_plan(parts[d]) for d in to}
+        if not to:
+            return plan, {}
         wire = encode_plan(plan)
         return plan, dict.fromkeys(to, wire)
 

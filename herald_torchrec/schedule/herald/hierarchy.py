@@ -88,9 +88,7 @@ save at most that), and owner balancing trades rows for a less busy owner (+0.02
 In training (`scheduler=herald_hier`, `plan_on="host"`, one planner per machine) each machine's planning rank gathers
 its own machine's ids only and runs `plan_host` for its machine, the messages going through a gloo group of the
 planners (distributed/train_pipeline/planner_transport.py); the parts are all-gathered, so every planner holds the
-whole Plan and sends it to its machine's ranks. Per-rank plan parts (each rank receiving only its part) are not
-built: the data plane would need a plan that holds only a rank's sample order, moves and shared rows, and the
-executor's checks (every rank knowing every move) would have to go.
+whole Plan, and cuts each of its machine's ranks its own part of it (distributed/step/plan_part.py).
 """
 
 from __future__ import annotations

@@ -49,30 +49,51 @@ FIELDS = (
 )
 
 
-def _steps(R: int, seed: int, steps: int = 9, Bs: int = 8, rows: tuple[int, ...] = (40, 300, 7, 120)):
-    """Herald's plans for R ranks over skewed batches (moves, forwards, fills, owners reading their rows), and each
-    rank's RowStore kept in step with the moves as HeraldLookup._land does."""
-    L = 2
-    st = [
+ROWS = (40, 300, 7, 120)
+
+
+def _stores(R: int, rows: tuple[int, ...] = ROWS) -> list[RowStore]:
+    return [
         RowStore([TableSpec(f"t{i}", n, 4) for i, n in enumerate(rows)], r, R, 0.1, "exact_rowwise_adagrad")
         for r in range(R)
     ]
-    pol = make_policy("herald", rows, R, Bs, 0.1, L, tables="all")
+
+
+def _plans(R: int, seed: int, steps: int = 9, Bs: int = 8, rows: tuple[int, ...] = ROWS):
+    """Herald's plans for R ranks over skewed batches (moves, forwards, fills, owners reading their rows)."""
+    L = 2
+    pol = make_policy("herald", list(rows), R, Bs, 0.1, L, tables="all")
     rng = np.random.default_rng(seed)
     batches = [
         GlobalBatch.from_dense(
-            np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1), rows, index=i
+            np.stack([np.minimum(rng.zipf(1.3, R * Bs) - 1, n - 1) for n in rows], axis=1), list(rows), index=i
         )
         for i in range(steps + L)
     ]
     for s in range(steps):
-        plan = pol.plan(batches[s : s + L + 1])
-        yield plan, st
-        for r in range(R):
-            m = prepare_moves(plan, st[r])
-            st[r].release_many(m.table[m.send_idx], m.row[m.send_idx])
-            st[r].set_owner_many(m.table, m.row, m.dst)
-            st[r].allocate_many(m.table[m.recv_idx], m.row[m.recv_idx])
+        yield pol.plan(batches[s : s + L + 1])
+
+
+def _land(st: RowStore, m) -> None:
+    """A step's moves applied to one rank's store, as HeraldLookup._land does."""
+    st.release_many(m.table[m.send_idx], m.row[m.send_idx])
+    st.set_owner_many(m.table, m.row, m.dst)
+    st.allocate_many(m.table[m.recv_idx], m.row[m.recv_idx])
+
+
+def _moved(m, moves) -> list[list[int]]:
+    """The rows a MoveStep sends and receives, in all-to-all order, and its split sizes."""
+    send, recv = m.send_idx, m.recv_idx
+    return [
+        moves.table[send].tolist(),
+        moves.row[send].tolist(),
+        moves.dst[send].tolist(),
+        moves.table[recv].tolist(),
+        moves.row[recv].tolist(),
+        m.send_splits,
+        m.recv_splits,
+        [m.globally_empty],
+    ]
 
 
 @pytest.mark.parametrize(
@@ -81,27 +102,50 @@ def _steps(R: int, seed: int, steps: int = 9, Bs: int = 8, rows: tuple[int, ...]
     ids=["4-no-hosts", "4-as-2x2", "8-as-2x4", "8-one-per-host"],
 )
 def test_every_rank_lays_out_the_same_step_from_its_part(R, hosts) -> None:
-    relayed = fills = 0
+    """Each rank runs only its parts, its directory learning only the moves in them, beside the same rank running the
+    whole plans: every step's moves and shared exchange are laid out identically, each rank holds the same rows in
+    the same slots after every step, and the maps rebuilt from every rank's guests are the whole plans' maps."""
+    relayed = fills = partial = 0
     for relay in (True, False) if hosts is not None else (True,):
         hm = None if hosts is None else HostMap(hosts.host, relay=relay)
-        for plan, st in _steps(R, seed=R):
-            parts = plan_parts(plan, range(R), hm)
+        whole_st, part_st = _stores(R), _stores(R)
+        for plan in _plans(R, seed=R):
+            parts = {}  # cut per host, as each host's planner cuts its own ranks' parts
+            for h in np.unique(hosts.host) if hosts is not None else [0]:
+                parts.update(plan_parts(plan, np.flatnonzero(hosts.host == h) if hosts is not None else range(R), hm))
+            steps = []
             for r in range(R):
                 part = decode_plan(encode_plan(parts[r]))  # as it travels
                 assert isinstance(part, PlanPart) and part.rank == r
+                partial += len(part.moves) < len(plan.moves)
                 np.testing.assert_array_equal(part.local_samples(r), plan.local_samples(r))
                 np.testing.assert_array_equal(part.slice_destinations(r), plan.slice_destinations(r))
-                ms = prepare_moves(part, st[r])
-                np.testing.assert_array_equal(ms.send_idx, prepare_moves(plan, st[r]).send_idx)
-                whole, got = prepare_shared(plan, st[r], ms, hm), prepare_shared(part, st[r], ms, hm)
-                for f in FIELDS:
-                    np.testing.assert_array_equal(
-                        getattr(got, f), getattr(whole, f), err_msg=f"step {plan.step} rank {r} relay {relay}: {f}"
-                    )
+                mw, mp = prepare_moves(plan, whole_st[r]), prepare_moves(part, part_st[r])
+                assert _moved(mp, part.moves) == _moved(mw, plan.moves), f"step {plan.step} rank {r}"
+                whole, got = prepare_shared(plan, whole_st[r], mw, hm), prepare_shared(part, part_st[r], mp, hm)
+                for f in FIELDS:  # (the compiled layout leaves the relays' splits empty: all zero in numpy's)
+                    want, have = getattr(whole, f), getattr(got, f)
+                    if isinstance(want, list) and not want and not whole.relayed:
+                        want = [0] * R
+                    np.testing.assert_array_equal(have, want, err_msg=f"step {plan.step} rank {r} relay {relay}: {f}")
                 assert np.isin(got.marked, whole.marked).all()
                 relayed += got.relayed
                 fills += got.n_fill
-    assert fills > 0
+                steps.append((mw, mp))
+            for r, (mw, mp) in enumerate(steps):
+                _land(whole_st[r], mw)
+                _land(part_st[r], mp)
+                np.testing.assert_array_equal(part_st[r].slot_of_all, whole_st[r].slot_of_all)
+                mine = whole_st[r].owner_all == r
+                np.testing.assert_array_equal(part_st[r].owner_all == r, mine)
+                np.testing.assert_array_equal(part_st[r].guest_count_all[:, r], whole_st[r].guest_count_all[:, r])
+        guests = [s.guest_gkeys() for s in part_st]  # what sync_directory all-gathers
+        for r in range(R):  # rebuilt from every rank's guests, each rank's map is every rank's exact map again
+            part_st[r].rebuild_directory(guests)
+            np.testing.assert_array_equal(part_st[r].owner_all, whole_st[r].owner_all)
+            np.testing.assert_array_equal(part_st[r].guest_count_all, whole_st[r].guest_count_all)
+            assert part_st[r].directory_exact
+    assert fills > 0 and partial > 0  # parts that hold some of the step's moves only
     if hosts is not None and hosts.shares_hosts:
         assert relayed > 0  # relays were exercised, and their parts kept what the relays need
 
@@ -110,7 +154,7 @@ def test_parts_are_smaller_than_the_whole_plan() -> None:
     """16 ranks as 2 hosts of 8, 128 samples per rank: a part is on average under 0.7x the whole plan, the largest
     under the whole (every part repeats every move: the directories apply them all)."""
     hm = HostMap(np.repeat([0, 1], 8))
-    for plan, _ in _steps(16, seed=1, steps=4, Bs=128, rows=(2000, 50000, 7, 120, 10000, 300)):
+    for plan in _plans(16, seed=1, steps=4, Bs=128, rows=(2000, 50000, 7, 120, 10000, 300)):
         whole = encode_plan(plan).shape[0]
         sizes = np.array([encode_plan(p).shape[0] for p in plan_parts(plan, range(16), hm).values()])
         assert sizes.mean() < 0.7 * whole and sizes.max() < whole, (whole, sizes.tolist())

@@ -24,14 +24,11 @@ WORLD = 4
 
 
 def plan_digest(plan) -> str:
-    """A digest of what every rank's part of a step's plan holds alike: the step, every move (with its dtypes) and
-    the counters (each rank receives its own part: step/plan_part.py)."""
-    import dataclasses
-
+    """A digest of what every rank's part of a step's plan holds alike (each rank receives its own part:
+    step/plan_part.py): the step, the whole step's counters and its tables with moves, shared rows and relays."""
     h = hashlib.sha256(str(plan.step).encode())
-    for f in dataclasses.fields(plan.moves):
-        v = getattr(plan.moves, f.name)
-        h.update(f"{f.name}|{v.dtype}|{v.tolist()}".encode())
+    for name in ("moved_tables", "shared_tables", "relayed_tables"):
+        h.update(f"{name}|{getattr(plan, name).tolist()}".encode())
     h.update(repr(sorted(plan.counters.items())).encode())
     return h.hexdigest()[:16]
 
