@@ -3,7 +3,9 @@ reports the host name of its pair, as the host-relay test does), `plan_on="host"
 global batch from their own copy of the ownership directory. With a budget no plan meets (1 us), both planners
 make the same degraded plans, at the levels they agree on through the round headers: two full plans, two reduced,
 then static ones (the words published with plan p - 2 set plan p's level), counted alike on both; every rank
-executes the same plans, and the trained model is the one-process model on the global batches (SGD, <= 1e-5).
+executes its part of the same plans, and the trained model is the one-process model on the global batches (SGD,
+<= 1e-5). Each rank's ownership map, exact for its own rows while it trains on parts, is one exact map on every rank
+after the checkpoint (`sync_directory`).
 Before the agreement, the budget was unused with several planners: every plan full. Sizes: the header words go by
 an all-to-all of exactly what each rank needs, counted in the stage's "control" bytes."""
 
@@ -12,9 +14,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
+from herald_torchrec.distributed.train_pipeline.pipeline import herald_modules
 from tests.distributed.train_pipeline.test_pipeline_edges import batches, build, one_process_reference
 from tests.helpers.machines import on_machine
 from tests.helpers.ranks import rank_result, run_ranks
@@ -48,7 +52,16 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
         it = iter(batches(rank, STEPS))
         for _ in range(STEPS):
             pipeline.progress(it)
-        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
+        m = herald_modules(dmp)[0]
+        stale = not m.store.directory_exact  # this rank applied only its parts' moves
+        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))  # syncs the map first
+        directory = {
+            "stale_before": stale,
+            "exact_after": m.store.directory_exact,
+            "owner": m.store.owner_all.copy(),
+            "held_here": m.store.slot_of_all >= 0,
+            "home": np.concatenate([np.arange(n) // b for n, b in zip(m.store.rows, m.store.home_block_arr)]),
+        }
         policy = pipeline.policy
         levels = vars(policy.plan_levels()) if policy is not None else None
         described = policy.describe() if policy is not None else None
@@ -56,7 +69,8 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
         control = (counter.bytes["control"], counter.calls["control"])
         pipeline.close()
     torch.save(
-        {"digests": digests, "levels": levels, "policy": described, "control": control}, rank_result(out_dir, rank)
+        {"digests": digests, "levels": levels, "policy": described, "control": control, "directory": directory},
+        rank_result(out_dir, rank),
     )
 
 
@@ -64,7 +78,7 @@ def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tm
     from tests.scenarios.test_dropin import full_checkpoint
 
     run_ranks("tests.distributed.train_pipeline.test_budget_agreement:agreement_worker", tmp_path, world_size=WORLD)
-    res = [torch.load(rank_result(tmp_path, q)) for q in range(WORLD)]
+    res = [torch.load(rank_result(tmp_path, q), weights_only=False) for q in range(WORLD)]
     # ranks 0 and 2 plan (the lowest rank of each machine), 1 and 3 receive their plans
     assert [r["levels"] is not None for r in res] == [True, False, True, False]
     # both planners made the same plans at the same levels: degraded, then static
@@ -85,6 +99,15 @@ def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tm
             WORLD - 1
         ) + trailers * TRAILER_BYTES * (WORLD - 1), (sent, calls)
         assert exchanges >= STEPS + 4, calls
+    # each rank trained on its parts (its map exact for its own rows only); the checkpoint rebuilt every rank's map
+    # from every rank's guests: one map, the same everywhere, and each rank owns exactly the rows it holds
+    owner = res[0]["directory"]["owner"]
+    assert (owner != res[0]["directory"]["home"]).sum() > 0  # rows live away from home: there was a map to rebuild
+    for q, r in enumerate(res):
+        d = r["directory"]
+        assert d["stale_before"] and d["exact_after"], q
+        np.testing.assert_array_equal(d["owner"], owner)
+        np.testing.assert_array_equal(d["owner"] == q, d["held_here"])
     # exact at every level: the model of one process on the global batches
     ref = one_process_reference(WORLD, STEPS)
     got = full_checkpoint(tmp_path / "ckpt")
