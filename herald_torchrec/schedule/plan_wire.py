@@ -186,10 +186,15 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
     return _framed(_FLAT, meta, data)
 
 
+_RANK_CENTER = 128  # a part's rank arrays travel as rank - 128: up to 256 ranks fit one signed byte
+_PART_RANKS = (3, 4, 8, 10, 11)  # in `_encode_part`'s array order: move src, dst, owner, readers, slice ranks
+
+
 def _encode_part(plan: PlanPart) -> np.ndarray | None:
     """The flat form of a rank's part (`PlanPart`), or None where it needs the general one: the flat plan's scalars
     and arrays, but the rank's own sample order as it is and the readers as counts + ranks (a part's rows have a few
-    readers each: shorter than bitmasks, and for any R), then the part's rank, slice ranks and table lists."""
+    readers each: shorter than bitmasks, and for any R), then the part's rank, slice ranks and table lists. Ranks
+    travel centred (`_RANK_CENTER`), so that at R = 129..256 they take one byte, not two."""
     if not FLAT_FIELDS_MATCH or type(plan) is not PlanPart:
         return None
     if plan.reads is not None or plan.replicas is not None or plan.cache is not None:
@@ -225,7 +230,11 @@ def _encode_part(plan: PlanPart) -> np.ndarray | None:
         ]
     except (TypeError, AttributeError):
         return None
-    wide = [plan.sample_order, *fields, np.diff(ro), sh.readers, *extra]
+    c = _RANK_CENTER
+    wide = [
+        *(plan.sample_order, mv.table, mv.row, mv.src - c, mv.dst - c, mv.kind, sh.table, sh.row, sh.owner - c),
+        *(np.diff(ro), sh.readers - c, plan.slice_ranks - c, *extra[1:]),
+    ]
     sent, data = _pack(wide, arrays)
     lens = [a.shape[0] for a in wide]
     meta = json.dumps(head + [lens, [a.dtype.str for a in arrays], sent], separators=(",", ":")).encode()
@@ -239,6 +248,7 @@ def _decode_part(buf: np.ndarray) -> PlanPart:
         bytes(buf[1 + _HEAD.itemsize : pos])
     )
     out, _ = _unpack(buf, pos, lens, sent)
+    out = [a.astype(np.int64) + _RANK_CENTER if i in _PART_RANKS else a for i, a in enumerate(out)]
     order, mv, sh, counts, readers, extra = out[0], out[1:6], out[6:9], out[9], out[10], out[11:]
     offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
     a = [x.astype(o) for x, o in zip([order, *mv, *sh, offsets, readers, *extra], orig)]  # copies, original dtypes

@@ -194,3 +194,43 @@ def test_parts_refuse_what_they_cannot_carry() -> None:
     st = RowStore([TableSpec("a", 10, 4)], 0, 2, 0.3, "exact_rowwise_adagrad")
     with pytest.raises(ValueError, match="part of rank 1 was given to rank 0"):
         prepare_shared(part, st, prepare_moves(part, st))
+
+
+@pytest.mark.parametrize("R", [3, 256, 1000])
+def test_parts_travel_exactly_at_any_rank_count(R) -> None:
+    """A part through the wire and back, field for field and dtype for dtype, with ranks up to R - 1; up to 256
+    ranks a rank takes one byte on the wire (ranks travel centred)."""
+    rng = np.random.default_rng(R)
+
+    def part(readers: np.ndarray) -> PlanPart:
+        n = readers.shape[0] // 4
+        moves = RowMoves(
+            rng.integers(0, 5, 9), rng.integers(0, 10**6, 9), rng.integers(0, R, 9), rng.integers(0, R, 9),
+            rng.integers(0, 3, 9).astype(np.int8),
+        )  # fmt: skip
+        shared = SharedRows(
+            rng.integers(0, 5, n), rng.integers(0, 10**6, n), rng.integers(0, R, n), np.arange(n + 1) * 4, readers
+        )
+        return PlanPart(
+            3, R, 16, np.sort(rng.choice(16 * R, 16, replace=False)), moves, shared, {"hit": 5}, rank=R - 1,
+            slice_ranks=rng.integers(0, R, 16), moved_tables=np.array([0, 2]), shared_tables=np.array([1]),
+        )  # fmt: skip
+
+    p = part(rng.integers(0, R, 4000))
+    got = decode_plan(encode_plan(p))
+    assert type(got) is PlanPart and got.rank == R - 1 and got.counters == {"hit": 5}
+    for a, b in (
+        (got.sample_order, p.sample_order),
+        (got.slice_ranks, p.slice_ranks),
+        *((getattr(got.moves, f), getattr(p.moves, f)) for f in ("table", "row", "src", "dst", "kind")),
+        *(
+            (getattr(got.shared, f), getattr(p.shared, f))
+            for f in ("table", "row", "owner", "reader_offsets", "readers")
+        ),
+        *((getattr(got, f), getattr(p, f)) for f in ("moved_tables", "shared_tables", "relayed_tables")),
+    ):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
+    if R <= 256:  # 4,000 readers in one byte each: 4,000 bytes fewer than as two
+        wide = encode_plan(part(np.full(4000, 300)))  # (the other arrays: the same sizes)
+        assert encode_plan(p).shape[0] <= wide.shape[0] - 4000 + 64
