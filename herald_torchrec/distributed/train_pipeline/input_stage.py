@@ -18,16 +18,18 @@ Per step, every rank:
     and the other features stay put);
 (3) plans: the scheduler is deterministic, so any rank can plan for any other. With `plan_on="host"` (the
     default) the lowest rank on each machine (by host name: the ranks that share its cores) runs it on the global
-    batch and the next L and sends the plan to the other ranks of its machine (schedule/plan_wire.py: ~11 KB on the
-    W&D workload at R=2), so a machine running R ranks plans once, not R times (~5 ms of CPU per step each), and
-    no plan crosses to another machine; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
+    batch and the next L and sends each other rank of its machine its own part of the plan (step/plan_part.py, in
+    schedule/plan_wire.py's bytes: the header's plan word is per receiving rank), so a machine running R ranks plans
+    once, not R times (~5 ms of CPU per step each), each rank receives what it executes (18.7 KB per step at R=8, 25
+    KB at R=256 on the synthetic default, where the whole plan is 41 KB / 1.45 MB), and no plan crosses to another
+    machine; the planner executes its own part too; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
     `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
     every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py).
     `scheduler=herald_hier` with one planner per machine (`plan_on="host"`, several machines): each rank sends its
     ids to its own machine's planner only (2 sends nothing to other machines), and the planners plan their machines'
     parts together through a gloo group of the planners (planner_transport.py; schedule/herald/hierarchy.py's
-    phases), all-gather the parts, and each sends the whole plan to its machine's ranks as above. Samples then never
-    leave their machine (a plan that sends one elsewhere is an error);
+    phases), all-gather the parts, and each sends its machine's ranks their parts of the whole plan as above.
+    Samples then never leave their machine (a plan that sends one elsewhere is an error);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
     exactly the B samples the plan assigns it, as a TorchRec `Batch` with the slices' KJT keys. Samples sent to a
@@ -63,23 +65,26 @@ L=0, no carried features. Global sample g = q * B + i is sample i of rank q's sl
     #        rank 1 holds its own slice only
 
     # (3) rank 0 plans batch 0 (from batches 0..L): samples g1, g2 on rank 0, g0, g3 on rank 1 (the rows they
-    #     read live there), no rows move. It encodes the plan (~340 bytes with its generation), announces its
-    #     size in its header word "plan bytes", and sends it to rank 1 one round before batch 0's samples move.
+    #     read live there), no rows move. It cuts rank 1's part of the plan and encodes it (~410 bytes with its
+    #     generation: a tiny plan's part is no smaller than the plan), announces its size in its header word "plan
+    #     bytes" to rank 1 (0 to itself), and sends it to rank 1 one round before batch 0's samples move.
 
     # (4) the round that exchanges batch 0 (it also carries the ids of batch 3 and the plan of batch 1): one
-    #     all-to-all. Its header words came as the round before's trailers (rank 0: DATA 2 2 1 ~344 0, rank 1:
-    #     DATA 2 2 1 0 0: batch 3's slices, the plan bytes, the level words), and each rank computes the sample
-    #     bytes it receives from the plan (bags of one length: 8 bytes a sample to rank 0, 12 with the id to rank 1).
+    #     all-to-all. Its header words came as the round before's trailers (rank 0 to rank 1: DATA 2 2 1 ~410 0,
+    #     to itself DATA 2 2 1 0 0; rank 1: DATA 2 2 1 0 0: batch 3's slices, the plan bytes, the level words), and
+    #     each rank computes the sample bytes it receives from the plan (bags of one length: 8 bytes a sample to
+    #     rank 0, 12 with the id to rank 1).
     #     Each rank's block to each rank, in order:
-    # rank 0 -> rank 0: trailer (48) | its ids of batch 3 (8) | g1: dense + label (8)                  =  64 bytes
-    # rank 0 -> rank 1: trailer (48) | generation + plan of batch 1 (~344) | g0: dense + label, f (12)  = ~404 bytes
-    # rank 1 -> rank 0: trailer (48) | its ids of batch 3 (8) | g2: dense + label (8)                  =  64 bytes
-    # rank 1 -> rank 1: trailer (48) | g3: dense + label, f (12)                                      =  60 bytes
+    # rank 0 -> rank 0: trailer (48) | its ids of batch 3 (8) | g1: dense + label (8)                     =  64 bytes
+    # rank 0 -> rank 1: trailer (48) | generation + part of batch 1's plan (~410) | g0: dense + label, f (12) = ~470
+    # rank 1 -> rank 0: trailer (48) | its ids of batch 3 (8) | g2: dense + label (8)                     =  64 bytes
+    # rank 1 -> rank 1: trailer (48) | g3: dense + label, f (12)                                         =  60 bytes
     # (a sample sent to rank 1, which does not plan, brings its ids of f; rank 0 has them from (2))
 
     # After: each rank holds its assigned samples of batch 0 as a Batch, and the plan (ScheduledBatch):
     # rank 0: Batch(dense=[d1, d2], f=[[2], [1]], labels=[1., 0.]), plan of batch 0 (made here)
-    # rank 1: Batch(dense=[d0, d3], f=[[5], [6]], labels=[0., 1.]), plan of batch 0 (received in the round before)
+    # rank 1: Batch(dense=[d0, d3], f=[[5], [6]], labels=[0., 1.]), its part of batch 0's plan (received in the
+    #         round before); rank 0 executes its own part of the plan it made
 
 The stage decides nothing: the policy (control plane) decides, this moves bytes. It counts its own bytes (in
 `comm.counter`, by the rules of traffic.py: the plan as "plan") and calls the collectives through references taken
