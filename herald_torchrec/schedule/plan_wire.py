@@ -134,6 +134,23 @@ def _scalar(v: Any) -> Any:
     raise TypeError
 
 
+def _scalars(plan: Plan) -> list | None:
+    """The flat forms' JSON head: the plan's scalars, counters and stateful kinds (None: one is not a JSON scalar)."""
+    try:
+        return [
+            _scalar(plan.step),
+            _scalar(plan.num_ranks),
+            _scalar(plan.batch_per_rank),
+            _scalar(plan.executable),
+            _scalar(plan.stale_reads),
+            _scalar(plan.sched_seconds),
+            {str(k): _scalar(v) for k, v in plan.counters.items()},
+            [_scalar(k) for k in plan.stateful_kinds],
+        ]
+    except (TypeError, AttributeError):
+        return None
+
+
 def _encode_flat(plan: Plan) -> np.ndarray | None:
     """The flat form (module docstring), or None where the plan needs the general one."""
     if (
@@ -167,18 +184,8 @@ def _encode_flat(plan: Plan) -> np.ndarray | None:
         mask = np.zeros(0, dtype=np.int64)
     else:
         return None
-    try:
-        head = [
-            _scalar(plan.step),
-            _scalar(plan.num_ranks),
-            _scalar(plan.batch_per_rank),
-            _scalar(plan.executable),
-            _scalar(plan.stale_reads),
-            _scalar(plan.sched_seconds),
-            {str(k): _scalar(v) for k, v in plan.counters.items()},
-            [_scalar(k) for k in plan.stateful_kinds],
-        ]
-    except (TypeError, AttributeError):
+    head = _scalars(plan)
+    if head is None:
         return None
     sent, data = _pack([rank, *fields, mask], fields)
     originals = (plan.sample_order, *fields, sh.reader_offsets, sh.readers)
@@ -216,20 +223,10 @@ def _encode_part(plan: PlanPart) -> np.ndarray | None:
         return None
     if ro.shape[0] != n_sh + 1 or ro[0] != 0 or ro[-1] != sh.readers.shape[0]:
         return None
-    try:
-        head = [
-            _scalar(plan.step),
-            _scalar(plan.num_ranks),
-            _scalar(plan.batch_per_rank),
-            _scalar(plan.executable),
-            _scalar(plan.stale_reads),
-            _scalar(plan.sched_seconds),
-            {str(k): _scalar(v) for k, v in plan.counters.items()},
-            [_scalar(k) for k in plan.stateful_kinds],
-            _scalar(plan.rank),
-        ]
-    except (TypeError, AttributeError):
+    head = _scalars(plan)
+    if head is None or not isinstance(plan.rank, (int, np.integer)):
         return None
+    head.append(int(plan.rank))
     c = _RANK_CENTER
     wide = [
         *(plan.sample_order, mv.table, mv.row, mv.src - c, mv.dst - c, mv.kind, sh.table, sh.row, sh.owner - c),

@@ -14,28 +14,10 @@ from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule import GlobalBatch, make_policy
 from herald_torchrec.schedule.plan import Plan, PlanPart, ReplicaSync, RowMoves, SharedRows
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
+from tests.distributed.step.test_prepare import SHARED_STEP_FIELDS
 
 # every SharedStep field a rank's collectives and lookups use (`marked` differs by design: a part marks its own rows)
-FIELDS = (
-    "send_table",
-    "send_row",
-    "send_gkey",
-    "send_off",
-    "send_splits",
-    "recv_table",
-    "recv_row",
-    "recv_off",
-    "recv_splits",
-    "n_values_out",
-    "n_grads_out",
-    "globally_empty",
-    "recv_gkey",
-    "value_table",
-    "value_gkey",
-    "value_splits",
-    "n_fill",
-    "grad_idx",
-    "grad_splits",
+FIELDS = tuple(f for f in SHARED_STEP_FIELDS if f != "marked") + (
     "relayed",
     "fwd_idx",
     "fwd_splits",
