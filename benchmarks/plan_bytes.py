@@ -8,8 +8,9 @@ schedule/plan_wire.py as the wire sends it). This runs the scheduler over the sy
 ranks per host, host relays on, as the data plane runs them) and prints, per R, averaged over the steps after
 `--warmup`: the whole plan's bytes, each rank's part (mean and largest; rank 0's without its shared rows: its moves,
 samples and framing), the part the protocol model of schedule/herald/hierarchy.py counts (`plan_part_bytes`), the
-ids each rank sends its planner, and the CPU ms one host's planner spends cutting and encoding its ranks' parts. One
-JSON object.
+ids each rank sends its planner, the CPU ms one host's planner spends cutting and encoding its ranks' parts, and the
+CPU ms one rank (rank 1) spends decoding and laying out its step from the whole plan against from its part (two
+RowStores of that rank kept in step, one by each). One JSON object.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.distributed.step.host_relay import HostMap  # noqa: E402
 from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
+from herald_torchrec.distributed.step.prepare import prepare_moves, prepare_shared  # noqa: E402
+from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import ids_bytes, plan_part_bytes  # noqa: E402
 from herald_torchrec.schedule.plan import SharedRows  # noqa: E402
-from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
+from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan  # noqa: E402
 
 
 def measure(args: argparse.Namespace, R: int) -> dict:
@@ -49,29 +52,52 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         return GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, index=i)
 
     window = [batch(i) for i in range(L)]
-    out: dict[str, list[float]] = {k: [] for k in ("whole", "mean", "max", "moves", "model", "ids", "cut_ms")}
+    kinds = ("whole", "mean", "max", "moves", "model", "ids", "cut_ms", "whole_ms", "part_ms")
+    out: dict[str, list[float]] = {k: [] for k in kinds}
+    # one rank (the second of host 0) executing the whole plans, and the same rank executing its parts
+    q = min(1, R - 1)
+    stores = [RowStore([TableSpec(f"t{t}", n, 4) for t, n in enumerate(rows)], q, R, args.cache_ratio) for _ in "wp"]
+
+    def execute(st: RowStore, wire: np.ndarray) -> float:
+        """What rank q does with what it receives: decode it and lay out the step (CPU ms); then the moves land."""
+        t = time.process_time()
+        got = decode_plan(wire)
+        ms = prepare_moves(got, st)
+        prepare_shared(got, st, ms, hosts)
+        spent = (time.process_time() - t) * 1e3
+        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])  # as HeraldLookup._land (no values here)
+        st.set_owner_many(ms.table, ms.row, ms.dst)
+        st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+        return spent
+
     for i in range(args.steps):
         window.append(batch(i + L))
         plan = pol.plan(window)
         window.pop(0)
-        if i < args.warmup:
-            continue
+        measured = i >= args.warmup
         sizes = np.zeros(R, dtype=np.int64)
-        for h in range(0, R, P):  # as each host's planner cuts and encodes its own ranks' parts
+        for h in range(0, R, P) if measured else [0]:  # as each host's planner cuts and encodes its ranks' parts
             t = time.process_time()
             parts = plan_parts(plan, range(h, min(h + P, R)), hosts)
-            for r, part in parts.items():
-                sizes[r] = encode_plan(part).shape[0]
+            wires = {r: encode_plan(part) for r, part in parts.items()}
+            sizes[list(wires)] = [w.shape[0] for w in wires.values()]
             if h == 0:
-                out["cut_ms"].append((time.process_time() - t) * 1e3)
-                first = parts[0]
+                cut_ms = (time.process_time() - t) * 1e3
+                first, mine = parts[0], wires[q]
+        whole = encode_plan(plan)
+        times = {"whole_ms": execute(stores[0], whole), "part_ms": execute(stores[1], mine)}
+        if not measured:
+            continue
+        for k, v in times.items():
+            out[k].append(v)
+        out["cut_ms"].append(cut_ms)
         out["moves"].append(encode_plan(dataclasses.replace(first, shared=SharedRows())).shape[0])  # no shared row
-        out["whole"].append(encode_plan(plan).shape[0])
+        out["whole"].append(whole.shape[0])
         out["mean"].append(float(sizes.mean()))
         out["max"].append(float(sizes.max()))
         out["model"].append(float(plan_part_bytes(plan).mean()))
         out["ids"].append(float(ids_bytes(window[0], R, B).mean()))
-        print(f"R={R} step {i}: whole {out['whole'][-1]} B, part mean {sizes.mean():.0f} B", file=sys.stderr)
+        print(f"R={R} step {i}: whole {whole.shape[0]} B, part mean {sizes.mean():.0f} B", file=sys.stderr)
     avg = {k: round(float(np.mean(v)), 1) for k, v in out.items()}
     return {
         "whole_plan_bytes": avg["whole"],
@@ -81,6 +107,8 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         "part_bytes_protocol_model": avg["model"],
         "ids_bytes_per_rank": avg["ids"],
         "cut_cpu_ms_per_host": avg["cut_ms"],
+        "rank_cpu_ms_whole_plan": avg["whole_ms"],
+        "rank_cpu_ms_part": avg["part_ms"],
         "steps_measured": len(out["whole"]),
     }
 
