@@ -143,14 +143,19 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     rp, relayed = _relays(pair_row, readers, p_before, p_after, fill, hosts, wanted)
     shared_tables, relayed_tables = _tables_in(tables), _tables_in(tables[pair_row[relayed]])
     # (rank, pair) for every pair a rank needs: the owners', the reader's own, the relay's, the reader's relay pair
-    dest = np.concatenate([p_before, p_after, readers, readers[rp], readers])
-    what = np.concatenate([pair, pair, pair, pair, rp])
-    keep = wanted[dest]
     cut = sorted({int(x) for x in ranks})
     slot = np.full(R, -1, dtype=np.int64)
     slot[cut] = np.arange(len(cut))
     needs = np.zeros(len(cut) * P, dtype=bool)  # (part, pair): a mark, not a sort
-    needs[slot[dest[keep]] * P + what[keep]] = True
+    reader_wanted = wanted[readers]
+    for dest, what, keep in (
+        (p_before, pair, wanted[p_before]),
+        (p_after, pair, wanted[p_after]),
+        (readers, pair, reader_wanted),
+        (readers[rp], pair, reader_wanted[rp]),
+        (readers, rp, reader_wanted),
+    ):
+        needs[slot[dest[keep]] * P + what[keep]] = True
     code_rank, code_pair = np.divmod(np.flatnonzero(needs), max(P, 1))  # by part, then pair (the plan's order)
     order = np.asarray(plan.sample_order, dtype=np.int64)
     assignment = plan.assignment()
