@@ -3,7 +3,9 @@
 Why subprocesses rather than torch.multiprocessing.spawn: gloo sometimes aborts at process exit *after* the work is
 done; with spawn that abort fails the whole run. Here each rank writes its results to a file and the parent judges
 success by those files (a rank that wrote its result file succeeded, whatever its exit status), and shows each
-rank's stderr tail when a result is missing.
+rank's stderr tail when a result is missing. A rank whose worker returned leaves by `os._exit(0)`: tearing down an
+interpreter that imported torch, TorchRec and FBGEMM frees every module one by one and takes 1-2 s a rank, checking
+nothing (a worker that raised exits normally, with its traceback).
 
 A worker is any importable function `fn(rank: int, world_size: int, out_dir: str, **kwargs)`; it is named as
 "module:function" by its dotted module path from the repository root, e.g.
@@ -35,6 +37,9 @@ try:
     dist.barrier()
 finally:
     dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # the work is done and its files closed: skip the interpreter's teardown (1-2 s a rank)
 """
 
 
