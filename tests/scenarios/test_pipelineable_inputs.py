@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.pipeline import drain
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks_sequence
 from tests.scenarios.test_dropin import full_checkpoint
 from tests.scenarios.test_table_writes import copy_state_dict
 
@@ -181,21 +181,18 @@ CASES = {
 }
 
 
-def sparse_nn_cases_worker(rank: int, world: int, out_dir: str, cases: dict[str, list]) -> None:
-    """Every case, stock's run then Herald's, one after another in one pair of ranks (out_dir/case/kind): each run
-    trains in a fraction of a second, so separate ranks per run would spend nearly all the time starting up."""
-    for case, (config, vbe) in cases.items():
-        for kind in ("stock", "herald"):
-            run_dir = Path(out_dir) / case / kind
-            run_dir.mkdir(parents=True, exist_ok=True)
-            sparse_nn_worker(rank, world, str(run_dir), kind, vbe, config)
-    torch.save(sorted(cases), rank_result(out_dir, rank))
-
-
 @pytest.fixture(scope="module")
 def case_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case's stock run and Herald run (out/case/kind), one after another in one pair of ranks: each trains in
+    a fraction of a second, the ranks' start-up is paid once."""
     out = tmp_path_factory.mktemp("sparse_nn")
-    run_ranks("tests.scenarios.test_pipelineable_inputs:sparse_nn_cases_worker", out, world_size=2, cases=CASES)
+    worker = "tests.scenarios.test_pipelineable_inputs:sparse_nn_worker"
+    runs = {
+        f"{case}/{kind}": (worker, {"kind": kind, "vbe": vbe, "config": config})
+        for case, (config, vbe) in CASES.items()
+        for kind in ("stock", "herald")
+    }
+    run_ranks_sequence(runs, out, world_size=2)
     return out
 
 
