@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.distributed.train_pipeline.test_pipeline_edges import ROWS, TwoEBCModel, batches
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks, run_ranks_sequence
 
 STEPS = 12
 FP16_TABLES = ("t0", "t1")  # ebc_a; ebc_b's t2 stays FP32
@@ -263,9 +263,10 @@ def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.scenarios.test_dropin import full_checkpoint
 
     got: dict = {}
-    for kind in ("herald", "stock_rw", "stock_tw"):
-        out = tmp_path_factory.mktemp(kind)
-        run_ranks("tests.distributed.test_fp16_tables:fp16_worker", out, world_size=2, timeout=400, kind=kind)
+    worker = "tests.distributed.test_fp16_tables:fp16_worker"
+    kinds = ("herald", "stock_rw", "stock_tw")  # one after another in one pair of ranks: start-up paid once
+    runs = run_ranks_sequence({k: (worker, {"kind": k}) for k in kinds}, tmp_path_factory.mktemp("fp16"), timeout=400)
+    for kind, out in runs.items():
         got[kind] = {"rank0": torch.load(rank_result(out, 0), weights_only=False)}
         for opt in OPTIMIZERS:
             got[kind][opt] = full_checkpoint(out / f"{opt}_ckpt")

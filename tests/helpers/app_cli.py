@@ -40,3 +40,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the results are written: skip the interpreter's teardown of torch's modules (1-2 s)

@@ -19,12 +19,11 @@ tests/scenarios/test_module_parity.py checks the sharded module itself, default 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.app_runs import run_app
+from tests.helpers.app_runs import run_app_many
 from tests.helpers.ranks import REPO_ROOT, run_ranks
 
 RUNS = {  # name: (extra args, ranks)
@@ -47,10 +46,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a) if a else 0.0
 
 
-@pytest.mark.parametrize("optimizer, lr", [("rowwise_adagrad", 0.05), ("sgd", 0.5), ("adagrad", 0.05)])
-def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: float) -> None:
+OPTIMIZERS = {"rowwise_adagrad": 0.05, "sgd": 0.5, "adagrad": 0.05}  # the embedding optimizer -> its learning rate
+
+
+def common_args(optimizer: str, lr: float) -> list[str]:
     eps = ["trainer.embedding_eps=1e-2"] if optimizer != "sgd" else []
-    common = [
+    return [
         *eps,
         "trainer.steps=30",
         "trainer.eval_interval=0",
@@ -62,18 +63,39 @@ def test_schedulers_train_the_same_model(tmp_path: Path, optimizer: str, lr: flo
         "trainer.save_final=true",
         "data.locality=0.7",
     ]
-    # the 2-rank runs one after another in one pair of gloo ranks (tests/helpers/app_ranks.py: train.py's job, without
-    # paying the start-up per run); the reference as a user runs it, `train.py` on one process
-    two = {s: [*extra, *common] for s, (extra, nproc) in RUNS.items() if nproc == 2}
-    run_ranks("tests.helpers.app_ranks:train_configs", tmp_path, world_size=2, timeout=900, runs=two)
+
+
+@pytest.fixture(scope="module")
+def exactness_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """out/<optimizer>/<run> for every optimizer and run: the 2-rank runs one after another in one pair of gloo ranks
+    (tests/helpers/app_ranks.py: train.py's job, without paying the start-up per run), the one-rank references as a
+    user runs them (`python train.py ARGS`, each through the CLI path), in one process."""
+    out = tmp_path_factory.mktemp("exactness")
+    two = {
+        f"{opt}/{s}": [*extra, *common_args(opt, lr)]
+        for opt, lr in OPTIMIZERS.items()
+        for s, (extra, nproc) in RUNS.items()
+        if nproc == 2
+    }
+    run_ranks("tests.helpers.app_ranks:train_configs", out, world_size=2, timeout=900, runs=two)
+    one = [(opt, s, extra) for opt in OPTIMIZERS for s, (extra, nproc) in RUNS.items() if nproc == 1]
+    done = run_app_many(
+        [[*extra, *common_args(opt, OPTIMIZERS[opt]), f"run_dir={out / opt / s}"] for opt, s, extra in one]
+    )
+    return {"dir": out, "one_rank": {(opt, s): p for (opt, s, _), p in zip(one, done)}}
+
+
+@pytest.mark.parametrize("optimizer, lr", list(OPTIMIZERS.items()))
+def test_schedulers_train_the_same_model(exactness_runs: dict, optimizer: str, lr: float) -> None:
+    tmp_path = exactness_runs["dir"] / optimizer
     for s, (extra, nproc) in RUNS.items():
         if nproc != 2:
-            p = run_app([*extra, *common, f"run_dir={tmp_path / s}"], nproc=nproc)
+            p = exactness_runs["one_rank"][optimizer, s]
             assert (tmp_path / s / "final_state.pt").exists(), f"{s}: exit {p.returncode}\n{p.stderr[-3000:]}"
     states = {}
     for s in RUNS:
         path = tmp_path / s / "final_state.pt"
-        assert path.exists(), f"{s} wrote no final_state.pt (see {tmp_path}/rank*.log)"
+        assert path.exists(), f"{s} wrote no final_state.pt (see {exactness_runs['dir']}/rank*.log)"
         states[s] = torch.load(path)
     ref = states["reference"]
     assert len(ref["tables"]) == 26 and ref["tables"]["t_c2"].shape == (101313, 16)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks_sequence
 from tests.scenarios.test_module_parity import (
     BATCH,
     CACHE_RATIO,
@@ -407,12 +407,27 @@ def in_memory_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every two-rank run of this file, one after another in one pair of ranks (each takes a second or two; the
+    ranks' start-up is paid once): out/roundtrip_<opt>, out/cross_<opt>, out/mixed, out/in_memory."""
+    worker = "tests.scenarios.test_checkpoint_dcp:{}_worker".format
+    runs = {f"roundtrip_{opt}": (worker("roundtrip"), {"opt": opt}) for opt in (ADAGRAD, SGD, EXACT_ADAGRAD)}
+    runs.update({f"cross_{opt}": (worker("cross"), {"opt": opt}) for opt in (ADAGRAD, EXACT_ADAGRAD)})
+    runs.update(mixed=(worker("mixed"), {}), in_memory=(worker("in_memory"), {}))
+    out = tmp_path_factory.mktemp("dcp")
+    run_ranks_sequence(runs, out, world_size=2)
+    return out
+
+
+def rank_results(run_dir: Path) -> list[dict]:
+    return [torch.load(rank_result(run_dir, q), weights_only=False) for q in range(2)]
+
+
 @pytest.mark.parametrize("opt", [ADAGRAD, SGD, EXACT_ADAGRAD])
-def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str) -> None:
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:roundtrip_worker", tmp_path, opt=opt)
-    ]
+def test_dcp_roundtrip_into_fresh_herald_model_is_exact(dcp_runs: Path, opt: str) -> None:
+    tmp_path = dcp_runs / f"roundtrip_{opt}"
+    res = rank_results(tmp_path)
     r = res[0]
     assert r["before"]["guests"] > 0 and r["before"]["away"] > 0  # the checkpoint was taken with rows away from home
     assert r["fresh_differs"] > 1e-3  # the fresh model really starts elsewhere
@@ -445,10 +460,8 @@ def test_dcp_roundtrip_into_fresh_herald_model_is_exact(tmp_path: Path, opt: str
 
 
 @pytest.mark.parametrize("opt", [ADAGRAD, EXACT_ADAGRAD])
-def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path, opt: str) -> None:
-    r = torch.load(
-        run_ranks("tests.scenarios.test_checkpoint_dcp:cross_worker", tmp_path, opt=opt)[0], weights_only=False
-    )
+def test_stock_and_herald_checkpoints_cross_load(dcp_runs: Path, opt: str) -> None:
+    r = rank_results(dcp_runs / f"cross_{opt}")[0]
     assert r["layout_equal"], r["layout_diff"]
     want = {(n, DIM) if opt == EXACT_ADAGRAD else (n,) for n in TABLE_ROWS}
     assert {shape for v in r["state_shapes"].values() for shape in v.values()} == want
@@ -462,11 +475,8 @@ def test_stock_and_herald_checkpoints_cross_load(tmp_path: Path, opt: str) -> No
         assert w == 0.0 and s == 0.0 and s_max > 0, (k, r[k])
 
 
-def test_mixed_ebc_checkpoints_like_a_stock_ebc(tmp_path: Path) -> None:
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:mixed_worker", tmp_path)
-    ]
+def test_mixed_ebc_checkpoints_like_a_stock_ebc(dcp_runs: Path) -> None:
+    res = rank_results(dcp_runs / "mixed")
     r = res[0]
     assert r["keys"] == r["stock_keys"], (r["keys"], r["stock_keys"])
     # fused-optimizer keys: TorchRec's; a TABLE_WISE table's state is listed by its owning rank only (as stock)
@@ -478,12 +488,9 @@ def test_mixed_ebc_checkpoints_like_a_stock_ebc(tmp_path: Path) -> None:
     assert r["ownership"]["guests"] == 0 and r["ownership"]["version"] >= 1
 
 
-def test_in_memory_state_dict_load_after_moves(tmp_path: Path) -> None:
+def test_in_memory_state_dict_load_after_moves(dcp_runs: Path) -> None:
     """Fails on main: its state dict held slot-ordered TBE internals, so rows living as guests came back wrong."""
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_checkpoint_dcp:in_memory_worker", tmp_path)
-    ]
+    res = rank_results(dcp_runs / "in_memory")
     assert res[0]["guests"] > 0
     for r in res:
         assert r["missing"] == [] and r["diff"] == 0.0, (r["missing"], r["diff"])

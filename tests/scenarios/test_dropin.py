@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks_sequence
 
 STEPS = 30
 B = 16  # per rank
@@ -171,19 +171,32 @@ def full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
-@pytest.mark.parametrize("opt,tol", [("sgd", 1e-5), ("rowwise_adagrad", 1e-4)])
-def test_herald_dropin_equals_stock_torchrec(tmp_path: Path, opt: str, tol: float) -> None:
+OPTIMIZERS = {"sgd": 1e-5, "rowwise_adagrad": 1e-4}  # optimizer -> tolerance
+
+
+@pytest.fixture(scope="module")
+def dropin_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """out/opt/kind for every optimizer: stock's and Herald's loops one after another in one pair of ranks, the
+    one-process references in one process (each run takes a second or two; the ranks' start-up is paid once)."""
+    out = tmp_path_factory.mktemp("dropin")
+    worker = "tests.scenarios.test_dropin:dropin_worker"
+    loops = {
+        f"{opt}/{kind}": (worker, {"kind": kind, "opt": opt}) for opt in OPTIMIZERS for kind in ("stock", "herald")
+    }
+    run_ranks_sequence(loops, out / "loops", world_size=2)
+    refs = {f"{opt}/reference": (worker, {"kind": "stock", "opt": opt, "ref_world": 2}) for opt in OPTIMIZERS}
+    run_ranks_sequence(refs, out / "refs", world_size=1)
+    return out
+
+
+@pytest.mark.parametrize("opt,tol", list(OPTIMIZERS.items()))
+def test_herald_dropin_equals_stock_torchrec(dropin_runs: Path, opt: str, tol: float) -> None:
     results = {}
-    for kind, world, ref in (("stock", 2, None), ("herald", 2, None), ("reference", 1, 2)):
-        run_ranks(
-            "tests.scenarios.test_dropin:dropin_worker",
-            tmp_path / kind,
-            world_size=world,
-            kind="stock" if ref else kind,
-            opt=opt,
-            ref_world=ref,
+    for kind in ("stock", "herald", "reference"):
+        results[kind] = full_checkpoint(
+            dropin_runs / ("refs" if kind == "reference" else "loops") / opt / kind / "ckpt"
         )
-        results[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    loops = dropin_runs / "loops" / opt
     stock, herald = results["stock"], results["herald"]
     tables = [k for k in stock if ".embedding_bags." in k and k.startswith("model.")]
     assert len(tables) == len(ROWS)
@@ -199,8 +212,8 @@ def test_herald_dropin_equals_stock_torchrec(tmp_path: Path, opt: str, tol: floa
     init = make_model().model.sparse_arch.embedding_bag_collection.embedding_bags
     moved = max(float((stock[k] - init[k.split(".")[-2]].weight).abs().max()) for k in tables)
     assert moved > 5e-4
-    herald_r0 = torch.load(rank_result(tmp_path / "herald", 0))
+    herald_r0 = torch.load(rank_result(loops / "herald", 0))
     assert herald_r0["shared"] > 0 and herald_r0["plans_moved"] > 0  # Herald's data plane did move and share rows
     # every shared value sent to a reader came back as a gradient within its step (the pipeline's counters hold both)
-    herald_r1 = torch.load(rank_result(tmp_path / "herald", 1))
+    herald_r1 = torch.load(rank_result(loops / "herald", 1))
     assert herald_r0["shared_grad"] + herald_r1["shared_grad"] == herald_r0["shared"] + herald_r1["shared"]

@@ -3,9 +3,9 @@ EBC and a weighted EBC, both Herald-managed) fed TorchRec's `ModelInput` (float 
 id-score KJT, labels: a Pipelineable, not a `Batch`) by `HeraldTrainPipeline`, against stock
 `TrainPipelineSparseDist` with the sharder TorchRec's `create_test_sharder` builds (its `fused_params`, learning rate
 0.1 added as it adds it), on 2 gloo ranks, in three of the harness's configurations (optimizer / stock sharding
-type: `CONFIGS`). TorchRec's harness idiom: one global model's weights copied into each sharded model
-(`copy_state_dict`), the same `ModelInput.generate` batches, then every table, the optimizer state and the dense
-parameters compared (<= 1e-5), and each rank's eval predictions on its own eval batch."""
+type: `CONFIGS`; every run in one pair of ranks). TorchRec's harness idiom: one global model's weights copied into
+each sharded model (`copy_state_dict`), the same `ModelInput.generate` batches, then every table, the optimizer
+state and the dense parameters compared (<= 1e-5), and each rank's eval predictions on its own eval batch."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.pipeline import drain
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks_sequence
 from tests.scenarios.test_dropin import full_checkpoint
 from tests.scenarios.test_table_writes import copy_state_dict
 
@@ -174,31 +174,43 @@ def sparse_nn_worker(
     torch.save({"steps": steps, "preds": preds, **extra}, rank_result(out_dir, rank))
 
 
-@pytest.mark.parametrize(
-    "config, vbe",
-    [(c, False) for c in CONFIGS] + [("rowwise_adagrad-table_wise", True)],
-    ids=[*CONFIGS, "rowwise_adagrad-table_wise-vbe_user_bags"],
-)
-def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(tmp_path: Path, config: str, vbe: bool) -> None:
+# the test's cases: id -> (configuration, VBE id-list KJT or not)
+CASES = {
+    **{c: (c, False) for c in CONFIGS},
+    "rowwise_adagrad-table_wise-vbe_user_bags": ("rowwise_adagrad-table_wise", True),
+}
+
+
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case's stock run and Herald run (out/case/kind), one after another in one pair of ranks: each trains in
+    a fraction of a second, the ranks' start-up is paid once."""
+    out = tmp_path_factory.mktemp("sparse_nn")
+    worker = "tests.scenarios.test_pipelineable_inputs:sparse_nn_worker"
+    runs = {
+        f"{case}/{kind}": (worker, {"kind": kind, "vbe": vbe, "config": config})
+        for case, (config, vbe) in CASES.items()
+        for kind in ("stock", "herald")
+    }
+    run_ranks_sequence(runs, out, world_size=2)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torchrec_test_sparse_nn_with_model_input_trains_stocks_model(case_runs: Path, case: str) -> None:
     """Each configuration: the optimizer in both sharders' fused_params, stock's sharding type (CONFIGS). With `vbe`,
     each rank's id-list KJT is VBE (`user_bags`): stock's sharded EBC pools the distinct bags and selects them per
     sample, Herald's input stage gives each sample its bag (variable_batch.py)."""
+    config, vbe = CASES[case]
     if vbe:  # the inputs really are VBE, and not the plain ones: the pair's second sample reads the first's bag
         x, plain = inputs(0, 2, 100, 1, vbe=True)[0].idlist_features, inputs(0, 2, 100, 1)[0].idlist_features
         assert x.variable_stride_per_key() and x.stride_per_key() == [B // 2, B]
         assert not torch.equal(x.values(), plain.values())
     results, per_rank = {}, {}
     for kind in ("stock", "herald"):
-        run_ranks(
-            "tests.scenarios.test_pipelineable_inputs:sparse_nn_worker",
-            tmp_path / kind,
-            world_size=2,
-            kind=kind,
-            vbe=vbe,
-            config=config,
-        )
-        results[kind] = full_checkpoint(tmp_path / kind / "ckpt")
-        per_rank[kind] = [torch.load(rank_result(tmp_path / kind, r)) for r in range(2)]
+        run_dir = case_runs / case / kind
+        results[kind] = full_checkpoint(run_dir / "ckpt")
+        per_rank[kind] = [torch.load(rank_result(run_dir, r)) for r in range(2)]
     stock, herald = results["stock"], results["herald"]
     assert sorted(stock) == sorted(herald), sorted(set(stock) ^ set(herald))
     tables = [k for k in stock if ".embedding_bags." in k and k.endswith(".weight")]

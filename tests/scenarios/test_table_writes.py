@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks_sequence
 from tests.scenarios.test_checkpoint_dcp import (
     ADAGRAD,
     SGD,
@@ -229,12 +229,26 @@ def stale_parameter_write_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def write_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every run of this file, one after another in one pair of ranks (each takes a second or two; the ranks'
+    start-up is paid once): out/state_dict_<opt>, out/parameters_<opt>, then out/stale (the refused write last)."""
+    worker = "tests.scenarios.test_table_writes:{}_worker".format
+    runs = {f"state_dict_{opt}": (worker("state_dict_writes"), {"opt": opt}) for opt in (ADAGRAD, SGD)}
+    runs.update({f"parameters_{opt}": (worker("parameter_writes"), {"opt": opt}) for opt in (ADAGRAD, SGD)})
+    runs["stale"] = (worker("stale_parameter_write"), {})
+    out = tmp_path_factory.mktemp("writes")
+    run_ranks_sequence(runs, out, world_size=2)
+    return out
+
+
+def rank_results(run_dir: Path) -> list[dict]:
+    return [torch.load(rank_result(run_dir, q), weights_only=False) for q in range(2)]
+
+
 @pytest.mark.parametrize("opt", [ADAGRAD, SGD])
-def test_copy_state_dict_writes_take_effect(tmp_path: Path, opt: str) -> None:
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_table_writes:state_dict_writes_worker", tmp_path, opt=opt)
-    ]
+def test_copy_state_dict_writes_take_effect(write_runs: Path, opt: str) -> None:
+    res = rank_results(write_runs / f"state_dict_{opt}")
     for r in res:
         assert r["away"] > 0  # the writes were made with rows living away from home
         for stage in ("before", "written", "after"):
@@ -244,11 +258,8 @@ def test_copy_state_dict_writes_take_effect(tmp_path: Path, opt: str) -> None:
 
 
 @pytest.mark.parametrize("opt", [ADAGRAD, SGD])
-def test_named_parameters_are_stocks_and_writes_take_effect(tmp_path: Path, opt: str) -> None:
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_table_writes:parameter_writes_worker", tmp_path, opt=opt)
-    ]
+def test_named_parameters_are_stocks_and_writes_take_effect(write_runs: Path, opt: str) -> None:
+    res = rank_results(write_runs / f"parameters_{opt}")
     for r in res:
         assert r["herald_params"] == r["stock_params"], (r["herald_params"], r["stock_params"])
         assert [n for n, *_ in r["herald_params"]] == [f"ebc.embedding_bags.{t}.weight" for t in TABLES]
@@ -260,11 +271,8 @@ def test_named_parameters_are_stocks_and_writes_take_effect(tmp_path: Path, opt:
                 assert v <= 1e-5, (stage, k, v)
 
 
-def test_write_to_a_row_away_is_refused_loudly(tmp_path: Path) -> None:
-    res = [
-        torch.load(f, weights_only=False)
-        for f in run_ranks("tests.scenarios.test_table_writes:stale_parameter_write_worker", tmp_path)
-    ]
+def test_write_to_a_row_away_is_refused_loudly(write_runs: Path) -> None:
+    res = rank_results(write_runs / "stale")
     assert res[0]["away_tables"], "the test needs rows living away from rank 0"
     for r in res:
         assert any("live on other ranks" in m for m in r["warned"]), r["warned"]

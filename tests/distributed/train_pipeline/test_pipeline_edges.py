@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.machines import on_machine
-from tests.helpers.ranks import rank_result, run_ranks
+from tests.helpers.ranks import rank_result, run_ranks, run_ranks_sequence
 
 B = 8
 ROWS = {"t0": 4000, "t1": 5000, "t2": 4500}  # the default planner picks TABLE_WISE (not DATA_PARALLEL) for these
@@ -166,18 +166,29 @@ def train_worker(rank: int, world: int, out_dir: str, kind: str, do_eval: bool =
     torch.save({"eval_loss": eval_loss, **extra}, rank_result(out_dir, rank))
 
 
-def test_two_ebcs_with_eval_in_between_equal_stock(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def against_stock(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs compared with stock's pipeline, one after another in one pair of ranks (each trains in about a
+    second; the ranks' start-up is paid once): out/eval, out/reload (Herald's run first: stock's loads its
+    checkpoint) and out/weighted, each with a stock and a herald run."""
+    out = tmp_path_factory.mktemp("against_stock")
+    runs = {}
+    for test, worker, kinds in (
+        ("eval", "train_worker", ("stock", "herald")),
+        ("reload", "reload_worker", ("herald", "stock")),
+        ("weighted", "weighted_worker", ("stock", "herald")),
+    ):
+        for kind in kinds:
+            runs[f"{test}/{kind}"] = (f"tests.distributed.train_pipeline.test_pipeline_edges:{worker}", {"kind": kind})
+    run_ranks_sequence(runs, out, world_size=2)
+    return out
+
+
+def test_two_ebcs_with_eval_in_between_equal_stock(against_stock: Path) -> None:
     from tests.scenarios.test_dropin import full_checkpoint
 
-    got = {}
-    for kind in ("stock", "herald"):
-        run_ranks(
-            "tests.distributed.train_pipeline.test_pipeline_edges:train_worker",
-            tmp_path / kind,
-            world_size=2,
-            kind=kind,
-        )
-        got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    tmp_path = against_stock / "eval"
+    got = {kind: full_checkpoint(tmp_path / kind / "ckpt") for kind in ("stock", "herald")}
     stock, herald = got["stock"], got["herald"]
     assert sorted(stock) == sorted(herald)
     assert sum(".embedding_bags." in k for k in stock) == 3
@@ -217,10 +228,21 @@ def edges_worker(rank: int, world: int, out_dir: str, case: str) -> None:
     torch.save(result, rank_result(out_dir, rank))
 
 
-@pytest.mark.parametrize("case", ["big_id", "uneven", "short", "empty"])
-def test_edge_input(tmp_path: Path, case: str) -> None:
-    run_ranks("tests.distributed.train_pipeline.test_pipeline_edges:edges_worker", tmp_path, world_size=2, case=case)
-    r = [torch.load(rank_result(tmp_path, q)) for q in range(2)]
+EDGE_CASES = ["big_id", "uneven", "short", "empty"]
+
+
+@pytest.fixture(scope="module")
+def edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every edge case's run (out/case), one after another in one pair of ranks."""
+    out = tmp_path_factory.mktemp("edges")
+    worker = "tests.distributed.train_pipeline.test_pipeline_edges:edges_worker"
+    run_ranks_sequence({case: (worker, {"case": case}) for case in EDGE_CASES}, out, world_size=2)
+    return out
+
+
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_edge_input(edge_runs: Path, case: str) -> None:
+    r = [torch.load(rank_result(edge_runs / case, q)) for q in range(2)]
     if (
         case == "big_id"
     ):  # rank 1's third batch holds id 2^31 + 3 (3 after an int32 wrap): both ranks stop with an error
@@ -289,21 +311,10 @@ def reload_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
     torch.save(extra, rank_result(out_dir, rank))
 
 
-def test_checkpoint_load_mid_stream_restarts_the_scheduler(tmp_path: Path) -> None:
+def test_checkpoint_load_mid_stream_restarts_the_scheduler(against_stock: Path) -> None:
     from tests.scenarios.test_dropin import full_checkpoint
 
-    run_ranks(
-        "tests.distributed.train_pipeline.test_pipeline_edges:reload_worker",
-        tmp_path / "herald",
-        world_size=2,
-        kind="herald",
-    )
-    run_ranks(
-        "tests.distributed.train_pipeline.test_pipeline_edges:reload_worker",
-        tmp_path / "stock",
-        world_size=2,
-        kind="stock",
-    )
+    tmp_path = against_stock / "reload"
     h, s = full_checkpoint(tmp_path / "herald" / "ckpt"), full_checkpoint(tmp_path / "stock" / "ckpt")
     assert sorted(h) == sorted(s)
     worst = max(float((h[k] - s[k]).abs().max()) for k in s)
@@ -551,7 +562,7 @@ def weighted_worker(rank: int, world: int, out_dir: str, kind: str) -> None:
     torch.save({"counters": counters}, rank_result(out_dir, rank))
 
 
-def test_weighted_features_train_like_stock_and_one_process(tmp_path: Path) -> None:
+def test_weighted_features_train_like_stock_and_one_process(against_stock: Path) -> None:
     """Weighted EBCs (multi-hot bags, empty bags, weights != 1) through HeraldTrainPipeline: the weights travel with
     their ids through the input stage (rank 0 plans, rank 1 gets its samples' ids with them) and scale each id's row
     and gradient; the model equals stock TorchRec's (its default sharding here) and one process's on the global
@@ -560,15 +571,8 @@ def test_weighted_features_train_like_stock_and_one_process(tmp_path: Path) -> N
 
     from tests.scenarios.test_dropin import full_checkpoint
 
-    got = {}
-    for kind in ("stock", "herald"):
-        run_ranks(
-            "tests.distributed.train_pipeline.test_pipeline_edges:weighted_worker",
-            tmp_path / kind,
-            world_size=2,
-            kind=kind,
-        )
-        got[kind] = full_checkpoint(tmp_path / kind / "ckpt")
+    tmp_path = against_stock / "weighted"
+    got = {kind: full_checkpoint(tmp_path / kind / "ckpt") for kind in ("stock", "herald")}
     stock, herald = got["stock"], got["herald"]
     assert sorted(stock) == sorted(herald) and sum(".embedding_bags." in k for k in stock) == 3
     assert max(float((stock[k] - herald[k]).abs().max()) for k in stock) < 1e-5
