@@ -37,6 +37,7 @@ from herald_torchrec.distributed.step.host_relay import HostMap, pair_routes
 from herald_torchrec.schedule.plan import Plan, PlanPart, RowMoves, SharedRows
 
 _ROW_BITS = 40  # a (table, row) pair as one int64: table << 40 | row (rows < 2^40)
+MARK_LIMIT = 1 << 26  # (part, pair) cells marked in a bitmap (64 MB); past it the parts' pairs are sorted
 
 
 def splittable(plan: Plan) -> bool:
@@ -146,17 +147,25 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     cut = sorted({int(x) for x in ranks})
     slot = np.full(R, -1, dtype=np.int64)
     slot[cut] = np.arange(len(cut))
-    needs = np.zeros(len(cut) * P, dtype=bool)  # (part, pair): a mark, not a sort
     reader_wanted = wanted[readers]
-    for dest, what, keep in (
-        (p_before, pair, wanted[p_before]),
-        (p_after, pair, wanted[p_after]),
-        (readers, pair, reader_wanted),
-        (readers[rp], pair, reader_wanted[rp]),
-        (readers, rp, reader_wanted),
-    ):
-        needs[slot[dest[keep]] * P + what[keep]] = True
-    code_rank, code_pair = np.divmod(np.flatnonzero(needs), max(P, 1))  # by part, then pair (the plan's order)
+    codes = [
+        slot[dest[keep]] * P + what[keep]
+        for dest, what, keep in (
+            (p_before, pair, wanted[p_before]),
+            (p_after, pair, wanted[p_after]),
+            (readers, pair, reader_wanted),
+            (readers[rp], pair, reader_wanted[rp]),
+            (readers, rp, reader_wanted),
+        )
+    ]
+    if len(cut) * P <= MARK_LIMIT:  # (part, pair) marked in a bitmap: no sort (a host's 8 parts)
+        needs = np.zeros(len(cut) * P, dtype=bool)
+        for c in codes:
+            needs[c] = True
+        code = np.flatnonzero(needs)
+    else:  # many parts at once (plan_on="rank0" at large R): sorted, in memory of the codes' size
+        code = np.unique(np.concatenate(codes))
+    code_rank, code_pair = np.divmod(code, max(P, 1))  # by part, then pair (the plan's order)
     order = np.asarray(plan.sample_order, dtype=np.int64)
     assignment = plan.assignment()
     mv = plan.moves

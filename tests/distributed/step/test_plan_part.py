@@ -132,6 +132,20 @@ def test_every_rank_lays_out_the_same_step_from_its_part(R, hosts) -> None:
         assert relayed > 0  # relays were exercised, and their parts kept what the relays need
 
 
+def test_parts_cut_by_sorting_equal_the_marked_ones(monkeypatch) -> None:
+    """Past MARK_LIMIT (many parts at once) the parts' pairs are sorted instead of marked: the same parts."""
+    from herald_torchrec.distributed.step import plan_part
+
+    hm = HostMap(np.repeat([0, 1], 4))
+    for plan in _plans(8, seed=3, steps=4):
+        marked = plan_parts(plan, range(8), hm)
+        monkeypatch.setattr(plan_part, "MARK_LIMIT", 0)
+        sorted_ = plan_parts(plan, range(8), hm)
+        monkeypatch.undo()
+        for r in range(8):
+            assert encode_plan(sorted_[r]).tobytes() == encode_plan(marked[r]).tobytes(), r
+
+
 def test_parts_are_smaller_than_the_whole_plan() -> None:
     """16 ranks as 2 hosts of 8, 128 samples per rank: a part is on average under 0.7x the whole plan, the largest
     under the whole (every part repeats every move: the directories apply them all)."""
