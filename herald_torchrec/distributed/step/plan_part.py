@@ -170,7 +170,7 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     assignment = plan.assignment()
     mv = plan.moves
     m_src, m_dst = np.asarray(mv.src, dtype=np.int64), np.asarray(mv.dst, dtype=np.int64)
-    m_shared = _shared_row_of_moves(plan)  # the shared row each move moves, -1 for none
+    m_shared = _shared_row_of_moves(plan)  # the shared row each move moves (n: none)
     moved_tables = _tables_in(np.asarray(mv.table, dtype=np.int64))
     parts: dict[int, PlanPart] = {}
     for i, d in enumerate(cut):
