@@ -5,7 +5,7 @@ make the same degraded plans, at the levels they agree on through the round head
 then static ones (the words published with plan p - 2 set plan p's level), counted alike on both; every rank
 executes its part of the same plans, and the trained model is the one-process model on the global batches (SGD,
 <= 1e-5). Each rank's ownership map, exact for its own rows while it trains on parts, is one exact map on every rank
-after the checkpoint (`sync_directory`).
+after an eval forward (`sync_directory`).
 Before the agreement, the budget was unused with several planners: every plan full. Sizes: the header words go by
 an all-to-all of exactly what each rank needs, counted in the stage's "control" bytes."""
 
@@ -54,10 +54,16 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
             pipeline.progress(it)
         m = herald_modules(dmp)[0]
         stale = not m.store.directory_exact  # this rank applied only its parts' moves
-        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))  # syncs the map first
+        model = pipeline.detach()  # an eval forward: its static plan reads every rank's rows, so it syncs the map
+        model.eval()
+        with torch.no_grad():
+            model(batches(rank, 1)[0])
+        exact_after_eval = m.store.directory_exact
+        model.train()
+        dcp.save({"model": dmp.state_dict()}, checkpoint_id=str(Path(out_dir) / "ckpt"))
         directory = {
             "stale_before": stale,
-            "exact_after": m.store.directory_exact,
+            "exact_after": m.store.directory_exact and exact_after_eval,
             "owner": m.store.owner_all.copy(),
             "held_here": m.store.slot_of_all >= 0,
             "home": np.concatenate([np.arange(n) // b for n, b in zip(m.store.rows, m.store.home_block_arr)]),
@@ -99,7 +105,7 @@ def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tm
             WORLD - 1
         ) + trailers * TRAILER_BYTES * (WORLD - 1), (sent, calls)
         assert exchanges >= STEPS + 4, calls
-    # each rank trained on its parts (its map exact for its own rows only); the checkpoint rebuilt every rank's map
+    # each rank trained on its parts (its map exact for its own rows only); the eval forward rebuilt every rank's map
     # from every rank's guests: one map, the same everywhere, and each rank owns exactly the rows it holds
     owner = res[0]["directory"]["owner"]
     assert (owner != res[0]["directory"]["home"]).sum() > 0  # rows live away from home: there was a map to rebuild
