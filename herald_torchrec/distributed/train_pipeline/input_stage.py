@@ -19,10 +19,11 @@ Per step, every rank:
 (3) plans: the scheduler is deterministic, so any rank can plan for any other. With `plan_on="host"` (the
     default) the lowest rank on each machine (by host name: the ranks that share its cores) runs it on the global
     batch and the next L and sends each other rank of its machine its own part of the plan (step/plan_part.py, in
-    schedule/plan_wire.py's bytes: the header's plan word is per receiving rank), so a machine running R ranks plans
-    once, not R times (~5 ms of CPU per step each), each rank receives what it executes (18.7 KB per step at R=8, 25
-    KB at R=256 on the synthetic default, where the whole plan is 41 KB / 1.45 MB), and no plan crosses to another
-    machine; the planner executes its own part too; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
+    schedule/plan_wire.py's bytes: the header's plan word is per receiving rank; where ranks span machines or number
+    9+, `parts_pay`, else the whole plan, as small there), so a machine running R ranks plans once, not R times (~5
+    ms of CPU per step each), each rank receives what it executes (21 KB per step at R=16, 25 KB at R=256 on the
+    synthetic default, where the whole plan is 81 KB / 1.45 MB), and no plan crosses to another machine; the
+    planner executes its own part too; `plan_on="rank0"`: rank 0 plans for every rank, wherever it runs;
     `plan_on="every_rank"`: every rank plans for itself and nothing is sent. Where several ranks plan, each plans
     every batch at the planning level they agree on from the level words of (1) (schedule/herald/budget.py).
     `scheduler=herald_hier` with one planner per machine (`plan_on="host"`, several machines): each rank sends its
@@ -110,7 +111,7 @@ from torchrec.datasets.utils import Batch
 
 from herald_torchrec.distributed.comm import PlanComm, phase
 from herald_torchrec.distributed.step.host_relay import HostMap
-from herald_torchrec.distributed.step.plan_part import plan_parts, splittable
+from herald_torchrec.distributed.step.plan_part import parts_pay, plan_parts, splittable
 from herald_torchrec.distributed.train_pipeline.input_layout import (
     GatheredIds,
     ManagedTables,
@@ -251,9 +252,10 @@ class ScheduledInput:
         self.host_index = -1  # this rank's host among the planners' (where it plans per machine)
         self.ids_sent_bytes = 0  # bytes of this rank's ids sent to other ranks' planners (the tests read it)
         self.hosts: np.ndarray | None = None  # int64 [R], a key per rank's machine (set at the first batch)
-        # a planner sends each rank only its part of the plan (step/plan_part.py); the parts keep the readers the
-        # modules' host relays need, so they are cut with the modules' host map (`relay_hosts`, set with them)
-        self.send_parts = True
+        # a planner sends each rank only its part of the plan (step/plan_part.py) where parts pay (`parts_pay`: None
+        # decides it at the first batch, from the ranks and their machines); the parts keep the readers the modules'
+        # host relays need, so they are cut with the modules' host map (`relay_hosts`, set with them)
+        self.send_parts: bool | None = None
         self.relay_hosts: HostMap | None = None
         self._factory = policy_factory
         self._current = SchedulerState(0, None)  # replaced as one object by reset_policy
@@ -372,6 +374,8 @@ class ScheduledInput:
         assert layout is not None  # every rank, this one included, reported DATA: its first slice parsed
         self.layout = layout
         self.hosts = hosts  # the host key of every rank: the policy factory passes it on (host-aware LAIA)
+        if self.send_parts is None:  # the same on every rank: from the gathered keys
+            self.send_parts = parts_pay(self.R, int(np.unique(hosts).shape[0]))
         planner_of = planners(self.plan_on, hosts)
         self.planner = int(planner_of[self.rank])
         self.plans_for = (planner_of == self.rank) & (np.arange(self.R) != self.rank)
@@ -521,10 +525,10 @@ class ScheduledInput:
 
     def _wires(self, plan: Plan) -> tuple[Plan, dict[int, np.ndarray]]:
         """What this planner executes and what it sends each rank it plans for: each rank's own part
-        (step/plan_part.py) where the plan can travel so (`send_parts`), else the whole plan to every rank. Every
-        planner cuts its own part even where it plans for itself alone, so that every rank of a step runs a part (or
-        none does, `plan_on="every_rank"`): a part's rank learns only its own moves, and the directory syncs that
-        follow (`sync_directory`) are collective."""
+        (step/plan_part.py) where parts pay and the plan can travel so (`send_parts`), else the whole plan to every
+        rank. Every planner cuts its own part even where it plans for itself alone, so that every rank of a step runs
+        a part (or none does, `plan_on="every_rank"`): a part's rank learns only its own moves, and the directory
+        syncs that follow (`sync_directory`) are collective."""
         to = np.flatnonzero(self.plans_for).tolist()
         if self.send_parts and self.plan_on != "every_rank" and splittable(plan):
             with phase("input.plan_parts"):

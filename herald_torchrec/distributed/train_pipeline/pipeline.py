@@ -143,8 +143,8 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
     must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
     `input_priority`, `host_relay` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
     `on_plan(plan)` is called with the plan of every batch once it has trained (statistics): this rank's part of it
-    (`PlanPart`: its moves, shared rows and samples; the counters are the whole step's) unless every rank plans
-    for itself (`plan_on="every_rank"`), or the policy's plans travel whole (replicas, HET's caches);
+    (`PlanPart`: its moves, shared rows and samples; the counters are the whole step's) where parts pay (ranks on
+    several machines, or 9+), else the whole plan (and with `plan_on="every_rank"`, replicas or HET's caches);
     `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches
     a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
     batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from herald_torchrec.distributed.step.host_relay import HostMap
-from herald_torchrec.distributed.step.plan_part import owners_before_moves, plan_parts, splittable
+from herald_torchrec.distributed.step.plan_part import owners_before_moves, parts_pay, plan_parts, splittable
 from herald_torchrec.distributed.step.prepare import prepare_moves, prepare_shared
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule import GlobalBatch, make_policy
@@ -230,3 +230,10 @@ def test_parts_travel_exactly_at_any_rank_count(R) -> None:
     if R <= 256:  # 4,000 readers in one byte each: 4,000 bytes fewer than as two
         wide = encode_plan(part(np.full(4000, 300)))  # (the other arrays: the same sizes)
         assert encode_plan(p).shape[0] <= wide.shape[0] - 4000 + 64
+
+
+def test_parts_go_where_they_pay() -> None:
+    """Several machines, or 9+ ranks on one: parts; up to 8 ranks on one machine the whole plan is smaller or as small
+    and its compiled layout faster (benchmarks/plan_bytes.py)."""
+    assert [parts_pay(R, 1) for R in (1, 2, 4, 8, 9, 64)] == [False, False, False, False, True, True]
+    assert parts_pay(2, 2) and parts_pay(4, 2) and parts_pay(256, 32)
