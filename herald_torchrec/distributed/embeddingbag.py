@@ -473,13 +473,13 @@ class ShardedHeraldEmbeddingBagCollection(
             self._warned_unscheduled = True
             warnings.warn(UNSCHEDULED_WARNING, stacklevel=2)
         plan = self._plans.popleft() if self._plans and self.training else None  # eval never consumes training plans
-        if not isinstance(plan, PlanPart):
+        if isinstance(plan, PlanPart):
+            self._store.directory_exact = False  # a part holds some of the step's moves only
+        else:
             self.sync_directory()  # a whole plan (or the static one) is checked against every rank's rows
         if plan is None:
             self._sync_error(err)  # the static plan needs every rank's ids
             plan = self._exec.static_plan(local)
-        else:
-            self._store.directory_exact &= not isinstance(plan, PlanPart)  # a part holds some of the moves only
         # extensions (none for Herald's policies): their collectives, driven by the plan alone so that every rank
         # runs them, then the ids they serve are set aside; a ValueError (plan vs batch) joins `err`
         extension_steps: list[ExtensionStep] = []

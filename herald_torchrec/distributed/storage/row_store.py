@@ -223,19 +223,18 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.key_of: list[np.ndarray] = []  # views: int64 [local_rows]
         self.owner: list[np.ndarray] = []  # views: int32 [rows], global
         self.guest_count: list[np.ndarray] = []  # views: int64 [R], global
-        for t, s in enumerate(self.tables):
+        for t in range(len(self.tables)):
             slot_of = self.slot_of_all[self.key_base[t] : self.key_base[t + 1]]
             lo, hl = self.home_lo[t], self.home_len[t]
             slot_of[lo : lo + hl] = np.arange(hl, dtype=np.int32)
             key_of = self.key_of_all[self.slot_base[t] : self.slot_base[t + 1]]
             key_of[:hl] = np.arange(lo, lo + hl, dtype=np.int64)
-            owner = self.owner_all[self.key_base[t] : self.key_base[t + 1]]
-            owner[:] = home_rank(s.rows, world_size, np.arange(s.rows))
             self.slot_of.append(slot_of)
             self.key_of.append(key_of)
-            self.owner.append(owner)
+            self.owner.append(self.owner_all[self.key_base[t] : self.key_base[t + 1]])
             self.guest_count.append(self.guest_count_all[t])
             self._free_all[self.free_base[t] : self.free_base[t + 1]] = np.arange(self.local_rows[t] - 1, hl - 1, -1)
+        self._owners_at_home()
         self._flat = self._flat_layout()
         self._rows2d = self._row_layout()
         # every table has the same dim: index maps of the step's lookups and gradient sums are row-level (plan_exec)
@@ -282,15 +281,19 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
     def rebuild_directory(self, guests: Sequence[np.ndarray]) -> None:
         """The ownership map and guest counts from every rank's guests (`guests[q]`: rank q's `guest_gkeys()`); every
         other row is at home. Afterwards the map is exact for every row."""
-        R, T = self.world_size, self.num_tables
-        for t, s in enumerate(self.tables):
-            self.owner[t][:] = home_rank(s.rows, R, np.arange(s.rows))
+        T = self.num_tables
+        self._owners_at_home()
         self.guest_count_all[:] = 0
         for q, g in enumerate(guests):
             g = np.asarray(g, dtype=np.int64)
             self.owner_all[g] = q
             self.guest_count_all[:, q] = np.bincount(self.tables_of(g), minlength=T)
         self.directory_exact = True
+
+    def _owners_at_home(self) -> None:
+        """Every row's owner in the map: its home rank."""
+        for t, s in enumerate(self.tables):
+            self.owner[t][:] = home_rank(s.rows, self.world_size, np.arange(s.rows))
 
     def num_guests(self, t: int) -> int:
         return self.capacity[t] - int(self._free_top[t])

@@ -608,7 +608,7 @@ class ScheduledInput:
         result = RoundResult()
         receives_plan = work.carries_plan and q != r
         ids_in, plan_in = [0] * R, [0] * R  # bytes of each rank's ids block and plan coming here
-        my_ids = none = np.zeros(0, dtype=np.uint8)
+        my_ids = empty = np.zeros(0, dtype=np.uint8)
         plan_to = plan_words(made, R)  # bytes of the plan (or part) this rank sends each rank
         wires: dict[int, np.ndarray] = {}
         if isinstance(made, OutgoingPlan) and made.wires:  # the planner: generation, then the plan or part
@@ -645,14 +645,14 @@ class ScheduledInput:
             else:
                 result.end_of_data = True
         t = 0
-        trailers = [none] * R
+        trailers = [empty] * R
         if work.next_words is not None:  # to each rank its own (its plan word differs)
             trailers = list(work.next_words.words_to().view(np.uint8))
             t = TRAILER_BYTES
             self.comm.counter.add("control", TRAILER_BYTES * (R - 1), call=False)
         # to each rank: [trailer | ids block (to a planner) | plan or part (to a rank this one plans for) | samples]
         sends = [
-            np.concatenate([trailers[d], my_ids[: None if self.ids_to[d] else 0], wires.get(d, none), p])
+            np.concatenate([trailers[d], my_ids[: None if self.ids_to[d] else 0], wires.get(d, empty), p])
             for d, p in enumerate(pay)
         ]
         recv = [t + a + b + int(c) for a, b, c in zip(ids_in, plan_in, heads.sample_bytes_here)]
