@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -81,6 +81,42 @@ def _print_phase_times() -> None:
 
 if _PHASES_ON:
     atexit.register(_print_phase_times)
+
+
+GLOO_HELD = 8  # the collectives whose CPU tensors are held for gloo's worker threads (the last few suffice)
+GLOO_EXIT_WAIT_S = 1.0  # at exit, how long to wait for gloo's threads to let go of them
+_held: deque[tuple[torch.Tensor, ...]] = deque(maxlen=GLOO_HELD)
+_release_registered = False
+
+
+def hold_for_gloo(*tensors: torch.Tensor) -> None:
+    """Keep a just-issued collective's CPU tensors alive until gloo's worker threads have let go of them.
+
+    A gloo worker drops its work, and the tensors in it, a moment after the collective completes. If Python has
+    dropped them first, that drop takes the GIL; if the interpreter is finalizing by then (a script that exits
+    right after a collective, e.g. `model.state_dict()` or `pipeline.close()`, without `destroy_process_group()`),
+    the worker thread is killed inside C++ and the process aborts ("terminate called without an active
+    exception", pytorch/pytorch#190489). So every collective of this package hands its tensors here, and at exit
+    (`release_gloo_tensors`) the last few are released only once gloo holds none of them."""
+    global _release_registered
+    cpu = tuple(t for t in tensors if t.device.type == "cpu")
+    if not cpu:
+        return
+    _held.append(cpu)
+    if not _release_registered:  # registered after the process group exists: runs before torch's own exit hooks
+        _release_registered = True
+        atexit.register(release_gloo_tensors)
+
+
+def release_gloo_tensors(timeout: float = GLOO_EXIT_WAIT_S) -> None:
+    """Wait (GIL released) until no gloo worker references the held tensors, at most `timeout` seconds, then drop
+    them here, in a live interpreter. Called at exit (and by the pipeline's exit hook after it closes)."""
+    deadline = time.monotonic() + timeout
+    while _held:
+        if any(t._use_count() > 1 for t in _held[0]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+            continue
+        _held.popleft()
 
 
 class CommCounter:
@@ -195,6 +231,7 @@ class PlanComm:
         name = self._count(kind, off_rank * row_bytes)
         send = send.contiguous()
         work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        hold_for_gloo(out, send)
         return PendingAllToAll(out, work, f"comm.all_to_all.{name}", keep=send)
 
     def _count(self, kind: str | Mapping[str, int], nbytes: int) -> str:
@@ -265,6 +302,7 @@ class PlanComm:
         work = dist.all_to_all_single(
             out, buf, (r_spl + 1).tolist(), [n + 1 for n in sizes], group=self.group, async_op=True
         )
+        hold_for_gloo(out, buf)
         return PendingAllToAll(out, work, f"comm.all_to_all.{name}", (r_spl + 1).tolist(), keep=buf)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -274,6 +312,7 @@ class PlanComm:
         self.counter.add(kind, tensor.numel() * tensor.element_size())
         with phase(f"comm.all_reduce.{kind}"):
             dist.all_reduce(tensor, op=op, group=self.group)
+        hold_for_gloo(tensor)
         return tensor
 
     def all_gather_uneven(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
@@ -291,6 +330,7 @@ class PlanComm:
         bufs = [tensor.new_empty(m) for _ in range(R)]
         self.counter.add(kind, (8 + m * tensor.element_size()) * (R - 1))
         dist.all_gather(bufs, padded, group=self.group)
+        hold_for_gloo(n, padded, *sizes, *bufs)
         return [b[:s] for b, s in zip(bufs, sizes_i)]
 
 

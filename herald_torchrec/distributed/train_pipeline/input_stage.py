@@ -109,7 +109,7 @@ from torch.distributed import all_gather as _all_gather
 from torch.distributed import all_to_all_single as _all_to_all_single
 from torchrec.datasets.utils import Batch
 
-from herald_torchrec.distributed.comm import PlanComm, phase
+from herald_torchrec.distributed.comm import PlanComm, hold_for_gloo, phase
 from herald_torchrec.distributed.step.host_relay import HostMap
 from herald_torchrec.distributed.step.plan_part import parts_pay, plan_parts, splittable
 from herald_torchrec.distributed.train_pipeline.input_layout import (
@@ -307,6 +307,7 @@ class ScheduledInput:
         self.comm.counter.add(kind, t.numel() * 8 * (self.R - 1))
         with phase("input.setup_all_gather"):
             _all_gather(parts, t, group=self.comm.group)
+        hold_for_gloo(t, *parts)
         return torch.stack(parts).numpy()
 
     def _exchange_heads(self, head: np.ndarray, plan_to: np.ndarray) -> np.ndarray:
@@ -324,8 +325,10 @@ class ScheduledInput:
         send[:, PAY_WORDS] = head[PAY_WORDS:]
         out = torch.empty(R * (PAY_WORDS + 1), dtype=torch.int64)
         self.comm.counter.add("control", (PAY_WORDS + 1) * 8 * (R - 1))
+        sent = torch.from_numpy(send.reshape(-1))
         with phase("input.header_all_to_all"):
-            _all_to_all_single(out, torch.from_numpy(send.reshape(-1)), group=self.comm.group)
+            _all_to_all_single(out, sent, group=self.comm.group)
+        hold_for_gloo(out, sent)
         return out.numpy().reshape(R, PAY_WORDS + 1)
 
     def _all_to_all_bytes(self, blocks: list[np.ndarray], recv: list[int]) -> list[np.ndarray]:
@@ -336,6 +339,7 @@ class ScheduledInput:
         out = torch.empty(int(sum(recv)), dtype=torch.uint8)
         with phase("input.all_to_all"):
             _all_to_all_single(out, send, recv, [b.shape[0] for b in blocks], group=self.comm.group)
+        hold_for_gloo(out, send)
         return list(np.split(out.numpy(), np.cumsum(recv)[:-1]))
 
     # ------------------------------------------------------------------ set-up

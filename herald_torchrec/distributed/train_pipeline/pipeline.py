@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from herald_torchrec.distributed.comm import PlanComm, default_group_timeout
+from herald_torchrec.distributed.comm import PlanComm, default_group_timeout, release_gloo_tensors
 from herald_torchrec.distributed.embeddingbag import ShardedHeraldEmbeddingBagCollection
 from herald_torchrec.distributed.train_pipeline.input_layout import ManagedTables
 from herald_torchrec.distributed.train_pipeline.input_stage import ScheduledInput
@@ -70,6 +70,7 @@ def _close_at_exit() -> None:
     it runs before exit hooks registered earlier, e.g. by torch.distributed's set-up)."""
     for pipeline in list(_RUNNING):
         pipeline.close(timeout=EXIT_CLOSE_TIMEOUT_S)
+    release_gloo_tensors()  # the stages' last collectives, whichever exit hook was registered first
 
 
 def herald_modules(model: torch.nn.Module) -> list[ShardedHeraldEmbeddingBagCollection]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import all_gather as _all_gather
 from torch.distributed import all_to_all_single as _all_to_all_single
 
-from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, phase
+from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
 from herald_torchrec.schedule.herald.hierarchy import Message, Transport
 
 PLANNER_KIND = "planner_messages"  # the CommCounter kind of these bytes
@@ -77,7 +77,9 @@ class GroupTransport(Transport):
             _all_to_all_single(recv_sizes, sizes, group=self.group)
             recv = recv_sizes.tolist()
             got = torch.empty(int(sum(recv)), dtype=torch.uint8)
-            _all_to_all_single(got, torch.from_numpy(np.concatenate(blocks)), recv, sizes.tolist(), group=self.group)
+            send = torch.from_numpy(np.concatenate(blocks))
+            _all_to_all_single(got, send, recv, sizes.tolist(), group=self.group)
+            hold_for_gloo(recv_sizes, sizes, got, send)
         self._sent(kind, int(sum(b.shape[0] for t, b in enumerate(blocks) if t != h)) + 8 * (H - 1))
         parts = np.split(got.numpy(), np.cumsum(recv)[:-1])
         return {h: {s: decode_message(p) for s, p in enumerate(parts) if p.shape[0]}}
@@ -93,6 +95,8 @@ class GroupTransport(Transport):
             pad = np.zeros(max(n), dtype=np.uint8)
             pad[: buf.shape[0]] = buf
             every = [torch.empty(max(n), dtype=torch.uint8) for _ in range(H)]
-            _all_gather(every, torch.from_numpy(pad), group=self.group)
+            mine = torch.from_numpy(pad)
+            _all_gather(every, mine, group=self.group)
+            hold_for_gloo(size, *sizes, mine, *every)
         self._sent(kind, (max(n) + 8) * (H - 1))
         return [decode_message(e.numpy()[:k]) for e, k in zip(every, n)]
