@@ -5,9 +5,9 @@ A TorchRec user's loop calls `progress()` a fixed number of times over an endles
 ("terminate called without an active exception", SIGABRT: torchrun reports the job failed; 4 of 6 runs of the
 README's adoption example without its checkpoint). A loop that ends with a collective of its own (here
 `dmp.state_dict()`, whose checkpoint refresh runs an all-to-all) met the same abort from gloo's worker dropping that
-collective's tensors during finalization (about 1 run in 8; comm.hold_for_gloo). The multi-rank cases here run such a loop as separate processes
-and judge them by their exit status, which the other multi-process tests (tests/helpers/ranks.py) deliberately do
-not.
+collective's tensors during finalization (about 1 run in 8; comm.hold_for_gloo). The multi-rank cases here run
+such a loop as separate processes and judge them by their exit status, which the other multi-process tests
+(tests/helpers/ranks.py) deliberately do not.
 """
 
 from __future__ import annotations
