@@ -13,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 12; }
+int herald_step_version() { return 13; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -446,6 +446,32 @@ void herald_step_received_uniform(int64_t R, const uint8_t* const* blocks, const
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c, b += 8 * u) std::memcpy(values + (carried[c] * n_all + at + i) * u, b, 8 * u);
     at += n;
+  }
+}
+
+// plan_part._relay_groups: the tables with a relayed (row, host) group, and the pairs read on a wanted host. Row r's
+// pairs are offsets[r]..offsets[r+1] (reader readers[p]); a reader is live unless it receives the row in the moves
+// (it is the owner after them, `after[r]`, and the owner before them, `before[r]`, is another rank). A (row, host)
+// goes through its relay iff it has two live readers and the host is not both owners' (host_relay.pair_routes'
+// rule). Sets table_relayed[table[r]] for such rows (the caller zeroes it) and on[p] = wanted_host[host[readers[p]]].
+// `count` is int32 scratch over the H hosts, all zero (left so).
+void herald_step_relay_groups(int64_t n, const int64_t* offsets, const int64_t* readers, const int64_t* before,
+                              const int64_t* after, const int64_t* table, const int64_t* host,
+                              const uint8_t* wanted_host, int32_t* count, uint8_t* table_relayed, uint8_t* on) {
+  std::vector<int64_t> touched;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t b = before[r], a = after[r], hb = host[b], ha = host[a];
+    bool relayed = false;
+    touched.clear();
+    for (int64_t p = offsets[r]; p < offsets[r + 1]; ++p) {
+      const int64_t q = readers[p], h = host[q];
+      on[p] = wanted_host[h];
+      if (q == a && b != a) continue;  // it receives the row itself
+      if (count[h]++ == 0) touched.push_back(h);
+      else if (count[h] == 2 && (h != hb || h != ha)) relayed = true;
+    }
+    for (int64_t h : touched) count[h] = 0;
+    if (relayed) table_relayed[table[r]] = 1;
   }
 }
 

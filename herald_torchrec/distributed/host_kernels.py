@@ -73,9 +73,10 @@ SIGNATURES = {
     ),
     "herald_step_received_uniform": ([_i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _i64, _p, _p], None),
     "herald_step_rows": ([_i64, _p, _p, _i64, _p, _p, _p, _p, ctypes.c_int], None),
+    "herald_step_relay_groups": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p], None),
 }
 KERNELS = _native.Kernels(
-    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 12, "the data plane's", "herald_step"
+    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 13, "the data plane's", "herald_step"
 )
 
 
@@ -572,3 +573,38 @@ def read_rows(kinds: list, tables: np.ndarray, slots: np.ndarray) -> torch.Tenso
 def write_rows(kinds: list, tables: np.ndarray, slots: np.ndarray, packed: torch.Tensor) -> bool:
     """RowStore.write_packed on the row layout; False (nothing written) where torch must write them."""
     return _rows(kinds, tables, slots, packed, write=True)
+
+
+def relay_groups(
+    offsets: np.ndarray,
+    readers: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    table: np.ndarray,
+    host: np.ndarray,
+    wanted_host: np.ndarray,
+    num_tables: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """plan_part._relay_groups' (tables with a relayed group, pairs read on a wanted host) from the shared rows'
+    reader offsets, readers, owners before and after the moves and tables, or None where its numpy code must run."""
+    k = lib()
+    if k is None:
+        return None
+    o, rd, b, a = _a(offsets, np.int64), _a(readers, np.int64), _a(before, np.int64), _a(after, np.int64)
+    t, h, w = _a(table, np.int64), _a(host, np.int64), _a(wanted_host, np.uint8)
+    flags, on = np.zeros(num_tables, dtype=np.uint8), np.empty(rd.shape[0], dtype=np.uint8)
+    count = np.zeros(w.shape[0], dtype=np.int32)
+    k.herald_step_relay_groups(
+        int(b.shape[0]),
+        _ptr(o),
+        _ptr(rd),
+        _ptr(b),
+        _ptr(a),
+        _ptr(t),
+        _ptr(h),
+        _ptr(w),
+        _ptr(count),
+        _ptr(flags),
+        _ptr(on),
+    )
+    return np.flatnonzero(flags), on.view(bool)

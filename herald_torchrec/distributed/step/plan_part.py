@@ -24,7 +24,8 @@ to 1 and 2 and receives two gradients), rank 1's [1], rank 2's [2, 3] (it forwar
 gradient to its own), rank 3's [2, 3] (its value comes from 2). Had k moved this step from some rank q to rank 0,
 the move would be in the parts of q and 0 (its two ends) and of ranks 1, 2 and 3 (k's value comes from q).
 
-numpy only; the input stage (train_pipeline/input_stage.py) cuts the parts on the planning rank.
+numpy, with one compiled pass over every pair (host_kernels.relay_groups); the input stage
+(train_pipeline/input_stage.py) cuts the parts on the planning rank.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.step.host_relay import HostMap, pair_routes
 from herald_torchrec.schedule.plan import Plan, PlanPart, RowMoves, SharedRows
 
@@ -97,25 +99,29 @@ def _shared_row_of_moves(plan: Plan) -> np.ndarray:
     return at
 
 
-def _relays(
+def _relay_groups(
+    sh: SharedRows,
     pair_row: np.ndarray,
-    readers: np.ndarray,
     before: np.ndarray,
     after: np.ndarray,
-    fill: np.ndarray,
-    hosts: HostMap | None,
-    wanted: np.ndarray,
+    hosts: HostMap,
+    wanted_host: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(relay pair of every pair, whether its row and host go through a relay): the relay pairs as
-    host_relay.pair_routes chooses them, for the pairs read on the hosts of the `wanted` ranks only (elsewhere a
-    pair is its own: no part here needs them); the relayed rows for every pair, without routing them all: a (row,
-    host) goes through its relay iff it has two readers that do not receive the row in the moves and the host is not
-    both owners' (pair_routes' rule, at the level of the group)."""
-    P = readers.shape[0]
-    own = np.arange(P, dtype=np.int64)
-    if hosts is None or not hosts.relays or P == 0:
-        return own, np.zeros(P, dtype=bool)
+    """(the tables with a relayed (row, host) group, whether each pair is read on a wanted host), without routing
+    every pair: a (row, host) goes through its relay iff it has two readers that do not receive the row in the
+    moves and the host is not both owners' (pair_routes' rule, at the level of the group). `before` / `after`: every
+    shared row's owners. One compiled pass where the kernels are on (O(pairs), the cut's largest cost at R=256)."""
+    tables = np.asarray(sh.table, dtype=np.int64)
+    readers = np.asarray(sh.readers, dtype=np.int64)
+    num_tables = int(tables.max()) + 1 if tables.shape[0] else 0
+    got = host_kernels.relay_groups(
+        sh.reader_offsets, readers, before, after, tables, hosts.host, wanted_host, num_tables
+    )
+    if got is not None:
+        return got
     host, H = hosts.host, hosts.num_hosts
+    p_before, p_after = before[pair_row], after[pair_row]
+    fill = (readers == p_after) & (p_before != p_after)
     r_host = host[readers]
     group = pair_row * H + r_host
     if int(group.max()) < 2**24:  # a count per (row, host)
@@ -124,13 +130,33 @@ def _relays(
         g, cnt = np.unique(group[~fill], return_counts=True)
         at = np.minimum(np.searchsorted(g, group), g.shape[0] - 1)
         live = np.where(g[at] == group, cnt[at], 0)
-    relayed = (live >= 2) & ((r_host != host[before]) | (r_host != host[after]))
-    on = np.flatnonzero(np.isin(r_host, np.unique(host[wanted])))  # a wanted rank's host: whole groups
-    rp = own.copy()
-    if on.shape[0]:
-        rt = pair_routes(pair_row[on], readers[on], before[on], after[on], fill[on], hosts)
-        rp[on] = on[rt.relay_pair]
-    return rp, relayed
+    relayed = (live >= 2) & ((r_host != host[p_before]) | (r_host != host[p_after]))
+    return _tables_in(tables[pair_row[relayed]]), wanted_host[r_host]
+
+
+def _relay_pairs(
+    sh: SharedRows,
+    pair_row: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    hosts: HostMap | None,
+    wanted: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the step's relayed tables, the pairs read on the hosts of the `wanted` ranks, their relay pairs as
+    host_relay.pair_routes chooses them). Elsewhere a pair is its own relay pair: no part here needs theirs."""
+    none = np.zeros(0, dtype=np.int64)
+    P = pair_row.shape[0]
+    if hosts is None or not hosts.relays or P == 0:
+        return none, none, none
+    wanted_host = np.zeros(hosts.num_hosts, dtype=bool)
+    wanted_host[hosts.host[wanted]] = True
+    relayed_tables, on_mask = _relay_groups(sh, pair_row, before, after, hosts, wanted_host)
+    on = np.flatnonzero(on_mask)  # whole (row, host) groups: pair_routes needs every reader of the group
+    rows = pair_row[on]
+    readers = np.asarray(sh.readers, dtype=np.int64)[on]
+    b, a = before[rows], after[rows]
+    rt = pair_routes(rows, readers, b, a, (readers == a) & (b != a), hosts)
+    return relayed_tables, on, on[rt.relay_pair]
 
 
 def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[int, PlanPart]:
@@ -146,30 +172,28 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     readers = np.asarray(sh.readers, dtype=np.int64)
     after = np.asarray(sh.owner, dtype=np.int64)
     before = owners_before_moves(plan)
-    p_before, p_after = before[pair_row], after[pair_row]
-    fill = (readers == p_after) & (p_before != p_after)  # the reader receives the row itself in the moves
-    tables = np.asarray(sh.table, dtype=np.int64)
     P = readers.shape[0]
-    pair = np.arange(P, dtype=np.int64)
     wanted = np.zeros(R, dtype=bool)
     wanted[np.asarray(ranks, dtype=np.int64)] = True
-    rp, relayed = _relays(pair_row, readers, p_before, p_after, fill, hosts, wanted)
-    shared_tables, relayed_tables = _tables_in(tables), _tables_in(tables[pair_row[relayed]])
-    # (rank, pair) for every pair a rank needs: the owners', the reader's own, the relay's, the reader's relay pair
+    relayed_tables, on, relay_of_on = _relay_pairs(sh, pair_row, before, after, hosts, wanted)
+    shared_tables = _tables_in(np.asarray(sh.table, dtype=np.int64))
+    # (rank, pair) for every pair a rank needs: the owners' (every pair of their rows), the reader's own, and on the
+    # wanted hosts the relay's (the pairs it relays) and the reader's relay pair
     cut = sorted({int(x) for x in ranks})
     slot = np.full(R, -1, dtype=np.int64)
     slot[cut] = np.arange(len(cut))
-    reader_wanted = wanted[readers]
-    codes = [
-        slot[dest[keep]] * P + what[keep]
-        for dest, what, keep in (
-            (p_before, pair, wanted[p_before]),
-            (p_after, pair, wanted[p_after]),
-            (readers, pair, reader_wanted),
-            (readers[rp], pair, reader_wanted[rp]),
-            (readers, rp, reader_wanted),
-        )
-    ]
+    codes = []
+    for owner in (before, after):
+        at = np.flatnonzero(wanted[owner][pair_row])
+        codes.append(slot[owner[pair_row[at]]] * P + at)
+    at = np.flatnonzero(wanted[readers])
+    codes.append(slot[readers[at]] * P + at)
+    if on.shape[0]:
+        relay_reader = readers[relay_of_on]
+        at = wanted[relay_reader]
+        codes.append(slot[relay_reader[at]] * P + on[at])  # the relay: every pair it relays
+        at = wanted[readers[on]]
+        codes.append(slot[readers[on[at]]] * P + relay_of_on[at])  # the reader: its relay's pair
     if len(cut) * P <= MARK_LIMIT:  # (part, pair) marked in a bitmap: no sort (a host's 8 parts)
         needs = np.zeros(len(cut) * P, dtype=bool)
         for c in codes:

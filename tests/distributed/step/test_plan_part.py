@@ -132,6 +132,35 @@ def test_every_rank_lays_out_the_same_step_from_its_part(R, hosts) -> None:
         assert relayed > 0  # relays were exercised, and their parts kept what the relays need
 
 
+@pytest.mark.parametrize(
+    "host",
+    [np.repeat([0, 1], 4), np.array([0, 1, 0, 1, 2, 2, 3, 3]), np.array([1, 0, 0, 0, 0, 1, 1, 1])],
+    ids=["2x4", "interleaved-4-hosts", "interleaved-2-hosts"],
+)
+def test_compiled_relay_groups_cut_the_numpy_parts(host) -> None:
+    """The relayed tables and the wanted hosts' pairs from the compiled pass (host_kernels.relay_groups) give the
+    numpy code's parts byte for byte, also where a host's ranks are not consecutive."""
+    from herald_torchrec import _native
+
+    hm = HostMap(host, relay=True)
+    relayed = 0
+    try:
+        for plan in list(_plans(8, seed=11, steps=6)):  # planned before the switch is turned
+            got = {}
+            for compiled in (True, False):
+                _native.set_mode(compiled)
+                got[compiled] = {
+                    r: encode_plan(part).tobytes()
+                    for h in np.unique(host)
+                    for r, part in plan_parts(plan, np.flatnonzero(host == h), hm).items()
+                }
+            assert got[True] == got[False], f"step {plan.step}"
+            relayed += len(plan_parts(plan, [0], hm)[0].relayed_tables)
+    finally:
+        _native.set_mode(None)
+    assert relayed > 0
+
+
 def test_parts_cut_by_sorting_equal_the_marked_ones(monkeypatch) -> None:
     """Past MARK_LIMIT (many parts at once) the parts' pairs are sorted instead of marked: the same parts."""
     from herald_torchrec.distributed.step import plan_part
