@@ -65,9 +65,7 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         ms = prepare_moves(got, st)
         prepare_shared(got, st, ms, hosts)
         spent = (time.process_time() - t) * 1e3
-        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])  # as HeraldLookup._land (no values here)
-        st.set_owner_many(ms.table, ms.row, ms.dst)
-        st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+        st.land_moves(ms.table, ms.row, ms.dst, ms.send_idx, ms.recv_idx)  # as HeraldLookup._land (no values here)
         return spent
 
     for i in range(args.steps):

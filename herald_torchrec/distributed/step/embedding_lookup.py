@@ -185,10 +185,8 @@ class HeraldLookup:
         """Apply the moves once the rows have travelled: departing rows released, ownership updated (every move of
         the plan, or of this rank's part of it: step/plan_part.py), arriving rows written to free slots."""
         st = self.store
-        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
-        st.set_owner_many(ms.table, ms.row, ms.dst)  # every move it was given, to the ownership map
-        r_tab, r_row = ms.table[ms.recv_idx], ms.row[ms.recv_idx]
-        st.write_packed(r_tab, st.allocate_many(r_tab, r_row), recv)
+        slots = st.land_moves(ms.table, ms.row, ms.dst, ms.send_idx, ms.recv_idx)  # every move it was given
+        st.write_packed(ms.table[ms.recv_idx], slots, recv)
         return sent_by_kind(ms)
 
     def pooled(self, local: LocalInput, sh: SharedStep, training: bool = False) -> torch.Tensor:

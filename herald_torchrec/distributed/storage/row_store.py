@@ -416,6 +416,16 @@ class RowStore(RowAccessMixin, SummedUpdateMixin, nn.Module):
         self.guest_count_all += np.bincount(tables[now] * R + ranks[now], minlength=T * R).reshape(T, R)
         self.owner_all[gk] = ranks.astype(np.int32)
 
+    def land_moves(
+        self, tables: np.ndarray, keys: np.ndarray, dst: np.ndarray, send_idx: np.ndarray, recv_idx: np.ndarray
+    ) -> np.ndarray:
+        """A step's moves once their rows have travelled (a `MoveStep`'s arrays): the rows this rank sent
+        (`send_idx`) released, every move's owner set to its destination, the rows it received (`recv_idx`) given free
+        slots, which are returned (in `recv_idx` order) for the caller to write their values into."""
+        self.release_many(tables[send_idx], keys[send_idx])
+        self.set_owner_many(tables, keys, dst)
+        return self.allocate_many(tables[recv_idx], keys[recv_idx])
+
     # ----------------------------------------------------------------- compute
     def lookup(
         self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None

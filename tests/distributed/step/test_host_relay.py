@@ -150,9 +150,7 @@ def test_relayed_steps_deliver_every_value_and_every_gradient_sum(dims) -> None:
                 links[relay] += (x.value_links or LinkRows()) + (x.grad_links or LinkRows())
         for r in range(R):  # the moves applied, as HeraldLookup._land does
             m = ms[r]
-            st[r].release_many(m.table[m.send_idx], m.row[m.send_idx])
-            st[r].set_owner_many(m.table, m.row, m.dst)
-            st[r].allocate_many(m.table[m.recv_idx], m.row[m.recv_idx])
+            st[r].land_moves(m.table, m.row, m.dst, m.send_idx, m.recv_idx)
     assert relayed_steps >= 5
     on, off = links[True], links[False]
     assert on.cross + on.intra == off.cross + off.intra  # the same rows on the wire in all ...

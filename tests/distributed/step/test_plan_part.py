@@ -58,9 +58,7 @@ def _plans(R: int, seed: int, steps: int = 9, Bs: int = 8, rows: tuple[int, ...]
 
 def _land(st: RowStore, m) -> None:
     """A step's moves applied to one rank's store, as HeraldLookup._land does."""
-    st.release_many(m.table[m.send_idx], m.row[m.send_idx])
-    st.set_owner_many(m.table, m.row, m.dst)
-    st.allocate_many(m.table[m.recv_idx], m.row[m.recv_idx])
+    st.land_moves(m.table, m.row, m.dst, m.send_idx, m.recv_idx)
 
 
 def _moved(m, moves) -> list[list[int]]:

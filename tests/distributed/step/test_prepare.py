@@ -239,9 +239,7 @@ def test_compiled_step_preparation_matches_numpy() -> None:
                 np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"rank {r}: {f}")
             assert len(b.send_idx) + len(b.recv_idx) > 0
         # the lookup runs once the moves are applied (HeraldLookup._land)
-        st.release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
-        st.set_owner_many(ms.table, ms.row, ms.dst)
-        st.allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+        st.land_moves(ms.table, ms.row, ms.dst, ms.send_idx, ms.recv_idx)
         lay_np = lookup_layout(loc, sh, marks, st)
         want = [cls_np, lay_np, with_owner_bags(lay_np, grad_sum_layout(sh, st), st, 3)]
         _native.set_mode(True)
@@ -342,9 +340,7 @@ def test_compiled_shared_preparation_matches_numpy_on_scheduled_plans() -> None:
                 shared_pairs += got.recv_gkey.shape[0]
                 steps.append(ms)
             for r, ms in enumerate(steps):  # the moves applied, as HeraldLookup._land does
-                st[r].release_many(ms.table[ms.send_idx], ms.row[ms.send_idx])
-                st[r].set_owner_many(ms.table, ms.row, ms.dst)
-                st[r].allocate_many(ms.table[ms.recv_idx], ms.row[ms.recv_idx])
+                st[r].land_moves(ms.table, ms.row, ms.dst, ms.send_idx, ms.recv_idx)
         assert fills > 0 and shared_pairs > 50 and owned > 20  # fills, many shared reads, owners summing gradients
         _native.set_mode(True)
         for r in range(R):  # rejected by the kernel, raised by numpy: a reader listed twice
