@@ -13,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 13; }
+int herald_step_version() { return 14; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -473,6 +473,49 @@ void herald_step_relay_groups(int64_t n, const int64_t* offsets, const int64_t* 
     for (int64_t h : touched) count[h] = 0;
     if (relayed) table_relayed[table[r]] = 1;
   }
+}
+
+// plan_part._needed_pairs: every (part, pair) a part needs, by part, then pair. Row r's pairs are
+// offsets[r]..offsets[r+1]; part[q] is rank q's part (-1: none cut here). A part needs every pair of the rows whose
+// owner before or after the moves is its rank, its rank's own pairs, and for each pair read on a wanted host (`on`,
+// increasing, with its relay pair `relay_of_on`): the relay's rank needs the pair, the reader's rank the relay pair
+// (both in the pair's row). Writes up to `cap` entries to out_part / out_pair; returns how many there are (more
+// than cap: call again with room for them).
+int64_t herald_step_part_pairs(int64_t n, const int64_t* offsets, const int64_t* readers, const int64_t* before,
+                               const int64_t* after, const int64_t* part, int64_t K, int64_t Q, const int64_t* on,
+                               const int64_t* relay_of_on, int64_t cap, int64_t* out_part, int64_t* out_pair) {
+  constexpr int SHIFT = 40;  // (part, pair) packed: part << 40 | pair
+  std::vector<std::vector<int64_t>> per(static_cast<size_t>(K));
+  std::vector<int64_t> codes;
+  int64_t c = 0;  // cursor in `on`
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t s = offsets[r], e = offsets[r + 1], kb = part[before[r]], ka = part[after[r]];
+    codes.clear();
+    for (int64_t p = s; p < e; ++p) {
+      if (kb >= 0) codes.push_back(kb << SHIFT | p);
+      if (ka >= 0 && ka != kb) codes.push_back(ka << SHIFT | p);
+      const int64_t kr = part[readers[p]];
+      if (kr >= 0) codes.push_back(kr << SHIFT | p);
+      if (c < Q && on[c] == p) {
+        const int64_t rp = relay_of_on[c++], kq = part[readers[rp]];
+        if (kq >= 0) codes.push_back(kq << SHIFT | p);  // the relay: every pair it relays
+        if (kr >= 0) codes.push_back(kr << SHIFT | rp);  // the reader: its relay's pair
+      }
+    }
+    if (codes.empty()) continue;
+    std::sort(codes.begin(), codes.end());
+    int64_t last = -1;
+    for (int64_t x : codes)
+      if (x != last) per[x >> SHIFT].push_back(x & ((int64_t{1} << SHIFT) - 1)), last = x;
+  }
+  int64_t total = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t p : per[k]) {
+      if (total < cap) out_part[total] = k, out_pair[total] = p;
+      ++total;
+    }
+  }
+  return total;
 }
 
 // RowStore.read_packed / write_packed on host storage (row_access.py, the row-layout path): item i is table t[i]'s

@@ -74,9 +74,10 @@ SIGNATURES = {
     "herald_step_received_uniform": ([_i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _i64, _p, _p], None),
     "herald_step_rows": ([_i64, _p, _p, _i64, _p, _p, _p, _p, ctypes.c_int], None),
     "herald_step_relay_groups": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p], None),
+    "herald_step_part_pairs": ([_i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p], _i64),
 }
 KERNELS = _native.Kernels(
-    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 13, "the data plane's", "herald_step"
+    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 14, "the data plane's", "herald_step"
 )
 
 
@@ -608,3 +609,30 @@ def relay_groups(
         _ptr(on),
     )
     return np.flatnonzero(flags), on.view(bool)
+
+
+def part_pairs(
+    offsets: np.ndarray,
+    readers: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    part: np.ndarray,
+    num_parts: int,
+    on: np.ndarray,
+    relay_of_on: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """plan_part._needed_pairs' (part, pair) of every pair a part needs, by part then pair, or None where its numpy
+    code must run."""
+    k = lib()
+    if k is None:
+        return None
+    o, rd, b, a = _a(offsets, np.int64), _a(readers, np.int64), _a(before, np.int64), _a(after, np.int64)
+    pt, q, rq = _a(part, np.int64), _a(on, np.int64), _a(relay_of_on, np.int64)
+    cap = min(num_parts, 5) * rd.shape[0]  # owners before and after, reader, relay, relay pair: <= 5 per pair
+    while True:
+        out_part, out_pair = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
+        args = (_ptr(o), _ptr(rd), _ptr(b), _ptr(a), _ptr(pt), int(num_parts), int(q.shape[0]), _ptr(q), _ptr(rq))
+        total = k.herald_step_part_pairs(int(b.shape[0]), *args, cap, _ptr(out_part), _ptr(out_pair))
+        if total <= cap:
+            return out_part[:total], out_pair[:total]
+        cap = total  # pragma: no cover - the bound above holds

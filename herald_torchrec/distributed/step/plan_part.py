@@ -24,7 +24,7 @@ to 1 and 2 and receives two gradients), rank 1's [1], rank 2's [2, 3] (it forwar
 gradient to its own), rank 3's [2, 3] (its value comes from 2). Had k moved this step from some rank q to rank 0,
 the move would be in the parts of q and 0 (its two ends) and of ranks 1, 2 and 3 (k's value comes from q).
 
-numpy, with one compiled pass over every pair (host_kernels.relay_groups); the input stage
+numpy, with two compiled passes over every pair (host_kernels.relay_groups, part_pairs); the input stage
 (train_pipeline/input_stage.py) cuts the parts on the planning rank.
 """
 
@@ -159,29 +159,26 @@ def _relay_pairs(
     return relayed_tables, on, on[rt.relay_pair]
 
 
-def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[int, PlanPart]:
-    """The part of `plan` each of `ranks` executes (module docstring). `hosts` must be the host map the ranks' modules
-    relay with (`set_hosts`): the relays decide which readers a part keeps."""
-    if not splittable(plan):
-        raise ValueError(f"plan {plan.step}: only ownership plans travel as parts (replicas and caches travel whole)")
-    R, B = plan.num_ranks, plan.batch_per_rank
-    sh = plan.shared
-    n = len(sh)
-    counts = np.diff(np.asarray(sh.reader_offsets, dtype=np.int64))
-    pair_row = np.repeat(np.arange(n, dtype=np.int64), counts)
+def _needed_pairs(
+    sh: SharedRows,
+    pair_row: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    slot: np.ndarray,
+    on: np.ndarray,
+    relay_of_on: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(part, pair) for every pair a part needs, by part, then pair (the plan's order): the owners' (every pair of
+    their rows), the reader's own, and on the wanted hosts (`on`, with their relay pairs) the relay's (the pairs it
+    relays) and the reader's relay pair. `slot`: each rank's part (-1: none here). One compiled pass where the
+    kernels are on; else marked in a bitmap, or sorted past MARK_LIMIT cells (many parts at once)."""
+    K = int(slot.max()) + 1
     readers = np.asarray(sh.readers, dtype=np.int64)
-    after = np.asarray(sh.owner, dtype=np.int64)
-    before = owners_before_moves(plan)
+    got = host_kernels.part_pairs(sh.reader_offsets, readers, before, after, slot, K, on, relay_of_on)
+    if got is not None:
+        return got
     P = readers.shape[0]
-    wanted = np.zeros(R, dtype=bool)
-    wanted[np.asarray(ranks, dtype=np.int64)] = True
-    relayed_tables, on, relay_of_on = _relay_pairs(sh, pair_row, before, after, hosts, wanted)
-    shared_tables = _tables_in(np.asarray(sh.table, dtype=np.int64))
-    # (rank, pair) for every pair a rank needs: the owners' (every pair of their rows), the reader's own, and on the
-    # wanted hosts the relay's (the pairs it relays) and the reader's relay pair
-    cut = sorted({int(x) for x in ranks})
-    slot = np.full(R, -1, dtype=np.int64)
-    slot[cut] = np.arange(len(cut))
+    wanted = slot >= 0
     codes = []
     for owner in (before, after):
         at = np.flatnonzero(wanted[owner][pair_row])
@@ -194,14 +191,36 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
         codes.append(slot[relay_reader[at]] * P + on[at])  # the relay: every pair it relays
         at = wanted[readers[on]]
         codes.append(slot[readers[on[at]]] * P + relay_of_on[at])  # the reader: its relay's pair
-    if len(cut) * P <= MARK_LIMIT:  # (part, pair) marked in a bitmap: no sort (a host's 8 parts)
-        needs = np.zeros(len(cut) * P, dtype=bool)
+    if K * P <= MARK_LIMIT:  # (part, pair) marked in a bitmap: no sort (a host's 8 parts)
+        needs = np.zeros(K * P, dtype=bool)
         for c in codes:
             needs[c] = True
         code = np.flatnonzero(needs)
     else:  # many parts at once (plan_on="rank0" at large R): sorted, in memory of the codes' size
         code = np.unique(np.concatenate(codes))
-    code_rank, code_pair = np.divmod(code, max(P, 1))  # by part, then pair (the plan's order)
+    return np.divmod(code, max(P, 1))
+
+
+def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[int, PlanPart]:
+    """The part of `plan` each of `ranks` executes (module docstring). `hosts` must be the host map the ranks' modules
+    relay with (`set_hosts`): the relays decide which readers a part keeps."""
+    if not splittable(plan):
+        raise ValueError(f"plan {plan.step}: only ownership plans travel as parts (replicas and caches travel whole)")
+    R, B = plan.num_ranks, plan.batch_per_rank
+    sh = plan.shared
+    n = len(sh)
+    counts = np.diff(np.asarray(sh.reader_offsets, dtype=np.int64))
+    pair_row = np.repeat(np.arange(n, dtype=np.int64), counts)
+    after = np.asarray(sh.owner, dtype=np.int64)
+    before = owners_before_moves(plan)
+    wanted = np.zeros(R, dtype=bool)
+    wanted[np.asarray(ranks, dtype=np.int64)] = True
+    relayed_tables, on, relay_of_on = _relay_pairs(sh, pair_row, before, after, hosts, wanted)
+    shared_tables = _tables_in(np.asarray(sh.table, dtype=np.int64))
+    cut = sorted({int(x) for x in ranks})
+    slot = np.full(R, -1, dtype=np.int64)
+    slot[cut] = np.arange(len(cut))
+    code_rank, code_pair = _needed_pairs(sh, pair_row, before, after, slot, on, relay_of_on)
     order = np.asarray(plan.sample_order, dtype=np.int64)
     assignment = plan.assignment()
     mv = plan.moves

@@ -136,8 +136,9 @@ def test_every_rank_lays_out_the_same_step_from_its_part(R, hosts) -> None:
     ids=["2x4", "interleaved-4-hosts", "interleaved-2-hosts"],
 )
 def test_compiled_relay_groups_cut_the_numpy_parts(host) -> None:
-    """The relayed tables and the wanted hosts' pairs from the compiled pass (host_kernels.relay_groups) give the
-    numpy code's parts byte for byte, also where a host's ranks are not consecutive."""
+    """The compiled passes (host_kernels.relay_groups: the relayed tables and the wanted hosts' pairs;
+    host_kernels.part_pairs: the pairs each part needs) give the numpy code's parts byte for byte, also where a host's
+    ranks are not consecutive."""
     from herald_torchrec import _native
 
     hm = HostMap(host, relay=True)
@@ -160,17 +161,25 @@ def test_compiled_relay_groups_cut_the_numpy_parts(host) -> None:
 
 
 def test_parts_cut_by_sorting_equal_the_marked_ones(monkeypatch) -> None:
-    """Past MARK_LIMIT (many parts at once) the parts' pairs are sorted instead of marked: the same parts."""
+    """Past MARK_LIMIT (many parts at once) numpy sorts the parts' pairs instead of marking them: the same parts, and
+    the compiled pass's."""
+    from herald_torchrec import _native
     from herald_torchrec.distributed.step import plan_part
 
     hm = HostMap(np.repeat([0, 1], 4))
-    for plan in _plans(8, seed=3, steps=4):
-        marked = plan_parts(plan, range(8), hm)
-        monkeypatch.setattr(plan_part, "MARK_LIMIT", 0)
-        sorted_ = plan_parts(plan, range(8), hm)
-        monkeypatch.undo()
+    for plan in list(_plans(8, seed=3, steps=4)):  # planned before the switch is turned
+        compiled = plan_parts(plan, range(8), hm)
+        try:
+            _native.set_mode(False)
+            marked = plan_parts(plan, range(8), hm)
+            monkeypatch.setattr(plan_part, "MARK_LIMIT", 0)
+            sorted_ = plan_parts(plan, range(8), hm)
+            monkeypatch.undo()
+        finally:
+            _native.set_mode(None)
         for r in range(8):
-            assert encode_plan(sorted_[r]).tobytes() == encode_plan(marked[r]).tobytes(), r
+            want = encode_plan(marked[r]).tobytes()
+            assert encode_plan(sorted_[r]).tobytes() == want and encode_plan(compiled[r]).tobytes() == want, r
 
 
 def test_parts_are_smaller_than_the_whole_plan() -> None:
