@@ -13,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 14; }
+int herald_step_version() { return 15; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -460,6 +460,10 @@ void herald_step_relay_groups(int64_t n, const int64_t* offsets, const int64_t* 
                               const uint8_t* wanted_host, int32_t* count, uint8_t* table_relayed, uint8_t* on) {
   std::vector<int64_t> touched;
   for (int64_t r = 0; r < n; ++r) {
+    if (table_relayed[table[r]]) {  // the table's flag is set: only the wanted hosts' pairs are left to find
+      for (int64_t p = offsets[r]; p < offsets[r + 1]; ++p) on[p] = wanted_host[host[readers[p]]];
+      continue;
+    }
     const int64_t b = before[r], a = after[r], hb = host[b], ha = host[a];
     bool relayed = false;
     touched.clear();

@@ -77,7 +77,7 @@ SIGNATURES = {
     "herald_step_part_pairs": ([_i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p], _i64),
 }
 KERNELS = _native.Kernels(
-    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 14, "the data plane's", "herald_step"
+    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 15, "the data plane's", "herald_step"
 )
 
 

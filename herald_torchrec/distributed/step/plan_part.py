@@ -82,13 +82,15 @@ def _positions(where: np.ndarray, what: np.ndarray) -> np.ndarray:
     return out
 
 
-def owners_before_moves(plan: Plan) -> np.ndarray:
+def owners_before_moves(plan: Plan, moved: np.ndarray | None = None) -> np.ndarray:
     """The owner of every shared row before the step's moves: a moved row's source, else its owner after them (a
-    part holds the moves of its shared rows, so this holds for parts too)."""
+    part holds the moves of its shared rows, so this holds for parts too). `moved`: `_shared_row_of_moves(plan)`,
+    where the caller has it (a row moves at most once in a step: schedule/checker.py)."""
     sh, mv = plan.shared, plan.moves
+    moved = _shared_row_of_moves(plan) if moved is None else moved
     before = np.asarray(sh.owner, dtype=np.int64).copy()
-    at = _positions(_keys(mv.table, mv.row), _keys(sh.table, sh.row))
-    before[at >= 0] = np.asarray(mv.src, dtype=np.int64)[at[at >= 0]]
+    ok = moved < len(sh)
+    before[moved[ok]] = np.asarray(mv.src, dtype=np.int64)[ok]
     return before
 
 
@@ -212,7 +214,8 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     counts = np.diff(np.asarray(sh.reader_offsets, dtype=np.int64))
     pair_row = np.repeat(np.arange(n, dtype=np.int64), counts)
     after = np.asarray(sh.owner, dtype=np.int64)
-    before = owners_before_moves(plan)
+    m_shared = _shared_row_of_moves(plan)  # the shared row each move moves (n: none)
+    before = owners_before_moves(plan, m_shared)
     wanted = np.zeros(R, dtype=bool)
     wanted[np.asarray(ranks, dtype=np.int64)] = True
     relayed_tables, on, relay_of_on = _relay_pairs(sh, pair_row, before, after, hosts, wanted)
@@ -225,7 +228,6 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     assignment = plan.assignment()
     mv = plan.moves
     m_src, m_dst = np.asarray(mv.src, dtype=np.int64), np.asarray(mv.dst, dtype=np.int64)
-    m_shared = _shared_row_of_moves(plan)  # the shared row each move moves (n: none)
     moved_tables = _tables_in(np.asarray(mv.table, dtype=np.int64))
     parts: dict[int, PlanPart] = {}
     for i, d in enumerate(cut):
