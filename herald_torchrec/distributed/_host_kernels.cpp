@@ -13,7 +13,7 @@ constexpr int64_t NOT_SHARED = -1, NOT_READ_HERE = -2;  // plan_exec.SharedMarks
 
 extern "C" {
 
-int herald_step_version() { return 15; }
+int herald_step_version() { return 16; }
 
 // plan_exec.classify: per table, the distinct keys read here (`reads`) and those among them that this rank owns
 // after the moves and that did not move (`hits`). `seen` is uint8 scratch over all keys, all zero (left so).
@@ -477,6 +477,46 @@ void herald_step_relay_groups(int64_t n, const int64_t* offsets, const int64_t* 
     for (int64_t h : touched) count[h] = 0;
     if (relayed) table_relayed[table[r]] = 1;
   }
+}
+
+// host_relay.pair_routes with relays: every pair's relay pair (the lowest-ranked reader of its row and host that does
+// not receive the row itself, `fill`; the pair itself where its group has none) and its two routes (`stages`: the
+// values of FROM_OWNER, FROM_RELAY, TO_RELAY, TO_OWNER). The pairs of a row must be together, rows in increasing
+// order (`pair_row` non-decreasing): returns 1 otherwise, having written nothing the caller uses (its numpy code
+// runs). `best` is int64 scratch over the H hosts, all -1 (left so).
+int herald_step_pair_routes(int64_t P, const int64_t* pair_row, const int64_t* readers, const int64_t* before,
+                            const int64_t* after, const uint8_t* fill, const int64_t* host, const int64_t* stages,
+                            int64_t* best, int64_t* value_src, int64_t* value_stage, int64_t* grad_dst,
+                            int64_t* grad_stage, int64_t* relay_pair) {
+  std::vector<int64_t> touched;
+  for (int64_t s = 0, e = 0; s < P; s = e) {
+    e = s + 1;
+    while (e < P && pair_row[e] == pair_row[s]) ++e;
+    if (e < P && pair_row[e] < pair_row[s]) {
+      for (int64_t h : touched) best[h] = -1;
+      return 1;
+    }
+    for (int64_t h : touched) best[h] = -1;
+    touched.clear();
+    for (int64_t p = s; p < e; ++p) {
+      if (fill[p]) continue;  // it receives the row itself: it cannot relay its value
+      const int64_t h = host[readers[p]], b = best[h];
+      if (b < 0) best[h] = p, touched.push_back(h);
+      else if (readers[p] < readers[b]) best[h] = p;
+    }
+    for (int64_t p = s; p < e; ++p) {
+      const int64_t h = host[readers[p]], rp = best[h] >= 0 ? best[h] : p;
+      const bool relay = rp == p, direct_value = relay || fill[p] || h == host[before[p]];
+      const bool direct_grad = relay || h == host[after[p]];
+      relay_pair[p] = rp;
+      value_src[p] = direct_value ? before[p] : readers[rp];
+      value_stage[p] = stages[direct_value ? 0 : 1];
+      grad_dst[p] = direct_grad ? after[p] : readers[rp];
+      grad_stage[p] = stages[direct_grad ? 3 : 2];
+    }
+  }
+  for (int64_t h : touched) best[h] = -1;
+  return 0;
 }
 
 // plan_part._needed_pairs: every (part, pair) a part needs, by part, then pair. Row r's pairs are

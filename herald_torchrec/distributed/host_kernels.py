@@ -75,9 +75,10 @@ SIGNATURES = {
     "herald_step_rows": ([_i64, _p, _p, _i64, _p, _p, _p, _p, ctypes.c_int], None),
     "herald_step_relay_groups": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p], None),
     "herald_step_part_pairs": ([_i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p], _i64),
+    "herald_step_pair_routes": ([_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p], ctypes.c_int),
 }
 KERNELS = _native.Kernels(
-    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 15, "the data plane's", "herald_step"
+    Path(__file__).with_name("_host_kernels.cpp"), SIGNATURES, 16, "the data plane's", "herald_step"
 )
 
 
@@ -636,3 +637,27 @@ def part_pairs(
         if total <= cap:
             return out_part[:total], out_pair[:total]
         cap = total  # pragma: no cover - the bound above holds
+
+
+def pair_routes(
+    pair_row: np.ndarray,
+    readers: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    fill: np.ndarray,
+    host: np.ndarray,
+    stages: tuple[int, int, int, int],
+) -> tuple[np.ndarray, ...] | None:
+    """host_relay.pair_routes' arrays with relays (value source, value stage, gradient destination, gradient stage,
+    relay pair), or None where its numpy code must run (kernels off, or a row's pairs not together)."""
+    k = lib()
+    if k is None:
+        return None
+    pr, rd, b, a = _a(pair_row, np.int64), _a(readers, np.int64), _a(before, np.int64), _a(after, np.int64)
+    f, h, st = _a(fill, np.uint8), _a(host, np.int64), np.asarray(stages, dtype=np.int64)
+    best = np.full(h.shape[0] and int(h.max()) + 1, -1, dtype=np.int64)
+    out = [np.empty(rd.shape[0], dtype=np.int64) for _ in range(5)]
+    rc = k.herald_step_pair_routes(
+        int(rd.shape[0]), _ptr(pr), _ptr(rd), _ptr(b), _ptr(a), _ptr(f), _ptr(h), _ptr(st), _ptr(best), *map(_ptr, out)
+    )
+    return None if rc else tuple(out)

@@ -16,8 +16,8 @@ Worked example (4 ranks, hosts {0, 1} and {2, 3}; row k owned by rank 0, read by
 
 Rows crossing hosts: 2 (one value, one gradient sum) instead of 4. Rows on the wire in all: the same 6.
 
-This module only decides the routes (numpy, identical on every rank: a pure function of the plan and the host map);
-prepare.py lays them out and embedding_lookup.py runs the two extra intra-host all-to-alls.
+This module only decides the routes (numpy, or one compiled pass: identical on every rank, a pure function of the
+plan and the host map); prepare.py lays them out and embedding_lookup.py runs the two extra intra-host all-to-alls.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from herald_torchrec.distributed import host_kernels
 
 FROM_OWNER, FROM_RELAY = 1, 2  # a pair's value: sent by the owner with the moves, or forwarded by its host's relay
 TO_RELAY, TO_OWNER = 1, 2  # a pair's gradient: sent to its host's relay first, or to the owner
@@ -109,6 +111,11 @@ def pair_routes(
             np.full(P, TO_OWNER, dtype=np.int64),
             own_pair,
         )
+    got = host_kernels.pair_routes(
+        pair_row, readers, owner_before, owner_after, fill, hosts.host, (FROM_OWNER, FROM_RELAY, TO_RELAY, TO_OWNER)
+    )
+    if got is not None:  # compiled, in one pass (the pairs of a row together)
+        return PairRoutes(*got)
     host = hosts.host
     reader_host = host[readers]
     code = pair_row * hosts.num_hosts + reader_host  # (row, reading host)

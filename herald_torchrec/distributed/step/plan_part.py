@@ -47,10 +47,10 @@ PARTS_FROM_RANKS = 9  # on one machine, parts pay from this many ranks on (`part
 
 def parts_pay(num_ranks: int, num_hosts: int) -> bool:
     """Whether a run's planners send parts rather than whole plans: where ranks span several machines (each rank
-    would lay out the whole plan's every pair in numpy, the host relays' layout: 2.8 ms at R=16 against 1.1 on its
-    part), or from PARTS_FROM_RANKS ranks on one machine. Below that, on one machine, the whole plan is small (11 KB
-    at R=2, where a part is 12 KB) and the compiled layout lays it out faster (0.2 against 0.4 ms at R=2) than the
-    planner cuts parts (0.4 ms) (benchmarks/plan_bytes.py, RESULTS.md)."""
+    would lay out the whole plan's every pair, the host relays' layout: 1.6 ms at R=16 against 0.8 on its part), or
+    from PARTS_FROM_RANKS ranks on one machine. Below that, on one machine, the whole plan is small (11 KB at R=2,
+    where a part is 12 KB) and the compiled layout lays it out faster (0.2 against 0.4 ms at R=2) than the planner
+    cuts parts (0.4 ms) (benchmarks/plan_bytes.py, RESULTS.md)."""
     return num_hosts > 1 or num_ranks >= PARTS_FROM_RANKS
 
 

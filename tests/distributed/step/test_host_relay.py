@@ -55,6 +55,38 @@ def test_a_reader_that_receives_the_row_never_relays_and_owners_move_hosts() -> 
     assert rt.grad_dst.tolist() == [2, 2, 2] and rt.grad_stage.tolist() == [TO_OWNER] * 3
 
 
+@pytest.mark.parametrize(
+    "host", [np.repeat([0, 1, 2], 4), np.array([2, 0, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2])], ids=["3x4", "interleaved"]
+)
+def test_compiled_routes_equal_numpy(host) -> None:
+    """The compiled pass (host_kernels.pair_routes) gives numpy's routes for random rows (readers in any order, fills,
+    owners on any host); pairs of a row that are not together fall back to numpy, with the same routes."""
+    from herald_torchrec import _native
+
+    rng = np.random.default_rng(7)
+    hm, R = HostMap(host), host.shape[0]
+    counts = rng.integers(1, R + 1, 400)
+    pair_row = np.repeat(np.arange(400, dtype=np.int64), counts)
+    readers = np.concatenate([rng.permutation(R)[:c] for c in counts]).astype(np.int64)
+    before, after = rng.integers(0, R, 400)[pair_row], rng.integers(0, R, 400)[pair_row]
+    fill = (readers == after) & (before != after)
+    shuffled = rng.permutation(pair_row.shape[0])
+    relayed = 0
+    try:
+        for rows, idx in ((pair_row, slice(None)), (pair_row[shuffled], shuffled)):
+            args = (rows, readers[idx], before[idx], after[idx], fill[idx], hm)
+            _native.set_mode(True)
+            got = pair_routes(*args)
+            _native.set_mode(False)
+            want = pair_routes(*args)
+            for f in ("value_src", "value_stage", "grad_dst", "grad_stage", "relay_pair"):
+                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+            relayed += int((want.value_stage == FROM_RELAY).sum())
+    finally:
+        _native.set_mode(None)
+    assert relayed > 100
+
+
 def test_host_map_and_link_rows() -> None:
     assert HOSTS.shares_hosts and HOSTS.relays and HOSTS.num_hosts == 2
     assert not HostMap(np.zeros(4, np.int64)).shares_hosts  # one host
