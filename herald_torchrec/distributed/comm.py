@@ -113,10 +113,19 @@ def release_gloo_tensors(timeout: float = GLOO_EXIT_WAIT_S) -> None:
     them here, in a live interpreter. Called at exit (and by the pipeline's exit hook after it closes)."""
     deadline = time.monotonic() + timeout
     while _held:
-        if any(t._use_count() > 1 for t in _held[0]) and time.monotonic() < deadline:
+        if any(_shared(t) for t in _held[0]) and time.monotonic() < deadline:
             time.sleep(0.001)
             continue
         _held.popleft()
+
+
+def _shared(t: torch.Tensor) -> bool:
+    """Whether something besides this module holds `t` (a torch without `Tensor._use_count`: a short grace instead)."""
+    count = getattr(t, "_use_count", None)
+    if count is None:
+        time.sleep(0.01)
+        return False
+    return count() > 1
 
 
 class CommCounter:
