@@ -85,6 +85,8 @@ if _PHASES_ON:
 
 GLOO_HELD = 8  # the collectives whose CPU tensors are held for gloo's worker threads (the last few suffice)
 GLOO_EXIT_WAIT_S = 1.0  # at exit, how long to wait for gloo's threads to let go of them
+GLOO_GRACE_S = 0.05  # a torch that cannot count a tensor's owners (no `Tensor._use_count`): one grace at exit instead
+_USE_COUNT = hasattr(torch.Tensor, "_use_count")
 _held: deque[tuple[torch.Tensor, ...]] = deque(maxlen=GLOO_HELD)
 _release_registered = False
 
@@ -111,21 +113,17 @@ def hold_for_gloo(*tensors: torch.Tensor) -> None:
 def release_gloo_tensors(timeout: float = GLOO_EXIT_WAIT_S) -> None:
     """Wait (GIL released) until no gloo worker references the held tensors, at most `timeout` seconds, then drop
     them here, in a live interpreter. Called at exit (and by the pipeline's exit hook after it closes)."""
+    if not _USE_COUNT:  # nothing to check: gloo's threads get one grace, GIL released
+        if _held:
+            time.sleep(min(GLOO_GRACE_S, timeout))
+        _held.clear()
+        return
     deadline = time.monotonic() + timeout
     while _held:
-        if any(_shared(t) for t in _held[0]) and time.monotonic() < deadline:
+        if any(t._use_count() > 1 for t in _held[0]) and time.monotonic() < deadline:
             time.sleep(0.001)
             continue
         _held.popleft()
-
-
-def _shared(t: torch.Tensor) -> bool:
-    """Whether something besides this module holds `t` (a torch without `Tensor._use_count`: a short grace instead)."""
-    count = getattr(t, "_use_count", None)
-    if count is None:
-        time.sleep(0.01)
-        return False
-    return count() > 1
 
 
 class CommCounter:

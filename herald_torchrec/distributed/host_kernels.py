@@ -630,13 +630,12 @@ def part_pairs(
     o, rd, b, a = _a(offsets, np.int64), _a(readers, np.int64), _a(before, np.int64), _a(after, np.int64)
     pt, q, rq = _a(part, np.int64), _a(on, np.int64), _a(relay_of_on, np.int64)
     cap = min(num_parts, 5) * rd.shape[0]  # owners before and after, reader, relay, relay pair: <= 5 per pair
-    while True:
-        out_part, out_pair = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
-        args = (_ptr(o), _ptr(rd), _ptr(b), _ptr(a), _ptr(pt), int(num_parts), int(q.shape[0]), _ptr(q), _ptr(rq))
-        total = k.herald_step_part_pairs(int(b.shape[0]), *args, cap, _ptr(out_part), _ptr(out_pair))
-        if total <= cap:
-            return out_part[:total], out_pair[:total]
-        cap = total  # pragma: no cover - the bound above holds
+    out_part, out_pair = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)  # (pages touched as written)
+    args = (_ptr(o), _ptr(rd), _ptr(b), _ptr(a), _ptr(pt), int(num_parts), int(q.shape[0]), _ptr(q), _ptr(rq))
+    total = k.herald_step_part_pairs(int(b.shape[0]), *args, cap, _ptr(out_part), _ptr(out_pair))
+    if total > cap:  # pragma: no cover - the bound above holds
+        raise RuntimeError(f"part_pairs: {total} (part, pair) entries, over the bound {cap}")
+    return out_part[:total], out_pair[:total]
 
 
 def pair_routes(
@@ -655,7 +654,7 @@ def pair_routes(
         return None
     pr, rd, b, a = _a(pair_row, np.int64), _a(readers, np.int64), _a(before, np.int64), _a(after, np.int64)
     f, h, st = _a(fill, np.uint8), _a(host, np.int64), np.asarray(stages, dtype=np.int64)
-    best = np.full(h.shape[0] and int(h.max()) + 1, -1, dtype=np.int64)
+    best = np.full(int(h.max()) + 1, -1, dtype=np.int64)  # (called with relays: several hosts)
     out = [np.empty(rd.shape[0], dtype=np.int64) for _ in range(5)]
     rc = k.herald_step_pair_routes(
         int(rd.shape[0]), _ptr(pr), _ptr(rd), _ptr(b), _ptr(a), _ptr(f), _ptr(h), _ptr(st), _ptr(best), *map(_ptr, out)

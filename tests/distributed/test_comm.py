@@ -43,3 +43,14 @@ def test_only_the_last_collectives_are_held() -> None:
     assert all(h[0] is t for h, t in zip(comm._held, kept[-comm.GLOO_HELD :]))
     comm.release_gloo_tensors()
     assert not comm._held and all(t._use_count() == 1 for t in kept)
+
+
+def test_without_a_use_count_exit_waits_one_grace(monkeypatch) -> None:
+    """A torch without `Tensor._use_count`: one grace for every held collective together, not one per tensor."""
+    comm.release_gloo_tensors()
+    monkeypatch.setattr(comm, "_USE_COUNT", False)
+    for _ in range(comm.GLOO_HELD):
+        comm.hold_for_gloo(*[torch.zeros(1) for _ in range(64)])
+    t0 = time.monotonic()
+    comm.release_gloo_tensors()
+    assert comm.GLOO_GRACE_S <= time.monotonic() - t0 < 0.5 and not comm._held
