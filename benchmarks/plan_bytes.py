@@ -10,7 +10,9 @@ ranks per host, host relays on, as the data plane runs them) and prints, per R, 
 samples and framing), the part the protocol model of schedule/herald/hierarchy.py counts (`plan_part_bytes`), the
 ids each rank sends its planner, the CPU ms one host's planner spends cutting and encoding its ranks' parts, and the
 CPU ms one rank (rank 1) spends decoding and laying out its step from the whole plan against from its part (two
-RowStores of that rank kept in step, one by each). One JSON object.
+RowStores of that rank kept in step, one by each). With `--policy herald_hier` each host cuts from its own plan
+(`HostPlan`, as in training), and host 0's cut from the whole plan is timed beside it, with the slowest host's time
+to assemble its plan and update its replica (`host_plan_ms_max`, wall). One JSON object.
 """
 
 from __future__ import annotations
@@ -52,7 +54,19 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         return GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, index=i)
 
     window = [batch(i) for i in range(L)]
-    kinds = ("whole", "mean", "max", "moves", "model", "ids", "cut_ms", "whole_ms", "part_ms")
+    kinds = (
+        "whole",
+        "mean",
+        "max",
+        "moves",
+        "model",
+        "ids",
+        "cut_ms",
+        "whole_ms",
+        "part_ms",
+        "cut_whole_ms",
+        "host_plan_ms",
+    )
     out: dict[str, list[float]] = {k: [] for k in kinds}
     # one rank (the second of host 0) executing the whole plans, and the same rank executing its parts
     q = min(1, R - 1)
@@ -74,14 +88,25 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         window.pop(0)
         measured = i >= args.warmup
         sizes = np.zeros(R, dtype=np.int64)
+        host_plans = getattr(pol, "last_host_plans", {})  # herald_hier: each host's own plan, as in training
         for h in range(0, R, P) if measured else [0]:  # as each host's planner cuts and encodes its ranks' parts
             t = time.process_time()
-            parts = plan_parts(plan, range(h, min(h + P, R)), hosts)
+            parts = plan_parts(host_plans.get(h // P, plan), range(h, min(h + P, R)), hosts)
             wires = {r: encode_plan(part) for r, part in parts.items()}
             sizes[list(wires)] = [w.shape[0] for w in wires.values()]
             if h == 0:
                 cut_ms = (time.process_time() - t) * 1e3
-                first, mine = parts[0], wires[q]
+                first, mine, mine_part = parts[0], wires[q], parts[q]
+        if host_plans and measured:  # the same host's parts cut from the whole plan: the same bytes, its time
+            t = time.process_time()
+            whole_parts = plan_parts(plan, range(min(P, R)), hosts)
+            for part in whole_parts.values():  # encoded too, as the cut above
+                encode_plan(part)
+            out["cut_whole_ms"].append((time.process_time() - t) * 1e3)
+            same = (encode_plan(dataclasses.replace(x, sched_seconds=0.0)) for x in (whole_parts[q], mine_part))
+            if not np.array_equal(*same):
+                raise RuntimeError(f"R={R} step {i}: rank {q}'s part differs cut from its host's plan")
+            out["host_plan_ms"].append(float(np.max(pol.last_step.host_plan_seconds)) * 1e3)
         whole = encode_plan(plan)
         times = {"whole_ms": execute(stores[0], whole), "part_ms": execute(stores[1], mine)}
         if not measured:
@@ -96,8 +121,10 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         out["model"].append(float(plan_part_bytes(plan).mean()))
         out["ids"].append(float(ids_bytes(window[0], R, B).mean()))
         print(f"R={R} step {i}: whole {whole.shape[0]} B, part mean {sizes.mean():.0f} B", file=sys.stderr)
-    avg = {k: round(float(np.mean(v)), 1) for k, v in out.items()}
+    avg = {k: round(float(np.mean(v)), 2) if v else None for k, v in out.items()}
+    hier = {"cut_cpu_ms_per_host_whole_plan": avg["cut_whole_ms"], "host_plan_ms_max": avg["host_plan_ms"]}
     return {
+        **({} if avg["cut_whole_ms"] is None else hier),
         "whole_plan_bytes": avg["whole"],
         "part_bytes_mean": avg["mean"],
         "part_bytes_max": avg["max"],

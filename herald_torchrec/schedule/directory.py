@@ -323,17 +323,43 @@ class OwnershipDirectory:
         return self.apply_known_moves(gid, dst, src, self.home[gid], self.table[gid]).pos
 
     def apply_known_moves(
-        self, gid: np.ndarray, dst: np.ndarray, src: np.ndarray, home: np.ndarray, table: np.ndarray
+        self,
+        gid: np.ndarray,
+        dst: np.ndarray,
+        src: np.ndarray,
+        home: np.ndarray,
+        table: np.ndarray,
+        ranks: tuple[int, int] | None = None,
     ) -> "Arrivals":
         """`apply_moves` where the caller already has the rows' current owner `src`, home rank and table (aligned
         with gid), which saves reading them from the arrays over every row (random reads: herald_hier's union of
-        the hosts' parts). Returns the guests that arrived: their slots, rows and groups."""
+        the hosts' parts). `ranks` = (lo, hi): only the guests of ranks lo..hi-1 change (a herald_hier host's
+        replica keeps its own ranks' guests; the owners of the rows given change all the same). Returns the guests
+        that arrived: their slots, rows and groups."""
+        self.release_guests(gid, src, home, table, ranks)
+        return self.land_guests(gid, dst, home, table, ranks)
+
+    def release_guests(
+        self, gid: np.ndarray, src: np.ndarray, home: np.ndarray, table: np.ndarray, ranks: tuple[int, int] | None
+    ) -> None:
+        """The first half of `apply_known_moves`: the moving rows leave their owners' guest groups (those of ranks
+        lo..hi-1 only, with `ranks`). Every half of a step's moves must leave before any arrives: several herald_hier
+        hosts applying their own moves to one directory (the simulator) call this for every host first."""
         leave = src != home
-        T = self.num_tables
-        self.slots.remove(gid[leave], src[leave] * T + table[leave])
+        if ranks is not None:
+            leave &= (src >= ranks[0]) & (src < ranks[1])
+        self.slots.remove(gid[leave], src[leave] * self.num_tables + table[leave])
+
+    def land_guests(
+        self, gid: np.ndarray, dst: np.ndarray, home: np.ndarray, table: np.ndarray, ranks: tuple[int, int] | None
+    ) -> "Arrivals":
+        """The second half of `apply_known_moves`: every row's new owner, and the guests' slots in their groups
+        (those of ranks lo..hi-1 only, with `ranks`)."""
         arrive = dst != home
+        if ranks is not None:
+            arrive &= (dst >= ranks[0]) & (dst < ranks[1])
         self.owner[gid] = dst.astype(np.int32)
-        keys, groups = gid[arrive], dst[arrive] * T + table[arrive]
+        keys, groups = gid[arrive], dst[arrive] * self.num_tables + table[arrive]
         return Arrivals(pos=self.slots.add(keys, groups), keys=keys, groups=groups)
 
     def occupancy(self) -> dict:

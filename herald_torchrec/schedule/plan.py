@@ -282,3 +282,72 @@ class PlanPart(Plan):
             shared_tables=within(self.shared_tables),
             relayed_tables=within(self.relayed_tables),
         )
+
+
+@dataclass
+class HostPlan(Plan):
+    """The part of a step's `Plan` that one host's ranks execute, as a per-host planner (herald_hier in training,
+    schedule/herald/hierarchy.py) assembles it from the other hosts' messages, without the whole plan.
+
+    Why: the whole plan of a step grows with R; a host's ranks execute the rows they send, receive, own or read, and
+    cutting their parts (distributed/step/plan_part.py) needs no more. A host plan holds the moves whose source or
+    destination is on the host and those of the shared rows it holds; the shared rows one of its ranks owns, before or
+    after the moves, with all their readers, and the rows its ranks only read with their readers on the host (a host
+    relay's group: distributed/step/host_relay.py). Rows are in key order and readers in rank order, as in the whole
+    plan, so the parts cut from it are the whole plan's, byte for byte. `sample_order` holds the host's ranks'
+    samples (rank `ranks[0]`'s B first) and `slice_ranks` where each sample of their slices goes. The whole step's
+    facts travel with it: the counters, and the tables with moves, with shared rows and with a (row, host) group a
+    host relay serves under the host map `hosts` (the host of every rank; `relayed_pairs`' rule)."""
+
+    host: int = 0
+    ranks: np.ndarray = field(default_factory=_i64)
+    hosts: np.ndarray = field(default_factory=_i64)
+    slice_ranks: np.ndarray = field(default_factory=_i64)
+    moved_tables: np.ndarray = field(default_factory=_i64)
+    shared_tables: np.ndarray = field(default_factory=_i64)
+    relayed_tables: np.ndarray = field(default_factory=_i64)
+
+    def _at(self, rank: int) -> slice:
+        i = int(rank) - int(self.ranks[0]) if self.ranks.shape[0] else -1
+        if not 0 <= i < self.ranks.shape[0]:
+            raise ValueError(f"plan {self.step}: host {self.host}'s plan holds ranks {self.ranks.tolist()}, not {rank}")
+        b = self.batch_per_rank
+        return slice(i * b, (i + 1) * b)
+
+    def assignment(self) -> np.ndarray:
+        raise ValueError(f"plan {self.step}: host {self.host}'s plan does not hold every sample's rank")
+
+    def local_samples(self, rank: int) -> np.ndarray:
+        return self.sample_order[self._at(rank)]
+
+    def slice_destinations(self, rank: int) -> np.ndarray:
+        return self.slice_ranks[self._at(rank)]
+
+    def for_tables(self, lo: int, hi: int) -> "Plan":
+        raise ValueError(f"plan {self.step}: a host plan is cut into its ranks' parts, which split by tables")
+
+
+def relayed_pairs(
+    pair_row: np.ndarray, readers: np.ndarray, before: np.ndarray, after: np.ndarray, host: np.ndarray
+) -> np.ndarray:
+    """Which (row, reader) pairs of a step's shared rows a host relay serves (distributed/step/host_relay.py): those
+    of a (row, host) group with two readers that do not receive the row in the moves, on a host that is not both
+    owners'. `pair_row`: each pair's row; `before` / `after`: every row's owner before and after the moves; `host`:
+    the host of every rank. bool, per pair."""
+    p_before, p_after = before[pair_row], after[pair_row]
+    fill = (readers == p_after) & (p_before != p_after)
+    r_host = host[readers]
+    H = int(host.max()) + 1 if host.shape[0] else 1
+    group = pair_row * H + r_host
+    if group.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    if (group[1:] >= group[:-1]).all():  # each group's pairs together (hosts of consecutive ranks): runs
+        run = np.cumsum(np.r_[True, group[1:] != group[:-1]]) - 1
+        live = np.bincount(run[~fill], minlength=int(run[-1]) + 1)[run]
+    elif int(group.max()) < 2**24:  # a count per (row, host)
+        live = np.bincount(group[~fill], minlength=int(group.max()) + 1)[group]
+    else:
+        g, cnt = np.unique(group[~fill], return_counts=True)
+        at = np.minimum(np.searchsorted(g, group), max(g.shape[0] - 1, 0))
+        live = np.where(g[at] == group, cnt[at], 0) if g.shape[0] else np.zeros(group.shape[0], dtype=np.int64)
+    return (live >= 2) & ((r_host != host[p_before]) | (r_host != host[p_after]))

@@ -168,6 +168,33 @@ def test_directory_moves_respect_capacity():
     assert d.guests()[1, 0] == 2 and d.owner[0] == 0 and d.owner[3] == 1
 
 
+def test_a_host_keeps_its_own_ranks_guests_and_the_owners_it_is_given():
+    """`apply_known_moves(..., ranks=(lo, hi))` (a herald_hier host's replica): the rows given all change owner, but
+    only the guest groups of ranks lo..hi-1 change, exactly as the whole update leaves them; two hosts applying their
+    halves to one directory (every release first) leave it as the whole update does."""
+    rows, R = [40, 24], 4  # blocks of 10 and 6 rows: homes 0..3
+    rng = np.random.default_rng(2)
+    whole, mine, both = (OwnershipDirectory(rows, num_ranks=R, cache_ratio=0.5) for _ in range(3))
+    T = 2
+    for _ in range(6):
+        gid = np.sort(rng.choice(64, 12, replace=False))
+        dst = rng.integers(0, R, 12)
+        src, home, table = whole.owner[gid].astype(np.int64), whole.home[gid].astype(np.int64), whole.table[gid]
+        table = table.astype(np.int64)
+        whole.apply_known_moves(gid, dst, src, home, table)
+        mine.apply_known_moves(gid, dst, src, home, table, ranks=(0, 2))
+        for lo_hi in ((0, 2), (2, 4)):
+            both.release_guests(gid, src, home, table, lo_hi)
+        for lo_hi in ((0, 2), (2, 4)):
+            both.land_guests(gid, dst, home, table, lo_hi)
+        assert np.array_equal(mine.owner, whole.owner) and np.array_equal(both.owner, whole.owner)
+        for g in range(R * T):
+            assert np.array_equal(both.slots.members(g), whole.slots.members(g))
+            if g < 2 * T:  # ranks 0 and 1
+                assert np.array_equal(mine.slots.members(g), whole.slots.members(g))
+    assert whole.slots.fill[2 * T :].sum() > 0 and mine.slots.fill[2 * T :].sum() == 0  # the others' guests: not kept
+
+
 def test_guest_slots_random_ops_keep_groups_packed():
     rng = np.random.default_rng(0)
     cap = np.array([5, 0, 8, 3])

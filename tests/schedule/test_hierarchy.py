@@ -244,27 +244,27 @@ class ThreadTransport(Transport):
         self.barrier.wait()
         return {self.h: inbox}
 
-    def all_gather(self, kind, parts):
-        self.board[(kind, self.h, -1)] = parts[self.h]
-        self.barrier.wait()
-        every = [self.board[(kind, s, -1)] for s in range(self.barrier.parties)]
-        self.barrier.wait()
-        self.board.pop((kind, self.h, -1))
-        self.barrier.wait()
-        return every
 
-
-def test_each_host_plans_from_its_own_samples_in_its_own_replica():
+@pytest.mark.parametrize(("R", "P", "cache", "steps"), [(8, 2, 0.1, 5), (12, 4, 0.03, 8), (16, 4, 0.02, 10)])
+def test_each_host_plans_from_its_own_samples_in_its_own_replica(R, P, cache, steps):
     """Every host in its own thread with its own policy replica, given only its own ranks' samples (plan_host), makes
-    the same plans as the in-process run: what a host learns of the others comes through the transport. A replica
-    handed the whole global batch is refused."""
+    its own ranks' plan (`HostPlan`), from which each of its ranks gets the part it gets from the in-process run's
+    whole plan, byte for byte, relays on and off: what a host learns of the others comes through the transport, and
+    its replica keeps all it reads (its home rows' owners, its ranks' guests). A replica handed the whole global
+    batch is refused."""
     import threading
 
-    R, P, B, steps = 8, 2, 16, 5
+    from herald_torchrec.distributed.step.host_relay import HostMap
+    from herald_torchrec.distributed.step.plan_part import plan_parts
+    from herald_torchrec.schedule.plan import HostPlan
+    from herald_torchrec.schedule.plan_wire import encode_plan
+
+    B = 16
     H = R // P
     rows, batches = synthetic_window(R, B, steps)
-    ref = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P)
+    ref = HeraldHierPolicy(rows, R, B, cache, L, hosts=P)
     want = [ref.plan(batches[s : s + L + 1]) for s in range(steps)]
+    assert sum(w.counters["evict_home"] for w in want) > 0 and sum(w.counters["migrate"] for w in want) > 0
     _, fresh = synthetic_window(R, B, steps)
     n = P * B
     own = [[b.take(np.arange(h * n, (h + 1) * n)) for b in fresh] for h in range(H)]
@@ -273,7 +273,7 @@ def test_each_host_plans_from_its_own_samples_in_its_own_replica():
 
     def host(h: int) -> None:
         try:
-            pol = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P)
+            pol = HeraldHierPolicy(rows, R, B, cache, L, hosts=P)
             tr = ThreadTransport(h, board, barrier)
             for s in range(steps):
                 got[h].append(pol.plan_host(h, own[h][s : s + L + 1], tr))
@@ -288,11 +288,22 @@ def test_each_host_plans_from_its_own_samples_in_its_own_replica():
     for t in threads:
         t.join()
     assert not errors, errors
-    for h in range(H):
-        assert plan_digest(got[h]) == plan_digest(want)
-        assert got[h][-1].counters == want[-1].counters
+    relayed = 0
+    for relay in (True, False):
+        hosts = HostMap(np.arange(R) // P, relay=relay)
+        for h in range(H):
+            ranks = list(range(h * P, (h + 1) * P))
+            for s in range(steps):
+                mine = got[h][s]
+                assert isinstance(mine, HostPlan) and mine.counters == want[s].counters
+                a, b = plan_parts(want[s], ranks, hosts), plan_parts(mine, ranks, hosts)
+                for r in ranks:
+                    x, y = (encode_plan(dataclasses.replace(p[r], sched_seconds=0.0)) for p in (a, b))
+                    assert np.array_equal(x, y), (h, s, r)
+                relayed += int(b[ranks[0]].relayed_tables.shape[0])
+    assert relayed > 0  # some step relayed rows within a host
     with pytest.raises(ValueError, match="plan_host takes host 0..3's batches"):
-        HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P).plan_host(0, fresh[: L + 1], ThreadTransport(0, {}, barrier))
+        HeraldHierPolicy(rows, 8, B, 0.1, L, hosts=2).plan_host(0, fresh[: L + 1], ThreadTransport(0, {}, barrier))
 
 
 def test_home_and_table_from_the_key_match_the_directory():

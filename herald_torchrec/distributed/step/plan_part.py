@@ -36,7 +36,7 @@ import numpy as np
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.step.host_relay import HostMap, pair_routes
-from herald_torchrec.schedule.plan import Plan, PlanPart, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import HostPlan, Plan, PlanPart, RowMoves, SharedRows, relayed_pairs
 
 _ROW_BITS = 40  # a (table, row) pair as one int64: table << 40 | row (rows < 2^40)
 MARK_LIMIT = 1 << 26  # (part, pair) cells marked in a bitmap (64 MB); past it the parts' pairs are sorted
@@ -56,9 +56,13 @@ def parts_pay(num_ranks: int, num_hosts: int) -> bool:
 
 def splittable(plan: Plan) -> bool:
     """Whether the plan can travel as parts: an ownership plan (no replicas, caches or read versions) for ranks
-    executing it. The others travel whole."""
+    executing it, whole or a host's (`HostPlan`, which only travels so). The others travel whole."""
     return (
-        type(plan) is Plan and plan.executable and plan.replicas is None and plan.cache is None and plan.reads is None
+        type(plan) in (Plan, HostPlan)
+        and plan.executable
+        and plan.replicas is None
+        and plan.cache is None
+        and plan.reads is None
     )
 
 
@@ -121,19 +125,8 @@ def _relay_groups(
     )
     if got is not None:
         return got
-    host, H = hosts.host, hosts.num_hosts
-    p_before, p_after = before[pair_row], after[pair_row]
-    fill = (readers == p_after) & (p_before != p_after)
-    r_host = host[readers]
-    group = pair_row * H + r_host
-    if int(group.max()) < 2**24:  # a count per (row, host)
-        live = np.bincount(group[~fill], minlength=int(group.max()) + 1)[group]
-    else:
-        g, cnt = np.unique(group[~fill], return_counts=True)
-        at = np.minimum(np.searchsorted(g, group), g.shape[0] - 1)
-        live = np.where(g[at] == group, cnt[at], 0)
-    relayed = (live >= 2) & ((r_host != host[p_before]) | (r_host != host[p_after]))
-    return _tables_in(tables[pair_row[relayed]]), wanted_host[r_host]
+    relayed = relayed_pairs(pair_row, readers, before, after, hosts.host)
+    return _tables_in(tables[pair_row[relayed]]), wanted_host[hosts.host[readers]]
 
 
 def _relay_pairs(
@@ -203,6 +196,38 @@ def _needed_pairs(
     return np.divmod(code, max(P, 1))
 
 
+class _SampleSlices:
+    """Where each sample of a rank's slice goes: the whole plan's assignment, computed once for all parts, or a host
+    plan's own."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.assignment = None if isinstance(plan, HostPlan) else plan.assignment()
+
+    def of(self, rank: int) -> np.ndarray:
+        if self.assignment is None:
+            return self.plan.slice_destinations(rank)
+        B = self.plan.batch_per_rank
+        return self.assignment[rank * B : (rank + 1) * B]
+
+
+def _host_plan_relays(plan: HostPlan, hosts: HostMap | None) -> np.ndarray:
+    """A host plan's relayed tables, where the ranks relay: its planners counted them under their host map, which
+    must then be the modules'."""
+    if hosts is None or not hosts.relays:
+        return plan.relayed_tables[:0]
+    a, b = np.asarray(hosts.host, dtype=np.int64), np.asarray(plan.hosts, dtype=np.int64)
+    same = a.shape == b.shape and all(
+        np.unique(x).shape[0] == np.unique(a * (b.max() + 1) + b).shape[0] for x in (a, b)
+    )
+    if not same:  # the same grouping of ranks into hosts, whatever the hosts' ids
+        raise ValueError(
+            f"plan {plan.step}: host {plan.host}'s plan was made for hosts {plan.hosts.tolist()}, but the ranks relay "
+            f"shared rows within hosts {hosts.host.tolist()}"
+        )
+    return plan.relayed_tables
+
+
 def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[int, PlanPart]:
     """The part of `plan` each of `ranks` executes (module docstring). `hosts` must be the host map the ranks' modules
     relay with (`set_hosts`): the relays decide which readers a part keeps."""
@@ -220,15 +245,17 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
     wanted[np.asarray(ranks, dtype=np.int64)] = True
     relayed_tables, on, relay_of_on = _relay_pairs(sh, pair_row, before, after, hosts, wanted)
     shared_tables = _tables_in(np.asarray(sh.table, dtype=np.int64))
+    mv = plan.moves
+    moved_tables = _tables_in(np.asarray(mv.table, dtype=np.int64))
+    if isinstance(plan, HostPlan):  # its rows are the host's: the whole step's tables came with it
+        relayed_tables = _host_plan_relays(plan, hosts)
+        moved_tables, shared_tables = plan.moved_tables, plan.shared_tables
     cut = sorted({int(x) for x in ranks})
     slot = np.full(R, -1, dtype=np.int64)
     slot[cut] = np.arange(len(cut))
     code_rank, code_pair = _needed_pairs(sh, pair_row, before, after, slot, on, relay_of_on)
-    order = np.asarray(plan.sample_order, dtype=np.int64)
-    assignment = plan.assignment()
-    mv = plan.moves
     m_src, m_dst = np.asarray(mv.src, dtype=np.int64), np.asarray(mv.dst, dtype=np.int64)
-    moved_tables = _tables_in(np.asarray(mv.table, dtype=np.int64))
+    slices = _SampleSlices(plan)
     parts: dict[int, PlanPart] = {}
     for i, d in enumerate(cut):
         lo, hi = np.searchsorted(code_rank, [i, i + 1])
@@ -246,7 +273,7 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
             step=plan.step,
             num_ranks=R,
             batch_per_rank=B,
-            sample_order=order[d * B : (d + 1) * B].astype(plan.sample_order.dtype),
+            sample_order=plan.local_samples(d).astype(plan.sample_order.dtype),
             moves=moves,
             shared=shared,
             counters=dict(plan.counters),
@@ -255,7 +282,7 @@ def plan_parts(plan: Plan, ranks: Sequence[int], hosts: HostMap | None) -> dict[
             sched_seconds=plan.sched_seconds,
             stale_reads=plan.stale_reads,
             rank=d,
-            slice_ranks=assignment[d * B : (d + 1) * B],
+            slice_ranks=slices.of(d),
             moved_tables=moved_tables,
             shared_tables=shared_tables,
             relayed_tables=relayed_tables,

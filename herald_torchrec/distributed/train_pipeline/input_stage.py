@@ -150,7 +150,7 @@ from herald_torchrec.distributed.train_pipeline.input_round import (
 )
 from herald_torchrec.distributed.train_pipeline.planner_transport import GroupTransport, planner_group
 from herald_torchrec.schedule.global_batch import GlobalBatch
-from herald_torchrec.schedule.plan import Plan
+from herald_torchrec.schedule.plan import HostPlan, Plan
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
 from herald_torchrec.schedule.policy import SchedulePolicy
 
@@ -403,6 +403,8 @@ class ScheduledInput:
         H = int(getattr(policy, "num_hosts", 1))
         if self.plan_on != "host" or not hasattr(policy, "plan_host") or H < 2 or not dist.is_initialized():
             return
+        if not self.send_parts:  # a machine's planner keeps its own ranks' plan only, which travels as parts
+            return
         ranks = np.flatnonzero(self.is_planner)
         P = self.R // H
         if ranks.shape[0] != H or not np.array_equal(planner_of, np.arange(self.R) // P * P):
@@ -538,6 +540,8 @@ class ScheduledInput:
             with phase("input.plan_parts"):
                 parts = plan_parts(plan, [self.rank, *to], self.relay_hosts)
                 return parts[self.rank], {d: encode_plan(parts[d]) for d in to}
+        if isinstance(plan, HostPlan):  # pragma: no cover - plan_host runs only where parts are sent
+            raise RuntimeError(f"herald input stage (rank {self.rank}): a machine's plan must travel as parts")
         if not to:
             return plan, {}
         wire = encode_plan(plan)

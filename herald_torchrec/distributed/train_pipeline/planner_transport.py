@@ -1,8 +1,8 @@
 """The herald_hier planners' messages between machines (schedule/herald/hierarchy.py `Transport`) over a gloo group
 of the planning ranks, one per machine: group rank h plans host h.
 
-Each phase is one all-to-all of sizes (one int64 per pair) then one all-to-all of bytes; the plan parts are one
-all-gather of sizes then one all-gather of the parts padded to the largest. A message (a list of numpy arrays) travels
+Each phase, the plan parts routed to the hosts that need them included, is one all-to-all of sizes (one int64 per
+pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels
 as a header of int64 words (its array count, then each array's dtype code and length) and the arrays' bytes. The
 control plane never imports torch.distributed: this is the data plane's side of its `Transport`.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed import all_gather as _all_gather
 from torch.distributed import all_to_all_single as _all_to_all_single
 
 from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
@@ -83,20 +82,3 @@ class GroupTransport(Transport):
         self._sent(kind, int(sum(b.shape[0] for t, b in enumerate(blocks) if t != h)) + 8 * (H - 1))
         parts = np.split(got.numpy(), np.cumsum(recv)[:-1])
         return {h: {s: decode_message(p) for s, p in enumerate(parts) if p.shape[0]}}
-
-    def all_gather(self, kind: str, parts: dict[int, Message]) -> list[Message]:
-        H = self.H
-        buf = encode_message(parts[self.host])
-        size = torch.tensor([buf.shape[0]], dtype=torch.int64)
-        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(H)]
-        with phase("input.plan_exchange"):
-            _all_gather(sizes, size, group=self.group)
-            n = [int(s.item()) for s in sizes]
-            pad = np.zeros(max(n), dtype=np.uint8)
-            pad[: buf.shape[0]] = buf
-            every = [torch.empty(max(n), dtype=torch.uint8) for _ in range(H)]
-            mine = torch.from_numpy(pad)
-            _all_gather(every, mine, group=self.group)
-            hold_for_gloo(size, *sizes, mine, *every)
-        self._sent(kind, (max(n) + 8) * (H - 1))
-        return [decode_message(e.numpy()[:k]) for e, k in zip(every, n)]

@@ -39,8 +39,15 @@ last use) and decides where it goes next. Each host keeps the guest slots of its
    cancels (t -> A): the cancelled arrivals; evictions (t -> the victim's home host): the rows sent home.
 8. decisions (A -> h): the final owner rank of every demanded key; departures (A -> the source host of a move):
    the rows leaving it; shares (A -> the final owner's host): every shared key's reader ranks.
-The policy returns one whole `Plan`, the union of the hosts' parts, so the checker, the traffic accounting, the
-simulator and the data plane run it unchanged.
+   On the wire (`HostPlanner.routed`) each host gets the entries its own ranks execute (`HostPlan`, schedule/plan.py):
+   a migration goes to its two ends' hosts and to every host that gets its row as shared; a shared row with all its
+   readers to its owners' hosts (before and after the moves), and to every other host with its readers there; a
+   victim to its owner's host and its home host; every host gets every host's step summary (its counts, and its
+   tables with moves, shared rows and relayed (row, host) groups: a few bytes per table). Each host assembles its
+   `HostPlan` from them and applies to its replica the moves of its home rows and of its ranks' guests, the only
+   state it reads (its directory role's owners, its capacity phase's guests).
+In one process (`plan`: the simulator, the tests) the policy also returns the whole `Plan`, the union of the hosts'
+parts, so the checker, the traffic accounting and the data plane run it unchanged.
 
 Bytes (`MessageBytes`; only messages between two different hosts are counted, a host's own are free): a key is
 KEY_BYTES = 8, a rank RANK_BYTES = 2, a count COUNT_BYTES = 2, an index into an earlier message INDEX_BYTES = 4.
@@ -61,23 +68,24 @@ reports the pair (row 4, rank 1) (8 B). Host 1 decides: row 4 stays with rank 2,
 4 B, rank 1 4 + 10 B, rank 2 4 + 12 B, rank 3 4 B.
 
 Code: `HostPlanner(policy, h, window)` is what host h runs (its phases, from its own samples' window and what it
-receives); `Transport` carries each phase's messages between hosts (`exchange`: host -> host arrays; `all_gather`:
-every host's part of the plan). `HeraldHierPolicy.plan` drives every host in one process through
-`InProcessTransport` (the simulator, the tests); `plan_host(h, window, transport)` runs host h alone, its replica of
-the shared state (the directory, kept in step by applying every whole Plan, which is the union of all hosts' parts)
-in its own process, as the training pipeline does (distributed/train_pipeline/planner_transport.py). Both make the
-same plans. `HierStep.wire_bytes` counts what the transport really sent (its arrays' bytes, int32 ranks and counts,
+receives); `Transport` carries each phase's messages between hosts (`exchange`: host -> host arrays).
+`HeraldHierPolicy.plan` drives every host in one process through `InProcessTransport` (the simulator, the tests);
+`plan_host(h, window, transport)` runs host h alone, in its own process with its own replica of the shared state, as
+the training pipeline does (distributed/train_pipeline/planner_transport.py), and returns h's `HostPlan`. Both run
+the same per-host code (each host assembles its own plan and updates its replica in both), and every rank's part
+cut from a host's plan equals the one cut from the whole plan (tests/schedule/test_hierarchy.py).
+`HierStep.wire_bytes` counts what the transport really sent (its arrays' bytes, int32 ranks and counts,
 int64 keys), next to the protocol's count in `message_bytes`.
 
-Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7 and its part of 8) and per
-directory host (`directory_seconds`: 2, 5, 6, 8 for its keys); the union of the parts into one Plan (`union_seconds`)
-is what a host's data plane would not do (each would keep its own part), though `plan_host` does it today.
+Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7, its part of 8 and its own plan with
+its replica's update, `host_plan_seconds`) and per directory host (`directory_seconds`: 2, 5, 6, 8 for its keys,
+the routing of its part included); the union of the parts into one Plan (`union_seconds`) is work no host does in
+training.
 
-Memory: each process holds a replica of the whole directory (every row's owner, home, table, last use and slot
-position: 0.6 GB on full Criteo Kaggle tables) and every rank's guests, where host h's protocol needs only its home
-rows' owners and its own ranks' guests (`benchmarks/hier_memory.py` computes both). A per-host store would need the
-guests' state keyed by a key -> slot map instead of arrays over every row, and `plan_host` applying only the moves
-of its rows and ranks instead of the whole Plan.
+Memory: each process holds arrays over every row (owner, home, table, last use and slot position: 0.6 GB on full
+Criteo Kaggle tables), of which host h reads and updates only its home rows' owners and its own ranks' guests
+(`benchmarks/hier_memory.py` computes what that needs). A per-host store would keep those alone: the home rows
+remapped per table, the guests behind a key -> slot map.
 
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
@@ -87,8 +95,8 @@ lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in
 save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
 In training (`scheduler=herald_hier`, `plan_on="host"`, one planner per machine) each machine's planning rank gathers
 its own machine's ids only and runs `plan_host` for its machine, the messages going through a gloo group of the
-planners (distributed/train_pipeline/planner_transport.py); the parts are all-gathered, so every planner holds the
-whole Plan, and cuts each of its machine's ranks its own part of it (distributed/step/plan_part.py).
+planners (distributed/train_pipeline/planner_transport.py); each planner gets its machine's `HostPlan` and cuts each
+of its ranks its own part of it (distributed/step/plan_part.py). No process holds the whole plan.
 """
 
 from __future__ import annotations
@@ -107,7 +115,7 @@ from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arriva
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
-from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, Plan, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows, relayed_pairs
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
 from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
 
@@ -136,7 +144,9 @@ class HierStep:
 
     host_seconds: np.ndarray  # float64 [H]
     directory_seconds: np.ndarray  # float64 [H]
-    union_seconds: float
+    union_seconds: float  # the whole Plan from every host's part, in one process (work no host does in training)
+    # of host_seconds: each host's own plan from the entries routed to it, and its replica's update [H]
+    host_plan_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))
     message_bytes: dict[str, int] = field(default_factory=dict)
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
@@ -232,9 +242,9 @@ class Transport:
     """The messages between host planners, one phase at a time (module docstring). `exchange(kind, out)`:
     out[src][dst] is the message host src (a host this process plans) sends host dst; returns inbox[dst][src] for
     this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
-    calls it with the same kinds in the same order. `all_gather(kind, parts)`: every host's part (parts: this
-    process's hosts), in host order. `last_bytes`: the bytes this process sent to other hosts' processes, by kind, since
-    the planner last read them (the implementation's own wire, next to the protocol's count in `HierStep`)."""
+    calls it with the same kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
+    processes, by kind, since the planner last read them (the implementation's own wire, next to the protocol's count
+    in `HierStep`)."""
 
     def __init__(self) -> None:
         self.last_bytes: dict[str, int] = {}
@@ -243,9 +253,6 @@ class Transport:
         self.last_bytes[kind] = self.last_bytes.get(kind, 0) + int(nbytes)
 
     def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
-        raise NotImplementedError
-
-    def all_gather(self, kind: str, parts: dict[int, Message]) -> list[Message]:
         raise NotImplementedError
 
 
@@ -269,13 +276,6 @@ class InProcessTransport(Transport):
                 if src != dst:
                     self.count(kind, message_bytes(m))
         return inbox
-
-    def all_gather(self, kind: str, parts: dict[int, Message]) -> list[Message]:
-        if sorted(parts) != list(range(self.num_hosts)):
-            raise ValueError(f"InProcessTransport: all_gather needs every host's part, got hosts {sorted(parts)}")
-        for m in parts.values():
-            self.count(kind, message_bytes(m) * (self.num_hosts - 1))
-        return [parts[h] for h in range(self.num_hosts)]
 
 
 def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
@@ -301,9 +301,9 @@ def _concat(inbox: dict[int, Message], width: int, dtypes: Sequence[type]) -> li
 
 class HostPlanner:
     """What host h runs in one step (module docstring, phases 1-8): from its own samples' window and what the other
-    hosts send it. `policy` is this process's replica of the shared state (the directory, kept in step by applying
-    every whole Plan; the guest slots and eviction pool of h's ranks; the per-host settings); h reads the directory
-    only for its own rows' entries (as their home host: owners, decisions) and its own guests (capacity)."""
+    hosts send it. `policy` is this process's replica of the shared state (the directory, the guest slots and
+    eviction pool of h's ranks, the per-host settings); h reads the directory only for its own rows' entries (as
+    their home host: owners, decisions) and its own guests (capacity), and keeps only those up to date."""
 
     def __init__(self, policy: "HeraldHierPolicy", h: int, window: Sequence[GlobalBatch], msg: _Messages) -> None:
         self.pol, self.h, self.window, self.msg = policy, h, list(window), msg
@@ -483,7 +483,7 @@ class HostPlanner:
     def part(self, inbox: dict[int, Message]) -> Message:
         """Phase 8: h's part of the plan, for every host: as a home host, its keys' migrations (key, source,
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
-        capacity host, its victims; as a sample host, the rank of each of its samples."""
+        capacity host, its victims and their owners; as a sample host, the rank of each of its samples."""
         pol = self.pol
         P, H = pol.ranks_per_host, pol.num_hosts
         keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
@@ -501,13 +501,108 @@ class HostPlanner:
         remote = int((pair_owner != pr).sum())
         ids = np.flatnonzero(~exclusive)
         self.msg.add_many("shares", self.h, want[ids] // P, KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)
-        readers = pr[(~exclusive)[pk]]
+        shared_pair = (~exclusive)[pk]
+        self.final = _HostDecisions(
+            mig=mig, shared=ids, shared_pair_row=np.cumsum(~exclusive)[pk[shared_pair]] - 1,
+            readers=pr[shared_pair], count=count, counts=np.array([hit, remote], dtype=np.int64),
+        )  # fmt: skip
+        victim_src = pol.directory.owner[self.victims].astype(np.int32)  # h's own guests: its replica knows them
         return [
             keys[mig], own[mig].astype(np.int32), want[mig].astype(np.int32),
-            keys[ids], want[ids].astype(np.int32), count[ids].astype(np.int32), readers.astype(np.int32),
-            self.victims, self.members, (self.local_rank + self.h * P).astype(np.int32),
-            np.array([hit, remote], dtype=np.int64),
+            keys[ids], want[ids].astype(np.int32), count[ids].astype(np.int32), self.final.readers.astype(np.int32),
+            self.victims, victim_src, self.members, (self.local_rank + self.h * P).astype(np.int32),
+            self.final.counts,
         ]  # fmt: skip
+
+    def routed(self, part: Message) -> dict[int, Message]:
+        """Phase 8 where every host keeps only its own ranks' plan (`plan_host`): `part` (h's, from `part`) split by
+        the host that needs each entry (HostPlan's rule): a migration to its source's and destination's hosts and to
+        every host that receives its row as shared; a shared row with all its readers to the hosts of its owners
+        before and after the moves, and to every other host with its readers there; a victim to its owner's host (h)
+        and its home host. Every host also gets h's step summary: its counts (hit, remote, migrations, victims) and
+        its tables with moves, shared rows and relayed (row, host) groups (a bit each: MOVED, SHARED, RELAYED)."""
+        pol, h, fin = self.pol, self.h, self.final
+        P, H, T = pol.ranks_per_host, pol.num_hosts, pol.layout.num_tables
+        mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = part[:9]
+        before = self.k_own[fin.shared].astype(np.int64)
+        after = sh_owner.astype(np.int64)
+        row, readers = fin.shared_pair_row, fin.readers
+        n_pairs = readers.shape[0]
+        r_host = readers // P
+        b_host, a_host = before // P, after // P
+        # shared rows: (destination host, pair), sorted by destination, the pairs' order (key, then rank) kept
+        alone = (r_host != b_host[row]) & (r_host != a_host[row])
+        dest = np.concatenate([np.repeat(b_host, sh_count), np.repeat(np.where(a_host != b_host, a_host, H), sh_count),
+                               np.where(alone, r_host, H)])  # fmt: skip
+        code = dest * max(n_pairs, 1) + np.tile(np.arange(n_pairs, dtype=np.int64), 3)
+        code = np.sort(code[dest < H])
+        dest, pair = np.divmod(code, max(n_pairs, 1))
+        p_row = row[pair]
+        run = (
+            np.flatnonzero(np.r_[True, (dest[1:] != dest[:-1]) | (p_row[1:] != p_row[:-1])]) if pair.shape[0] else pair
+        )
+        run_dest, run_row = dest[run], p_row[run]  # every (host, row) sent, by host then key
+        run_count = np.diff(np.append(run, pair.shape[0])).astype(np.int32)
+        # migrations: to both ends' hosts, and a shared row's to every host its row goes to (both ends' included)
+        n_mig = mig_key.shape[0]
+        k_mig = np.full(self.keys.shape[0], -1, dtype=np.int64)
+        k_mig[fin.mig] = np.arange(n_mig)
+        row_mig = k_mig[fin.shared]  # each shared row's migration (-1: none)
+        plain = np.ones(n_mig, dtype=bool)
+        plain[row_mig[row_mig >= 0]] = False
+        m_src_h, m_dst_h = mig_src.astype(np.int64) // P, mig_dst.astype(np.int64) // P
+        pm = np.flatnonzero(plain)
+        pm2 = pm[m_dst_h[pm] != m_src_h[pm]]
+        shm = row_mig[run_row]
+        m_code = np.sort(np.concatenate([m_src_h[pm] * n_mig + pm, m_dst_h[pm2] * n_mig + pm2,
+                                         run_dest[shm >= 0] * n_mig + shm[shm >= 0]]))  # fmt: skip
+        m_dest, m_idx = np.divmod(m_code, max(n_mig, 1))
+        # victims: to h and to their home host
+        v_home = pol.home_of(victims) // P
+        away = np.flatnonzero(v_home != h)
+        v_code = np.sort(np.concatenate([h * victims.shape[0] + np.arange(victims.shape[0]),
+                                         v_home[away] * victims.shape[0] + away]))  # fmt: skip
+        v_dest, v_idx = np.divmod(v_code, max(victims.shape[0], 1))
+        # the summary: counts and table bits
+        flags = np.zeros(T, dtype=np.uint8)
+        flags[pol.table_of(np.concatenate([mig_key, victims]))] |= MOVED
+        flags[pol.table_of(sh_key)] |= SHARED
+        relayed = relayed_pairs(row, readers, before, after, pol.host_of_rank)
+        flags[pol.table_of(sh_key[np.unique(row[relayed])])] |= RELAYED
+        summary = np.concatenate([fin.counts, [n_mig, victims.shape[0]]]).astype(np.int64)
+        # gathered once, then sliced per host
+        s_key, s_owner, s_readers = sh_key[run_row], sh_owner[run_row], sh_readers[pair]
+        g_key, g_src, g_dst = mig_key[m_idx], mig_src[m_idx], mig_dst[m_idx]
+        g_victims, g_vsrc = victims[v_idx], victim_src[v_idx]
+        hosts = np.arange(H + 1)
+        rb, pb = np.searchsorted(run_dest, hosts), np.searchsorted(dest, hosts)
+        mb, vb = np.searchsorted(m_dest, hosts), np.searchsorted(v_dest, hosts)
+        out = {}
+        for t in range(H):
+            r0, r1, p0, p1 = rb[t], rb[t + 1], pb[t], pb[t + 1]
+            m0, m1, v0, v1 = mb[t], mb[t + 1], vb[t], vb[t + 1]
+            out[t] = [
+                g_key[m0:m1], g_src[m0:m1], g_dst[m0:m1], s_key[r0:r1], s_owner[r0:r1], run_count[r0:r1],
+                s_readers[p0:p1], g_victims[v0:v1], g_vsrc[v0:v1], summary, flags,
+            ]  # fmt: skip
+        return {h: out}
+
+
+MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`HostPlanner.routed`)
+
+
+@dataclass
+class _HostDecisions:
+    """A home host's final decisions of a step (`HostPlanner.part`), indices into its keys: the migrations `mig`, the
+    shared keys `shared`, each shared pair's row (index into `shared`) and reader, every key's reader count, and its
+    (hit, remote) counts."""
+
+    mig: np.ndarray
+    shared: np.ndarray
+    shared_pair_row: np.ndarray
+    readers: np.ndarray
+    count: np.ndarray
+    counts: np.ndarray
 
 
 class HeraldHierPolicy(SchedulePolicy):
@@ -567,6 +662,7 @@ class HeraldHierPolicy(SchedulePolicy):
         self.ranks_per_host, self.num_hosts = P, H
         self.host_of_rank = host
         self.last_step: HierStep | None = None
+        self.last_host_plans: dict[int, HostPlan] = {}  # the latest step's plan of every host planned here
         self.last_swapped = 0
         settings = dict(tables=tables, refine=refine, budget_ms=budget_ms)
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
@@ -745,14 +841,17 @@ class HeraldHierPolicy(SchedulePolicy):
         return plan
 
     def _plan(self, batches: list[GlobalBatch]) -> Plan:
-        """Every host's part in this process, through an in-process transport (the simulator, the tests)."""
+        """Every host's part in this process, through an in-process transport (the simulator, the tests): each host
+        makes its own plan and updates what its replica keeps, as in training, and the whole plan is their union."""
         windows = {h: [self.host_batch(x, h) for x in batches] for h in range(self.num_hosts)}
-        return self.plan_hosts(windows, InProcessTransport(self.num_hosts), whole=batches)
+        host_plan = self.move_samples != "swap"  # swapped samples train away from their slices' host
+        return self.plan_hosts(windows, InProcessTransport(self.num_hosts), whole=batches, host_plan=host_plan)
 
-    def plan_host(self, host: int, batches: Sequence[GlobalBatch], transport: Transport) -> Plan:
+    def plan_host(self, host: int, batches: Sequence[GlobalBatch], transport: Transport) -> HostPlan:
         """One host's planner in a run where every host plans in its own process (the training pipeline): `batches`
         are host `host`'s samples of the current batch and the next L (P B samples each), `transport` reaches the
-        other hosts' planners, which call this at the same step. Returns the whole Plan (the union of the parts)."""
+        other hosts' planners, which call this at the same step. Returns the host's plan (`HostPlan`: what its ranks
+        execute, and the step's counters and tables), never the whole one."""
         if self._flat is not None:
             raise ValueError("herald_hier: plan_host needs several hosts (with one host the policy is plain herald)")
         bl = list(batches)
@@ -764,17 +863,23 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"batch_per_rank = {n} samples on tables {self.layout.table_rows}; got host {host}, batches {bad}"
             )
         t0 = time.perf_counter()
-        plan = self.plan_hosts({host: bl[: self.lookahead + 1]}, transport)
+        plan = self.plan_hosts({host: bl[: self.lookahead + 1]}, transport, host_plan=True)
         plan.sched_seconds = time.perf_counter() - t0
         self.step += 1
         return plan
 
     def plan_hosts(
-        self, windows: dict[int, list[GlobalBatch]], transport: Transport, whole: list[GlobalBatch] | None = None
+        self,
+        windows: dict[int, list[GlobalBatch]],
+        transport: Transport,
+        whole: list[GlobalBatch] | None = None,
+        host_plan: bool = False,
     ) -> Plan:
         """One step of the hosts in `windows` (host -> its samples' window), phase by phase (module docstring), their
         messages through `transport`; `whole` (the global window) only for move_samples="swap", which needs every
-        host in this process. Returns the whole Plan, applied to this process's directory."""
+        host in this process. With `host_plan` every host makes its own plan (`HostPlan`) and applies its own moves;
+        returns that host's plan where `windows` holds one host (`plan_host`), else the whole Plan (the union of the
+        parts, applied to this process's directory if the hosts did not apply theirs)."""
         H, P, R = self.num_hosts, self.ranks_per_host, self.num_ranks
         msg = _Messages(H)
         host_s, dir_s = np.zeros(H), np.zeros(H)
@@ -814,14 +919,40 @@ class HeraldHierPolicy(SchedulePolicy):
         got = run("arrivals", dir_s, lambda hp: hp.decide(got[hp.h]))  # phases 5-6 (and the pins)
         got = run("cancels", host_s, lambda hp: hp.make_room(got[hp.h]))  # phase 7
         parts = {}
-        for h, hp in hosts.items():  # phase 8: every host's part of the plan, to every host
+        for h, hp in hosts.items():  # phase 8: every host's part of the plan
             t0 = CLOCK()
             parts[h] = hp.part(got[h])
             dir_s[h] += CLOCK() - t0
-        every = transport.all_gather("parts", parts)
-        t0 = CLOCK()
-        plan = self._union(every, msg)
-        union_s = CLOCK() - t0
+        union_s, plan_s = 0.0, np.zeros(H)
+        if host_plan:  # each host its own ranks' plan, from the entries routed to it
+            routed = {}
+            for h, hp in hosts.items():
+                t0 = CLOCK()
+                routed.update(hp.routed(parts[h]))
+                dir_s[h] += CLOCK() - t0
+            got = transport.exchange("parts", routed)
+            plans, moves = {}, {}
+            for h, hp in hosts.items():
+                t0 = CLOCK()
+                plans[h], moves[h] = self._host_plan(hp, parts[h], got[h])
+                plan_s[h] += CLOCK() - t0
+            for stage in ("release", "land"):  # every host's rows leave before any arrives (one directory here)
+                for h in hosts:
+                    t0 = CLOCK()
+                    self._apply_host_moves(moves[h], stage)
+                    plan_s[h] += CLOCK() - t0
+            host_s += plan_s
+            self.last_host_plans = plans
+            if len(hosts) == 1:
+                (plan,) = plans.values()
+            else:  # the whole plan, for the simulator's checker and counts (no host builds it)
+                t0 = CLOCK()
+                plan = self._union(list(parts.values()), apply=False)
+                union_s = CLOCK() - t0
+        else:  # move_samples="swap", every host in this process: the whole plan, applied to its directory
+            t0 = CLOCK()
+            plan = self._union(list(parts.values()))
+            union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
         for h, w in windows.items():
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
@@ -829,6 +960,7 @@ class HeraldHierPolicy(SchedulePolicy):
             host_seconds=host_s,
             directory_seconds=dir_s,
             union_seconds=union_s,
+            host_plan_seconds=plan_s,
             message_bytes=dict(msg.kind),
             host_message_bytes=msg.host,
             ids_bytes=ids,
@@ -1020,26 +1152,99 @@ class HeraldHierPolicy(SchedulePolicy):
             raise RuntimeError("herald_hier: capacity resolution did not converge")
         return chosen
 
-    def _union(self, parts: list[list[np.ndarray]], msg: _Messages) -> Plan:
-        """The whole Plan from every host's part (`HostPlanner.part`), the moves applied to this process's directory:
-        the same arrays, in the same order, as one planner deciding every key at once.
+    def _union(self, parts: list[list[np.ndarray]], apply: bool = True) -> Plan:
+        """The whole Plan from every host's part (`HostPlanner.part`): the same arrays, in the same order, as one
+        planner deciding every key at once (`_rows`); its moves applied to this process's directory (`apply`), unless
+        every host applied its own (`_apply_host_moves`)."""
+        R, B = self.num_ranks, self.batch_per_rank
+        (mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src, members, ranks,
+         counts) = [np.concatenate([p[i] for p in parts]) for i in range(12)]  # fmt: skip
+        rows = self._rows(mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers)
+        if apply:
+            mv = rows.moves
+            got = self.directory.apply_known_moves(rows.gid, mv.dst, mv.src, rows.home, mv.table)
+            self.eviction.arrived(got.pos, got.keys, got.groups)
+        sample_rank = np.empty(R * B, dtype=np.int64)
+        sample_rank[members] = ranks
+        hit, remote = (int(x) for x in counts.reshape(-1, 2).sum(axis=0))
+        return Plan(
+            step=self.step,
+            num_ranks=R,
+            batch_per_rank=B,
+            sample_order=order_from_assignment(sample_rank, R),
+            moves=rows.moves,
+            shared=rows.shared,
+            counters=_counters(hit, remote, mig_key.shape[0], victims.shape[0]),
+        )
 
-        Every planner runs it in training, so it reads no array over every row but to update the directory (the
-        owners and guest slots) and the victims' owners: a part's keys come sorted and are distinct across parts
-        (a key has one home host; a victim is a guest nobody read, never a migrating key), so one packed sort
-        orders every move and one the shared keys, and the keys' tables come from the sorted keys and the layout's
-        offsets. The directory gets the moves in key order: its slots only keep the arrivals' order within a group,
-        which is the migrations' key order either way."""
-        d, R, B = self.directory, self.num_ranks, self.batch_per_rank
-        mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, members, ranks, counts = [
-            np.concatenate([p[i] for p in parts]) for i in range(11)
-        ]
+    def _host_plan(self, hp: HostPlanner, part: Message, inbox: dict[int, Message]) -> tuple[HostPlan, "_HostMoves"]:
+        """Host h's plan (`HostPlan`) from what every host routed to it (`HostPlanner.routed`), and the moves that
+        bring h's replica up to date for what h reads of it (`_apply_host_moves`): the owners of its home rows (every
+        migration it decided, and the victims sent home to it) and its ranks' guests (the moves into and out of
+        them)."""
+        h, P, R, B = hp.h, self.ranks_per_host, self.num_ranks, self.batch_per_rank
+        T = self.layout.num_tables
+        got = [inbox[s] for s in sorted(inbox)]
+        (mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src, summary,
+         flags) = [np.concatenate([m[i] for m in got]) for i in range(11)]  # fmt: skip
+        rows = self._rows(mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers)
+        # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
+        fin = hp.final
+        mine = hp.keys[fin.mig]
+        extra = ~np.isin(mine, rows.gid, assume_unique=True)
+        moves = _HostMoves(
+            ranks=(h * P, (h + 1) * P),
+            gid=np.concatenate([rows.gid, mine[extra]]),
+            dst=np.concatenate([rows.moves.dst, hp.want[fin.mig][extra]]),
+            src=np.concatenate([rows.moves.src, hp.k_own[fin.mig][extra]]),
+            home=np.concatenate([rows.home, self.home_of(mine[extra])]),
+            table=np.concatenate([rows.moves.table, self.table_of(mine[extra])]),
+        )
+        hit, remote, n_mig, n_victims = (int(x) for x in summary.reshape(-1, 4).sum(axis=0))
+        bits = np.bitwise_or.reduce(flags.reshape(-1, T), axis=0) if flags.shape[0] else np.zeros(T, np.uint8)
+        members, ranks = part[9], part[10].astype(np.int64)
+        local = ranks - h * P
+        order = members[order_from_assignment(local, P)]
+        return HostPlan(
+            step=self.step,
+            num_ranks=R,
+            batch_per_rank=B,
+            sample_order=order,
+            moves=rows.moves,
+            shared=rows.shared,
+            counters=_counters(hit, remote, n_mig, n_victims),
+            host=h,
+            ranks=np.arange(h * P, (h + 1) * P, dtype=np.int64),
+            hosts=self.host_of_rank.astype(np.int64),
+            slice_ranks=ranks[np.argsort(members, kind="stable")],
+            moved_tables=np.flatnonzero(bits & MOVED),
+            shared_tables=np.flatnonzero(bits & SHARED),
+            relayed_tables=np.flatnonzero(bits & RELAYED),
+        ), moves
+
+    def _apply_host_moves(self, m: "_HostMoves", stage: str = "both") -> None:
+        """A host's moves (`_host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
+        own ranks (`stage`: "release", then "land", where several hosts apply theirs to one directory)."""
+        d = self.directory
+        if stage in ("release", "both"):
+            d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
+        if stage in ("land", "both"):
+            got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
+            self.eviction.arrived(got.pos, got.keys, got.groups)
+
+    def _rows(self, mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers) -> "_Rows":
+        """Moves and shared rows from the hosts' parts (whole or routed): a part's keys come sorted and are distinct
+        across parts (a key has one home host; a victim is a guest nobody read, never a migrating key), so one packed
+        sort orders every move and one the shared keys, and the keys' tables come from the sorted keys and the
+        layout's offsets: no array over every row is read (every planner runs this in training). The directory gets
+        the moves in key order: its slots only keep the arrivals' order within a group, which is the migrations' key
+        order either way."""
         n_mig = mig_key.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key
         mv_gid = np.concatenate([mig_key, victims])
         o = stable_order(mv_gid)
         mv_gid = mv_gid[o]
-        mv_src = np.concatenate([mig_src.astype(np.int64), d.owner[victims].astype(np.int64)])[o]
+        mv_src = np.concatenate([mig_src.astype(np.int64), victim_src.astype(np.int64)])[o]
         mv_table = self._sorted_tables(mv_gid)
         mv_row = mv_gid - self.layout.offsets[mv_table]
         mv_home = mv_row // self.directory.block[mv_table]
@@ -1048,8 +1253,6 @@ class HeraldHierPolicy(SchedulePolicy):
         mv_dst[is_victim] = mv_home[is_victim]
         mv_kind = np.where(is_victim, np.int8(EVICT_HOME), np.int8(MIGRATE))
         moves = RowMoves(table=mv_table, row=mv_row, src=mv_src, dst=mv_dst, kind=mv_kind)
-        got = d.apply_known_moves(mv_gid, mv_dst, mv_src, mv_home, mv_table)
-        self.eviction.arrived(got.pos, got.keys, got.groups)
         # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
         sh_count = sh_count.astype(np.int64)
         o = stable_order(sh_key)
@@ -1066,23 +1269,38 @@ class HeraldHierPolicy(SchedulePolicy):
             reader_offsets=offs,
             readers=sh_readers[at].astype(np.int64),
         )
-        sample_rank = np.empty(R * B, dtype=np.int64)
-        sample_rank[members] = ranks
-        hit, remote = (int(x) for x in counts.reshape(-1, 2).sum(axis=0))
-        counters = {
-            "hit": hit,
-            "migrate": n_mig,
-            "evict_home": int(victims.shape[0]),
-            "forward": 0,
-            "shared_value": remote,
-            "shared_grad": remote,
-        }
-        return Plan(
-            step=self.step,
-            num_ranks=R,
-            batch_per_rank=B,
-            sample_order=order_from_assignment(sample_rank, R),
-            moves=moves,
-            shared=shared,
-            counters=counters,
-        )
+        return _Rows(moves=moves, shared=shared, gid=mv_gid, home=mv_home)
+
+
+@dataclass
+class _Rows:
+    """A step's moves and shared rows (`HeraldHierPolicy._rows`), with every move's key and home rank."""
+
+    moves: RowMoves
+    shared: SharedRows
+    gid: np.ndarray
+    home: np.ndarray
+
+
+@dataclass
+class _HostMoves:
+    """The moves a host applies to its replica after a step (`HeraldHierPolicy._host_plan`), aligned by row: key,
+    destination, source, home rank, table; `ranks`: the host's ranks (lo, hi), whose guests it keeps."""
+
+    ranks: tuple[int, int]
+    gid: np.ndarray
+    dst: np.ndarray
+    src: np.ndarray
+    home: np.ndarray
+    table: np.ndarray
+
+
+def _counters(hit: int, remote: int, migrations: int, victims: int) -> dict[str, int]:
+    return {
+        "hit": hit,
+        "migrate": int(migrations),
+        "evict_home": int(victims),
+        "forward": 0,
+        "shared_value": remote,
+        "shared_grad": remote,
+    }

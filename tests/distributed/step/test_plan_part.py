@@ -12,7 +12,7 @@ from herald_torchrec.distributed.step.plan_part import owners_before_moves, part
 from herald_torchrec.distributed.step.prepare import prepare_moves, prepare_shared
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec
 from herald_torchrec.schedule import GlobalBatch, make_policy
-from herald_torchrec.schedule.plan import Plan, PlanPart, ReplicaSync, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import HostPlan, Plan, PlanPart, ReplicaSync, RowMoves, SharedRows, relayed_pairs
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan
 from tests.distributed.step.test_prepare import SHARED_STEP_FIELDS
 
@@ -273,3 +273,45 @@ def test_parts_go_where_they_pay() -> None:
     and its compiled layout faster (benchmarks/plan_bytes.py)."""
     assert [parts_pay(R, 1) for R in (1, 2, 4, 8, 9, 64)] == [False, False, False, False, True, True]
     assert parts_pay(2, 2) and parts_pay(4, 2) and parts_pay(256, 32)
+
+
+def test_a_host_plan_is_cut_only_for_its_ranks_and_its_host_map() -> None:
+    """A host's plan (`HostPlan`) holds its own ranks' samples: another rank's part, every sample's rank or a table
+    split is refused; and its relayed tables were counted under its planners' host map, so ranks relaying within
+    other hosts cannot cut it (the same hosts under other ids can; without relays nothing is relayed)."""
+    plan = HostPlan(0, 4, 1, np.array([1, 0]), host=0, ranks=np.array([0, 1]), hosts=np.array([0, 0, 1, 1]),
+                    slice_ranks=np.array([1, 0]), relayed_tables=np.array([0]))  # fmt: skip
+    assert splittable(plan)
+    assert plan.local_samples(1).tolist() == [0] and plan.slice_destinations(0).tolist() == [1]
+    with pytest.raises(ValueError, match=r"holds ranks \[0, 1\], not 2"):
+        plan_parts(plan, [2], None)
+    with pytest.raises(ValueError, match="every sample's rank"):
+        plan.assignment()
+    with pytest.raises(ValueError, match="cut into its ranks' parts"):
+        plan.for_tables(0, 1)
+    same = plan_parts(plan, [0, 1], HostMap(np.array([1, 1, 0, 0])))
+    assert same[0].relayed_tables.tolist() == [0] and same[1].sample_order.tolist() == [0]
+    assert plan_parts(plan, [0], HostMap(np.array([0, 0, 1, 1]), relay=False))[0].relayed_tables.tolist() == []
+    with pytest.raises(ValueError, match=r"made for hosts \[0, 0, 1, 1\], but the ranks relay"):
+        plan_parts(plan, [0], HostMap(np.array([0, 1, 0, 1])))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_relay_rule_counts_groups_alike_in_runs_and_by_count(interleaved) -> None:
+    """`relayed_pairs` on pairs whose (row, host) groups come together (runs) and on an interleaved host map (a count
+    per group) equals a direct count of every group's readers that do not receive the row."""
+    rng = np.random.default_rng(5)
+    R, n = 8, 300
+    host = np.array([0, 1, 0, 1, 2, 3, 2, 3]) if interleaved else np.arange(R) // 2
+    counts = rng.integers(1, 6, n)
+    pair_row = np.repeat(np.arange(n), counts)
+    readers = np.concatenate([np.sort(rng.choice(R, c, replace=False)) for c in counts])
+    before, after = rng.integers(0, R, n), rng.integers(0, R, n)
+    got = relayed_pairs(pair_row, readers, before, after, host)
+    want = np.zeros(readers.shape[0], dtype=bool)
+    for i, (r, q) in enumerate(zip(pair_row, readers)):
+        same = (pair_row == r) & (host[readers] == host[q])
+        fill = (readers == after[r]) & (before[r] != after[r])
+        live = int((same & ~fill).sum())
+        want[i] = live >= 2 and (host[q] != host[before[r]] or host[q] != host[after[r]])
+    assert want.any() and np.array_equal(got, want)
