@@ -342,11 +342,12 @@ class ProtocolTotals:
     """Planning time per host and protocol bytes per rank per step (medians over the measured steps).
 
     herald_hier: its own record (`HierStep`, schedule/herald/hierarchy.py): plan_ms_per_host = the slowest host's
-    planner + directory role, the slowest directory role alone, and the union of the parts into one Plan (not a
-    host's work); protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the
-    busiest host's / its ranks), its plan part (mean and max over ranks). herald, today's protocol (plan_on="host"):
-    one planner per host plans everything (plan_ms_per_host = its time), every rank sends its ids to every host's
-    planner and receives the whole plan (`encode_plan` bytes)."""
+    planner + directory role (its own plan and replica update included), the slowest directory role alone, the
+    slowest host's own plan and replica update alone, and the union of the parts into one Plan (not a host's work);
+    protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the busiest host's / its
+    ranks), its plan part (mean and max over ranks). herald, today's protocol (plan_on="host"): one planner per host
+    plans everything (plan_ms_per_host = its time), every rank sends its ids to every host's planner and receives the
+    whole plan (`encode_plan` bytes)."""
 
     def __init__(self) -> None:
         self.rows: dict[str, list[float]] = {}
@@ -361,9 +362,11 @@ class ProtocolTotals:
         if step is not None:  # herald_hier
             P = pol.ranks_per_host
             per_host = step.per_host_seconds
+            own_plan = step.host_plan_seconds if step.host_plan_seconds.shape[0] else np.zeros_like(per_host)
             self._put(
                 max_host_ms=per_host.max() * 1e3,
                 max_directory_ms=step.directory_seconds.max() * 1e3,
+                max_host_plan_ms=own_plan.max() * 1e3,
                 union_ms=step.union_seconds * 1e3,
                 ids=step.ids_bytes.mean(),
                 between_hosts=sum(step.message_bytes.values()) / R,
@@ -384,7 +387,9 @@ class ProtocolTotals:
 
     def summary(self) -> dict:
         med = {k: float(np.median(v)) for k, v in self.rows.items()}
-        ms = {k: round(med[k], 3) for k in ("max_host_ms", "max_directory_ms", "union_ms") if k in med}
+        ms = {
+            k: round(med[k], 3) for k in ("max_host_ms", "max_directory_ms", "max_host_plan_ms", "union_ms") if k in med
+        }
         by = {k: round(med[k]) for k in ("ids", "between_hosts", "between_hosts_busiest_host", "plan_part",
                                          "plan_part_max") if k in med}  # fmt: skip
         by["total"] = round(med["ids"] + med["between_hosts"] + med["plan_part"])

@@ -362,10 +362,13 @@ class OwnershipDirectory:
         keys, groups = gid[arrive], dst[arrive] * self.num_tables + table[arrive]
         return Arrivals(pos=self.slots.add(keys, groups), keys=keys, groups=groups)
 
-    def occupancy(self) -> dict:
-        """Guest occupancy summary: guests / capacity over all (rank, table) groups with capacity."""
-        cap = np.tile(self.capacity, self.num_ranks)
-        used = self.slots.fill
+    def occupancy(self, ranks: np.ndarray | None = None) -> dict:
+        """Guest occupancy summary: guests / capacity over the (rank, table) groups with capacity of `ranks` (default
+        every rank; a herald_hier host's replica keeps its own ranks' guests only)."""
+        ranks = np.arange(self.num_ranks) if ranks is None else np.asarray(ranks, dtype=np.int64)
+        T = self.num_tables
+        cap = np.tile(self.capacity, ranks.shape[0])
+        used = self.slots.fill.reshape(self.num_ranks, T)[ranks].ravel()
         tot = int(cap.sum())
         return {"guests": int(used.sum()), "capacity": tot, "fill": float(used.sum() / tot) if tot else 0.0}
 

@@ -271,9 +271,11 @@ def test_each_host_plans_from_its_own_samples_in_its_own_replica(R, P, cache, st
     board, barrier = {}, threading.Barrier(H)
     got, errors = [[] for _ in range(H)], []
 
+    pols = {}
+
     def host(h: int) -> None:
         try:
-            pol = HeraldHierPolicy(rows, R, B, cache, L, hosts=P)
+            pol = pols[h] = HeraldHierPolicy(rows, R, B, cache, L, hosts=P)
             tr = ThreadTransport(h, board, barrier)
             for s in range(steps):
                 got[h].append(pol.plan_host(h, own[h][s : s + L + 1], tr))
@@ -302,6 +304,13 @@ def test_each_host_plans_from_its_own_samples_in_its_own_replica(R, P, cache, st
                     assert np.array_equal(x, y), (h, s, r)
                 relayed += int(b[ranks[0]].relayed_tables.shape[0])
     assert relayed > 0  # some step relayed rows within a host
+    T = len(rows)
+    for h, pol in pols.items():  # its own ranks' guests as the one-process run's; describe counts those alone
+        fill = pol.directory.slots.fill.reshape(R, T)
+        assert np.array_equal(fill[h * P : (h + 1) * P], ref.directory.slots.fill.reshape(R, T)[h * P : (h + 1) * P])
+        guests = pol.describe()["guests"]
+        assert guests["guests"] == fill[h * P : (h + 1) * P].sum() > 0
+        assert guests["capacity"] == P * int(ref.directory.capacity.sum())
     with pytest.raises(ValueError, match="plan_host takes host 0..3's batches"):
         HeraldHierPolicy(rows, 8, B, 0.1, L, hosts=2).plan_host(0, fresh[: L + 1], ThreadTransport(0, {}, barrier))
 

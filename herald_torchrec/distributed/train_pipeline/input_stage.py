@@ -29,7 +29,8 @@ Per step, every rank:
     `scheduler=herald_hier` with one planner per machine (`plan_on="host"`, several machines): each rank sends its
     ids to its own machine's planner only (2 sends nothing to other machines), and the planners plan their machines'
     parts together through a gloo group of the planners (planner_transport.py; schedule/herald/hierarchy.py's
-    phases), all-gather the parts, and each sends its machine's ranks their parts of the whole plan as above.
+    phases); each planner receives only its machine's plan (`HostPlan`) and sends its ranks their parts of it as
+    above: no process holds the whole plan.
     Samples then never leave their machine (a plan that sends one elsewhere is an error);
 (4) exchanges dense features, labels and the ids of the *carried* features (those no Herald table reads: tables left
     to TorchRec's sharding, other sparse modules) with one plan-sized all-to-all of bytes (bit-exact), so it holds
@@ -397,9 +398,9 @@ class ScheduledInput:
 
     def _plan_per_host(self, policy: SchedulePolicy, planner_of: np.ndarray) -> None:
         """herald_hier with one planner per machine (`plan_on="host"`, several machines, the policy's hosts being the
-        machines): each rank's ids go to its own machine's planner only, and the planners plan their machines' parts
-        through a gloo group of the planners (planner_transport.py). Elsewhere nothing changes. Collective (the
-        group): every rank decides the same from the same words."""
+        machines, the plan travelling as parts): each rank's ids go to its own machine's planner only, and the
+        planners plan their machines' parts through a gloo group of the planners (planner_transport.py). Elsewhere
+        nothing changes. Collective (the group): every rank decides the same from the same words."""
         H = int(getattr(policy, "num_hosts", 1))
         if self.plan_on != "host" or not hasattr(policy, "plan_host") or H < 2 or not dist.is_initialized():
             return

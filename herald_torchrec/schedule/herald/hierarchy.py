@@ -734,7 +734,10 @@ class HeraldHierPolicy(SchedulePolicy):
         out = self._flat.describe() if self._flat is not None else super().describe()
         out.update(name=self.name, hosts=self.num_hosts, ranks_per_host=self.ranks_per_host, tables=self.tables)
         if self._flat is None:
-            out.update(refine=self.refine, guests=self.directory.occupancy())
+            P = self.ranks_per_host
+            planned = sorted(self.last_host_plans) or range(self.num_hosts)  # the hosts whose guests it keeps
+            ranks = np.concatenate([np.arange(h * P, (h + 1) * P) for h in planned])
+            out.update(refine=self.refine, guests=self.directory.occupancy(ranks))
         return out
 
     # ---- a key's table and home, from the layout --------------------------------------------------------------
