@@ -565,10 +565,11 @@ class HostPlanner:
         v_dest, v_idx = np.divmod(v_code, max(victims.shape[0], 1))
         # the summary: counts and table bits
         flags = np.zeros(T, dtype=np.uint8)
-        flags[pol.table_of(np.concatenate([mig_key, victims]))] |= MOVED
-        flags[pol.table_of(sh_key)] |= SHARED
-        relayed = relayed_pairs(row, readers, before, after, pol.host_of_rank)
-        flags[pol.table_of(sh_key[np.unique(row[relayed])])] |= RELAYED
+        flags[pol._sorted_tables(mig_key)] |= MOVED  # (each part's keys come sorted)
+        flags[pol._sorted_tables(victims)] |= MOVED
+        sh_table = pol._sorted_tables(sh_key)
+        flags[sh_table] |= SHARED
+        flags[sh_table[row[relayed_pairs(row, readers, before, after, pol.host_of_rank)]]] |= RELAYED
         summary = np.concatenate([fin.counts, [n_mig, victims.shape[0]]]).astype(np.int64)
         # gathered once, then sliced per host
         s_key, s_owner, s_readers = sh_key[run_row], sh_owner[run_row], sh_readers[pair]
@@ -1160,9 +1161,8 @@ class HeraldHierPolicy(SchedulePolicy):
         planner deciding every key at once (`_rows`); its moves applied to this process's directory (`apply`), unless
         every host applied its own (`_apply_host_moves`)."""
         R, B = self.num_ranks, self.batch_per_rank
-        (mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src, members, ranks,
-         counts) = [np.concatenate([p[i] for p in parts]) for i in range(12)]  # fmt: skip
-        rows = self._rows(mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers)
+        members, ranks, counts = [np.concatenate([p[i] for p in parts]) for i in (9, 10, 11)]
+        rows = self._rows(parts)
         if apply:
             mv = rows.moves
             got = self.directory.apply_known_moves(rows.gid, mv.dst, mv.src, rows.home, mv.table)
@@ -1177,7 +1177,7 @@ class HeraldHierPolicy(SchedulePolicy):
             sample_order=order_from_assignment(sample_rank, R),
             moves=rows.moves,
             shared=rows.shared,
-            counters=_counters(hit, remote, mig_key.shape[0], victims.shape[0]),
+            counters=_counters(hit, remote, len(rows.moves) - rows.victims, rows.victims),
         )
 
     def _host_plan(self, hp: HostPlanner, part: Message, inbox: dict[int, Message]) -> tuple[HostPlan, "_HostMoves"]:
@@ -1188,9 +1188,8 @@ class HeraldHierPolicy(SchedulePolicy):
         h, P, R, B = hp.h, self.ranks_per_host, self.num_ranks, self.batch_per_rank
         T = self.layout.num_tables
         got = [inbox[s] for s in sorted(inbox)]
-        (mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src, summary,
-         flags) = [np.concatenate([m[i] for m in got]) for i in range(11)]  # fmt: skip
-        rows = self._rows(mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers)
+        summary, flags = (np.concatenate([m[i] for m in got]) for i in (9, 10))
+        rows = self._rows(got)
         # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
         fin = hp.final
         mine = hp.keys[fin.mig]
@@ -1235,14 +1234,19 @@ class HeraldHierPolicy(SchedulePolicy):
             got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
             self.eviction.arrived(got.pos, got.keys, got.groups)
 
-    def _rows(self, mig_key, mig_src, mig_dst, victims, victim_src, sh_key, sh_owner, sh_count, sh_readers) -> "_Rows":
-        """Moves and shared rows from the hosts' parts (whole or routed): a part's keys come sorted and are distinct
-        across parts (a key has one home host; a victim is a guest nobody read, never a migrating key), so one packed
-        sort orders every move and one the shared keys, and the keys' tables come from the sorted keys and the
-        layout's offsets: no array over every row is read (every planner runs this in training). The directory gets
-        the moves in key order: its slots only keep the arrivals' order within a group, which is the migrations' key
-        order either way."""
-        n_mig = mig_key.shape[0]
+    def _rows(self, parts: list[Message]) -> "_Rows":
+        """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`):
+        fields 0-8 of each are its migrations (key, source, destination), shared rows (key, owner, reader count,
+        readers) and victims (key, owner). Every move and shared row in key order, as one planner deciding every key
+        at once: a part's keys come sorted and are distinct across parts (a key has one home host; a victim is a
+        guest nobody read, never a migrating key), so one packed sort orders every move and one the shared keys
+        (numpy's sort of int64 beats merging the parts' blocks), and the keys' tables come from the sorted keys and
+        the layout's offsets: no array over every row is read (every planner runs this in training). The directory
+        gets the moves in key order: its slots only keep the arrivals' order within a group, which is the
+        migrations' key order either way."""
+        cat = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64) for i in range(9)]
+        mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
+        n_mig, n_vic = mig_key.shape[0], victims.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key
         mv_gid = np.concatenate([mig_key, victims])
         o = stable_order(mv_gid)
@@ -1251,7 +1255,7 @@ class HeraldHierPolicy(SchedulePolicy):
         mv_table = self._sorted_tables(mv_gid)
         mv_row = mv_gid - self.layout.offsets[mv_table]
         mv_home = mv_row // self.directory.block[mv_table]
-        mv_dst = np.concatenate([mig_dst.astype(np.int64), np.zeros(victims.shape[0], dtype=np.int64)])[o]
+        mv_dst = np.concatenate([mig_dst.astype(np.int64), np.zeros(n_vic, dtype=np.int64)])[o]
         is_victim = o >= n_mig
         mv_dst[is_victim] = mv_home[is_victim]
         mv_kind = np.where(is_victim, np.int8(EVICT_HOME), np.int8(MIGRATE))
@@ -1272,17 +1276,19 @@ class HeraldHierPolicy(SchedulePolicy):
             reader_offsets=offs,
             readers=sh_readers[at].astype(np.int64),
         )
-        return _Rows(moves=moves, shared=shared, gid=mv_gid, home=mv_home)
+        return _Rows(moves=moves, shared=shared, gid=mv_gid, home=mv_home, victims=n_vic)
 
 
 @dataclass
 class _Rows:
-    """A step's moves and shared rows (`HeraldHierPolicy._rows`), with every move's key and home rank."""
+    """A step's moves and shared rows (`HeraldHierPolicy._rows`), with every move's key and home rank and the number
+    of victims among the moves."""
 
     moves: RowMoves
     shared: SharedRows
     gid: np.ndarray
     home: np.ndarray
+    victims: int  # of the moves, the victims sent home
 
 
 @dataclass
