@@ -430,7 +430,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 5; }
+int herald_kernels_version() { return 6; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -807,6 +807,68 @@ int64_t herald_step_reads_sparse(const int64_t* cid, int64_t E, int64_t width, c
     pair_key[q] = tk[p], pair_rank[q] = tr[p];
   }
   return P;
+}
+
+// ---- herald_hier's routing of a home host's part (hierarchy.py) --------------------------------------------------
+
+// hierarchy.HostPlanner.routed, its shared rows: each (row, reader) pair of a home host's n shared rows (readers in
+// CSR `ro` / `rd`, ranks sorted, so a host's readers come together: host = rank / P) to the hosts that execute it:
+// every pair to the hosts of the row's owners before and after the moves, and each other host its own pairs. Writes,
+// host by host, the pairs (`pair_out`, `dest_bounds`) and the runs of one row's pairs (`run_row`, `run_count`,
+// `run_bounds`), rows in order within a host; and whether a host relay serves some (row, host) group of each row
+// (`relayed`: two readers there that do not receive the row in the moves, on a host not both owners'). Returns the
+// pairs written, or -1 where a row's readers are not in host order (the caller's numpy code then runs).
+int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, const int64_t* before,
+                            const int64_t* after, int64_t P, int64_t H, int64_t* dest_bounds, int64_t* pair_out,
+                            int64_t* run_bounds, int64_t* run_row, int64_t* run_count, uint8_t* relayed) {
+  std::vector<int64_t> dcount(H, 0), rcount(H, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = before[i] / P, a = after[i] / P, s = ro[i], e = ro[i + 1];
+    const bool moved = before[i] != after[i];
+    dcount[b] += e - s;
+    rcount[b] += 1;
+    if (a != b) {
+      dcount[a] += e - s;
+      rcount[a] += 1;
+    }
+    relayed[i] = 0;
+    for (int64_t g = s; g < e;) {
+      const int64_t u = rd[g] / P;
+      int64_t j = g, live = 0;
+      for (; j < e && rd[j] / P == u; ++j) live += !(moved && rd[j] == after[i]);
+      if (j < e && rd[j] / P < u) return -1;
+      if (live >= 2 && (u != b || u != a)) relayed[i] = 1;
+      if (u != b && u != a) {
+        dcount[u] += j - g;
+        rcount[u] += 1;
+      }
+      g = j;
+    }
+  }
+  dest_bounds[0] = run_bounds[0] = 0;
+  for (int64_t t = 0; t < H; ++t) {
+    dest_bounds[t + 1] = dest_bounds[t] + dcount[t];
+    run_bounds[t + 1] = run_bounds[t] + rcount[t];
+  }
+  std::vector<int64_t> dpos(dest_bounds, dest_bounds + H), rpos(run_bounds, run_bounds + H);
+  auto put = [&](int64_t t, int64_t i, int64_t s, int64_t e) {
+    for (int64_t q = s; q < e; ++q) pair_out[dpos[t]++] = q;
+    run_row[rpos[t]] = i;
+    run_count[rpos[t]++] = e - s;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = before[i] / P, a = after[i] / P, s = ro[i], e = ro[i + 1];
+    put(b, i, s, e);
+    if (a != b) put(a, i, s, e);
+    for (int64_t g = s; g < e;) {
+      const int64_t u = rd[g] / P;
+      int64_t j = g;
+      while (j < e && rd[j] / P == u) ++j;
+      if (u != b && u != a) put(u, i, g, j);
+      g = j;
+    }
+  }
+  return dest_bounds[H];
 }
 
 // ---- the plan's flat wire form (plan_wire.py): the same bytes as its numpy code --------------------------------

@@ -11,6 +11,7 @@ plane stays torch-free, and the GIL is released while a kernel runs.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 5  # herald_kernels_version() of the source this module expects
+VERSION = 6  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -157,6 +158,10 @@ SIGNATURES = {
     ),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_step_reads_sparse": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_route_shared": (
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p],
+        _i64,
+    ),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
@@ -547,6 +552,46 @@ class DirectoryArrays:
 
 
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
+@dataclass
+class SharedRoutes:
+    """A home host's shared pairs by the host that executes them (hierarchy.HostPlanner.routed): host t gets pairs
+    `pair[dest_bounds[t]:dest_bounds[t + 1]]` (indices into the readers, in order), as runs of one row's pairs
+    (`run_row`, `run_count`, host t's runs at `run_bounds[t]:run_bounds[t + 1]`); `relayed`: the rows with a (row,
+    host) group a host relay serves."""
+
+    dest_bounds: np.ndarray
+    pair: np.ndarray
+    run_bounds: np.ndarray
+    run_row: np.ndarray
+    run_count: np.ndarray
+    relayed: np.ndarray
+
+
+def route_shared(
+    reader_offsets: np.ndarray, readers: np.ndarray, before: np.ndarray, after: np.ndarray, P: int, H: int
+) -> SharedRoutes | None:
+    """`SharedRoutes` of shared rows (readers in CSR, rank order) owned by `before` / `after`, hosts of P
+    consecutive ranks; None where the kernels are off or a row's readers are not in rank order."""
+    L = lib()
+    if L is None:
+        return None
+    ro, rd = _c(reader_offsets, np.int64), _c(readers, np.int64)
+    b, a = _c(before, np.int64), _c(after, np.int64)
+    n, n_pairs = b.shape[0], rd.shape[0]
+    dest_bounds, run_bounds = np.zeros(H + 1, dtype=np.int64), np.zeros(H + 1, dtype=np.int64)
+    pair = np.empty(3 * n_pairs, dtype=np.int64)
+    run_row, run_count = np.empty(2 * n + n_pairs, dtype=np.int64), np.empty(2 * n + n_pairs, dtype=np.int64)
+    relayed = np.zeros(n, dtype=np.uint8)
+    got = L.herald_route_shared(
+        n, _p(ro), _p(rd), _p(b), _p(a), int(P), int(H), _p(dest_bounds), _p(pair), _p(run_bounds), _p(run_row),
+        _p(run_count), _p(relayed),
+    )  # fmt: skip
+    if got < 0:
+        return None
+    runs = int(run_bounds[-1])
+    return SharedRoutes(dest_bounds, pair[:got], run_bounds, run_row[:runs], run_count[:runs], relayed.view(bool))
+
+
 def wire_assignment(sample_order: np.ndarray, R: int, B: int) -> np.ndarray | None:
     """plan_wire._assignment (each sample's rank), or None where the sample order does not determine it."""
     so = _c(sample_order, np.int64)

@@ -527,22 +527,9 @@ class HostPlanner:
         before = self.k_own[fin.shared].astype(np.int64)
         after = sh_owner.astype(np.int64)
         row, readers = fin.shared_pair_row, fin.readers
-        n_pairs = readers.shape[0]
-        r_host = readers // P
-        b_host, a_host = before // P, after // P
-        # shared rows: (destination host, pair), sorted by destination, the pairs' order (key, then rank) kept
-        alone = (r_host != b_host[row]) & (r_host != a_host[row])
-        dest = np.concatenate([np.repeat(b_host, sh_count), np.repeat(np.where(a_host != b_host, a_host, H), sh_count),
-                               np.where(alone, r_host, H)])  # fmt: skip
-        code = dest * max(n_pairs, 1) + np.tile(np.arange(n_pairs, dtype=np.int64), 3)
-        code = np.sort(code[dest < H])
-        dest, pair = np.divmod(code, max(n_pairs, 1))
-        p_row = row[pair]
-        run = (
-            np.flatnonzero(np.r_[True, (dest[1:] != dest[:-1]) | (p_row[1:] != p_row[:-1])]) if pair.shape[0] else pair
-        )
-        run_dest, run_row = dest[run], p_row[run]  # every (host, row) sent, by host then key
-        run_count = np.diff(np.append(run, pair.shape[0])).astype(np.int32)
+        routes = _route_shared(sh_count, readers, row, before, after, P, H)
+        run_dest = np.repeat(np.arange(H, dtype=np.int64), np.diff(routes.run_bounds))
+        run_row, pair = routes.run_row, routes.pair  # every (host, row) sent, by host then key; their pairs
         # migrations: to both ends' hosts, and a shared row's to every host its row goes to (both ends' included)
         n_mig = mig_key.shape[0]
         k_mig = np.full(self.keys.shape[0], -1, dtype=np.int64)
@@ -569,14 +556,15 @@ class HostPlanner:
         flags[pol._sorted_tables(victims)] |= MOVED
         sh_table = pol._sorted_tables(sh_key)
         flags[sh_table] |= SHARED
-        flags[sh_table[row[relayed_pairs(row, readers, before, after, pol.host_of_rank)]]] |= RELAYED
+        flags[sh_table[routes.relayed]] |= RELAYED
         summary = np.concatenate([fin.counts, [n_mig, victims.shape[0]]]).astype(np.int64)
         # gathered once, then sliced per host
         s_key, s_owner, s_readers = sh_key[run_row], sh_owner[run_row], sh_readers[pair]
+        run_count = routes.run_count.astype(np.int32)
         g_key, g_src, g_dst = mig_key[m_idx], mig_src[m_idx], mig_dst[m_idx]
         g_victims, g_vsrc = victims[v_idx], victim_src[v_idx]
         hosts = np.arange(H + 1)
-        rb, pb = np.searchsorted(run_dest, hosts), np.searchsorted(dest, hosts)
+        rb, pb = routes.run_bounds, routes.dest_bounds
         mb, vb = np.searchsorted(m_dest, hosts), np.searchsorted(v_dest, hosts)
         out = {}
         for t in range(H):
@@ -587,6 +575,43 @@ class HostPlanner:
                 s_readers[p0:p1], g_victims[v0:v1], g_vsrc[v0:v1], summary, flags,
             ]  # fmt: skip
         return {h: out}
+
+
+def _route_shared(
+    count: np.ndarray, readers: np.ndarray, row: np.ndarray, before: np.ndarray, after: np.ndarray, P: int, H: int
+) -> native.SharedRoutes:
+    """A home host's shared pairs by the host that executes them (`HostPlanner.routed`; `native.SharedRoutes`): every
+    pair to the hosts of its row's owners before and after the moves, and each other host its own pairs, the pairs'
+    order (key, then rank) kept within a host; and the rows a host relay serves somewhere (`relayed_pairs`). One
+    compiled pass where the kernels are on, else numpy: (host, pair) codes, one sort."""
+    if native.enabled():
+        offsets = np.zeros(count.shape[0] + 1, dtype=np.int64)
+        np.cumsum(count, out=offsets[1:])
+        got = native.route_shared(offsets, readers, before, after, P, H)
+        if got is not None:
+            return got
+    n_pairs = readers.shape[0]
+    r_host = readers // P
+    b_host, a_host = before // P, after // P
+    alone = (r_host != b_host[row]) & (r_host != a_host[row])
+    dest = np.concatenate([np.repeat(b_host, count), np.repeat(np.where(a_host != b_host, a_host, H), count),
+                           np.where(alone, r_host, H)])  # fmt: skip
+    code = dest * max(n_pairs, 1) + np.tile(np.arange(n_pairs, dtype=np.int64), 3)
+    code = np.sort(code[dest < H])
+    dest, pair = np.divmod(code, max(n_pairs, 1))
+    p_row = row[pair]
+    run = np.flatnonzero(np.r_[True, (dest[1:] != dest[:-1]) | (p_row[1:] != p_row[:-1])]) if pair.shape[0] else pair
+    hosts = np.arange(H + 1)
+    relayed = np.zeros(count.shape[0], dtype=bool)
+    relayed[row[relayed_pairs(row, readers, before, after, np.arange(H * P) // P)]] = True
+    return native.SharedRoutes(
+        dest_bounds=np.searchsorted(dest, hosts),
+        pair=pair,
+        run_bounds=np.searchsorted(dest[run], hosts),
+        run_row=p_row[run],
+        run_count=np.diff(np.append(run, pair.shape[0])),
+        relayed=relayed,
+    )
 
 
 MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`HostPlanner.routed`)
