@@ -345,9 +345,10 @@ class ProtocolTotals:
     planner + directory role (its own plan and replica update included), the slowest directory role alone, the
     slowest host's own plan and replica update alone, and the union of the parts into one Plan (not a host's work);
     protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the busiest host's / its
-    ranks), its plan part (mean and max over ranks). herald, today's protocol (plan_on="host"): one planner per host
-    plans everything (plan_ms_per_host = its time), every rank sends its ids to every host's planner and receives the
-    whole plan (`encode_plan` bytes)."""
+    ranks), its plan part (mean and max over ranks); parts_bytes_per_host = the plan parts a host's planner receives
+    on the wire, routed to it (its own ranks' plan) against every host's whole part (what an all-gather carries).
+    herald, today's protocol (plan_on="host"): one planner per host plans everything (plan_ms_per_host = its time),
+    every rank sends its ids to every host's planner and receives the whole plan (`encode_plan` bytes)."""
 
     def __init__(self) -> None:
         self.rows: dict[str, list[float]] = {}
@@ -360,7 +361,7 @@ class ProtocolTotals:
         R, B = pol.num_ranks, pol.batch_per_rank
         step = getattr(pol, "last_step", None)
         if step is not None:  # herald_hier
-            P = pol.ranks_per_host
+            P, H = pol.ranks_per_host, pol.num_hosts
             per_host = step.per_host_seconds
             own_plan = step.host_plan_seconds if step.host_plan_seconds.shape[0] else np.zeros_like(per_host)
             self._put(
@@ -373,6 +374,8 @@ class ProtocolTotals:
                 between_hosts_busiest_host=step.host_message_bytes.max() / P,
                 plan_part=step.plan_part_bytes.mean(),
                 plan_part_max=step.plan_part_bytes.max(),
+                parts_wire_per_host=step.wire_bytes.get("parts", 0) / H,
+                parts_all_gather_per_host=step.parts_bytes * (H - 1) / H,
             )
             for k, v in step.message_bytes.items():
                 self._put(**{f"msg_{k}": v / R})
@@ -396,7 +399,13 @@ class ProtocolTotals:
         msgs = {k[4:]: round(v) for k, v in med.items() if k.startswith("msg_") and v}
         if msgs:
             by["between_hosts_by_kind"] = msgs
-        return {"plan_ms_per_host": ms, "protocol_bytes_per_rank": by}
+        out = {"plan_ms_per_host": ms, "protocol_bytes_per_rank": by}
+        if "parts_wire_per_host" in med:  # herald_hier's plan parts on the planners' wire, per host
+            out["parts_bytes_per_host"] = {
+                "routed": round(med["parts_wire_per_host"]),
+                "all_gathered": round(med["parts_all_gather_per_host"]),
+            }
+        return out
 
 
 TABLE_CLASSES = ((1_000, "tiny"), (20_000, "mid"))  # rows below the bound; larger tables are "large"

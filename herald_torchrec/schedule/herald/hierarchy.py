@@ -150,9 +150,11 @@ class HierStep:
     message_bytes: dict[str, int] = field(default_factory=dict)
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
-    plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
+    # [R]; from a host plan (`plan_host`) right for the host's own ranks only
+    plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
+    parts_bytes: int = 0  # the hosts' whole parts (`HostPlanner.part`), what an all-gather of them would carry once
 
     @property
     def per_host_seconds(self) -> np.ndarray:
@@ -996,6 +998,7 @@ class HeraldHierPolicy(SchedulePolicy):
             plan_part_bytes=plan_part_bytes(plan),
             swapped_samples=self.last_swapped,
             wire_bytes=dict(transport.last_bytes),
+            parts_bytes=sum(message_bytes(m) for m in parts.values()),
         )
         transport.last_bytes.clear()
         return plan
