@@ -325,6 +325,14 @@ def test_home_and_table_from_the_key_match_the_directory():
     # the union's tables of sorted keys (every key, a subset that skips tables, none)
     for sub in (keys, keys[[0, 4, 5, 15, 16, 31]], keys[[12, 13]], keys[:0]):
         np.testing.assert_array_equal(pol._sorted_tables(sub), pol.directory.table[sub])
+    # a key's directory host: its home host shifted by its table, so the tables' first rows go to 4 different hosts
+    want = (pol.directory.home // 4 + pol.directory.table.astype(np.int64)) % 2
+    np.testing.assert_array_equal(pol.directory_host_of(keys), want)
+    four = HeraldHierPolicy(rows, 8, 2, 0.25, 1, hosts=2)
+    first_rows = np.array([0, 5, 12, 15, 16])
+    np.testing.assert_array_equal(four.directory_host_of(first_rows), [0, 1, 2, 3, 0])
+    one_table = HeraldHierPolicy([8], 4, 1, 0.25, 1, hosts=2)  # the module docstring's example: the home hosts
+    np.testing.assert_array_equal(one_table.directory_host_of(np.arange(8)), np.arange(8) // 4)
 
 
 def test_the_per_host_settings_planner_holds_no_per_row_state():

@@ -6,11 +6,13 @@ ids to every host's planner, the whole plan to every rank) grow with R. Here eve
 
 Hosts are consecutive groups of P ranks (the host map of `traffic.host_of`; in training, the machines the pipeline
 reports, else `ranks_per_host`). Host h's samples are those its ranks loaded: global samples [h P B, (h+1) P B); by
-default they never leave the host (2b below swaps some). Every row has one owner rank; the row's *home
-host* (the host of its ROW_WISE home rank, known to everyone from the key) keeps its directory entry (owner rank,
-last use) and decides where it goes next. Each host keeps the guest slots of its own ranks. Per step:
+default they never leave the host (2b below swaps some). Every row has one owner rank; the row's *directory host*
+(the host of its ROW_WISE home rank, shifted by its table's index: `directory_host_of`, known to everyone from the
+key; with one table, the home rank's host) keeps its directory entry (owner rank) and decides where it goes next.
+The shift spreads the small tables, whose rows are all homed on the first ranks, over the hosts: at R=256 the first
+host homed 4.3x the median host's shared pairs. Each host keeps the guest slots of its own ranks. Per step:
 
-1. demand   (h -> home host A): the distinct keys h's samples read in the current batch, homed on A.
+1. demand   (h -> directory host A): the distinct keys h's samples read in the current batch, A's keys.
 2. owners   (A -> h): the current owner rank of every demanded key (aligned with the demand).
 2b. (move_samples="swap" only; off by default) the demand also carries each key's reader count (COUNT) and the
    owners' answer the other host that reads it most and its count (RANK + COUNT); every host offers (h -> host 0,
@@ -28,7 +30,7 @@ last use) and decides where it goes next. Each host keeps the guest slots of its
 4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
 5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
    keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
-   lowest rank). No owner balancing, no replicas. Each home host decides its own keys in one vectorised pass over
+   lowest rank). No owner balancing, no replicas. Each directory host decides its keys in one vectorised pass over
    the reads it received, sorted by key then rank.
 6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source); pins (A -> t): the keys
    held as guests on t's ranks and read in the step only by other hosts (t must not evict them; t knows its own).
@@ -36,16 +38,16 @@ last use) and decides where it goes next. Each host keeps the guest slots of its
    step; those its own samples' lookahead window reads evicted last, least recently used first), else cancelled
    arrivals (herald's order). Departures to other hosts are not counted as room, so a cancellation never takes room
    another host counted on: each host decides alone. Victims go home (EVICT_HOME; no FORWARD).
-   cancels (t -> A): the cancelled arrivals; evictions (t -> the victim's home host): the rows sent home.
+   cancels (t -> A): the cancelled arrivals; evictions (t -> the victim's directory host): the rows sent home.
 8. decisions (A -> h): the final owner rank of every demanded key; departures (A -> the source host of a move):
    the rows leaving it; shares (A -> the final owner's host): every shared key's reader ranks.
    On the wire (`HostPlanner.routed`) each host gets the entries its own ranks execute (`HostPlan`, schedule/plan.py):
    a migration goes to its two ends' hosts and to every host that gets its row as shared; a shared row with all its
    readers to its owners' hosts (before and after the moves), and to every other host with its readers there; a
-   victim to its owner's host and its home host; every host gets every host's step summary (its counts, and its
-   tables with moves, shared rows and relayed (row, host) groups: a few bytes per table). Each host assembles its
-   `HostPlan` from them and applies to its replica the moves of its home rows and of its ranks' guests, the only
-   state it reads (its directory role's owners, its capacity phase's guests).
+   victim to its owner's host, its home host and its directory host; every host gets every host's step summary (its
+   counts, and its tables with moves, shared rows and relayed (row, host) groups: a few bytes per table). Each host
+   assembles its `HostPlan` from them and applies to its replica the moves of its directory's rows and of its ranks'
+   guests, the only state it reads (its directory role's owners, its capacity phase's guests).
 In one process (`plan`: the simulator, the tests) the policy also returns the whole `Plan`, the union of the hosts'
 parts, so the checker, the traffic accounting and the data plane run it unchanged.
 
@@ -305,21 +307,21 @@ class HostPlanner:
     """What host h runs in one step (module docstring, phases 1-8): from its own samples' window and what the other
     hosts send it. `policy` is this process's replica of the shared state (the directory, the guest slots and
     eviction pool of h's ranks, the per-host settings); h reads the directory only for its own rows' entries (as
-    their home host: owners, decisions) and its own guests (capacity), and keeps only those up to date."""
+    their directory host: owners, decisions) and its own guests (capacity), and keeps only those up to date."""
 
     def __init__(self, policy: "HeraldHierPolicy", h: int, window: Sequence[GlobalBatch], msg: _Messages) -> None:
         self.pol, self.h, self.window, self.msg = policy, h, list(window), msg
         P, B = policy.ranks_per_host, policy.batch_per_rank
         self.members = np.arange(h * P * B, (h + 1) * P * B, dtype=np.int64)  # global samples planned here
         self._keys(window[0])
-        self.demand_from: dict[int, np.ndarray] = {}  # as a home host: the keys each host asked about
+        self.demand_from: dict[int, np.ndarray] = {}  # as a directory host: the keys each host asked about
         self.victims = np.zeros(0, dtype=np.int64)
 
     def _keys(self, sub: GlobalBatch) -> None:
         pol = self.pol
         self.sub = sub
         self.bk = pol.keys_of(sub)
-        self.home_host = pol.home_of(self.bk.keys) // pol.ranks_per_host
+        self.dir_host = pol.directory_host_of(self.bk.keys)
         self.own = np.zeros(0, dtype=np.int64)
 
     # ---- settings, once ---------------------------------------------------------------------------------------
@@ -348,23 +350,23 @@ class HostPlanner:
 
     # ---- phases 1-2: demand, owners ---------------------------------------------------------------------------
     def demand(self, count: bool = True) -> dict[int, Message]:
-        """Phase 1: the distinct keys of h's samples, to their home hosts."""
+        """Phase 1: the distinct keys of h's samples, to their directory hosts."""
         H = self.pol.num_hosts
-        k = np.bincount(self.home_host, minlength=H)
+        k = np.bincount(self.dir_host, minlength=H)
         if count:
             self.msg.add_many("demand", self.h, np.arange(H), k * KEY_BYTES, H)
             self.msg.add_many("owners", np.arange(H), self.h, k * RANK_BYTES, H)
             self.msg.add_many("decisions", np.arange(H), self.h, k * RANK_BYTES, H)
         K = self.bk.keys.shape[0]
-        o = stable_order(self.home_host)  # the keys by home host, each host's in key order: the demand's order
+        o = stable_order(self.dir_host)  # the keys by directory host, each host's in key order: the demand's order
         bounds = np.concatenate([[0], np.cumsum(k)])
-        self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its home host
+        self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its directory host
         self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
         self.demand_slices = {t: o[bounds[t] : bounds[t + 1]] for t in np.flatnonzero(k).tolist()}
         return {t: [self.bk.keys[sel]] for t, sel in self.demand_slices.items()}
 
     def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
-        """Phase 2, as a home host: the current owner of every key each host demanded."""
+        """Phase 2, as a directory host: the current owner of every key each host demanded."""
         owner = self.pol.directory.owner
         self.demand_from = {s: m[0] for s, m in inbox.items()}
         return {s: [owner[k].astype(np.int32)] for s, k in self.demand_from.items()}
@@ -384,14 +386,14 @@ class HostPlanner:
         self._keys(sub)
         self.own = pol.directory.owner[self.bk.keys].astype(np.int64)
         new_keys = np.setdiff1d(self.bk.keys, old, assume_unique=True)
-        hk = np.bincount(pol.directory.home[new_keys].astype(np.int64) // pol.ranks_per_host, minlength=H)
+        hk = np.bincount(pol.directory_host_of(new_keys), minlength=H)
         self.msg.add_many("demand", self.h, np.arange(H), hk * KEY_BYTES, H)
         self.msg.add_many("decisions", np.arange(H), self.h, hk * RANK_BYTES, H)
 
     # ---- phases 3-4: LAIA over h's ranks, reads --------------------------------------------------------------
     def assign_and_read(self) -> dict[int, Message]:
         """Phase 3 (LAIA over h's P ranks) and phase 4: every (key, reader rank) pair of h with its element count, to
-        the key's home host (the key as its index in h's demand)."""
+        the key's directory host (the key as its index in h's demand)."""
         pol, h = self.pol, self.h
         P, H = pol.ranks_per_host, pol.num_hosts
         bk = self.bk
@@ -403,16 +405,16 @@ class HostPlanner:
         cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
         pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
         self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
-        hosts_p = np.bincount(self.home_host[rd.pair_key], minlength=H)
+        hosts_p = np.bincount(self.dir_host[rd.pair_key], minlength=H)
         self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         return _split_by(
-            self.home_host[rd.pair_key],
+            self.dir_host[rd.pair_key],
             H,
             [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(np.int32),
              cnt.astype(np.int32)],
         )  # fmt: skip
 
-    # ---- phases 5-6, as a home host: decisions, arrivals ------------------------------------------------------
+    # ---- phases 5-6, as a directory host: decisions, arrivals -------------------------------------------------
     def decide(self, inbox: dict[int, Message]) -> dict[int, Message]:
         """Phase 5: herald's decision for h's keys on the union of their reads; phase 6: every move into a rank of
         host t, to t (key, source, destination, whether one rank reads it), with the pins: h's keys held as guests
@@ -451,9 +453,9 @@ class HostPlanner:
     # ---- phase 7, for h's ranks: room for the arrivals ---------------------------------------------------------
     def make_room(self, inbox: dict[int, Message]) -> dict[int, Message]:
         """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy._make_room`); the
-        cancellations go back to the keys' home hosts."""
+        cancellations go back to the keys' directory hosts."""
         pol, t = self.pol, self.h
-        P, H = pol.ranks_per_host, pol.num_hosts
+        H = pol.num_hosts
         d = pol.directory
         keys, own, want, single, pins = _concat(inbox, 5, (np.int64, np.int64, np.int64, bool, np.int64))
         d.last_use[pins] = pol.step
@@ -464,9 +466,10 @@ class HostPlanner:
         vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
-        self.msg.add_many("cancels", t, home[want != before] // P, INDEX_BYTES, H)
-        self.msg.add_many("evictions", t, pol.home_of(vt) // P, KEY_BYTES, H)
-        return _split_by(home[want != before] // P, H, [cancelled])
+        to = pol.directory_host_of(cancelled)
+        self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
+        self.msg.add_many("evictions", t, pol.directory_host_of(vt), KEY_BYTES, H)
+        return _split_by(to, H, [cancelled])
 
     def next_use(self, keys: np.ndarray) -> np.ndarray:
         """The first batch of h's lookahead window (1..L) that reads each key, 0 for none, int64: a binary search in
@@ -483,7 +486,7 @@ class HostPlanner:
 
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
     def part(self, inbox: dict[int, Message]) -> Message:
-        """Phase 8: h's part of the plan, for every host: as a home host, its keys' migrations (key, source,
+        """Phase 8: h's part of the plan, for every host: as a directory host, its keys' migrations (key, source,
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
         capacity host, its victims and their owners; as a sample host, the rank of each of its samples."""
         pol = self.pol
@@ -520,9 +523,10 @@ class HostPlanner:
         """Phase 8 where every host keeps only its own ranks' plan (`plan_host`): `part` (h's, from `part`) split by
         the host that needs each entry (HostPlan's rule): a migration to its source's and destination's hosts and to
         every host that receives its row as shared; a shared row with all its readers to the hosts of its owners
-        before and after the moves, and to every other host with its readers there; a victim to its owner's host (h)
-        and its home host. Every host also gets h's step summary: its counts (hit, remote, migrations, victims) and
-        its tables with moves, shared rows and relayed (row, host) groups (a bit each: MOVED, SHARED, RELAYED)."""
+        before and after the moves, and to every other host with its readers there; a victim to its owner's host
+        (h), its home host and its directory host. Every host also gets h's step summary: its counts (hit, remote,
+        migrations, victims) and its tables with moves, shared rows and relayed (row, host) groups (a bit each:
+        MOVED, SHARED, RELAYED)."""
         pol, h, fin = self.pol, self.h, self.final
         P, H, T = pol.ranks_per_host, pol.num_hosts, pol.layout.num_tables
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = part[:9]
@@ -546,12 +550,12 @@ class HostPlanner:
         m_code = np.sort(np.concatenate([m_src_h[pm] * n_mig + pm, m_dst_h[pm2] * n_mig + pm2,
                                          run_dest[shm >= 0] * n_mig + shm[shm >= 0]]))  # fmt: skip
         m_dest, m_idx = np.divmod(m_code, max(n_mig, 1))
-        # victims: to h and to their home host
-        v_home = pol.home_of(victims) // P
-        away = np.flatnonzero(v_home != h)
-        v_code = np.sort(np.concatenate([h * victims.shape[0] + np.arange(victims.shape[0]),
-                                         v_home[away] * victims.shape[0] + away]))  # fmt: skip
-        v_dest, v_idx = np.divmod(v_code, max(victims.shape[0], 1))
+        # victims: to h, to their home host (the row goes there) and to their directory host (its owner changes)
+        n_vic = victims.shape[0]
+        v_home, v_dir = pol.home_of(victims) // P, pol.directory_host_of(victims)
+        at = np.arange(n_vic)
+        v_code = np.unique(np.concatenate([h * n_vic + at, v_home * n_vic + at, v_dir * n_vic + at]))
+        v_dest, v_idx = np.divmod(v_code, max(n_vic, 1))
         # the summary: counts and table bits
         flags = np.zeros(T, dtype=np.uint8)
         flags[pol._sorted_tables(mig_key)] |= MOVED  # (each part's keys come sorted)
@@ -582,10 +586,11 @@ class HostPlanner:
 def _route_shared(
     count: np.ndarray, readers: np.ndarray, row: np.ndarray, before: np.ndarray, after: np.ndarray, P: int, H: int
 ) -> native.SharedRoutes:
-    """A home host's shared pairs by the host that executes them (`HostPlanner.routed`; `native.SharedRoutes`): every
-    pair to the hosts of its row's owners before and after the moves, and each other host its own pairs, the pairs'
-    order (key, then rank) kept within a host; and the rows a host relay serves somewhere (`relayed_pairs`). One
-    compiled pass where the kernels are on, else numpy: (host, pair) codes, one sort."""
+    """A directory host's shared pairs by the host that executes them (`HostPlanner.routed`;
+    `native.SharedRoutes`): every pair to the hosts of its row's owners before and after the moves, and each other
+    host its own pairs, the pairs' order (key, then rank) kept within a host; and the rows a host relay serves
+    somewhere (`relayed_pairs`). One compiled pass where the kernels are on, else numpy: (host, pair) codes, one
+    sort."""
     if native.enabled():
         offsets = np.zeros(count.shape[0] + 1, dtype=np.int64)
         np.cumsum(count, out=offsets[1:])
@@ -621,9 +626,9 @@ MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`Ho
 
 @dataclass
 class _HostDecisions:
-    """A home host's final decisions of a step (`HostPlanner.part`), indices into its keys: the migrations `mig`, the
-    shared keys `shared`, each shared pair's row (index into `shared`) and reader, every key's reader count, and its
-    (hit, remote) counts."""
+    """A directory host's final decisions of a step (`HostPlanner.part`), indices into its keys: the migrations `mig`,
+    the shared keys `shared`, each shared pair's row (index into `shared`) and reader, every key's reader count, and
+    its (hit, remote) counts."""
 
     mig: np.ndarray
     shared: np.ndarray
@@ -779,6 +784,15 @@ class HeraldHierPolicy(SchedulePolicy):
         T = self.layout.num_tables
         ends = np.searchsorted(keys, self.layout.offsets)
         return np.repeat(np.arange(T, dtype=np.int64), np.diff(ends))
+
+    def directory_host_of(self, keys: np.ndarray) -> np.ndarray:
+        """The host that keeps every key's directory entry and decides its moves (int64): its home host (the host of
+        its ROW_WISE home rank) shifted by its table's index, so that the small tables, whose rows are all homed on
+        the first ranks, spread over the hosts (at R=256 the first host homed 4.3x the median host's shared pairs,
+        shifted 1.45x)."""
+        t = self.table_of(keys)
+        home = (keys - self.layout.offsets[t]) // self.directory.block[t]
+        return (home // self.ranks_per_host + t) % self.num_hosts
 
     def home_of(self, keys: np.ndarray) -> np.ndarray:
         """ROW_WISE home rank of every key (int64), = the directory's `home`, computed from the key."""
@@ -1028,10 +1042,9 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def _other_readers(self, firsts, msg: _Messages) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
-        The home hosts learn it from the demand (which then carries each key's count) and answer it with the
+        The directory hosts learn it from the demand (which then carries each key's count) and answer it with the
         owners; simulated here in one pass over every host's demand."""
-        H, P = self.num_hosts, self.ranks_per_host
-        d = self.directory
+        H = self.num_hosts
         k = np.concatenate([x[1].keys for x in firsts])
         c = np.concatenate([x[1].count for x in firsts])
         hh = np.repeat(np.arange(H, dtype=np.int64), [x[1].keys.shape[0] for x in firsts])
@@ -1051,7 +1064,7 @@ class HeraldHierPolicy(SchedulePolicy):
             i = np.searchsorted(uniq, bk.keys)
             mine = top_h[i] == h
             out.append((np.where(mine, sec_h[i], top_h[i]), np.where(mine, sec_c[i], top_c[i])))
-            hk = np.bincount(d.home[bk.keys].astype(np.int64) // P, minlength=H)
+            hk = np.bincount(self.directory_host_of(bk.keys), minlength=H)
             msg.add_many("demand", np.full(H, h), np.arange(H), hk * COUNT_BYTES, H)
             msg.add_many("owners", np.arange(H), np.full(H, h), hk * (RANK_BYTES + COUNT_BYTES), H)
         return out
@@ -1235,12 +1248,14 @@ class HeraldHierPolicy(SchedulePolicy):
         members, ranks = part[9], part[10].astype(np.int64)
         local = ranks - h * P
         order = members[order_from_assignment(local, P)]
+        mv = rows.moves  # less the victims that came for their directory entry only
+        k = np.flatnonzero((mv.kind != EVICT_HOME) | (mv.src // P == h) | (mv.dst // P == h))
         return HostPlan(
             step=self.step,
             num_ranks=R,
             batch_per_rank=B,
             sample_order=order,
-            moves=rows.moves,
+            moves=RowMoves(mv.table[k], mv.row[k], mv.src[k], mv.dst[k], mv.kind[k]),
             shared=rows.shared,
             counters=_counters(hit, remote, n_mig, n_victims),
             host=h,
@@ -1266,7 +1281,7 @@ class HeraldHierPolicy(SchedulePolicy):
         """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`):
         fields 0-8 of each are its migrations (key, source, destination), shared rows (key, owner, reader count,
         readers) and victims (key, owner). Every move and shared row in key order, as one planner deciding every key
-        at once: a part's keys come sorted and are distinct across parts (a key has one home host; a victim is a
+        at once: a part's keys come sorted and are distinct across parts (a key has one directory host; a victim is a
         guest nobody read, never a migrating key), so one packed sort orders every move and one the shared keys
         (numpy's sort of int64 beats merging the parts' blocks), and the keys' tables come from the sorted keys and
         the layout's offsets: no array over every row is read (every planner runs this in training). The directory
