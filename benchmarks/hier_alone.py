@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""One `herald_hier` host planner alone in its process, as in training: its planning time per step, replayed.
+
+    python benchmarks/hier_alone.py --workers 256 --steps 30 --warmup 10 --hosts 0,5,17       # scale 0.01
+    python benchmarks/hier_alone.py --scale 1 --workers 64 --steps 20 --warmup 6 --hosts 0,3   # full tables
+
+Why: the simulator runs every host in one process, phase by phase, each host's phase after the other hosts' (its own
+data gone cold in between) and the first host of each phase paying for the code and the allocator (the slowest
+host there is whichever runs first: RESULTS.md). In training a machine's planner runs its own phases back to back
+in its own process. This records, in one in-process run, every message each host receives in every phase (the
+`Transport`'s inboxes), then replays each host of `--hosts` in a fresh process: a new policy plans that host alone
+(`plan_host`, its own samples only, the recorded messages as the other hosts' answers) and its messages out are
+checked against the recorded ones (a replay that diverged would stop with an error). Prints one JSON object: per
+host, the median over the steps after `--warmup` of its planning time (phases, directory role, its own plan and
+replica update; `--hier-clock` wall or CPU), beside the same host's figure in the in-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
+from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
+from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
+from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
+
+# the options a replay runs with (the recording's)
+REPLAYED = ("scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock")
+
+
+class RecordingTransport(InProcessTransport):
+    """The in-process transport, keeping every host's inbox and outbox of every exchange, in order."""
+
+    def __init__(self, num_hosts: int, log: list) -> None:
+        super().__init__(num_hosts)
+        self.log = log
+
+    def exchange(self, kind, out):
+        inbox = super().exchange(kind, out)
+        self.log.append((kind, inbox, out))
+        return inbox
+
+
+class ReplayTransport(Transport):
+    """Host `host`'s side of a recorded run: each exchange returns what the host received then, after checking that
+    what it sends now is what it sent then."""
+
+    def __init__(self, host: int, log: list) -> None:
+        super().__init__()
+        self.host, self.log, self.at = host, log, 0
+
+    def exchange(self, kind, out):
+        want_kind, inbox, sent = self.log[self.at]
+        self.at += 1
+        mine, then = out.get(self.host, {}), sent.get(self.host, {})
+        same = want_kind == kind and sorted(mine) == sorted(then)
+        same = same and all(
+            len(mine[t]) == len(then[t]) and all(np.array_equal(a, b) for a, b in zip(mine[t], then[t])) for t in mine
+        )
+        if not same:
+            raise RuntimeError(f"hier_alone: host {self.host} diverged from the recorded run at exchange {self.at}")
+        return {self.host: inbox[self.host]}
+
+
+def _trace(args: argparse.Namespace, R: int):
+    gen = SyntheticCTR(SyntheticSpec(scale=args.scale, val_block=R * args.batch))
+    rows = list(gen.table_rows)
+
+    def batch(i: int) -> GlobalBatch:
+        return GlobalBatch.from_dense(gen.train_samples(i * R * args.batch, R * args.batch).ids, rows, index=i)
+
+    return rows, batch
+
+
+def record(args: argparse.Namespace, R: int, path: Path) -> dict:
+    """The in-process run: every host's inboxes per step, and each host's per-step time there."""
+    rows, batch = _trace(args, R)
+    pol = make_policy("herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host)
+    H = pol.num_hosts
+    steps, seconds = [], []
+    window = [batch(i) for i in range(args.lookahead)]
+    for i in range(args.steps):
+        window.append(batch(i + args.lookahead))
+        log: list = []
+        windows = {h: [pol.host_batch(x, h) for x in window] for h in range(H)}
+        pol.plan_hosts(windows, RecordingTransport(H, log), whole=window, host_plan=True)
+        pol.step += 1
+        steps.append(log)
+        seconds.append(pol.last_step.per_host_seconds)
+        window.pop(0)
+    with open(path, "wb") as f:
+        pickle.dump({"rows": rows, "steps": steps}, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return {"num_hosts": H, "per_host_ms": (np.median(np.array(seconds[args.warmup :]), axis=0) * 1e3).tolist()}
+
+
+def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
+    """Host `host` alone: a fresh policy, its own samples, the recorded messages."""
+    with open(path, "rb") as f:
+        rec = pickle.load(f)
+    rows, batch = _trace(args, R)
+    pol = make_policy("herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host)
+    n = pol.ranks_per_host * args.batch
+    mine = np.arange(host * n, (host + 1) * n, dtype=np.int64)
+    window = [batch(i).take(mine) for i in range(args.lookahead)]
+    ms = []
+    for i in range(args.steps):
+        window.append(batch(i + args.lookahead).take(mine))
+        pol.plan_host(host, window, ReplayTransport(host, rec["steps"][i]))
+        step = pol.last_step
+        ms.append(float(step.per_host_seconds[host]) * 1e3)
+        window.pop(0)
+    return {"host": host, "alone_ms": round(float(np.median(ms[args.warmup :])), 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=float, default=SyntheticSpec.scale, help="synthetic table size scale")
+    p.add_argument("--workers", type=int, default=256, help="R")
+    p.add_argument("--ranks-per-host", type=int, default=8)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--cache-ratio", type=float, default=0.1)
+    p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--hosts", default="0,1", help="the hosts replayed alone, a comma list")
+    p.add_argument("--hier-clock", choices=["wall", "cpu"], default="wall")
+    p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
+    p.add_argument("--record-file", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
+    hierarchy.CLOCK = time.process_time if args.hier_clock == "cpu" else time.perf_counter
+    R = args.workers
+    if args.replay is not None:
+        out = replay(args, R, args.replay, args.record_file)
+        print(json.dumps(out))
+        return out
+    try:
+        hosts = [int(h) for h in args.hosts.split(",")]
+    except ValueError:
+        raise SystemExit(f"--hosts: a comma list of host indices, got {args.hosts!r}") from None
+    if R % args.ranks_per_host or R // args.ranks_per_host < 2:
+        raise SystemExit(f"--workers {R}: needs at least two hosts of --ranks-per-host {args.ranks_per_host}")
+    if any(not 0 <= h < R // args.ranks_per_host for h in hosts):
+        raise SystemExit(f"--hosts: each in 0..{R // args.ranks_per_host - 1}, got {hosts}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "record.pkl"
+        print(f"[hier_alone] R={R}: recording {args.steps} steps of every host in one process", file=sys.stderr)
+        rec = record(args, R, path)
+        alone = []
+        same = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in REPLAYED]
+        for h in hosts:
+            print(f"[hier_alone] R={R}: host {h} alone", file=sys.stderr)
+            cmd = [sys.executable, __file__, *same, f"--replay={h}", f"--record-file={path}"]
+            got = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            alone.append(json.loads(got.stdout.strip().splitlines()[-1]))
+    in_process = np.array(rec["per_host_ms"])
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("replay", "record_file")},
+        "in_process_ms": {
+            "slowest": round(float(in_process.max()), 3),
+            "median": round(float(np.median(in_process)), 3),
+            "slowest_host": int(in_process.argmax()),
+        },
+        "hosts": [a | {"in_process_ms": round(float(in_process[a["host"]]), 3)} for a in alone],
+    }
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/hier_alone.py: a herald_hier host replayed alone in its own process from a recorded in-process run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests.helpers.ranks import REPO_ROOT
+
+
+def load_hier_alone():
+    spec = importlib.util.spec_from_file_location("hier_alone", REPO_ROOT / "benchmarks" / "hier_alone.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_host_replays_alone_and_times_its_steps():
+    """Two hosts of a 4-host run replayed alone: every message each sends equals the recorded run's (else the replay
+    stops), and each has a time per step."""
+    mod = load_hier_alone()
+    args = ["--scale", "0.0005", "--batch", "8", "--lookahead", "2", "--cache-ratio", "0.2", "--ranks-per-host", "2"]
+    res = mod.main(["--workers", "8", "--steps", "4", "--warmup", "1", "--hosts", "1,3", *args])
+    assert [h["host"] for h in res["hosts"]] == [1, 3]
+    assert all(h["alone_ms"] > 0 and h["in_process_ms"] > 0 for h in res["hosts"])
+    assert res["in_process_ms"]["slowest"] >= res["in_process_ms"]["median"] > 0
+
+
+def test_a_replay_that_diverges_stops():
+    mod = load_hier_alone()
+    sent = {0: {1: [np.array([1, 2])]}}
+    log = [("demand", {0: {1: [np.array([7])]}}, sent)]
+    assert mod.ReplayTransport(0, log).exchange("demand", sent)[0][1][0].tolist() == [7]
+    for kind, out in (("demand", {0: {1: [np.array([1, 3])]}}), ("owners", sent), ("demand", {0: {}})):
+        with pytest.raises(RuntimeError, match="host 0 diverged from the recorded run at exchange 1"):
+            mod.ReplayTransport(0, log).exchange(kind, out)
+
+
+def test_bad_options_are_refused():
+    mod = load_hier_alone()
+    for argv, why in ((["--workers", "8"], "at least two hosts"), (["--workers", "64", "--hosts", "9"], "each in 0..7"),
+                      (["--hosts", "a"], "comma list"), (["--steps", "3", "--warmup", "3"], "--warmup")):  # fmt: skip
+        with pytest.raises(SystemExit, match=why):
+            mod.main(argv)
