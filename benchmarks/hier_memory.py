@@ -3,14 +3,14 @@
 
     python benchmarks/hier_memory.py --scale 1 --workers 64,256 --steps 30      # full Criteo Kaggle tables
 
-The simulator (and today's `plan_host` in training) keeps in every planner process a replica of the whole shared
-state: the directory of every row (owner, home, table, last use, slot position: O(rows)), the guest slots and
-eviction pools of all R ranks. By the protocol (schedule/herald/hierarchy.py), host h reads only: the owner of the
-rows homed on it (it decides them), and the guests of its own ranks (their slots, last use and eviction pools); a
-key's home and table follow from the key and the layout. This prints, after `--steps` plans of the synthetic trace:
+The simulator (and `plan_host` in training) keeps in every planner process arrays over every row (owner, home, table,
+last use, slot position: O(rows)) and the guest slots and eviction pools of all R ranks. By the protocol
+(schedule/herald/hierarchy.py), host h reads and updates only: the owner of the rows it is the directory host of (it
+decides them), and the guests of its own ranks (their slots, last use and eviction pools); a key's home, table and
+directory host follow from the key and the layout. This prints, after `--steps` plans of the synthetic trace:
 
 - replica_bytes: the policy's arrays in this process (what each host holds today), by array;
-- host_needs_bytes (the largest host): its home rows' owners (int16 ranks) + its ranks' guests held at that step x
+- host_needs_bytes (the largest host): its directory rows' owners (int16 ranks) + its ranks' guests held at that step x
   GUEST_BYTES (key, slot, group of slot, a key -> slot hash entry, last use) + its (rank, table) groups' bookkeeping
   and eviction pools; and the same with every guest group of its ranks full (cache_ratio of each table per rank),
   the bound of a long run;
@@ -66,7 +66,8 @@ def measure(scale: float, R: int, P: int, B: int, steps: int, cache_ratio: float
         "eviction_pools": pool.keys.nbytes,
         "groups": R * T * GROUP_BYTES,
     }
-    homed = np.bincount(d.home.astype(np.int64) // P, minlength=H)  # rows homed on each host
+    directory_host = (d.home.astype(np.int64) // P + d.table) % H  # `HeraldHierPolicy.directory_host_of`
+    homed = np.bincount(directory_host, minlength=H)  # the rows whose directory each host keeps
     fill = d.slots.fill.reshape(H, P * T).sum(axis=1)  # guests held on each host's ranks
     cap = d.slots.cap.reshape(H, P * T)
     big = (d.slots.cap > pool.size).reshape(H, P * T).sum(axis=1)
@@ -82,8 +83,8 @@ def measure(scale: float, R: int, P: int, B: int, steps: int, cache_ratio: float
         "replica_bytes": {**replica, "total": int(sum(replica.values()))},
         "host_needs_bytes": {
             "host": h,
-            "home_rows": int(homed[h]),
-            "home_owners": int(homed[h] * RANK_BYTES),
+            "directory_rows": int(homed[h]),
+            "directory_owners": int(homed[h] * RANK_BYTES),
             "guests_held": int(fill[h]),
             "guests": int(fill[h] * GUEST_BYTES),
             "groups_and_pools": int(fixed[h]),

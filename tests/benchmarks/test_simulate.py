@@ -191,9 +191,12 @@ def test_hier_memory_counts_one_hosts_needs(capsys):
     rows = run["total_rows"]
     rep, need = run["replica_bytes"], run["host_needs_bytes"]
     assert rep["owner"] == rep["home"] == rep["last_use"] == 4 * rows and rep["table"] == 2 * rows  # every row
-    assert need["home_owners"] == 2 * need["home_rows"] and rows / 2 - 8 <= need["home_rows"] <= rows / 2 + 8
+    assert (
+        need["directory_owners"] == 2 * need["directory_rows"]
+        and rows / 2 - 8 <= need["directory_rows"] <= rows / 2 + 8
+    )
     assert need["guests"] == need["guests_held"] * mod.GUEST_BYTES
-    assert need["total"] == need["home_owners"] + need["guests"] + need["groups_and_pools"]
+    assert need["total"] == need["directory_owners"] + need["guests"] + need["groups_and_pools"]
     assert need["total"] <= need["total_caches_full"]
     with pytest.raises(SystemExit):
         mod.main(["--workers", "3", "--ranks-per-host", "2"])
