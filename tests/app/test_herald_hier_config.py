@@ -6,8 +6,8 @@ import pytest
 
 
 def test_app_config_builds_herald_hier_options():
-    """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host (and only
-    it) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
+    """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host and the
+    planning budget (and only them) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -18,8 +18,12 @@ def test_app_config_builds_herald_hier_options():
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=4"])
         bad = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=0"])
+        bad_budget = compose("config", overrides=["scheduler=herald_hier", "scheduler.plan_budget_ms=-1"])
     options = herald_options(cfg.scheduler)
-    assert options.policy == "herald_hier" and dict(options.policy_options) == {"ranks_per_host": 4}
+    assert options.policy == "herald_hier"
+    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto"}
     assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
         herald_options(bad.scheduler).runnable_policy()
+    with pytest.raises(ValueError, match="plan_budget_ms must be 'auto', null or a number"):
+        herald_options(bad_budget.scheduler).runnable_policy()

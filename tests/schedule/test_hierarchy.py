@@ -367,3 +367,40 @@ def test_compiled_routing_equals_numpy(monkeypatch):
         assert np.array_equal(getattr(compiled, f.name), getattr(numpy_, f.name)), f.name
     assert compiled.relayed.any() and (compiled.run_count > 1).any() and (before != after).any()
     assert native.route_shared(np.r_[0, 2], np.array([5, 1]), np.array([0]), np.array([0]), P, H) is None
+
+
+def test_several_hosts_degrade_together_under_the_planning_budget():
+    """With several hosts the planning budget (schedule/herald/budget.py) holds for herald_hier too: under a budget no
+    plan fits, the first plan is FULL (it chooses the per-host tables), the next REDUCED (tried once), then STATIC:
+    every sample on its own rank and no move; every plan passes the checker. Several planners plan at the level they
+    agree on (`agree_level`), and the counts say how many plans each level made."""
+    from herald_torchrec.schedule.herald.budget import FULL, STATIC
+
+    R, B, steps = 16, 16, 6
+    rows, batches = synthetic_window(R, B, steps)
+    pol = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=8, plan_budget_ms=1e-6)
+    checker = PlanChecker(rows, R, B, 0.1)
+    plans = []
+    for s in range(steps):
+        plans.append(pol.plan(batches[s : s + L + 1]))
+        checker.check(plans[-1], batches[s])
+    assert checker.errors == [] and checker.stale_reads == 0
+    levels = pol.plan_levels()
+    assert (levels.full, levels.reduced, levels.static) == (1, 1, steps - 2)
+    assert pol.refine == 1 and len(pol.tables) > 0  # the FULL selection is kept for later FULL plans
+    for p in plans[2:]:
+        assert len(p.moves) == 0 and np.array_equal(p.assignment(), np.repeat(np.arange(R), B))
+        assert p.counters["shared_value"] > 0
+    assert len(plans[0].moves) > 0
+    described = pol.describe()
+    assert described["plans_static"] == steps - 2 and described["plan_budget"] == 1e-6
+    # several planners: the level is the agreed one, not a planner's own
+    many = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=8, plan_budget_ms=1e-6)
+    many.set_planners(2)
+    many.plan(batches[: L + 1])
+    assert many.level_word() == 1  # its own measurement asks for REDUCED (untried)
+    assert many.agree_level([FULL, STATIC]) == STATIC
+    plan = many.plan(batches[1 : L + 2])
+    assert len(plan.moves) == 0 and many.plan_levels().static == 1
+    with pytest.raises(ValueError, match="plan_budget_ms"):
+        HeraldHierPolicy(rows, R, B, 0.1, L, hosts=8, plan_budget_ms=-1)

@@ -89,6 +89,11 @@ Criteo Kaggle tables), of which host h reads and updates only its home rows' own
 (`benchmarks/hier_memory.py` computes what that needs). A per-host store would keep those alone: the home rows
 remapped per table, the guests behind a key -> slot map.
 
+The planning budget (`plan_budget_ms`, schedule/herald/budget.py) holds per host too: every host's planner plans
+each global batch at the level they agree on from each other's words (FULL; REDUCED: the per-host selection's better
+half of the tables, no refine round; STATIC: every sample on its own rank, no move), so that a planner that falls
+behind training makes cheaper plans instead of making training wait.
+
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
 from herald by design: samples stay on their host (unless swapped), decisions are taken per row on the union of
@@ -112,7 +117,7 @@ import numpy as np
 from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
-from herald_torchrec.schedule.herald.budget import LevelCounts
+from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
@@ -398,7 +403,10 @@ class HostPlanner:
         P, H = pol.ranks_per_host, pol.num_hosts
         bk = self.bk
         own_local = np.where(self.own // P == h, self.own - h * P, -1)
-        a = pol.host_assign(self.sub, bk, own_local)
+        if pol._level == STATIC:  # every sample on the rank that loaded it
+            a = np.repeat(np.arange(P, dtype=np.int64), pol.batch_per_rank)
+        else:
+            a = pol.host_assign(self.sub, bk, own_local)
         self.local_rank = a
         rd = step_reads(bk, a, P)
         er = bk.element_ranks(a)
@@ -433,6 +441,8 @@ class HostPlanner:
         srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
         self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c)
+        if pol._level == STATIC:  # every row stays with its owner: a read by another rank is a shared read
+            self.want = self.k_own.copy()
         keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
         owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
         owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
@@ -674,6 +684,7 @@ class HeraldHierPolicy(SchedulePolicy):
         budget_ms: float | str | None = "auto",
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
+        plan_budget_ms: float | str | None = "auto",
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
@@ -705,9 +716,13 @@ class HeraldHierPolicy(SchedulePolicy):
             if max_refine is not None:
                 settings["max_refine"] = max_refine
             self._flat = HeraldPolicy(
-                self.layout, R, batch_per_rank, cache_ratio, lookahead, **settings, **herald_kwargs
-            )
+                self.layout, R, batch_per_rank, cache_ratio, lookahead, **settings, plan_budget_ms=plan_budget_ms,
+                **herald_kwargs,
+            )  # fmt: skip
             return
+        # the planning budget (schedule/herald/budget.py): every host plans each batch at the level all agree on
+        self.budget = PlanBudget(plan_budget_ms)
+        self._level = FULL
         # several hosts plan in parallel: each has the wall budget of the whole global batch, and one round
         settings["max_refine"] = HOST_MAX_REFINE if max_refine is None else max_refine
         if budget_ms == "auto":
@@ -736,19 +751,31 @@ class HeraldHierPolicy(SchedulePolicy):
         HeraldPolicy.runs_with(**herald_options)
 
     def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
-        """The pipeline's step time: the planning budget of plain herald with one host (several hosts: none)."""
-        if self._flat is not None:
-            self._flat.observe_step(step_ms, wait_ms)
+        """The pipeline's step time and input wait, for the planning budget (schedule/herald/budget.py)."""
+        (self._flat.budget if self._flat is not None else self.budget).observe_step(step_ms, wait_ms)
 
     def set_planners(self, count: int) -> None:
+        """How many ranks make plans: with several (one per machine), each plan's level is the one they agree on."""
         if self._flat is not None:
             self._flat.set_planners(count)
+        elif int(count) < 1:
+            raise ValueError(f"herald_hier: set_planners needs at least one planner, got {count!r}")
+        else:
+            self.budget.planners = int(count)
+
+    def level_word(self) -> int:
+        """The level this planner's own measurements ask for (0 FULL, 1 REDUCED, 2 STATIC), which it publishes for
+        the planners' agreement (`agree_level`)."""
+        return self._flat.level_word() if self._flat is not None else self.budget.wanted()
+
+    def agree_level(self, words: Sequence[int]) -> int:
+        """The level of the next plan from every planner's word: the same on every host, so that all hosts plan a
+        step at one level (each host's plan follows from the same messages only if every host takes the same steps)."""
+        return self._flat.agree_level(words) if self._flat is not None else self.budget.agree(words)
 
     def plan_levels(self) -> LevelCounts:
-        """Plans made at each level of the budget; with several hosts every plan is a full one."""
-        if self._flat is not None:
-            return self._flat.plan_levels()
-        return LevelCounts(full=self.step)
+        """Plans made at each level of the budget (full, reduced, static)."""
+        return self._flat.plan_levels() if self._flat is not None else self.budget.counts
 
     # ---- settings -------------------------------------------------------------------------------------------------
     @property
@@ -770,7 +797,7 @@ class HeraldHierPolicy(SchedulePolicy):
             P = self.ranks_per_host
             planned = sorted(self.last_host_plans) or range(self.num_hosts)  # the hosts whose guests it keeps
             ranks = np.concatenate([np.arange(h * P, (h + 1) * P) for h in planned])
-            out.update(refine=self.refine, guests=self.directory.occupancy(ranks))
+            out.update(refine=self.refine, guests=self.directory.occupancy(ranks), **self.budget.describe())
         return out
 
     # ---- a key's table and home, from the layout --------------------------------------------------------------
@@ -868,7 +895,7 @@ class HeraldHierPolicy(SchedulePolicy):
     # ---- step ---------------------------------------------------------------------------------------------------
     def plan(self, batches):
         if self._flat is None:
-            return super().plan(batches)
+            return self._at_level(lambda: super(HeraldHierPolicy, self).plan(batches))
         t0 = CLOCK()
         plan = self._flat.plan(batches)
         self.step += 1
@@ -908,9 +935,30 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"batch_per_rank = {n} samples on tables {self.layout.table_rows}; got host {host}, batches {bad}"
             )
         t0 = time.perf_counter()
-        plan = self.plan_hosts({host: bl[: self.lookahead + 1]}, transport, host_plan=True)
+        plan = self._at_level(lambda: self.plan_hosts({host: bl[: self.lookahead + 1]}, transport, host_plan=True))
         plan.sched_seconds = time.perf_counter() - t0
         self.step += 1
+        return plan
+
+    def _at_level(self, make: "callable"):
+        """`make()` (one step of this process's hosts) at the planning budget's level (schedule/herald/budget.py,
+        agreed on by every host's planner): FULL; REDUCED, the per-host selection's better half of the tables and no
+        refine round; STATIC, every sample on its own rank and every row with its owner (no LAIA, no move). The
+        level's CPU time is recorded for the budget. The first plan, which chooses the per-host tables, is FULL."""
+        loc = self._local
+        self._level = self.budget.choose() if loc.selection is not None else FULL
+        cpu = time.thread_time()
+        if self._level != REDUCED:
+            plan = make()
+        else:
+            kept = loc.scheduled, loc._sel_key, loc.refine
+            loc._set_tables(loc._reduced_selection().tables)
+            loc.refine = 0
+            try:
+                plan = make()
+            finally:
+                loc.scheduled, loc._sel_key, loc.refine = kept
+        self.budget.record(self._level, (time.thread_time() - cpu) * 1e3)
         return plan
 
     def plan_hosts(

@@ -20,9 +20,10 @@ WORLD = 4
 PER_HOST = 2
 
 
-def hier_worker(rank: int, world: int, out_dir: str) -> None:
+def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = None) -> None:
     """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
-    description and, of every plan it trained, where its slice's samples went and the moves."""
+    description and, of every plan it trained, where its slice's samples went and the moves. `budget_ms`: a fixed
+    planning budget (none by default)."""
 
     import torch.distributed.checkpoint as dcp
 
@@ -30,7 +31,8 @@ def hier_worker(rank: int, world: int, out_dir: str) -> None:
 
     plans = []
     with on_machine(f"machine-{rank // PER_HOST}"):
-        options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2)
+        budget = {} if budget_ms is None else {"plan_budget_ms": budget_ms}
+        options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2, policy_options=budget)
 
         def keep(plan) -> None:
             moves = plan.moves
@@ -96,3 +98,25 @@ def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
         assert (ids[mine] > 0).all() and (ids[~mine] == 0).all(), ids
         assert {"demand", "owners", "reads", "arrivals", "cancels", "parts"} <= set(r["planned"]["wire"])
         assert r["planned"]["sent"] > 0
+
+
+def test_herald_hier_planners_degrade_together_and_train_the_same_model(tmp_path: Path) -> None:
+    """Under a planning budget no plan fits (`plan_budget_ms` 0.001), the two machines' planners plan every batch at
+    the level they agree on from each other's words (schedule/herald/budget.py): both make the same numbers of full,
+    reduced and static plans, static plans move no row, and the model is still the one-process model."""
+    from tests.scenarios.test_dropin import full_checkpoint
+
+    run_ranks(
+        "tests.distributed.train_pipeline.test_herald_hier:hier_worker", tmp_path, world_size=WORLD, budget_ms=0.001
+    )
+    ref = one_process_reference(WORLD, STEPS)
+    got = full_checkpoint(tmp_path / "ckpt")
+    worst = max(float((ref[k] - got[k]).abs().max()) for k in got)
+    assert worst < 1e-5, worst
+    res = [torch.load(rank_result(tmp_path, q), weights_only=False) for q in range(WORLD)]
+    a, b = (res[q]["policy"] for q in (0, PER_HOST))  # the two planners
+    counts = [(p["plans_full"], p["plans_reduced"], p["plans_static"]) for p in (a, b)]
+    assert counts[0] == counts[1] and counts[0][2] > 0 and sum(counts[0]) >= STEPS, counts
+    assert a["plan_budget"] == 0.001 and a["plan_budget_planners"] == 2
+    static = [p for p in res[0]["plans"] if p["src"].shape[0] == 0]
+    assert len(static) >= counts[0][2] - 2  # (the last plans made may not have trained)
