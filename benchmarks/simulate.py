@@ -345,7 +345,9 @@ class ProtocolTotals:
     planner + directory role (its own plan and replica update included), the slowest directory role alone, the
     slowest host's own plan and replica update alone, and the union of the parts into one Plan (not a host's work);
     protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the busiest host's / its
-    ranks), its plan part (mean and max over ranks); parts_bytes_per_host = the plan parts a host's planner receives
+    ranks), its plan part (mean and max over ranks), and what the in-process transport really carried between hosts
+    / R (`wire_between_hosts`: int64 keys, int32 ranks and counts, every phase and the routed parts; the protocol's
+    count is a compact encoding of the messages); parts_bytes_per_host = the plan parts a host's planner receives
     on the wire, routed to it (its own ranks' plan) against every host's whole part (what an all-gather carries).
     herald, today's protocol (plan_on="host"): one planner per host plans everything (plan_ms_per_host = its time),
     every rank sends its ids to every host's planner and receives the whole plan (`encode_plan` bytes)."""
@@ -376,6 +378,7 @@ class ProtocolTotals:
                 plan_part_max=step.plan_part_bytes.max(),
                 parts_wire_per_host=step.wire_bytes.get("parts", 0) / H,
                 parts_all_gather_per_host=step.parts_bytes * (H - 1) / H,
+                wire_between_hosts=sum(step.wire_bytes.values()) / R,
             )
             for k, v in step.message_bytes.items():
                 self._put(**{f"msg_{k}": v / R})
@@ -394,7 +397,7 @@ class ProtocolTotals:
             k: round(med[k], 3) for k in ("max_host_ms", "max_directory_ms", "max_host_plan_ms", "union_ms") if k in med
         }
         by = {k: round(med[k]) for k in ("ids", "between_hosts", "between_hosts_busiest_host", "plan_part",
-                                         "plan_part_max") if k in med}  # fmt: skip
+                                         "plan_part_max", "wire_between_hosts") if k in med}  # fmt: skip
         by["total"] = round(med["ids"] + med["between_hosts"] + med["plan_part"])
         msgs = {k[4:]: round(v) for k, v in med.items() if k.startswith("msg_") and v}
         if msgs:

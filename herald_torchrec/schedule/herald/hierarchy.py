@@ -76,8 +76,8 @@ receives); `Transport` carries each phase's messages between hosts (`exchange`: 
 the training pipeline does (distributed/train_pipeline/planner_transport.py), and returns h's `HostPlan`. Both run
 the same per-host code (each host assembles its own plan and updates its replica in both), and every rank's part
 cut from a host's plan equals the one cut from the whole plan (tests/schedule/test_hierarchy.py).
-`HierStep.wire_bytes` counts what the transport really sent (its arrays' bytes, int32 ranks and counts,
-int64 keys), next to the protocol's count in `message_bytes`.
+`HierStep.wire_bytes` counts what the transport really sent (its arrays' bytes: int64 keys, int16 ranks and reader
+counts below 32,768 ranks, int32 indices and element counts), next to the protocol's count in `message_bytes`.
 
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7, its part of 8 and its own plan with
 its replica's update, `host_plan_seconds`) and per directory host (`directory_seconds`: 2, 5, 6, 8 for its keys,
@@ -374,7 +374,7 @@ class HostPlanner:
         """Phase 2, as a directory host: the current owner of every key each host demanded."""
         owner = self.pol.directory.owner
         self.demand_from = {s: m[0] for s, m in inbox.items()}
-        return {s: [owner[k].astype(np.int32)] for s, k in self.demand_from.items()}
+        return {s: [owner[k].astype(self.pol.rank_dtype)] for s, k in self.demand_from.items()}
 
     def receive_owners(self, inbox: dict[int, Message]) -> None:
         own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
@@ -418,7 +418,7 @@ class HostPlanner:
         return _split_by(
             self.dir_host[rd.pair_key],
             H,
-            [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(np.int32),
+            [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(pol.rank_dtype),
              cnt.astype(np.int32)],
         )  # fmt: skip
 
@@ -450,9 +450,10 @@ class HostPlanner:
         mv = np.flatnonzero(want != own)
         self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
         self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
-        out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(np.int32), want[mv].astype(np.int32),
+        rk = pol.rank_dtype
+        out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(rk), want[mv].astype(rk),
                                            self.single[mv].astype(np.int8)])  # fmt: skip
-        empty = [np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8)]
+        empty = [np.zeros(0, np.int64), np.zeros(0, rk), np.zeros(0, rk), np.zeros(0, np.int8)]
         for t, m in _split_by(own[pin] // P, H, [keys[pin]]).items():
             out[t] = out.get(t, empty) + m
         for m in out.values():
@@ -521,11 +522,12 @@ class HostPlanner:
             mig=mig, shared=ids, shared_pair_row=np.cumsum(~exclusive)[pk[shared_pair]] - 1,
             readers=pr[shared_pair], count=count, counts=np.array([hit, remote], dtype=np.int64),
         )  # fmt: skip
-        victim_src = pol.directory.owner[self.victims].astype(np.int32)  # h's own guests: its replica knows them
+        rk = pol.rank_dtype  # ranks and reader counts (<= R)
+        victim_src = pol.directory.owner[self.victims].astype(rk)  # h's own guests: its replica knows them
         return [
-            keys[mig], own[mig].astype(np.int32), want[mig].astype(np.int32),
-            keys[ids], want[ids].astype(np.int32), count[ids].astype(np.int32), self.final.readers.astype(np.int32),
-            self.victims, victim_src, self.members, (self.local_rank + self.h * P).astype(np.int32),
+            keys[mig], own[mig].astype(rk), want[mig].astype(rk),
+            keys[ids], want[ids].astype(rk), count[ids].astype(rk), self.final.readers.astype(rk),
+            self.victims, victim_src, self.members, (self.local_rank + self.h * P).astype(rk),
             self.final.counts,
         ]  # fmt: skip
 
@@ -576,7 +578,7 @@ class HostPlanner:
         summary = np.concatenate([fin.counts, [n_mig, victims.shape[0]]]).astype(np.int64)
         # gathered once, then sliced per host
         s_key, s_owner, s_readers = sh_key[run_row], sh_owner[run_row], sh_readers[pair]
-        run_count = routes.run_count.astype(np.int32)
+        run_count = routes.run_count.astype(pol.rank_dtype)
         g_key, g_src, g_dst = mig_key[m_idx], mig_src[m_idx], mig_dst[m_idx]
         g_victims, g_vsrc = victims[v_idx], victim_src[v_idx]
         hosts = np.arange(H + 1)
@@ -704,6 +706,7 @@ class HeraldHierPolicy(SchedulePolicy):
             raise ValueError(f"herald_hier: sample_gain must be a number > 0, got {sample_gain!r}")
         self.move_samples, self.sample_gain = move_samples, float(sample_gain)
         self.ranks_per_host, self.num_hosts = P, H
+        self.rank_dtype = np.int16 if R < 2**15 else np.int32  # ranks and reader counts on the planners' wire
         self.host_of_rank = host
         self.last_step: HierStep | None = None
         self.last_host_plans: dict[int, HostPlan] = {}  # the latest step's plan of every host planned here
