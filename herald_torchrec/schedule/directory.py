@@ -323,21 +323,14 @@ class OwnershipDirectory:
         return self.apply_known_moves(gid, dst, src, self.home[gid], self.table[gid]).pos
 
     def apply_known_moves(
-        self,
-        gid: np.ndarray,
-        dst: np.ndarray,
-        src: np.ndarray,
-        home: np.ndarray,
-        table: np.ndarray,
-        ranks: tuple[int, int] | None = None,
+        self, gid: np.ndarray, dst: np.ndarray, src: np.ndarray, home: np.ndarray, table: np.ndarray
     ) -> "Arrivals":
         """`apply_moves` where the caller already has the rows' current owner `src`, home rank and table (aligned
         with gid), which saves reading them from the arrays over every row (random reads: herald_hier's union of
-        the hosts' parts). `ranks` = (lo, hi): only the guests of ranks lo..hi-1 change (a herald_hier host's
-        replica keeps its own ranks' guests; the owners of the rows given change all the same). Returns the guests
-        that arrived: their slots, rows and groups."""
-        self.release_guests(gid, src, home, table, ranks)
-        return self.land_guests(gid, dst, home, table, ranks)
+        the hosts' parts). Returns the guests that arrived: their slots, rows and groups. A herald_hier host that
+        keeps its own ranks' guests only applies the two halves with its ranks (`release_guests`, `land_guests`)."""
+        self.release_guests(gid, src, home, table, None)
+        return self.land_guests(gid, dst, home, table, None)
 
     def release_guests(
         self, gid: np.ndarray, src: np.ndarray, home: np.ndarray, table: np.ndarray, ranks: tuple[int, int] | None

@@ -169,9 +169,9 @@ def test_directory_moves_respect_capacity():
 
 
 def test_a_host_keeps_its_own_ranks_guests_and_the_owners_it_is_given():
-    """`apply_known_moves(..., ranks=(lo, hi))` (a herald_hier host's replica): the rows given all change owner, but
-    only the guest groups of ranks lo..hi-1 change, exactly as the whole update leaves them; two hosts applying their
-    halves to one directory (every release first) leave it as the whole update does."""
+    """`release_guests` / `land_guests` with ranks (lo, hi) (a herald_hier host's replica): the rows given all change
+    owner, but only the guest groups of ranks lo..hi-1 change, exactly as the whole update leaves them; two hosts
+    applying their halves to one directory (every release first) leave it as the whole update does."""
     rows, R = [40, 24], 4  # blocks of 10 and 6 rows: homes 0..3
     rng = np.random.default_rng(2)
     whole, mine, both = (OwnershipDirectory(rows, num_ranks=R, cache_ratio=0.5) for _ in range(3))
@@ -182,7 +182,8 @@ def test_a_host_keeps_its_own_ranks_guests_and_the_owners_it_is_given():
         src, home, table = whole.owner[gid].astype(np.int64), whole.home[gid].astype(np.int64), whole.table[gid]
         table = table.astype(np.int64)
         whole.apply_known_moves(gid, dst, src, home, table)
-        mine.apply_known_moves(gid, dst, src, home, table, ranks=(0, 2))
+        mine.release_guests(gid, src, home, table, (0, 2))
+        mine.land_guests(gid, dst, home, table, (0, 2))
         for lo_hi in ((0, 2), (2, 4)):
             both.release_guests(gid, src, home, table, lo_hi)
         for lo_hi in ((0, 2), (2, 4)):

@@ -36,6 +36,7 @@ import numpy as np
 
 from herald_torchrec.distributed import host_kernels
 from herald_torchrec.distributed.step.host_relay import HostMap, pair_routes
+from herald_torchrec.schedule.herald.planner import host_ids
 from herald_torchrec.schedule.plan import HostPlan, Plan, PlanPart, RowMoves, SharedRows, relayed_pairs
 
 _ROW_BITS = 40  # a (table, row) pair as one int64: table << 40 | row (rows < 2^40)
@@ -216,10 +217,8 @@ def _host_plan_relays(plan: HostPlan, hosts: HostMap | None) -> np.ndarray:
     must then be the modules'."""
     if hosts is None or not hosts.relays:
         return plan.relayed_tables[:0]
-    a, b = np.asarray(hosts.host, dtype=np.int64), np.asarray(plan.hosts, dtype=np.int64)
-    same = a.shape == b.shape and all(
-        np.unique(x).shape[0] == np.unique(a * (b.max() + 1) + b).shape[0] for x in (a, b)
-    )
+    R = plan.num_ranks
+    same = hosts.host.shape[0] == R and np.array_equal(host_ids(hosts.host, R), host_ids(plan.hosts, R))
     if not same:  # the same grouping of ranks into hosts, whatever the hosts' ids
         raise ValueError(
             f"plan {plan.step}: host {plan.host}'s plan was made for hosts {plan.hosts.tolist()}, but the ranks relay "

@@ -110,7 +110,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -520,7 +520,7 @@ class HostPlanner:
         shared_pair = (~exclusive)[pk]
         self.final = _HostDecisions(
             mig=mig, shared=ids, shared_pair_row=np.cumsum(~exclusive)[pk[shared_pair]] - 1,
-            readers=pr[shared_pair], count=count, counts=np.array([hit, remote], dtype=np.int64),
+            readers=pr[shared_pair], counts=np.array([hit, remote], dtype=np.int64),
         )  # fmt: skip
         rk = pol.rank_dtype  # ranks and reader counts (<= R)
         victim_src = pol.directory.owner[self.victims].astype(rk)  # h's own guests: its replica knows them
@@ -639,14 +639,13 @@ MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`Ho
 @dataclass
 class _HostDecisions:
     """A directory host's final decisions of a step (`HostPlanner.part`), indices into its keys: the migrations `mig`,
-    the shared keys `shared`, each shared pair's row (index into `shared`) and reader, every key's reader count, and
-    its (hit, remote) counts."""
+    the shared keys `shared`, each shared pair's row (index into `shared`) and reader, and its (hit, remote)
+    counts."""
 
     mig: np.ndarray
     shared: np.ndarray
     shared_pair_row: np.ndarray
     readers: np.ndarray
-    count: np.ndarray
     counts: np.ndarray
 
 
@@ -943,7 +942,7 @@ class HeraldHierPolicy(SchedulePolicy):
         self.step += 1
         return plan
 
-    def _at_level(self, make: "callable"):
+    def _at_level(self, make: Callable[[], Plan]) -> Plan:
         """`make()` (one step of this process's hosts) at the planning budget's level (schedule/herald/budget.py,
         agreed on by every host's planner): FULL; REDUCED, the per-host selection's better half of the tables and no
         refine round; STATIC, every sample on its own rank and every row with its owner (no LAIA, no move). The
@@ -1318,13 +1317,14 @@ class HeraldHierPolicy(SchedulePolicy):
             relayed_tables=np.flatnonzero(bits & RELAYED),
         ), moves
 
-    def _apply_host_moves(self, m: "_HostMoves", stage: str = "both") -> None:
+    def _apply_host_moves(self, m: "_HostMoves", stage: str) -> None:
         """A host's moves (`_host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
-        own ranks (`stage`: "release", then "land", where several hosts apply theirs to one directory)."""
+        own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
+        hosts apply theirs to one directory)."""
         d = self.directory
-        if stage in ("release", "both"):
+        if stage == "release":
             d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
-        if stage in ("land", "both"):
+        else:
             got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
             self.eviction.arrived(got.pos, got.keys, got.groups)
 
