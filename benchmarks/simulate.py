@@ -346,9 +346,10 @@ class ProtocolTotals:
     slowest host's own plan and replica update alone, and the union of the parts into one Plan (not a host's work);
     protocol_bytes_per_rank = its ids (to its own host), the messages between hosts / R (and the busiest host's / its
     ranks), its plan part (mean and max over ranks), and what the in-process transport really carried between hosts
-    / R (`wire_between_hosts`: int64 keys, int32 ranks and counts, every phase and the routed parts; the protocol's
-    count is a compact encoding of the messages); parts_bytes_per_host = the plan parts a host's planner receives
-    on the wire, routed to it (its own ranks' plan) against every host's whole part (what an all-gather carries).
+    / R (`wire_between_hosts`: every phase and the routed parts in schedule/message_wire.py's form, each array in
+    the form of fewest bytes; the protocol's count gives every field a fixed width); `total` = ids + wire + part;
+    parts_bytes_per_host = the plan parts a host's planner receives on the wire, routed to it (its own ranks' plan)
+    against every host's whole part (what an all-gather carries), both in the wire's form.
     herald, today's protocol (plan_on="host"): one planner per host plans everything (plan_ms_per_host = its time),
     every rank sends its ids to every host's planner and receives the whole plan (`encode_plan` bytes)."""
 
@@ -398,7 +399,11 @@ class ProtocolTotals:
         }
         by = {k: round(med[k]) for k in ("ids", "between_hosts", "between_hosts_busiest_host", "plan_part",
                                          "plan_part_max", "wire_between_hosts") if k in med}  # fmt: skip
-        by["total"] = round(med["ids"] + med["between_hosts"] + med["plan_part"])
+        # what a rank's ids, the planners' messages as their wire carries them (/ R) and its plan part add up to;
+        # total_fixed_width: with the messages in the protocol's fixed-width count instead
+        by["total"] = round(med["ids"] + med.get("wire_between_hosts", med["between_hosts"]) + med["plan_part"])
+        if "wire_between_hosts" in med:
+            by["total_fixed_width"] = round(med["ids"] + med["between_hosts"] + med["plan_part"])
         msgs = {k[4:]: round(v) for k, v in med.items() if k.startswith("msg_") and v}
         if msgs:
             by["between_hosts_by_kind"] = msgs

@@ -430,7 +430,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 6; }
+int herald_kernels_version() { return 7; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -963,6 +963,251 @@ int herald_wire_sample_order(int64_t n, int64_t R, const int64_t* rank, int64_t*
   for (int64_t q = 0; q < R; ++q) start[q + 1] += start[q];
   for (int64_t i = 0; i < n; ++i) order[start[rank[i]]++] = i;
   return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// ---- herald_hier planner messages (schedule/message_wire.py; its docstring has the format) ----------------------
+// Modes: 0 raw bytes, 1 bits (value - base), 2 delta bits (delta - least delta), 3 zigzag varint, 4 zigzag varint of
+// deltas. Integer kinds (element codes): 1 int8, 2 uint8, 3 int16, 4 uint16, 5 int32, 6 uint32, 7 int64.
+static inline uint64_t msg_zz(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
+static inline int64_t msg_unzz(uint64_t u) { return static_cast<int64_t>((u >> 1) ^ (~(u & 1) + 1)); }
+static inline int64_t msg_bitlen(uint64_t u) { return u ? 64 - __builtin_clzll(u) : 0; }
+static inline int64_t msg_vlen(uint64_t u) { return 1 + (msg_bitlen(u | 1) - 1) / 7; }
+static inline uint8_t* msg_put_varint(uint8_t* o, uint64_t u) {
+  while (u >= 128) { *o++ = static_cast<uint8_t>(u | 128); u >>= 7; }
+  *o++ = static_cast<uint8_t>(u);
+  return o;
+}
+template <typename T>
+static void msg_widen_as(const void* p, int64_t n, int64_t* v) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  for (int64_t j = 0; j < n; ++j) {
+    T x;
+    std::memcpy(&x, b + sizeof(T) * j, sizeof(T));
+    v[j] = static_cast<int64_t>(x);
+  }
+}
+static void msg_widen(const void* p, int64_t n, int64_t kind, std::vector<int64_t>& v) {
+  v.resize(static_cast<size_t>(n));
+  switch (kind) {
+    case 1: msg_widen_as<int8_t>(p, n, v.data()); break;
+    case 2: msg_widen_as<uint8_t>(p, n, v.data()); break;
+    case 3: msg_widen_as<int16_t>(p, n, v.data()); break;
+    case 4: msg_widen_as<uint16_t>(p, n, v.data()); break;
+    case 5: msg_widen_as<int32_t>(p, n, v.data()); break;
+    case 6: msg_widen_as<uint32_t>(p, n, v.data()); break;
+    default: msg_widen_as<int64_t>(p, n, v.data());
+  }
+}
+// n values of b bits each, least significant first, into ceil(n b / 8) bytes.
+static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b) {
+  unsigned __int128 acc = 0;
+  int64_t have = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    acc |= static_cast<unsigned __int128>(u[j]) << have;
+    have += b;
+    while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
+  }
+  if (have > 0) *o++ = static_cast<uint8_t>(acc);
+  return o;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Encodes nmsg messages back to back into `out` (capacity `cap`): message m is arrays first[m] .. first[m + 1]
+// (pointers `arrays`, lengths `lens`, element codes `kinds` (0: raw bytes), item sizes, dtype chars). Each array goes
+// in the mode of fewest bytes (ties: the lower mode). `ends[m]`: the byte where message m ends. Returns the bytes
+// written, or -1 (capacity).
+int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const* arrays, const int64_t* lens,
+                          const int64_t* kinds, const int64_t* itemsizes, const int64_t* chars, uint8_t* out,
+                          int64_t cap, int64_t* ends) {
+  uint8_t* o = out;
+  uint8_t* const lim = out + cap;
+  std::vector<int64_t> v;
+  std::vector<uint64_t> u;
+  for (int64_t m = 0; m < nmsg; ++m) {
+    const int64_t a0 = first[m], na = first[m + 1] - a0;
+    if (na > 255 || o + 1 + 6 * na > lim) return -1;
+    *o++ = static_cast<uint8_t>(na);
+    uint8_t* head = o;
+    o += 6 * na;
+    for (int64_t i = a0; i < a0 + na; ++i) {
+      const int64_t n = lens[i];
+      uint8_t* h = head + 6 * (i - a0);
+      h[0] = static_cast<uint8_t>(chars[i]);
+      const uint32_t n32 = static_cast<uint32_t>(n);
+      std::memcpy(h + 2, &n32, 4);
+      const int64_t raw = n * itemsizes[i];
+      if (kinds[i] == 0 || n == 0) {
+        if (o + raw > lim) return -1;
+        h[1] = 0;
+        if (raw) std::memcpy(o, arrays[i], static_cast<size_t>(raw));
+        o += raw;
+        continue;
+      }
+      msg_widen(arrays[i], n, kinds[i], v);
+      int64_t lo = v[0], hi = v[0], dlo = 0, dhi = 0, vl = 0, dvl = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        lo = std::min(lo, v[j]);
+        hi = std::max(hi, v[j]);
+        vl += msg_vlen(msg_zz(v[j]));
+        const int64_t d = j ? static_cast<int64_t>(static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(v[j - 1])) : v[0];
+        dvl += msg_vlen(msg_zz(d));
+        if (j == 1) dlo = dhi = d;
+        if (j > 1) dlo = std::min(dlo, d), dhi = std::max(dhi, d);
+      }
+      const int64_t b = msg_bitlen(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
+      const int64_t bits = msg_vlen(msg_zz(lo)) + 1 + (n * b + 7) / 8;
+      const int64_t db = msg_bitlen(static_cast<uint64_t>(dhi) - static_cast<uint64_t>(dlo));
+      const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(v[0])) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
+                                   : std::numeric_limits<int64_t>::max();
+      const int64_t size[5] = {raw, bits, dbits, vl, dvl};
+      int mode = 0;
+      for (int q = 1; q < 5; ++q)
+        if (size[q] < size[mode]) mode = q;
+      if (o + size[mode] > lim) return -1;
+      h[1] = static_cast<uint8_t>(mode);
+      if (mode == 0) {
+        std::memcpy(o, arrays[i], static_cast<size_t>(raw));
+        o += raw;
+      } else if (mode == 1) {
+        o = msg_put_varint(o, msg_zz(lo));
+        *o++ = static_cast<uint8_t>(b);
+        u.resize(static_cast<size_t>(n));
+        for (int64_t j = 0; j < n; ++j) u[j] = static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(lo);
+        o = msg_put_bits(o, u.data(), n, b);
+      } else if (mode == 2) {
+        o = msg_put_varint(o, msg_zz(v[0]));
+        o = msg_put_varint(o, msg_zz(dlo));
+        *o++ = static_cast<uint8_t>(db);
+        u.resize(static_cast<size_t>(n - 1));
+        for (int64_t j = 1; j < n; ++j)
+          u[j - 1] = static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(v[j - 1]) - static_cast<uint64_t>(dlo);
+        o = msg_put_bits(o, u.data(), n - 1, db);
+      } else {
+        uint64_t prev = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const uint64_t x = static_cast<uint64_t>(v[j]);
+          o = msg_put_varint(o, msg_zz(static_cast<int64_t>(mode == 4 ? x - prev : x)));
+          prev = x;
+        }
+      }
+    }
+    ends[m] = o - out;
+  }
+  return o - out;
+}
+
+static bool msg_get_varint(const uint8_t*& p, const uint8_t* end, uint64_t& u) {
+  u = 0;
+  for (int s = 0; s < 70; s += 7) {
+    if (p >= end) return false;
+    const uint8_t c = *p++;
+    u |= static_cast<uint64_t>(c & 127) << s;
+    if (!(c & 128)) return true;
+  }
+  return false;
+}
+
+// Pass 1 of decoding: the arrays of nmsg messages (message m: bytes bounds[m] .. bounds[m + 1] of buf). Per array:
+// its message, dtype char, mode, element count, payload start and end. itemsize[c]: the item size of dtype char c
+// (0: not one). Returns the arrays found, or -1 (malformed: herald_last_error says where; or more than cap arrays).
+int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds, const int64_t* itemsize, int64_t cap,
+                        int64_t* arr_msg, int64_t* arr_char, int64_t* arr_mode, int64_t* arr_count,
+                        int64_t* arr_start, int64_t* arr_end) {
+  int64_t k = 0;
+  auto bad = [&](int64_t m, const char* why) {
+    last_error = "message " + std::to_string(m) + ": " + why;
+    return int64_t{-1};
+  };
+  for (int64_t m = 0; m < nmsg; ++m) {
+    const uint8_t* p = buf + bounds[m];
+    const uint8_t* const end = buf + bounds[m + 1];
+    if (p >= end) return bad(m, "empty");
+    const int64_t na = *p++;
+    if (p + 6 * na > end) return bad(m, "header past its end");
+    if (k + na > cap) return bad(m, "too many arrays");
+    const uint8_t* head = p;
+    p += 6 * na;
+    for (int64_t i = 0; i < na; ++i, ++k) {
+      const uint8_t* h = head + 6 * i;
+      uint32_t n32;
+      std::memcpy(&n32, h + 2, 4);
+      const int64_t n = n32, mode = h[1], size = itemsize[h[0]];
+      if (!size) return bad(m, "unknown dtype");
+      arr_msg[k] = m, arr_char[k] = h[0], arr_mode[k] = mode, arr_count[k] = n, arr_start[k] = p - buf;
+      uint64_t x;
+      if (mode == 0) {
+        if (n * size > end - p) return bad(m, "payload past its end");
+        p += n * size;
+      } else if (mode == 1 || mode == 2) {
+        if (n < mode) return bad(m, "too few elements for its mode");
+        for (int64_t q = 0; q < mode; ++q)
+          if (!msg_get_varint(p, end, x)) return bad(m, "bad varint");
+        if (p >= end || *p > 64) return bad(m, "bad bit width");
+        const int64_t b = *p++, nbytes = ((n - (mode == 2)) * b + 7) / 8;
+        if (nbytes > end - p) return bad(m, "payload past its end");
+        p += nbytes;
+      } else if (mode == 3 || mode == 4) {
+        for (int64_t j = 0; j < n; ++j)
+          if (!msg_get_varint(p, end, x)) return bad(m, "bad varint");
+      } else {
+        return bad(m, "unknown mode");
+      }
+      arr_end[k] = p - buf;
+    }
+    if (p != end) return bad(m, "bytes after its last array");
+  }
+  return k;
+}
+
+// Pass 2: every array of mode 1-4 found by herald_msg_scan, as int64 into out[at[i] ..] (raw ones are skipped).
+void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const int64_t* count, const int64_t* start,
+                       const int64_t* stop, const int64_t* at, int64_t* out) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (mode[i] == 0) continue;
+    const uint8_t* p = buf + start[i];
+    const uint8_t* const end = buf + stop[i];  // the scan checked the bounds
+    int64_t* o = out + at[i];
+    const int64_t n = count[i];
+    uint64_t x, base, dlo = 0;
+    if (mode[i] == 1 || mode[i] == 2) {
+      msg_get_varint(p, end, base);
+      if (mode[i] == 2) msg_get_varint(p, end, dlo);
+      const int64_t b = *p++, nb = n - (mode[i] == 2);
+      uint64_t acc = static_cast<uint64_t>(msg_unzz(base));
+      if (mode[i] == 2) o[0] = static_cast<int64_t>(acc);
+      const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
+      const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
+      unsigned __int128 bits = 0;
+      int64_t have = 0;
+      for (int64_t j = 0; j < nb; ++j) {
+        while (have < b) { bits |= static_cast<unsigned __int128>(*p++) << have; have += 8; }
+        const uint64_t u = static_cast<uint64_t>(bits) & mask;
+        bits >>= b;
+        have -= b;
+        if (mode[i] == 1) {
+          o[j] = static_cast<int64_t>(acc + u);
+        } else {
+          acc += d0 + u;
+          o[j + 1] = static_cast<int64_t>(acc);
+        }
+      }
+    } else {
+      uint64_t prev = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        msg_get_varint(p, end, x);
+        const uint64_t val = static_cast<uint64_t>(msg_unzz(x));
+        prev = mode[i] == 4 ? prev + val : val;
+        o[j] = static_cast<int64_t>(prev);
+      }
+    }
+  }
 }
 
 }  // extern "C"

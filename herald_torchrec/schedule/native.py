@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 6  # herald_kernels_version() of the source this module expects
+VERSION = 7  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -168,6 +168,9 @@ SIGNATURES = {
     "herald_wire_unpack": ([_i64, _u8p, _i64p, _i64p, ctypes.c_void_p], None),
     "herald_wire_readers": ([_i64, _i64, _i64p, _i64p, _i64p], _i64),
     "herald_wire_sample_order": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
+    "herald_msg_encode": ([_i64, _i64p, ctypes.c_void_p, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64p], _i64),
+    "herald_msg_scan": ([_i64, _u8p, _i64p, _i64p, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_msg_decode": ([_i64, _u8p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], None),
 }
 
 KERNELS = _native.Kernels(SOURCE, SIGNATURES, VERSION, "the scheduler's", "herald_kernels")
@@ -637,3 +640,50 @@ def wire_sample_order(rank: np.ndarray, R: int) -> np.ndarray | None:
     r = _c(rank, np.int64)
     order = np.empty(r.shape[0], dtype=np.int64)
     return order if lib().herald_wire_sample_order(r.shape[0], int(R), _p(r), _p(order)) == 0 else None
+
+
+def msg_encode(
+    arrays: list[np.ndarray], first: np.ndarray, kinds: np.ndarray, itemsizes: np.ndarray, chars: np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """message_wire's messages (message m: arrays first[m] .. first[m + 1], each C-contiguous in its own dtype) back
+    to back: (the bytes, each message's end)."""
+    out, ends = np.empty(cap, dtype=np.uint8), np.empty(first.shape[0] - 1, dtype=np.int64)
+    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    n = lib().herald_msg_encode(
+        ends.shape[0], _p(first), _native.addresses(arrays), _p(lens), _p(kinds), _p(itemsizes), _p(chars), _p(out),
+        cap, _p(ends),
+    )  # fmt: skip
+    if n < 0:
+        raise RuntimeError("message_wire: the encoding outgrew its capacity")  # the capacity is an upper bound
+    return out[:n], ends
+
+
+@dataclass
+class MessageArrays:
+    """herald_msg_scan's table: every array of the messages, in order."""
+
+    msg: np.ndarray
+    char: np.ndarray
+    mode: np.ndarray
+    count: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+
+def msg_scan(buf: np.ndarray, bounds: np.ndarray, itemsize: np.ndarray) -> MessageArrays:
+    """The arrays of the messages in `buf` (message m: bytes bounds[m] .. bounds[m + 1]); ValueError if malformed."""
+    b, bd, isz = _c(buf, np.uint8), _c(bounds, np.int64), _c(itemsize, np.int64)
+    cap = int(b.shape[0]) + 1  # every array takes at least a header's 6 bytes
+    cols = [np.empty(cap, dtype=np.int64) for _ in range(6)]
+    k = lib().herald_msg_scan(bd.shape[0] - 1, _p(b), _p(bd), _p(isz), cap, *(_p(c) for c in cols))
+    if k < 0:
+        raise ValueError(f"message_wire: a malformed message ({lib().herald_last_error().decode()})")
+    return MessageArrays(*(c[:k] for c in cols))
+
+
+def msg_decode(buf: np.ndarray, arrays: MessageArrays, at: np.ndarray, total: int) -> np.ndarray:
+    """Every encoded (not raw) array of `arrays` as int64, array i at out[at[i]:]."""
+    b, out = _c(buf, np.uint8), np.empty(max(total, 1), dtype=np.int64)
+    a = arrays
+    lib().herald_msg_decode(a.msg.shape[0], _p(b), _p(a.mode), _p(a.count), _p(a.start), _p(a.stop), _p(at), _p(out))
+    return out

@@ -2,9 +2,10 @@
 of the planning ranks, one per machine: group rank h plans host h.
 
 Each phase, the plan parts routed to the hosts that need them included, is one all-to-all of sizes (one int64 per
-pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels
-as a header of int64 words (its array count, then each array's dtype code and length) and the arrays' bytes. The
-control plane never imports torch.distributed: this is the data plane's side of its `Transport`.
+pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels in the control plane's wire form
+(schedule/message_wire.py: each array in the form of fewest bytes for its values), a phase's messages encoded and
+decoded in one pass each. The control plane never imports torch.distributed: this is the data plane's side of its
+`Transport`.
 """
 
 from __future__ import annotations
@@ -15,30 +16,10 @@ import torch.distributed as dist
 from torch.distributed import all_to_all_single as _all_to_all_single
 
 from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
-from herald_torchrec.schedule.herald.hierarchy import Message, Transport
+from herald_torchrec.schedule.herald.hierarchy import Transport
+from herald_torchrec.schedule.message_wire import Message, decode_messages, encode_messages
 
 PLANNER_KIND = "planner_messages"  # the CommCounter kind of these bytes
-
-
-def encode_message(m: Message) -> np.ndarray:
-    """A message as bytes: [n, (dtype code, length) * n] int64, then every array's bytes."""
-    head = [len(m)]
-    for a in m:
-        head += [ord(a.dtype.char), a.shape[0]]
-    return np.concatenate([np.asarray(head, dtype=np.int64).view(np.uint8)]
-                          + [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in m])  # fmt: skip
-
-
-def decode_message(buf: np.ndarray) -> Message:
-    n = int(buf[:8].view(np.int64)[0])
-    head = buf[8 : 8 + 16 * n].view(np.int64).reshape(n, 2)
-    at = 8 + 16 * n
-    out = []
-    for code, length in head.tolist():
-        dt = np.dtype(chr(code))
-        out.append(buf[at : at + dt.itemsize * length].copy().view(dt))
-        at += dt.itemsize * length
-    return out
 
 
 def planner_group(planner_ranks: list[int]) -> dist.ProcessGroup:
@@ -69,7 +50,10 @@ class GroupTransport(Transport):
     def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
         H, h = self.H, self.host
         mine = out.get(h, {})
-        blocks = [encode_message(mine[t]) if t in mine else np.zeros(0, np.uint8) for t in range(H)]
+        dests = sorted(mine)
+        blocks = [np.zeros(0, np.uint8)] * H
+        for t, b in zip(dests, encode_messages([mine[t] for t in dests])):
+            blocks[t] = b
         sizes = torch.tensor([b.shape[0] for b in blocks], dtype=torch.int64)
         recv_sizes = torch.empty(H, dtype=torch.int64)
         with phase("input.plan_exchange"):
@@ -80,5 +64,5 @@ class GroupTransport(Transport):
             _all_to_all_single(got, send, recv, sizes.tolist(), group=self.group)
             hold_for_gloo(recv_sizes, sizes, got, send)
         self._sent(kind, int(sum(b.shape[0] for t, b in enumerate(blocks) if t != h)) + 8 * (H - 1))
-        parts = np.split(got.numpy(), np.cumsum(recv)[:-1])
-        return {h: {s: decode_message(p) for s, p in enumerate(parts) if p.shape[0]}}
+        msgs = decode_messages(got.numpy(), recv)
+        return {h: {s: m for s, m in enumerate(msgs) if m is not None}}

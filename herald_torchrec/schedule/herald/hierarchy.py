@@ -122,6 +122,7 @@ from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arriva
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
+from herald_torchrec.schedule.message_wire import Message, decode_messages, encode_message, encode_messages
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows, relayed_pairs
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
 from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
@@ -244,9 +245,6 @@ class _Offers:
     gain: np.ndarray  # float64
 
 
-Message = list  # a message between hosts: a list of numpy arrays (its phase says which)
-
-
 class Transport:
     """The messages between host planners, one phase at a time (module docstring). `exchange(kind, out)`:
     out[src][dst] is the message host src (a host this process plans) sends host dst; returns inbox[dst][src] for
@@ -265,13 +263,10 @@ class Transport:
         raise NotImplementedError
 
 
-def message_bytes(m: Message) -> int:
-    return int(sum(a.nbytes for a in m))
-
-
 class InProcessTransport(Transport):
-    """Every host in this process (the simulator, the tests): messages are handed over, and their array bytes between
-    different hosts counted as a wire would carry them."""
+    """Every host in this process (the simulator, the tests): each message to another host is encoded as the
+    planners' wire carries it (schedule/message_wire.py), counted, and decoded for its receiver; a host's message to
+    itself is handed over as it is."""
 
     def __init__(self, num_hosts: int) -> None:
         super().__init__()
@@ -280,10 +275,15 @@ class InProcessTransport(Transport):
     def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
         inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
         for src, to in out.items():
-            for dst, m in to.items():
+            others = [dst for dst in to if dst != src]
+            bufs = encode_messages([to[dst] for dst in others])
+            sizes = [b.shape[0] for b in bufs]
+            self.count(kind, sum(sizes))
+            got = decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), sizes)
+            for dst, m in zip(others, got):
                 inbox[dst][src] = m
-                if src != dst:
-                    self.count(kind, message_bytes(m))
+            if src in to:
+                inbox[src][src] = to[src]
         return inbox
 
 
@@ -1062,7 +1062,7 @@ class HeraldHierPolicy(SchedulePolicy):
             plan_part_bytes=plan_part_bytes(plan),
             swapped_samples=self.last_swapped,
             wire_bytes=dict(transport.last_bytes),
-            parts_bytes=sum(message_bytes(m) for m in parts.values()),
+            parts_bytes=sum(encode_message(m).shape[0] for m in parts.values()),
         )
         transport.last_bytes.clear()
         return plan

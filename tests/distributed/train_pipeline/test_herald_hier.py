@@ -120,15 +120,3 @@ def test_herald_hier_planners_degrade_together_and_train_the_same_model(tmp_path
     assert a["plan_budget"] == 0.001 and a["plan_budget_planners"] == 2
     static = [p for p in res[0]["plans"] if p["src"].shape[0] == 0]
     assert len(static) >= counts[0][2] - 2  # (the last plans made may not have trained)
-
-
-def test_planner_messages_keep_every_array_and_dtype() -> None:
-    """The planners' wire form of a message (planner_transport.encode_message): every array comes back with its
-    dtype, int16 ranks and uint8 table bits included, and empty arrays stay empty."""
-    from herald_torchrec.distributed.train_pipeline.planner_transport import decode_message, encode_message
-
-    msg = [np.array([3, 2**40], np.int64), np.array([-1, 255], np.int16), np.zeros(0, np.int32),
-           np.array([1, 4], np.uint8), np.array([7], np.int8)]  # fmt: skip
-    got = decode_message(encode_message(msg))
-    assert [a.dtype for a in got] == [a.dtype for a in msg]
-    assert all(np.array_equal(a, b) for a, b in zip(got, msg))

@@ -1,0 +1,307 @@
+"""A herald_hier planner message as bytes: what the planners' transport sends between machines.
+
+Why: a message is a list of numpy arrays (schedule/herald/hierarchy.py), and most of them are sorted keys, ranks of
+one machine, element counts and indices into an earlier message. Sent as their arrays' bytes (int64 keys, int16
+ranks) the planners' messages grew the ids + plan bytes per rank 1.71x from R=8 to R=256; each array in the form of
+fewest bytes for its values brings them to about a third, with nothing lost: the decoded message equals the sent one,
+dtypes included.
+
+Format of one message: one byte, the number of arrays n (at most 255); n headers of 6 bytes (the dtype's character,
+the mode, the element count as uint32 little-endian); then each array's payload, in order. Modes:
+
+    0 RAW          the array's own bytes (anything not an integer of at most 32 bits or int64; an empty array)
+    1 BITS         varint base = min, one byte b, then every (value - base) in b bits
+    2 DELTA_BITS   varint first value, varint least delta d, one byte b, then every (delta - d) in b bits (n >= 2)
+    3 VARINT       every value as a varint
+    4 DELTA_VARINT every delta (the first from 0) as a varint
+
+A varint is LEB128 of the zigzag of a signed int64 (0, -1, 1, -2 -> 0, 1, 2, 3); bits pack least significant first;
+deltas wrap as uint64 does. Each array takes the mode of fewest bytes, ties to the lower mode. Worked example: the
+sorted keys [1000, 1001, 1003] (int64, 24 bytes raw) take BITS: varint 2000 (the zigzag of 1000; 2 bytes), b = 2
+(1 byte), then [0, 1, 3] in 2 bits each (1 byte): 4 bytes, and the message [keys] 1 + 6 + 4 = 11 bytes.
+
+    bufs = encode_messages([m0, m1])          # np.uint8 views, one per message
+    same = decode_messages(np.concatenate(bufs), [b.shape[0] for b in bufs])
+
+Compiled (schedule/native.py: one pass over every message of a phase each way), with this numpy code as the
+fallback; both write the same bytes (tests/schedule/test_message_wire.py). numpy only (the control plane never
+imports torch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from herald_torchrec.schedule import native
+
+Message = list  # a message between planners: a list of numpy arrays (its phase says which)
+
+RAW, BITS, DELTA_BITS, VARINT, DELTA_VARINT = range(5)
+HEADER = np.dtype([("char", "u1"), ("mode", "u1"), ("count", "<u4")])  # 6 bytes, packed
+_KIND = {"i1": 1, "u1": 2, "i2": 3, "u2": 4, "i4": 5, "u4": 6, "i8": 7}  # integer element codes of the kernels
+# the item size of every dtype character numpy knows (0: none), for decoding
+_ITEMSIZE = np.zeros(256, dtype=np.int64)
+for _c in np.typecodes["All"]:
+    try:
+        _ITEMSIZE[ord(_c)] = np.dtype(_c).itemsize
+    except TypeError:  # flexible types ("S", "U", "V", ...) have no fixed item size
+        pass
+
+
+def _kind(a: np.ndarray) -> int:
+    return _KIND.get(f"{a.dtype.kind}{a.dtype.itemsize}", 0) if a.dtype.isnative else 0
+
+
+def _bad_array(a: np.ndarray) -> bool:
+    return a.ndim != 1 or _ITEMSIZE[ord(a.dtype.char)] != a.dtype.itemsize or a.shape[0] >= 1 << 32
+
+
+def _check(m: Message) -> list[np.ndarray]:
+    """The message's arrays, C-contiguous and native-endian; ValueError for what the format cannot carry."""
+    if len(m) > 255:
+        raise ValueError(f"message_wire: a message holds at most 255 arrays, not {len(m)}")
+    out = []
+    for a in m:
+        if not (a.flags.c_contiguous and a.dtype.isnative):
+            a = np.ascontiguousarray(a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("=")))
+        if _bad_array(a):
+            raise ValueError(
+                f"message_wire: a message's arrays are 1-D, of a fixed-size dtype, < 2**32 long: {a.dtype} {a.shape}"
+            )
+        out.append(a)
+    return out
+
+
+# ---- numpy (the fallback; the compiled kernels write the same bytes) ----------------------------------------------
+
+
+def _zigzag(v: np.ndarray) -> np.ndarray:
+    return (v.view(np.uint64) << np.uint64(1)) ^ (v >> 63).view(np.uint64)
+
+
+def _unzigzag(u: np.ndarray) -> np.ndarray:
+    return ((u >> np.uint64(1)) ^ (np.uint64(0) - (u & np.uint64(1)))).view(np.int64)
+
+
+def _varint_lengths(u: np.ndarray) -> np.ndarray:
+    n = np.ones(u.shape[0], dtype=np.int64)
+    for k in range(1, 10):
+        n += u >= np.uint64(1) << np.uint64(7 * k)
+    return n
+
+
+def _varints(u: np.ndarray) -> np.ndarray:
+    lens = _varint_lengths(u)
+    pos = np.cumsum(lens) - lens
+    out = np.empty(int(lens.sum()), dtype=np.uint8)
+    for k in range(int(lens.max()) if u.shape[0] else 0):
+        has = lens > k
+        byte = (u[has] >> np.uint64(7 * k)) & np.uint64(127)
+        out[pos[has] + k] = (byte | np.where(lens[has] > k + 1, np.uint64(128), np.uint64(0))).astype(np.uint8)
+    return out
+
+
+def _bitlen(x: int) -> int:
+    return int(x).bit_length()
+
+
+def _bits(u: np.ndarray, b: int) -> np.ndarray:
+    if b == 0 or u.shape[0] == 0:
+        return np.zeros((u.shape[0] * b + 7) // 8, dtype=np.uint8)
+    bits = ((u[:, None] >> np.arange(b, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little")
+
+
+def _encode_array(a: np.ndarray) -> tuple[int, np.ndarray]:
+    """(mode, payload) of one array."""
+    raw = a.view(np.uint8)
+    n = a.shape[0]
+    if _kind(a) == 0 or n == 0:
+        return RAW, raw
+    v = a.astype(np.int64)
+    lo, hi = int(v.min()), int(v.max())
+    u = v.view(np.uint64) - np.uint64(lo & (2**64 - 1))
+    b = _bitlen((hi - lo) & (2**64 - 1))
+    d = np.empty(n, dtype=np.int64)
+    d[0] = v[0]
+    np.subtract(v[1:], v[:-1], out=d[1:])  # wraps as uint64 does
+    base = _varints(_zigzag(np.array([lo], dtype=np.int64)))
+    options: list[tuple[int, Callable]] = [
+        (raw.shape[0], lambda: raw),
+        (base.shape[0] + 1 + (n * b + 7) // 8, lambda: np.concatenate([base, [b], _bits(u, b)]).astype(np.uint8)),
+    ]
+    if n >= 2:
+        dlo, dhi = int(d[1:].min()), int(d[1:].max())
+        db = _bitlen((dhi - dlo) & (2**64 - 1))
+        head = _varints(_zigzag(np.array([v[0], dlo], dtype=np.int64)))
+        du = d[1:].view(np.uint64) - np.uint64(dlo & (2**64 - 1))
+        options.append(
+            (
+                head.shape[0] + 1 + ((n - 1) * db + 7) // 8,
+                lambda: np.concatenate([head, [db], _bits(du, db)]).astype(np.uint8),
+            )
+        )
+    else:
+        options.append((np.iinfo(np.int64).max, lambda: raw))
+    zv, zd = _zigzag(v), _zigzag(d)
+    options.append((int(_varint_lengths(zv).sum()), lambda: _varints(zv)))
+    options.append((int(_varint_lengths(zd).sum()), lambda: _varints(zd)))
+    mode = min(range(5), key=lambda q: (options[q][0], q))
+    return mode, options[mode][1]()
+
+
+def _read_varints(buf: np.ndarray, at: int, n: int) -> tuple[np.ndarray, int]:
+    """n varints from buf[at:] as uint64, and where they end; ValueError if they do not fit."""
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64), at
+    tail = buf[at:]
+    ends = np.flatnonzero(tail < 128)
+    if ends.shape[0] < n:
+        raise ValueError("message_wire: a malformed message (bad varint)")
+    ends = ends[:n]
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    if (ends - starts >= 10).any():
+        raise ValueError("message_wire: a malformed message (bad varint)")
+    stop = int(ends[-1]) + 1
+    body = tail[:stop].astype(np.uint64) & np.uint64(127)
+    shift = (np.arange(stop) - np.repeat(starts, ends - starts + 1)).astype(np.uint64) * np.uint64(7)
+    return np.add.reduceat(body << shift, starts), at + stop
+
+
+def _read_bits(buf: np.ndarray, at: int, n: int, b: int) -> tuple[np.ndarray, int]:
+    nbytes = (n * b + 7) // 8
+    if at + nbytes > buf.shape[0]:
+        raise ValueError("message_wire: a malformed message (payload past its end)")
+    if b == 0:
+        return np.zeros(n, dtype=np.uint64), at
+    bits = np.unpackbits(buf[at : at + nbytes], bitorder="little")[: n * b].reshape(n, b).astype(np.uint64)
+    return (bits << np.arange(b, dtype=np.uint64)).sum(axis=1, dtype=np.uint64), at + nbytes
+
+
+def _decode_array(buf: np.ndarray, at: int, dtype: np.dtype, mode: int, n: int) -> tuple[np.ndarray, int]:
+    if mode == RAW:
+        end = at + n * dtype.itemsize
+        if end > buf.shape[0]:
+            raise ValueError("message_wire: a malformed message (payload past its end)")
+        return buf[at:end].copy().view(dtype), end
+    if mode in (BITS, DELTA_BITS):
+        if n < mode:
+            raise ValueError("message_wire: a malformed message (too few elements for its mode)")
+        head, at = _read_varints(buf, at, mode)
+        if at >= buf.shape[0] or buf[at] > 64:
+            raise ValueError("message_wire: a malformed message (bad bit width)")
+        b = int(buf[at])
+        u, at = _read_bits(buf, at + 1, n - (mode == DELTA_BITS), b)
+        first = _unzigzag(head[:1]).view(np.uint64)
+        if mode == BITS:
+            v = u + first[0]
+        else:
+            d = u + _unzigzag(head[1:]).view(np.uint64)[0]
+            v = np.cumsum(np.concatenate([first, d]), dtype=np.uint64)
+        return v.view(np.int64).astype(dtype), at
+    if mode in (VARINT, DELTA_VARINT):
+        u, at = _read_varints(buf, at, n)
+        v = _unzigzag(u)
+        if mode == DELTA_VARINT:
+            v = np.cumsum(v.view(np.uint64), dtype=np.uint64).view(np.int64)
+        return v.astype(dtype), at
+    raise ValueError(f"message_wire: a malformed message (unknown mode {mode})")
+
+
+def _encode_numpy(m: list[np.ndarray]) -> np.ndarray:
+    head = np.zeros(len(m), dtype=HEADER)
+    payloads = []
+    for i, a in enumerate(m):
+        mode, payload = _encode_array(a)
+        head[i] = (ord(a.dtype.char), mode, a.shape[0])
+        payloads.append(payload)
+    return np.concatenate([np.array([len(m)], dtype=np.uint8), head.view(np.uint8), *payloads])
+
+
+def _decode_numpy(buf: np.ndarray) -> Message:
+    if buf.shape[0] < 1 or buf.shape[0] < 1 + HEADER.itemsize * int(buf[0]):
+        raise ValueError("message_wire: a malformed message (header past its end)")
+    n = int(buf[0])
+    head = buf[1 : 1 + HEADER.itemsize * n].view(HEADER)
+    at, out = 1 + HEADER.itemsize * n, []
+    for char, mode, count in head.tolist():
+        if not _ITEMSIZE[char]:
+            raise ValueError("message_wire: a malformed message (unknown dtype)")
+        a, at = _decode_array(buf, at, np.dtype(chr(char)), int(mode), int(count))
+        out.append(a)
+    if at != buf.shape[0]:
+        raise ValueError("message_wire: a malformed message (bytes after its last array)")
+    return out
+
+
+# ---- the API ----------------------------------------------------------------------------------------------------
+
+
+_META: dict[np.dtype, tuple[int, int, int]] = {}  # dtype -> (element code, item size, character)
+
+
+def _meta(dt: np.dtype) -> tuple[int, int, int]:
+    _META[dt] = (_KIND.get(f"{dt.kind}{dt.itemsize}", 0), dt.itemsize, ord(dt.char))
+    return _META[dt]
+
+
+def encode_messages(messages: Sequence[Message]) -> list[np.ndarray]:
+    """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on."""
+    checked = [_check(m) for m in messages]
+    if not native.enabled():
+        return [_encode_numpy(m) for m in checked]
+    arrays = [a for m in checked for a in m]
+    first = np.zeros(len(checked) + 1, dtype=np.int64)
+    np.cumsum([len(m) for m in checked], out=first[1:])
+    meta = np.array([_META[a.dtype] if a.dtype in _META else _meta(a.dtype) for a in arrays], dtype=np.int64)
+    meta = meta.reshape(len(arrays), 3)
+    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    kinds, sizes, chars = meta[:, 0].copy(), meta[:, 1].copy(), meta[:, 2].copy()
+    cap = int((np.maximum(lens * sizes, lens * 10) + 24).sum()) + len(checked)  # above every mode's bytes
+    buf, ends = native.msg_encode(arrays, first, kinds, sizes, chars, cap)
+    starts = np.concatenate([[0], ends[:-1]]).tolist()
+    return [buf[s:e] for s, e in zip(starts, ends.tolist())]
+
+
+def encode_message(m: Message) -> np.ndarray:
+    return encode_messages([m])[0]
+
+
+def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | None]:
+    """The messages `encode_messages` wrote, back to back in `buf` (np.uint8), `sizes[i]` bytes each; None for a size
+    of 0 (nothing sent). ValueError for a malformed buffer."""
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
+    if bounds[-1] != buf.shape[0]:
+        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(bounds[-1])}")
+    sent = [i for i, n in enumerate(sizes) if n]
+    out: list[Message | None] = [None] * len(sizes)
+    if not native.enabled():
+        for i in sent:
+            out[i] = _decode_numpy(buf[bounds[i] : bounds[i + 1]])
+        return out
+    b = np.ascontiguousarray(buf, dtype=np.uint8)
+    arrs = native.msg_scan(b, np.concatenate([bounds[sent], bounds[-1:]]) if sent else bounds[:1], _ITEMSIZE)
+    # the scan takes the sent messages' bounds as one run: messages of size 0 take no bytes, so the starts line up
+    encoded = arrs.mode != RAW
+    counts = np.where(encoded, arrs.count, 0)
+    at = np.cumsum(counts) - counts
+    ints = native.msg_decode(b, arrs, at, int(counts.sum()))
+    got: list[list[np.ndarray]] = [[] for _ in sent]
+    for m, char, mode, n, s, e, a in zip(
+        arrs.msg.tolist(), arrs.char.tolist(), arrs.mode.tolist(), arrs.count.tolist(), arrs.start.tolist(),
+        arrs.stop.tolist(), at.tolist(),
+    ):  # fmt: skip
+        dt = _DTYPE[char]
+        got[m].append(b[s:e].copy().view(dt) if mode == RAW else ints[a : a + n].astype(dt))
+    for j, i in enumerate(sent):
+        out[i] = got[j]
+    return out
+
+
+_DTYPE = [np.dtype(chr(c)) if _ITEMSIZE[c] else None for c in range(256)]
+
+
+def decode_message(buf: np.ndarray) -> Message:
+    return decode_messages(buf, [buf.shape[0]])[0]

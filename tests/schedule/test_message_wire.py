@@ -1,0 +1,125 @@
+"""The herald_hier planners' messages as bytes (schedule/message_wire.py): every array comes back equal, dtype
+included; each takes the mode of fewest bytes; the compiled pass and numpy write the same bytes; a malformed buffer is
+an error, never garbage."""
+
+import numpy as np
+import pytest
+
+from herald_torchrec.schedule import message_wire as mw
+from herald_torchrec.schedule import native
+
+INT_TYPES = (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64)
+
+
+def _random_messages(seed: int, count: int) -> list[list[np.ndarray]]:
+    """Messages of every integer dtype with values of every shape the planners send (sorted keys, a few ranks,
+    constants, full-range noise), plus the edge values and the dtypes sent raw."""
+    rng = np.random.default_rng(seed)
+    i64 = np.iinfo(np.int64)
+    out = [
+        [np.array([i64.min, i64.max, 0, -5], np.int64), np.array([i64.max, i64.min], np.int64)],
+        [np.zeros(0, np.int64), np.array([5], np.int16), np.array([-1], np.int8), np.zeros(0, np.float32)],
+        [np.array([1.5, -2.5]), np.array([True, False]), np.array([2**63 + 5, 1], np.uint64)],
+        [np.array([7, 7, 7, 7], np.int32), np.array([-3, -3], np.int64)],
+        [],
+    ]
+    for _ in range(count):
+        m = []
+        for _ in range(rng.integers(0, 7)):
+            t = INT_TYPES[rng.integers(0, len(INT_TYPES))]
+            info, n, shape = np.iinfo(t), int(rng.integers(0, 60)), rng.integers(0, 4)
+            if shape == 0:  # anything
+                a = rng.integers(
+                    info.min, info.max, size=n, endpoint=True, dtype=np.int64 if t != np.uint32 else np.uint64
+                )
+            elif shape == 1:  # sorted keys
+                a = np.sort(rng.integers(max(info.min, -1000), min(info.max, 10**6), size=n))
+            elif shape == 2:  # one value
+                a = np.full(n, rng.integers(max(info.min, -5), min(info.max, 100)))
+            else:  # ranks of one machine
+                a = rng.integers(0, min(info.max, 8), size=n)
+            m.append(a.astype(t))
+        out.append(m)
+    return out
+
+
+def _same(sent: list[np.ndarray], got: list[np.ndarray]) -> None:
+    assert len(sent) == len(got)
+    for a, b in zip(sent, got):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_every_message_comes_back_equal_with_its_dtypes():
+    msgs = _random_messages(0, 300)
+    bufs = mw.encode_messages(msgs)
+    sizes = [b.shape[0] for b in bufs]
+    got = mw.decode_messages(np.concatenate(bufs), sizes)
+    for m, g in zip(msgs, got):
+        _same(m, g)
+    assert mw.decode_messages(np.concatenate(bufs), sizes[:3] + [0] + sizes[3:])[3] is None  # nothing sent: None
+
+
+def test_compiled_and_numpy_write_the_same_bytes(monkeypatch):
+    if not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    msgs = _random_messages(1, 200)
+    compiled = mw.encode_messages(msgs)
+    monkeypatch.setattr(native, "enabled", lambda: False)
+    numpy_ = mw.encode_messages(msgs)
+    for a, b in zip(compiled, numpy_):
+        assert np.array_equal(a, b)
+    got = mw.decode_messages(np.concatenate(compiled), [b.shape[0] for b in compiled])  # numpy decodes them
+    for m, g in zip(msgs, got):
+        _same(m, g)
+
+
+def test_the_worked_example_and_the_mode_of_fewest_bytes():
+    """The docstring's example byte for byte, and the mode each kind of array the planners send takes."""
+    buf = mw.encode_message([np.array([1000, 1001, 1003], np.int64)])
+    assert buf.tolist() == [1, ord("l"), mw.BITS, 3, 0, 0, 0, 208, 15, 2, 0b110100]
+
+    def mode_and_size(a):
+        b = mw.encode_message([a])
+        return int(b[2]), b.shape[0] - 7
+
+    keys = np.cumsum(np.full(1000, 3)) + 10**9  # sorted keys 3 apart: one byte of header, 0 bits each
+    assert mode_and_size(keys) == (mw.DELTA_BITS, 5 + 1 + 1 + 0)
+    ranks = np.tile(np.arange(8, 16, dtype=np.int16), 100)  # the ranks of machine 1: 3 bits each
+    assert mode_and_size(ranks) == (mw.BITS, 1 + 1 + 300)
+    gaps = np.random.default_rng(0).permutation(np.r_[np.ones(490, np.int64), np.full(10, 10**6)])
+    assert mode_and_size(np.cumsum(gaps)) == (mw.DELTA_VARINT, 490 + 10 * 3)  # sorted, a few wide gaps
+    noise = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 100, endpoint=True)
+    assert mode_and_size(noise) == (mw.RAW, 800)  # nothing smaller than the raw bytes
+    assert mode_and_size(np.full(9, 42, np.int32)) == (mw.BITS, 1 + 1 + 0)  # one value: no bits at all
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_malformed_buffer_is_an_error(monkeypatch, compiled):
+    if compiled and not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    if not compiled:
+        monkeypatch.setattr(native, "enabled", lambda: False)
+    good = mw.encode_message([np.arange(100, dtype=np.int64) * 1000, np.array([1, 2, 3], np.int16)])
+    bad = {
+        "truncated": good[:-1],
+        "trailing": np.concatenate([good, [0]]).astype(np.uint8),
+        "unknown mode": np.concatenate([good[:2], [9], good[3:]]).astype(np.uint8),
+        "unknown dtype": np.concatenate([good[:1], [0], good[2:]]).astype(np.uint8),
+        "header only": good[:5],
+    }
+    for name, buf in bad.items():
+        with pytest.raises(ValueError, match="malformed"):
+            mw.decode_message(buf)
+    with pytest.raises(ValueError, match="bytes for messages"):
+        mw.decode_messages(good, [good.shape[0] + 1])
+
+
+def test_what_the_format_cannot_carry_is_refused():
+    with pytest.raises(ValueError, match="1-D"):
+        mw.encode_message([np.zeros((2, 2), np.int64)])
+    with pytest.raises(ValueError, match="at most 255"):
+        mw.encode_message([np.zeros(1, np.int8)] * 256)
+    big_endian = np.array([1, 2, 300], dtype=">i4")
+    (got,) = mw.decode_message(mw.encode_message([big_endian]))
+    assert got.dtype == np.dtype("<i4") and got.tolist() == [1, 2, 300]  # travels native-endian, same values
