@@ -1004,6 +1004,17 @@ static void msg_widen(const void* p, int64_t n, int64_t kind, std::vector<int64_
 }
 // n values of b bits each, least significant first, into ceil(n b / 8) bytes.
 static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b) {
+  if (b <= 56) {  // a 64-bit accumulator holds the up to 7 bits left over plus one value
+    uint64_t acc = 0;
+    int64_t have = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      acc |= u[j] << have;
+      have += b;
+      while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
+    }
+    if (have > 0) *o++ = static_cast<uint8_t>(acc);
+    return o;
+  }
   unsigned __int128 acc = 0;
   int64_t have = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -1020,11 +1031,11 @@ static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b
 extern "C" {
 
 // Encodes nmsg messages back to back into `out` (capacity `cap`): message m is arrays first[m] .. first[m + 1]
-// (pointers `arrays`, lengths `lens`, element codes `kinds` (0: raw bytes), item sizes, dtype chars). Each array goes
-// in the mode of fewest bytes (ties: the lower mode). `ends[m]`: the byte where message m ends. Returns the bytes
-// written, or -1 (capacity).
+// (pointers `arrays`, lengths `lens`, element codes `kinds` (0: raw bytes), item sizes, dtype codes). Each array goes
+// in the mode of fewest bytes (ties: the lower mode), after its header: one byte (dtype code << 3 | mode), then its
+// element count as a varint. `ends[m]`: the byte where message m ends. Returns the bytes written, or -1 (capacity).
 int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const* arrays, const int64_t* lens,
-                          const int64_t* kinds, const int64_t* itemsizes, const int64_t* chars, uint8_t* out,
+                          const int64_t* kinds, const int64_t* itemsizes, const int64_t* codes, uint8_t* out,
                           int64_t cap, int64_t* ends) {
   uint8_t* o = out;
   uint8_t* const lim = out + cap;
@@ -1032,20 +1043,18 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
   std::vector<uint64_t> u;
   for (int64_t m = 0; m < nmsg; ++m) {
     const int64_t a0 = first[m], na = first[m + 1] - a0;
-    if (na > 255 || o + 1 + 6 * na > lim) return -1;
+    if (na > 255 || o + 1 > lim) return -1;
     *o++ = static_cast<uint8_t>(na);
-    uint8_t* head = o;
-    o += 6 * na;
     for (int64_t i = a0; i < a0 + na; ++i) {
       const int64_t n = lens[i];
-      uint8_t* h = head + 6 * (i - a0);
-      h[0] = static_cast<uint8_t>(chars[i]);
-      const uint32_t n32 = static_cast<uint32_t>(n);
-      std::memcpy(h + 2, &n32, 4);
+      if (o + 11 > lim) return -1;
+      uint8_t* h = o++;
+      o = msg_put_varint(o, static_cast<uint64_t>(n));
+      const uint8_t code = static_cast<uint8_t>(codes[i] << 3);
+      *h = code;
       const int64_t raw = n * itemsizes[i];
       if (kinds[i] == 0 || n == 0) {
         if (o + raw > lim) return -1;
-        h[1] = 0;
         if (raw) std::memcpy(o, arrays[i], static_cast<size_t>(raw));
         o += raw;
         continue;
@@ -1071,7 +1080,7 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
       for (int q = 1; q < 5; ++q)
         if (size[q] < size[mode]) mode = q;
       if (o + size[mode] > lim) return -1;
-      h[1] = static_cast<uint8_t>(mode);
+      *h = static_cast<uint8_t>(code | mode);
       if (mode == 0) {
         std::memcpy(o, arrays[i], static_cast<size_t>(raw));
         o += raw;
@@ -1115,10 +1124,11 @@ static bool msg_get_varint(const uint8_t*& p, const uint8_t* end, uint64_t& u) {
 }
 
 // Pass 1 of decoding: the arrays of nmsg messages (message m: bytes bounds[m] .. bounds[m + 1] of buf). Per array:
-// its message, dtype char, mode, element count, payload start and end. itemsize[c]: the item size of dtype char c
-// (0: not one). Returns the arrays found, or -1 (malformed: herald_last_error says where; or more than cap arrays).
+// its message, dtype code, mode, element count, payload start and end. itemsize[c] (32 codes): the item size of
+// dtype code c (0: not one). Returns the arrays found, or -1 (malformed: herald_last_error says how; or more than
+// cap arrays).
 int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds, const int64_t* itemsize, int64_t cap,
-                        int64_t* arr_msg, int64_t* arr_char, int64_t* arr_mode, int64_t* arr_count,
+                        int64_t* arr_msg, int64_t* arr_code, int64_t* arr_mode, int64_t* arr_count,
                         int64_t* arr_start, int64_t* arr_end) {
   int64_t k = 0;
   auto bad = [&](int64_t m, const char* why) {
@@ -1130,17 +1140,16 @@ int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds,
     const uint8_t* const end = buf + bounds[m + 1];
     if (p >= end) return bad(m, "empty");
     const int64_t na = *p++;
-    if (p + 6 * na > end) return bad(m, "header past its end");
     if (k + na > cap) return bad(m, "too many arrays");
-    const uint8_t* head = p;
-    p += 6 * na;
     for (int64_t i = 0; i < na; ++i, ++k) {
-      const uint8_t* h = head + 6 * i;
-      uint32_t n32;
-      std::memcpy(&n32, h + 2, 4);
-      const int64_t n = n32, mode = h[1], size = itemsize[h[0]];
+      if (p >= end) return bad(m, "header past its end");
+      const int64_t code = *p >> 3, mode = *p & 7, size = itemsize[code];
+      ++p;
+      uint64_t n64;
+      if (!msg_get_varint(p, end, n64) || n64 >= (uint64_t{1} << 32)) return bad(m, "bad element count");
       if (!size) return bad(m, "unknown dtype");
-      arr_msg[k] = m, arr_char[k] = h[0], arr_mode[k] = mode, arr_count[k] = n, arr_start[k] = p - buf;
+      const int64_t n = static_cast<int64_t>(n64);
+      arr_msg[k] = m, arr_code[k] = code, arr_mode[k] = mode, arr_count[k] = n, arr_start[k] = p - buf;
       uint64_t x;
       if (mode == 0) {
         if (n * size > end - p) return bad(m, "payload past its end");
@@ -1185,11 +1194,19 @@ void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const
       const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
       const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
       unsigned __int128 bits = 0;
+      uint64_t bits64 = 0;
       int64_t have = 0;
       for (int64_t j = 0; j < nb; ++j) {
-        while (have < b) { bits |= static_cast<unsigned __int128>(*p++) << have; have += 8; }
-        const uint64_t u = static_cast<uint64_t>(bits) & mask;
-        bits >>= b;
+        uint64_t u;
+        if (b <= 56) {  // (up to 7 bits left over plus the bytes of one value fit 64 bits)
+          while (have < b) { bits64 |= static_cast<uint64_t>(*p++) << have; have += 8; }
+          u = bits64 & mask;
+          bits64 >>= b;
+        } else {
+          while (have < b) { bits |= static_cast<unsigned __int128>(*p++) << have; have += 8; }
+          u = static_cast<uint64_t>(bits) & mask;
+          bits >>= b;
+        }
         have -= b;
         if (mode[i] == 1) {
           o[j] = static_cast<int64_t>(acc + u);

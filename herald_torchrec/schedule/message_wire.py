@@ -6,10 +6,10 @@ ranks) the planners' messages grew the ids + plan bytes per rank 1.71x from R=8 
 fewest bytes for its values brings them to about a third, with nothing lost: the decoded message equals the sent one,
 dtypes included.
 
-Format of one message: one byte, the number of arrays n (at most 255); n headers of 6 bytes (the dtype's character,
-the mode, the element count as uint32 little-endian); then each array's payload, in order. Modes:
+Format of one message: one byte, the number of arrays n (at most 255); then every array: one byte (its dtype's
+code in DTYPES << 3 | its mode), its element count as a varint, its payload. Modes:
 
-    0 RAW          the array's own bytes (anything not an integer of at most 32 bits or int64; an empty array)
+    0 RAW          the array's own bytes (floats, bools, uint64; an empty array)
     1 BITS         varint base = min, one byte b, then every (value - base) in b bits
     2 DELTA_BITS   varint first value, varint least delta d, one byte b, then every (delta - d) in b bits (n >= 2)
     3 VARINT       every value as a varint
@@ -18,7 +18,7 @@ the mode, the element count as uint32 little-endian); then each array's payload,
 A varint is LEB128 of the zigzag of a signed int64 (0, -1, 1, -2 -> 0, 1, 2, 3); bits pack least significant first;
 deltas wrap as uint64 does. Each array takes the mode of fewest bytes, ties to the lower mode. Worked example: the
 sorted keys [1000, 1001, 1003] (int64, 24 bytes raw) take BITS: varint 2000 (the zigzag of 1000; 2 bytes), b = 2
-(1 byte), then [0, 1, 3] in 2 bits each (1 byte): 4 bytes, and the message [keys] 1 + 6 + 4 = 11 bytes.
+(1 byte), then [0, 1, 3] in 2 bits each (1 byte): 4 bytes, and the message [keys] 1 + 2 + 4 = 7 bytes.
 
     bufs = encode_messages([m0, m1])          # np.uint8 views, one per message
     same = decode_messages(np.concatenate(bufs), [b.shape[0] for b in bufs])
@@ -39,23 +39,20 @@ from herald_torchrec.schedule import native
 Message = list  # a message between planners: a list of numpy arrays (its phase says which)
 
 RAW, BITS, DELTA_BITS, VARINT, DELTA_VARINT = range(5)
-HEADER = np.dtype([("char", "u1"), ("mode", "u1"), ("count", "<u4")])  # 6 bytes, packed
+# the dtypes a message carries, by code (the header byte's high bits); int64 as numpy's "l" on every platform
+DTYPES = tuple(
+    np.dtype(t)
+    for t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+              np.float16, np.float32, np.float64)
+)  # fmt: skip
+_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+_ITEMSIZE = np.zeros(32, dtype=np.int64)  # by code, for the compiled scan (0: no such dtype)
+_ITEMSIZE[: len(DTYPES)] = [dt.itemsize for dt in DTYPES]
 _KIND = {"i1": 1, "u1": 2, "i2": 3, "u2": 4, "i4": 5, "u4": 6, "i8": 7}  # integer element codes of the kernels
-# the item size of every dtype character numpy knows (0: none), for decoding
-_ITEMSIZE = np.zeros(256, dtype=np.int64)
-for _c in np.typecodes["All"]:
-    try:
-        _ITEMSIZE[ord(_c)] = np.dtype(_c).itemsize
-    except TypeError:  # flexible types ("S", "U", "V", ...) have no fixed item size
-        pass
 
 
-def _kind(a: np.ndarray) -> int:
-    return _KIND.get(f"{a.dtype.kind}{a.dtype.itemsize}", 0) if a.dtype.isnative else 0
-
-
-def _bad_array(a: np.ndarray) -> bool:
-    return a.ndim != 1 or _ITEMSIZE[ord(a.dtype.char)] != a.dtype.itemsize or a.shape[0] >= 1 << 32
+def _kind(dt: np.dtype) -> int:
+    return _KIND.get(f"{dt.kind}{dt.itemsize}", 0)
 
 
 def _check(m: Message) -> list[np.ndarray]:
@@ -66,9 +63,10 @@ def _check(m: Message) -> list[np.ndarray]:
     for a in m:
         if not (a.flags.c_contiguous and a.dtype.isnative):
             a = np.ascontiguousarray(a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("=")))
-        if _bad_array(a):
+        if a.ndim != 1 or a.dtype not in _CODE or a.shape[0] >= 1 << 32:
             raise ValueError(
-                f"message_wire: a message's arrays are 1-D, of a fixed-size dtype, < 2**32 long: {a.dtype} {a.shape}"
+                f"message_wire: a message's arrays are 1-D, < 2**32 long, of a numeric dtype or bool: {a.dtype} "
+                f"{a.shape}"
             )
         out.append(a)
     return out
@@ -118,7 +116,7 @@ def _encode_array(a: np.ndarray) -> tuple[int, np.ndarray]:
     """(mode, payload) of one array."""
     raw = a.view(np.uint8)
     n = a.shape[0]
-    if _kind(a) == 0 or n == 0:
+    if _kind(a.dtype) == 0 or n == 0:
         return RAW, raw
     v = a.astype(np.int64)
     lo, hi = int(v.min()), int(v.max())
@@ -211,25 +209,26 @@ def _decode_array(buf: np.ndarray, at: int, dtype: np.dtype, mode: int, n: int) 
 
 
 def _encode_numpy(m: list[np.ndarray]) -> np.ndarray:
-    head = np.zeros(len(m), dtype=HEADER)
-    payloads = []
-    for i, a in enumerate(m):
+    out = [np.array([len(m)], dtype=np.uint8)]
+    for a in m:
         mode, payload = _encode_array(a)
-        head[i] = (ord(a.dtype.char), mode, a.shape[0])
-        payloads.append(payload)
-    return np.concatenate([np.array([len(m)], dtype=np.uint8), head.view(np.uint8), *payloads])
+        out += [np.array([_CODE[a.dtype] << 3 | mode], dtype=np.uint8), _varints(np.array([a.shape[0]], np.uint64))]
+        out.append(payload)
+    return np.concatenate(out)
 
 
 def _decode_numpy(buf: np.ndarray) -> Message:
-    if buf.shape[0] < 1 or buf.shape[0] < 1 + HEADER.itemsize * int(buf[0]):
-        raise ValueError("message_wire: a malformed message (header past its end)")
-    n = int(buf[0])
-    head = buf[1 : 1 + HEADER.itemsize * n].view(HEADER)
-    at, out = 1 + HEADER.itemsize * n, []
-    for char, mode, count in head.tolist():
-        if not _ITEMSIZE[char]:
+    if buf.shape[0] < 1:
+        raise ValueError("message_wire: a malformed message (empty)")
+    at, out = 1, []
+    for _ in range(int(buf[0])):
+        if at >= buf.shape[0]:
+            raise ValueError("message_wire: a malformed message (header past its end)")
+        code, mode = int(buf[at]) >> 3, int(buf[at]) & 7
+        if code >= len(DTYPES):
             raise ValueError("message_wire: a malformed message (unknown dtype)")
-        a, at = _decode_array(buf, at, np.dtype(chr(char)), int(mode), int(count))
+        (count,), at = _read_varints(buf, at + 1, 1)
+        a, at = _decode_array(buf, at, DTYPES[code], mode, int(count))
         out.append(a)
     if at != buf.shape[0]:
         raise ValueError("message_wire: a malformed message (bytes after its last array)")
@@ -239,12 +238,7 @@ def _decode_numpy(buf: np.ndarray) -> Message:
 # ---- the API ----------------------------------------------------------------------------------------------------
 
 
-_META: dict[np.dtype, tuple[int, int, int]] = {}  # dtype -> (element code, item size, character)
-
-
-def _meta(dt: np.dtype) -> tuple[int, int, int]:
-    _META[dt] = (_KIND.get(f"{dt.kind}{dt.itemsize}", 0), dt.itemsize, ord(dt.char))
-    return _META[dt]
+_META = {dt: (_kind(dt), dt.itemsize, code) for dt, code in _CODE.items()}  # element code, item size, dtype code
 
 
 def encode_messages(messages: Sequence[Message]) -> list[np.ndarray]:
@@ -255,12 +249,12 @@ def encode_messages(messages: Sequence[Message]) -> list[np.ndarray]:
     arrays = [a for m in checked for a in m]
     first = np.zeros(len(checked) + 1, dtype=np.int64)
     np.cumsum([len(m) for m in checked], out=first[1:])
-    meta = np.array([_META[a.dtype] if a.dtype in _META else _meta(a.dtype) for a in arrays], dtype=np.int64)
+    meta = np.array([_META[a.dtype] for a in arrays], dtype=np.int64)
     meta = meta.reshape(len(arrays), 3)
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    kinds, sizes, chars = meta[:, 0].copy(), meta[:, 1].copy(), meta[:, 2].copy()
-    cap = int((np.maximum(lens * sizes, lens * 10) + 24).sum()) + len(checked)  # above every mode's bytes
-    buf, ends = native.msg_encode(arrays, first, kinds, sizes, chars, cap)
+    kinds, sizes, codes = meta[:, 0].copy(), meta[:, 1].copy(), meta[:, 2].copy()
+    cap = int((np.maximum(lens * sizes, lens * 10) + 32).sum()) + len(checked)  # above every mode's bytes
+    buf, ends = native.msg_encode(arrays, first, kinds, sizes, codes, cap)
     starts = np.concatenate([[0], ends[:-1]]).tolist()
     return [buf[s:e] for s, e in zip(starts, ends.tolist())]
 
@@ -289,18 +283,15 @@ def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | Non
     at = np.cumsum(counts) - counts
     ints = native.msg_decode(b, arrs, at, int(counts.sum()))
     got: list[list[np.ndarray]] = [[] for _ in sent]
-    for m, char, mode, n, s, e, a in zip(
-        arrs.msg.tolist(), arrs.char.tolist(), arrs.mode.tolist(), arrs.count.tolist(), arrs.start.tolist(),
+    for m, code, mode, n, s, e, a in zip(
+        arrs.msg.tolist(), arrs.code.tolist(), arrs.mode.tolist(), arrs.count.tolist(), arrs.start.tolist(),
         arrs.stop.tolist(), at.tolist(),
     ):  # fmt: skip
-        dt = _DTYPE[char]
+        dt = DTYPES[code]
         got[m].append(b[s:e].copy().view(dt) if mode == RAW else ints[a : a + n].astype(dt))
     for j, i in enumerate(sent):
         out[i] = got[j]
     return out
-
-
-_DTYPE = [np.dtype(chr(c)) if _ITEMSIZE[c] else None for c in range(256)]
 
 
 def decode_message(buf: np.ndarray) -> Message:

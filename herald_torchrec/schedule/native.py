@@ -643,14 +643,14 @@ def wire_sample_order(rank: np.ndarray, R: int) -> np.ndarray | None:
 
 
 def msg_encode(
-    arrays: list[np.ndarray], first: np.ndarray, kinds: np.ndarray, itemsizes: np.ndarray, chars: np.ndarray, cap: int
+    arrays: list[np.ndarray], first: np.ndarray, kinds: np.ndarray, itemsizes: np.ndarray, codes: np.ndarray, cap: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """message_wire's messages (message m: arrays first[m] .. first[m + 1], each C-contiguous in its own dtype) back
     to back: (the bytes, each message's end)."""
     out, ends = np.empty(cap, dtype=np.uint8), np.empty(first.shape[0] - 1, dtype=np.int64)
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     n = lib().herald_msg_encode(
-        ends.shape[0], _p(first), _native.addresses(arrays), _p(lens), _p(kinds), _p(itemsizes), _p(chars), _p(out),
+        ends.shape[0], _p(first), _native.addresses(arrays), _p(lens), _p(kinds), _p(itemsizes), _p(codes), _p(out),
         cap, _p(ends),
     )  # fmt: skip
     if n < 0:
@@ -663,7 +663,7 @@ class MessageArrays:
     """herald_msg_scan's table: every array of the messages, in order."""
 
     msg: np.ndarray
-    char: np.ndarray
+    code: np.ndarray
     mode: np.ndarray
     count: np.ndarray
     start: np.ndarray
@@ -673,7 +673,7 @@ class MessageArrays:
 def msg_scan(buf: np.ndarray, bounds: np.ndarray, itemsize: np.ndarray) -> MessageArrays:
     """The arrays of the messages in `buf` (message m: bytes bounds[m] .. bounds[m + 1]); ValueError if malformed."""
     b, bd, isz = _c(buf, np.uint8), _c(bounds, np.int64), _c(itemsize, np.int64)
-    cap = int(b.shape[0]) + 1  # every array takes at least a header's 6 bytes
+    cap = int(b.shape[0]) // 2 + 1  # every array takes at least its header's 2 bytes
     cols = [np.empty(cap, dtype=np.int64) for _ in range(6)]
     k = lib().herald_msg_scan(bd.shape[0] - 1, _p(b), _p(bd), _p(isz), cap, *(_p(c) for c in cols))
     if k < 0:

@@ -77,11 +77,12 @@ def test_compiled_and_numpy_write_the_same_bytes(monkeypatch):
 def test_the_worked_example_and_the_mode_of_fewest_bytes():
     """The docstring's example byte for byte, and the mode each kind of array the planners send takes."""
     buf = mw.encode_message([np.array([1000, 1001, 1003], np.int64)])
-    assert buf.tolist() == [1, ord("l"), mw.BITS, 3, 0, 0, 0, 208, 15, 2, 0b110100]
+    assert buf.tolist() == [1, 7 << 3 | mw.BITS, 3, 208, 15, 2, 0b110100]
 
     def mode_and_size(a):
         b = mw.encode_message([a])
-        return int(b[2]), b.shape[0] - 7
+        count_bytes = 1 + (a.shape[0] >= 128) + (a.shape[0] >= 1 << 14)
+        return int(b[1]) & 7, b.shape[0] - 2 - count_bytes
 
     keys = np.cumsum(np.full(1000, 3)) + 10**9  # sorted keys 3 apart: one byte of header, 0 bits each
     assert mode_and_size(keys) == (mw.DELTA_BITS, 5 + 1 + 1 + 0)
@@ -104,9 +105,10 @@ def test_a_malformed_buffer_is_an_error(monkeypatch, compiled):
     bad = {
         "truncated": good[:-1],
         "trailing": np.concatenate([good, [0]]).astype(np.uint8),
-        "unknown mode": np.concatenate([good[:2], [9], good[3:]]).astype(np.uint8),
-        "unknown dtype": np.concatenate([good[:1], [0], good[2:]]).astype(np.uint8),
-        "header only": good[:5],
+        "unknown mode": np.concatenate([good[:1], [7 << 3 | 7], good[2:]]).astype(np.uint8),
+        "unknown dtype": np.concatenate([good[:1], [31 << 3 | int(good[1]) & 7], good[2:]]).astype(np.uint8),
+        "header only": good[:3],
+        "no arrays": good[:1],
     }
     for name, buf in bad.items():
         with pytest.raises(ValueError, match="malformed"):
@@ -118,6 +120,8 @@ def test_a_malformed_buffer_is_an_error(monkeypatch, compiled):
 def test_what_the_format_cannot_carry_is_refused():
     with pytest.raises(ValueError, match="1-D"):
         mw.encode_message([np.zeros((2, 2), np.int64)])
+    with pytest.raises(ValueError, match="numeric dtype"):
+        mw.encode_message([np.zeros(2, np.complex64)])
     with pytest.raises(ValueError, match="at most 255"):
         mw.encode_message([np.zeros(1, np.int8)] * 256)
     big_endian = np.array([1, 2, 300], dtype=">i4")
