@@ -12,7 +12,9 @@ in its own process. This records, in one in-process run, every message each host
 (`plan_host`, its own samples only, the recorded messages as the other hosts' answers) and its messages out are
 checked against the recorded ones (a replay that diverged would stop with an error). Prints one JSON object: per
 host, the median over the steps after `--warmup` of its planning time (phases, directory role, its own plan and
-replica update; `--hier-clock` wall or CPU), beside the same host's figure in the in-process run.
+replica update; `--hier-clock` wall or CPU), beside the same host's figure in the in-process run, and what its
+messages' wire form costs it (`codec_ms`: encoding what it sends to other hosts and decoding what they send it, in
+schedule/message_wire.py's form, as the training transport does around its all-to-alls; not in `alone_ms`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: 
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
+from herald_torchrec.schedule.message_wire import decode_messages, encode_messages  # noqa: E402
 
 # the options a replay runs with (the recording's)
 REPLAYED = ("scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock")
@@ -62,6 +65,7 @@ class ReplayTransport(Transport):
     def __init__(self, host: int, log: list) -> None:
         super().__init__()
         self.host, self.log, self.at = host, log, 0
+        self.codec_seconds = 0.0  # encoding what it sends other hosts, decoding what they sent it (wall)
 
     def exchange(self, kind, out):
         want_kind, inbox, sent = self.log[self.at]
@@ -73,6 +77,12 @@ class ReplayTransport(Transport):
         )
         if not same:
             raise RuntimeError(f"hier_alone: host {self.host} diverged from the recorded run at exchange {self.at}")
+        bufs = encode_messages([m for s, m in inbox[self.host].items() if s != self.host])  # as the others sent them
+        buf = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
+        t0 = time.perf_counter()
+        encode_messages([m for t, m in mine.items() if t != self.host])
+        decode_messages(buf, [b.shape[0] for b in bufs])
+        self.codec_seconds += time.perf_counter() - t0
         return {self.host: inbox[self.host]}
 
 
@@ -116,14 +126,20 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     n = pol.ranks_per_host * args.batch
     mine = np.arange(host * n, (host + 1) * n, dtype=np.int64)
     window = [batch(i).take(mine) for i in range(args.lookahead)]
-    ms = []
+    ms, codec = [], []
     for i in range(args.steps):
         window.append(batch(i + args.lookahead).take(mine))
-        pol.plan_host(host, window, ReplayTransport(host, rec["steps"][i]))
+        transport = ReplayTransport(host, rec["steps"][i])
+        pol.plan_host(host, window, transport)
         step = pol.last_step
         ms.append(float(step.per_host_seconds[host]) * 1e3)
+        codec.append(transport.codec_seconds * 1e3)
         window.pop(0)
-    return {"host": host, "alone_ms": round(float(np.median(ms[args.warmup :])), 3)}
+    return {
+        "host": host,
+        "alone_ms": round(float(np.median(ms[args.warmup :])), 3),
+        "codec_ms": round(float(np.median(codec[args.warmup :])), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
