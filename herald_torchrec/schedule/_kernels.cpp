@@ -975,7 +975,7 @@ namespace {
 static inline uint64_t msg_zz(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
 static inline int64_t msg_unzz(uint64_t u) { return static_cast<int64_t>((u >> 1) ^ (~(u & 1) + 1)); }
 static inline int64_t msg_bitlen(uint64_t u) { return u ? 64 - __builtin_clzll(u) : 0; }
-static inline int64_t msg_vlen(uint64_t u) { return 1 + (msg_bitlen(u | 1) - 1) / 7; }
+static inline int64_t msg_vlen(uint64_t u) { return (70 - __builtin_clzll(u | 1)) / 7; }  // ceil(bits / 7), >= 1
 static inline uint8_t* msg_put_varint(uint8_t* o, uint64_t u) {
   while (u >= 128) { *o++ = static_cast<uint8_t>(u | 128); u >>= 7; }
   *o++ = static_cast<uint8_t>(u);
@@ -1004,6 +1004,11 @@ static void msg_widen(const void* p, int64_t n, int64_t kind, std::vector<int64_
 }
 // n values of b bits each, least significant first, into ceil(n b / 8) bytes.
 static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b) {
+  if (b == 8 || b == 16 || b == 32) {  // whole bytes: little-endian stores
+    const int64_t w = b / 8;
+    for (int64_t j = 0; j < n; ++j) std::memcpy(o + w * j, &u[j], static_cast<size_t>(w));
+    return o + w * n;
+  }
   if (b <= 56) {  // a 64-bit accumulator holds the up to 7 bits left over plus one value
     uint64_t acc = 0;
     int64_t have = 0;
@@ -1059,21 +1064,31 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
         o += raw;
         continue;
       }
-      msg_widen(arrays[i], n, kinds[i], v);
-      int64_t lo = v[0], hi = v[0], dlo = 0, dhi = 0, vl = 0, dvl = 0;
+      const int64_t* x;  // the values as int64: the array itself where it is an aligned int64 one
+      if (kinds[i] == 7 && reinterpret_cast<uintptr_t>(arrays[i]) % alignof(int64_t) == 0) {
+        x = static_cast<const int64_t*>(arrays[i]);
+      } else {
+        msg_widen(arrays[i], n, kinds[i], v);
+        x = v.data();
+      }
+      int64_t lo = x[0], hi = x[0], vl = 0;
       for (int64_t j = 0; j < n; ++j) {
-        lo = std::min(lo, v[j]);
-        hi = std::max(hi, v[j]);
-        vl += msg_vlen(msg_zz(v[j]));
-        const int64_t d = j ? static_cast<int64_t>(static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(v[j - 1])) : v[0];
+        lo = std::min(lo, x[j]);
+        hi = std::max(hi, x[j]);
+        vl += msg_vlen(msg_zz(x[j]));
+      }
+      int64_t dlo = 0, dhi = 0, dvl = msg_vlen(msg_zz(x[0]));
+      if (n >= 2) dlo = dhi = static_cast<int64_t>(static_cast<uint64_t>(x[1]) - static_cast<uint64_t>(x[0]));
+      for (int64_t j = 1; j < n; ++j) {
+        const int64_t d = static_cast<int64_t>(static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]));
+        dlo = std::min(dlo, d);
+        dhi = std::max(dhi, d);
         dvl += msg_vlen(msg_zz(d));
-        if (j == 1) dlo = dhi = d;
-        if (j > 1) dlo = std::min(dlo, d), dhi = std::max(dhi, d);
       }
       const int64_t b = msg_bitlen(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
       const int64_t bits = msg_vlen(msg_zz(lo)) + 1 + (n * b + 7) / 8;
       const int64_t db = msg_bitlen(static_cast<uint64_t>(dhi) - static_cast<uint64_t>(dlo));
-      const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(v[0])) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
+      const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(x[0])) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
                                    : std::numeric_limits<int64_t>::max();
       const int64_t size[5] = {raw, bits, dbits, vl, dvl};
       int mode = 0;
@@ -1088,28 +1103,35 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
         o = msg_put_varint(o, msg_zz(lo));
         *o++ = static_cast<uint8_t>(b);
         u.resize(static_cast<size_t>(n));
-        for (int64_t j = 0; j < n; ++j) u[j] = static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(lo);
+        for (int64_t j = 0; j < n; ++j) u[j] = static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(lo);
         o = msg_put_bits(o, u.data(), n, b);
       } else if (mode == 2) {
-        o = msg_put_varint(o, msg_zz(v[0]));
+        o = msg_put_varint(o, msg_zz(x[0]));
         o = msg_put_varint(o, msg_zz(dlo));
         *o++ = static_cast<uint8_t>(db);
         u.resize(static_cast<size_t>(n - 1));
         for (int64_t j = 1; j < n; ++j)
-          u[j - 1] = static_cast<uint64_t>(v[j]) - static_cast<uint64_t>(v[j - 1]) - static_cast<uint64_t>(dlo);
+          u[j - 1] = static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]) - static_cast<uint64_t>(dlo);
         o = msg_put_bits(o, u.data(), n - 1, db);
       } else {
         uint64_t prev = 0;
         for (int64_t j = 0; j < n; ++j) {
-          const uint64_t x = static_cast<uint64_t>(v[j]);
-          o = msg_put_varint(o, msg_zz(static_cast<int64_t>(mode == 4 ? x - prev : x)));
-          prev = x;
+          const uint64_t xj = static_cast<uint64_t>(x[j]);
+          o = msg_put_varint(o, msg_zz(static_cast<int64_t>(mode == 4 ? xj - prev : xj)));
+          prev = xj;
         }
       }
     }
     ends[m] = o - out;
   }
   return o - out;
+}
+
+// A varint the scan has checked: no bounds to test.
+static inline uint64_t msg_varint_checked(const uint8_t*& p) {
+  uint64_t u = *p & 127;
+  for (int s = 7; *p++ & 128; s += 7) u |= static_cast<uint64_t>(*p & 127) << s;
+  return u;
 }
 
 static bool msg_get_varint(const uint8_t*& p, const uint8_t* end, uint64_t& u) {
@@ -1184,7 +1206,7 @@ void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const
     const uint8_t* const end = buf + stop[i];  // the scan checked the bounds
     int64_t* o = out + at[i];
     const int64_t n = count[i];
-    uint64_t x, base, dlo = 0;
+    uint64_t base, dlo = 0;
     if (mode[i] == 1 || mode[i] == 2) {
       msg_get_varint(p, end, base);
       if (mode[i] == 2) msg_get_varint(p, end, dlo);
@@ -1193,21 +1215,19 @@ void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const
       if (mode[i] == 2) o[0] = static_cast<int64_t>(acc);
       const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
       const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
-      unsigned __int128 bits = 0;
-      uint64_t bits64 = 0;
-      int64_t have = 0;
+      const uint8_t* const p0 = p;  // the packed values
       for (int64_t j = 0; j < nb; ++j) {
+        const int64_t bit = j * b, byte = bit >> 3, off = bit & 7;
         uint64_t u;
-        if (b <= 56) {  // (up to 7 bits left over plus the bytes of one value fit 64 bits)
-          while (have < b) { bits64 |= static_cast<uint64_t>(*p++) << have; have += 8; }
-          u = bits64 & mask;
-          bits64 >>= b;
-        } else {
-          while (have < b) { bits |= static_cast<unsigned __int128>(*p++) << have; have += 8; }
-          u = static_cast<uint64_t>(bits) & mask;
-          bits >>= b;
+        if (b <= 56 && p0 + byte + 8 <= end) {  // one unaligned 8-byte load holds the value
+          uint64_t w;
+          std::memcpy(&w, p0 + byte, 8);
+          u = (w >> off) & mask;
+        } else {  // near the end of the payload, or wider than 56 bits: its bytes one by one
+          unsigned __int128 w = 0;
+          for (int64_t q = 0; q < (off + b + 7) / 8; ++q) w |= static_cast<unsigned __int128>(p0[byte + q]) << (8 * q);
+          u = static_cast<uint64_t>(w >> off) & mask;
         }
-        have -= b;
         if (mode[i] == 1) {
           o[j] = static_cast<int64_t>(acc + u);
         } else {
@@ -1218,8 +1238,7 @@ void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const
     } else {
       uint64_t prev = 0;
       for (int64_t j = 0; j < n; ++j) {
-        msg_get_varint(p, end, x);
-        const uint64_t val = static_cast<uint64_t>(msg_unzz(x));
+        const uint64_t val = static_cast<uint64_t>(msg_unzz(msg_varint_checked(p)));
         prev = mode[i] == 4 ? prev + val : val;
         o[j] = static_cast<int64_t>(prev);
       }
