@@ -1044,8 +1044,9 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
                           int64_t cap, int64_t* ends) {
   uint8_t* o = out;
   uint8_t* const lim = out + cap;
-  std::vector<int64_t> v;
-  std::vector<uint64_t> u;
+  // kept between calls: a fresh vector of this size is a fresh mapping, zeroed page by page (as slow as the rest)
+  static thread_local std::vector<int64_t> v;
+  static thread_local std::vector<uint64_t> u;
   for (int64_t m = 0; m < nmsg; ++m) {
     const int64_t a0 = first[m], na = first[m + 1] - a0;
     if (na > 255 || o + 1 > lim) return -1;
@@ -1071,25 +1072,28 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
         msg_widen(arrays[i], n, kinds[i], v);
         x = v.data();
       }
-      int64_t lo = x[0], hi = x[0], vl = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        lo = std::min(lo, x[j]);
-        hi = std::max(hi, x[j]);
-        vl += msg_vlen(msg_zz(x[j]));
-      }
-      int64_t dlo = 0, dhi = 0, dvl = msg_vlen(msg_zz(x[0]));
+      int64_t lo = x[0], hi = x[0];
+      for (int64_t j = 0; j < n; ++j) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+      int64_t dlo = 0, dhi = 0;
       if (n >= 2) dlo = dhi = static_cast<int64_t>(static_cast<uint64_t>(x[1]) - static_cast<uint64_t>(x[0]));
-      for (int64_t j = 1; j < n; ++j) {
+      for (int64_t j = 2; j < n; ++j) {
         const int64_t d = static_cast<int64_t>(static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]));
-        dlo = std::min(dlo, d);
-        dhi = std::max(dhi, d);
-        dvl += msg_vlen(msg_zz(d));
+        dlo = std::min(dlo, d), dhi = std::max(dhi, d);
       }
       const int64_t b = msg_bitlen(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
       const int64_t bits = msg_vlen(msg_zz(lo)) + 1 + (n * b + 7) / 8;
       const int64_t db = msg_bitlen(static_cast<uint64_t>(dhi) - static_cast<uint64_t>(dlo));
       const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(x[0])) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
                                    : std::numeric_limits<int64_t>::max();
+      // a varint takes at least a byte: where raw, bits or delta bits take n bytes or fewer, neither varint mode
+      // can take fewer (ties go to the lower mode), so their sizes are not needed
+      int64_t vl = std::numeric_limits<int64_t>::max(), dvl = vl;
+      if (std::min(std::min(raw, bits), dbits) > n) {
+        vl = 0, dvl = msg_vlen(msg_zz(x[0]));
+        for (int64_t j = 0; j < n; ++j) vl += msg_vlen(msg_zz(x[j]));
+        for (int64_t j = 1; j < n; ++j)
+          dvl += msg_vlen(msg_zz(static_cast<int64_t>(static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]))));
+      }
       const int64_t size[5] = {raw, bits, dbits, vl, dvl};
       int mode = 0;
       for (int q = 1; q < 5; ++q)
