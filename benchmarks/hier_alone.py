@@ -13,8 +13,10 @@ in its own process. This records, in one in-process run, every message each host
 checked against the recorded ones (a replay that diverged would stop with an error). Prints one JSON object: per
 host, the median over the steps after `--warmup` of its planning time (phases, directory role, its own plan and
 replica update; `--hier-clock` wall or CPU), beside the same host's figure in the in-process run, and what its
-messages' wire form costs it (`codec_ms`: encoding what it sends to other hosts and decoding what they send it, in
-schedule/message_wire.py's form, as the training transport does around its all-to-alls; not in `alone_ms`).
+messages' wire form costs it (encoding what it sends to other hosts and decoding what they send it, as the training
+transport does around its all-to-alls; not in `alone_ms`): `codec_ms` in the compact form (each array in its form of
+fewest bytes, schedule/message_wire.py, `planner_wire: compact`), `codec_raw_ms` with every array raw
+(`planner_wire: raw`), and the bytes of each.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: 
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
-from herald_torchrec.schedule.message_wire import decode_messages, encode_messages  # noqa: E402
+from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
 
 # the options a replay runs with (the recording's)
 REPLAYED = ("scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock")
@@ -65,7 +67,9 @@ class ReplayTransport(Transport):
     def __init__(self, host: int, log: list) -> None:
         super().__init__()
         self.host, self.log, self.at = host, log, 0
-        self.codec_seconds = 0.0  # encoding what it sends other hosts, decoding what they sent it (wall)
+        # per wire form: seconds encoding what it sends other hosts and decoding what they sent it (wall), bytes sent
+        self.codec_seconds = {form: 0.0 for form in WIRE_FORMS}
+        self.codec_bytes = {form: 0 for form in WIRE_FORMS}
 
     def exchange(self, kind, out):
         want_kind, inbox, sent = self.log[self.at]
@@ -77,12 +81,16 @@ class ReplayTransport(Transport):
         )
         if not same:
             raise RuntimeError(f"hier_alone: host {self.host} diverged from the recorded run at exchange {self.at}")
-        bufs = encode_messages([m for s, m in inbox[self.host].items() if s != self.host])  # as the others sent them
-        buf = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
-        t0 = time.perf_counter()
-        encode_messages([m for t, m in mine.items() if t != self.host])
-        decode_messages(buf, [b.shape[0] for b in bufs])
-        self.codec_seconds += time.perf_counter() - t0
+        for form in WIRE_FORMS:
+            compact = form == "compact"
+            got = [m for s, m in inbox[self.host].items() if s != self.host]
+            bufs = encode_messages(got, compact)  # as the other hosts sent them
+            buf = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
+            t0 = time.perf_counter()
+            sent = encode_messages([m for t, m in mine.items() if t != self.host], compact)
+            decode_messages(buf, [b.shape[0] for b in bufs])
+            self.codec_seconds[form] += time.perf_counter() - t0
+            self.codec_bytes[form] += sum(b.shape[0] for b in sent)
         return {self.host: inbox[self.host]}
 
 
@@ -126,20 +134,23 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     n = pol.ranks_per_host * args.batch
     mine = np.arange(host * n, (host + 1) * n, dtype=np.int64)
     window = [batch(i).take(mine) for i in range(args.lookahead)]
-    ms, codec = [], []
+    ms, codec, nbytes = [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
     for i in range(args.steps):
         window.append(batch(i + args.lookahead).take(mine))
         transport = ReplayTransport(host, rec["steps"][i])
         pol.plan_host(host, window, transport)
         step = pol.last_step
         ms.append(float(step.per_host_seconds[host]) * 1e3)
-        codec.append(transport.codec_seconds * 1e3)
+        for f in WIRE_FORMS:
+            codec[f].append(transport.codec_seconds[f] * 1e3)
+            nbytes[f].append(transport.codec_bytes[f])
         window.pop(0)
-    return {
-        "host": host,
-        "alone_ms": round(float(np.median(ms[args.warmup :])), 3),
-        "codec_ms": round(float(np.median(codec[args.warmup :])), 3),
-    }
+    out = {"host": host, "alone_ms": round(float(np.median(ms[args.warmup :])), 3)}
+    for f in WIRE_FORMS:
+        suffix = "" if f == "compact" else f"_{f}"
+        out[f"codec{suffix}_ms"] = round(float(np.median(codec[f][args.warmup :])), 3)
+        out[f"sent{suffix}_bytes"] = int(np.median(nbytes[f][args.warmup :]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

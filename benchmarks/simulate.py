@@ -62,6 +62,7 @@ from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_po
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import ids_bytes  # noqa: E402
 from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
+from herald_torchrec.schedule.message_wire import WIRE_FORMS  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402
 from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
 
@@ -194,6 +195,7 @@ def policy_kwargs(args, name: str) -> dict:
             kw["plan_budget_ms"] = args.plan_budget_ms
     if name == "herald_hier":
         kw["hosts"] = args.ranks_per_host
+        kw["planner_wire"] = getattr(args, "planner_wire", "compact")
         if args.refine is not None:
             kw["refine"] = args.refine
     if name == "het" and args.staleness is not None:
@@ -615,6 +617,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="herald_hier: measure plan_ms_per_host in wall time or in this process's CPU time (which other jobs on "
         "a shared machine disturb less)",
     )
+    p.add_argument(
+        "--planner-wire",
+        choices=WIRE_FORMS,
+        default="compact",
+        help="herald_hier: the planners' messages in their form of fewest bytes, or raw (wire_between_hosts counts it)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
     p.add_argument("--plot", help="PNG: transmitted rows per sample (and crossing hosts) vs workers per policy")
     p.add_argument(
@@ -677,6 +685,7 @@ def main(argv: list[str] | None = None) -> dict:
         "state_width": args.state_width,
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "hier_clock": args.hier_clock,
+        "planner_wire": args.planner_wire,
     }
     if args.data == "synthetic":
         config.update({"locality": args.locality, "zipf": args.zipf, "scale": args.scale, "seed": args.seed})

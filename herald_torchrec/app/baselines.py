@@ -35,7 +35,7 @@ OPTIONS = {
     "fae": ("hot_budget", "profile_fraction", "window"),
     "het": ("staleness",),
     "herald": ("replicate", "plan_budget_ms"),
-    "herald_hier": ("ranks_per_host", "plan_budget_ms"),
+    "herald_hier": ("ranks_per_host", "plan_budget_ms", "planner_wire"),
 }
 REPLICA_POLICIES = ("p2res", "fae")
 

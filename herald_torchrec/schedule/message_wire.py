@@ -39,6 +39,7 @@ from herald_torchrec.schedule import native
 Message = list  # a message between planners: a list of numpy arrays (its phase says which)
 
 RAW, BITS, DELTA_BITS, VARINT, DELTA_VARINT = range(5)
+WIRE_FORMS = ("compact", "raw")  # each array in its form of fewest bytes; every array RAW
 # the dtypes a message carries, by code (the header byte's high bits); int64 as numpy's "l" on every platform
 DTYPES = tuple(
     np.dtype(t)
@@ -112,11 +113,11 @@ def _bits(u: np.ndarray, b: int) -> np.ndarray:
     return np.packbits(bits.reshape(-1), bitorder="little")
 
 
-def _encode_array(a: np.ndarray) -> tuple[int, np.ndarray]:
+def _encode_array(a: np.ndarray, compact: bool = True) -> tuple[int, np.ndarray]:
     """(mode, payload) of one array."""
     raw = a.view(np.uint8)
     n = a.shape[0]
-    if _kind(a.dtype) == 0 or n == 0:
+    if not compact or _kind(a.dtype) == 0 or n == 0:
         return RAW, raw
     v = a.astype(np.int64)
     lo, hi = int(v.min()), int(v.max())
@@ -208,10 +209,10 @@ def _decode_array(buf: np.ndarray, at: int, dtype: np.dtype, mode: int, n: int) 
     raise ValueError(f"message_wire: a malformed message (unknown mode {mode})")
 
 
-def _encode_numpy(m: list[np.ndarray]) -> np.ndarray:
+def _encode_numpy(m: list[np.ndarray], compact: bool = True) -> np.ndarray:
     out = [np.array([len(m)], dtype=np.uint8)]
     for a in m:
-        mode, payload = _encode_array(a)
+        mode, payload = _encode_array(a, compact)
         out += [np.array([_CODE[a.dtype] << 3 | mode], dtype=np.uint8), _varints(np.array([a.shape[0]], np.uint64))]
         out.append(payload)
     return np.concatenate(out)
@@ -241,26 +242,28 @@ def _decode_numpy(buf: np.ndarray) -> Message:
 _META = {dt: (_kind(dt), dt.itemsize, code) for dt, code in _CODE.items()}  # element code, item size, dtype code
 
 
-def encode_messages(messages: Sequence[Message]) -> list[np.ndarray]:
-    """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on."""
+def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[np.ndarray]:
+    """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on.
+    compact=False sends every array RAW (its own bytes behind the same headers): no pass over the values, for
+    planners whose links are fast enough that the CPU costs more than the bytes (WIRE_FORMS)."""
     checked = [_check(m) for m in messages]
     if not native.enabled():
-        return [_encode_numpy(m) for m in checked]
+        return [_encode_numpy(m, compact) for m in checked]
     arrays = [a for m in checked for a in m]
     first = np.zeros(len(checked) + 1, dtype=np.int64)
     np.cumsum([len(m) for m in checked], out=first[1:])
     meta = np.array([_META[a.dtype] for a in arrays], dtype=np.int64)
     meta = meta.reshape(len(arrays), 3)
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    kinds, sizes, codes = meta[:, 0].copy(), meta[:, 1].copy(), meta[:, 2].copy()
+    kinds, sizes, codes = meta[:, 0] * compact, meta[:, 1].copy(), meta[:, 2].copy()  # element code 0: RAW
     cap = int((np.maximum(lens * sizes, lens * 10) + 32).sum()) + len(checked)  # above every mode's bytes
     buf, ends = native.msg_encode(arrays, first, kinds, sizes, codes, cap)
     starts = np.concatenate([[0], ends[:-1]]).tolist()
     return [buf[s:e] for s, e in zip(starts, ends.tolist())]
 
 
-def encode_message(m: Message) -> np.ndarray:
-    return encode_messages([m])[0]
+def encode_message(m: Message, compact: bool = True) -> np.ndarray:
+    return encode_messages([m], compact)[0]
 
 
 def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | None]:

@@ -7,7 +7,7 @@ import pytest
 
 def test_app_config_builds_herald_hier_options():
     """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host and the
-    planning budget (and only them) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
+    planning budget and the planners' wire form (and only them) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -19,11 +19,14 @@ def test_app_config_builds_herald_hier_options():
         cfg = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=4"])
         bad = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=0"])
         bad_budget = compose("config", overrides=["scheduler=herald_hier", "scheduler.plan_budget_ms=-1"])
+        bad_wire = compose("config", overrides=["scheduler=herald_hier", "scheduler.planner_wire=zip"])
     options = herald_options(cfg.scheduler)
     assert options.policy == "herald_hier"
-    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto"}
+    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto", "planner_wire": "compact"}
     assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
         herald_options(bad.scheduler).runnable_policy()
     with pytest.raises(ValueError, match="plan_budget_ms must be 'auto', null or a number"):
         herald_options(bad_budget.scheduler).runnable_policy()
+    with pytest.raises(ValueError, match="planner_wire must be one of"):
+        herald_options(bad_wire.scheduler).runnable_policy()

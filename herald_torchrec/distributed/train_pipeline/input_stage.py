@@ -420,7 +420,8 @@ class ScheduledInput:
         self.ids_from = planner_of == self.rank
         if self.plans_here:
             self.host_index = self.rank // P
-            self.host_transport = GroupTransport(group, self.host_index, H, self.comm.counter)
+            compact = getattr(policy, "planner_wire", "compact") == "compact"
+            self.host_transport = GroupTransport(group, self.host_index, H, self.comm.counter, compact)
 
     def reset_policy(self) -> None:
         """A fresh scheduler (home placement), e.g. after `load_state_dict` reset the data plane's ownership.

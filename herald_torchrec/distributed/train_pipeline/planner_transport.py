@@ -29,9 +29,16 @@ def planner_group(planner_ranks: list[int]) -> dist.ProcessGroup:
 
 class GroupTransport(Transport):
     """Host `host`'s side of the planners' messages, over `group` (group rank = host). Counts what it sends to the
-    other planners in `counter` (PLANNER_KIND) and in `last_bytes` by phase."""
+    other planners in `counter` (PLANNER_KIND) and in `last_bytes` by phase; `compact`: the policy's planner_wire."""
 
-    def __init__(self, group: dist.ProcessGroup, host: int, num_hosts: int, counter: CommCounter | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        host: int,
+        num_hosts: int,
+        counter: CommCounter | None = None,
+        compact: bool = True,
+    ) -> None:
         super().__init__()
         if dist.get_world_size(group) != num_hosts or dist.get_rank(group) != host:
             raise ValueError(
@@ -40,6 +47,7 @@ class GroupTransport(Transport):
             )
         self.group, self.host, self.H = group, host, num_hosts
         self.counter = counter if counter is not None else CommCounter()
+        self.compact = compact  # each array in its form of fewest bytes, else raw (the policy's planner_wire)
         self.sent_total = 0  # bytes sent to other planners since construction
 
     def _sent(self, kind: str, nbytes: int) -> None:
@@ -52,7 +60,7 @@ class GroupTransport(Transport):
         mine = out.get(h, {})
         dests = sorted(mine)
         blocks = [np.zeros(0, np.uint8)] * H
-        for t, b in zip(dests, encode_messages([mine[t] for t in dests])):
+        for t, b in zip(dests, encode_messages([mine[t] for t in dests], self.compact)):
             blocks[t] = b
         sizes = torch.tensor([b.shape[0] for b in blocks], dtype=torch.int64)
         recv_sizes = torch.empty(H, dtype=torch.int64)

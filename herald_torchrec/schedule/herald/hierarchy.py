@@ -125,7 +125,7 @@ from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arriva
 from herald_torchrec.schedule.herald.laia import balanced_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
-from herald_torchrec.schedule.message_wire import Message, decode_messages, encode_message, encode_messages
+from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_message, encode_messages
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows, relayed_pairs
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
 from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
@@ -239,6 +239,12 @@ def check_ranks_per_host(ranks_per_host: object) -> None:
         raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
 
 
+def check_planner_wire(planner_wire: object) -> None:
+    """A clear error for a wire form of the planners' messages that does not exist (scheduler.planner_wire)."""
+    if planner_wire not in WIRE_FORMS:
+        raise ValueError(f"herald_hier: planner_wire must be one of {WIRE_FORMS}, got {planner_wire!r}")
+
+
 @dataclass
 class _Offers:
     """A host's offers (phase 2b): global sample, the host it would go to, the gain (first-pass LAIA weight)."""
@@ -271,15 +277,15 @@ class InProcessTransport(Transport):
     planners' wire carries it (schedule/message_wire.py), counted, and decoded for its receiver; a host's message to
     itself is handed over as it is."""
 
-    def __init__(self, num_hosts: int) -> None:
+    def __init__(self, num_hosts: int, compact: bool = True) -> None:
         super().__init__()
-        self.num_hosts = num_hosts
+        self.num_hosts, self.compact = num_hosts, compact
 
     def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
         inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
         for src, to in out.items():
             others = [dst for dst in to if dst != src]
-            bufs = encode_messages([to[dst] for dst in others])
+            bufs = encode_messages([to[dst] for dst in others], self.compact)
             sizes = [b.shape[0] for b in bufs]
             self.count(kind, sum(sizes))
             got = decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), sizes)
@@ -689,6 +695,7 @@ class HeraldHierPolicy(SchedulePolicy):
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
         plan_budget_ms: float | str | None = "auto",
+        planner_wire: str = "compact",
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
@@ -706,7 +713,9 @@ class HeraldHierPolicy(SchedulePolicy):
             raise ValueError(f"herald_hier: move_samples must be one of {MOVE_SAMPLES}, got {move_samples!r}")
         if isinstance(sample_gain, bool) or not isinstance(sample_gain, (int, float)) or not sample_gain > 0:
             raise ValueError(f"herald_hier: sample_gain must be a number > 0, got {sample_gain!r}")
+        check_planner_wire(planner_wire)
         self.move_samples, self.sample_gain = move_samples, float(sample_gain)
+        self.planner_wire = planner_wire  # the form of the planners' messages (schedule/message_wire.py)
         self.ranks_per_host, self.num_hosts = P, H
         self.rank_dtype = np.int16 if R < 2**15 else np.int32  # ranks and reader counts on the planners' wire
         self.host_of_rank = host
@@ -750,9 +759,12 @@ class HeraldHierPolicy(SchedulePolicy):
 
     # ---- the pipeline's hooks --------------------------------------------------------------------------------------
     @staticmethod
-    def runs_with(ranks_per_host: object = RANKS_PER_HOST, **herald_options: object) -> None:
+    def runs_with(
+        ranks_per_host: object = RANKS_PER_HOST, planner_wire: object = "compact", **herald_options: object
+    ) -> None:
         """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
         check_ranks_per_host(ranks_per_host)
+        check_planner_wire(planner_wire)
         HeraldPolicy.runs_with(**herald_options)
 
     def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
@@ -922,7 +934,12 @@ class HeraldHierPolicy(SchedulePolicy):
         makes its own plan and updates what its replica keeps, as in training, and the whole plan is their union."""
         windows = {h: [self.host_batch(x, h) for x in batches] for h in range(self.num_hosts)}
         host_plan = self.move_samples != "swap"  # swapped samples train away from their slices' host
-        return self.plan_hosts(windows, InProcessTransport(self.num_hosts), whole=batches, host_plan=host_plan)
+        return self.plan_hosts(
+            windows,
+            InProcessTransport(self.num_hosts, self.planner_wire == "compact"),
+            whole=batches,
+            host_plan=host_plan,
+        )
 
     def plan_host(self, host: int, batches: Sequence[GlobalBatch], transport: Transport) -> HostPlan:
         """One host's planner in a run where every host plans in its own process (the training pipeline): `batches`
