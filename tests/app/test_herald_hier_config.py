@@ -6,8 +6,9 @@ import pytest
 
 
 def test_app_config_builds_herald_hier_options():
-    """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host and the
-    planning budget and the planners' wire form (and only them) to it; a bad value is the policy's one-line error; the app lists the scheduler."""
+    """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host, the
+    planning budget and the planners' wire form (and only them) to it; a bad value is the policy's one-line error; the
+    app lists the scheduler."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
