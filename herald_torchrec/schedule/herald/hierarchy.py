@@ -165,7 +165,9 @@ class HierStep:
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
-    parts_bytes: int = 0  # the hosts' whole parts (`HostPlanner.part`), what an all-gather of them would carry once
+    # every host's whole part (`HostPlanner.part`) in the wire form, what an all-gather would carry once (0 where this
+    # process plans one host)
+    parts_bytes: int = 0
 
     @property
     def per_host_seconds(self) -> np.ndarray:
@@ -1071,6 +1073,7 @@ class HeraldHierPolicy(SchedulePolicy):
         ids = np.zeros(R, dtype=np.int64)
         for h, w in windows.items():
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
+        compact = self.planner_wire == "compact"
         self.last_step = HierStep(
             host_seconds=host_s,
             directory_seconds=dir_s,
@@ -1082,7 +1085,9 @@ class HeraldHierPolicy(SchedulePolicy):
             plan_part_bytes=plan_part_bytes(plan),
             swapped_samples=self.last_swapped,
             wire_bytes=dict(transport.last_bytes),
-            parts_bytes=sum(encode_message(m).shape[0] for m in parts.values()),
+            # every host's whole part as the wire form would carry it: counted where every host plans in this process
+            # (the simulator), not by a planner in training, whose thread would pay for the encoding
+            parts_bytes=sum(encode_message(m, compact).shape[0] for m in parts.values()) if len(hosts) > 1 else 0,
         )
         transport.last_bytes.clear()
         return plan
