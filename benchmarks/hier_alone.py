@@ -131,12 +131,11 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
         rec = pickle.load(f)
     rows, batch = _trace(args, R)
     pol = make_policy("herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host)
-    n = pol.ranks_per_host * args.batch
-    mine = np.arange(host * n, (host + 1) * n, dtype=np.int64)
-    window = [batch(i).take(mine) for i in range(args.lookahead)]
+    # its own samples as training gives them to its planner: single-hot ids as a dense batch (input_layout.global_batch)
+    window = [pol.host_batch(batch(i), host) for i in range(args.lookahead)]
     ms, codec, nbytes = [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
     for i in range(args.steps):
-        window.append(batch(i + args.lookahead).take(mine))
+        window.append(pol.host_batch(batch(i + args.lookahead), host))
         transport = ReplayTransport(host, rec["steps"][i])
         pol.plan_host(host, window, transport)
         step = pol.last_step

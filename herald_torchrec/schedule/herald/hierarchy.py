@@ -161,7 +161,8 @@ class HierStep:
     message_bytes: dict[str, int] = field(default_factory=dict)
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
-    # [R]; from a host plan (`plan_host`) right for the host's own ranks only
+    # [R]; the protocol's counts (message_bytes, host_message_bytes, ids_bytes, plan_part_bytes) are left at 0 by a
+    # planner alone (`plan_host`, as in training: nothing reads them there)
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
@@ -202,11 +203,13 @@ def ids_bytes(batch: GlobalBatch, num_ranks: int, batch_per_rank: int) -> np.nda
 
 
 class _Messages:
-    """Bytes between hosts, by kind and by host (a host's messages to itself are free)."""
+    """Bytes between hosts, by kind and by host (a host's messages to itself are free), by the protocol's count.
+    `on=False` (a planner alone in training, `plan_host`, where nothing reads them): the phases skip counting."""
 
-    def __init__(self, H: int) -> None:
+    def __init__(self, H: int, on: bool = True) -> None:
         self.kind = dict.fromkeys(MESSAGE_KINDS, 0)
         self.host = np.zeros(H, dtype=np.int64)
+        self.on = on
 
     def add(self, kind: str, src: int, dst: int, nbytes: int) -> None:
         if src != dst and nbytes:
@@ -369,7 +372,7 @@ class HostPlanner:
         """Phase 1: the distinct keys of h's samples, to their directory hosts."""
         H = self.pol.num_hosts
         k = np.bincount(self.dir_host, minlength=H)
-        if count:
+        if count and self.msg.on:
             self.msg.add_many("demand", self.h, np.arange(H), k * KEY_BYTES, H)
             self.msg.add_many("owners", np.arange(H), self.h, k * RANK_BYTES, H)
             self.msg.add_many("decisions", np.arange(H), self.h, k * RANK_BYTES, H)
@@ -424,8 +427,9 @@ class HostPlanner:
         cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
         pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
         self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
-        hosts_p = np.bincount(self.dir_host[rd.pair_key], minlength=H)
-        self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
+        if self.msg.on:
+            hosts_p = np.bincount(self.dir_host[rd.pair_key], minlength=H)
+            self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         return _split_by(
             self.dir_host[rd.pair_key],
             H,
@@ -459,8 +463,9 @@ class HostPlanner:
         owner_host_reads[pk[self.pr // P == own[pk] // P]] = True
         pin = np.flatnonzero((own != pol.home_of(keys)) & ~owner_host_reads)
         mv = np.flatnonzero(want != own)
-        self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
-        self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
+        if self.msg.on:
+            self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
+            self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
         rk = pol.rank_dtype
         out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(rk), want[mv].astype(rk),
                                            self.single[mv].astype(np.int8)])  # fmt: skip
@@ -489,8 +494,9 @@ class HostPlanner:
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
         to = pol.directory_host_of(cancelled)
-        self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
-        self.msg.add_many("evictions", t, pol.directory_host_of(vt), KEY_BYTES, H)
+        if self.msg.on:
+            self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
+            self.msg.add_many("evictions", t, pol.directory_host_of(vt), KEY_BYTES, H)
         return _split_by(to, H, [cancelled])
 
     def next_use(self, keys: np.ndarray) -> np.ndarray:
@@ -520,14 +526,16 @@ class HostPlanner:
         pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
         count = np.bincount(pk, minlength=keys.shape[0])
         mig = np.flatnonzero(want != own)
-        self.msg.add_many("departures", self.h, own[mig] // P, KEY_BYTES + RANK_BYTES, H)
+        if self.msg.on:
+            self.msg.add_many("departures", self.h, own[mig] // P, KEY_BYTES + RANK_BYTES, H)
         exclusive = single & (sole == want)
         moved = want != own
         pair_owner = want[pk]
         hit = int(((pair_owner == pr) & ~moved[pk]).sum())
         remote = int((pair_owner != pr).sum())
         ids = np.flatnonzero(~exclusive)
-        self.msg.add_many("shares", self.h, want[ids] // P, KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)
+        if self.msg.on:
+            self.msg.add_many("shares", self.h, want[ids] // P, KEY_BYTES + COUNT_BYTES + RANK_BYTES * count[ids], H)
         shared_pair = (~exclusive)[pk]
         self.final = _HostDecisions(
             mig=mig, shared=ids, shared_pair_row=np.cumsum(~exclusive)[pk[shared_pair]] - 1,
@@ -959,7 +967,9 @@ class HeraldHierPolicy(SchedulePolicy):
                 f"batch_per_rank = {n} samples on tables {self.layout.table_rows}; got host {host}, batches {bad}"
             )
         t0 = time.perf_counter()
-        plan = self._at_level(lambda: self.plan_hosts({host: bl[: self.lookahead + 1]}, transport, host_plan=True))
+        plan = self._at_level(
+            lambda: self.plan_hosts({host: bl[: self.lookahead + 1]}, transport, host_plan=True, count=False)
+        )
         plan.sched_seconds = time.perf_counter() - t0
         self.step += 1
         return plan
@@ -991,14 +1001,16 @@ class HeraldHierPolicy(SchedulePolicy):
         transport: Transport,
         whole: list[GlobalBatch] | None = None,
         host_plan: bool = False,
+        count: bool = True,
     ) -> Plan:
         """One step of the hosts in `windows` (host -> its samples' window), phase by phase (module docstring), their
         messages through `transport`; `whole` (the global window) only for move_samples="swap", which needs every
         host in this process. With `host_plan` every host makes its own plan (`HostPlan`) and applies its own moves;
         returns that host's plan where `windows` holds one host (`plan_host`), else the whole Plan (the union of the
-        parts, applied to this process's directory if the hosts did not apply theirs)."""
+        parts, applied to this process's directory if the hosts did not apply theirs). `count`: the protocol's
+        bytes (HierStep's message, ids and plan-part bytes); a planner alone in training (`plan_host`) leaves them."""
         H, P, R = self.num_hosts, self.ranks_per_host, self.num_ranks
-        msg = _Messages(H)
+        msg = _Messages(H, on=count)
         host_s, dir_s = np.zeros(H), np.zeros(H)
         hosts: dict[int, HostPlanner] = {}
         for h, w in windows.items():
@@ -1071,7 +1083,7 @@ class HeraldHierPolicy(SchedulePolicy):
             plan = self._union(list(parts.values()))
             union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
-        for h, w in windows.items():
+        for h, w in windows.items() if count else ():
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
         compact = self.planner_wire == "compact"
         self.last_step = HierStep(
@@ -1082,7 +1094,7 @@ class HeraldHierPolicy(SchedulePolicy):
             message_bytes=dict(msg.kind),
             host_message_bytes=msg.host,
             ids_bytes=ids,
-            plan_part_bytes=plan_part_bytes(plan),
+            plan_part_bytes=plan_part_bytes(plan) if count else np.zeros(R, dtype=np.int64),
             swapped_samples=self.last_swapped,
             wire_bytes=dict(transport.last_bytes),
             # every host's whole part as the wire form would carry it: counted where every host plans in this process
