@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
-from herald_torchrec.schedule.herald.hierarchy import ids_bytes  # noqa: E402
+from herald_torchrec.schedule.herald.hierarchy import DEFAULT_PLANNER_WIRE, ids_bytes  # noqa: E402
 from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402
@@ -195,7 +195,7 @@ def policy_kwargs(args, name: str) -> dict:
             kw["plan_budget_ms"] = args.plan_budget_ms
     if name == "herald_hier":
         kw["hosts"] = args.ranks_per_host
-        kw["planner_wire"] = getattr(args, "planner_wire", "compact")
+        kw["planner_wire"] = getattr(args, "planner_wire", DEFAULT_PLANNER_WIRE)
         if args.refine is not None:
             kw["refine"] = args.refine
     if name == "het" and args.staleness is not None:
@@ -620,8 +620,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--planner-wire",
         choices=WIRE_FORMS,
-        default="compact",
-        help="herald_hier: the planners' messages in their form of fewest bytes, or raw (wire_between_hosts counts it)",
+        default=DEFAULT_PLANNER_WIRE,
+        help="herald_hier: the planners' messages in their form of fewest bytes (compact) or as raw arrays (the "
+        "policy's default); wire_between_hosts counts the form chosen",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default: also)")
     p.add_argument("--plot", help="PNG: transmitted rows per sample (and crossing hosts) vs workers per policy")

@@ -23,7 +23,7 @@ def test_app_config_builds_herald_hier_options():
         bad_wire = compose("config", overrides=["scheduler=herald_hier", "scheduler.planner_wire=zip"])
     options = herald_options(cfg.scheduler)
     assert options.policy == "herald_hier"
-    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto", "planner_wire": "compact"}
+    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto", "planner_wire": "raw"}
     assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
         herald_options(bad.scheduler).runnable_policy()

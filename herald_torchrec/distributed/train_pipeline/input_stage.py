@@ -420,7 +420,7 @@ class ScheduledInput:
         self.ids_from = planner_of == self.rank
         if self.plans_here:
             self.host_index = self.rank // P
-            compact = getattr(policy, "planner_wire", "compact") == "compact"
+            compact = getattr(policy, "planner_wire", None) == "compact"
             self.host_transport = GroupTransport(group, self.host_index, H, self.comm.counter, compact)
 
     def reset_policy(self) -> None:

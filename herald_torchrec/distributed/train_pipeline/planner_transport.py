@@ -37,7 +37,7 @@ class GroupTransport(Transport):
         host: int,
         num_hosts: int,
         counter: CommCounter | None = None,
-        compact: bool = True,
+        compact: bool = False,
     ) -> None:
         super().__init__()
         if dist.get_world_size(group) != num_hosts or dist.get_rank(group) != host:

@@ -76,11 +76,12 @@ receives); `Transport` carries each phase's messages between hosts (`exchange`: 
 the training pipeline does (distributed/train_pipeline/planner_transport.py), and returns h's `HostPlan`. Both run
 the same per-host code (each host assembles its own plan and updates its replica in both), and every rank's part
 cut from a host's plan equals the one cut from the whole plan (tests/schedule/test_hierarchy.py).
-`HierStep.wire_bytes` counts what the transport really sends: every message in schedule/message_wire.py's form,
-each array in the form of fewest bytes for its values (sorted keys as varint gaps, ranks and counts in the bits their
-range needs; the in-process transport encodes, counts and decodes every message between hosts, so every simulated
-plan goes through that form). `message_bytes` is the protocol's count above, every field at a fixed width: at R=256
-the wire carries about 0.4x of it, and ids + messages + part per rank grow 1.20x from R=8 (RESULTS.md).
+`HierStep.wire_bytes` counts what the transport really sends: every message in schedule/message_wire.py's form
+(`planner_wire`: raw arrays, the default, or compact: each array in the form of fewest bytes for its values, sorted
+keys as varint gaps, ranks and counts in the bits their range needs; the in-process transport encodes, counts and
+decodes every message between hosts, so every simulated plan goes through that form). `message_bytes` is the
+protocol's count above, every field at a fixed width: at R=256 the compact wire carries about 0.4x of it, and ids +
+messages + part per rank grow 1.20x from R=8 with it, 1.71x raw (RESULTS.md).
 
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7, its part of 8 and its own plan with
 its replica's update, `host_plan_seconds`) and per directory host (`directory_seconds`: 2, 5, 6, 8 for its keys,
@@ -244,6 +245,11 @@ def check_ranks_per_host(ranks_per_host: object) -> None:
         raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
 
 
+# the planners' messages as raw arrays by default: the compact form costs a planner 0.7-1.3 ms of CPU per step
+# (R=64-256) to save ~0.3-0.6 MB per host, which pays on host links below ~3 Gbit/s only (RESULTS.md)
+DEFAULT_PLANNER_WIRE = "raw"
+
+
 def check_planner_wire(planner_wire: object) -> None:
     """A clear error for a wire form of the planners' messages that does not exist (scheduler.planner_wire)."""
     if planner_wire not in WIRE_FORMS:
@@ -282,7 +288,7 @@ class InProcessTransport(Transport):
     planners' wire carries it (schedule/message_wire.py), counted, and decoded for its receiver; a host's message to
     itself is handed over as it is."""
 
-    def __init__(self, num_hosts: int, compact: bool = True) -> None:
+    def __init__(self, num_hosts: int, compact: bool = False) -> None:
         super().__init__()
         self.num_hosts, self.compact = num_hosts, compact
 
@@ -705,7 +711,7 @@ class HeraldHierPolicy(SchedulePolicy):
         stay_bonus: float = 2.0,
         owner_weight: float = 2.0,
         plan_budget_ms: float | str | None = "auto",
-        planner_wire: str = "compact",
+        planner_wire: str = DEFAULT_PLANNER_WIRE,
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
@@ -770,7 +776,7 @@ class HeraldHierPolicy(SchedulePolicy):
     # ---- the pipeline's hooks --------------------------------------------------------------------------------------
     @staticmethod
     def runs_with(
-        ranks_per_host: object = RANKS_PER_HOST, planner_wire: object = "compact", **herald_options: object
+        ranks_per_host: object = RANKS_PER_HOST, planner_wire: object = DEFAULT_PLANNER_WIRE, **herald_options: object
     ) -> None:
         """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
         check_ranks_per_host(ranks_per_host)
