@@ -81,7 +81,7 @@ cut from a host's plan equals the one cut from the whole plan (tests/schedule/te
 keys as varint gaps, ranks and counts in the bits their range needs; the in-process transport encodes, counts and
 decodes every message between hosts, so every simulated plan goes through that form). `message_bytes` is the
 protocol's count above, every field at a fixed width: at R=256 the compact wire carries about 0.4x of it, and ids +
-messages + part per rank grow 1.20x from R=8 with it, 1.71x raw (RESULTS.md).
+messages + part per rank grow 1.20x from R=8 with it, 1.72x raw (RESULTS.md).
 
 Planning time is measured per host (`HierStep.host_seconds`: its phases 1-4, 7, its part of 8 and its own plan with
 its replica's update, `host_plan_seconds`) and per directory host (`directory_seconds`: 2, 5, 6, 8 for its keys,
