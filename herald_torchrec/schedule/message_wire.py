@@ -180,6 +180,11 @@ def _read_bits(buf: np.ndarray, at: int, n: int, b: int) -> tuple[np.ndarray, in
 
 
 def _decode_array(buf: np.ndarray, at: int, dtype: np.dtype, mode: int, n: int) -> tuple[np.ndarray, int]:
+    with np.errstate(over="ignore"):  # a damaged payload's values wrap into the dtype, as the compiled pass's do
+        return _decode_payload(buf, at, dtype, mode, n)
+
+
+def _decode_payload(buf: np.ndarray, at: int, dtype: np.dtype, mode: int, n: int) -> tuple[np.ndarray, int]:
     if mode == RAW:
         end = at + n * dtype.itemsize
         if end > buf.shape[0]:

@@ -127,3 +127,36 @@ def test_what_the_format_cannot_carry_is_refused():
     big_endian = np.array([1, 2, 300], dtype=">i4")
     (got,) = mw.decode_message(mw.encode_message([big_endian]))
     assert got.dtype == np.dtype("<i4") and got.tolist() == [1, 2, 300]  # travels native-endian, same values
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_damaged_buffers_decode_or_are_refused_never_crash(monkeypatch, compiled):
+    """Random bytes, truncations, bytes flipped and bytes appended to a valid message: each either decodes (a
+    payload byte changed is a changed value: the format has no checksum, the transport's TCP does) or is a
+    ValueError; no other exception, no crash of the compiled pass."""
+    if compiled and not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    if not compiled:
+        monkeypatch.setattr(native, "enabled", lambda: False)
+    rng = np.random.default_rng(3)
+    good = mw.encode_message(
+        [np.sort(rng.integers(0, 10**6, 300)), rng.integers(0, 8, 300).astype(np.int16),
+         rng.integers(1, 30, 300).astype(np.int32), np.array([1.5, 2.5]), np.zeros(0, np.int64)]
+    )  # fmt: skip
+    refused = 0
+    for _ in range(1500 if compiled else 300):
+        b = good.copy()
+        how = rng.integers(0, 4)
+        if how == 0:
+            b = rng.integers(0, 256, rng.integers(1, 200)).astype(np.uint8)
+        elif how == 1:
+            b = b[: rng.integers(1, b.shape[0])]
+        elif how == 2:
+            b[rng.integers(0, b.shape[0], rng.integers(1, 5))] = rng.integers(0, 256)
+        else:
+            b = np.concatenate([b, rng.integers(0, 256, rng.integers(1, 20)).astype(np.uint8)])
+        try:
+            mw.decode_message(b)
+        except ValueError:
+            refused += 1
+    assert refused > 0

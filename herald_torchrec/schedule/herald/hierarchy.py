@@ -162,8 +162,8 @@ class HierStep:
     message_bytes: dict[str, int] = field(default_factory=dict)
     host_message_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [H] sent + received
     ids_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R]
-    # [R]; the protocol's counts (message_bytes, host_message_bytes, ids_bytes, plan_part_bytes) are left at 0 by a
-    # planner alone (`plan_host`, as in training: nothing reads them there)
+    # [R]; the protocol's counts of the messages and plan parts (message_bytes, host_message_bytes, plan_part_bytes)
+    # are left at 0 by a planner alone (`plan_host`, as in training: nothing reads them there)
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
@@ -1014,7 +1014,7 @@ class HeraldHierPolicy(SchedulePolicy):
         host in this process. With `host_plan` every host makes its own plan (`HostPlan`) and applies its own moves;
         returns that host's plan where `windows` holds one host (`plan_host`), else the whole Plan (the union of the
         parts, applied to this process's directory if the hosts did not apply theirs). `count`: the protocol's
-        bytes (HierStep's message, ids and plan-part bytes); a planner alone in training (`plan_host`) leaves them."""
+        bytes of the messages and plan parts (HierStep); a planner alone in training (`plan_host`) leaves them."""
         H, P, R = self.num_hosts, self.ranks_per_host, self.num_ranks
         msg = _Messages(H, on=count)
         host_s, dir_s = np.zeros(H), np.zeros(H)
@@ -1089,7 +1089,7 @@ class HeraldHierPolicy(SchedulePolicy):
             plan = self._union(list(parts.values()))
             union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
-        for h, w in windows.items() if count else ():
+        for h, w in windows.items():  # (a few passes over the batch's offsets: kept by a planner alone too)
             ids[h * P : (h + 1) * P] = ids_bytes(w[0], P, self.batch_per_rank)
         compact = self.planner_wire == "compact"
         self.last_step = HierStep(
