@@ -194,6 +194,36 @@ def test_host_aware_plans_equal(kind):
     _compare(_trace(kind, 8, 8, 24, seed=22), 8, 8, 3, refine=1, hosts=[0, 1, 0, 1, 2, 2, 3, 3], intra_host_cost=0.5)
 
 
+@pytest.mark.parametrize(("kind", "wire"), [("dense", "compact"), ("jagged", "raw")])
+def test_herald_hier_plans_equal(kind, wire):
+    """herald_hier with several hosts (3 hosts of 2, 2 of 4): LAIA per host, the reads, the routing and the planners'
+    messages through the in-process transport (compiled encoding and decoding) give numpy's plans, step by step, and
+    the same bytes on the planners' wire."""
+    for R, P, seed in ((6, 2, 31), (8, 4, 32)):
+        trace = _trace(kind, R, 12, 24, seed=seed)
+        runs = []
+        for on in (True, False):
+            _native.set_mode(on)
+            try:
+                pol = make_policy("herald_hier", ROWS, R, 12, 0.1, 2, hosts=P, planner_wire=wire)
+                chk = PlanChecker(ROWS, R, 12, pol.cache_ratio)
+                plans, wire_bytes = [], []
+                for i in range(len(trace) - 2):
+                    window = [_batch(trace[j], j) for j in range(i, i + 3)]
+                    plan = pol.plan(window)
+                    chk.check(plan, window[0])
+                    plans.append(encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())
+                    wire_bytes.append(pol.last_step.wire_bytes)
+                assert chk.stale_reads == 0 and not chk.errors
+                runs.append((plans, wire_bytes))
+            finally:
+                _native.set_mode(True)
+        (got, got_wire), (want, want_wire) = runs
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert a == b, f"R={R}: plan {step} differs"
+        assert got_wire == want_wire and sum(sum(w.values()) for w in got_wire) > 0
+
+
 # ---- past DENSE_LIMIT: no [K, R] table ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,R", [("dense", 3), ("dense", 8), ("jagged", 5)])
 def test_step_reads_sparse_equals_dense(kind, R):
