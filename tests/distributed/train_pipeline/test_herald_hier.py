@@ -1,8 +1,9 @@
 """herald_hier (schedule/herald/hierarchy.py) trained end to end: four gloo ranks on two "machines" of two ranks (each
 rank reports the host name of its pair, as the replica and host-relay tests do), so the pipeline's host map makes
 two per-host planners, each planning its own machine's part (its ranks' ids only) with the other through a gloo group
-of the planners. The trained model equals the one-process model on the global batches (SGD, <= 1e-5); rows really
-changed owner, some between the machines; every sample trained on a rank of the machine that loaded it."""
+of the planners (their messages in the compact wire form, `planner_wire: compact`; the budget case in the default raw
+form). The trained model equals the one-process model on the global batches (SGD, <= 1e-5); rows really changed
+owner, some between the machines; every sample trained on a rank of the machine that loaded it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ WORLD = 4
 PER_HOST = 2
 
 
-def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = None) -> None:
+def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = None, wire: str | None = None) -> None:
     """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
     description and, of every plan it trained, where its slice's samples went and the moves. `budget_ms`: a fixed
-    planning budget (none by default)."""
+    planning budget (none by default); `wire`: the planners' wire form (the policy's default)."""
 
     import torch.distributed.checkpoint as dcp
 
@@ -32,6 +33,7 @@ def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = N
     plans = []
     with on_machine(f"machine-{rank // PER_HOST}"):
         budget = {} if budget_ms is None else {"plan_budget_ms": budget_ms}
+        budget |= {} if wire is None else {"planner_wire": wire}
         options = HeraldOptions(policy="herald_hier", cache_ratio=0.05, lookahead=2, policy_options=budget)
 
         def keep(plan) -> None:
@@ -49,7 +51,7 @@ def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = N
         if pipeline.policy is not None:
             planned = {"ids_bytes": pipeline.policy.last_step.ids_bytes.tolist(), "host": stage.host_index,
                        "wire": dict(pipeline.policy.last_step.wire_bytes), "sent": stage.host_transport.sent_total,
-                       "sched_ms": list(stage.sched_ms)}  # fmt: skip
+                       "sched_ms": list(stage.sched_ms), "compact": stage.host_transport.compact}  # fmt: skip
         ids_sent = stage.ids_sent_bytes
         pipeline.close()
     torch.save(
@@ -67,7 +69,9 @@ def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = N
 def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
     from tests.scenarios.test_dropin import full_checkpoint
 
-    run_ranks("tests.distributed.train_pipeline.test_herald_hier:hier_worker", tmp_path, world_size=WORLD)
+    run_ranks(
+        "tests.distributed.train_pipeline.test_herald_hier:hier_worker", tmp_path, world_size=WORLD, wire="compact"
+    )
     ref = one_process_reference(WORLD, STEPS)
     got = full_checkpoint(tmp_path / "ckpt")
     assert sum(".embedding_bags." in k for k in got) == 3 and all(k in ref for k in got)
@@ -97,7 +101,7 @@ def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
         mine = np.arange(WORLD) // PER_HOST == h
         assert (ids[mine] > 0).all() and (ids[~mine] == 0).all(), ids
         assert {"demand", "owners", "reads", "arrivals", "cancels", "parts"} <= set(r["planned"]["wire"])
-        assert r["planned"]["sent"] > 0
+        assert r["planned"]["sent"] > 0 and r["planned"]["compact"]  # planner_wire: compact reached the transport
 
 
 def test_herald_hier_planners_degrade_together_and_train_the_same_model(tmp_path: Path) -> None:
