@@ -196,16 +196,17 @@ def test_host_aware_plans_equal(kind):
 
 @pytest.mark.parametrize(("kind", "wire"), [("dense", "compact"), ("jagged", "raw")])
 def test_herald_hier_plans_equal(kind, wire):
-    """herald_hier with several hosts (3 hosts of 2, 2 of 4): LAIA per host, the reads, the routing and the planners'
-    messages through the in-process transport (compiled encoding and decoding) give numpy's plans, step by step, and
-    the same bytes on the planners' wire."""
+    """herald_hier with several hosts (3 hosts of 2, 2 of 4) and a tight cache: LAIA per host, the reads, the routing
+    and the planners' messages through the in-process transport (compiled encoding and decoding) give numpy's plans,
+    step by step, the same bytes on the planners' wire and the same directory, slots and pools."""
     for R, P, seed in ((6, 2, 31), (8, 4, 32)):
-        trace = _trace(kind, R, 12, 24, seed=seed)
+        trace = _trace(kind, R, 12, 40, seed=seed)
         runs = []
         for on in (True, False):
             _native.set_mode(on)
             try:
-                pol = make_policy("herald_hier", ROWS, R, 12, 0.1, 2, hosts=P, planner_wire=wire)
+                # a tight cache: groups fill up, evict, and rebuild their eviction pools
+                pol = make_policy("herald_hier", ROWS, R, 12, 0.03, 2, hosts=P, planner_wire=wire)
                 chk = PlanChecker(ROWS, R, 12, pol.cache_ratio)
                 plans, wire_bytes = [], []
                 for i in range(len(trace) - 2):
@@ -215,13 +216,20 @@ def test_herald_hier_plans_equal(kind, wire):
                     plans.append(encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes())
                     wire_bytes.append(pol.last_step.wire_bytes)
                 assert chk.stale_reads == 0 and not chk.errors
-                runs.append((plans, wire_bytes))
+                runs.append((plans, wire_bytes, pol))
             finally:
                 _native.set_mode(True)
-        (got, got_wire), (want, want_wire) = runs
+        (got, got_wire, pol_c), (want, want_wire, pol_n) = runs
         for step, (a, b) in enumerate(zip(got, want)):
             assert a == b, f"R={R}: plan {step} differs"
         assert got_wire == want_wire and sum(sum(w.values()) for w in got_wire) > 0
+        # and leave the same replica: owners, guest slots, eviction pools
+        dc, dn = pol_c.directory, pol_n.directory
+        np.testing.assert_array_equal(dc.owner, dn.owner)
+        for name in ("fill", "slot", "pos_of", "base"):
+            np.testing.assert_array_equal(getattr(dc.slots, name), getattr(dn.slots, name))
+        for name in ("tau", "count", "keys"):
+            np.testing.assert_array_equal(getattr(pol_c.eviction, name), getattr(pol_n.eviction, name))
 
 
 # ---- past DENSE_LIMIT: no [K, R] table ---------------------------------------------------------------------------
