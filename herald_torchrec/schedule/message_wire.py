@@ -2,9 +2,11 @@
 
 Why: a message is a list of numpy arrays (schedule/herald/hierarchy.py), and most of them are sorted keys, ranks of
 one machine, element counts and indices into an earlier message. Sent as their arrays' bytes (int64 keys, int16
-ranks) the planners' messages grew the ids + plan bytes per rank 1.71x from R=8 to R=256; each array in the form of
-fewest bytes for its values brings them to about a third, with nothing lost: the decoded message equals the sent one,
-dtypes included.
+ranks) the planners' messages grow the ids + plan bytes per rank 1.72x from R=8 to R=256; each array in the form of
+fewest bytes for its values (`compact`, herald_hier's `planner_wire: compact`) brings them to about a quarter and
+that growth to 1.20x, with nothing lost: the decoded message equals the sent one, dtypes included. It costs the
+planner 0.7-1.3 ms of CPU per step (R=64-256), which the bytes repay on slow host links only, so the default form
+sends every array RAW behind the same headers; a receiver decodes either (each header names its array's mode).
 
 Format of one message: one byte, the number of arrays n (at most 255); then every array: one byte (its dtype's
 code in DTYPES << 3 | its mode), its element count as a varint, its payload. Modes:
@@ -16,7 +18,8 @@ code in DTYPES << 3 | its mode), its element count as a varint, its payload. Mod
     4 DELTA_VARINT every delta (the first from 0) as a varint
 
 A varint is LEB128 of the zigzag of a signed int64 (0, -1, 1, -2 -> 0, 1, 2, 3); bits pack least significant first;
-deltas wrap as uint64 does. Each array takes the mode of fewest bytes, ties to the lower mode. Worked example: the
+deltas wrap as uint64 does. In the compact form each array takes the mode of fewest bytes, ties to the lower mode;
+in the raw form, RAW. Worked example: the
 sorted keys [1000, 1001, 1003] (int64, 24 bytes raw) take BITS: varint 2000 (the zigzag of 1000; 2 bytes), b = 2
 (1 byte), then [0, 1, 3] in 2 bits each (1 byte): 4 bytes, and the message [keys] 1 + 2 + 4 = 7 bytes.
 
@@ -40,7 +43,7 @@ Message = list  # a message between planners: a list of numpy arrays (its phase 
 
 RAW, BITS, DELTA_BITS, VARINT, DELTA_VARINT = range(5)
 WIRE_FORMS = ("compact", "raw")  # each array in its form of fewest bytes; every array RAW
-# the dtypes a message carries, by code (the header byte's high bits); int64 as numpy's "l" on every platform
+# the dtypes a message carries, by code (the header byte's high bits); a decoded array has the dtype of its code
 DTYPES = tuple(
     np.dtype(t)
     for t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
