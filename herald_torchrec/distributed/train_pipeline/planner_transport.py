@@ -3,9 +3,9 @@ of the planning ranks, one per machine: group rank h plans host h.
 
 Each phase, the plan parts routed to the hosts that need them included, is one all-to-all of sizes (one int64 per
 pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels in the control plane's wire form
-(schedule/message_wire.py: each array in the form of fewest bytes for its values), a phase's messages encoded and
-decoded in one pass each. The control plane never imports torch.distributed: this is the data plane's side of its
-`Transport`.
+(schedule/message_wire.py: its arrays raw, or each in the form of fewest bytes for its values with the policy's
+`planner_wire: compact`), a phase's messages encoded and decoded in one pass each. The control plane never imports
+torch.distributed: this is the data plane's side of its `Transport`.
 """
 
 from __future__ import annotations
