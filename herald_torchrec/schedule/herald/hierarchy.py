@@ -167,8 +167,8 @@ class HierStep:
     plan_part_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swapped_samples: int = 0  # samples that trained on another host than the one that loaded them (phase 2b)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # what the transport sent to other hosts, by phase
-    # every host's whole part (`HostPlanner.part`) in the wire form, what an all-gather would carry once (0 where this
-    # process plans one host)
+    # every host's whole part (`HostPlanner.part`) in the wire form, what an all-gather would carry once (0 from a
+    # planner alone, as the protocol's counts above)
     parts_bytes: int = 0
 
     @property
@@ -205,7 +205,8 @@ def ids_bytes(batch: GlobalBatch, num_ranks: int, batch_per_rank: int) -> np.nda
 
 class _Messages:
     """Bytes between hosts, by kind and by host (a host's messages to itself are free), by the protocol's count.
-    `on=False` (a planner alone in training, `plan_host`, where nothing reads them): the phases skip counting."""
+    `on=False` (a planner alone in training, `plan_host`, where nothing reads them): nothing is counted, and the phases
+    skip computing what they would count."""
 
     def __init__(self, H: int, on: bool = True) -> None:
         self.kind = dict.fromkeys(MESSAGE_KINDS, 0)
@@ -213,7 +214,7 @@ class _Messages:
         self.on = on
 
     def add(self, kind: str, src: int, dst: int, nbytes: int) -> None:
-        if src != dst and nbytes:
+        if self.on and src != dst and nbytes:
             self.kind[kind] += int(nbytes)
             self.host[src] += int(nbytes)
             self.host[dst] += int(nbytes)
@@ -223,6 +224,8 @@ class _Messages:
     ) -> None:
         """Many messages at once: `nbytes[i]` from host src[i] to dst[i]; src or dst may be one host for all (an int)
         and nbytes one size for all (an int), which saves the arrays that would repeat them."""
+        if not self.on:
+            return
         cross = np.asarray(src != dst)
         if not cross.any():
             return
@@ -1103,9 +1106,9 @@ class HeraldHierPolicy(SchedulePolicy):
             plan_part_bytes=plan_part_bytes(plan) if count else np.zeros(R, dtype=np.int64),
             swapped_samples=self.last_swapped,
             wire_bytes=dict(transport.last_bytes),
-            # every host's whole part as the wire form would carry it: counted where every host plans in this process
-            # (the simulator), not by a planner in training, whose thread would pay for the encoding
-            parts_bytes=sum(encode_message(m, compact).shape[0] for m in parts.values()) if len(hosts) > 1 else 0,
+            # every host's whole part as the wire form would carry it: counted with the protocol's bytes (the
+            # simulator), not by a planner in training, whose thread would pay for the encoding
+            parts_bytes=sum(encode_message(m, compact).shape[0] for m in parts.values()) if count else 0,
         )
         transport.last_bytes.clear()
         return plan
