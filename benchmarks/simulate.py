@@ -61,7 +61,7 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: 
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import DEFAULT_PLANNER_WIRE, ids_bytes  # noqa: E402
-from herald_torchrec.schedule.herald.planner import INTRA_HOST_COST  # noqa: E402
+from herald_torchrec.schedule.herald.planner import FIRST_PASSES, INTRA_HOST_COST  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402
 from herald_torchrec.schedule.traffic import host_traffic  # noqa: E402
@@ -193,6 +193,8 @@ def policy_kwargs(args, name: str) -> dict:
             kw["budget_ms"] = args.budget_ms
         if getattr(args, "plan_budget_ms", None) is not None:
             kw["plan_budget_ms"] = args.plan_budget_ms
+        if getattr(args, "first_pass", None) is not None:
+            kw["first_pass"] = args.first_pass
     if name == "herald_hier":
         kw["hosts"] = args.ranks_per_host
         kw["planner_wire"] = getattr(args, "planner_wire", DEFAULT_PLANNER_WIRE)
@@ -575,6 +577,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--state-width", type=int, default=1, help="optimizer state floats per row (rowwise adagrad: 1)")
     p.add_argument("--refine", type=int, default=None, help="herald: best-response rounds (default: the policy's)")
     p.add_argument("--budget-ms", type=float, default=None, help="herald: scheduling-time budget per step")
+    p.add_argument(
+        "--first-pass",
+        choices=FIRST_PASSES,
+        default=None,
+        help="herald and its variants: LAIA's first pass (default: the policy's, stream)",
+    )
     p.add_argument(
         "--plan-budget-ms",
         type=float,

@@ -212,6 +212,83 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
   }
 }
 
+// laia.stream_assign: samples in batch order, each to the open rank where most of its keys already are (owned
+// there, or read there by a sample placed before it), every key weighing w0; a key's readers are tracked up to
+// `cap` distinct ranks, beyond which it is everywhere and scores nowhere. Ties go to the lowest rank, a sample
+// that scores at no open rank to the least loaded one (lowest first). Elements are taken per sample in their
+// order (a stable counting sort by es), and each sample's scores summed in that order, as numpy's fallback does.
+void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
+                 const double* w0, const int64_t* own, int64_t cap, int64_t* a) {
+  std::vector<int64_t> first(N + 1, 0), at(E);
+  for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
+  for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
+  {
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
+  }
+  const int64_t W = (R + 63) / 64;  // a key's readers as a bit set over the ranks
+  std::vector<uint64_t> readers(K * W, 0), seen(W);
+  std::vector<int32_t> count(K, 0);  // distinct readers so far; cap + 1: everywhere, no longer tracked
+  std::vector<int32_t> left(K, 0);   // the key's elements not placed yet: its readers matter while some are
+  for (int64_t i = 0; i < E; ++i) ++left[ec[i]];
+  std::vector<double> score(R, 0.0);
+  std::vector<int64_t> load(R, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    std::fill(seen.begin(), seen.end(), uint64_t{0});
+    for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+      const int64_t i = at[j], k = ec[i], o = own[k];
+      const double w = w0[i];
+      if (o >= 0) {
+        score[o] += w;
+        seen[o >> 6] |= uint64_t{1} << (o & 63);
+      }
+      if (count[k] == 0 || count[k] > cap) continue;
+      const uint64_t* rk = readers.data() + k * W;
+      for (int64_t q = 0; q < W; ++q) {
+        uint64_t m = rk[q];
+        if (o >= 0 && (o >> 6) == q) m &= ~(uint64_t{1} << (o & 63));  // the owner scored once
+        seen[q] |= m;
+        while (m) {
+          score[q * 64 + __builtin_ctzll(m)] += w;
+          m &= m - 1;
+        }
+      }
+    }
+    int64_t best = -1;
+    double top = 0.0;
+    for (int64_t q = 0; q < W; ++q) {
+      for (uint64_t m = seen[q]; m; m &= m - 1) {
+        const int64_t r = q * 64 + __builtin_ctzll(m);
+        if (load[r] < B && (best < 0 || score[r] > top)) {  // ranks ascend: ties keep the lower
+          best = r;
+          top = score[r];
+        }
+        score[r] = 0.0;
+      }
+    }
+    if (best < 0) {
+      for (int64_t r = 0; r < R; ++r) {
+        if (load[r] < B && (best < 0 || load[r] < load[best])) best = r;
+      }
+    }
+    a[n] = best;
+    ++load[best];
+    const uint64_t bit = uint64_t{1} << (best & 63);
+    for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+      const int64_t k = ec[at[j]];
+      if (--left[k] == 0 || count[k] > cap) continue;  // no later sample reads it, or it is everywhere
+      uint64_t& word = readers[k * W + (best >> 6)];
+      if (word & bit) continue;
+      if (count[k] == cap) {
+        count[k] = static_cast<int32_t>(cap + 1);
+      } else {
+        word |= bit;
+        ++count[k];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 
@@ -430,7 +507,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 7; }
+int herald_kernels_version() { return 8; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -688,23 +765,30 @@ void herald_balanced_assign(const float* sc, int64_t N, int64_t R, int64_t B, in
 // w0 by (sample, owner)), then `refine` rounds of balanced best response. `own` is every key's owner (rotated),
 // es / ec every scheduled element's sample and key index (own[k] = -1: no rank of this problem owns k, a host
 // planner's remote key: it scores nowhere); S > 0: single-hot, S elements per sample, sample-major.
-// w_int16: the per-key scores are small integers (numpy int16), else float32. Writes the assignment to `a`.
+// w_int16: the per-key scores are small integers (numpy int16), else float32. stream_cap > 0: the first pass is
+// the stream (laia.stream_assign, readers tracked up to stream_cap ranks), and the refine rounds start from its
+// balanced assignment. Writes the assignment to `a`.
 void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
                    const double* w0, int64_t S, const int64_t* own, int64_t refine,
-                   double owner_weight, double stay_bonus, int w_int16, int64_t* a) {
-  std::vector<double> score(N * R, 0.0);
-  for (int64_t i = 0; i < E; ++i) {  // own < 0: a key no rank of this problem owns (a host planner's remote keys)
-    const int64_t o = own[ec[i]];
-    if (o >= 0) score[es[i] * R + o] += w0[i];
-  }
-  if (refine == 0) {
-    std::vector<float> sc(score.begin(), score.end());
-    balanced(sc.data(), N, R, B, a);
-    return;
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const double* row = score.data() + n * R;
-    a[n] = std::max_element(row, row + R) - row;  // the first maximum, as np.argmax
+                   double owner_weight, double stay_bonus, int w_int16, int64_t stream_cap, int64_t* a) {
+  if (stream_cap > 0) {
+    stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, a);
+    if (refine == 0) return;
+  } else {
+    std::vector<double> score(N * R, 0.0);
+    for (int64_t i = 0; i < E; ++i) {  // own < 0: a key no rank of this problem owns (a host planner's remote keys)
+      const int64_t o = own[ec[i]];
+      if (o >= 0) score[es[i] * R + o] += w0[i];
+    }
+    if (refine == 0) {
+      std::vector<float> sc(score.begin(), score.end());
+      balanced(sc.data(), N, R, B, a);
+      return;
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const double* row = score.data() + n * R;
+      a[n] = std::max_element(row, row + R) - row;  // the first maximum, as np.argmax
+    }
   }
   if (w_int16) {
     refine_rounds<int16_t>(N, R, B, K, E, es, ec, S, own, refine, int16_t(2),

@@ -54,7 +54,7 @@ from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.balance import OWNER_BALANCE, balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget, check_plan_budget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
-from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.herald.laia import STREAM_READERS, balanced_assign, stream_assign
 from herald_torchrec.schedule.herald.replicas import REPLICA_BUDGET, REPLICA_INTERVAL, REPLICA_ROW_MARGIN, ReplicaChoice
 from herald_torchrec.schedule.herald.tables import (
     TableSelection,
@@ -75,6 +75,16 @@ from herald_torchrec.schedule.plan import (
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment, shared_rows, split_gid
 from herald_torchrec.schedule.reads import BatchKeys, StepReads, step_reads
 from herald_torchrec.schedule.traffic import FAN_OUT, KindTransfers
+
+# LAIA's first pass: "stream" (laia.stream_assign: samples gather where their keys are owned or already read) or
+# "bids" (laia.balanced_assign over owner scores alone); host-aware LAIA always bids
+FIRST_PASSES = ("stream", "bids")
+
+
+def check_first_pass(first_pass: object) -> None:
+    if first_pass not in FIRST_PASSES:
+        raise ValueError(f"herald: first_pass must be one of {', '.join(FIRST_PASSES)}, got {first_pass!r}")
+
 
 INTRA_HOST_COST = 0.2  # default: a row moved inside a host costs a fifth of one crossing hosts (docs/scheduler.md)
 
@@ -222,8 +232,11 @@ class HeraldPolicy(SchedulePolicy):
         host_laia: bool = True,
         owner_balance: float | str | None = "auto",
         plan_budget_ms: float | str | None = "auto",
+        first_pass: str = "stream",
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
+        check_first_pass(first_pass)
+        self.first_pass = first_pass
         for name, v in (("refine", refine), ("max_refine", max_refine)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
                 raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
@@ -392,6 +405,7 @@ class HeraldPolicy(SchedulePolicy):
         dense = K * R <= reads.DENSE_LIMIT and (v.cols is not None or R <= 16)
         # the same arithmetic, compiled (schedule/native.py): its refine rounds use [K, R] tables, its first pass
         # does not (the numpy paths agree without refine rounds)
+        stream = self.first_pass == "stream" and not self.host_aware
         if (dense or self.refine == 0) and native.enabled() and not self.host_aware:
             per_sample = 0 if v.cols is None else v.cols.shape[0]
             a = native.assign(
@@ -408,20 +422,27 @@ class HeraldPolicy(SchedulePolicy):
                 self.owner_weight,
                 self.stay_bonus,
                 self._wtype is np.int16,
+                STREAM_READERS if stream else 0,
             )
             return (a + first) % R
         eo = own[ec]
-        score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
-        if self.host_aware:  # + the keys other ranks of the column's host own, weighted 1 - intra_host_cost
-            H = self.num_hosts
-            hcol = self.host_of_rank[(np.arange(R) + first) % R]  # the host of every (rotated) column
-            host_own = self.host_of_rank[own_k]  # the host owning every key
-            by_host = np.bincount(es * H + host_own[ec], weights=v.w0, minlength=N * H).reshape(N, H)
-            score = self._host_mix(score, by_host, hcol)
-        if self.refine == 0:
-            a = balanced_assign(score, B)
-        else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
-            a = np.argmax(score, axis=1)
+        if stream:  # the refine rounds below start from its balanced assignment
+            if native.enabled():  # the same pass, compiled
+                a = native.assign(N, R, B, K, es, ec, v.w0, 0, own, 0, 0.0, 0.0, False, STREAM_READERS)
+            else:
+                a = stream_assign(N, R, B, es, ec, v.w0, own)
+        else:
+            score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
+            if self.host_aware:  # + the keys other ranks of the column's host own, weighted 1 - intra_host_cost
+                H = self.num_hosts
+                hcol = self.host_of_rank[(np.arange(R) + first) % R]  # the host of every (rotated) column
+                host_own = self.host_of_rank[own_k]  # the host owning every key
+                by_host = np.bincount(es * H + host_own[ec], weights=v.w0, minlength=N * H).reshape(N, H)
+                score = self._host_mix(score, by_host, hcol)
+            if self.refine == 0:
+                a = balanced_assign(score, B)
+            else:  # each sample's preferred rank, unbalanced: the refine rounds start from these intents
+                a = np.argmax(score, axis=1)
         for _ in range(self.refine):
             ea = a[es]
             if dense:
@@ -477,9 +498,10 @@ class HeraldPolicy(SchedulePolicy):
 
     # ---- planning budget --------------------------------------------------------------------------------------
     @staticmethod
-    def runs_with(plan_budget_ms: float | str | None = "auto", **_: object) -> None:
+    def runs_with(plan_budget_ms: float | str | None = "auto", first_pass: str = "stream", **_: object) -> None:
         """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
         check_plan_budget(plan_budget_ms)
+        check_first_pass(first_pass)
 
     def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
         """A training step's wall time without its wait for input, and that wait, in ms (the pipeline calls it after
