@@ -148,6 +148,7 @@ def owner_balance_kwargs(value) -> dict:
 
 # simulator names for a policy run with settings of its own: name -> (policy, settings from the command line)
 VARIANTS = {
+    "herald_bids": ("herald", lambda args: {"first_pass": "bids"}),  # LAIA's first pass on owner scores alone
     "herald_host": (
         "herald",
         lambda args: {"hosts": args.ranks_per_host, "intra_host_cost": args.intra_host_cost},
@@ -197,6 +198,8 @@ def policy_kwargs(args, name: str) -> dict:
             kw["first_pass"] = args.first_pass
     if name == "herald_hier":
         kw["hosts"] = args.ranks_per_host
+        if getattr(args, "first_pass", None) is not None:
+            kw["first_pass"] = args.first_pass
         kw["planner_wire"] = getattr(args, "planner_wire", DEFAULT_PLANNER_WIRE)
         if args.refine is not None:
             kw["refine"] = args.refine

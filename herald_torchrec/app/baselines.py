@@ -35,7 +35,7 @@ OPTIONS = {
     "fae": ("hot_budget", "profile_fraction", "window"),
     "het": ("staleness",),
     "herald": ("replicate", "plan_budget_ms", "first_pass"),
-    "herald_hier": ("ranks_per_host", "plan_budget_ms", "planner_wire"),
+    "herald_hier": ("ranks_per_host", "plan_budget_ms", "planner_wire", "first_pass"),
 }
 REPLICA_POLICIES = ("p2res", "fae")
 

@@ -7,8 +7,8 @@ import pytest
 
 def test_app_config_builds_herald_hier_options():
     """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host, the
-    planning budget and the planners' wire form (and only them) to it; a bad value is the policy's one-line error; the
-    app lists the scheduler."""
+    planning budget, the planners' wire form and LAIA's first pass (and only them) to it; a bad value is the policy's
+    one-line error; the app lists the scheduler."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -21,9 +21,16 @@ def test_app_config_builds_herald_hier_options():
         bad = compose("config", overrides=["scheduler=herald_hier", "scheduler.ranks_per_host=0"])
         bad_budget = compose("config", overrides=["scheduler=herald_hier", "scheduler.plan_budget_ms=-1"])
         bad_wire = compose("config", overrides=["scheduler=herald_hier", "scheduler.planner_wire=zip"])
+        bad_pass = compose("config", overrides=["scheduler=herald_hier", "scheduler.first_pass=greedy"])
+        herald = compose("config", overrides=["scheduler=herald", "scheduler.first_pass=bids"])
     options = herald_options(cfg.scheduler)
     assert options.policy == "herald_hier"
-    assert dict(options.policy_options) == {"ranks_per_host": 4, "plan_budget_ms": "auto", "planner_wire": "raw"}
+    assert dict(options.policy_options) == {
+        "ranks_per_host": 4,
+        "plan_budget_ms": "auto",
+        "planner_wire": "raw",
+        "first_pass": "stream",
+    }
     assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
         herald_options(bad.scheduler).runnable_policy()
@@ -31,3 +38,7 @@ def test_app_config_builds_herald_hier_options():
         herald_options(bad_budget.scheduler).runnable_policy()
     with pytest.raises(ValueError, match="planner_wire must be one of"):
         herald_options(bad_wire.scheduler).runnable_policy()
+    with pytest.raises(ValueError, match="first_pass must be one of stream, bids, got 'greedy'"):
+        herald_options(bad_pass.scheduler).runnable_policy()
+    # herald takes the first pass too
+    assert herald_options(herald.scheduler).policy_options["first_pass"] == "bids"

@@ -123,7 +123,7 @@ from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
-from herald_torchrec.schedule.herald.laia import balanced_assign
+from herald_torchrec.schedule.herald.laia import STREAM_READERS, balanced_assign, stream_assign
 from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_message, encode_messages
@@ -715,6 +715,7 @@ class HeraldHierPolicy(SchedulePolicy):
         owner_weight: float = 2.0,
         plan_budget_ms: float | str | None = "auto",
         planner_wire: str = DEFAULT_PLANNER_WIRE,
+        first_pass: str = "stream",
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
@@ -742,7 +743,7 @@ class HeraldHierPolicy(SchedulePolicy):
         self.last_host_plans: dict[int, HostPlan] = {}  # the latest step's plan of every host planned here
         self.last_swapped = 0
         settings = dict(tables=tables, refine=refine, budget_ms=budget_ms)
-        settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight)
+        settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight, first_pass=first_pass)
         # one host: the per-host problem is the whole problem, and plain herald plans it
         self._flat: HeraldPolicy | None = None
         if H == 1:
@@ -909,18 +910,22 @@ class HeraldHierPolicy(SchedulePolicy):
             return np.repeat(np.arange(P, dtype=np.int64), B)
         own = np.where(own_local >= 0, (own_local - first) % P, -1)
         refine = loc.refine
+        stream = loc.first_pass == "stream"
         if native.enabled():
             per_sample = 0 if v.cols is None else v.cols.shape[0]
             a = native.assign(
                 N, P, B, v.K, v.es, v.ec, v.w0, per_sample, own, refine, loc.owner_weight, loc.stay_bonus,
-                loc._wtype is np.int16,
+                loc._wtype is np.int16, STREAM_READERS if stream else 0,
             )  # fmt: skip
             return (a + first) % P
         # numpy: group P stands for "outside the host" (its column is dropped)
         own_g = np.where(own >= 0, own, P)
         score = np.bincount(v.es * (P + 1) + own_g[v.ec], weights=v.w0, minlength=N * (P + 1))
         score = score.reshape(N, P + 1)[:, :P]
-        a = balanced_assign(score, B) if refine == 0 else np.argmax(score, axis=1)
+        if stream:
+            a = stream_assign(N, P, B, v.es, v.ec, v.w0, own)
+        else:
+            a = balanced_assign(score, B) if refine == 0 else np.argmax(score, axis=1)
         for _ in range(refine):
             sc, corr = _round_scores(v, N, a[v.es], P + 1, own_g, loc.owner_weight, loc._wtype, np.float32)
             sc = np.ascontiguousarray(sc[:, :P])
