@@ -41,10 +41,14 @@ from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: 
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
+from herald_torchrec.schedule.herald.planner import FIRST_PASSES  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
 
 # the options a replay runs with (the recording's)
-REPLAYED = ("scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock")
+REPLAYED = (
+    "scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock",
+    "first_pass",
+)  # fmt: skip
 
 
 class RecordingTransport(InProcessTransport):
@@ -104,10 +108,17 @@ def _trace(args: argparse.Namespace, R: int):
     return rows, batch
 
 
+def _policy(args: argparse.Namespace, rows: list[int], R: int):
+    return make_policy(
+        "herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host,
+        first_pass=args.first_pass,
+    )  # fmt: skip
+
+
 def record(args: argparse.Namespace, R: int, path: Path) -> dict:
     """The in-process run: every host's inboxes per step, and each host's per-step time there."""
     rows, batch = _trace(args, R)
-    pol = make_policy("herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host)
+    pol = _policy(args, rows, R)
     H = pol.num_hosts
     steps, seconds = [], []
     window = [batch(i) for i in range(args.lookahead)]
@@ -130,7 +141,7 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     with open(path, "rb") as f:
         rec = pickle.load(f)
     rows, batch = _trace(args, R)
-    pol = make_policy("herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host)
+    pol = _policy(args, rows, R)
     # its own samples as training gives them to its planner: single-hot ids as a dense batch (input_layout.global_batch)
     window = [pol.host_batch(batch(i), host) for i in range(args.lookahead)]
     ms, codec, nbytes = [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--hosts", default="0,1", help="the hosts replayed alone, a comma list")
     p.add_argument("--hier-clock", choices=["wall", "cpu"], default="wall")
+    p.add_argument("--first-pass", choices=FIRST_PASSES, default="stream", help="LAIA's first pass on each host")
     p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
     p.add_argument("--record-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -29,7 +29,7 @@ def test_app_config_builds_herald_hier_options():
         "ranks_per_host": 4,
         "plan_budget_ms": "auto",
         "planner_wire": "raw",
-        "first_pass": "stream",
+        "first_pass": "auto",
     }
     assert options.runnable_policy() == "herald_hier" and "herald_hier" in SCHEDULERS
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
@@ -38,7 +38,7 @@ def test_app_config_builds_herald_hier_options():
         herald_options(bad_budget.scheduler).runnable_policy()
     with pytest.raises(ValueError, match="planner_wire must be one of"):
         herald_options(bad_wire.scheduler).runnable_policy()
-    with pytest.raises(ValueError, match="first_pass must be one of stream, bids, got 'greedy'"):
+    with pytest.raises(ValueError, match="first_pass must be one of auto, stream, bids, got 'greedy'"):
         herald_options(bad_pass.scheduler).runnable_policy()
     # herald takes the first pass too
     assert herald_options(herald.scheduler).policy_options["first_pass"] == "bids"

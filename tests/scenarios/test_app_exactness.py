@@ -28,6 +28,8 @@ from tests.helpers.ranks import REPO_ROOT, run_ranks
 
 RUNS = {  # name: (extra args, ranks)
     "herald": (["scheduler=herald"], 2),
+    # LAIA's stream first pass (the default from 8 ranks; 2 ranks bid): another assignment, the same model
+    "herald_stream": (["scheduler=herald", "scheduler.first_pass=stream"], 2),
     "static": (["scheduler=static"], 2),
     # P²RES: replicated rows all-reduced on every rank (distributed/step/replicas.py), the rest read from home
     "p2res": (["scheduler=p2res"], 2),
@@ -103,7 +105,7 @@ def test_schedulers_train_the_same_model(exactness_runs: dict, optimizer: str, l
     if optimizer == "adagrad":  # torch.optim.Adagrad: FBGEMM's EXACT_ADAGRAD, one float of state per element
         assert ref["optimizer_state"]["t_c2"].shape == (101313, 16)
     assert ref["dense"], "dense parameters missing"
-    for s in ("herald", "static", "torchrec", "herald_mixed", "p2res"):
+    for s in ("herald", "herald_stream", "static", "torchrec", "herald_mixed", "p2res"):
         assert _max_diff(states[s]["tables"], ref["tables"]) <= 1e-5, s
         assert _max_diff(states[s]["optimizer_state"], ref["optimizer_state"]) <= 1e-5, s
         assert _max_diff(states[s]["dense"], ref["dense"]) <= 1e-5, s

@@ -469,3 +469,43 @@ def test_balanced_assign_ties_follow_the_rotation():
     a1 = balanced_assign(np.zeros((4, 2)), 2, first=1)
     np.testing.assert_array_equal(a0, [0, 0, 1, 1])
     np.testing.assert_array_equal(a1, [1, 1, 0, 0])
+
+
+def test_stream_assign_gathers_samples_that_share_a_key():
+    """A worked example of laia.stream_assign (3 ranks x 2 samples; weights 1 unless given):
+    sample 0 reads key 0 (owned by rank 2) -> rank 2; sample 1 reads key 1 (no owner here) and scores nowhere -> the
+    least loaded rank, the lowest: 0; sample 2 reads keys 1 and 2 -> rank 0, where sample 1 read key 1; sample 3 reads
+    key 0 (at rank 2, owner) and key 1 (at rank 0: full) -> rank 2; sample 4 reads key 3 owned by rank 0 (full), so it
+    scores at no open rank -> rank 1, the only one with room; so does sample 5."""
+    from herald_torchrec.schedule.herald.laia import stream_assign
+
+    es = np.array([0, 1, 2, 2, 3, 3, 4, 5])
+    ec = np.array([0, 1, 1, 2, 0, 1, 3, 3])
+    own = np.array([2, -1, -1, 0])
+    a = stream_assign(6, 3, 2, es, ec, np.ones(8), own)
+    np.testing.assert_array_equal(a, [2, 0, 0, 2, 1, 1])
+    # elements of one sample may come in any order among the others' (jagged batches): the same assignment
+    order = np.array([7, 0, 6, 2, 1, 4, 3, 5])
+    np.testing.assert_array_equal(stream_assign(6, 3, 2, es[order], ec[order], np.ones(8), own), a)
+    with pytest.raises(ValueError, match="cannot fill"):
+        stream_assign(5, 3, 2, es[:7], ec[:7], np.ones(7), own)
+
+
+def test_stream_assign_weights_ties_and_saturated_keys():
+    from herald_torchrec.schedule.herald.laia import stream_assign
+
+    # key 0 owned by rank 1 weighs 0.5, key 1 owned by rank 0 weighs 0.7: rank 0 wins; equal weights: the lower rank
+    es, ec, own = np.array([0, 0, 1, 2, 3]), np.array([0, 1, 2, 2, 2]), np.array([1, 0, -1])
+    assert stream_assign(4, 2, 2, es, ec, np.array([0.5, 0.7, 1, 1, 1]), own)[0] == 0
+    assert stream_assign(4, 2, 2, es, ec, np.array([0.7, 0.7, 1, 1, 1]), own)[0] == 0
+    assert stream_assign(4, 2, 2, es, ec, np.array([0.7, 0.5, 1, 1, 1]), own)[0] == 1
+    # a key read at more than `cap` ranks is everywhere and scores nowhere. 3 ranks x 3: sample 0 reads key 0 -> rank 0,
+    # sample 1 key 1 -> rank 1 (least loaded), sample 2 keys 1 and 0 -> a tie, rank 0 (key 1 now read at ranks 1 and
+    # 0); sample 3 reads key 1: with cap 1 it is everywhere -> the least loaded rank, 2; with cap 2, rank 0 (a tie)
+    es = np.array([0, 1, 2, 2, 3, 4, 5, 6, 7, 8])
+    ec = np.array([0, 1, 1, 0, 1, 2, 2, 2, 2, 2])
+    one = stream_assign(9, 3, 3, es, ec, np.ones(10), np.full(3, -1), cap=1)
+    two = stream_assign(9, 3, 3, es, ec, np.ones(10), np.full(3, -1), cap=2)
+    np.testing.assert_array_equal(one[:4], [0, 1, 0, 2])
+    np.testing.assert_array_equal(two[:4], [0, 1, 0, 0])
+    assert (np.bincount(one, minlength=3) == 3).all() and (np.bincount(two, minlength=3) == 3).all()

@@ -17,9 +17,9 @@ from herald_torchrec.schedule.herald.budget import FULL, PROBE_EVERY, REDUCED, S
 from tests.schedule.test_policies import make_batches, plan_signature, synthetic_trace
 
 R, B, L = 4, 64, 2
-# sha256 of the plan signatures of 12 steps on `synthetic_trace(4, 64, 12)` by the Herald policy with LAIA's bidding
-# first pass, made by the code before the planning budget existed: the default budget must keep these plans
-BIDS_DIGEST = "5dee3e84d05d5040"
+# sha256 of the plan signatures of 12 steps on `synthetic_trace(4, 64, 12)` by the default Herald policy, made by the
+# code before the planning budget existed: the default must keep these plans
+DEFAULT_DIGEST = "5dee3e84d05d5040"
 
 
 def _trace(steps: int):
@@ -66,14 +66,9 @@ def kernels(request):
 
 def test_default_makes_the_plans_made_before_the_budget(kernels):
     rows, batches = _trace(12)
-    bids, chk = _run(make_policy("herald", rows, R, B, 0.1, L, first_pass="bids"), rows, batches)
-    assert _digest(bids) == BIDS_DIGEST
-    assert chk.stale_reads == 0
-    unbudgeted, _ = _run(make_policy("herald", rows, R, B, 0.1, L, plan_budget_ms=None), rows, batches)
     pol = make_policy("herald", rows, R, B, 0.1, L)
     plans, chk = _run(pol, rows, batches)
-    default_digest = _digest(plans)
-    assert default_digest == _digest(unbudgeted) != BIDS_DIGEST
+    assert _digest(plans) == DEFAULT_DIGEST
     assert chk.stale_reads == 0
     d = pol.describe()
     assert (d["plans_full"], d["plans_reduced"], d["plans_static"]) == (12, 0, 0)
@@ -83,8 +78,15 @@ def test_default_makes_the_plans_made_before_the_budget(kernels):
     for _ in range(WARMUP_STEPS):
         pol.observe_step(60_000.0, 0.0)
     plans, _ = _run(pol, rows, batches)
-    assert _digest(plans) == default_digest
+    assert _digest(plans) == DEFAULT_DIGEST
     assert pol.describe()["plan_budget_ms_now"] == pytest.approx(60_000.0)
+    # the stream first pass (the default from 8 ranks): the default budget keeps its plans too
+    stream, chk = _run(make_policy("herald", rows, R, B, 0.1, L, first_pass="stream"), rows, batches)
+    unbudgeted, _ = _run(
+        make_policy("herald", rows, R, B, 0.1, L, first_pass="stream", plan_budget_ms=None), rows, batches
+    )
+    assert _digest(stream) == _digest(unbudgeted) != DEFAULT_DIGEST
+    assert chk.stale_reads == 0
 
 
 def test_tiny_fixed_budget_degrades_then_plans_static(kernels):

@@ -358,7 +358,7 @@ def test_forward_prediction_is_skipped_only_where_it_cannot_forward(R, monkeypat
     """Two ranks skip `_forward` (a forwarded guest needs a third rank): running it anyway must give the same plans,
     on a trace small enough that guests are evicted while the next batch reads them. With three ranks the same
     trace forwards rows, so the comparison can tell the difference."""
-    rows, raw = synthetic_trace(R, 8, 30, locality=0.5)
+    rows, raw = synthetic_trace(R, 8, 30, locality=0.9)
 
     def plans(force: bool):
         if force:

@@ -715,7 +715,7 @@ class HeraldHierPolicy(SchedulePolicy):
         owner_weight: float = 2.0,
         plan_budget_ms: float | str | None = "auto",
         planner_wire: str = DEFAULT_PLANNER_WIRE,
-        first_pass: str = "stream",
+        first_pass: str = "auto",
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
