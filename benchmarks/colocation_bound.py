@@ -40,9 +40,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulate import LOADERS, Feed, log, open_trace, parse_workers  # noqa: E402
+from simulate import Feed, add_trace_arguments, log, open_trace, parse_workers  # noqa: E402
 
-from herald_torchrec.data.synthetic import SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald.planner import HeraldPolicy  # noqa: E402
 
@@ -235,12 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--data", choices=["synthetic", *LOADERS], default="synthetic")
-    p.add_argument("--path", help="data file for criteo / avazu / movielens")
-    p.add_argument("--locality", type=float, default=SyntheticSpec.locality, help="synthetic: share of trending ids")
-    p.add_argument("--zipf", type=float, default=SyntheticSpec.zipf, help="synthetic: Zipf exponent")
-    p.add_argument("--scale", type=float, default=SyntheticSpec.scale, help="synthetic: table size scale")
-    p.add_argument("--seed", type=int, default=0, help="synthetic: seed (and the partitioner's, plus the step)")
+    add_trace_arguments(p, seed_help="synthetic: seed (and the partitioner's, plus the step)")
     p.add_argument("--workers", default="8,64", help="worker counts, a comma list")
     p.add_argument("--batch", type=int, default=256, help="samples per worker (B)")
     p.add_argument("--cache-ratio", type=float, default=0.1)

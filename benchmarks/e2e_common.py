@@ -17,6 +17,7 @@ SCHEDULER_ARGS = {
     "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],
     "herald_hier": ["scheduler=herald_hier"],  # planned per machine (schedule/herald/hierarchy.py)
+    "herald_bids": ["scheduler=herald", "scheduler.first_pass=bids"],  # LAIA's bidding first pass (no stream)
     "herald_numpy": ["scheduler=herald", "scheduler.native=off"],  # Herald without its compiled kernels (numpy only)
     "herald_every_rank": ["scheduler=herald", "scheduler.plan_on=every_rank"],  # each rank plans (no plan bytes)
     # shared rows sent to and from every reader directly, not once per host (host_relay.py; A/B on shared hosts)

@@ -547,16 +547,21 @@ def merge_results(paths: list[str]) -> dict:
     return {"config": config, "sweep": sweep}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_trace_arguments(p: argparse.ArgumentParser, seed_help: str = "synthetic: seed") -> None:
+    """The trace's options (`open_trace` reads them): --data, --path and the synthetic generator's."""
     p.add_argument("--data", choices=["synthetic", *LOADERS], default="synthetic")
     p.add_argument("--path", help="data file for criteo / avazu / movielens")
     p.add_argument("--locality", type=float, default=SyntheticSpec.locality, help="synthetic: share of trending ids")
     p.add_argument("--zipf", type=float, default=SyntheticSpec.zipf, help="synthetic: Zipf exponent")
     p.add_argument("--scale", type=float, default=SyntheticSpec.scale, help="synthetic: table size scale")
-    p.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_trace_arguments(p)
     p.add_argument("--workers", default="8", help="worker count, or a comma list for a sweep")
     p.add_argument("--batch", type=int, default=256, help="samples per worker (B)")
     p.add_argument("--cache-ratio", type=float, default=0.1)

@@ -5,21 +5,17 @@ dependency, and the benchmark says how to install it when it is missing."""
 from __future__ import annotations
 
 import builtins
-import importlib.util
 
 import numpy as np
 import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, make_policy
-from tests.helpers.ranks import REPO_ROOT
+from tests.helpers.benchmarks import load_benchmark
 
 
 def load_bound():
-    spec = importlib.util.spec_from_file_location("colocation_bound", REPO_ROOT / "benchmarks" / "colocation_bound.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("colocation_bound")
 
 
 def test_key_pairs_counts_distinct_key_rank_pairs():

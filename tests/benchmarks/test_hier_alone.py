@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
-from tests.helpers.ranks import REPO_ROOT
+from tests.helpers.benchmarks import load_benchmark
 
 
 def load_hier_alone():
-    spec = importlib.util.spec_from_file_location("hier_alone", REPO_ROOT / "benchmarks" / "hier_alone.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("hier_alone")
 
 
 def test_a_host_replays_alone_and_times_its_steps():

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from tests.helpers.ranks import REPO_ROOT
+from tests.helpers.benchmarks import load_benchmark
 
 
 def load_simulate():
-    spec = importlib.util.spec_from_file_location("simulate", REPO_ROOT / "benchmarks" / "simulate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("simulate")
 
 
 SMALL = ["--scale", "0.0005", "--batch", "8", "--steps", "6", "--lookahead", "2", "--cache-ratio", "0.2"]
@@ -182,9 +178,7 @@ def test_hier_clock_and_peak_rss(capsys):
 
 
 def test_hier_memory_counts_one_hosts_needs(capsys):
-    spec = importlib.util.spec_from_file_location("hier_memory", REPO_ROOT / "benchmarks" / "hier_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("hier_memory")
     out = mod.main(["--scale", "0.0005", "--workers", "4", "--ranks-per-host", "2", "--batch", "8", "--steps", "4"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
     (run,) = out["runs"]

@@ -4,7 +4,6 @@ checker's replica replay (and that it catches a missing sync), and the simulator
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
 from herald_torchrec.schedule.baselines.fae import FaePolicy
-from tests.helpers.ranks import REPO_ROOT
+from tests.helpers.benchmarks import load_benchmark
 from tests.schedule.test_policies import jagged_trace, make_batches, run, synthetic_trace
 
 
@@ -234,10 +233,7 @@ def test_replica_policies_are_exact_on_random_traces(name):
 
 # ---- simulator CLI ----------------------------------------------------------------------------------------------
 def load_simulate():
-    spec = importlib.util.spec_from_file_location("simulate", REPO_ROOT / "benchmarks" / "simulate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("simulate")
 
 
 SMALL = [

@@ -6,6 +6,9 @@ bids with the largest *regret* (best minus second-best score: what the sample lo
 highest score, then the lowest sample index. Every round fills at least one rank or assigns every sample, so there
 are at most R rounds. Ties between ranks go to the first rank in the rotation first, first+1, ... (by batch id), so
 that no rank is favoured across steps. numpy (native.balanced_assign: the same, compiled).
+
+`stream_assign` is the other first pass (HeraldPolicy's `first_pass`): one pass over the samples in batch order, each
+to the open rank where most of its keys already are (owned, or read by a sample placed before it).
 """
 
 from __future__ import annotations

@@ -5,11 +5,15 @@ Cost model (docs/ARCHITECTURE.md §2): in a step, key k read by the rank set R_k
 So traffic is driven by how many ranks read a key (co-location) and whether the owner is one of them.
 
 Per step (batches[0] = current global batch, batches[1:] = up to L lookahead batches):
-1. LAIA, on the *scheduled tables* only (adaptive selection, `schedule.tables`):
-   a. score[s, r] = sum over the sample's keys owned by r of w(c_k), with c_k the samples reading k in this
-      batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway: owning it says little);
-      without refinement, `balanced_assign` turns it into exactly B samples per rank (regret-ordered rounds,
-      deterministic); with refinement, each sample's preferred rank (unbalanced) is the starting point of
+1. LAIA, on the *scheduled tables* only (adaptive selection, `schedule.tables`), each key k weighing w(c_k), with
+   c_k the samples reading k in this batch and w(c) = ((R-1)/R)^(c-1) (a hot key is read everywhere anyway):
+   a. the first pass (`first_pass`; `auto`: the stream from 8 ranks, bids below):
+      stream: the samples in batch order, each to the open rank where the weight of its keys already there (owned,
+      or read by a sample placed there before it) is largest (`laia.stream_assign`): samples that share a key
+      gather;
+      bids: score[s, r] = sum over the sample's keys owned by r of w(c_k); without refinement, `balanced_assign`
+      turns it into exactly B samples per rank (regret-ordered rounds, deterministic); with refinement, each
+      sample's preferred rank (unbalanced) is the starting point of
    b. `refine` rounds of balanced best response on the exact marginal cost: for sample s and rank r,
       score[s, r] = sum over its keys of 2 x [another sample reads k at r] + 2 x [r owns k and nobody else reads
       it there] (+ a bonus for staying put, against oscillation). Single-hot batches gather one per-key [R] row
