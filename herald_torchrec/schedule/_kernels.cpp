@@ -218,7 +218,8 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
 // that scores at no open rank to the least loaded one (lowest first). Elements are taken per sample in their
 // order (a stable counting sort by es), and each sample's scores summed in that order, as numpy's fallback does.
 void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
-                 const double* w0, const int64_t* own, int64_t cap, int64_t* a) {
+                 const double* w0, const int64_t* own, int64_t cap, const int64_t* host, int64_t H, double intra,
+                 int64_t* a) {
   std::vector<int64_t> first(N + 1, 0), at(E);
   for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
   for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
@@ -233,14 +234,34 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
   for (int64_t i = 0; i < E; ++i) ++left[ec[i]];
   std::vector<double> score(R, 0.0);
   std::vector<int64_t> load(R, 0);
+  // host-aware (host != nullptr): the same over hosts (a key's reading hosts, never saturated), and a rank scores
+  // intra x its own sum + (1 - intra) x its host's
+  const int64_t WH = host ? (H + 63) / 64 : 0;
+  std::vector<uint64_t> hreaders(K * WH, 0), hseen(WH);
+  std::vector<double> hscore(host ? H : 0, 0.0);
   for (int64_t n = 0; n < N; ++n) {
     std::fill(seen.begin(), seen.end(), uint64_t{0});
+    std::fill(hseen.begin(), hseen.end(), uint64_t{0});
     for (int64_t j = first[n]; j < first[n + 1]; ++j) {
       const int64_t i = at[j], k = ec[i], o = own[k];
       const double w = w0[i];
       if (o >= 0) {
         score[o] += w;
         seen[o >> 6] |= uint64_t{1} << (o & 63);
+      }
+      if (host) {
+        const int64_t ho = o >= 0 ? host[o] : -1;
+        if (ho >= 0) {
+          hscore[ho] += w;
+          hseen[ho >> 6] |= uint64_t{1} << (ho & 63);
+        }
+        const uint64_t* hk = hreaders.data() + k * WH;
+        for (int64_t q = 0; q < WH; ++q) {
+          uint64_t m = hk[q];
+          if (ho >= 0 && (ho >> 6) == q) m &= ~(uint64_t{1} << (ho & 63));
+          hseen[q] |= m;
+          for (; m; m &= m - 1) hscore[q * 64 + __builtin_ctzll(m)] += w;
+        }
       }
       if (count[k] == 0 || count[k] > cap) continue;
       const uint64_t* rk = readers.data() + k * W;
@@ -256,10 +277,22 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
     }
     int64_t best = -1;
     double top = 0.0;
+    if (host) {
+      for (int64_t r = 0; r < R; ++r) {
+        const double v = intra * score[r] + (1.0 - intra) * hscore[host[r]];
+        if (load[r] < B && v > 0.0 && (best < 0 || v > top)) {
+          best = r;
+          top = v;
+        }
+      }
+      for (int64_t q = 0; q < WH; ++q) {
+        for (uint64_t m = hseen[q]; m; m &= m - 1) hscore[q * 64 + __builtin_ctzll(m)] = 0.0;
+      }
+    }
     for (int64_t q = 0; q < W; ++q) {
       for (uint64_t m = seen[q]; m; m &= m - 1) {
         const int64_t r = q * 64 + __builtin_ctzll(m);
-        if (load[r] < B && (best < 0 || score[r] > top)) {  // ranks ascend: ties keep the lower
+        if (!host && load[r] < B && (best < 0 || score[r] > top)) {  // ranks ascend: ties keep the lower
           best = r;
           top = score[r];
         }
@@ -274,9 +307,12 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
     a[n] = best;
     ++load[best];
     const uint64_t bit = uint64_t{1} << (best & 63);
+    const int64_t hb = host ? host[best] : 0;
     for (int64_t j = first[n]; j < first[n + 1]; ++j) {
       const int64_t k = ec[at[j]];
-      if (--left[k] == 0 || count[k] > cap) continue;  // no later sample reads it, or it is everywhere
+      if (--left[k] == 0) continue;  // no later sample reads it
+      if (host) hreaders[k * WH + (hb >> 6)] |= uint64_t{1} << (hb & 63);
+      if (count[k] > cap) continue;  // everywhere
       uint64_t& word = readers[k * W + (best >> 6)];
       if (word & bit) continue;
       if (count[k] == cap) {
@@ -507,7 +543,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 8; }
+int herald_kernels_version() { return 9; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -766,13 +802,15 @@ void herald_balanced_assign(const float* sc, int64_t N, int64_t R, int64_t B, in
 // es / ec every scheduled element's sample and key index (own[k] = -1: no rank of this problem owns k, a host
 // planner's remote key: it scores nowhere); S > 0: single-hot, S elements per sample, sample-major.
 // w_int16: the per-key scores are small integers (numpy int16), else float32. stream_cap > 0: the first pass is
-// the stream (laia.stream_assign, readers tracked up to stream_cap ranks), and the refine rounds start from its
-// balanced assignment. Writes the assignment to `a`.
+// the stream (laia.stream_assign, readers tracked up to stream_cap ranks; host != null: host-aware, the host of
+// every rank in H hosts, a row inside a host costing `intra`), and the refine rounds start from its balanced
+// assignment. Writes the assignment to `a`.
 void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
                    const double* w0, int64_t S, const int64_t* own, int64_t refine,
-                   double owner_weight, double stay_bonus, int w_int16, int64_t stream_cap, int64_t* a) {
+                   double owner_weight, double stay_bonus, int w_int16, int64_t stream_cap, const int64_t* host,
+                   int64_t H, double intra, int64_t* a) {
   if (stream_cap > 0) {
-    stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, a);
+    stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, host, H, intra, a);
     if (refine == 0) return;
   } else {
     std::vector<double> score(N * R, 0.0);

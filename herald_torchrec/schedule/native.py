@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 8  # herald_kernels_version() of the source this module expects
+VERSION = 9  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -49,6 +49,9 @@ SIGNATURES = {
             ctypes.c_double,
             ctypes.c_int,
             _i64,
+            _i64p,
+            _i64,
+            ctypes.c_double,
             _i64p,
         ],
         None,
@@ -211,11 +214,16 @@ def assign(
     stay_bonus: float,
     w_int16: bool,
     stream_cap: int = 0,
+    hosts: np.ndarray | None = None,
+    intra: float = 0.0,
 ) -> np.ndarray:
     """HeraldPolicy.assign's dense path in rotated coordinates (see the kernel's comment); per_sample > 0: single-hot
-    elements, that many per sample, sample-major; stream_cap > 0: the first pass is laia.stream_assign's."""
+    elements, that many per sample, sample-major; stream_cap > 0: the first pass is laia.stream_assign's (`hosts`: the
+    host of every rank, host-aware with `intra`)."""
     a = np.empty(N, dtype=np.int64)
     es, ec, w0, own = _c(es, np.int64), _c(ec, np.int64), _c(w0, np.float64), _c(own, np.int64)
+    if hosts is not None:
+        hosts = _c(hosts, np.int64)
     lib().herald_assign(
         N,
         R,
@@ -232,6 +240,9 @@ def assign(
         float(stay_bonus),
         int(w_int16),
         int(stream_cap),
+        _p(hosts) if hosts is not None else None,
+        int(hosts.max()) + 1 if hosts is not None and hosts.shape[0] else 0,
+        float(intra),
         _p(a),
     )
     return a

@@ -509,3 +509,19 @@ def test_stream_assign_weights_ties_and_saturated_keys():
     np.testing.assert_array_equal(one[:4], [0, 1, 0, 2])
     np.testing.assert_array_equal(two[:4], [0, 1, 0, 0])
     assert (np.bincount(one, minlength=3) == 3).all() and (np.bincount(two, minlength=3) == 3).all()
+
+
+def test_host_aware_stream_prefers_the_owners_host_when_the_owner_is_full():
+    """4 ranks on 2 hosts ([0, 0, 1, 1]), B = 2, a row inside a host at 0.2 of one crossing hosts. Samples 0-2 read key
+    0, owned by rank 3 (host 1): it scores 0.2 x 1 + 0.8 x 1 at rank 3, 0.8 at its host mate rank 2, nothing on host
+    0. Rank 3 takes two; the third goes to rank 2 host-aware, and to the least loaded rank (0) rank-level. The other
+    samples read keys nobody else reads, owned by no rank: the least loaded rank each, the lowest first."""
+    from herald_torchrec.schedule.herald.laia import stream_assign
+
+    hosts = np.array([0, 0, 1, 1])
+    es, ec = np.arange(8), np.array([0, 0, 0, 1, 2, 3, 4, 5])
+    own = np.array([3, -1, -1, -1, -1, -1])
+    host_aware = stream_assign(8, 4, 2, es, ec, np.ones(8), own, hosts=hosts, intra=0.2)
+    np.testing.assert_array_equal(host_aware, [3, 3, 2, 0, 1, 0, 1, 2])
+    rank_level = stream_assign(8, 4, 2, es, ec, np.ones(8), own)
+    np.testing.assert_array_equal(rank_level, [3, 3, 0, 1, 2, 0, 1, 2])

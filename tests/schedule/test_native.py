@@ -132,7 +132,8 @@ def test_stream_first_pass_plans_equal(R, refine):
 @pytest.mark.parametrize("R", [3, 64, 65, 130])  # one word of reader bits, exactly one, two, three
 def test_stream_assign_equal(R):
     """The compiled stream (native.assign with stream_cap) against laia.stream_assign: keys owned by no rank, keys
-    read at more ranks than the cap, elements in table-major order (jagged batches), float weights with ties."""
+    read at more ranks than the cap, elements in table-major order (jagged batches), float weights with ties, and
+    host-aware (3 hosts, a row inside a host at 0.2 and 0.7 of one crossing hosts)."""
     from herald_torchrec.schedule.herald.laia import stream_assign
 
     rng = np.random.default_rng(R)
@@ -145,9 +146,10 @@ def test_stream_assign_equal(R):
     es, ec = es[table_major], ec[table_major]
     w = rng.choice([0.25, 0.5, 1.0], es.shape[0])
     own = rng.integers(-1, R, K)
-    for cap in (1, 4, 16):
-        want = stream_assign(N, R, B, es, ec, w, own, cap=cap)
-        got = native.assign(N, R, B, K, es, ec, w, 0, own, 0, 0.0, 0.0, False, cap)
+    hosts = np.arange(R) * 3 // R  # 3 hosts (R=3: one rank each)
+    for cap, host_of, intra in ((1, None, 0.0), (4, None, 0.0), (16, None, 0.0), (16, hosts, 0.2), (2, hosts, 0.7)):
+        want = stream_assign(N, R, B, es, ec, w, own, cap=cap, hosts=host_of, intra=intra)
+        got = native.assign(N, R, B, K, es, ec, w, 0, own, 0, 0.0, 0.0, False, cap, host_of, intra)
         np.testing.assert_array_equal(got, want)
         assert (np.bincount(got, minlength=R) == B).all()
 
@@ -243,9 +245,12 @@ def test_without_a_compiler_numpy_with_a_warning(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dense", "jagged"])
 def test_host_aware_plans_equal(kind):
-    # host-aware LAIA scores in numpy on both paths; the rest of the plan (decision, eviction, assembly) is compiled
+    # host-aware LAIA bids in numpy on both paths, its stream first pass is compiled or numpy; the rest of the plan
+    # (decision, eviction, assembly) is compiled
     _compare(_trace(kind, 4, 12, 30, seed=21), 4, 12, 2, refine=2, hosts=2)
     _compare(_trace(kind, 8, 8, 24, seed=22), 8, 8, 3, refine=1, hosts=[0, 1, 0, 1, 2, 2, 3, 3], intra_host_cost=0.5)
+    for first_pass in ("stream", "bids"):
+        _compare(_trace(kind, 8, 8, 24, seed=23), 8, 8, 3, refine=0, hosts=4, first_pass=first_pass)
 
 
 @pytest.mark.parametrize(("kind", "wire"), [("dense", "compact"), ("jagged", "raw")])

@@ -114,6 +114,8 @@ def stream_assign(
     w: np.ndarray,
     own: np.ndarray,
     cap: int = STREAM_READERS,
+    hosts: np.ndarray | None = None,
+    intra: float = 0.0,
 ) -> np.ndarray:
     """LAIA's first pass as a stream: rank of every sample (int64 [N], exactly B per rank). Samples go in batch order,
     each to the open rank where most of its keys already are, weighed by `w` per element: owned there (`own[k]`;
@@ -121,6 +123,11 @@ def stream_assign(
     the first of them went, which bidding on owners alone (`balanced_assign`) does not do: at 64 ranks it co-located
     fewer (key, rank) pairs than the contiguous split. A key read at more than `cap` ranks scores nowhere (it is
     everywhere). Ties go to the lowest rank; a sample that scores at no open rank goes to the least loaded one.
+
+    Host-aware (`hosts`: the host of every rank): the same sums over hosts too (a key is at a host that owns it or
+    reads it, its reading hosts never saturate), and a rank scores `intra` x its own sum + (1 - intra) x its host's,
+    HeraldPolicy's host-aware cost (a row moved inside a host costs `intra` of one crossing hosts); the best open rank
+    with a positive score wins.
 
     `es` / `ec`: every element's sample and key index. The loop is Python's here (seconds at 64 ranks: the numpy
     fallback of native.assign(stream_cap=cap), which computes the same assignment, float sums in the same order).
@@ -132,13 +139,19 @@ def stream_assign(
     bounds = np.searchsorted(es[order], np.arange(N + 1)).tolist()
     keys, weights = ec[order].tolist(), w[order].tolist()
     owners = own.tolist()
+    host_of = None if hosts is None else [int(h) for h in hosts]
+    left: dict[int, int] = {}
+    for k in keys:
+        left[k] = left.get(k, 0) + 1
     readers: dict[int, list[int]] = {}
+    host_readers: dict[int, set[int]] = {}
     saturated: set[int] = set()
     load = [0] * R
     out = np.empty(N, dtype=np.int64)
     for n in range(N):
         lo, hi = bounds[n], bounds[n + 1]
         score: dict[int, float] = {}
+        host_score: dict[int, float] = {}
         for k, x in zip(keys[lo:hi], weights[lo:hi]):
             o = owners[k]
             if o >= 0:
@@ -147,15 +160,33 @@ def stream_assign(
                 for r in readers.get(k, ()):
                     if r != o:
                         score[r] = score.get(r, 0.0) + x
+            if host_of is not None:
+                ho = host_of[o] if o >= 0 else -1
+                if ho >= 0:
+                    host_score[ho] = host_score.get(ho, 0.0) + x
+                for h in host_readers.get(k, ()):
+                    if h != ho:
+                        host_score[h] = host_score.get(h, 0.0) + x
         best, top = -1, 0.0
-        for r, v in score.items():
-            if load[r] < B and (best < 0 or v > top or (v == top and r < best)):
-                best, top = r, v
+        if host_of is None:
+            for r, v in score.items():
+                if load[r] < B and (best < 0 or v > top or (v == top and r < best)):
+                    best, top = r, v
+        else:
+            for r in range(R):
+                v = intra * score.get(r, 0.0) + (1.0 - intra) * host_score.get(host_of[r], 0.0)
+                if load[r] < B and v > 0.0 and (best < 0 or v > top):
+                    best, top = r, v
         if best < 0:
             best = min((r for r in range(R) if load[r] < B), key=lambda r: (load[r], r))
         out[n] = best
         load[best] += 1
         for k in keys[lo:hi]:
+            left[k] -= 1
+            if left[k] == 0:  # no later sample reads it
+                continue
+            if host_of is not None:
+                host_readers.setdefault(k, set()).add(host_of[best])
             if k in saturated:
                 continue
             got = readers.setdefault(k, [])

@@ -83,7 +83,7 @@ from herald_torchrec.schedule.traffic import FAN_OUT, KindTransfers
 # LAIA's first pass: "stream" (laia.stream_assign: samples gather where their keys are owned or already read),
 # "bids" (laia.balanced_assign over owner scores alone), or "auto": the stream from STREAM_FROM_RANKS ranks, bids
 # below, where the refine rounds the time model affords co-locate as well (the stream moved 0.4-0.9 % fewer rows at
-# 2-4 ranks, 5-13 % at 8-64; docs/scheduler.md). Host-aware LAIA always bids.
+# 2-4 ranks, 5-13 % at 8-64; docs/scheduler.md). Host-aware, the stream scores hosts too (laia.stream_assign).
 FIRST_PASSES = ("auto", "stream", "bids")
 STREAM_FROM_RANKS = 8
 
@@ -414,7 +414,7 @@ class HeraldPolicy(SchedulePolicy):
         dense = K * R <= reads.DENSE_LIMIT and (v.cols is not None or R <= 16)
         # the same arithmetic, compiled (schedule/native.py): its refine rounds use [K, R] tables, its first pass
         # does not (the numpy paths agree without refine rounds)
-        stream = self.first_pass == "stream" and not self.host_aware
+        stream = self.first_pass == "stream"
         if (dense or self.refine == 0) and native.enabled() and not self.host_aware:
             per_sample = 0 if v.cols is None else v.cols.shape[0]
             a = native.assign(
@@ -435,17 +435,20 @@ class HeraldPolicy(SchedulePolicy):
             )
             return (a + first) % R
         eo = own[ec]
+        if self.host_aware:
+            H = self.num_hosts
+            hcol = self.host_of_rank[(np.arange(R) + first) % R]  # the host of every (rotated) column
+            host_own = self.host_of_rank[own_k]  # the host owning every key
         if stream:  # the refine rounds below start from its balanced assignment
+            hosts = hcol if self.host_aware else None
+            intra = self.intra_host_cost
             if native.enabled():  # the same pass, compiled
-                a = native.assign(N, R, B, K, es, ec, v.w0, 0, own, 0, 0.0, 0.0, False, STREAM_READERS)
+                a = native.assign(N, R, B, K, es, ec, v.w0, 0, own, 0, 0.0, 0.0, False, STREAM_READERS, hosts, intra)
             else:
-                a = stream_assign(N, R, B, es, ec, v.w0, own)
+                a = stream_assign(N, R, B, es, ec, v.w0, own, hosts=hosts, intra=intra)
         else:
             score = np.bincount(v.esR + eo, weights=v.w0, minlength=N * R).reshape(N, R)
             if self.host_aware:  # + the keys other ranks of the column's host own, weighted 1 - intra_host_cost
-                H = self.num_hosts
-                hcol = self.host_of_rank[(np.arange(R) + first) % R]  # the host of every (rotated) column
-                host_own = self.host_of_rank[own_k]  # the host owning every key
                 by_host = np.bincount(es * H + host_own[ec], weights=v.w0, minlength=N * H).reshape(N, H)
                 score = self._host_mix(score, by_host, hcol)
             if self.refine == 0:
