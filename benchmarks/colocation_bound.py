@@ -163,7 +163,7 @@ class PartitionedHerald(HeraldPolicy):
         if self.given is None:
             return super().assign(b, bk, own_k)
         keys, blocks = self.given
-        return match_blocks(blocks, keys, self.directory.owner.astype(np.int64), self.num_ranks)
+        return match_blocks(blocks, keys, self.directory.owner, self.num_ranks)
 
 
 def run(args, R: int, config: str) -> dict:

@@ -175,7 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--hosts", default="0,1", help="the hosts replayed alone, a comma list")
     p.add_argument("--hier-clock", choices=["wall", "cpu"], default="wall")
-    p.add_argument("--first-pass", choices=FIRST_PASSES, default="stream", help="LAIA's first pass on each host")
+    p.add_argument(
+        "--first-pass",
+        choices=FIRST_PASSES,
+        default="auto",
+        help="LAIA's first pass on each host (the policy's default)",
+    )
     p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
     p.add_argument("--record-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -589,7 +589,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--first-pass",
         choices=FIRST_PASSES,
         default=None,
-        help="herald and its variants: LAIA's first pass (default: the policy's, stream)",
+        help="herald, herald_hier and herald's variants: LAIA's first pass (default: the policy's, auto: the stream "
+        "from 8 ranks, 8 ranks per host for herald_hier; herald_bids always bids)",
     )
     p.add_argument(
         "--plan-budget-ms",
@@ -710,10 +711,10 @@ def main(argv: list[str] | None = None) -> dict:
         config["refine"] = args.refine
     if args.budget_ms is not None:
         config["budget_ms"] = args.budget_ms
-    for key in ("staleness", "hot_budget"):
+    for key in ("staleness", "hot_budget", "first_pass"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
-    if set(VARIANTS) & set(args.policies):
+    if {"herald_host", "herald_rep"} & set(args.policies):  # the variants that read it
         config["intra_host_cost"] = args.intra_host_cost
     if {"fae", "p2res"} & set(args.policies):
         config.update({"profile_fraction": args.profile_fraction, "fae_window": args.fae_window})
