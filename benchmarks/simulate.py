@@ -140,7 +140,7 @@ class Feed:
 
 
 def owner_balance_kwargs(value) -> dict:
-    """herald's (and its variants') owner_balance from --owner-balance (none given: the policy's default, 1.15)."""
+    """herald's, its variants' and herald_hier's owner_balance from --owner-balance (none: the default, 1.15)."""
     if value is None:
         return {}
     return {"owner_balance": None if value == "off" else value}
@@ -198,6 +198,7 @@ def policy_kwargs(args, name: str) -> dict:
             kw["first_pass"] = args.first_pass
     if name == "herald_hier":
         kw["hosts"] = args.ranks_per_host
+        kw.update(owner_balance_kwargs(args.owner_balance))
         if getattr(args, "first_pass", None) is not None:
             kw["first_pass"] = args.first_pass
         kw["planner_wire"] = getattr(args, "planner_wire", DEFAULT_PLANNER_WIRE)
@@ -623,8 +624,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--owner-balance",
         type=owner_balance_arg,
         default=None,
-        help="herald and its variants: hand shared rows from owners above this factor x the mean rank's rows to "
-        "their least loaded readers; 'off' disables (default: the policy's, 1.15)",
+        help="herald, its variants and herald_hier: hand shared rows from owners above this factor x the mean rank's "
+        "rows to their least loaded readers; 'off' disables (default: the policy's, 1.15)",
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the independent checker")
     p.add_argument(

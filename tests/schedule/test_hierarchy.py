@@ -218,9 +218,10 @@ def plan_digest(plans) -> str:
 @pytest.mark.parametrize(("R", "P", "digest"), [(8, 2, "d4ed9c01ae55cb74"), (16, 4, "ebb56bf8cfc4e6fa")])
 def test_in_process_transport_makes_the_single_object_plans(R, P, digest):
     """The per-host planners driven through the in-process transport make, step by step, the plans the policy made
-    when it was one object computing every host's part (digests recorded from that code on this window)."""
+    when it was one object computing every host's part (digests recorded from that code on this window, which had
+    no owner balancing)."""
     rows, batches = synthetic_window(R, 16, 6)
-    pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P)
+    pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P, owner_balance=None)
     assert plan_digest([pol.plan(batches[s : s + L + 1]) for s in range(6)]) == digest
 
 
@@ -230,15 +231,16 @@ def test_both_wire_forms_make_the_same_plans_and_the_compact_one_fewer_bytes():
     half the bytes. A form that does not exist is refused."""
     R, P = 16, 4
     rows, batches = synthetic_window(R, 16, 6)
-    wire = {}
+    wire, digests = {}, set()
     for form in ("compact", "raw"):
         pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P, planner_wire=form)
         plans, nbytes = [], 0
         for s in range(6):
             plans.append(pol.plan(batches[s : s + L + 1]))
             nbytes += sum(pol.last_step.wire_bytes.values())
-        assert plan_digest(plans) == "ebb56bf8cfc4e6fa"
+        digests.add(plan_digest(plans))
         wire[form] = nbytes
+    assert len(digests) == 1
     assert 0 < wire["compact"] < wire["raw"] / 2, wire
     with pytest.raises(ValueError, match="planner_wire must be one of"):
         HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P, planner_wire="zip")

@@ -1,7 +1,7 @@
 """Owner balancing (schedule/herald/balance.py): shared rows handed from an overloaded owner to its least loaded
 readers, on a hand-made step (which rows, where to, the loads after) and on a trace whose hot rows all start on rank 0
-(the busiest rank falls to near the mean, 0 stale reads, about the same rows); off for plain Herald (its plans
-unchanged); the setting's validation. numpy only, fast."""
+(the busiest rank falls to near the mean, 0 stale reads, about the same rows); planned per host, each directory
+host's heavy rows on its own ranks; on by default, off on request; the setting's validation. numpy only, fast."""
 
 from __future__ import annotations
 
@@ -74,6 +74,60 @@ def test_skipped_rows_stay_and_count_for_no_load():
     np.testing.assert_array_equal(w, want)
 
 
+def test_rows_no_rank_could_take_go_to_the_directory_hosts_own_ranks():
+    # R=8; the directory host's own ranks are 1 and 5 (= 1 mod 4). Keys 0 and 1 are read by every rank and owned by
+    # rank 0; key 2 by ranks 0 and 4. Loads [30, 4, 4, 4, 6, 4, 4, 4]: mean 7.5, threshold 8.625 at 1.15; a key read
+    # by 8 ranks costs a new owner 13 rows, more than the threshold minus the least load (4.625): no rank could take
+    # it under the threshold, so it is heavy
+    R = 8
+    count, start, pk, pr = csr([list(range(8)), list(range(8)), [0, 4]])
+    own = np.zeros(3, dtype=np.int64)
+    heavy = np.arange(R) % 4 == 1
+    np.testing.assert_array_equal(rank_loads(own, own, count, pk, pr, None, R), [30, 4, 4, 4, 6, 4, 4, 4])
+    w = own.copy()
+    # without heavy ranks neither heavy key moves: every reader would pass the threshold; key 2 (one remote reader)
+    # never moves
+    assert balance_owners(w, own, count, start, pk, pr, None, R, 1.15) == 0
+    # with them: key 0 to rank 1 (both at 4, the lowest), key 1 to rank 5 (4 against rank 1's 17)
+    assert balance_owners(w, own, count, start, pk, pr, None, R, 1.15, heavy) == 2
+    np.testing.assert_array_equal(w, [1, 5, 0])
+    np.testing.assert_array_equal(rank_loads(w, own, count, pk, pr, None, R), [8, 17, 4, 4, 6, 17, 4, 4])
+    # a heavy row already on one of them stays there (no move back and forth between steps)
+    own2 = np.array([1, 0, 0])
+    w = own2.copy()
+    assert balance_owners(w, own2, count, start, pk, pr, None, R, 1.15, heavy) == 1
+    np.testing.assert_array_equal(w, [1, 5, 0])
+
+
+def tiny_heads_trace(R: int, B: int, steps: int, seed: int = 0):
+    """Six tables of 8 rows, each sample reading one row of every one (homed on ranks 0-7, read by most ranks every
+    step, as Criteo's tiny tables) and two Zipf-skewed tables of 4,096 rows."""
+    rng = np.random.default_rng(seed)
+    rows = [8] * 6 + [4096] * 2
+    out = []
+    for _ in range(steps):
+        tiny = rng.integers(0, 8, (R * B, 6))
+        big = np.minimum(rng.zipf(1.2, (R * B, 2)) - 1, 4095)
+        out.append(GlobalBatch.from_dense(np.concatenate([tiny, big], 1), rows))
+    return rows, out
+
+
+def test_planned_per_host_each_directory_host_balances_its_rows():
+    """herald_hier (4 hosts of 8): without owner balancing the ranks owning the tiny tables' rows move ~1.9x the mean
+    rank's rows; each directory host balancing its own keys brings that down, exact (0 stale reads, every plan
+    checked), for about the same rows."""
+    R, P, B = 32, 8, 8
+    rows, batches = tiny_heads_trace(R, B, 16)
+    plain, _ = run("herald_hier", rows, batches, R, B, cache_ratio=0.25, tables="all", hosts=P, owner_balance=None)
+    bal, chk = run("herald_hier", rows, batches, R, B, cache_ratio=0.25, tables="all", hosts=P)
+    assert chk.stale_reads == 0 and not chk.errors
+    before, after = busiest_over_mean(plain, 4), busiest_over_mean(bal, 4)
+    assert before > 1.8 and after < 1.5, (before, after)
+    rows_plain = sum(p.transmitted_rows() for p in plain[4:])
+    rows_bal = sum(p.transmitted_rows() for p in bal[4:])
+    assert rows_bal <= 1.02 * rows_plain, (rows_bal, rows_plain)
+
+
 def hot_heads_trace(R: int, B: int, steps: int, seed: int = 0):
     """Three tables of 64 rows (homes: rank r holds rows 16 r .. 16 r + 15): every sample reads one of rows 0-3 of each
     (all on rank 0, read by most ranks every step) or, one time in two, a uniform row."""
@@ -114,12 +168,15 @@ def test_on_by_default_and_off_on_request():
     assert make_policy("herald", rows, R, B).owner_balance == OWNER_BALANCE  # on by default
     assert make_policy("herald", rows, R, B, hosts=4, replicate=True).owner_balance == OWNER_BALANCE
     assert make_policy("herald", rows, R, B, replicate=True, owner_balance=None).owner_balance is None
+    assert make_policy("herald_hier", rows, R, B, hosts=4).owner_balance == OWNER_BALANCE
+    assert make_policy("herald_hier", rows, R, B, hosts=4, owner_balance=None).owner_balance is None
     plain, _ = run("herald", rows, batches, R, B, cache_ratio=0.25)
     off, _ = run("herald", rows, batches, R, B, cache_ratio=0.25, owner_balance=None)
     assert any(plan_signature(a) != plan_signature(b) for a, b in zip(plain, off))  # it hands rows on here
 
 
+@pytest.mark.parametrize("name", ["herald", "herald_hier"])
 @pytest.mark.parametrize("value", [0.9, "on", True, -1])
-def test_bad_owner_balance_is_named(value):
+def test_bad_owner_balance_is_named(name, value):
     with pytest.raises(ValueError, match="owner_balance"):
-        make_policy("herald", [10, 20], 4, 2, owner_balance=value)
+        make_policy(name, [10, 20], 4, 2, owner_balance=value, **({"hosts": 2} if name == "herald_hier" else {}))

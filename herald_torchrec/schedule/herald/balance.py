@@ -17,6 +17,15 @@ owner keeps the row while it reads it (the ownership rule), so a hot row moves a
 MIGRATE of a row read this step, as the ownership rule already makes for shared rows whose owner does not read them:
 the protocol's exactness is untouched, and the capacity pass after it may cancel a move like any other arrival.
 Replicated rows are left out (no shared path). Deterministic: ties go to the lowest rank, then the lowest key.
+
+Planned per host (`herald_hier`), each directory host balances the load its own keys make, against its keys' mean:
+if every directory host keeps each rank at or below the factor x its mean, so does their sum. It knows nothing of
+the other directory hosts' rows, so a row whose move would pass the threshold at any rank (read by most ranks:
+2 n - 1 above the threshold; the heads of the 18 tiny tables, all homed on rank 0, at R=256) cannot be balanced that
+way, and it is the bulk of the busiest rank's rows (rank 0 owned 31 such rows of 32 directory hosts: 4x the mean).
+Such a heavy row goes to its directory host's own `heavy_ranks` (herald_hier: ranks = d mod H for directory host
+d, disjoint between directory hosts, so that none piles its heavy rows where another already did), to the least
+loaded of them reading it, and stays while its owner reads it there.
 """
 
 from __future__ import annotations
@@ -29,11 +38,13 @@ OWNER_BALANCE = 1.15  # default factor over the mean rank's rows above which an 
 
 
 def check_factor(factor) -> float | None:
-    """The owner-balance setting: None (off) or a number >= 1."""
+    """The owner-balance setting: None (off), a number >= 1, or "auto" (`OWNER_BALANCE`)."""
     if factor is None:
         return None
+    if isinstance(factor, str) and factor == "auto":
+        return OWNER_BALANCE
     if isinstance(factor, bool) or not isinstance(factor, (int, float, np.floating)) or not factor >= 1.0:
-        raise ValueError(f"herald: owner_balance must be None or a number >= 1, got {factor!r}")
+        raise ValueError(f"herald: owner_balance must be None, a number >= 1 or 'auto', got {factor!r}")
     return float(factor)
 
 
@@ -69,16 +80,19 @@ def balance_owners(
     skip: np.ndarray | None,
     num_ranks: int,
     factor: float,
+    heavy_ranks: np.ndarray | None = None,
 ) -> int:
     """Move shared rows off overloaded owners (module docstring), in place in `want` (the owner of every key after
     the step; `own`: before it). `count` / `start` / `pair_*`: the step's readers per key (CSR, sorted by key then
-    rank); `skip`: keys that are not on the shared path (replicated). Returns the number of rows handed on."""
+    rank); `skip`: keys that are not on the shared path (replicated); `heavy_ranks`: bool [R], the ranks that take
+    the rows too heavy for the threshold (None: those stay). Returns the number of rows handed on."""
     R = num_ranks
     load = rank_loads(want, own, count, pair_key, pair_rank, skip, R)
     thr = factor * float(load.mean())
+    moved = 0 if heavy_ranks is None else _place_heavy(want, own, count, start, pair_rank, skip, load, thr, heavy_ranks)
     over = load > thr
     if not over.any():
-        return 0
+        return moved
     # candidates: shared keys (>= 2 readers) whose owner after the step reads them, owned by an overloaded rank
     K = want.shape[0]
     owner_reads = np.zeros(K, dtype=bool)
@@ -88,7 +102,7 @@ def balance_owners(
         cand &= ~skip
     ck = np.flatnonzero(cand)
     if ck.shape[0] == 0:
-        return 0
+        return moved
     # per owner, most remote readers first (then lowest key)
     o = np.lexsort((ck, -count[ck], want[ck]))
     ck = ck[o]
@@ -96,7 +110,6 @@ def balance_owners(
     bounds = np.searchsorted(co, np.arange(R + 1))
     heap = [(-load[r], r) for r in np.flatnonzero(over).tolist()]
     heapq.heapify(heap)
-    moved = 0
     while heap:
         _, r = heapq.heappop(heap)
         for k in ck[bounds[r] : bounds[r + 1]].tolist():
@@ -120,4 +133,27 @@ def balance_owners(
             load[r] -= drop
             want[k] = dst
             moved += 1
+    return moved
+
+
+def _place_heavy(want, own, count, start, pair_rank, skip, load, thr: float, heavy_ranks: np.ndarray) -> int:
+    """Rows no reader could take under `thr` (2 n - 1 > thr, n remote readers) and owned outside `heavy_ranks` go to
+    the least loaded of their readers among `heavy_ranks` (ties: the lowest rank), widest rows first; `load` is
+    updated as `balance_owners` counts it (the decided owner reads every shared row it keeps). Returns the moves."""
+    heavy = (2 * count - 3 > thr - load.min()) & ~heavy_ranks[want]
+    if skip is not None:
+        heavy &= ~skip
+    hk = np.flatnonzero(heavy)
+    moved = 0
+    for k in hk[np.argsort(-count[hk], kind="stable")].tolist():
+        readers = pair_rank[start[k] : start[k] + count[k]]
+        readers = readers[heavy_ranks[readers] & (readers != own[k])]
+        if readers.shape[0] == 0:
+            continue
+        dst = int(readers[int(np.argmin(load[readers]))])
+        gain = 2 * int(count[k]) - 3
+        load[dst] += gain
+        load[want[k]] -= gain if want[k] != own[k] else gain - 2
+        want[k] = dst
+        moved += 1
     return moved

@@ -30,8 +30,10 @@ host homed 4.3x the median host's shared pairs. Each host keeps the guest slots 
 4. reads    (h -> A): every (key, reader rank) pair of h with its element count (the index of the key in the demand).
 5. decide   (at A, for its keys, on the union of the reads): herald's rule (`HeraldPolicy._decide`): the owner
    keeps a key it reads; a key with one reader migrates there; else to the reader with the most elements (ties:
-   lowest rank). No owner balancing, no replicas. Each directory host decides its keys in one vectorised pass over
-   the reads it received, sorted by key then rank.
+   lowest rank). Then owner balancing (`owner_balance`) of the load A's own keys make, against their mean rank's:
+   rows that no rank could take under the threshold go to A's own share of the ranks (= A mod H), disjoint between
+   directory hosts (schedule/herald/balance.py). No replicas. Each directory host decides its keys in one vectorised
+   pass over the reads it received, sorted by key then rank.
 6. arrivals (A -> t): every decided move into a rank of host t (key, destination, source); pins (A -> t): the keys
    held as guests on t's ranks and read in the step only by other hosts (t must not evict them; t knows its own).
 7. capacity (at t, for its ranks' guest groups only): room for the arrivals: victims (its guests not read in the
@@ -101,9 +103,10 @@ behind training makes cheaper plans instead of making training wait.
 With one host (R <= P) there is no message to send and the per-host problem is the whole problem: the policy is
 plain `herald` (same plans, same digest), owner balancing and forwarding included. With several hosts it differs
 from herald by design: samples stay on their host (unless swapped), decisions are taken per row on the union of
-reads (as herald's), but without owner balancing or forwarding, and each host's eviction order knows only its own
-lookahead. Neither would lower its rows: under 1 eviction per step at R >= 16 in the simulator's default (FORWARD would
-save at most that), and owner balancing trades rows for a less busy owner (+0.02-0.05 % rows in herald).
+reads (as herald's), owners are balanced per directory host (each sees only its own keys' load), there is no
+forwarding (under 1 eviction per step at R >= 16 in the simulator's default: FORWARD would save at most that), and
+each host's eviction order knows only its own lookahead. Without owner balancing the busiest rank moved 1.9x the
+mean rank's rows at R=64 and 4.1x at R=256 (the heads of every table homed on rank 0); with it 1.09x and 1.24x.
 In training (`scheduler=herald_hier`, `plan_on="host"`, one planner per machine) each machine's planning rank gathers
 its own machine's ids only and runs `plan_host` for its machine, the messages going through a gloo group of the
 planners (distributed/train_pipeline/planner_transport.py); each planner gets its machine's `HostPlan` and cuts each
@@ -121,6 +124,7 @@ import numpy as np
 from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald.balance import balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import STREAM_READERS, balanced_assign, stream_assign
@@ -464,7 +468,7 @@ class HostPlanner:
         c = np.concatenate(cs) if cs else np.zeros(0, dtype=np.int64)
         srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
-        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c)
+        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c, self.h)
         if pol._level == STATIC:  # every row stays with its owner: a read by another rank is a shared read
             self.want = self.k_own.copy()
         keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
@@ -686,6 +690,8 @@ class HeraldHierPolicy(SchedulePolicy):
     ranks_per_host: the ranks of a host where no host map is given (default 8, a GPU host); unused with `hosts`.
     move_samples: the global swap of samples between hosts (module docstring, step 2b); False: samples never leave
         the host that loaded them. sample_gain: the least gain of a sample's offer (SAMPLE_GAIN).
+    owner_balance: as `HeraldPolicy`'s ("auto": 1.15; None: off), each directory host balancing its own keys' load
+        (module docstring, step 5).
     tables / refine / max_refine / budget_ms / stay_bonus / owner_weight: as `HeraldPolicy`'s, chosen once for the
         per-host problem (P ranks, P B samples) from host 0's first window; with one host every other keyword is
         passed to the plain `HeraldPolicy` this policy then is.
@@ -716,6 +722,7 @@ class HeraldHierPolicy(SchedulePolicy):
         plan_budget_ms: float | str | None = "auto",
         planner_wire: str = DEFAULT_PLANNER_WIRE,
         first_pass: str = "auto",
+        owner_balance: float | str | None = "auto",
         **herald_kwargs,
     ) -> None:
         super().__init__(table_rows, num_ranks, batch_per_rank, cache_ratio, lookahead)
@@ -744,6 +751,9 @@ class HeraldHierPolicy(SchedulePolicy):
         self.last_swapped = 0
         settings = dict(tables=tables, refine=refine, budget_ms=budget_ms)
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight, first_pass=first_pass)
+        settings.update(owner_balance=owner_balance)
+        self.owner_balance = check_factor(owner_balance)
+        self.balanced = 0  # rows handed on by owner balancing, over the policy's life (every directory host here)
         # one host: the per-host problem is the whole problem, and plain herald plans it
         self._flat: HeraldPolicy | None = None
         if H == 1:
@@ -1222,9 +1232,10 @@ class HeraldHierPolicy(SchedulePolicy):
         o = np.argsort(host, kind="stable")
         return np.split(o, np.arange(1, H) * n)
 
-    def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray):
-        """A directory host's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
-        rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks)."""
+    def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray, h: int):
+        """Directory host h's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
+        rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks). With `owner_balance`,
+        h balances the load of its own keys, its heavy rows going to its ranks = h mod H (schedule/herald/balance)."""
         d = self.directory
         if g.shape[0] == 0:
             z = np.zeros(0, dtype=np.int64)
@@ -1245,6 +1256,10 @@ class HeraldHierPolicy(SchedulePolicy):
         top = np.flatnonzero(c == best[kid])
         first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
         want = np.where(owner_reads, own, r[first])
+        if self.owner_balance is not None and self._level != STATIC:
+            R = self.num_ranks
+            heavy_ranks = np.arange(R) % self.num_hosts == h
+            self.balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
         return keys, own, want, single, sole, kid, r
 
     def _make_room(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:

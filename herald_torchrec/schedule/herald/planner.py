@@ -55,7 +55,7 @@ import numpy as np
 from herald_torchrec.schedule import native, reads
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
-from herald_torchrec.schedule.herald.balance import OWNER_BALANCE, balance_owners, check_factor
+from herald_torchrec.schedule.herald.balance import balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget, check_plan_budget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.laia import STREAM_READERS, balanced_assign, stream_assign
@@ -324,10 +324,6 @@ class HeraldPolicy(SchedulePolicy):
             if replicate
             else None
         )
-        if isinstance(owner_balance, str):
-            if owner_balance != "auto":
-                raise ValueError(f"herald: owner_balance must be None, a number >= 1 or 'auto', got {owner_balance!r}")
-            owner_balance = OWNER_BALANCE
         self.owner_balance = check_factor(owner_balance)
         self.balanced = 0  # rows handed on by owner balancing, over the policy's life
         # the planning budget (schedule/herald/budget.py): cheaper plans while the planner is behind training
