@@ -35,7 +35,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulate import owner_balance_arg, owner_balance_kwargs  # noqa: E402
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
@@ -47,7 +50,7 @@ from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, e
 # the options a replay runs with (the recording's)
 REPLAYED = (
     "scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock",
-    "first_pass",
+    "first_pass", "owner_balance",
 )  # fmt: skip
 
 
@@ -112,6 +115,7 @@ def _policy(args: argparse.Namespace, rows: list[int], R: int):
     return make_policy(
         "herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host,
         first_pass=args.first_pass,
+        **owner_balance_kwargs(None if args.owner_balance == "auto" else args.owner_balance),
     )  # fmt: skip
 
 
@@ -180,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
         choices=FIRST_PASSES,
         default="auto",
         help="LAIA's first pass on each host (the policy's default)",
+    )
+    p.add_argument(
+        "--owner-balance",
+        type=lambda t: t if t == "auto" else owner_balance_arg(t),
+        default="auto",
+        help="each directory host's owner balancing: a factor >= 1, 'off', or 'auto' (the policy's default, 1.15)",
     )
     p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
     p.add_argument("--record-file", type=Path, help=argparse.SUPPRESS)

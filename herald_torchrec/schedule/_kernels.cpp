@@ -543,11 +543,96 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 9; }
+int herald_kernels_version() { return 10; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
 const char* herald_last_error() { return last_error.c_str(); }
+
+// schedule/herald/balance.balance_owners, the same moves in the same order (its docstring says why). Pairs: the
+// step's readers per key in CSR (start, count; ranks sorted). skip, heavy_ranks: nullptr for none. Loads are
+// integer-valued doubles, so every sum and comparison equals numpy's. Returns the rows handed on; want is updated.
+int64_t herald_balance_owners(int64_t K, int64_t R, int64_t* want, const int64_t* own, const int64_t* count,
+                              const int64_t* start, const int64_t* pr, const uint8_t* skip, double factor,
+                              const uint8_t* heavy_ranks) {
+  std::vector<double> load(R, 0.0);
+  for (int64_t k = 0; k < K; ++k) {
+    if (want[k] != own[k]) {
+      load[own[k]] += 1.0;
+      load[want[k]] += 1.0;
+    }
+    if (skip && skip[k]) continue;
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p) {
+      if (pr[p] == want[k]) continue;
+      load[pr[p]] += 2.0;
+      load[want[k]] += 2.0;
+    }
+  }
+  double total = 0.0;
+  for (int64_t r = 0; r < R; ++r) total += load[r];
+  const double thr = factor * (total / static_cast<double>(R));
+  int64_t moved = 0;
+  auto least_loaded = [&](int64_t k, auto&& allowed) {  // the first reader with the least load, or -1
+    int64_t best = -1;
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p)
+      if (allowed(pr[p]) && (best < 0 || load[pr[p]] < load[best])) best = pr[p];
+    return best;
+  };
+  if (heavy_ranks) {  // rows no rank could take under thr go to heavy_ranks (balance._place_heavy)
+    const double low = thr - *std::min_element(load.begin(), load.end());
+    std::vector<int64_t> hk;
+    for (int64_t k = 0; k < K; ++k)
+      if (static_cast<double>(2 * count[k] - 3) > low && !heavy_ranks[want[k]] && !(skip && skip[k])) hk.push_back(k);
+    std::stable_sort(hk.begin(), hk.end(), [&](int64_t a, int64_t b) { return count[a] > count[b]; });
+    for (int64_t k : hk) {
+      const int64_t dst = least_loaded(k, [&](int64_t r) { return heavy_ranks[r] && r != own[k]; });
+      if (dst < 0) continue;
+      const double gain = static_cast<double>(2 * count[k] - 3);
+      load[dst] += gain;
+      load[want[k]] -= want[k] != own[k] ? gain : gain - 2.0;
+      want[k] = dst;
+      ++moved;
+    }
+  }
+  std::vector<uint8_t> over(R);
+  std::vector<int64_t> heap;
+  for (int64_t r = 0; r < R; ++r)
+    if ((over[r] = load[r] > thr)) heap.push_back(r);
+  if (heap.empty()) return moved;
+  // candidates: shared keys whose owner reads them, owned by an overloaded rank; per owner, most readers first
+  std::vector<int64_t> ck;
+  for (int64_t k = 0; k < K; ++k) {
+    if (count[k] < 2 || !over[want[k]] || (skip && skip[k])) continue;
+    const int64_t* lo = pr + start[k];
+    if (std::binary_search(lo, lo + count[k], want[k])) ck.push_back(k);
+  }
+  std::sort(ck.begin(), ck.end(), [&](int64_t a, int64_t b) {
+    if (want[a] != want[b]) return want[a] < want[b];
+    if (count[a] != count[b]) return count[a] > count[b];
+    return a < b;
+  });
+  std::vector<int64_t> bound(R + 1, 0);
+  for (int64_t k : ck) ++bound[want[k] + 1];
+  for (int64_t r = 0; r < R; ++r) bound[r + 1] += bound[r];
+  // the overloaded owners, busiest first (ties: lowest rank), in the order of their loads when the pass starts
+  std::sort(heap.begin(), heap.end(), [&](int64_t a, int64_t b) { return load[a] != load[b] ? load[a] > load[b] : a < b; });
+  for (int64_t r : heap) {
+    for (int64_t i = bound[r]; i < bound[r + 1]; ++i) {
+      if (load[r] <= thr) break;
+      const int64_t k = ck[i];
+      const double gain = static_cast<double>(2 * (count[k] - 1) - 1);
+      const double drop = want[k] != own[k] ? gain : gain - 2.0;
+      if (drop <= 0.0) continue;
+      const int64_t dst = least_loaded(k, [&](int64_t x) { return x != r && x != own[k]; });
+      if (dst < 0 || load[dst] + gain > thr) continue;
+      load[dst] += gain;
+      load[r] -= drop;
+      want[k] = dst;
+      ++moved;
+    }
+  }
+  return moved;
+}
 
 // HeraldPolicy._plan, ownership: where every read key should live after the step. A key read by one rank only moves
 // there; a shared key stays with its owner when the owner reads it, else moves to the reader with the most

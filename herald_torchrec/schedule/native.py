@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 9  # herald_kernels_version() of the source this module expects
+VERSION = 10  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -125,6 +125,7 @@ SIGNATURES = {
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
     ),
+    "herald_balance_owners": ([_i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p, ctypes.c_double, _u8p], _i64),
     "herald_assemble": (
         [
             _i64,
@@ -331,6 +332,39 @@ def decide(
         _p(sole),
     )
     return want, single, sole
+
+
+def balance_owners(
+    want: np.ndarray,
+    own: np.ndarray,
+    count: np.ndarray,
+    start: np.ndarray,
+    pair_rank: np.ndarray,
+    skip: np.ndarray | None,
+    num_ranks: int,
+    factor: float,
+    heavy_ranks: np.ndarray | None,
+) -> int:
+    """schedule.herald.balance.balance_owners (the same moves), in place in `want` (int64, C-contiguous)."""
+    if want.dtype != np.int64 or not want.flags.c_contiguous:
+        raise ValueError("native.balance_owners: want must be a C-contiguous int64 array (it is updated in place)")
+    own, count, start, pr = _c(own, np.int64), _c(count, np.int64), _c(start, np.int64), _c(pair_rank, np.int64)
+    sk = None if skip is None else _c(skip, np.uint8)
+    hv = None if heavy_ranks is None else _c(heavy_ranks, np.uint8)
+    return int(
+        lib().herald_balance_owners(
+            want.shape[0],
+            int(num_ranks),
+            _p(want),
+            _p(own),
+            _p(count),
+            _p(start),
+            _p(pr),
+            None if sk is None else _p(sk),
+            float(factor),
+            None if hv is None else _p(hv),
+        )
+    )
 
 
 def assemble(

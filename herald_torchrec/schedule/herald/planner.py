@@ -199,7 +199,8 @@ class HeraldPolicy(SchedulePolicy):
     owner_balance: hand shared rows from owners above this factor x the mean rank's rows in the step to their least
         loaded readers (`schedule.herald.balance`); "auto" (the default): `OWNER_BALANCE` (1.15); None: off. Measured
         on the synthetic default, 8 ranks per host: the busiest rank 1.93x -> 1.15x the mean at R=64, 1.23x -> 1.13x
-        at R=16, for +0.02-0.05 % rows and ~10 % more planner CPU; nothing changes at R=2 (benchmarks/RESULTS.md).
+        at R=16, for +0.02-0.05 % rows and 0.5 ms of planner CPU at R=64 (compiled); nothing changes at R=2
+        (benchmarks/RESULTS.md).
     plan_budget_ms: the planning budget per plan (`schedule.herald.budget`): "auto" (the default) = the training
         step time the pipeline measures (`observe_step`; never triggers without it, nor on the 2-core reference
         runs), a number = that fixed budget in ms, None = off. A planner over it makes cheaper plans (fewer
