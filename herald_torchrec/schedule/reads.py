@@ -45,12 +45,20 @@ def packed_order(values: np.ndarray) -> np.ndarray | None:
     return packed
 
 
+RUNS_SHARE = 32  # stable_order: values in fewer than n / RUNS_SHARE sorted runs go to numpy's merge sort
+
+
 def stable_order(values: np.ndarray) -> np.ndarray:
     """np.argsort(values, kind="stable") of integers (int64), the fastest way numpy has: a radix sort where values
-    fit in int16, else `packed_order`, else a merge sort."""
+    fit in int16; numpy's stable sort (a timsort, which merges sorted runs) where the values are a few sorted runs,
+    as the concatenation of several hosts' sorted messages (5,000-7,000 pairs in 8 runs: 0.02 against 0.24-0.41 ms
+    for `packed_order`); else `packed_order`, else the merge sort anyway."""
     v = np.asarray(values)
-    if v.shape[0] and 0 <= int(v.min()) and int(v.max()) < 2**15:
+    n = v.shape[0]
+    if n and 0 <= int(v.min()) and int(v.max()) < 2**15:
         return np.argsort(v.astype(np.int16, copy=False), kind="stable").astype(np.int64, copy=False)
+    if n > 1 and np.count_nonzero(v[1:] < v[:-1]) < n // RUNS_SHARE:
+        return np.argsort(v, kind="stable")
     o = packed_order(v)
     return o if o is not None else np.argsort(v, kind="stable")
 

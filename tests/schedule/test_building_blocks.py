@@ -131,6 +131,18 @@ def test_stable_order_and_packed_distinct_match_numpy(high):
     np.testing.assert_array_equal(cnt, c)
 
 
+def test_stable_order_of_a_few_sorted_runs(monkeypatch):
+    """Several hosts' sorted messages concatenated (8 runs, ties within and across runs) take numpy's merge sort, not
+    the packed sort, and come out as np.argsort(kind="stable") would order them."""
+    from herald_torchrec.schedule import reads
+
+    rng = np.random.default_rng(6)
+    v = np.concatenate([np.sort(rng.integers(0, 2**40, 700) // 2**30) * 2**30 for _ in range(8)])
+    monkeypatch.setattr(reads, "packed_order", lambda values: pytest.fail("sorted runs went to the packed sort"))
+    np.testing.assert_array_equal(stable_order(v), np.argsort(v, kind="stable"))
+    assert stable_order(np.array([7])).tolist() == [0]
+
+
 def test_packed_sorts_decline_values_too_wide_to_pack():
     v = np.array([2**61, 5, 2**61, 0], dtype=np.int64)  # 62 value bits + 2 index bits > 62
     assert packed_order(v) is None and packed_distinct(v) is None
