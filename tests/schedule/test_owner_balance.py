@@ -99,6 +99,34 @@ def test_rows_no_rank_could_take_go_to_the_directory_hosts_own_ranks():
     np.testing.assert_array_equal(w, [1, 5, 0])
 
 
+def hot_heads_trace(R: int, B: int, steps: int, seed: int = 0):
+    """Three tables of 64 rows (homes: rank r holds rows 16 r .. 16 r + 15): every sample reads one of rows 0-3 of each
+    (all on rank 0, read by most ranks every step) or, one time in two, a uniform row."""
+    rng = np.random.default_rng(seed)
+    rows = [64, 64, 64]
+    out = []
+    for _ in range(steps):
+        hot = rng.integers(0, 4, (R * B, 3))
+        cold = rng.integers(0, 64, (R * B, 3))
+        ids = np.where(rng.random((R * B, 3)) < 0.5, hot, cold)
+        out.append(GlobalBatch.from_dense(ids, rows))
+    return rows, out
+
+
+def busiest_over_mean(plans, warmup: int) -> float:
+    return float(np.median([host_traffic(p, 1).balance() for p in plans[warmup:]]))
+
+
+def with_and_without(name: str, rows, batches, R: int, B: int, factor="auto", **kw):
+    """Plans without owner balancing and with it (every plan checked, 0 stale reads): busiest rank / mean of each
+    (median over the steps after 4), the rows ratio (with / without) and the balanced plans."""
+    plain, _ = run(name, rows, batches, R, B, cache_ratio=0.25, tables="all", owner_balance=None, **kw)
+    bal, chk = run(name, rows, batches, R, B, cache_ratio=0.25, tables="all", owner_balance=factor, **kw)
+    assert chk.stale_reads == 0 and not chk.errors
+    ratio = sum(p.transmitted_rows() for p in bal[4:]) / sum(p.transmitted_rows() for p in plain[4:])
+    return busiest_over_mean(plain, 4), busiest_over_mean(bal, 4), ratio, bal
+
+
 def tiny_heads_trace(R: int, B: int, steps: int, seed: int = 0):
     """Six tables of 8 rows, each sample reading one row of every one (homed on ranks 0-7, read by most ranks every
     step, as Criteo's tiny tables) and two Zipf-skewed tables of 4,096 rows."""
@@ -118,46 +146,17 @@ def test_planned_per_host_each_directory_host_balances_its_rows():
     checked), for about the same rows."""
     R, P, B = 32, 8, 8
     rows, batches = tiny_heads_trace(R, B, 16)
-    plain, _ = run("herald_hier", rows, batches, R, B, cache_ratio=0.25, tables="all", hosts=P, owner_balance=None)
-    bal, chk = run("herald_hier", rows, batches, R, B, cache_ratio=0.25, tables="all", hosts=P)
-    assert chk.stale_reads == 0 and not chk.errors
-    before, after = busiest_over_mean(plain, 4), busiest_over_mean(bal, 4)
+    before, after, ratio, _ = with_and_without("herald_hier", rows, batches, R, B, hosts=P)
     assert before > 1.8 and after < 1.5, (before, after)
-    rows_plain = sum(p.transmitted_rows() for p in plain[4:])
-    rows_bal = sum(p.transmitted_rows() for p in bal[4:])
-    assert rows_bal <= 1.02 * rows_plain, (rows_bal, rows_plain)
-
-
-def hot_heads_trace(R: int, B: int, steps: int, seed: int = 0):
-    """Three tables of 64 rows (homes: rank r holds rows 16 r .. 16 r + 15): every sample reads one of rows 0-3 of each
-    (all on rank 0, read by most ranks every step) or, one time in two, a uniform row."""
-    rng = np.random.default_rng(seed)
-    rows = [64, 64, 64]
-    out = []
-    for _ in range(steps):
-        hot = rng.integers(0, 4, (R * B, 3))
-        cold = rng.integers(0, 64, (R * B, 3))
-        ids = np.where(rng.random((R * B, 3)) < 0.5, hot, cold)
-        out.append(GlobalBatch.from_dense(ids, rows))
-    return rows, out
-
-
-def busiest_over_mean(plans, warmup: int) -> float:
-    return float(np.median([host_traffic(p, 1).balance() for p in plans[warmup:]]))
+    assert ratio <= 1.02, ratio
 
 
 def test_balancing_spreads_the_hot_rows_of_rank_0():
     R, B = 8, 8
     rows, batches = hot_heads_trace(R, B, 24)
-    plain, _ = run("herald", rows, batches, R, B, cache_ratio=0.25, tables="all", owner_balance=None)
-    bal, chk = run("herald", rows, batches, R, B, cache_ratio=0.25, tables="all", owner_balance=1.1)
-    assert chk.stale_reads == 0 and not chk.errors
-    before, after = busiest_over_mean(plain, 4), busiest_over_mean(bal, 4)
+    before, after, ratio, bal = with_and_without("herald", rows, batches, R, B, factor=1.1)
     assert before > 1.4 and after < 1.2, (before, after)
-    # the hot rows leave rank 0 once: about the same rows in all
-    rows_plain = sum(p.transmitted_rows() for p in plain[4:])
-    rows_bal = sum(p.transmitted_rows() for p in bal[4:])
-    assert rows_bal <= 1.02 * rows_plain, (rows_bal, rows_plain)
+    assert ratio <= 1.02, ratio  # the hot rows leave rank 0 once: about the same rows in all
     owners_of_heads = {int(o) for p in bal[4:] for o in p.shared.owner[p.shared.row < 4]}
     assert len(owners_of_heads) > 2
 
