@@ -78,9 +78,9 @@ void rounds(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
   std::iota(todo.begin(), todo.end(), int64_t{0});
   std::fill(out, out + N, int64_t{-1});
   const double scale = N ? abs_max_scale(sc, N * R) : 1.0;
-  std::vector<int64_t> best, order, cnt(R), keep;
+  std::vector<int64_t> best, cnt(R), keep;
   std::vector<float> bval, regret;
-  std::vector<double> key;
+  std::vector<std::pair<double, int64_t>> bids;
   std::vector<char> open(R);
   while (true) {
     const int64_t n = static_cast<int64_t>(todo.size());
@@ -123,14 +123,20 @@ void rounds(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
     if (fits) {
       for (int64_t i = 0; i < n; ++i) out[todo[i]] = best[i], --room[best[i]], keep[i] = 0;
     } else {
-      key.resize(n);
-      for (int64_t i = 0; i < n; ++i) key[i] = accept_key(best[i], regret[i], bval[i], scale);
-      stable_order(key, order);
-      std::vector<int64_t> within(R, 0);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t i = order[j];
-        const int64_t b = best[i];
-        if (within[b]++ < room[b]) out[todo[i]] = b, keep[i] = 0;
+      // numpy sorts every bid by accept_key and takes each column's first room[b]: whether a bid is taken depends
+      // only on its place among its own column's bids, so a column with room for all takes all, and an overfull
+      // one takes its room[b] least (key, index) pairs (a selection, not a sort of every bid)
+      for (int64_t i = 0; i < n; ++i)
+        if (cnt[best[i]] <= room[best[i]]) out[todo[i]] = best[i], keep[i] = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        if (cnt[r] <= room[r]) continue;
+        bids.clear();
+        for (int64_t i = 0; i < n; ++i)
+          if (best[i] == r) bids.emplace_back(accept_key(r, regret[i], bval[i], scale), i);
+        if (room[r] > 0) {
+          std::nth_element(bids.begin(), bids.begin() + (room[r] - 1), bids.end());
+          for (int64_t j = 0; j < room[r]; ++j) out[todo[bids[j].second]] = r, keep[bids[j].second] = 0;
+        }
       }
       for (int64_t i = 0; i < n; ++i)
         if (!keep[i]) --room[best[i]];
@@ -543,7 +549,7 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
 
 extern "C" {
 
-int herald_kernels_version() { return 10; }
+int herald_kernels_version() { return 11; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;

@@ -214,13 +214,19 @@ def test_stream_first_pass_moves_fewer_rows_at_eight_ranks():
         make_policy("herald", ROWS, 8, 32, first_pass="greedy")
 
 
-@pytest.mark.parametrize("R", [2, 3, 5])
+@pytest.mark.parametrize("R", [2, 3, 5, 8, 16])
 def test_balanced_assign_equal(R):
+    """The compiled bidding rounds (each overfull rank takes its best bids by selection) against laia's (a sort of
+    every bid): ties, spread scores, and every sample preferring the same two ranks (columns overfull round after
+    round)."""
     rng = np.random.default_rng(R)
     B = 9
+    skewed = rng.normal(size=(R * B, R)).astype(np.float32)
+    skewed[:, :2] += 3.0
     for scores in (
         rng.integers(0, 4, (R * B, R)).astype(np.float32),  # many ties
         rng.normal(size=(R * B, R)).astype(np.float32),
+        skewed,
     ):
         np.testing.assert_array_equal(native.balanced_assign(scores, B), balanced_assign(scores, B))
 
