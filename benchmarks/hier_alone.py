@@ -111,6 +111,16 @@ def _trace(args: argparse.Namespace, R: int):
     return rows, batch
 
 
+def owner_balance_option(text: str):
+    """--owner-balance: 'auto' (the policy's default), 'off' or a factor >= 1."""
+    if text == "auto":
+        return text
+    try:
+        return owner_balance_arg(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or a number >= 1, got {text!r}") from None
+
+
 def _policy(args: argparse.Namespace, rows: list[int], R: int):
     return make_policy(
         "herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host,
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument(
         "--owner-balance",
-        type=lambda t: t if t == "auto" else owner_balance_arg(t),
+        type=owner_balance_option,
         default="auto",
         help="each directory host's owner balancing: a factor >= 1, 'off', or 'auto' (the policy's default, 1.15)",
     )

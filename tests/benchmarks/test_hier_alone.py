@@ -40,3 +40,10 @@ def test_bad_options_are_refused():
                       (["--hosts", "a"], "comma list"), (["--steps", "3", "--warmup", "3"], "--warmup")):  # fmt: skip
         with pytest.raises(SystemExit, match=why):
             mod.main(argv)
+
+
+def test_a_bad_owner_balance_is_named(capsys):
+    mod = load_hier_alone()
+    with pytest.raises(SystemExit):
+        mod.main(["--owner-balance", "0.5"])
+    assert "expected 'auto', 'off' or a number >= 1, got '0.5'" in capsys.readouterr().err
