@@ -21,11 +21,11 @@ Replicated rows are left out (no shared path). Deterministic: ties go to the low
 Planned per host (`herald_hier`), each directory host balances the load its own keys make, against its keys' mean:
 if every directory host keeps each rank at or below the factor x its mean, so does their sum. It knows nothing of
 the other directory hosts' rows, so a row whose move would pass the threshold at any rank (read by most ranks:
-2 n - 1 above the threshold; the heads of the 18 tiny tables, all homed on rank 0, at R=256) cannot be balanced that
-way, and it is the bulk of the busiest rank's rows (rank 0 owned 31 such rows of 32 directory hosts: 4x the mean).
-Such a heavy row goes to its directory host's own `heavy_ranks` (herald_hier: ranks = d mod H for directory host
-d, disjoint between directory hosts, so that none piles its heavy rows where another already did), to the least
-loaded of them reading it, and stays while its owner reads it there.
+2 n - 1 above the threshold less the least loaded rank's rows; the rows of the 18 tiny tables, all homed on rank 0,
+at R=256) cannot be balanced that way, and it is the bulk of the busiest rank's rows (rank 0 owned 31 such rows of
+32 directory hosts: 4x the mean). Such a heavy row goes to its directory host's own `heavy_ranks` (herald_hier:
+ranks = d mod H for directory host d, disjoint between directory hosts, so that none piles its heavy rows where
+another already did), to the least loaded of them reading it, and stays while its owner reads it there.
 
 Compiled where the kernels run (`native.balance_owners`, the same moves in the same order; tests/schedule/
 test_native.py): the loop below is a few microseconds per candidate row in Python, hundreds of rows per step.
@@ -144,9 +144,10 @@ def balance_owners(
 
 
 def _place_heavy(want, own, count, start, pair_rank, skip, load, thr: float, heavy_ranks: np.ndarray) -> int:
-    """Rows no reader could take under `thr` (2 n - 1 > thr, n remote readers) and owned outside `heavy_ranks` go to
-    the least loaded of their readers among `heavy_ranks` (ties: the lowest rank), widest rows first; `load` is
-    updated as `balance_owners` counts it (the decided owner reads every shared row it keeps). Returns the moves."""
+    """Rows no rank could take under `thr` (2 n - 1 > thr - the least load, n remote readers) and owned outside
+    `heavy_ranks` go to the least loaded of their readers among `heavy_ranks` (ties: the lowest rank), widest rows
+    first; `load` is updated as `balance_owners` counts it (the decided owner reads every shared row it keeps).
+    Returns the moves."""
     heavy = (2 * count - 3 > thr - load.min()) & ~heavy_ranks[want]
     if skip is not None:
         heavy &= ~skip
