@@ -161,6 +161,20 @@ def test_balancing_spreads_the_hot_rows_of_rank_0():
     assert len(owners_of_heads) > 2
 
 
+def test_one_host_herald_hier_counts_plain_herald_s_handed_rows():
+    """With one host herald_hier is plain herald: the same plans, and the rows its balancing handed on are herald's."""
+    R, B = 8, 8
+    rows, batches = hot_heads_trace(R, B, 10)
+    pols = [
+        make_policy(name, rows, R, B, 0.25, 2, tables="all", owner_balance=1.1) for name in ("herald", "herald_hier")
+    ]
+    for i in range(len(batches)):
+        for pol in pols:
+            pol.plan(batches[i : i + 3])
+    assert pols[0].balanced > 0
+    assert pols[1].balanced == pols[0].balanced
+
+
 def test_on_by_default_and_off_on_request():
     R, B = 8, 8
     rows, batches = hot_heads_trace(R, B, 8)

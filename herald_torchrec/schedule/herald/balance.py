@@ -91,7 +91,7 @@ def balance_owners(
     the step; `own`: before it). `count` / `start` / `pair_*`: the step's readers per key (CSR, sorted by key then
     rank); `skip`: keys that are not on the shared path (replicated); `heavy_ranks`: bool [R], the ranks that take
     the rows too heavy for the threshold (None: those stay). Returns the number of rows handed on."""
-    if native.enabled() and want.dtype == np.int64 and want.flags.c_contiguous:
+    if native.enabled():
         return native.balance_owners(want, own, count, start, pair_rank, skip, num_ranks, factor, heavy_ranks)
     R = num_ranks
     load = rank_loads(want, own, count, pair_key, pair_rank, skip, R)

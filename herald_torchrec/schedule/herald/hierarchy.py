@@ -753,7 +753,7 @@ class HeraldHierPolicy(SchedulePolicy):
         settings.update(stay_bonus=stay_bonus, owner_weight=owner_weight, first_pass=first_pass)
         settings.update(owner_balance=owner_balance)
         self.owner_balance = check_factor(owner_balance)
-        self.balanced = 0  # rows handed on by owner balancing, over the policy's life (every directory host here)
+        self._balanced = 0  # rows handed on by owner balancing over the policy's life, every directory host here
         # one host: the per-host problem is the whole problem, and plain herald plans it
         self._flat: HeraldPolicy | None = None
         if H == 1:
@@ -825,6 +825,11 @@ class HeraldHierPolicy(SchedulePolicy):
         return self._flat.plan_levels() if self._flat is not None else self.budget.counts
 
     # ---- settings -------------------------------------------------------------------------------------------------
+    @property
+    def balanced(self) -> int:
+        """Rows handed on by owner balancing over the policy's life (with one host, plain herald's)."""
+        return self._flat.balanced if self._flat is not None else self._balanced
+
     @property
     def tables(self) -> list[int]:
         return self._flat.tables if self._flat is not None else self._local.tables
@@ -1259,7 +1264,7 @@ class HeraldHierPolicy(SchedulePolicy):
         if self.owner_balance is not None and self._level != STATIC:
             R = self.num_ranks
             heavy_ranks = np.arange(R) % self.num_hosts == h
-            self.balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
+            self._balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
         return keys, own, want, single, sole, kid, r
 
     def _make_room(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:
