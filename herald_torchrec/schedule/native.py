@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 11  # herald_kernels_version() of the source this module expects
+VERSION = 14  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -121,6 +121,21 @@ SIGNATURES = {
         ],
         ctypes.c_int,
     ),
+    "herald_release_guests": (
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64, _i64] + [_i64p] * 5 + [_i32p],
+        ctypes.c_int,
+    ),
+    "herald_land_guests": (
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64, _i32p, _i64]
+        + [_i64p] * 5
+        + [_i32p, _i64]
+        + [_i64p] * 4
+        + [_i32p, _i32p, _i64p],
+        ctypes.c_int,
+    ),
+    "herald_sort_nonneg": ([_i64, _i64p, _i64p], ctypes.c_int),
+    "herald_distinct": ([_i64, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_decide_pairs": ([_i64, _i64p, _i64p, _i64p, _i32p] + [_i64p] * 3 + [_u8p] + [_i64p] * 4, _i64),
     "herald_decide": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
@@ -491,27 +506,9 @@ class DirectoryArrays:
     @staticmethod
     def supported(directory, pool, next_use: np.ndarray, picked: np.ndarray) -> bool:
         """Whether the kernels can work on these arrays in place (their dtypes and layout)."""
-        d, sl = directory, directory.slots
-        want = (
-            (d.table, np.int16),
-            (d.owner, np.int32),
-            (d.home, np.int32),
-            (d.last_use, np.int32),
-            (sl.cap, np.int64),
-            (sl.base, np.int64),
-            (sl.alloc, np.int64),
-            (sl.fill, np.int64),
-            (sl.slot, np.int64),
-            (sl.pos_of, np.int32),
-            (pool.tau, np.int64),
-            (pool.row, np.int64),
-            (pool.keys, np.int64),
-            (pool.count, np.int64),
-            (sl.group_of_slot, np.int32),
-            (next_use, np.int16),
-            (picked, np.bool_),
-        )
-        return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in want)
+        d = directory
+        extra = ((d.table, np.int16), (d.home, np.int32), (next_use, np.int16), (picked, np.bool_))
+        return guests_supported(directory, pool) and _in_place(extra)
 
     def make_room(self, keys, own, home, want, single, step: int, L1: int) -> tuple[np.ndarray, np.ndarray]:
         """HeraldPolicy._make_room (cancellations written to `want`, int64); returns (victims, room)."""
@@ -600,6 +597,99 @@ class DirectoryArrays:
                 self.last_use,
             )
         )
+
+
+def _in_place(arrays) -> bool:
+    return all(a.dtype == t and a.flags.c_contiguous and a.flags.writeable for a, t in arrays)
+
+
+def guests_supported(directory, pool) -> bool:
+    """Whether `release_guests` / `land_guests` can update this directory's owners, guest slots and eviction pool in
+    place (their dtypes and layout)."""
+    d, sl = directory, directory.slots
+    return _in_place(
+        (
+            (d.owner, np.int32),
+            (d.last_use, np.int32),
+            (sl.cap, np.int64),
+            (sl.base, np.int64),
+            (sl.alloc, np.int64),
+            (sl.fill, np.int64),
+            (sl.slot, np.int64),
+            (sl.pos_of, np.int32),
+            (pool.tau, np.int64),
+            (pool.row, np.int64),
+            (pool.keys, np.int64),
+            (pool.count, np.int64),
+            (sl.group_of_slot, np.int32),
+        )
+    )
+
+
+def _slot_arrays(sl) -> list:
+    return [sl.num_groups, _p(sl.cap), _p(sl.base), _p(sl.alloc), _p(sl.fill), _p(sl.slot), _p(sl.pos_of)]
+
+
+def release_guests(directory, gid, src, home, table, lo: int, hi: int) -> None:
+    """OwnershipDirectory.release_guests for ranks lo..hi-1, compiled (`guests_supported` first)."""
+    gid, src, home, table = (_c(a, np.int64) for a in (gid, src, home, table))
+    moves = [gid.shape[0], _p(gid), _p(src), _p(home), _p(table), int(lo), int(hi), directory.num_tables]
+    _check(lib().herald_release_guests(*moves, *_slot_arrays(directory.slots)))
+
+
+def land_guests(directory, pool, gid, dst, home, table, lo: int, hi: int) -> None:
+    """OwnershipDirectory.land_guests for ranks lo..hi-1 then EvictionPool.arrived, compiled (`guests_supported`
+    first). The kernel asks for the regions it lacks (GuestSlots.reserve, numpy: it may replace the slot arrays,
+    so their addresses are read again) before it changes anything."""
+    gid, dst, home, table = (_c(a, np.int64) for a in (gid, dst, home, table))
+    sl = directory.slots
+    moves = [gid.shape[0], _p(gid), _p(dst), _p(home), _p(table), int(lo), int(hi), directory.num_tables]
+    need = np.empty(sl.num_groups, dtype=np.int64)
+    for _ in range(2):
+        pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
+        rc = lib().herald_land_guests(
+            *moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need)
+        )
+        if rc != 2:
+            _check(rc)
+            return
+        sl.reserve(need)
+    raise RuntimeError("native.land_guests: the guest regions were not reserved")  # pragma: no cover - invariant
+
+
+def sort_nonneg(values: np.ndarray) -> np.ndarray | None:
+    """np.sort(values) of non-negative int64 values (a radix sort), or None where one is negative."""
+    v = _c(values, np.int64)
+    out = np.empty(v.shape[0], dtype=np.int64)
+    return out if lib().herald_sort_nonneg(v.shape[0], _p(v), _p(out)) == 0 else None
+
+
+def distinct(gid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """np.unique(gid, return_inverse=True, return_counts=True) of non-negative ids (a hash table, then a radix sort of
+    the distinct ids alone), or None where an id is negative or too large."""
+    g = _c(gid, np.int64)
+    E = g.shape[0]
+    keys, cid, cnt = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
+    K = int(lib().herald_distinct(E, _p(g), _p(keys), _p(cid), _p(cnt)))
+    return None if K < 0 else (keys[:K], cid, cnt[:K])
+
+
+def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
+    """HeraldHierPolicy._decide before owner balancing, compiled: from (key, reader, elements) pairs sorted by key then
+    rank, (keys, own, want, single, sole, count, start, kid) (see the kernel's comment)."""
+    g, r, c = _c(g, np.int64), _c(r, np.int64), _c(c, np.int64)
+    if owner.dtype != np.int32 or not owner.flags.c_contiguous:
+        raise ValueError("native.decide_pairs: owner must be a C-contiguous int32 array")
+    n = g.shape[0]
+    keys, own, want, sole, count, start = (np.empty(n, dtype=np.int64) for _ in range(6))
+    single, kid = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.int64)
+    K = int(
+        lib().herald_decide_pairs(
+            n, _p(g), _p(r), _p(c), _p(owner), _p(keys), _p(own), _p(want), _p(single), _p(sole), _p(count),
+            _p(start), _p(kid),
+        )
+    )  # fmt: skip
+    return keys[:K], own[:K], want[:K], single[:K], sole[:K], count[:K], start[:K], kid
 
 
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------

@@ -29,6 +29,20 @@ DENSE_LIMIT = 1 << 23  # cells of the dense [K, R] count matrix (64 MiB of int64
 SCRATCH_LIMIT = 1 << 24  # rows beyond which distinct keys are found by sorting instead of a scratch scatter
 
 
+RADIX_MIN = 256  # sort_ints: below this many values a kernel call saves nothing
+
+
+def sort_ints(values: np.ndarray) -> np.ndarray:
+    """np.sort(values) of int64 values: the compiled radix sort where they are non-negative (10,000-50,000 values:
+    0.06-0.3 against 0.35-1.9 ms for numpy's sort on the 2-core machine, whose numpy build sorts int64 without SIMD),
+    else numpy's."""
+    if values.shape[0] >= RADIX_MIN and native.enabled():
+        got = native.sort_nonneg(values)
+        if got is not None:
+            return got
+    return np.sort(values)
+
+
 def packed_order(values: np.ndarray) -> np.ndarray | None:
     """np.argsort(values, kind="stable") for non-negative integers, by one np.sort of (value, index) packed into one
     int64 (numpy sorts plain integers 10-15x faster than it argsorts them: 0.05 against 0.67 ms for 15,000 values),
@@ -39,8 +53,7 @@ def packed_order(values: np.ndarray) -> np.ndarray | None:
     b = max(int(n - 1).bit_length(), 1)
     if int(values.min()) < 0 or int(values.max()).bit_length() + b > 62:
         return None
-    packed = (values.astype(np.int64, copy=False) << b) | np.arange(n, dtype=np.int64)
-    packed.sort()
+    packed = sort_ints((values.astype(np.int64, copy=False) << b) | np.arange(n, dtype=np.int64))
     packed &= (1 << b) - 1
     return packed
 
@@ -200,6 +213,8 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             s[keys] = np.arange(keys.shape[0], dtype=s.dtype)
             cid = s[gid].astype(np.int64)
             cnt = np.bincount(cid, minlength=keys.shape[0])
+        elif gid.shape[0] and native.enabled() and (got := native.distinct(gid)) is not None:
+            keys, cid, cnt = got  # a hash table: no pass over every row, no sort of every element
         elif gid.shape[0] and n_rows > SCRATCH_LIMIT:
             got = packed_distinct(gid)
             if got is None:
@@ -272,7 +287,7 @@ def sorted_distinct(values: np.ndarray) -> np.ndarray:
     (key, rank) codes of a step at R=256, against 37 ms for the sort)."""
     if values.shape[0] == 0:
         return values.copy()
-    s = np.sort(values)
+    s = sort_ints(values)
     keep = np.empty(s.shape[0], dtype=bool)
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])

@@ -7,6 +7,7 @@ from operator import attrgetter
 import numpy as np
 import pytest
 
+from herald_torchrec import _native
 from herald_torchrec.schedule.directory import GuestSlots, OwnershipDirectory, guest_capacity
 from herald_torchrec.schedule.global_batch import GlobalBatch, TableLayout
 from herald_torchrec.schedule.herald.eviction import EvictionPool
@@ -102,12 +103,17 @@ def test_large_ids_stay_exact():
 
 
 # ---- distinct keys and reader sets ---------------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [ROWS, [10**7, 3], [2**25, 3]])  # bitmap, scratch and packed-sort paths
-def test_batch_keys_and_step_reads_match_bruteforce(rows):
+@pytest.mark.parametrize("rows", [ROWS, [10**7, 3], [2**25, 3]])  # bitmap; hash table, or scratch and packed sort
+@pytest.mark.parametrize("compiled", [None, False])  # the kernels where this machine builds them; numpy
+def test_batch_keys_and_step_reads_match_bruteforce(rows, compiled):
     R, B = 4, 16
     ids = dense_ids(R * B, rows, seed=3)
     b = GlobalBatch.from_dense(ids, rows)
-    bk = batch_keys(b, Scratch(8))
+    _native.set_mode(compiled)
+    try:
+        bk = batch_keys(b, Scratch(8))
+    finally:
+        _native.set_mode(None)
     _, _, gid = b.flat()
     np.testing.assert_array_equal(bk.keys, np.unique(gid))
     np.testing.assert_array_equal(bk.keys[bk.cid], gid)

@@ -154,6 +154,44 @@ def test_stream_assign_equal(R):
         assert (np.bincount(got, minlength=R) == B).all()
 
 
+def test_distinct_and_radix_sort_equal_numpy():
+    """The hash-table distinct keys and the radix sort against np.unique / np.sort: skewed ids, uniform ids, one value,
+    a few values, wide ids; ids too wide to pack with their index and negative values are declined (None), and
+    reads.sort_ints then sorts with numpy."""
+    rng = np.random.default_rng(8)
+    cases = [
+        rng.integers(0, 2**26, 5000), np.minimum(rng.zipf(1.2, 53248), 2**26), np.full(300, 7), rng.integers(0, 3, 999),
+        rng.integers(0, 2**45, 4000), np.zeros(0, np.int64), np.array([5]),
+    ]  # fmt: skip
+    for v in cases:
+        np.testing.assert_array_equal(native.sort_nonneg(v), np.sort(v))
+        keys, cid, cnt = native.distinct(v)
+        u, inv, c = np.unique(v, return_inverse=True, return_counts=True)
+        for got, want in ((keys, u), (cid, inv.reshape(-1)), (cnt, c)):
+            np.testing.assert_array_equal(got, want)
+    assert native.distinct(rng.integers(0, 2**61, 100)) is None  # 61 id bits + 7 index bits > 62
+    neg = np.tile(np.array([3, -1, 8, -7]), 100)
+    assert native.sort_nonneg(neg) is None and native.distinct(neg) is None
+    np.testing.assert_array_equal(reads.sort_ints(neg), np.sort(neg))
+
+
+def test_decide_pairs_equal():
+    """A directory host's decision compiled against numpy on random reads: keys, owners, wanted owners (owner kept
+    when it reads, else the reader of most elements, lowest rank among ties), single / sole readers, each pair's key."""
+    from herald_torchrec.schedule.herald.hierarchy import _decide_pairs
+
+    rng = np.random.default_rng(9)
+    for _ in range(50):
+        R, n_rows = int(rng.integers(2, 20)), int(rng.integers(1, 200))
+        code = np.unique(rng.integers(0, n_rows * R, int(rng.integers(1, 400))))
+        g, r = code // R, code % R
+        c = rng.integers(1, 4, g.shape[0])  # ties in the element counts
+        owner = rng.integers(0, R, n_rows).astype(np.int32)
+        got, want = native.decide_pairs(g, r, c, owner), _decide_pairs(g, r, c, owner)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_balance_owners_equal():
     """The compiled owner balancing against balance.balance_owners on random steps: the same moves in the same order
     (so the same owners) with and without skipped (replicated) keys, with and without heavy ranks, at three factors;

@@ -133,7 +133,7 @@ from herald_torchrec.schedule.herald.tables import TableSelection, default_budge
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_message, encode_messages
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows, relayed_pairs
 from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
-from herald_torchrec.schedule.reads import BatchKeys, stable_order, step_reads
+from herald_torchrec.schedule.reads import BatchKeys, sort_ints, sorted_distinct, stable_order, step_reads
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
 DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
@@ -591,14 +591,14 @@ class HostPlanner:
         pm = np.flatnonzero(plain)
         pm2 = pm[m_dst_h[pm] != m_src_h[pm]]
         shm = row_mig[run_row]
-        m_code = np.sort(np.concatenate([m_src_h[pm] * n_mig + pm, m_dst_h[pm2] * n_mig + pm2,
+        m_code = sort_ints(np.concatenate([m_src_h[pm] * n_mig + pm, m_dst_h[pm2] * n_mig + pm2,
                                          run_dest[shm >= 0] * n_mig + shm[shm >= 0]]))  # fmt: skip
         m_dest, m_idx = np.divmod(m_code, max(n_mig, 1))
         # victims: to h, to their home host (the row goes there) and to their directory host (its owner changes)
         n_vic = victims.shape[0]
         v_home, v_dir = pol.home_of(victims) // P, pol.directory_host_of(victims)
         at = np.arange(n_vic)
-        v_code = np.unique(np.concatenate([h * n_vic + at, v_home * n_vic + at, v_dir * n_vic + at]))
+        v_code = sorted_distinct(np.concatenate([h * n_vic + at, v_home * n_vic + at, v_dir * n_vic + at]))
         v_dest, v_idx = np.divmod(v_code, max(n_vic, 1))
         # the summary: counts and table bits
         flags = np.zeros(T, dtype=np.uint8)
@@ -663,6 +663,28 @@ def _route_shared(
         run_count=np.diff(np.append(run, pair.shape[0])),
         relayed=relayed,
     )
+
+
+def _decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`HeraldHierPolicy._decide` before owner balancing (numpy; `native.decide_pairs` compiled): from (key, reader,
+    elements) pairs sorted by key then rank, every key's owner and where it should live (with its owner where the
+    owner reads it, else with the reader of the most elements, the lowest rank among ties): (keys, own, want,
+    single, sole, count, start, kid)."""
+    new = np.empty(g.shape[0], dtype=bool)
+    new[0] = True
+    np.not_equal(g[1:], g[:-1], out=new[1:])
+    start = np.flatnonzero(new)
+    keys = g[start]
+    count = np.diff(np.append(start, g.shape[0]))
+    kid = np.cumsum(new) - 1
+    own = owner[keys].astype(np.int64)
+    owner_reads = np.zeros(keys.shape[0], dtype=bool)
+    owner_reads[kid[own[kid] == r]] = True
+    best = np.maximum.reduceat(c, start)
+    top = np.flatnonzero(c == best[kid])
+    first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
+    want = np.where(owner_reads, own, r[first])
+    return keys, own, want, count == 1, r[start], count, start, kid
 
 
 MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`HostPlanner.routed`)
@@ -784,6 +806,7 @@ class HeraldHierPolicy(SchedulePolicy):
             setattr(self._local, name, None)
         self.directory = OwnershipDirectory(self.layout, R, self.cache_ratio)
         self.eviction = EvictionPool(self.directory.slots, self.directory.last_use)
+        self._guests_fit = native.guests_supported(self.directory, self.eviction)  # the kernels' dtypes
         c = np.arange(P * batch_per_rank + 1, dtype=np.float64)
         self._geo = ((P - 1) / P) ** np.maximum(c - 1, 0) if P > 1 else (c <= 1).astype(np.float64)
 
@@ -1245,22 +1268,8 @@ class HeraldHierPolicy(SchedulePolicy):
         if g.shape[0] == 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z, np.zeros(0, dtype=bool), z, z, z
-        new = np.empty(g.shape[0], dtype=bool)
-        new[0] = True
-        np.not_equal(g[1:], g[:-1], out=new[1:])
-        start = np.flatnonzero(new)
-        keys = g[start]
-        count = np.diff(np.append(start, g.shape[0]))
-        kid = np.cumsum(new) - 1
-        own = d.owner[keys].astype(np.int64)
-        owner_reads = np.zeros(keys.shape[0], dtype=bool)
-        owner_reads[kid[own[kid] == r]] = True
-        single = count == 1
-        sole = r[start]
-        best = np.maximum.reduceat(c, start)
-        top = np.flatnonzero(c == best[kid])
-        first = top[np.concatenate([[True], kid[top][1:] != kid[top][:-1]])]  # lowest rank with the most elements
-        want = np.where(owner_reads, own, r[first])
+        decide = native.decide_pairs if native.enabled() else _decide_pairs
+        keys, own, want, single, sole, count, start, kid = decide(g, r, c, d.owner)
         if self.owner_balance is not None and self._level != STATIC:
             R = self.num_ranks
             heavy_ranks = np.arange(R) % self.num_hosts == h
@@ -1393,7 +1402,12 @@ class HeraldHierPolicy(SchedulePolicy):
         own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
         hosts apply theirs to one directory)."""
         d = self.directory
-        if stage == "release":
+        if self._guests_fit and native.enabled():  # the same update, compiled
+            if stage == "release":
+                native.release_guests(d, m.gid, m.src, m.home, m.table, *m.ranks)
+            else:
+                native.land_guests(d, self.eviction, m.gid, m.dst, m.home, m.table, *m.ranks)
+        elif stage == "release":
             d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
         else:
             got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
