@@ -38,7 +38,9 @@ from pathlib import Path
 LABEL = "projection"
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SIM_SWEEP = RESULTS / "sim_host_traffic_r8-256_2026-11-27.json"
+SIM_SWEEP = RESULTS / "sim_sweep_r8-256_2026-11-28.json"
+# herald_hier's planner per host, each replayed alone in its own process (benchmarks/hier_alone.py, one file per R)
+HIER_ALONE = str(RESULTS / "hier_alone_r*_2026-11-28.json")
 SIM_VALIDATION = RESULTS / "sim_validation_r2-8_2026-11-27.json"
 GPU_RUNS = RESULTS / "gpu_h100_2026-11-26.json"
 E2E_DEFAULT = [
@@ -56,7 +58,8 @@ UNSHAPED_BPS = 13e9  # veth / loopback between namespaces, unshaped: ~13 Gbit/s 
 # the user's iterator 1.1 ms, its round 0.9 ms, the plan's encoding 0.2 ms; measured at R=2 on the 2-core machine).
 INPUT_BOOKKEEPING_MS = 1.1 + 0.9 + 0.2
 STOCK_POLICIES = ("table_wise", "row_wise")
-SIM_POLICIES = ("herald", "static", "het_bsp", "p2res")
+SIM_POLICIES = ("herald", "herald_hier", "static", "het_bsp", "p2res")
+HERALDS = ("herald", "herald_hier")  # Herald's two planners: one per host for the whole batch, or per host
 POLICIES = SIM_POLICIES + STOCK_POLICIES
 
 
@@ -210,6 +213,16 @@ def simulated_rows(
     return Traffic(h, g, collectives, {"embedding": h})
 
 
+def hier_input_stage(ranks: int, ranks_per_host: int, messages_per_rank: float, parts_per_host: float) -> Traffic:
+    """herald_hier's input stage across hosts: each rank's ids go to its own host's planner only, samples stay on their
+    host, and the planners exchange their messages (the busiest host's bytes per rank, from the simulator) and the
+    routed plan parts (bytes a host's planner receives). No collective on the step's path."""
+    if num_hosts(ranks, ranks_per_host) == 1:
+        return Traffic(0.0, 0.0, 0, {"planners": 0.0})
+    b = messages_per_rank * ranks_per_host + parts_per_host
+    return Traffic(b, 0.0, 0, {"planners": b})
+
+
 def herald_input_stage(ranks: int, ranks_per_host: int, batch: int, wl: Workload) -> Traffic:
     """Herald's input stage across hosts (it runs ahead of the step, but its bytes share the link): each rank sends
     its managed ids (int32) to the planner of every other host, B x F x bag x 4 bytes each (the issue's 213 KB per
@@ -296,19 +309,41 @@ def gpu_inputs(workload: str, path: Path = GPU_RUNS) -> dict:
     }
 
 
-def sim_inputs(path: Path = SIM_SWEEP) -> dict:
+def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE) -> dict:
     """Per R and simulated policy: rows crossing hosts / inside hosts per sample (direct and host-aggregated), the
-    busiest rank over the mean and the planner's CPU ms per global batch."""
+    busiest rank over the mean and the planner's CPU ms per step: herald's for the global batch (the simulator);
+    herald_hier's per host, its slowest replayed host alone in its own process as in training, with the wire's
+    encoding and decoding of its messages (`hier_alone_ms`; with one host herald_hier is herald)."""
     d = load_json(path)
     if d["config"].get("ranks_per_host") != 8:
         raise SystemExit(f"error: {path} was not simulated with 8 ranks per host")
+    alone = hier_alone_ms(hier_alone, d["config"])
     out = {}
     for r, v in d["sweep"].items():
         out[int(r)] = {p: _sim_row(x) for p, x in v["policies"].items()}
+        hier = out[int(r)].get("herald_hier")
+        if hier is not None and int(r) > 8:
+            if int(r) not in alone:
+                raise SystemExit(f"error: no hier_alone run for R={r} in {hier_alone}")
+            hier["planner_cpu_ms"] = alone[int(r)]
     return {"batch": d["config"]["batch"], "by_r": out, "source": path.name}
 
 
+def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, float]:
+    """R -> the slowest replayed host's planning ms per step alone (`alone_ms` + `codec_raw_ms`), from
+    benchmarks/hier_alone.py's JSON files run with the sweep's tables, batch, cache and lookahead."""
+    out = {}
+    for f in sorted(glob.glob(pattern)):
+        c = load_json(f)
+        cfg = c["config"]
+        same = all(cfg[k] == sweep_config[k] for k in ("scale", "batch", "cache_ratio", "lookahead", "ranks_per_host"))
+        if same:
+            out[int(cfg["workers"])] = max(h["alone_ms"] + h["codec_raw_ms"] for h in c["hosts"])
+    return out
+
+
 def _sim_row(x: dict) -> dict:
+    proto = x.get("protocol_bytes_per_rank", {})
     return {
         "cross_direct": x["cross_host_rows_per_sample"],
         "intra_direct": x["intra_host_rows_per_sample"],
@@ -316,13 +351,21 @@ def _sim_row(x: dict) -> dict:
         "intra_aggregated": x["intra_host_rows_per_sample_host_aggregated"],
         "busiest_over_mean": x["busiest_rank_over_mean"],
         "planner_cpu_ms": x["sched_cpu_ms_median"],
+        "planner_messages_per_rank": proto.get("between_hosts_busiest_host", 0.0),
+        "plan_parts_per_host": x.get("parts_bytes_per_host", {}).get("routed", 0.0),
     }
 
 
 # How each simulated policy's rows travel as its system delivers them, and its collectives per step: Herald's data
 # plane (herald, static: one all-to-all of values and moves + a relay inside hosts, and back for gradients) relays
 # shared rows once per host; HET-BSP's pulls and pushes and P²RES's shared rows + flat all-reduce go rank to rank.
-DELIVERY = {"herald": ("aggregated", 4), "static": ("aggregated", 4), "het_bsp": ("direct", 2), "p2res": ("direct", 3)}
+DELIVERY = {
+    "herald": ("aggregated", 4),
+    "herald_hier": ("aggregated", 4),
+    "static": ("aggregated", 4),
+    "het_bsp": ("direct", 2),
+    "p2res": ("direct", 3),
+}
 
 
 def policy_traffic(policy: str, ranks: int, rph: int, batch: int, wl: Workload, sim: dict | None) -> Traffic:
@@ -334,8 +377,10 @@ def policy_traffic(policy: str, ranks: int, rph: int, batch: int, wl: Workload, 
         mode, coll = DELIVERY[policy]
         s = sim[policy]
         t = simulated_rows(ranks, rph, batch, wl, s[f"cross_{mode}"], s[f"intra_{mode}"], s["busiest_over_mean"], coll)
-        if policy == "herald":
+        if policy == "herald" or (policy == "herald_hier" and num_hosts(ranks, rph) == 1):
             t = t + herald_input_stage(ranks, rph, batch, wl)
+        elif policy == "herald_hier":
+            t = t + hier_input_stage(ranks, rph, s["planner_messages_per_rank"], s["plan_parts_per_host"])
     return t
 
 
@@ -362,7 +407,7 @@ def project(workload: str, links: tuple[Links, ...] = CLUSTER_LINKS) -> dict:
                 total = emb + dense
                 c = comm_ms(total, ln, hosts)
                 ce = comm_ms(emb, ln, hosts)
-                herald = p == "herald"
+                herald = p in HERALDS
                 input_ms = s[p]["planner_cpu_ms"] + INPUT_BOOKKEEPING_MS if herald else 0.0
                 est = step_estimate(gpu["compute_ms"], gpu["herald_host_ms"] if herald else 0.0, c, ce, input_ms)
                 per[p] = asdict(est) | {
@@ -526,6 +571,7 @@ def _median(xs: list[float]) -> float | None:
 
 NAMES = {
     "herald": "Herald",
+    "herald_hier": "Herald per host",
     "static": "static",
     "het_bsp": "HET-BSP",
     "p2res": "P²RES",
@@ -536,7 +582,9 @@ NAMES = {
 
 def markdown(proj: dict, workload: str) -> str:
     fast, slow = CLUSTER_LINKS[0].name, CLUSTER_LINKS[1].name
-    head = "| R (hosts) | " + " | ".join(NAMES[p] for p in POLICIES) + " | Herald's planner + input stage, ms |"
+    head = (
+        "| R (hosts) | " + " | ".join(NAMES[p] for p in POLICIES) + " | planner + input stage, ms: Herald · per host |"
+    )
     lines = [
         f"Projection ({workload}, B=256 per GPU, 8 GPUs per host): step ms at 100 / 25 Gb/s per host; "
         "* = the step waits for Herald's planner.",
@@ -554,8 +602,8 @@ def markdown(proj: dict, workload: str) -> str:
                 continue
             star = "*" if x["planner_bound"] or y["planner_bound"] else ""
             cells.append(f"{x['step_ms']:.1f} / {y['step_ms']:.1f}{star}")
-        planner = a["policies"]["herald"]["input_stage_ms"]
-        lines.append(f"| {r} ({a['hosts']}) | " + " | ".join(cells) + f" | {planner:.1f} |")
+        planner = " · ".join(f"{a['policies'][p]['input_stage_ms']:.1f}" for p in HERALDS if p in a["policies"])
+        lines.append(f"| {r} ({a['hosts']}) | " + " | ".join(cells) + f" | {planner} |")
     return "\n".join(lines)
 
 
@@ -586,10 +634,12 @@ def plot(proj: dict, workload: str, path: str) -> None:
         rs = [int(r) for r in rows]
         for p in POLICIES:
             ys = [rows[str(r)]["policies"].get(p, {}).get("step_ms") for r in rs]
-            ax.plot(rs, ys, marker="o", label=NAMES[p], lw=2.2 if p == "herald" else 1.2)
-            if p == "herald":
+            ax.plot(rs, ys, marker="o", label=NAMES[p], lw=2.2 if p in HERALDS else 1.2)
+            if p in HERALDS:
                 kept_up = [rows[str(r)]["policies"][p]["step_ms"] - rows[str(r)]["policies"][p]["stall_ms"] for r in rs]
-                ax.plot(rs, kept_up, ls="--", color=ax.lines[-1].get_color(), label="Herald if its planner kept up")
+                ax.plot(
+                    rs, kept_up, ls="--", color=ax.lines[-1].get_color(), label=f"{NAMES[p]} if its planner kept up"
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(rs, [str(r) for r in rs])
@@ -612,9 +662,13 @@ def assumptions(workload: str) -> dict:
         "links": [asdict(x) for x in CLUSTER_LINKS],
         "links_source": "stated figures, not measured: NVLink 300 GB/s per GPU each direction, one NIC per host, "
         "20 us / 50 us per collective inside / across hosts",
-        "herald_input_stage_ms": f"the simulator's planner CPU ms per global batch at each R ({SIM_SWEEP.name}, one "
-        f"thread, this 2-core machine) + {INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, R=2); runs beside the "
-        "step on one host core; the step waits when it is longer",
+        "herald_input_stage_ms": "herald: the simulator's planner CPU ms per global batch at each R "
+        f"({SIM_SWEEP.name}, one thread, this 2-core machine); herald_hier: its slowest replayed host's planner alone "
+        "in its own process (benchmarks/hier_alone.py, CPU ms with the messages' raw wire form, scale 0.01 as the "
+        f"sweep; herald's from one host); each + {INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, R=2); runs "
+        "beside the step on one host core; the step waits when it is longer",
+        "herald_hier_input_stage": "ids to the rank's own host's planner only, samples stay on their host; the "
+        "planners' messages (the busiest host's) and the routed plan parts cross hosts (the sweep's protocol bytes)",
         "herald_host_ms": "on the step's path: Herald's one-rank H100 step minus stock's, clamped at 0",
         "rows": f"{SIM_SWEEP.name}: rows per sample crossing hosts / inside hosts; herald and static host-aggregated "
         "(the data plane's relays), het_bsp and p2res direct (their own collectives); the mean host, not the busiest",

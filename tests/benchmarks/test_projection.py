@@ -56,6 +56,23 @@ def test_dense_simulated_rows_and_herald_input_stage() -> None:
     assert h.parts["ids"] == 8 * 256 * 26 * 4 == 212_992  # the issue's 26.6 KB per rank and planner
     assert h.parts["samples"] == 8 * 256 * 0.5 * 160 == 163_840
     assert h.host_bytes == 212_992 + 163_840 and h.collectives == 0
+    # planned per host: ids stay on the host, only the planners' messages and routed parts cross
+    hh = pj.hier_input_stage(16, 8, messages_per_rank=30_000, parts_per_host=160_000)
+    assert hh.host_bytes == 8 * 30_000 + 160_000 and hh.gpu_bytes == 0.0 and hh.collectives == 0
+    assert pj.hier_input_stage(8, 8, 30_000, 160_000).host_bytes == 0.0  # one host
+
+
+def test_hier_alone_inputs_by_r(tmp_path) -> None:
+    """herald_hier's planner ms per R: the slowest replayed host (alone + its wire's codec), only from runs with the
+    sweep's settings."""
+    import json
+
+    cfg = {"scale": 0.01, "batch": 256, "cache_ratio": 0.1, "lookahead": 4, "ranks_per_host": 8}
+    for r, ms, scale in ((16, (3.0, 4.5), 0.01), (64, (5.0, 4.0), 0.01), (32, (9.0, 9.0), 1.0)):
+        hosts = [{"host": h, "alone_ms": m, "codec_raw_ms": 0.25} for h, m in enumerate(ms)]
+        body = {"config": cfg | {"workers": r, "scale": scale}, "hosts": hosts}
+        (tmp_path / f"hier_alone_r{r}.json").write_text(json.dumps(body))
+    assert pj.hier_alone_ms(str(tmp_path / "hier_alone_r*.json"), cfg) == {16: 4.75, 64: 5.25}
 
 
 def test_comm_and_step_estimate() -> None:
