@@ -547,6 +547,14 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
   }
 }
 
+// Rows arriving as guests: added to their groups (GuestSlots.add), then to their pools (EvictionPool.arrived).
+void arrive(Slots& sl, Pool& pool, const int32_t* floor, const std::vector<int64_t>& keys,
+            const std::vector<int64_t>& groups) {
+  std::vector<int64_t> pos(keys.size());
+  slots_add(sl, keys, groups, pos.data());
+  pool_arrived(sl, pool, floor, pos.data(), static_cast<int64_t>(pos.size()));
+}
+
 extern "C" {
 
 int herald_kernels_version() { return 14; }
@@ -873,9 +881,7 @@ int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_
       if (dst[i] != home[gid[i]]) k.push_back(gid[i]), g.push_back(dst[i] * T + table[gid[i]]);
       owner[gid[i]] = static_cast<int32_t>(dst[i]);
     }
-    std::vector<int64_t> pos(k.size());
-    slots_add(sl, k, g, pos.data());
-    pool_arrived(sl, pool, floor, pos.data(), static_cast<int64_t>(pos.size()));
+    arrive(sl, pool, floor, k, g);
     return 0;
   } catch (const std::exception& e) {
     last_error = e.what();
@@ -924,9 +930,7 @@ int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const 
     }
     if (grow) return 2;
     for (int64_t i = 0; i < M; ++i) owner[gid[i]] = static_cast<int32_t>(dst[i]);
-    std::vector<int64_t> pos(k.size());
-    slots_add(sl, k, g, pos.data());
-    pool_arrived(sl, pool, floor, pos.data(), static_cast<int64_t>(pos.size()));
+    arrive(sl, pool, floor, k, g);
     return 0;
   } catch (const std::exception& e) {
     last_error = e.what();
