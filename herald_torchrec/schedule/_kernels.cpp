@@ -557,7 +557,7 @@ void arrive(Slots& sl, Pool& pool, const int32_t* floor, const std::vector<int64
 
 extern "C" {
 
-int herald_kernels_version() { return 14; }
+int herald_kernels_version() { return 15; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1040,6 +1040,41 @@ int64_t herald_distinct(int64_t E, const int64_t* gid, int64_t* keys, int64_t* c
   }
   for (int64_t i = 0; i < E; ++i) ++cnt[cid[i] = rank[cid[i]]];
   return K;
+}
+
+// HostPlanner.assign_and_read's reads message: every (key, reader rank) pair of a host's batch with its element
+// count, grouped by the key's directory host `dest[k]` (0..H-1), each group's pairs in (key, rank) order as
+// reads.step_reads lists them. Elements: `cid` with their sample's rank (width > 0: sample-major, else `smp`), ranks
+// 0..P-1 of the host. Writes each group's bounds [H + 1] and per pair: the key's `index[k]`, rank0 + its rank and its
+// element count; `cells` (int32 [K x P]) is scratch. Returns the number of pairs.
+int64_t herald_host_reads(int64_t E, const int64_t* cid, int64_t width, const int64_t* smp, const int64_t* sample_rank,
+                          int64_t K, int64_t P, const int64_t* dest, int64_t H, const int64_t* index, int64_t rank0,
+                          int32_t* cells, int64_t* bounds, int32_t* out_index, int64_t* out_rank, int32_t* out_count) {
+  std::fill(cells, cells + K * P, 0);
+  if (width > 0) {
+    for (int64_t i = 0, n = 0; i < E; i += width, ++n) {
+      const int64_t r = sample_rank[n];
+      for (int64_t j = i; j < i + width; ++j) ++cells[cid[j] * P + r];
+    }
+  } else {
+    for (int64_t i = 0; i < E; ++i) ++cells[cid[i] * P + sample_rank[smp[i]]];
+  }
+  std::fill(bounds, bounds + H + 1, 0);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t r = 0; r < P; ++r) bounds[dest[k] + 1] += cells[k * P + r] > 0;
+  for (int64_t t = 0; t < H; ++t) bounds[t + 1] += bounds[t];
+  std::vector<int64_t> at(bounds, bounds + H);
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t r = 0; r < P; ++r) {
+      const int32_t c = cells[k * P + r];
+      if (c == 0) continue;
+      const int64_t q = at[dest[k]]++;
+      out_index[q] = static_cast<int32_t>(index[k]);
+      out_rank[q] = rank0 + r;
+      out_count[q] = c;
+    }
+  }
+  return bounds[H];
 }
 
 // balanced_assign(score, B) with first = 0 on float32 scores [N, R].

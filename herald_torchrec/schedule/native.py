@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 14  # herald_kernels_version() of the source this module expects
+VERSION = 15  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -135,6 +135,10 @@ SIGNATURES = {
     ),
     "herald_sort_nonneg": ([_i64, _i64p, _i64p], ctypes.c_int),
     "herald_distinct": ([_i64, _i64p, _i64p, _i64p, _i64p], _i64),
+    "herald_host_reads": (
+        [_i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64, _i64p, _i64, _i32p, _i64p, _i32p, _i64p, _i32p],
+        _i64,
+    ),
     "herald_decide_pairs": ([_i64, _i64p, _i64p, _i64p, _i32p] + [_i64p] * 3 + [_u8p] + [_i64p] * 4, _i64),
     "herald_decide": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
@@ -672,6 +676,33 @@ def distinct(gid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
     keys, cid, cnt = np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64), np.empty(E, dtype=np.int64)
     K = int(lib().herald_distinct(E, _p(g), _p(keys), _p(cid), _p(cnt)))
     return None if K < 0 else (keys[:K], cid, cnt[:K])
+
+
+def host_reads(
+    cid: np.ndarray,
+    width: int | None,
+    smp: np.ndarray | None,
+    sample_rank: np.ndarray,
+    K: int,
+    P: int,
+    dest: np.ndarray,
+    H: int,
+    index: np.ndarray,
+    rank0: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A host's (key, reader) pairs with their element counts, grouped by the key's directory host (see the kernel's
+    comment): (bounds [H + 1], the keys' `index` (int32), the ranks rank0 + r (int64), the counts (int32))."""
+    c, rk, d, ix = _c(cid, np.int64), _c(sample_rank, np.int64), _c(dest, np.int64), _c(index, np.int64)
+    s = _c(smp, np.int64) if smp is not None else np.zeros(1, dtype=np.int64)
+    E = c.shape[0]
+    cells, bounds = np.empty(max(K * P, 1), dtype=np.int32), np.empty(H + 1, dtype=np.int64)
+    n = min(E, K * P)
+    out_index, out_rank, out_count = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.int32)
+    got = lib().herald_host_reads(
+        E, _p(c), int(width or 0), _p(s), _p(rk), K, P, _p(d), H, _p(ix), int(rank0), _p(cells), _p(bounds),
+        _p(out_index), _p(out_rank), _p(out_count),
+    )  # fmt: skip
+    return bounds, out_index[:got], out_rank[:got], out_count[:got]
 
 
 def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -175,6 +175,30 @@ def test_distinct_and_radix_sort_equal_numpy():
     np.testing.assert_array_equal(reads.sort_ints(neg), np.sort(neg))
 
 
+@pytest.mark.parametrize("kind", ["dense", "jagged"])
+def test_host_reads_equal_step_reads(kind):
+    """A host's reads message compiled: every (key, rank) pair with its element count, grouped by directory host, in
+    step_reads' (key, rank) order, against step_reads and a bincount of the elements."""
+    rng = np.random.default_rng(10)
+    P, H = 4, 3
+    b = _batch(_trace(kind, P, 12, 1, seed=11)[0], 0)
+    bk = batch_keys(b, Scratch())
+    K = bk.keys.shape[0]
+    a = rng.permutation(np.repeat(np.arange(P), 12))
+    dest, index = rng.integers(0, H, K), rng.permutation(K)
+    bounds, idx, rank, cnt = native.host_reads(
+        bk.cid, bk.width, None if bk.width else bk.smp, a, K, P, dest, H, index, 8
+    )
+    rd = step_reads(bk, a, P)
+    want_cnt = np.bincount(bk.cid * P + bk.element_ranks(a), minlength=K * P)[rd.pair_key * P + rd.pair_rank]
+    o = np.argsort(dest[rd.pair_key], kind="stable")
+    np.testing.assert_array_equal(bounds, np.searchsorted(dest[rd.pair_key][o], np.arange(H + 1)))
+    np.testing.assert_array_equal(idx, index[rd.pair_key][o])
+    np.testing.assert_array_equal(rank, rd.pair_rank[o] + 8)
+    np.testing.assert_array_equal(cnt, want_cnt[o])
+    assert idx.dtype == cnt.dtype == np.int32 and cnt.sum() == bk.cid.shape[0]
+
+
 def test_decide_pairs_equal():
     """A directory host's decision compiled against numpy on random reads: keys, owners, wanted owners (owner kept
     when it reads, else the reader of most elements, lowest rank among ties), single / sole readers, each pair's key."""

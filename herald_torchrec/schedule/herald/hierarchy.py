@@ -442,20 +442,44 @@ class HostPlanner:
         else:
             a = pol.host_assign(self.sub, bk, own_local)
         self.local_rank = a
-        rd = step_reads(bk, a, P)
-        er = bk.element_ranks(a)
-        cnt = np.bincount(bk.cid * P + er, minlength=bk.keys.shape[0] * P)[rd.pair_key * P + rd.pair_rank]
         pol.directory.last_use[bk.keys] = pol.step  # h's keys are read: its guests among them are pinned
         self.window_keys = [pol.keys_of(x).keys for x in self.window[1:]]
+        out, hosts_p = self._reads(a)
         if self.msg.on:
-            hosts_p = np.bincount(self.dir_host[rd.pair_key], minlength=H)
             self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
-        return _split_by(
-            self.dir_host[rd.pair_key],
+        return out
+
+    def _reads(self, a: np.ndarray) -> tuple[dict[int, Message], np.ndarray]:
+        """Phase 4's messages for the assignment `a` (rank 0..P-1 of every sample): to each directory host, its keys'
+        (index in the demand, reader rank, elements) triples in (key, rank) order; and the pairs per host. One
+        compiled pass where the kernels are on."""
+        pol, h, bk = self.pol, self.h, self.bk
+        P, H, rk = pol.ranks_per_host, pol.num_hosts, pol.rank_dtype
+        if native.enabled():
+            smp = None if bk.width is not None else bk.smp
+            K = bk.keys.shape[0]
+            bounds, idx, rank, cnt = native.host_reads(
+                bk.cid, bk.width, smp, a, K, P, self.dir_host, H, self.demand_index, h * P
+            )
+            rank = rank.astype(rk)
+            hosts_p = np.diff(bounds)
+            b = bounds.tolist()
+            out = {
+                t: [idx[b[t] : b[t + 1]], rank[b[t] : b[t + 1]], cnt[b[t] : b[t + 1]]]
+                for t in np.flatnonzero(hosts_p).tolist()
+            }
+            return out, hosts_p
+        rd = step_reads(bk, a, P)
+        cnt = np.bincount(bk.cid * P + bk.element_ranks(a), minlength=bk.keys.shape[0] * P)[
+            rd.pair_key * P + rd.pair_rank
+        ]
+        dest = self.dir_host[rd.pair_key]
+        out = _split_by(
+            dest,
             H,
-            [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(pol.rank_dtype),
-             cnt.astype(np.int32)],
-        )  # fmt: skip
+            [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(rk), cnt.astype(np.int32)],
+        )
+        return out, np.bincount(dest, minlength=H)
 
     # ---- phases 5-6, as a directory host: decisions, arrivals -------------------------------------------------
     def decide(self, inbox: dict[int, Message]) -> dict[int, Message]:
