@@ -557,7 +557,7 @@ void arrive(Slots& sl, Pool& pool, const int32_t* floor, const std::vector<int64
 
 extern "C" {
 
-int herald_kernels_version() { return 15; }
+int herald_kernels_version() { return 16; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1075,6 +1075,16 @@ int64_t herald_host_reads(int64_t E, const int64_t* cid, int64_t width, const in
     }
   }
   return bounds[H];
+}
+
+// The segments of `values` (segment i: `count[i]` values from `start[i]`) in the order `order`, back to back, as int64:
+// a CSR's rows reordered (HeraldHierPolicy._rows: the shared rows' readers from the parts' order into key order).
+void herald_gather_segments(int64_t n, const int64_t* order, const int64_t* start, const int64_t* count,
+                            const int64_t* values, int64_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* v = values + start[order[i]];
+    out = std::copy(v, v + count[order[i]], out);
+  }
 }
 
 // balanced_assign(score, B) with first = 0 on float32 scores [N, R].

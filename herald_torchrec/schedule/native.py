@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 15  # herald_kernels_version() of the source this module expects
+VERSION = 16  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -139,6 +139,7 @@ SIGNATURES = {
         [_i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64, _i64p, _i64, _i32p, _i64p, _i32p, _i64p, _i32p],
         _i64,
     ),
+    "herald_gather_segments": ([_i64, _i64p, _i64p, _i64p, _i64p, _i64p], None),
     "herald_decide_pairs": ([_i64, _i64p, _i64p, _i64p, _i32p] + [_i64p] * 3 + [_u8p] + [_i64p] * 4, _i64),
     "herald_decide": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
@@ -703,6 +704,14 @@ def host_reads(
         _p(out_index), _p(out_rank), _p(out_count),
     )  # fmt: skip
     return bounds, out_index[:got], out_rank[:got], out_count[:got]
+
+
+def gather_segments(values: np.ndarray, start: np.ndarray, count: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """np.concatenate([values[start[i]:start[i] + count[i]] for i in order]) as int64 (a CSR's rows reordered)."""
+    v, st, ct, o = _c(values, np.int64), _c(start, np.int64), _c(count, np.int64), _c(order, np.int64)
+    out = np.empty(int(ct[o].sum()) if o.shape[0] else 0, dtype=np.int64)
+    lib().herald_gather_segments(o.shape[0], _p(o), _p(st), _p(ct), _p(v), _p(out))
+    return out
 
 
 def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:

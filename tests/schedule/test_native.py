@@ -199,6 +199,20 @@ def test_host_reads_equal_step_reads(kind):
     assert idx.dtype == cnt.dtype == np.int32 and cnt.sum() == bk.cid.shape[0]
 
 
+def test_gather_segments_reorders_a_csr():
+    """A CSR's rows in another order (a host's shared rows' readers from the parts' order into key order)."""
+    rng = np.random.default_rng(12)
+    for n in (0, 1, 40, 2000):
+        cnt = rng.integers(0, 5, n)  # empty rows too
+        start = np.cumsum(cnt) - cnt
+        values = rng.integers(0, 300, int(cnt.sum())).astype(np.int16)
+        order = rng.permutation(n)
+        want = np.concatenate([values[start[i] : start[i] + cnt[i]] for i in order] + [np.zeros(0, np.int16)])
+        got = native.gather_segments(values, start, cnt, order)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+
+
 def test_decide_pairs_equal():
     """A directory host's decision compiled against numpy on random reads: keys, owners, wanted owners (owner kept
     when it reads, else the reader of most elements, lowest rank among ties), single / sole readers, each pair's key."""

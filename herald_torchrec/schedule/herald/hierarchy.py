@@ -1473,14 +1473,17 @@ class HeraldHierPolicy(SchedulePolicy):
         offs = np.zeros(keys.shape[0] + 1, dtype=np.int64)
         np.cumsum(cnt, out=offs[1:])
         starts = np.cumsum(sh_count) - sh_count  # each key's readers in the parts' order
-        at = np.repeat(starts[o] - offs[:-1], cnt) + np.arange(int(offs[-1]), dtype=np.int64)
+        if native.enabled():
+            readers = native.gather_segments(sh_readers, starts, sh_count, o)
+        else:
+            readers = sh_readers[np.repeat(starts[o] - offs[:-1], cnt) + np.arange(int(offs[-1]), dtype=np.int64)]
         sh_table = self._sorted_tables(keys)
         shared = SharedRows(
             table=sh_table,
             row=keys - self.layout.offsets[sh_table],
             owner=sh_owner[o].astype(np.int64),
             reader_offsets=offs,
-            readers=sh_readers[at].astype(np.int64),
+            readers=readers.astype(np.int64, copy=False),
         )
         return _Rows(moves=moves, shared=shared, gid=mv_gid, home=mv_home, victims=n_vic)
 
