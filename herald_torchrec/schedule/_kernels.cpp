@@ -555,6 +555,18 @@ void arrive(Slots& sl, Pool& pool, const int32_t* floor, const std::vector<int64
   pool_arrived(sl, pool, floor, pos.data(), static_cast<int64_t>(pos.size()));
 }
 
+// The moving rows that are guests at `rank[i]` (not their home) among ranks [lo, hi): their keys and (rank, table)
+// groups (OwnershipDirectory.release_guests / land_guests).
+void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t* home, const int64_t* table,
+               int64_t lo, int64_t hi, int64_t T, std::vector<int64_t>& keys, std::vector<int64_t>& groups) {
+  for (int64_t i = 0; i < M; ++i) {
+    if (rank[i] != home[i] && rank[i] >= lo && rank[i] < hi) {
+      keys.push_back(gid[i]);
+      groups.push_back(rank[i] * T + table[i]);
+    }
+  }
+}
+
 extern "C" {
 
 int herald_kernels_version() { return 16; }
@@ -896,8 +908,7 @@ int herald_release_guests(int64_t M, const int64_t* gid, const int64_t* src, con
   try {
     Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     std::vector<int64_t> k, g;
-    for (int64_t i = 0; i < M; ++i)
-      if (src[i] != home[i] && src[i] >= lo && src[i] < hi) k.push_back(gid[i]), g.push_back(src[i] * T + table[i]);
+    guests_at(M, gid, src, home, table, lo, hi, T, k, g);
     slots_remove(sl, k, g);
     return 0;
   } catch (const std::exception& e) {
@@ -919,8 +930,7 @@ int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const 
     Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
     std::vector<int64_t> k, g;
-    for (int64_t i = 0; i < M; ++i)
-      if (dst[i] != home[i] && dst[i] >= lo && dst[i] < hi) k.push_back(gid[i]), g.push_back(dst[i] * T + table[i]);
+    guests_at(M, gid, dst, home, table, lo, hi, T, k, g);
     std::copy(fill, fill + G, need);
     for (int64_t x : g) ++need[x];
     bool grow = false;
