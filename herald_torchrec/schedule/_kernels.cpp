@@ -182,7 +182,22 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
       WT* wk = W.data() + k * R;
       for (int64_t r = 0; r < R; ++r) wk[r] = ck[r] > 0 ? two : (own[k] == r ? ow_t : WT(0));
     }
-    if (S > 0) {  // single-hot, elements sample-major (S per sample): per rank, the sum over the sample's keys
+    if (S > 0 && R == 8) {  // a host planner's 8 ranks: the same sums in the same order, in a fixed-width loop
+      using Acc = std::conditional_t<std::is_same_v<WT, float>, float, int64_t>;  // (small integers: exact)
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t* keys = ec + n * S;
+        Acc f[8];
+        const WT* w = W.data() + keys[0] * 8;
+        for (int r = 0; r < 8; ++r) f[r] = static_cast<Acc>(w[r]);
+        for (int64_t q = 1; q < S; ++q) {
+          w = W.data() + keys[q] * 8;
+          for (int r = 0; r < 8; ++r) f[r] += static_cast<Acc>(w[r]);
+        }
+        for (int r = 0; r < 8; ++r) sc[n * 8 + r] = static_cast<float>(f[r]);
+        float& x = sc[n * 8 + a[n]];
+        x = static_cast<float>(static_cast<double>(x) + (corr[n] + stay_bonus));
+      }
+    } else if (S > 0) {  // single-hot, elements sample-major (S per sample): per rank, the sum over the sample's keys
       for (int64_t n = 0; n < N; ++n) {
         const int64_t* keys = ec + n * S;
         if constexpr (std::is_same_v<WT, float>) {  // float32 sums in key order, as numpy's axis-0 reduce

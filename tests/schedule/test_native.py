@@ -107,6 +107,7 @@ def test_jagged_plans_equal(R):
 def test_float_scores_plans_equal():
     # an owner weight that is not a whole number makes the per-key scores float32: sums must round as numpy's
     _compare(_trace("dense", 4, 16, 30, seed=7), 4, 16, 2, refine=2, owner_weight=1.3, stay_bonus=0.7)
+    _compare(_trace("dense", 8, 16, 30, seed=9), 8, 16, 2, refine=2, owner_weight=1.3, stay_bonus=0.7)  # 8 ranks
     _compare(_trace("jagged", 2, 12, 24, seed=8), 2, 12, 2, refine=1, owner_weight=0.3)
 
 
