@@ -322,7 +322,7 @@ def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE) -> dict:
     for r, v in d["sweep"].items():
         out[int(r)] = {p: _sim_row(x) for p, x in v["policies"].items()}
         hier = out[int(r)].get("herald_hier")
-        if hier is not None and int(r) > 8:
+        if hier is not None and int(r) > d["config"]["ranks_per_host"]:  # several hosts (one: plain herald)
             if int(r) not in alone:
                 raise SystemExit(f"error: no hier_alone run for R={r} in {hier_alone}")
             hier["planner_cpu_ms"] = alone[int(r)]
@@ -377,7 +377,7 @@ def policy_traffic(policy: str, ranks: int, rph: int, batch: int, wl: Workload, 
         mode, coll = DELIVERY[policy]
         s = sim[policy]
         t = simulated_rows(ranks, rph, batch, wl, s[f"cross_{mode}"], s[f"intra_{mode}"], s["busiest_over_mean"], coll)
-        if policy == "herald" or (policy == "herald_hier" and num_hosts(ranks, rph) == 1):
+        if policy == "herald":
             t = t + herald_input_stage(ranks, rph, batch, wl)
         elif policy == "herald_hier":
             t = t + hier_input_stage(ranks, rph, s["planner_messages_per_rank"], s["plan_parts_per_host"])
