@@ -16,7 +16,9 @@ replica update; `--hier-clock` wall or CPU), beside the same host's figure in th
 messages' wire form costs it (encoding what it sends to other hosts and decoding what they send it, as the training
 transport does around its all-to-alls; not in `alone_ms`): `codec_ms` in the compact form (each array in its form of
 fewest bytes, schedule/message_wire.py, `planner_wire: compact`), `codec_raw_ms` with every array raw
-(`planner_wire: raw`), and the bytes of each.
+(`planner_wire: raw`), and the bytes of each; and `cut_ms`, what the input stage's planner does next on the same
+thread: cutting its ranks' parts from the host's plan and encoding them (step/plan_part.py, host relays on). A
+machine's planner thread spends `alone_ms` + `codec_raw_ms` + `cut_ms` per step with the default raw wire.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulate import owner_balance_arg, owner_balance_kwargs  # noqa: E402
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
+from herald_torchrec.distributed.step.host_relay import HostMap  # noqa: E402
+from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
 from herald_torchrec.schedule.herald.planner import FIRST_PASSES  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
+from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
 
 # the options a replay runs with (the recording's)
 REPLAYED = (
@@ -158,18 +163,29 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     pol = _policy(args, rows, R)
     # its own samples as training gives them to its planner: single-hot ids as a dense batch (input_layout.global_batch)
     window = [pol.host_batch(batch(i), host) for i in range(args.lookahead)]
-    ms, codec, nbytes = [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
+    ms, cut, codec, nbytes = [], [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
+    P = args.ranks_per_host
+    ranks = range(host * P, (host + 1) * P)
+    hosts = HostMap(np.arange(R, dtype=np.int64) // P, relay=True)  # the data plane's relays, on by default
     for i in range(args.steps):
         window.append(pol.host_batch(batch(i + args.lookahead), host))
         transport = ReplayTransport(host, rec["steps"][i])
-        pol.plan_host(host, window, transport)
+        plan = pol.plan_host(host, window, transport)
         step = pol.last_step
         ms.append(float(step.per_host_seconds[host]) * 1e3)
+        t0 = hierarchy.CLOCK()  # the cut of its ranks' parts, as the input stage's planner does after each plan
+        for part in plan_parts(plan, ranks, hosts).values():
+            encode_plan(part)
+        cut.append((hierarchy.CLOCK() - t0) * 1e3)
         for f in WIRE_FORMS:
             codec[f].append(transport.codec_seconds[f] * 1e3)
             nbytes[f].append(transport.codec_bytes[f])
         window.pop(0)
-    out = {"host": host, "alone_ms": round(float(np.median(ms[args.warmup :])), 3)}
+    out = {
+        "host": host,
+        "alone_ms": round(float(np.median(ms[args.warmup :])), 3),
+        "cut_ms": round(float(np.median(cut[args.warmup :])), 3),
+    }
     for f in WIRE_FORMS:
         suffix = "" if f == "compact" else f"_{f}"
         out[f"codec{suffix}_ms"] = round(float(np.median(codec[f][args.warmup :])), 3)

@@ -5,14 +5,15 @@
 
 A planner sends each rank it plans for only that rank's part of the plan (distributed/step/plan_part.py, encoded by
 schedule/plan_wire.py as the wire sends it). This runs the scheduler over the synthetic default trace at each R (8
-ranks per host, host relays on, as the data plane runs them) and prints, per R, averaged over the steps after
-`--warmup`: the whole plan's bytes, each rank's part (mean and largest; rank 0's without its shared rows: its moves,
-samples and framing), the part the protocol model of schedule/herald/hierarchy.py counts (`plan_part_bytes`), the
-ids each rank sends its planner, the CPU ms one host's planner spends cutting and encoding its ranks' parts, and the
-CPU ms one rank (rank 1) spends decoding and laying out its step from the whole plan against from its part (two
-RowStores of that rank kept in step, one by each). With `--policy herald_hier` each host cuts from its own plan
-(`HostPlan`, as in training), and host 0's cut from the whole plan is timed beside it, with the slowest host's time
-to assemble its plan and update its replica (`host_plan_ms_max`, wall). One JSON object.
+ranks per host, host relays on, as the data plane runs them) and prints, per R, over the steps after `--warmup`
+(bytes: their mean; CPU times: their median): the whole plan's bytes, each rank's part (mean and largest; rank 0's
+without its shared rows: its moves, samples and framing), the part the protocol model of
+schedule/herald/hierarchy.py counts (`plan_part_bytes`), the ids each rank sends its planner, the CPU ms one host's
+planner spends cutting and encoding its ranks' parts, and the CPU ms one rank (rank 1) spends decoding and laying
+out its step from the whole plan against from its part (two RowStores of that rank kept in step, one by each). With
+`--policy herald_hier` each host cuts from its own plan (`HostPlan`, as in training), and host 0's cut from the
+whole plan is timed beside it, with the slowest host's time to assemble its plan and update its replica
+(`host_plan_ms_max`, wall). One JSON object.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ def measure(args: argparse.Namespace, R: int) -> dict:
         out["model"].append(float(plan_part_bytes(plan).mean()))
         out["ids"].append(float(ids_bytes(window[0], R, B).mean()))
         print(f"R={R} step {i}: whole {whole.shape[0]} B, part mean {sizes.mean():.0f} B", file=sys.stderr)
-    avg = {k: round(float(np.mean(v)), 2) if v else None for k, v in out.items()}
+    # bytes averaged over the steps; times their median (one step's cut can take a garbage collection of 100+ ms)
+    mid = {k: np.median if k.endswith("_ms") else np.mean for k in out}
+    avg = {k: round(float(mid[k](v)), 2) if v else None for k, v in out.items()}
     hier = {"cut_cpu_ms_per_host_whole_plan": avg["cut_whole_ms"], "host_plan_ms_max": avg["host_plan_ms"]}
     return {
         **({} if avg["cut_whole_ms"] is None else hier),

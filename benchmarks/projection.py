@@ -41,6 +41,8 @@ RESULTS = HERE / "results"
 SIM_SWEEP = RESULTS / "sim_sweep_r8-256_2026-11-28.json"
 # herald_hier's planner per host, each replayed alone in its own process (benchmarks/hier_alone.py, one file per R)
 HIER_ALONE = str(RESULTS / "hier_alone_r*_2026-11-28.json")
+# herald's planner cutting its host's 8 parts from the whole plan, per R (benchmarks/plan_bytes.py --policy herald)
+PLAN_CUTS = RESULTS / "plan_bytes_herald_r8-256_2026-11-28.json"
 SIM_VALIDATION = RESULTS / "sim_validation_r2-8_2026-11-27.json"
 GPU_RUNS = RESULTS / "gpu_h100_2026-11-26.json"
 E2E_DEFAULT = [
@@ -55,8 +57,11 @@ HERALD_ID_BYTES = 4  # Herald's managed ids on the wire: int32 (distributed/trai
 KJT_VALUE_BYTES, KJT_LENGTH_BYTES = 8, 4  # TorchRec's input dist: int64 ids, int32 lengths (one per bag)
 UNSHAPED_BPS = 13e9  # veth / loopback between namespaces, unshaped: ~13 Gbit/s measured here (docs/REFERENCE.md)
 # Herald's input stage besides the planner, per step on the planning rank (RESULTS.md, "End to end, unshaped links":
-# the user's iterator 1.1 ms, its round 0.9 ms, the plan's encoding 0.2 ms; measured at R=2 on the 2-core machine).
-INPUT_BOOKKEEPING_MS = 1.1 + 0.9 + 0.2
+# the user's iterator 1.1 ms, its round 0.9 ms; measured at R=2 on the 2-core machine). What the planner does with
+# its plan next comes per R: the cut and encoding of its ranks' parts where parts travel (several hosts), else the
+# whole plan's encoding (WHOLE_PLAN_ENCODE_MS, measured at R=2).
+INPUT_BOOKKEEPING_MS = 1.1 + 0.9
+WHOLE_PLAN_ENCODE_MS = 0.2
 STOCK_POLICIES = ("table_wise", "row_wise")
 SIM_POLICIES = ("herald", "herald_hier", "static", "het_bsp", "p2res")
 HERALDS = ("herald", "herald_hier")  # Herald's two planners: one per host for the whole batch, or per host
@@ -309,36 +314,59 @@ def gpu_inputs(workload: str, path: Path = GPU_RUNS) -> dict:
     }
 
 
-def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE) -> dict:
+def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE, cuts: Path = PLAN_CUTS) -> dict:
     """Per R and simulated policy: rows crossing hosts / inside hosts per sample (direct and host-aggregated), the
-    busiest rank over the mean and the planner's CPU ms per step: herald's for the global batch (the simulator);
-    herald_hier's per host, its slowest replayed host alone in its own process as in training, with the wire's
-    encoding and decoding of its messages (`hier_alone_ms`; with one host herald_hier is herald)."""
+    busiest rank over the mean and the planner thread's CPU ms per step: herald's plan of the global batch (the
+    simulator) + its cut of its host's parts from it (`plan_cut_ms`); herald_hier's slowest replayed host alone in
+    its own process as in training, with the wire's encoding and decoding of its messages and the cut of its ranks'
+    parts from its own plan (`hier_alone_ms`; with one host herald_hier is herald). With one host the whole plan
+    travels (no cut): WHOLE_PLAN_ENCODE_MS."""
     d = load_json(path)
-    if d["config"].get("ranks_per_host") != 8:
+    rph = d["config"].get("ranks_per_host")
+    if rph != 8:
         raise SystemExit(f"error: {path} was not simulated with 8 ranks per host")
     alone = hier_alone_ms(hier_alone, d["config"])
+    cut = plan_cut_ms(cuts, d["config"])
     out = {}
     for r, v in d["sweep"].items():
-        out[int(r)] = {p: _sim_row(x) for p, x in v["policies"].items()}
-        hier = out[int(r)].get("herald_hier")
-        if hier is not None and int(r) > d["config"]["ranks_per_host"]:  # several hosts (one: plain herald)
-            if int(r) not in alone:
+        R = int(r)
+        out[R] = {p: _sim_row(x) for p, x in v["policies"].items()}
+        several = R > rph
+        if several and R not in cut:
+            raise SystemExit(f"error: no herald cut for R={r} in {cuts}")
+        after = cut[R] if several else WHOLE_PLAN_ENCODE_MS
+        for p in HERALDS:
+            if p in out[R]:
+                out[R][p]["planner_cpu_ms"] += after
+        hier = out[R].get("herald_hier")
+        if hier is not None and several:  # several hosts (one: plain herald)
+            if R not in alone:
                 raise SystemExit(f"error: no hier_alone run for R={r} in {hier_alone}")
-            hier["planner_cpu_ms"] = alone[int(r)]
+            hier["planner_cpu_ms"] = alone[R]
     return {"batch": d["config"]["batch"], "by_r": out, "source": path.name}
 
 
+def plan_cut_ms(path: Path, sweep_config: dict) -> dict[int, float]:
+    """R -> herald's planner's CPU ms cutting and encoding its host's parts from the whole plan, from
+    benchmarks/plan_bytes.py's JSON run with the sweep's tables, batch, cache, lookahead and ranks per host."""
+    d = load_json(path)
+    cfg = d["config"]
+    keys = ("scale", "batch", "cache_ratio", "lookahead", "ranks_per_host")
+    if cfg.get("policy") != "herald" or any(cfg[k] != sweep_config[k] for k in keys):
+        raise SystemExit(f"error: {path} is not plan_bytes.py --policy herald with the sweep's settings ({keys})")
+    return {int(r): float(v["cut_cpu_ms_per_host"]) for r, v in d["by_workers"].items()}
+
+
 def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, float]:
-    """R -> the slowest replayed host's planning ms per step alone (`alone_ms` + `codec_raw_ms`), from
-    benchmarks/hier_alone.py's JSON files run with the sweep's tables, batch, cache and lookahead."""
+    """R -> the slowest replayed host's planner thread ms per step alone (`alone_ms` + `codec_raw_ms` + `cut_ms`),
+    from benchmarks/hier_alone.py's JSON files run with the sweep's tables, batch, cache and lookahead."""
     out = {}
     for f in sorted(glob.glob(pattern)):
         c = load_json(f)
         cfg = c["config"]
         same = all(cfg[k] == sweep_config[k] for k in ("scale", "batch", "cache_ratio", "lookahead", "ranks_per_host"))
         if same:
-            out[int(cfg["workers"])] = max(h["alone_ms"] + h["codec_raw_ms"] for h in c["hosts"])
+            out[int(cfg["workers"])] = max(h["alone_ms"] + h["codec_raw_ms"] + h["cut_ms"] for h in c["hosts"])
     return out
 
 
@@ -663,10 +691,12 @@ def assumptions(workload: str) -> dict:
         "links_source": "stated figures, not measured: NVLink 300 GB/s per GPU each direction, one NIC per host, "
         "20 us / 50 us per collective inside / across hosts",
         "herald_input_stage_ms": "herald: the simulator's planner CPU ms per global batch at each R "
-        f"({SIM_SWEEP.name}, one thread, this 2-core machine); herald_hier: its slowest replayed host's planner alone "
-        "in its own process (benchmarks/hier_alone.py, CPU ms with the messages' raw wire form, scale 0.01 as the "
-        f"sweep; herald's from one host); each + {INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, R=2); runs "
-        "beside the step on one host core; the step waits when it is longer",
+        f"({SIM_SWEEP.name}, one thread, this 2-core machine) + the cut and encoding of its host's 8 parts from the "
+        f"whole plan ({PLAN_CUTS.name}); herald_hier: its slowest replayed host's planner alone in its own process "
+        "with the messages' raw wire form and the cut of its 8 parts from its own plan (benchmarks/hier_alone.py, CPU "
+        "ms, scale 0.01 as the sweep; herald's from one host); with one host the whole plan travels "
+        f"(+{WHOLE_PLAN_ENCODE_MS} ms encoding, R=2); each + {INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, "
+        "R=2); runs beside the step on one host core; the step waits when it is longer",
         "herald_hier_input_stage": "ids to the rank's own host's planner only, samples stay on their host; the "
         "planners' messages (the busiest host's) and the routed plan parts cross hosts (the sweep's protocol bytes)",
         "herald_host_ms": "on the step's path: Herald's one-rank H100 step minus stock's, clamped at 0",

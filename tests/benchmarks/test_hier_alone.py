@@ -20,6 +20,7 @@ def test_a_host_replays_alone_and_times_its_steps():
     res = mod.main(["--workers", "8", "--steps", "4", "--warmup", "1", "--hosts", "1,3", *args])
     assert [h["host"] for h in res["hosts"]] == [1, 3]
     assert all(h["alone_ms"] > 0 and h["in_process_ms"] > 0 and h["codec_ms"] > 0 for h in res["hosts"])
+    assert all(h["cut_ms"] > 0 for h in res["hosts"])  # its ranks' parts cut from its plan
     assert all(0 < h["sent_bytes"] < h["sent_raw_bytes"] for h in res["hosts"])  # the compact form is smaller
     assert res["in_process_ms"]["slowest"] >= res["in_process_ms"]["median"] > 0
 

@@ -69,10 +69,25 @@ def test_hier_alone_inputs_by_r(tmp_path) -> None:
 
     cfg = {"scale": 0.01, "batch": 256, "cache_ratio": 0.1, "lookahead": 4, "ranks_per_host": 8}
     for r, ms, scale in ((16, (3.0, 4.5), 0.01), (64, (5.0, 4.0), 0.01), (32, (9.0, 9.0), 1.0)):
-        hosts = [{"host": h, "alone_ms": m, "codec_raw_ms": 0.25} for h, m in enumerate(ms)]
+        hosts = [{"host": h, "alone_ms": m, "codec_raw_ms": 0.25, "cut_ms": 2.0} for h, m in enumerate(ms)]
         body = {"config": cfg | {"workers": r, "scale": scale}, "hosts": hosts}
         (tmp_path / f"hier_alone_r{r}.json").write_text(json.dumps(body))
-    assert pj.hier_alone_ms(str(tmp_path / "hier_alone_r*.json"), cfg) == {16: 4.75, 64: 5.25}
+    assert pj.hier_alone_ms(str(tmp_path / "hier_alone_r*.json"), cfg) == {16: 6.75, 64: 7.25}
+
+
+def test_herald_cut_inputs_by_r(tmp_path) -> None:
+    """herald's cut of its host's parts per R, only from a plan_bytes run of herald with the sweep's settings."""
+    import json
+
+    cfg = {"scale": 0.01, "batch": 256, "cache_ratio": 0.1, "lookahead": 4, "ranks_per_host": 8}
+    by = {"16": {"cut_cpu_ms_per_host": 1.5}, "64": {"cut_cpu_ms_per_host": 3.25}}
+    path = tmp_path / "pb.json"
+    path.write_text(json.dumps({"config": cfg | {"policy": "herald"}, "by_workers": by}))
+    assert pj.plan_cut_ms(path, cfg) == {16: 1.5, 64: 3.25}
+    for bad in ({"policy": "herald_hier"}, {"policy": "herald", "scale": 1.0}):
+        path.write_text(json.dumps({"config": cfg | bad, "by_workers": by}))
+        with pytest.raises(SystemExit, match="not plan_bytes.py --policy herald with the sweep's settings"):
+            pj.plan_cut_ms(path, cfg)
 
 
 def test_comm_and_step_estimate() -> None:

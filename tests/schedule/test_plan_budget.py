@@ -232,6 +232,29 @@ def test_budget_rule_levels_probe_and_late_input():
     assert PlanBudget(None).budget_ms is None and PlanBudget(None).choose() == FULL
 
 
+def test_the_cut_of_a_plan_counts_into_its_level_cost():
+    """What the planner's thread does after a plan (cutting its ranks' parts) is part of that plan's cost: a plan of
+    1.5 ms cut in 1 ms does not fit a 2 ms budget. The level's EWMA is as if `record` had the sum."""
+    b = PlanBudget(2.0)
+    b.record(FULL, 1.5)
+    b.record_cut(1.0)
+    assert b.cost_ms[FULL] == pytest.approx(2.5) and b.choose() == REDUCED
+    b.record(REDUCED, 1.0)
+    b.record_cut(0.5)
+    b.record_cut(9.0)  # counted once per plan
+    assert b.cost_ms[REDUCED] == pytest.approx(1.5)
+    b.record(REDUCED, 1.0)
+    b.record_cut(0.5)
+    assert b.cost_ms[REDUCED] == pytest.approx(1.5 + budget_mod.COST_EWMA * (1.5 - 1.5))
+    b.record(STATIC, 0.1)
+    b.record_cut(50.0)  # STATIC keeps no cost: nothing changes
+    assert b.cost_ms == [pytest.approx(2.5), pytest.approx(1.5)]
+    pol = make_policy("herald_hier", *_trace(1)[:1], 16, B, 0.1, L, hosts=8)
+    pol.budget.record(FULL, 3.0)
+    pol.record_cut(1.0)
+    assert pol.budget.cost_ms[FULL] == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, "fast", True, float("nan"), float("inf")])
 def test_bad_budget_is_one_line_naming_the_setting(bad):
     rows, _ = _trace(1)

@@ -526,7 +526,11 @@ class ScheduledInput:
                 else:
                     plan = policy.plan(batches)
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
+            cpu = time.thread_time()
             plan, wires = self._wires(plan)
+            record_cut = getattr(policy, "record_cut", None)  # the budget counts it into the plan's cost
+            if record_cut is not None:
+                record_cut((time.thread_time() - cpu) * 1e3)
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return FailedPlan(generation, e)
         return OutgoingPlan(plan, generation, wires)

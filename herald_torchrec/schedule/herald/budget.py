@@ -21,7 +21,10 @@ The rule (`plan_budget_ms`):
 * a number: that fixed budget in ms, whatever the step time (for tests and to force the fallback).
 * None: off (always FULL).
 A level's cost is the EWMA of the planner's own CPU time per plan at that level (thread CPU, not wall: a low-priority
-input thread's wall time also counts the training threads that hold the cores, which is not the planner being slow).
+input thread's wall time also counts the training threads that hold the cores, which is not the planner being slow),
+with what the planner's thread does next with that plan before it can make the next one: cutting and encoding its
+ranks' parts (`record_cut`, from the input stage; at 64 ranks on full Criteo tables the cut is ~40 % of the plan's
+own time, and a level chosen on the plan alone would keep pace on paper and fall behind in training).
 The policy plans at the first level whose cost is within the budget (a level not yet measured is tried once); every
 PROBE_EVERY degraded plans it makes one plan a level up, to measure it again (the step time and the data change).
 On the 2-core reference runs a plan costs ~3 ms of CPU against a ~40 ms step: the rule never triggers there.
@@ -92,6 +95,14 @@ class LevelCounts:
         setattr(self, name, getattr(self, name) + 1)
 
 
+@dataclass(frozen=True)
+class LastPlan:
+    """The level of the last plan recorded, and whether it was that level's first measured cost."""
+
+    level: int
+    first: bool
+
+
 @dataclass
 class PlanBudget:
     """The rule of the module docstring, fed by the pipeline (`observe_step`) and by the policy (`record`)."""
@@ -105,6 +116,7 @@ class PlanBudget:
     counts: LevelCounts = field(default_factory=LevelCounts)
     agreed: int | None = None  # the level of the next plan, agreed on by several planners (`agree`)
     _degraded_run: int = 0  # degraded plans since the last probe
+    _last: LastPlan | None = None  # the last plan recorded, until its cut is (`record_cut`)
 
     def __post_init__(self) -> None:
         self.setting = check_plan_budget(self.setting)
@@ -174,9 +186,18 @@ class PlanBudget:
     def record(self, level: int, cpu_ms: float) -> None:
         """A plan was made at `level` in `cpu_ms` of the planner's CPU."""
         self.counts.add(level)
+        self._last = None
         if level != STATIC:
             old = self.cost_ms[level]
             self.cost_ms[level] = cpu_ms if old is None else old + COST_EWMA * (cpu_ms - old)
+            self._last = LastPlan(level, first=old is None)
+
+    def record_cut(self, cpu_ms: float) -> None:
+        """The planner spent `cpu_ms` more on the last plan recorded (cutting and encoding its parts): its level's cost
+        becomes what it would be had `record` been given the sum (STATIC's is not kept)."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.cost_ms[last.level] += max(float(cpu_ms), 0.0) * (1.0 if last.first else COST_EWMA)
 
     def describe(self) -> dict:
         budget = self.budget_ms

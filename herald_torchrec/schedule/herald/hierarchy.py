@@ -849,7 +849,12 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
         """The pipeline's step time and input wait, for the planning budget (schedule/herald/budget.py)."""
-        (self._flat.budget if self._flat is not None else self.budget).observe_step(step_ms, wait_ms)
+        self._budget.observe_step(step_ms, wait_ms)
+
+    @property
+    def _budget(self) -> PlanBudget:
+        """The budget of the plans this policy makes: herald's with one host."""
+        return self._flat.budget if self._flat is not None else self.budget
 
     def set_planners(self, count: int) -> None:
         """How many ranks make plans: with several (one per machine), each plan's level is the one they agree on."""
@@ -859,6 +864,10 @@ class HeraldHierPolicy(SchedulePolicy):
             raise ValueError(f"herald_hier: set_planners needs at least one planner, got {count!r}")
         else:
             self.budget.planners = int(count)
+
+    def record_cut(self, cpu_ms: float) -> None:
+        """The input stage's CPU ms cutting and encoding the last plan's parts, counted into its level's cost."""
+        self._budget.record_cut(cpu_ms)
 
     def level_word(self) -> int:
         """The level this planner's own measurements ask for (0 FULL, 1 REDUCED, 2 STATIC), which it publishes for

@@ -525,6 +525,10 @@ class HeraldPolicy(SchedulePolicy):
             raise ValueError(f"herald: set_planners needs at least one planner, got {count!r}")
         self.budget.planners = int(count)
 
+    def record_cut(self, cpu_ms: float) -> None:
+        """The input stage's CPU ms cutting and encoding the last plan's parts, counted into its level's cost."""
+        self.budget.record_cut(cpu_ms)
+
     def level_word(self) -> int:
         """The level this planner's own measurements ask for: the word it publishes for `agree_level` (0 FULL,
         1 REDUCED, 2 STATIC)."""

@@ -41,6 +41,11 @@ def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = N
             plans.append({"slice": plan.slice_destinations(rank), "src": moves.src.copy(), "dst": moves.dst.copy()})
 
         dmp, pipeline = build("herald", options=options, on_plan=keep)
+        from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
+
+        cuts: list[float] = []  # the CPU ms of each plan's cut the input stage gives the planning budget
+        record_cut = HeraldHierPolicy.record_cut  # (the policy is made at the first batch: its class is wrapped)
+        HeraldHierPolicy.record_cut = lambda pol, ms: (cuts.append(ms), record_cut(pol, ms))[1]
         it = iter(batches(rank, STEPS))
         for _ in range(STEPS):
             pipeline.progress(it)
@@ -51,7 +56,8 @@ def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = N
         if pipeline.policy is not None:
             planned = {"ids_bytes": pipeline.policy.last_step.ids_bytes.tolist(), "host": stage.host_index,
                        "wire": dict(pipeline.policy.last_step.wire_bytes), "sent": stage.host_transport.sent_total,
-                       "sched_ms": list(stage.sched_ms), "compact": stage.host_transport.compact}  # fmt: skip
+                       "sched_ms": list(stage.sched_ms), "compact": stage.host_transport.compact,
+                       "cuts": cuts, "cost_ms": list(pipeline.policy.budget.cost_ms)}  # fmt: skip
         ids_sent = stage.ids_sent_bytes
         pipeline.close()
     torch.save(
@@ -102,6 +108,9 @@ def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
         assert (ids[mine] > 0).all() and (ids[~mine] == 0).all(), ids
         assert {"demand", "owners", "reads", "arrivals", "cancels", "parts"} <= set(r["planned"]["wire"])
         assert r["planned"]["sent"] > 0 and r["planned"]["compact"]  # planner_wire: compact reached the transport
+        # every plan made here was cut into its ranks' parts, and the budget got that CPU time
+        cuts, sched = r["planned"]["cuts"], r["planned"]["sched_ms"]
+        assert len(sched) <= len(cuts) <= len(sched) + 2 and min(cuts) > 0, (cuts, sched)
 
 
 def test_herald_hier_planners_degrade_together_and_train_the_same_model(tmp_path: Path) -> None:
