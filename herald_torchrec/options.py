@@ -101,6 +101,9 @@ class HeraldOptions:
     """Batches the input stage's background thread schedules ahead of training (0: in the training thread)."""
     input_priority: str = "low"
     """CPU priority of the input stage's thread: "low" (nice 19), "idle" (SCHED_IDLE) or "normal"."""
+    cut_thread: bool = True
+    """A planner that sends its ranks their parts of each plan cuts them on a thread of its own (a second core) while
+    it makes the next plan, plans made a round earlier for it; False cuts them on the input stage's thread."""
     native: str = "auto"
     """Herald's compiled kernels: "auto", "on" (an error if they cannot build) or "off" (numpy only)."""
     host_relay: bool = True
@@ -159,6 +162,8 @@ class HeraldOptions:
         put("native", check_native(self.native))
         if not isinstance(self.host_relay, bool):
             raise OptionError("host_relay", f"must be true or false, got {self.host_relay!r}")
+        if not isinstance(self.cut_thread, bool):
+            raise OptionError("cut_thread", f"must be true or false, got {self.cut_thread!r}")
 
     @classmethod
     def named(cls, prefix: str, base: HeraldOptions | None = None, **settings: Any) -> HeraldOptions:

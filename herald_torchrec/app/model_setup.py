@@ -329,6 +329,8 @@ def herald_options(sc: DictConfig) -> HeraldOptions:
         settings["prefetch"] = sc.prefetch
     if "host_relay" in sc:
         settings["host_relay"] = sc.host_relay
+    if "cut_thread" in sc:
+        settings["cut_thread"] = sc.cut_thread
     return HeraldOptions.named(CONFIG_KEY, **settings)
 
 

@@ -16,6 +16,7 @@ import enum
 import hashlib
 import os
 import socket
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -217,6 +218,15 @@ class OutgoingPlan:
     plan: Plan
     generation: int
     wires: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CutInFlight:
+    """A plan made on a rank that plans, its parts being cut on the cut thread (`ScheduledInput(cut_thread=True)`):
+    `cut` gives (what this rank executes, the wires), as `OutgoingPlan` holds them, once done."""
+
+    generation: int
+    cut: Future
 
 
 @dataclass(frozen=True)

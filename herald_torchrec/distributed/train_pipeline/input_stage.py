@@ -100,6 +100,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -132,6 +133,7 @@ from herald_torchrec.distributed.train_pipeline.input_round import (
     PLAN_WORD,
     TRAILER_BYTES,
     Announcement,
+    CutInFlight,
     FailedPlan,
     OutgoingPlan,
     ParsedSlice,
@@ -237,11 +239,15 @@ class ScheduledInput:
         comm: PlanComm,
         policy_factory: Callable[[int], SchedulePolicy],
         plan_on: str = "host",
+        cut_thread: bool = True,
     ) -> None:
         self.tables = tables
         self.comm = comm
         self.R, self.rank = comm.world_size, comm.rank
         self.plan_on = plan_on
+        # a planner that sends parts cuts each plan's on a thread of its own while it makes the next plan (`__call__`)
+        self.cut_thread = cut_thread
+        self._cutter: ThreadPoolExecutor | None = None
         # who plans for whom: set at the first batch (the hosts are gathered with the layout)
         self.planner = self.rank  # the rank whose plans this rank executes
         self.plans_for = np.zeros(self.R, dtype=bool)  # the ranks this rank sends its plans to (never itself)
@@ -526,14 +532,40 @@ class ScheduledInput:
                 else:
                     plan = policy.plan(batches)
                 self.sched_cpu_ms.append((time.thread_time() - cpu) * 1e3)
+            if self.cut_thread and self._cuts_parts(plan):  # cut while this thread makes the next plan
+                if self._cutter is None:  # (its thread inherits this one's CPU priority)
+                    self._cutter = ThreadPoolExecutor(1, thread_name_prefix="herald-plan-cut")
+                return CutInFlight(generation, self._cutter.submit(self._wires, plan))
             cpu = time.thread_time()
             plan, wires = self._wires(plan)
-            record_cut = getattr(policy, "record_cut", None)  # the budget counts it into the plan's cost
-            if record_cut is not None:
-                record_cut((time.thread_time() - cpu) * 1e3)
+            self._record_cut(policy, (time.thread_time() - cpu) * 1e3)
         except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
             return FailedPlan(generation, e)
         return OutgoingPlan(plan, generation, wires)
+
+    def _settled(self, made: OutgoingPlan | FailedPlan | CutInFlight | None) -> OutgoingPlan | FailedPlan | None:
+        """A plan whose parts are being cut (`CutInFlight`), once they are: what the planner's thread waited for it
+        counts in the planning budget as the cut's cost (0 where the cut kept up); a failed cut is a failed plan."""
+        if not isinstance(made, CutInFlight):
+            return made
+        wait = time.perf_counter()
+        try:
+            plan, wires = made.cut.result()
+        except Exception as e:  # noqa: BLE001 - raised after the next header, on this rank as it is
+            return FailedPlan(made.generation, e)
+        self._record_cut(self._current.policy, (time.perf_counter() - wait) * 1e3)
+        return OutgoingPlan(plan, made.generation, wires)
+
+    @staticmethod
+    def _record_cut(policy: SchedulePolicy | None, ms: float) -> None:
+        """The planner's time on a plan's parts, for a policy whose planning budget counts it (`record_cut`)."""
+        record_cut = getattr(policy, "record_cut", None)
+        if record_cut is not None:
+            record_cut(ms)
+
+    def _cuts_parts(self, plan: Plan) -> bool:
+        """Whether `_wires` cuts the plan into parts (else it encodes it whole, or sends nothing)."""
+        return bool(self.send_parts) and self.plan_on != "every_rank" and splittable(plan)
 
     def _wires(self, plan: Plan) -> tuple[Plan, dict[int, np.ndarray]]:
         """What this planner executes and what it sends each rank it plans for: each rank's own part
@@ -542,7 +574,7 @@ class ScheduledInput:
         a part (or none does, `plan_on="every_rank"`): a part's rank learns only its own moves, and the directory
         syncs that follow (`sync_directory`) are collective."""
         to = np.flatnonzero(self.plans_for).tolist()
-        if self.send_parts and self.plan_on != "every_rank" and splittable(plan):
+        if self._cuts_parts(plan):
             with phase("input.plan_parts"):
                 parts = plan_parts(plan, [self.rank, *to], self.relay_hosts)
                 return parts[self.rank], {d: encode_plan(parts[d]) for d in to}
@@ -719,61 +751,88 @@ class ScheduledInput:
 
         window: deque[Pending] = deque()  # gathered batches, not yet exchanged
         planned: deque[PlannedBatch] = deque()  # the plans of window[0], window[1], ... on every rank
+        # plans made (where made here; None elsewhere) for the batches after those planned, not yet sent: the first
+        # travels in the next round; a second, made a round earlier, is being cut on the cut thread
+        unsent: deque[OutgoingPlan | FailedPlan | CutInFlight | None] = deque()
+        ahead_plans = 2 if self.cut_thread else 1  # plans made but not yet sent, after each round's plan is sent
         exhausted = False
         levels = None  # every rank's level word in the last round completed (the planners agree on a plan's level)
-        for _ in range(self.lookahead + 2):
-            with phase("input.gather"):
-                got = self._round(Round(gather=draw(), level=self._level_word()))
-            levels = got.levels
-            if got.gathered is None:  # the end of the data
-                exhausted = True
-                break
-            window.append(got.gathered)
 
-        next_planning = bool(window)  # whether the next round carries a plan, and (where made here) which
-        next_made = self._plan_next(window, 0, levels) if next_planning else None
-        level = self._level_word()  # published with the plan just made, in the round that carries it
-        ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
-        announced = None  # the next round's header words, where the previous round's trailers brought them
-        trailers = self.R > 1
-        while window:
-            carries_plan, made, parsed = next_planning, next_made, ahead
-            j = len(planned) + int(carries_plan)  # the first batch without a plan once this round's has travelled
-            next_planning = j < len(window)
-            next_made = self._plan_next(window, j, levels) if next_planning else None
-            next_level = self._level_word()
-            # `parsed` (drawn last round) is None exactly when the data had ended by then: this round gathers nothing
-            ahead = draw() if not exhausted else None
-            next_words = None
-            if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: a failed scheduler)
-                next_words = Announcement(
-                    (ahead if ahead is not None else NO_SLICE).header, plan_words(next_made, self.R), next_level
-                )
-            exchange = Exchange(window[0], planned[0].plan) if planned else None
-            self._ahead_samples = ahead.samples if ahead is not None else 0
-            with phase("input.exchange_and_gather"):
-                result = self._round(
-                    Round(
-                        exchange=exchange,
-                        gather=parsed,
-                        carries_plan=carries_plan,
-                        made=made,
-                        announced=announced,
-                        next_words=next_words,
-                        level=level,
+        def plan_more(sent: int) -> None:
+            """Make the next plans (`sent`: plans of this round and before): up to `ahead_plans` unsent, the first
+            whenever its batch is gathered, the others only with their whole lookahead gathered (or the data ended),
+            so that every plan sees the batches it would see made a round later."""
+            while len(unsent) < ahead_plans:
+                j = len(planned) + sent + len(unsent)  # its batch in the window
+                if j >= len(window) or (unsent and j + self.lookahead >= len(window) and not exhausted):
+                    return
+                unsent.append(self._plan_next(window, j, levels))
+
+        try:
+            for _ in range(self.lookahead + 1 + ahead_plans):
+                with phase("input.gather"):
+                    got = self._round(Round(gather=draw(), level=self._level_word()))
+                levels = got.levels
+                if got.gathered is None:  # the end of the data
+                    exhausted = True
+                    break
+                window.append(got.gathered)
+
+            plan_more(0)
+            next_planning = bool(unsent)  # whether the next round carries a plan
+            next_made = self._settled(unsent[0]) if unsent else None
+            if unsent:
+                unsent[0] = next_made
+            level = self._level_word()  # published with the plan just made, in the round that carries it
+            ahead = None if exhausted else draw()  # the slice the next round gathers, parsed
+            announced = None  # the next round's header words, where the previous round's trailers brought them
+            trailers = self.R > 1
+            while window:
+                carries_plan, made, parsed = next_planning, next_made, ahead
+                if carries_plan:
+                    unsent.popleft()
+                plan_more(int(carries_plan))
+                next_planning = bool(unsent)
+                next_made = self._settled(unsent[0]) if unsent else None
+                if unsent:
+                    unsent[0] = next_made
+                next_level = self._level_word()
+                # `parsed` (drawn last round) is None exactly when the data had ended by then: nothing is gathered
+                ahead = draw() if not exhausted else None
+                next_words = None
+                if trailers:  # the next round's words: its slice (END if none), its plan's bytes (-1: failed)
+                    next_words = Announcement(
+                        (ahead if ahead is not None else NO_SLICE).header, plan_words(next_made, self.R), next_level
                     )
-                )
-            announced, levels, level = result.next_announced, result.levels, next_level
-            if result.planned is not None:
-                planned.append(result.planned)
-                self.sched_ms.append(result.planned.plan.sched_seconds * 1e3)  # timed by the policy itself
-            if result.end_of_data:
-                exhausted = True
-                ahead = None
-            elif result.gathered is not None:
-                window.append(result.gathered)
-            if exchange is not None:
-                window.popleft()
-                plan, generation = planned.popleft()
-                assert result.assigned is not None  # a round with an exchange assembles this rank's samples
-                yield ScheduledBatch(result.assigned, plan, generation)
+                exchange = Exchange(window[0], planned[0].plan) if planned else None
+                self._ahead_samples = ahead.samples if ahead is not None else 0
+                with phase("input.exchange_and_gather"):
+                    result = self._round(
+                        Round(
+                            exchange=exchange,
+                            gather=parsed,
+                            carries_plan=carries_plan,
+                            made=made,
+                            announced=announced,
+                            next_words=next_words,
+                            level=level,
+                        )
+                    )
+                announced, levels, level = result.next_announced, result.levels, next_level
+                if result.planned is not None:
+                    planned.append(result.planned)
+                    self.sched_ms.append(result.planned.plan.sched_seconds * 1e3)  # timed by the policy itself
+                if result.end_of_data:
+                    exhausted = True
+                    ahead = None
+                elif result.gathered is not None:
+                    window.append(result.gathered)
+                if exchange is not None:
+                    window.popleft()
+                    plan, generation = planned.popleft()
+                    assert result.assigned is not None  # a round with an exchange assembles this rank's samples
+                    yield ScheduledBatch(result.assigned, plan, generation)
+        finally:
+            if self._cutter is not None:  # no cut outlives the stream (one in flight finishes first)
+                self._cutter.shutdown(wait=True, cancel_futures=True)
+                self._cutter = None

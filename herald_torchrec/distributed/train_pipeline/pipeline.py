@@ -142,22 +142,23 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
 
     Extra keyword arguments: `options` (a `HeraldOptions`, e.g. the sharder's: its policy, cache ratio and lookahead
     must be those the modules were sharded with) gives the settings below, which the keywords `prefetch`, `plan_on`,
-    `input_priority`, `host_relay` and `policy_options` replace (both checked by `HeraldOptions`, before any set-up);
-    `on_plan(plan)` is called with the plan of every batch once it has trained (statistics): this rank's part of it
-    (`PlanPart`: its moves, shared rows and samples; the counters are the whole step's) where parts pay (ranks on
-    several machines, or 9+), else the whole plan (and with `plan_on="every_rank"`, replicas or HET's caches);
-    `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many batches
-    a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec draws
-    batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made: the
-    lowest rank of each machine plans and sends each plan to the other ranks of its machine (~11 KB per step on
+    `input_priority`, `host_relay`, `cut_thread` and `policy_options` replace (both checked by `HeraldOptions`,
+    before any set-up); `on_plan(plan)` is called with the plan of every batch once it has trained (statistics):
+    this rank's part of it (`PlanPart`: its moves, shared rows and samples; the counters are the whole step's) where
+    parts pay (ranks on several machines, or 9+), else the whole plan (and with `plan_on="every_rank"`, replicas or
+    HET's caches); `host_group` overrides the gloo group of the input stage; `prefetch` (default 2) is how many
+    batches a background thread schedules and exchanges ahead of training (0: in the training thread, as TorchRec
+    draws batches; input_thread.py says why the default is short); `plan_on` (default "host") where plans are made:
+    the lowest rank of each machine plans and sends each plan to the other ranks of its machine (~11 KB per step on
     W&D at R=2; the scheduler's CPU once per machine and step, not once per rank), "rank0" (rank 0 plans for every
     rank) or "every_rank" (each rank runs the same deterministic scheduler, nothing is sent); `input_priority`
     (default "low") the CPU priority of the background thread (with `prefetch` > 0): "low" (nice 19), "idle"
-    (SCHED_IDLE) or "normal" (input_thread.py says why); `policy_options` go to the policy (e.g. fae's
-    `hot_budget`, het's `staleness`); `host_relay` (default True): where ranks share machines, each shared row
-    crosses to a reading machine once and one gradient sum crosses back (distributed/step/host_relay.py);
-    `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the policy is built (fae /
-    p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist.
+    (SCHED_IDLE) or "normal" (input_thread.py says why); `policy_options` go to the policy (e.g. fae's `hot_budget`,
+    het's `staleness`); `host_relay` (default True): where ranks share machines, each shared row crosses to a
+    reading machine once and one gradient sum crosses back (distributed/step/host_relay.py); `cut_thread` (default
+    True): a planner that sends parts cuts each plan's on a thread of its own while it makes the next plan
+    (input_stage.py); `profile` (global batches, the scheduler's view) is handed to `policy.profile()` when the
+    policy is built (fae / p2res choose their replicated rows from it). The rest go to TrainPipelineSparseDist.
 
     `input_wait_ms` holds, per batch (the last `WAITS_KEPT`), how long the training thread waited for the
     background input stage (with `prefetch` > 0): ~0 while the stage keeps ahead of training."""
@@ -177,6 +178,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         input_priority: Optional[str] = None,
         policy_options: Optional[dict[str, Any]] = None,
         host_relay: Optional[bool] = None,
+        cut_thread: Optional[bool] = None,
         profile: Optional[list[GlobalBatch]] = None,
         **kwargs: Any,
     ) -> None:
@@ -186,6 +188,7 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
             "input_priority": input_priority,
             "policy_options": policy_options,
             "host_relay": host_relay,
+            "cut_thread": cut_thread,
         }
         given_options = options is not None
         # checked before any set-up: a typo must not cost a model build
@@ -221,7 +224,13 @@ class HeraldTrainPipeline(TrainPipelineSparseDist):
         self._bounds = [(lo, lo + len(m.table_names)) for lo, m in zip(self.tables.module_offsets, modules)]
         warn_if_batch_coupled(model)
         group = host_group if host_group is not None else host_process_group()
-        self.input_stage = ScheduledInput(self.tables, PlanComm(group), self._make_policy, plan_on=self.options.plan_on)
+        self.input_stage = ScheduledInput(
+            self.tables,
+            PlanComm(group),
+            self._make_policy,
+            plan_on=self.options.plan_on,
+            cut_thread=self.options.cut_thread,
+        )
         self._on_plan = on_plan
         # wall ms the training thread waited for each batch of the background input stage: near 0 while the stage
         # keeps ahead; steadily high means it cannot (a starved low-priority thread, or a scheduler slower than a step).

@@ -1,8 +1,9 @@
 """The planning budget with several planners (schedule/herald/budget.py): four gloo ranks on two "machines" (each rank
 reports the host name of its pair, as the host-relay test does), `plan_on="host"`: ranks 0 and 2 each plan every
 global batch from their own copy of the ownership directory. With a budget no plan meets (1 us), both planners
-make the same degraded plans, at the levels they agree on through the round headers: two full plans, two reduced,
-then static ones (the words published with plan p - 2 set plan p's level), counted alike on both; every rank
+make the same degraded plans, at the levels they agree on through the round headers: full plans, two reduced, then
+static ones (the words published with plan p - 2 set plan p's level; p - 3 where each plan's parts are cut on the
+cut thread, its plans made a round earlier: `cut_thread`, both run here), counted alike on both; every rank
 executes its part of the same plans, and the trained model is the one-process model on the global batches (SGD,
 <= 1e-5). Each rank's ownership map, exact for its own rows while it trains on parts, is one exact map on every rank
 after an eval forward (`sync_directory`).
@@ -15,6 +16,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from herald_torchrec.distributed.train_pipeline.input_round import PAY_WORDS, TRAILER_BYTES
@@ -37,7 +39,7 @@ def plan_digest(plan) -> str:
     return h.hexdigest()[:16]
 
 
-def agreement_worker(rank: int, world: int, out_dir: str) -> None:
+def agreement_worker(rank: int, world: int, out_dir: str, cut_thread: bool = True) -> None:
     """STEPS steps of Herald with a 1 us planning budget, two planners; a DCP checkpoint, the digest of every plan
     this rank trained with, and (on the planners) the plan counts by level."""
 
@@ -46,7 +48,9 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
     from herald_torchrec import HeraldOptions
 
     with on_machine(f"machine-{rank // 2}"):
-        options = HeraldOptions(cache_ratio=0.05, lookahead=2, policy_options={"plan_budget_ms": 1e-3})
+        options = HeraldOptions(
+            cache_ratio=0.05, lookahead=2, policy_options={"plan_budget_ms": 1e-3}, cut_thread=cut_thread
+        )
         digests: list[str] = []
         dmp, pipeline = build("herald", options=options, on_plan=lambda p: digests.append(plan_digest(p)))
         it = iter(batches(rank, STEPS))
@@ -80,15 +84,23 @@ def agreement_worker(rank: int, world: int, out_dir: str) -> None:
     )
 
 
-def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut_thread", [True, False])
+def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tmp_path: Path, cut_thread: bool) -> None:
     from tests.scenarios.test_dropin import full_checkpoint
 
-    run_ranks("tests.distributed.train_pipeline.test_budget_agreement:agreement_worker", tmp_path, world_size=WORLD)
+    run_ranks(
+        "tests.distributed.train_pipeline.test_budget_agreement:agreement_worker",
+        tmp_path,
+        world_size=WORLD,
+        cut_thread=cut_thread,
+    )
+    ahead = 2 if cut_thread else 1  # plans made and not yet sent, after each round's (input_stage.py)
     res = [torch.load(rank_result(tmp_path, q), weights_only=False) for q in range(WORLD)]
     # ranks 0 and 2 plan (the lowest rank of each machine), 1 and 3 receive their plans
     assert [r["levels"] is not None for r in res] == [True, False, True, False]
     # both planners made the same plans at the same levels: degraded, then static
-    assert res[0]["levels"] == res[2]["levels"] == {"full": 2, "reduced": 2, "static": STEPS - 4}, res
+    full = 1 + ahead  # the plans made before the words of the first degraded one reach the planners
+    assert res[0]["levels"] == res[2]["levels"] == {"full": full, "reduced": 2, "static": STEPS - full - 2}, res
     for q in (0, 2):
         assert res[q]["policy"]["plan_budget"] == 1e-3 and res[q]["policy"]["plan_budget_planners"] == 2
     # every rank trained with its part of the same plans, whichever machine's planner made them
@@ -97,10 +109,10 @@ def test_two_planners_agree_on_degraded_plans_and_train_the_one_process_model(tm
     assert len(set(res[0]["digests"])) == STEPS
     # the header words: bags of several lengths, so every round exchanges them first, by an all-to-all of
     # PAY_WORDS + 1 words per pair of ranks (never all-gathered: PAY_WORDS + R words from every rank); the setup's
-    # all-gather of 5 words, and a trailer of PAY_WORDS words per pair on every round after the first L + 2
+    # all-gather of 5 words, and a trailer of PAY_WORDS words per pair on every round after the first L + 1 + ahead
     for r in res:
         sent, calls = r["control"]
-        exchanges, trailers = calls - 1, calls - 1 - (2 + 2)
+        exchanges, trailers = calls - 1, calls - 1 - (2 + 1 + ahead)
         assert sent == 5 * 8 * (WORLD - 1) + exchanges * (PAY_WORDS + 1) * 8 * (
             WORLD - 1
         ) + trailers * TRAILER_BYTES * (WORLD - 1), (sent, calls)
