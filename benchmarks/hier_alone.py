@@ -16,9 +16,11 @@ replica update; `--hier-clock` wall or CPU), beside the same host's figure in th
 messages' wire form costs it (encoding what it sends to other hosts and decoding what they send it, as the training
 transport does around its all-to-alls; not in `alone_ms`): `codec_ms` in the compact form (each array in its form of
 fewest bytes, schedule/message_wire.py, `planner_wire: compact`), `codec_raw_ms` with every array raw
-(`planner_wire: raw`), and the bytes of each; and `cut_ms`, what the input stage's planner does next on the same
-thread: cutting its ranks' parts from the host's plan and encoding them (step/plan_part.py, host relays on). A
-machine's planner thread spends `alone_ms` + `codec_raw_ms` + `cut_ms` per step with the default raw wire.
+(`planner_wire: raw`), and the bytes of each; and `cut_ms`, what the input stage's planner does next: cutting its
+ranks' parts from the host's plan and encoding those it sends (step/plan_part.py, host relays on). Two more replays
+time the planner's thread as the input stage runs it (raw wire, no check; wall ms per step): `planner_thread_ms`
+with the cut on the same thread, `planner_thread_cut_thread_ms` with the cut on a thread of its own while the next
+plan is made (`cut_thread`, the default).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,6 +73,23 @@ class RecordingTransport(InProcessTransport):
         inbox = super().exchange(kind, out)
         self.log.append((kind, inbox, out))
         return inbox
+
+
+class InboxTransport(Transport):
+    """Host `host`'s side of a recorded run as training runs it: each exchange encodes what it sends and decodes what
+    it receives in the raw wire form (the default `planner_wire`) and returns what the host received then; no check."""
+
+    def __init__(self, host: int, log: list) -> None:
+        super().__init__()
+        self.host, self.log, self.at = host, log, 0
+
+    def exchange(self, kind, out):
+        _, inbox, _ = self.log[self.at]
+        self.at += 1
+        bufs = encode_messages([m for s, m in inbox[self.host].items() if s != self.host], False)
+        encode_messages([m for t, m in out.get(self.host, {}).items() if t != self.host], False)
+        decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), [b.shape[0] for b in bufs])
+        return {self.host: inbox[self.host]}
 
 
 class ReplayTransport(Transport):
@@ -155,6 +175,41 @@ def record(args: argparse.Namespace, R: int, path: Path) -> dict:
     return {"num_hosts": H, "per_host_ms": (np.median(np.array(seconds[args.warmup :]), axis=0) * 1e3).tolist()}
 
 
+def planner_thread(args: argparse.Namespace, R: int, host: int, path: Path, cut_thread: bool) -> dict:
+    """Host `host`'s planner thread as the input stage runs it: per step its plan (the raw wire codec of its messages
+    included, no check), then the cut and encoding of its 7 other ranks' parts, on the same thread or on a thread of
+    its own while the next plan is made (`cut_thread`); the median wall ms per step."""
+    with open(path, "rb") as f:
+        rec = pickle.load(f)
+    rows, batch = _trace(args, R)
+    pol = _policy(args, rows, R)
+    P = args.ranks_per_host
+    hosts = HostMap(np.arange(R, dtype=np.int64) // P, relay=True)
+    ranks = list(range(host * P, (host + 1) * P))
+
+    def cut(plan):
+        parts = plan_parts(plan, ranks, hosts)
+        return {d: encode_plan(parts[d]) for d in ranks[1:]}  # the planner (its first rank) keeps its own
+
+    window = [pol.host_batch(batch(i), host) for i in range(args.lookahead)]
+    wall, pending = [], None
+    with ThreadPoolExecutor(1) as cutter:
+        for i in range(args.steps):
+            window.append(pol.host_batch(batch(i + args.lookahead), host))
+            t0 = time.perf_counter()
+            plan = pol.plan_host(host, window, InboxTransport(host, rec["steps"][i]))
+            if cut_thread:
+                if pending is not None:
+                    pending.result()
+                pending = cutter.submit(cut, plan)
+            else:
+                cut(plan)
+            wall.append(time.perf_counter() - t0)
+            window.pop(0)
+    key = "planner_thread_cut_thread_ms" if cut_thread else "planner_thread_ms"
+    return {"host": host, key: round(float(np.median(wall[args.warmup :])) * 1e3, 3)}
+
+
 def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     """Host `host` alone: a fresh policy, its own samples, the recorded messages."""
     with open(path, "rb") as f:
@@ -165,7 +220,7 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     window = [pol.host_batch(batch(i), host) for i in range(args.lookahead)]
     ms, cut, codec, nbytes = [], [], {f: [] for f in WIRE_FORMS}, {f: [] for f in WIRE_FORMS}
     P = args.ranks_per_host
-    ranks = range(host * P, (host + 1) * P)
+    ranks = list(range(host * P, (host + 1) * P))
     hosts = HostMap(np.arange(R, dtype=np.int64) // P, relay=True)  # the data plane's relays, on by default
     for i in range(args.steps):
         window.append(pol.host_batch(batch(i + args.lookahead), host))
@@ -174,8 +229,9 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
         step = pol.last_step
         ms.append(float(step.per_host_seconds[host]) * 1e3)
         t0 = hierarchy.CLOCK()  # the cut of its ranks' parts, as the input stage's planner does after each plan
-        for part in plan_parts(plan, ranks, hosts).values():
-            encode_plan(part)
+        parts = plan_parts(plan, ranks, hosts)
+        for d in ranks[1:]:  # the planner (its first rank) keeps its own part
+            encode_plan(parts[d])
         cut.append((hierarchy.CLOCK() - t0) * 1e3)
         for f in WIRE_FORMS:
             codec[f].append(transport.codec_seconds[f] * 1e3)
@@ -218,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="each directory host's owner balancing: a factor >= 1, 'off', or 'auto' (the policy's default, 1.15)",
     )
     p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
+    p.add_argument("--replay-as", choices=["check", "thread", "cut_thread"], default="check", help=argparse.SUPPRESS)
     p.add_argument("--record-file", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
@@ -225,7 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
     hierarchy.CLOCK = time.process_time if args.hier_clock == "cpu" else time.perf_counter
     R = args.workers
     if args.replay is not None:
-        out = replay(args, R, args.replay, args.record_file)
+        if args.replay_as == "check":
+            out = replay(args, R, args.replay, args.record_file)
+        else:
+            out = planner_thread(args, R, args.replay, args.record_file, args.replay_as == "cut_thread")
         print(json.dumps(out))
         return out
     try:
@@ -244,9 +304,12 @@ def main(argv: list[str] | None = None) -> dict:
         same = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in REPLAYED]
         for h in hosts:
             print(f"[hier_alone] R={R}: host {h} alone", file=sys.stderr)
-            cmd = [sys.executable, __file__, *same, f"--replay={h}", f"--record-file={path}"]
-            got = subprocess.run(cmd, check=True, capture_output=True, text=True)
-            alone.append(json.loads(got.stdout.strip().splitlines()[-1]))
+            one: dict = {}
+            for mode in ("check", "thread", "cut_thread"):  # each replay in a fresh process
+                cmd = [sys.executable, __file__, *same, f"--replay={h}", f"--replay-as={mode}", f"--record-file={path}"]
+                got = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                one |= json.loads(got.stdout.strip().splitlines()[-1])
+            alone.append(one)
     in_process = np.array(rec["per_host_ms"])
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("replay", "record_file")},

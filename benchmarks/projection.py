@@ -58,8 +58,9 @@ KJT_VALUE_BYTES, KJT_LENGTH_BYTES = 8, 4  # TorchRec's input dist: int64 ids, in
 UNSHAPED_BPS = 13e9  # veth / loopback between namespaces, unshaped: ~13 Gbit/s measured here (docs/REFERENCE.md)
 # Herald's input stage besides the planner, per step on the planning rank (RESULTS.md, "End to end, unshaped links":
 # the user's iterator 1.1 ms, its round 0.9 ms; measured at R=2 on the 2-core machine). What the planner does with
-# its plan next comes per R: the cut and encoding of its ranks' parts where parts travel (several hosts), else the
-# whole plan's encoding (WHOLE_PLAN_ENCODE_MS, measured at R=2).
+# its plan next comes per R: where parts travel (several hosts) their cut and encoding, on a second core while the
+# next plan is made (the input stage's `cut_thread`, on by default), else the whole plan's encoding on the planner's
+# thread (WHOLE_PLAN_ENCODE_MS, measured at R=2).
 INPUT_BOOKKEEPING_MS = 1.1 + 0.9
 WHOLE_PLAN_ENCODE_MS = 0.2
 STOCK_POLICIES = ("table_wise", "row_wise")
@@ -316,11 +317,12 @@ def gpu_inputs(workload: str, path: Path = GPU_RUNS) -> dict:
 
 def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE, cuts: Path = PLAN_CUTS) -> dict:
     """Per R and simulated policy: rows crossing hosts / inside hosts per sample (direct and host-aggregated), the
-    busiest rank over the mean and the planner thread's CPU ms per step: herald's plan of the global batch (the
-    simulator) + its cut of its host's parts from it (`plan_cut_ms`); herald_hier's slowest replayed host alone in
-    its own process as in training, with the wire's encoding and decoding of its messages and the cut of its ranks'
-    parts from its own plan (`hier_alone_ms`; with one host herald_hier is herald). With one host the whole plan
-    travels (no cut): WHOLE_PLAN_ENCODE_MS."""
+    busiest rank over the mean and the planner's CPU ms per step (`planner_cpu_ms`) with the cut of its host's parts
+    (`cut_ms`, on the cut thread): herald's plan of the global batch (the simulator) and its cut from it
+    (`plan_cut_ms`); herald_hier's slowest replayed host alone in its own process as in training, with the wire's
+    encoding and decoding of its messages, and the cut of its ranks' parts from its own plan (`hier_alone_ms`; with
+    one host herald_hier is herald). With one host the whole plan travels (no cut): WHOLE_PLAN_ENCODE_MS on the
+    planner's thread."""
     d = load_json(path)
     rph = d["config"].get("ranks_per_host")
     if rph != 8:
@@ -334,15 +336,15 @@ def sim_inputs(path: Path = SIM_SWEEP, hier_alone: str = HIER_ALONE, cuts: Path 
         several = R > rph
         if several and R not in cut:
             raise SystemExit(f"error: no herald cut for R={r} in {cuts}")
-        after = cut[R] if several else WHOLE_PLAN_ENCODE_MS
         for p in HERALDS:
             if p in out[R]:
-                out[R][p]["planner_cpu_ms"] += after
+                out[R][p]["planner_cpu_ms"] += 0.0 if several else WHOLE_PLAN_ENCODE_MS
+                out[R][p]["cut_ms"] = cut[R] if several else 0.0
         hier = out[R].get("herald_hier")
         if hier is not None and several:  # several hosts (one: plain herald)
             if R not in alone:
                 raise SystemExit(f"error: no hier_alone run for R={r} in {hier_alone}")
-            hier["planner_cpu_ms"] = alone[R]
+            hier["planner_cpu_ms"], hier["cut_ms"] = alone[R]
     return {"batch": d["config"]["batch"], "by_r": out, "source": path.name}
 
 
@@ -357,17 +359,25 @@ def plan_cut_ms(path: Path, sweep_config: dict) -> dict[int, float]:
     return {int(r): float(v["cut_cpu_ms_per_host"]) for r, v in d["by_workers"].items()}
 
 
-def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, float]:
-    """R -> the slowest replayed host's planner thread ms per step alone (`alone_ms` + `codec_raw_ms` + `cut_ms`),
-    from benchmarks/hier_alone.py's JSON files run with the sweep's tables, batch, cache and lookahead."""
+def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, tuple[float, float]]:
+    """R -> (the slowest replayed host's planning ms per step alone: `alone_ms` + `codec_raw_ms`; its `cut_ms`), from
+    benchmarks/hier_alone.py's JSON files run with the sweep's tables, batch, cache and lookahead."""
     out = {}
     for f in sorted(glob.glob(pattern)):
         c = load_json(f)
         cfg = c["config"]
         same = all(cfg[k] == sweep_config[k] for k in ("scale", "batch", "cache_ratio", "lookahead", "ranks_per_host"))
         if same:
-            out[int(cfg["workers"])] = max(h["alone_ms"] + h["codec_raw_ms"] + h["cut_ms"] for h in c["hosts"])
+            slowest = max(c["hosts"], key=lambda h: h["alone_ms"] + h["codec_raw_ms"])
+            out[int(cfg["workers"])] = (slowest["alone_ms"] + slowest["codec_raw_ms"], slowest["cut_ms"])
     return out
+
+
+def planner_thread_ms(s: dict) -> float:
+    """The input stage's time per step on a planning host: its planner's plan and the stage's other work, or the cut
+    of its ranks' parts on the cut thread where that is longer (measured overlapped: hier_alone.py's
+    `planner_thread_cut_thread_ms`)."""
+    return max(s["planner_cpu_ms"] + INPUT_BOOKKEEPING_MS, s.get("cut_ms", 0.0))
 
 
 def _sim_row(x: dict) -> dict:
@@ -436,7 +446,7 @@ def project(workload: str, links: tuple[Links, ...] = CLUSTER_LINKS) -> dict:
                 c = comm_ms(total, ln, hosts)
                 ce = comm_ms(emb, ln, hosts)
                 herald = p in HERALDS
-                input_ms = s[p]["planner_cpu_ms"] + INPUT_BOOKKEEPING_MS if herald else 0.0
+                input_ms = planner_thread_ms(s[p]) if herald else 0.0
                 est = step_estimate(gpu["compute_ms"], gpu["herald_host_ms"] if herald else 0.0, c, ce, input_ms)
                 per[p] = asdict(est) | {
                     "host_link_mb": total.host_bytes / 1e6,
@@ -693,10 +703,11 @@ def assumptions(workload: str) -> dict:
         "herald_input_stage_ms": "herald: the simulator's planner CPU ms per global batch at each R "
         f"({SIM_SWEEP.name}, one thread, this 2-core machine) + the cut and encoding of its host's 8 parts from the "
         f"whole plan ({PLAN_CUTS.name}); herald_hier: its slowest replayed host's planner alone in its own process "
-        "with the messages' raw wire form and the cut of its 8 parts from its own plan (benchmarks/hier_alone.py, CPU "
-        "ms, scale 0.01 as the sweep; herald's from one host); with one host the whole plan travels "
-        f"(+{WHOLE_PLAN_ENCODE_MS} ms encoding, R=2); each + {INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, "
-        "R=2); runs beside the step on one host core; the step waits when it is longer",
+        "with the messages' raw wire form, and the cut of its 8 parts from its own plan (benchmarks/hier_alone.py, "
+        "CPU ms, scale 0.01 as the sweep; herald's from one host); the plan + "
+        f"{INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, R=2) on one host core, the cut on a second (the "
+        "input stage's cut thread): the longer of the two; with one host the whole plan travels "
+        f"(+{WHOLE_PLAN_ENCODE_MS} ms encoding on the planner's core, R=2); the step waits when it is longer",
         "herald_hier_input_stage": "ids to the rank's own host's planner only, samples stay on their host; the "
         "planners' messages (the busiest host's) and the routed plan parts cross hosts (the sweep's protocol bytes)",
         "herald_host_ms": "on the step's path: Herald's one-rank H100 step minus stock's, clamped at 0",

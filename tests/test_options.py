@@ -25,6 +25,7 @@ BAD = [
     ({"prefetch": True}, "prefetch must be an integer >= 0"),
     ({"input_priority": "high"}, "input_priority must be one of ['normal', 'low', 'idle']"),
     ({"native": "maybe"}, "native must be one of ['auto', 'on', 'off']"),
+    ({"cut_thread": "yes"}, "cut_thread must be true or false, got 'yes'"),
 ]
 
 

@@ -21,6 +21,8 @@ def test_a_host_replays_alone_and_times_its_steps():
     assert [h["host"] for h in res["hosts"]] == [1, 3]
     assert all(h["alone_ms"] > 0 and h["in_process_ms"] > 0 and h["codec_ms"] > 0 for h in res["hosts"])
     assert all(h["cut_ms"] > 0 for h in res["hosts"])  # its ranks' parts cut from its plan
+    # its planner's thread as the input stage runs it: the cut on the same thread, or on one of its own
+    assert all(h["planner_thread_ms"] > 0 and h["planner_thread_cut_thread_ms"] > 0 for h in res["hosts"])
     assert all(0 < h["sent_bytes"] < h["sent_raw_bytes"] for h in res["hosts"])  # the compact form is smaller
     assert res["in_process_ms"]["slowest"] >= res["in_process_ms"]["median"] > 0
 

@@ -63,16 +63,20 @@ def test_dense_simulated_rows_and_herald_input_stage() -> None:
 
 
 def test_hier_alone_inputs_by_r(tmp_path) -> None:
-    """herald_hier's planner ms per R: the slowest replayed host (alone + its wire's codec), only from runs with the
-    sweep's settings."""
+    """herald_hier's planner ms per R: the slowest replayed host (alone + its wire's codec) with its cut, only from
+    runs with the sweep's settings; the input stage's time: the plan + bookkeeping, or the cut on the cut thread
+    where that is longer."""
     import json
 
     cfg = {"scale": 0.01, "batch": 256, "cache_ratio": 0.1, "lookahead": 4, "ranks_per_host": 8}
     for r, ms, scale in ((16, (3.0, 4.5), 0.01), (64, (5.0, 4.0), 0.01), (32, (9.0, 9.0), 1.0)):
-        hosts = [{"host": h, "alone_ms": m, "codec_raw_ms": 0.25, "cut_ms": 2.0} for h, m in enumerate(ms)]
+        hosts = [{"host": h, "alone_ms": m, "codec_raw_ms": 0.25, "cut_ms": 2.0 + h} for h, m in enumerate(ms)]
         body = {"config": cfg | {"workers": r, "scale": scale}, "hosts": hosts}
         (tmp_path / f"hier_alone_r{r}.json").write_text(json.dumps(body))
-    assert pj.hier_alone_ms(str(tmp_path / "hier_alone_r*.json"), cfg) == {16: 6.75, 64: 7.25}
+    assert pj.hier_alone_ms(str(tmp_path / "hier_alone_r*.json"), cfg) == {16: (4.75, 3.0), 64: (5.25, 2.0)}
+    book = pj.INPUT_BOOKKEEPING_MS
+    assert pj.planner_thread_ms({"planner_cpu_ms": 4.75, "cut_ms": 3.0}) == 4.75 + book
+    assert pj.planner_thread_ms({"planner_cpu_ms": 1.0, "cut_ms": 9.0}) == 9.0  # the cut thread is the slower one
 
 
 def test_herald_cut_inputs_by_r(tmp_path) -> None:

@@ -40,11 +40,13 @@ each plan, every planner takes the words of the last round completed on every ra
 
 (the probe counts the agreed degraded plans, so it is the same everywhere too). A planner computes its word right
 after making a plan and publishes it in the header of the round that carries that plan; plans are made a round
-before they travel, so the level of plan p follows the words published with plan p-2 (plans 0 and 1 follow the
-last gathering round's words: FULL unless a budget applied already). The counts (`plans_reduced`, `plans_static`)
-are the same on every planner; only the CPU costs per level (which drive each planner's word) are its own. One
-slow planner degrades every planner's plans: the slowest sets the pace, as it would stall the step for all of
-them. With one planner (`set_planners(1)`) the level is its own word at once, lag 0 (`choose`).
+before they travel, so the level of plan p follows the words published with plan p-2 (plans 0 and 1 follow the last
+gathering round's words: FULL unless a budget applied already); where the input stage cuts each plan's parts on its
+cut thread, plans are made a round earlier still, and plan p follows the words published with plan p-3. The counts
+(`plans_reduced`, `plans_static`) are the same on every planner; only the CPU costs per level (which drive each
+planner's word) are its own. One slow planner degrades every planner's plans: the slowest sets the pace, as it would
+stall the step for all of them. With one planner (`set_planners(1)`) the level is its own word at once, lag 0
+(`choose`).
 
 Example: two planners A (fast) and B (slow), `plan_budget_ms=2`, the probe aside. Their words after each plan
 (CPU per plan, FULL / REDUCED: A 1.5 / 0.8 ms, B 3 / 1.5 ms; B's REDUCED cost, unmeasured, is tried once):
