@@ -77,18 +77,23 @@ class RecordingTransport(InProcessTransport):
 
 class InboxTransport(Transport):
     """Host `host`'s side of a recorded run as training runs it: each exchange encodes what it sends and decodes what
-    it receives in the raw wire form (the default `planner_wire`) and returns what the host received then; no check."""
+    it receives in the raw wire form (the default `planner_wire`) and returns what the host received then; no check.
+    What the other hosts sent is encoded when the transport is made (their work, not this host's)."""
 
     def __init__(self, host: int, log: list) -> None:
         super().__init__()
         self.host, self.log, self.at = host, log, 0
+        self.sent_here = []
+        for _, inbox, _ in log:
+            bufs = encode_messages([m for s, m in inbox[host].items() if s != host], False)
+            self.sent_here.append((np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), [b.shape[0] for b in bufs]))
 
     def exchange(self, kind, out):
         _, inbox, _ = self.log[self.at]
+        buf, sizes = self.sent_here[self.at]
         self.at += 1
-        bufs = encode_messages([m for s, m in inbox[self.host].items() if s != self.host], False)
         encode_messages([m for t, m in out.get(self.host, {}).items() if t != self.host], False)
-        decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), [b.shape[0] for b in bufs])
+        decode_messages(buf, sizes)
         return {self.host: inbox[self.host]}
 
 
@@ -196,8 +201,9 @@ def planner_thread(args: argparse.Namespace, R: int, host: int, path: Path, cut_
     with ThreadPoolExecutor(1) as cutter:
         for i in range(args.steps):
             window.append(pol.host_batch(batch(i + args.lookahead), host))
+            transport = InboxTransport(host, rec["steps"][i])
             t0 = time.perf_counter()
-            plan = pol.plan_host(host, window, InboxTransport(host, rec["steps"][i]))
+            plan = pol.plan_host(host, window, transport)
             if cut_thread:
                 if pending is not None:
                     pending.result()
