@@ -584,7 +584,7 @@ void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t
 
 extern "C" {
 
-int herald_kernels_version() { return 16; }
+int herald_kernels_version() { return 17; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1643,53 +1643,95 @@ int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds,
   return k;
 }
 
-// Pass 2: every array of mode 1-4 found by herald_msg_scan, as int64 into out[at[i] ..] (raw ones are skipped).
-void herald_msg_decode(int64_t k, const uint8_t* buf, const int64_t* mode, const int64_t* count, const int64_t* start,
-                       const int64_t* stop, const int64_t* at, int64_t* out) {
-  for (int64_t i = 0; i < k; ++i) {
-    if (mode[i] == 0) continue;
-    const uint8_t* p = buf + start[i];
-    const uint8_t* const end = buf + stop[i];  // the scan checked the bounds
-    int64_t* o = out + at[i];
-    const int64_t n = count[i];
-    uint64_t base, dlo = 0;
-    if (mode[i] == 1 || mode[i] == 2) {
-      msg_get_varint(p, end, base);
-      if (mode[i] == 2) msg_get_varint(p, end, dlo);
-      const int64_t b = *p++, nb = n - (mode[i] == 2);
-      uint64_t acc = static_cast<uint64_t>(msg_unzz(base));
-      if (mode[i] == 2) o[0] = static_cast<int64_t>(acc);
-      const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
-      const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
-      const uint8_t* const p0 = p;  // the packed values
-      for (int64_t j = 0; j < nb; ++j) {
-        const int64_t bit = j * b, byte = bit >> 3, off = bit & 7;
-        uint64_t u;
-        if (b <= 56 && p0 + byte + 8 <= end) {  // one unaligned 8-byte load holds the value
-          uint64_t w;
-          std::memcpy(&w, p0 + byte, 8);
-          u = (w >> off) & mask;
-        } else {  // near the end of the payload, or wider than 56 bits: its bytes one by one
-          unsigned __int128 w = 0;
-          for (int64_t q = 0; q < (off + b + 7) / 8; ++q) w |= static_cast<unsigned __int128>(p0[byte + q]) << (8 * q);
-          u = static_cast<uint64_t>(w >> off) & mask;
-        }
-        if (mode[i] == 1) {
-          o[j] = static_cast<int64_t>(acc + u);
-        } else {
-          acc += d0 + u;
-          o[j + 1] = static_cast<int64_t>(acc);
-        }
+}  // extern "C"
+
+namespace {
+
+// One array of mode 1-4 (the scan checked its bounds) as int64 into o[0 .. n).
+static void msg_decode_ints(const uint8_t* p, const uint8_t* end, int64_t mode, int64_t n, int64_t* o) {
+  uint64_t base, dlo = 0;
+  if (mode == 1 || mode == 2) {
+    msg_get_varint(p, end, base);
+    if (mode == 2) msg_get_varint(p, end, dlo);
+    const int64_t b = *p++, nb = n - (mode == 2);
+    uint64_t acc = static_cast<uint64_t>(msg_unzz(base));
+    if (mode == 2) o[0] = static_cast<int64_t>(acc);
+    const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
+    const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
+    const uint8_t* const p0 = p;  // the packed values
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t bit = j * b, byte = bit >> 3, off = bit & 7;
+      uint64_t u;
+      if (b <= 56 && p0 + byte + 8 <= end) {  // one unaligned 8-byte load holds the value
+        uint64_t w;
+        std::memcpy(&w, p0 + byte, 8);
+        u = (w >> off) & mask;
+      } else {  // near the end of the payload, or wider than 56 bits: its bytes one by one
+        unsigned __int128 w = 0;
+        for (int64_t q = 0; q < (off + b + 7) / 8; ++q) w |= static_cast<unsigned __int128>(p0[byte + q]) << (8 * q);
+        u = static_cast<uint64_t>(w >> off) & mask;
       }
-    } else {
-      uint64_t prev = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        const uint64_t val = static_cast<uint64_t>(msg_unzz(msg_varint_checked(p)));
-        prev = mode[i] == 4 ? prev + val : val;
-        o[j] = static_cast<int64_t>(prev);
+      if (mode == 1) {
+        o[j] = static_cast<int64_t>(acc + u);
+      } else {
+        acc += d0 + u;
+        o[j + 1] = static_cast<int64_t>(acc);
       }
     }
+  } else {
+    uint64_t prev = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const uint64_t val = static_cast<uint64_t>(msg_unzz(msg_varint_checked(p)));
+      prev = mode == 4 ? prev + val : val;
+      o[j] = static_cast<int64_t>(prev);
+    }
   }
+}
+
+template <typename T>
+static void msg_narrow_as(const int64_t* v, int64_t n, uint8_t* o) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T x = static_cast<T>(v[j]);  // wraps, as numpy's astype does
+    std::memcpy(o + sizeof(T) * j, &x, sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Pass 2: every array found by herald_msg_scan, in its own dtype, into arena[offset[i] ..): raw ones copied, the
+// others decoded (as numpy's int64 values cast to the dtype: integer dtype codes 1-8 only). One pass and one
+// allocation for a phase's messages, where a copy per array cost ~1 us of Python each. Returns 0, or -1 for an
+// encoded array of another dtype (bool, floats: never written by the encoder; numpy decodes those).
+int64_t herald_msg_unpack(int64_t k, const uint8_t* buf, const int64_t* code, const int64_t* mode,
+                          const int64_t* count, const int64_t* start, const int64_t* stop, const int64_t* itemsize,
+                          const int64_t* offset, uint8_t* arena) {
+  static thread_local std::vector<int64_t> v;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t n = count[i];
+    uint8_t* const o = arena + offset[i];
+    if (mode[i] == 0) {
+      if (n) std::memcpy(o, buf + start[i], static_cast<size_t>(n * itemsize[code[i]]));
+      continue;
+    }
+    if (code[i] < 1 || code[i] > 8) return -1;
+    if (code[i] >= 7) {  // int64 and uint64: decoded in place (offsets are 8-byte aligned)
+      msg_decode_ints(buf + start[i], buf + stop[i], mode[i], n, reinterpret_cast<int64_t*>(o));
+      continue;
+    }
+    v.resize(static_cast<size_t>(n));
+    msg_decode_ints(buf + start[i], buf + stop[i], mode[i], n, v.data());
+    switch (code[i]) {
+      case 1: msg_narrow_as<int8_t>(v.data(), n, o); break;
+      case 2: msg_narrow_as<uint8_t>(v.data(), n, o); break;
+      case 3: msg_narrow_as<int16_t>(v.data(), n, o); break;
+      case 4: msg_narrow_as<uint16_t>(v.data(), n, o); break;
+      case 5: msg_narrow_as<int32_t>(v.data(), n, o); break;
+      default: msg_narrow_as<uint32_t>(v.data(), n, o);
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"

@@ -254,18 +254,24 @@ def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[n
     """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on.
     compact=False sends every array RAW (its own bytes behind the same headers): no pass over the values, for
     planners whose links are fast enough that the CPU costs more than the bytes (WIRE_FORMS)."""
-    checked = [_check(m) for m in messages]
     if not native.enabled():
-        return [_encode_numpy(m, compact) for m in checked]
-    arrays = [a for m in checked for a in m]
-    first = np.zeros(len(checked) + 1, dtype=np.int64)
-    np.cumsum([len(m) for m in checked], out=first[1:])
-    meta = np.array([_META[a.dtype] for a in arrays], dtype=np.int64)
-    meta = meta.reshape(len(arrays), 3)
+        return [_encode_numpy(_check(m), compact) for m in messages]
+    arrays = [a for m in messages for a in m]
+    # a step's phase sends ~650 arrays at R=256: one look per array, the whole check (_check) only where it fails
+    meta = [_META.get(a.dtype) if a.ndim == 1 and a.flags.c_contiguous else None for a in arrays]
+    if None in meta or any(len(m) > 255 for m in messages):
+        checked = [_check(m) for m in messages]
+        arrays = [a for m in checked for a in m]
+        meta = [_META[a.dtype] for a in arrays]
+    first = np.zeros(len(messages) + 1, dtype=np.int64)
+    np.cumsum([len(m) for m in messages], out=first[1:])
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    kinds, sizes, codes = meta[:, 0] * compact, meta[:, 1].copy(), meta[:, 2].copy()  # element code 0: RAW
-    cap = int((np.maximum(lens * sizes, lens * 10) + 32).sum()) + len(checked)  # above every mode's bytes
-    buf, ends = native.msg_encode(arrays, first, kinds, sizes, codes, cap)
+    if lens.shape[0] and lens.max() >= 1 << 32:
+        _check([a for a in arrays if a.shape[0] >= 1 << 32])  # raises
+    table = np.array(meta, dtype=np.int64).reshape(len(arrays), 3)
+    kinds, sizes, codes = table[:, 0] * compact, table[:, 1].copy(), table[:, 2].copy()  # element code 0: RAW
+    cap = int((np.maximum(lens * sizes, lens * 10) + 32).sum()) + len(messages)  # above every mode's bytes
+    buf, ends = native.msg_encode(arrays, first, lens, kinds, sizes, codes, cap)
     starts = np.concatenate([[0], ends[:-1]]).tolist()
     return [buf[s:e] for s, e in zip(starts, ends.tolist())]
 
@@ -289,19 +295,22 @@ def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | Non
     b = np.ascontiguousarray(buf, dtype=np.uint8)
     arrs = native.msg_scan(b, np.concatenate([bounds[sent], bounds[-1:]]) if sent else bounds[:1], _ITEMSIZE)
     # the scan takes the sent messages' bounds as one run: messages of size 0 take no bytes, so the starts line up
-    encoded = arrs.mode != RAW
-    counts = np.where(encoded, arrs.count, 0)
-    at = np.cumsum(counts) - counts
-    ints = native.msg_decode(b, arrs, at, int(counts.sum()))
-    got: list[list[np.ndarray]] = [[] for _ in sent]
-    for m, code, mode, n, s, e, a in zip(
-        arrs.msg.tolist(), arrs.code.tolist(), arrs.mode.tolist(), arrs.count.tolist(), arrs.start.tolist(),
-        arrs.stop.tolist(), at.tolist(),
-    ):  # fmt: skip
-        dt = DTYPES[code]
-        got[m].append(b[s:e].copy().view(dt) if mode == RAW else ints[a : a + n].astype(dt))
-    for j, i in enumerate(sent):
-        out[i] = got[j]
+    nbytes = arrs.count * _ITEMSIZE[arrs.code]
+    room = (nbytes + 7) & ~7  # every array 8-byte aligned in one arena, as a fresh array would be
+    offset = np.cumsum(room) - room
+    arena = native.msg_unpack(b, arrs, _ITEMSIZE, offset, int(room.sum()))
+    if arena is None:  # an encoded array of a non-integer dtype: numpy decodes every message
+        for i in sent:
+            out[i] = _decode_numpy(buf[bounds[i] : bounds[i + 1]])
+        return out
+    flat = [
+        np.frombuffer(arena, DTYPES[c], n, o)
+        for c, n, o in zip(arrs.code.tolist(), arrs.count.tolist(), offset.tolist())
+    ]
+    per = np.zeros(len(sent) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(arrs.msg, minlength=len(sent)), out=per[1:])
+    for i, lo, hi in zip(sent, per[:-1].tolist(), per[1:].tolist()):
+        out[i] = flat[lo:hi]
     return out
 
 

@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 16  # herald_kernels_version() of the source this module expects
+VERSION = 17  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -195,7 +195,7 @@ SIGNATURES = {
     "herald_wire_sample_order": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_msg_encode": ([_i64, _i64p, ctypes.c_void_p, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64p], _i64),
     "herald_msg_scan": ([_i64, _u8p, _i64p, _i64p, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
-    "herald_msg_decode": ([_i64, _u8p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], None),
+    "herald_msg_unpack": ([_i64, _u8p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p], _i64),
 }
 
 KERNELS = _native.Kernels(SOURCE, SIGNATURES, VERSION, "the scheduler's", "herald_kernels")
@@ -821,14 +821,21 @@ def wire_sample_order(rank: np.ndarray, R: int) -> np.ndarray | None:
 
 
 def msg_encode(
-    arrays: list[np.ndarray], first: np.ndarray, kinds: np.ndarray, itemsizes: np.ndarray, codes: np.ndarray, cap: int
+    arrays: list[np.ndarray],
+    first: np.ndarray,
+    lens: np.ndarray,
+    kinds: np.ndarray,
+    itemsizes: np.ndarray,
+    codes: np.ndarray,
+    cap: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """message_wire's messages (message m: arrays first[m] .. first[m + 1], each C-contiguous in its own dtype) back
-    to back: (the bytes, each message's end)."""
+    """message_wire's messages (message m: arrays first[m] .. first[m + 1], each C-contiguous in its own dtype, of
+    lens elements) back to back: (the bytes, each message's end)."""
     out, ends = np.empty(cap, dtype=np.uint8), np.empty(first.shape[0] - 1, dtype=np.int64)
-    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    # an empty array's address is never read: 0, where asking for it costs an exception (~3 us)
+    addresses = (ctypes.c_void_p * len(arrays))(*(_native.address(a) if a.shape[0] else 0 for a in arrays))
     n = lib().herald_msg_encode(
-        ends.shape[0], _p(first), _native.addresses(arrays), _p(lens), _p(kinds), _p(itemsizes), _p(codes), _p(out),
+        ends.shape[0], _p(first), addresses, _p(lens), _p(kinds), _p(itemsizes), _p(codes), _p(out),
         cap, _p(ends),
     )  # fmt: skip
     if n < 0:
@@ -851,7 +858,10 @@ class MessageArrays:
 def msg_scan(buf: np.ndarray, bounds: np.ndarray, itemsize: np.ndarray) -> MessageArrays:
     """The arrays of the messages in `buf` (message m: bytes bounds[m] .. bounds[m + 1]); ValueError if malformed."""
     b, bd, isz = _c(buf, np.uint8), _c(bounds, np.int64), _c(itemsize, np.int64)
-    cap = int(b.shape[0]) // 2 + 1  # every array takes at least its header's 2 bytes
+    # a message's first byte counts its arrays: their sum bounds the table (a bound from the buffer's length, 2
+    # bytes per array, would allocate ~1 MB per 100 KB received, page mappings that cost more than the scan)
+    starts = bd[:-1][(bd[:-1] < bd[1:]) & (bd[:-1] >= 0) & (bd[:-1] < b.shape[0])]  # (empty ones: the scan's error)
+    cap = int(b[starts].sum(dtype=np.int64))
     cols = [np.empty(cap, dtype=np.int64) for _ in range(6)]
     k = lib().herald_msg_scan(bd.shape[0] - 1, _p(b), _p(bd), _p(isz), cap, *(_p(c) for c in cols))
     if k < 0:
@@ -859,9 +869,11 @@ def msg_scan(buf: np.ndarray, bounds: np.ndarray, itemsize: np.ndarray) -> Messa
     return MessageArrays(*(c[:k] for c in cols))
 
 
-def msg_decode(buf: np.ndarray, arrays: MessageArrays, at: np.ndarray, total: int) -> np.ndarray:
-    """Every encoded (not raw) array of `arrays` as int64, array i at out[at[i]:]."""
-    b, out = _c(buf, np.uint8), np.empty(max(total, 1), dtype=np.int64)
-    a = arrays
-    lib().herald_msg_decode(a.msg.shape[0], _p(b), _p(a.mode), _p(a.count), _p(a.start), _p(a.stop), _p(at), _p(out))
-    return out
+def msg_unpack(buf: np.ndarray, arrays: MessageArrays, itemsize: np.ndarray, offset: np.ndarray, size: int):
+    """Every array of `arrays` in its own dtype, array i at byte offset[i] of one new np.uint8 arena of `size` bytes;
+    None where an encoded array has a dtype the compiled pass does not decode (not an integer: numpy does)."""
+    b, arena, a = _c(buf, np.uint8), np.empty(size, dtype=np.uint8), arrays
+    cols = (a.code, a.mode, a.count, a.start, a.stop)
+    if lib().herald_msg_unpack(a.msg.shape[0], _p(b), *(_p(c) for c in cols), _p(itemsize), _p(offset), _p(arena)):
+        return None
+    return arena

@@ -60,6 +60,34 @@ def test_every_message_comes_back_equal_with_its_dtypes():
     assert mw.decode_messages(np.concatenate(bufs), sizes[:3] + [0] + sizes[3:])[3] is None  # nothing sent: None
 
 
+def test_decoded_arrays_are_aligned_writable_and_independent():
+    """The compiled pass lays a phase's arrays out in one arena: each still starts 8-byte aligned (kernels read
+    them), is writable, and a write into one leaves the others and the received bytes as they were."""
+    msgs = _random_messages(4, 60) + [[np.array([3, 1, 2], np.int16), np.arange(5, dtype=np.int64) * 7]]
+    for compact in (True, False):
+        bufs = mw.encode_messages(msgs, compact)
+        buf = np.concatenate(bufs)
+        before = buf.copy()
+        got = mw.decode_messages(buf, [b.shape[0] for b in bufs])
+        arrays = [a for m in got for a in m]
+        assert all(a.flags.aligned and a.flags.writeable for a in arrays)
+        got[-1][0][:] = -1
+        assert np.array_equal(buf, before)
+        for m, g in zip(msgs[:-1], got[:-1]):
+            _same(m, g)
+        assert got[-1][1].tolist() == [0, 7, 14, 21, 28]
+
+
+@pytest.mark.parametrize("code", [0, 10, 11])  # bool, float32, float64: sent raw by the encoder, never encoded
+def test_an_encoded_array_of_a_non_integer_dtype_decodes_as_numpy_does(monkeypatch, code):
+    buf = np.array([2, 7 << 3 | mw.RAW, 1, 9, 0, 0, 0, 0, 0, 0, 0, code << 3 | mw.VARINT, 3, 2, 1, 4], np.uint8)
+    got = mw.decode_message(buf)
+    monkeypatch.setattr(native, "enabled", lambda: False)
+    want = mw.decode_message(buf)
+    _same(want, got)
+    assert got[1].tolist() == np.array([1, -1, 2]).astype(mw.DTYPES[code]).tolist()
+
+
 def test_compiled_and_numpy_write_the_same_bytes(monkeypatch):
     if not native.enabled():
         pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
