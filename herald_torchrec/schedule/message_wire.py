@@ -265,7 +265,7 @@ def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[n
         meta = [_META[a.dtype] for a in arrays]
     first = np.zeros(len(messages) + 1, dtype=np.int64)
     np.cumsum([len(m) for m in messages], out=first[1:])
-    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    lens = np.array([len(a) for a in arrays], dtype=np.int64)  # (1-D, checked)
     if lens.shape[0] and lens.max() >= 1 << 32:
         _check([a for a in arrays if a.shape[0] >= 1 << 32])  # raises
     table = np.array(meta, dtype=np.int64).reshape(len(arrays), 3)

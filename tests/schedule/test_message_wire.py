@@ -78,6 +78,19 @@ def test_decoded_arrays_are_aligned_writable_and_independent():
         assert got[-1][1].tolist() == [0, 7, 14, 21, 28]
 
 
+def test_read_only_and_strided_arrays_travel_too():
+    read_only = np.frombuffer(np.arange(6, dtype=np.int32).tobytes(), dtype=np.int32)
+    strided = np.arange(20, dtype=np.int64)[::3]
+    assert not read_only.flags.writeable and not strided.flags.c_contiguous
+    for compact in (True, False):
+        (got,) = mw.decode_messages(*_one(mw.encode_messages([[read_only, strided, np.zeros(0, np.int16)]], compact)))
+        _same([read_only, np.ascontiguousarray(strided), np.zeros(0, np.int16)], got)
+
+
+def _one(bufs):
+    return np.concatenate(bufs), [b.shape[0] for b in bufs]
+
+
 @pytest.mark.parametrize("code", [0, 10, 11])  # bool, float32, float64: sent raw by the encoder, never encoded
 def test_an_encoded_array_of_a_non_integer_dtype_decodes_as_numpy_does(monkeypatch, code):
     buf = np.array([2, 7 << 3 | mw.RAW, 1, 9, 0, 0, 0, 0, 0, 0, 0, code << 3 | mw.VARINT, 3, 2, 1, 4], np.uint8)
