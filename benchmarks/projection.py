@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SIM_SWEEP = RESULTS / "sim_sweep_r8-256_2026-11-28.json"
 # herald_hier's planner per host, each replayed alone in its own process (benchmarks/hier_alone.py, one file per R)
-HIER_ALONE = str(RESULTS / "hier_alone_r*_2026-11-28.json")
+HIER_ALONE = str(RESULTS / "hier_alone_r*_2026-11-29.json")
 # herald's planner cutting its host's 8 parts from the whole plan, per R (benchmarks/plan_bytes.py --policy herald)
 PLAN_CUTS = RESULTS / "plan_bytes_herald_r8-256_2026-11-28.json"
 SIM_VALIDATION = RESULTS / "sim_validation_r2-8_2026-11-27.json"
