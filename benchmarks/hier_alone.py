@@ -50,7 +50,7 @@ from herald_torchrec.distributed.step.host_relay import HostMap  # noqa: E402
 from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
-from herald_torchrec.schedule.herald.hierarchy import InProcessTransport, Transport  # noqa: E402
+from herald_torchrec.schedule.herald.host_messages import InProcessTransport, Transport  # noqa: E402
 from herald_torchrec.schedule.herald.planner import FIRST_PASSES  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402

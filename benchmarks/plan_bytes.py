@@ -38,7 +38,7 @@ from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
 from herald_torchrec.distributed.step.prepare import prepare_moves, prepare_shared  # noqa: E402
 from herald_torchrec.distributed.storage.row_store import RowStore, TableSpec  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
-from herald_torchrec.schedule.herald.hierarchy import ids_bytes, plan_part_bytes  # noqa: E402
+from herald_torchrec.schedule.herald.host_messages import ids_bytes, plan_part_bytes  # noqa: E402
 from herald_torchrec.schedule.plan import SharedRows  # noqa: E402
 from herald_torchrec.schedule.plan_wire import decode_plan, encode_plan  # noqa: E402
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec  # noqa: E402
 from herald_torchrec.schedule import POLICIES, GlobalBatch, PlanChecker, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
-from herald_torchrec.schedule.herald.hierarchy import DEFAULT_PLANNER_WIRE, ids_bytes  # noqa: E402
+from herald_torchrec.schedule.herald.host_messages import DEFAULT_PLANNER_WIRE, ids_bytes  # noqa: E402
 from herald_torchrec.schedule.herald.planner import FIRST_PASSES, INTRA_HOST_COST  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan, encode_plan_tree  # noqa: E402

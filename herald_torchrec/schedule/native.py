@@ -737,7 +737,7 @@ def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray)
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
 @dataclass
 class SharedRoutes:
-    """A home host's shared pairs by the host that executes them (hierarchy.HostPlanner.routed): host t gets pairs
+    """A home host's shared pairs by the host that executes them (host_planner.HostPlanner.routed): host t gets pairs
     `pair[dest_bounds[t]:dest_bounds[t + 1]]` (indices into the readers, in order), as runs of one row's pairs
     (`run_row`, `run_count`, host t's runs at `run_bounds[t]:run_bounds[t + 1]`); `relayed`: the rows with a (row,
     host) group a host relay serves."""

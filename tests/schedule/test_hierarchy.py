@@ -10,7 +10,8 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
-from herald_torchrec.schedule.herald.hierarchy import MESSAGE_KINDS, HeraldHierPolicy, Transport
+from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
+from herald_torchrec.schedule.herald.host_messages import MESSAGE_KINDS, Transport
 from herald_torchrec.schedule.plan import MIGRATE
 from herald_torchrec.schedule.plan_wire import encode_plan_tree
 
@@ -371,7 +372,7 @@ def test_compiled_routing_equals_numpy(monkeypatch):
     runs and relayed rows (rows moved or not, readers on the owners' hosts or not, fills), and rows whose readers are
     not in rank order go to numpy."""
     from herald_torchrec.schedule import native
-    from herald_torchrec.schedule.herald.hierarchy import _route_shared
+    from herald_torchrec.schedule.herald.host_planner import _route_shared
 
     if not native.enabled():
         pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import all_to_all_single as _all_to_all_single
 
 from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
-from herald_torchrec.schedule.herald.hierarchy import Transport
+from herald_torchrec.schedule.herald.host_messages import Transport
 from herald_torchrec.schedule.message_wire import Message, decode_messages, encode_messages
 
 PLANNER_KIND = "planner_messages"  # the CommCounter kind of these bytes

@@ -1,0 +1,146 @@
+"""The herald_hier planners' messages: their kinds and the protocol's byte count of each, the table bits of a host's
+step summary, and the `Transport` that carries one phase's messages between host planners.
+
+Why a module of its own: the host planner (`host_planner.py`) writes and reads these messages, the policy
+(`hierarchy.py`) drives the phases through a transport, the simulator counts their bytes and the training pipeline
+sends them over a gloo group (distributed/train_pipeline/planner_transport.py); the protocol itself (phases, fields,
+bytes per field, a worked example) is in hierarchy.py's docstring. A message is a list of numpy arrays
+(schedule/message_wire.py carries it as bytes); the in-process transport encodes, counts and decodes every message
+between two hosts, so every simulated plan goes through the wire form. numpy only (the control plane never imports
+torch.distributed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_messages
+from herald_torchrec.schedule.plan import Plan
+
+KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
+DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
+MOVE_ENTRY_BYTES = KEY_BYTES + RANK_BYTES + 1  # key, peer rank, kind
+MESSAGE_KINDS = (
+    "demand", "owners", "offers", "swaps", "samples", "reads", "arrivals", "cancels", "evictions", "decisions",
+    "departures", "shares", "pins",
+)  # fmt: skip
+MOVED, SHARED, RELAYED = 1, 2, 4  # a table's bits in a host's step summary (`HostPlanner.routed`)
+
+
+def plan_part_bytes(plan: Plan) -> np.ndarray:
+    """Bytes of the part of `plan` each rank needs (hierarchy.py's docstring), int64 [R]."""
+    R, B = plan.num_ranks, plan.batch_per_rank
+    out = np.full(R, SAMPLE_BYTES * B, dtype=np.int64)
+    mv = plan.moves
+    out += MOVE_ENTRY_BYTES * (np.bincount(mv.src, minlength=R) + np.bincount(mv.dst, minlength=R))
+    sh = plan.shared
+    counts = np.diff(sh.reader_offsets)
+    owner_rep = np.repeat(sh.owner, counts)
+    remote = sh.readers != owner_rep
+    others = np.bincount(np.repeat(np.arange(len(sh)), counts)[remote], minlength=len(sh))
+    own_bytes = KEY_BYTES + COUNT_BYTES + RANK_BYTES * others
+    out += np.bincount(sh.owner, weights=own_bytes, minlength=R).astype(np.int64)
+    out += (KEY_BYTES + RANK_BYTES) * np.bincount(sh.readers[remote], minlength=R)
+    return out
+
+
+def ids_bytes(batch: GlobalBatch, num_ranks: int, batch_per_rank: int) -> np.ndarray:
+    """Bytes of the ids each rank loads (ID_BYTES per id), int64 [R]: what it sends to a planner."""
+    ends = np.arange(num_ranks + 1, dtype=np.int64) * batch_per_rank
+    per = np.zeros(num_ranks, dtype=np.int64)
+    for off in batch.offsets:
+        per += np.diff(off[ends])
+    return per * ID_BYTES
+
+
+class MessageBytes:
+    """Bytes between hosts, by kind and by host (a host's messages to itself are free), by the protocol's count.
+    `on=False` (a planner alone in training, `plan_host`, where nothing reads them): nothing is counted, and the phases
+    skip computing what they would count."""
+
+    def __init__(self, H: int, on: bool = True) -> None:
+        self.kind = dict.fromkeys(MESSAGE_KINDS, 0)
+        self.host = np.zeros(H, dtype=np.int64)
+        self.on = on
+
+    def add(self, kind: str, src: int, dst: int, nbytes: int) -> None:
+        if self.on and src != dst and nbytes:
+            self.kind[kind] += int(nbytes)
+            self.host[src] += int(nbytes)
+            self.host[dst] += int(nbytes)
+
+    def add_many(
+        self, kind: str, src: np.ndarray | int, dst: np.ndarray | int, nbytes: np.ndarray | int, H: int
+    ) -> None:
+        """Many messages at once: `nbytes[i]` from host src[i] to dst[i]; src or dst may be one host for all (an int)
+        and nbytes one size for all (an int), which saves the arrays that would repeat them."""
+        if not self.on:
+            return
+        cross = np.asarray(src != dst)
+        if not cross.any():
+            return
+        one_size = np.ndim(nbytes) == 0
+        b = int(nbytes) if one_size else np.asarray(nbytes, dtype=np.int64)[cross]
+        total = int(cross.sum()) * b if one_size else int(b.sum())
+        self.kind[kind] += total
+        for end in (src, dst):
+            if np.ndim(end) == 0:
+                self.host[int(end)] += total
+            elif one_size:
+                self.host += np.bincount(end[cross], minlength=H) * b
+            else:
+                self.host += np.bincount(end[cross], weights=b, minlength=H).astype(np.int64)
+
+
+# the planners' messages as raw arrays by default: the compact form costs a planner 0.7-1.3 ms of CPU per step
+# (R=64-256) to save ~0.3-0.6 MB per host, which pays on host links below ~3 Gbit/s only (RESULTS.md)
+DEFAULT_PLANNER_WIRE = "raw"
+
+
+def check_planner_wire(planner_wire: object) -> None:
+    """A clear error for a wire form of the planners' messages that does not exist (scheduler.planner_wire)."""
+    if planner_wire not in WIRE_FORMS:
+        raise ValueError(f"herald_hier: planner_wire must be one of {WIRE_FORMS}, got {planner_wire!r}")
+
+
+class Transport:
+    """The messages between host planners, one phase at a time (hierarchy.py's docstring). `exchange(kind, out)`:
+    out[src][dst] is the message host src (a host this process plans) sends host dst; returns inbox[dst][src] for
+    this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
+    calls it with the same kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
+    processes, by kind, since the planner last read them (the implementation's own wire, next to the protocol's count
+    in `HierStep`)."""
+
+    def __init__(self) -> None:
+        self.last_bytes: dict[str, int] = {}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        self.last_bytes[kind] = self.last_bytes.get(kind, 0) + int(nbytes)
+
+    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+        raise NotImplementedError
+
+
+class InProcessTransport(Transport):
+    """Every host in this process (the simulator, the tests): each message to another host is encoded as the
+    planners' wire carries it (schedule/message_wire.py), counted, and decoded for its receiver; a host's message to
+    itself is handed over as it is."""
+
+    def __init__(self, num_hosts: int, compact: bool = False) -> None:
+        super().__init__()
+        self.num_hosts, self.compact = num_hosts, compact
+
+    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+        inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
+        for src, to in out.items():
+            others = [dst for dst in to if dst != src]
+            bufs = encode_messages([to[dst] for dst in others], self.compact)
+            sizes = [b.shape[0] for b in bufs]
+            self.count(kind, sum(sizes))
+            got = decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), sizes)
+            for dst, m in zip(others, got):
+                inbox[dst][src] = m
+            if src in to:
+                inbox[src][src] = to[src]
+        return inbox
