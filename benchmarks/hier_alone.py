@@ -50,7 +50,12 @@ from herald_torchrec.distributed.step.host_relay import HostMap  # noqa: E402
 from herald_torchrec.distributed.step.plan_part import plan_parts  # noqa: E402
 from herald_torchrec.schedule import GlobalBatch, make_policy  # noqa: E402
 from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
-from herald_torchrec.schedule.herald.host_messages import InProcessTransport, Transport  # noqa: E402
+from herald_torchrec.schedule.herald.host_messages import (  # noqa: E402
+    InProcessTransport,
+    Transport,
+    encode_outgoing,
+    outgoing_messages,
+)
 from herald_torchrec.schedule.herald.planner import FIRST_PASSES  # noqa: E402
 from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
@@ -92,7 +97,7 @@ class InboxTransport(Transport):
         _, inbox, _ = self.log[self.at]
         buf, sizes = self.sent_here[self.at]
         self.at += 1
-        encode_messages([m for t, m in out.get(self.host, {}).items() if t != self.host], False)
+        encode_outgoing(out.get(self.host, {}), self.host, False)
         decode_messages(buf, sizes)
         return {self.host: inbox[self.host]}
 
@@ -111,7 +116,7 @@ class ReplayTransport(Transport):
     def exchange(self, kind, out):
         want_kind, inbox, sent = self.log[self.at]
         self.at += 1
-        mine, then = out.get(self.host, {}), sent.get(self.host, {})
+        mine, then = outgoing_messages(out.get(self.host, {})), outgoing_messages(sent.get(self.host, {}))
         same = want_kind == kind and sorted(mine) == sorted(then)
         same = same and all(
             len(mine[t]) == len(then[t]) and all(np.array_equal(a, b) for a, b in zip(mine[t], then[t])) for t in mine
@@ -124,7 +129,7 @@ class ReplayTransport(Transport):
             bufs = encode_messages(got, compact)  # as the other hosts sent them
             buf = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
             t0 = time.perf_counter()
-            sent = encode_messages([m for t, m in mine.items() if t != self.host], compact)
+            _, sent = encode_outgoing(out.get(self.host, {}), self.host, compact)
             decode_messages(buf, [b.shape[0] for b in bufs])
             self.codec_seconds[form] += time.perf_counter() - t0
             self.codec_bytes[form] += sum(b.shape[0] for b in sent)

@@ -20,8 +20,6 @@ from herald_torchrec import _native
 from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
-_addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
-
 SOURCE = Path(__file__).with_name("_kernels.cpp")
 VERSION = 17  # herald_kernels_version() of the source this module expects
 
@@ -823,7 +821,7 @@ def wire_sample_order(rank: np.ndarray, R: int) -> np.ndarray | None:
 
 
 def msg_encode(
-    arrays: list[np.ndarray],
+    addresses: np.ndarray,
     first: np.ndarray,
     lens: np.ndarray,
     kinds: np.ndarray,
@@ -831,19 +829,14 @@ def msg_encode(
     codes: np.ndarray,
     cap: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """message_wire's messages (message m: arrays first[m] .. first[m + 1], each C-contiguous in its own dtype, of
-    lens elements) back to back: (the bytes, each message's end)."""
+    """message_wire's messages (message m: arrays first[m] .. first[m + 1], array i at addresses[i] (uint64; 0 for an
+    empty one), C-contiguous, lens[i] elements, kept alive by the caller) back to back: (the bytes, each message's
+    end)."""
     out, ends = np.empty(cap, dtype=np.uint8), np.empty(first.shape[0] - 1, dtype=np.int64)
-    # ~650 arrays a phase at R=256: their addresses inline through the buffer protocol, 0 for an empty array (never
-    # read; asking for its address costs an exception), the generic `address` only where one is read-only
-    try:
-        addresses = np.array([_addressof(_from_buffer(a)) if a.shape[0] else 0 for a in arrays], dtype=np.uint64)
-    except (TypeError, ValueError):
-        addresses = np.array([_p(a) if a.shape[0] else 0 for a in arrays], dtype=np.uint64)
+    a = _c(addresses, np.uint64)
     n = lib().herald_msg_encode(
-        ends.shape[0], _p(first), _p(addresses), _p(lens), _p(kinds), _p(itemsizes), _p(codes), _p(out),
-        cap, _p(ends),
-    )  # fmt: skip
+        ends.shape[0], _p(first), _p(a), _p(lens), _p(kinds), _p(itemsizes), _p(codes), _p(out), cap, _p(ends)
+    )
     if n < 0:
         raise RuntimeError("message_wire: the encoding outgrew its capacity")  # the capacity is an upper bound
     return out[:n], ends

@@ -11,7 +11,7 @@ import pytest
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
 from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
-from herald_torchrec.schedule.herald.host_messages import MESSAGE_KINDS, Transport
+from herald_torchrec.schedule.herald.host_messages import MESSAGE_KINDS, Transport, outgoing_messages
 from herald_torchrec.schedule.plan import MIGRATE
 from herald_torchrec.schedule.plan_wire import encode_plan_tree
 
@@ -256,13 +256,14 @@ class ThreadTransport(Transport):
         self.h, self.board, self.barrier = h, board, barrier
 
     def exchange(self, kind, out):
-        for dst, m in out.get(self.h, {}).items():
+        mine = outgoing_messages(out.get(self.h, {}))
+        for dst, m in mine.items():
             self.board[(kind, self.h, dst)] = m
         self.barrier.wait()
         inbox = {s: m for (k, s, dst), m in list(self.board.items()) if k == kind and dst == self.h}
         self.barrier.wait()
         self.board.pop((kind, self.h, self.h), None)
-        for dst in out.get(self.h, {}):
+        for dst in mine:
             self.board.pop((kind, self.h, dst), None)
         self.barrier.wait()
         return {self.h: inbox}

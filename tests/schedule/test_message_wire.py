@@ -78,6 +78,30 @@ def test_decoded_arrays_are_aligned_writable_and_independent():
         assert got[-1][1].tolist() == [0, 7, 14, 21, 28]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_slices_of_fields_encode_as_the_lists_they_are(monkeypatch, compiled):
+    """encode_slices writes, per message, the bytes encode_messages writes for its slices of the fields (empty fields
+    and empty slices included); a slice outside its field is refused."""
+    if compiled and not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    if not compiled:
+        monkeypatch.setattr(native, "enabled", lambda: False)
+    rng = np.random.default_rng(7)
+    fields = [np.sort(rng.integers(0, 10**9, 500)), rng.integers(0, 64, 300).astype(np.int16),
+              np.zeros(0, np.int32), rng.integers(0, 2, 40).astype(np.int8), np.array([3, 1, 4], np.int64)]  # fmt: skip
+    M = 9
+    lens = np.array([f.shape[0] for f in fields])
+    a = rng.integers(0, lens + 1, (M, len(fields)))
+    b = rng.integers(0, lens + 1, (M, len(fields)))
+    starts, stops = np.minimum(a, b), np.maximum(a, b)
+    for compact in (True, False):
+        got = mw.encode_slices(fields, starts, stops, compact)
+        want = mw.encode_messages([[f[s:e] for f, s, e in zip(fields, starts[m], stops[m])] for m in range(M)], compact)
+        assert len(got) == M and all(np.array_equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="outside its field"):
+        mw.encode_slices(fields, starts, np.where(np.arange(len(fields)) == 0, lens + 1, stops))
+
+
 def test_read_only_and_strided_arrays_travel_too():
     read_only = np.frombuffer(np.arange(6, dtype=np.int32).tobytes(), dtype=np.int32)
     strided = np.arange(20, dtype=np.int64)[::3]

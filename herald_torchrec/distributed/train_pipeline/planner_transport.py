@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed import all_to_all_single as _all_to_all_single
 
 from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
-from herald_torchrec.schedule.herald.host_messages import Transport
-from herald_torchrec.schedule.message_wire import Message, decode_messages, encode_messages
+from herald_torchrec.schedule.herald.host_messages import Outgoing, Transport, encode_outgoing
+from herald_torchrec.schedule.message_wire import Message, decode_messages
 
 PLANNER_KIND = "planner_messages"  # the CommCounter kind of these bytes
 
@@ -55,12 +55,10 @@ class GroupTransport(Transport):
         self.sent_total += nbytes
         self.counter.add(PLANNER_KIND, nbytes)
 
-    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
         H, h = self.H, self.host
-        mine = out.get(h, {})
-        dests = sorted(mine)
         blocks = [np.zeros(0, np.uint8)] * H
-        for t, b in zip(dests, encode_messages([mine[t] for t in dests], self.compact)):
+        for t, b in zip(*encode_outgoing(out.get(h, {}), None, self.compact)):  # its message to itself included
             blocks[t] = b
         sizes = torch.tensor([b.shape[0] for b in blocks], dtype=torch.int64)
         recv_sizes = torch.empty(H, dtype=torch.int64)

@@ -12,11 +12,15 @@ torch.distributed).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence, Union
+
 import numpy as np
 
 from herald_torchrec.schedule.global_batch import GlobalBatch
-from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_messages
+from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_messages, encode_slices
 from herald_torchrec.schedule.plan import Plan
+from herald_torchrec.schedule.reads import stable_order
 
 KEY_BYTES, RANK_BYTES, COUNT_BYTES, INDEX_BYTES, SAMPLE_BYTES, ID_BYTES = 8, 2, 2, 4, 4, 8
 DENSE_LABEL_BYTES = 56  # a sample's dense features and label: 13 float32 + 1 (Criteo's layout)
@@ -104,9 +108,89 @@ def check_planner_wire(planner_wire: object) -> None:
         raise ValueError(f"herald_hier: planner_wire must be one of {WIRE_FORMS}, got {planner_wire!r}")
 
 
+@dataclass
+class Outbox:
+    """One host's messages of a phase to several hosts, as slices of a few arrays: the message to host dests[j] is
+    [fields[i][starts[j, i]:stops[j, i]] for every field i]. Why: at R=256 a phase sends up to 31 messages of 1-11
+    arrays; kept as slices of its fields, a planner builds and encodes them with work per field, not Python per array
+    sent (message_wire.encode_slices). A transport takes an Outbox or a dict {host: message} alike."""
+
+    dests: list[int]  # increasing
+    fields: list[np.ndarray]
+    starts: np.ndarray  # int64 [len(dests), len(fields)]
+    stops: np.ndarray
+
+    @classmethod
+    def by_host(cls, dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> "Outbox":
+        """`arrays` (aligned with `dest`, the host of each entry) as a message to every host with some entry, each
+        in the entries' order."""
+        o = stable_order(dest)
+        n = np.bincount(dest, minlength=H)
+        bounds = np.concatenate([[0], np.cumsum(n)])
+        t = np.flatnonzero(n)
+        return cls.from_bounds(t, [x[o] for x in arrays], bounds[t], bounds[t + 1])
+
+    @classmethod
+    def from_bounds(cls, dests: np.ndarray, fields: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> "Outbox":
+        """Every field sliced alike: host dests[j] gets fields[:][lo[j]:hi[j]]."""
+        W = len(fields)
+        return cls(np.asarray(dests).tolist(), fields, np.repeat(lo[:, None], W, 1), np.repeat(hi[:, None], W, 1))
+
+    @classmethod
+    def joined(cls, parts: Sequence["Outbox"]) -> "Outbox":
+        """The fields of `parts` side by side: every host that one of them sends to gets all their fields (empty
+        slices from the parts that send it nothing)."""
+        dests = sorted(set().union(*(p.dests for p in parts)))
+        row = {t: j for j, t in enumerate(dests)}
+        starts, stops = [], []
+        for p in parts:
+            s0 = np.zeros((len(dests), len(p.fields)), dtype=np.int64)
+            s1 = s0.copy()
+            at = [row[t] for t in p.dests]
+            s0[at], s1[at] = p.starts, p.stops
+            starts.append(s0)
+            stops.append(s1)
+        fields = [f for p in parts for f in p.fields]
+        return cls(dests, fields, np.concatenate(starts, axis=1), np.concatenate(stops, axis=1))
+
+    def messages(self) -> dict[int, Message]:
+        """The same messages as lists of arrays (views of the fields)."""
+        s0, s1 = self.starts.tolist(), self.stops.tolist()
+        return {t: [f[a:b] for f, a, b in zip(self.fields, s0[j], s1[j])] for j, t in enumerate(self.dests)}
+
+    def message(self, t: int) -> Message | None:
+        """The message to host t (None: nothing sent to it)."""
+        if t not in self.dests:
+            return None
+        j = self.dests.index(t)
+        return [f[a:b] for f, a, b in zip(self.fields, self.starts[j].tolist(), self.stops[j].tolist())]
+
+    def encode(self, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
+        """The hosts it sends to but `skip`, and their messages as bytes."""
+        keep = [j for j, t in enumerate(self.dests) if t != skip]
+        return [self.dests[j] for j in keep], encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
+
+
+Outgoing = Union[dict[int, Message], Outbox]  # what one host sends in a phase: {host: message}, or an Outbox
+
+
+def outgoing_messages(to: Outgoing) -> dict[int, Message]:
+    """What a host sends, as {host: message} whichever form it was built in."""
+    return to.messages() if isinstance(to, Outbox) else to
+
+
+def encode_outgoing(to: Outgoing, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
+    """The hosts `to` sends to but `skip`, and their messages as bytes (schedule/message_wire.py)."""
+    if isinstance(to, Outbox):
+        return to.encode(skip, compact)
+    dests = [t for t in to if t != skip]
+    return dests, encode_messages([to[t] for t in dests], compact)
+
+
 class Transport:
     """The messages between host planners, one phase at a time (hierarchy.py's docstring). `exchange(kind, out)`:
-    out[src][dst] is the message host src (a host this process plans) sends host dst; returns inbox[dst][src] for
+    out[src][dst] is the message host src (a host this process plans) sends host dst (`out[src]` a dict or an
+    `Outbox`); returns inbox[dst][src] for
     this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
     calls it with the same kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
     processes, by kind, since the planner last read them (the implementation's own wire, next to the protocol's count
@@ -118,7 +202,7 @@ class Transport:
     def count(self, kind: str, nbytes: int) -> None:
         self.last_bytes[kind] = self.last_bytes.get(kind, 0) + int(nbytes)
 
-    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
         raise NotImplementedError
 
 
@@ -131,16 +215,16 @@ class InProcessTransport(Transport):
         super().__init__()
         self.num_hosts, self.compact = num_hosts, compact
 
-    def exchange(self, kind: str, out: dict[int, dict[int, Message]]) -> dict[int, dict[int, Message]]:
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
         inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
         for src, to in out.items():
-            others = [dst for dst in to if dst != src]
-            bufs = encode_messages([to[dst] for dst in others], self.compact)
+            others, bufs = encode_outgoing(to, src, self.compact)
             sizes = [b.shape[0] for b in bufs]
             self.count(kind, sum(sizes))
             got = decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), sizes)
             for dst, m in zip(others, got):
                 inbox[dst][src] = m
-            if src in to:
-                inbox[src][src] = to[src]
+            own = to.message(src) if isinstance(to, Outbox) else to.get(src)
+            if own is not None:
+                inbox[src][src] = own
         return inbox

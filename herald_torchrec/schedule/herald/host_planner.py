@@ -26,23 +26,13 @@ from herald_torchrec.schedule.herald.host_messages import (
     RELAYED,
     SHARED,
     MessageBytes,
+    Outbox,
+    Outgoing,
 )
 from herald_torchrec.schedule.herald.tables import TableSelection
 from herald_torchrec.schedule.message_wire import Message
 from herald_torchrec.schedule.plan import relayed_pairs
 from herald_torchrec.schedule.reads import in_sorted, sort_ints, sorted_distinct, stable_order, step_reads
-
-
-def _split_by(dest: np.ndarray, H: int, arrays: Sequence[np.ndarray]) -> dict[int, Message]:
-    """arrays (aligned with dest) cut into one message per destination host (only non-empty ones)."""
-    o = stable_order(dest)
-    n = np.bincount(dest, minlength=H)
-    bounds = np.concatenate([[0], np.cumsum(n)]).tolist()
-    grouped = [a[o] for a in arrays]  # one gather per array; each message is a slice (a view) of it
-    out = {}
-    for t in np.flatnonzero(n).tolist():
-        out[t] = [a[bounds[t] : bounds[t + 1]] for a in grouped]
-    return out
 
 
 def _concat(inbox: dict[int, Message], width: int, dtypes: Sequence[type]) -> list[np.ndarray]:
@@ -101,7 +91,7 @@ class HostPlanner:
         loc.refine = int(refine)
 
     # ---- phases 1-2: demand, owners ---------------------------------------------------------------------------
-    def demand(self, count: bool = True) -> dict[int, Message]:
+    def demand(self, count: bool = True) -> Outgoing:
         """Phase 1: the distinct keys of h's samples, to their directory hosts."""
         H = self.pol.num_hosts
         k = np.bincount(self.dir_host, minlength=H)
@@ -114,8 +104,9 @@ class HostPlanner:
         bounds = np.concatenate([[0], np.cumsum(k)])
         self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its directory host
         self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
-        self.demand_slices = {t: o[bounds[t] : bounds[t + 1]] for t in np.flatnonzero(k).tolist()}
-        return {t: [self.bk.keys[sel]] for t, sel in self.demand_slices.items()}
+        t = np.flatnonzero(k)
+        self.demand_slices = {a: o[bounds[a] : bounds[a + 1]] for a in t.tolist()}
+        return Outbox.from_bounds(t, [self.bk.keys[o]], bounds[t], bounds[t + 1])
 
     def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
         """Phase 2, as a directory host: the current owner of every key each host demanded."""
@@ -143,7 +134,7 @@ class HostPlanner:
         self.msg.add_many("decisions", np.arange(H), self.h, hk * RANK_BYTES, H)
 
     # ---- phases 3-4: LAIA over h's ranks, reads --------------------------------------------------------------
-    def assign_and_read(self) -> dict[int, Message]:
+    def assign_and_read(self) -> Outgoing:
         """Phase 3 (LAIA over h's P ranks) and phase 4: every (key, reader rank) pair of h with its element count, to
         the key's directory host (the key as its index in h's demand)."""
         pol, h = self.pol, self.h
@@ -162,7 +153,7 @@ class HostPlanner:
             self.msg.add_many("reads", h, np.arange(H), hosts_p * (INDEX_BYTES + RANK_BYTES + COUNT_BYTES), H)
         return out
 
-    def _reads(self, a: np.ndarray) -> tuple[dict[int, Message], np.ndarray]:
+    def _reads(self, a: np.ndarray) -> tuple[Outbox, np.ndarray]:
         """Phase 4's messages for the assignment `a` (rank 0..P-1 of every sample): to each directory host, its keys'
         (index in the demand, reader rank, elements) triples in (key, rank) order; and the pairs per host. One
         compiled pass where the kernels are on."""
@@ -176,18 +167,14 @@ class HostPlanner:
             )
             rank = rank.astype(rk)
             hosts_p = np.diff(bounds)
-            b = bounds.tolist()
-            out = {
-                t: [idx[b[t] : b[t + 1]], rank[b[t] : b[t + 1]], cnt[b[t] : b[t + 1]]]
-                for t in np.flatnonzero(hosts_p).tolist()
-            }
-            return out, hosts_p
+            t = np.flatnonzero(hosts_p)
+            return Outbox.from_bounds(t, [idx, rank, cnt], bounds[t], bounds[t + 1]), hosts_p
         rd = step_reads(bk, a, P)
         cnt = np.bincount(bk.cid * P + bk.element_ranks(a), minlength=bk.keys.shape[0] * P)[
             rd.pair_key * P + rd.pair_rank
         ]
         dest = self.dir_host[rd.pair_key]
-        out = _split_by(
+        out = Outbox.by_host(
             dest,
             H,
             [self.demand_index[rd.pair_key].astype(np.int32), (rd.pair_rank + h * P).astype(rk), cnt.astype(np.int32)],
@@ -195,7 +182,7 @@ class HostPlanner:
         return out, np.bincount(dest, minlength=H)
 
     # ---- phases 5-6, as a directory host: decisions, arrivals -------------------------------------------------
-    def decide(self, inbox: dict[int, Message]) -> dict[int, Message]:
+    def decide(self, inbox: dict[int, Message]) -> Outgoing:
         """Phase 5: herald's decision for h's keys on the union of their reads; phase 6: every move into a rank of
         host t, to t (key, source, destination, whether one rank reads it), with the pins: h's keys held as guests
         on host t and read only by other hosts (t must not evict them this step)."""
@@ -224,18 +211,12 @@ class HostPlanner:
             self.msg.add_many("arrivals", self.h, want[mv] // P, KEY_BYTES + 2 * RANK_BYTES, H)
             self.msg.add_many("pins", self.h, own[pin] // P, KEY_BYTES, H)
         rk = pol.rank_dtype
-        out = _split_by(want[mv] // P, H, [keys[mv], own[mv].astype(rk), want[mv].astype(rk),
-                                           self.single[mv].astype(np.int8)])  # fmt: skip
-        empty = [np.zeros(0, np.int64), np.zeros(0, rk), np.zeros(0, rk), np.zeros(0, np.int8)]
-        for t, m in _split_by(own[pin] // P, H, [keys[pin]]).items():
-            out[t] = out.get(t, empty) + m
-        for m in out.values():
-            if len(m) == 4:
-                m.append(np.zeros(0, dtype=np.int64))
-        return out
+        arrivals = [keys[mv], own[mv].astype(rk), want[mv].astype(rk), self.single[mv].astype(np.int8)]
+        pins = [keys[pin]]
+        return Outbox.joined([Outbox.by_host(want[mv] // P, H, arrivals), Outbox.by_host(own[pin] // P, H, pins)])
 
     # ---- phase 7, for h's ranks: room for the arrivals ---------------------------------------------------------
-    def make_room(self, inbox: dict[int, Message]) -> dict[int, Message]:
+    def make_room(self, inbox: dict[int, Message]) -> Outgoing:
         """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy._make_room`); the
         cancellations go back to the keys' directory hosts."""
         pol, t = self.pol, self.h
@@ -254,7 +235,7 @@ class HostPlanner:
         if self.msg.on:
             self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
             self.msg.add_many("evictions", t, pol.directory_host_of(vt), KEY_BYTES, H)
-        return _split_by(to, H, [cancelled])
+        return Outbox.by_host(to, H, [cancelled])
 
     def next_use(self, keys: np.ndarray) -> np.ndarray:
         """The first batch of h's lookahead window (1..L) that reads each key, 0 for none, int64: a binary search in
@@ -303,7 +284,7 @@ class HostPlanner:
             self.final.counts,
         ]  # fmt: skip
 
-    def routed(self, part: Message) -> dict[int, Message]:
+    def routed(self, part: Message) -> dict[int, Outbox]:
         """Phase 8 where every host keeps only its own ranks' plan (`plan_host`): `part` (h's, from `part`) split by
         the host that needs each entry (HostPlan's rule): a migration to its source's and destination's hosts and to
         every host that receives its row as shared; a shared row with all its readers to the hosts of its owners
@@ -354,17 +335,13 @@ class HostPlanner:
         g_key, g_src, g_dst = mig_key[m_idx], mig_src[m_idx], mig_dst[m_idx]
         g_victims, g_vsrc = victims[v_idx], victim_src[v_idx]
         hosts = np.arange(H + 1)
-        rb, pb = routes.run_bounds, routes.dest_bounds
+        rb, pb = np.asarray(routes.run_bounds), np.asarray(routes.dest_bounds)
         mb, vb = np.searchsorted(m_dest, hosts), np.searchsorted(v_dest, hosts)
-        out = {}
-        for t in range(H):
-            r0, r1, p0, p1 = rb[t], rb[t + 1], pb[t], pb[t + 1]
-            m0, m1, v0, v1 = mb[t], mb[t + 1], vb[t], vb[t + 1]
-            out[t] = [
-                g_key[m0:m1], g_src[m0:m1], g_dst[m0:m1], s_key[r0:r1], s_owner[r0:r1], run_count[r0:r1],
-                s_readers[p0:p1], g_victims[v0:v1], g_vsrc[v0:v1], summary, flags,
-            ]  # fmt: skip
-        return {h: out}
+        fields = [g_key, g_src, g_dst, s_key, s_owner, run_count, s_readers, g_victims, g_vsrc, summary, flags]
+        whole = np.zeros(H + 1, dtype=np.int64)  # the summary and the table bits: whole, to every host
+        lo = np.stack([mb, mb, mb, rb, rb, rb, pb, vb, vb, whole, whole], axis=1)
+        hi = np.stack([mb, mb, mb, rb, rb, rb, pb, vb, vb, whole + summary.shape[0], whole + T], axis=1)
+        return {h: Outbox(list(range(H)), fields, lo[:-1], hi[1:])}
 
 
 def _route_shared(
