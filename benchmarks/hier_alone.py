@@ -53,11 +53,12 @@ from herald_torchrec.schedule.herald import hierarchy  # noqa: E402
 from herald_torchrec.schedule.herald.host_messages import (  # noqa: E402
     InProcessTransport,
     Transport,
+    decode_inbox,
     encode_outgoing,
     outgoing_messages,
 )
 from herald_torchrec.schedule.herald.planner import FIRST_PASSES  # noqa: E402
-from herald_torchrec.schedule.message_wire import WIRE_FORMS, decode_messages, encode_messages  # noqa: E402
+from herald_torchrec.schedule.message_wire import WIRE_FORMS, encode_messages  # noqa: E402
 from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
 
 # the options a replay runs with (the recording's)
@@ -98,7 +99,7 @@ class InboxTransport(Transport):
         buf, sizes = self.sent_here[self.at]
         self.at += 1
         encode_outgoing(out.get(self.host, {}), self.host, False)
-        decode_messages(buf, sizes)
+        decode_inbox(buf, sizes)
         return {self.host: inbox[self.host]}
 
 
@@ -130,7 +131,7 @@ class ReplayTransport(Transport):
             buf = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
             t0 = time.perf_counter()
             _, sent = encode_outgoing(out.get(self.host, {}), self.host, compact)
-            decode_messages(buf, [b.shape[0] for b in bufs])
+            decode_inbox(buf, [b.shape[0] for b in bufs])
             self.codec_seconds[form] += time.perf_counter() - t0
             self.codec_bytes[form] += sum(b.shape[0] for b in sent)
         return {self.host: inbox[self.host]}

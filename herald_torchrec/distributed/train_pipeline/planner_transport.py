@@ -1,14 +1,17 @@
-"""The herald_hier planners' messages between machines (schedule/herald/hierarchy.py `Transport`) over a gloo group
-of the planning ranks, one per machine: group rank h plans host h.
+"""The herald_hier planners' messages between machines (schedule/herald/host_messages.py `Transport`) over a gloo
+group of the planning ranks, one per machine: group rank h plans host h.
 
 Each phase, the plan parts routed to the hosts that need them included, is one all-to-all of sizes (one int64 per
 pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels in the control plane's wire form
 (schedule/message_wire.py: its arrays raw, or each in the form of fewest bytes for its values with the policy's
-`planner_wire: compact`), a phase's messages encoded and decoded in one pass each. The control plane never imports
+`planner_wire: compact`), a phase's messages encoded and decoded in one pass each (what a planner receives field by
+field, as an `Inbox`). The control plane never imports
 torch.distributed: this is the data plane's side of its `Transport`.
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -16,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed import all_to_all_single as _all_to_all_single
 
 from herald_torchrec.distributed.comm import CommCounter, default_group_timeout, hold_for_gloo, phase
-from herald_torchrec.schedule.herald.host_messages import Outgoing, Transport, encode_outgoing
-from herald_torchrec.schedule.message_wire import Message, decode_messages
+from herald_torchrec.schedule.herald.host_messages import Outgoing, Transport, decode_inbox, encode_outgoing
+from herald_torchrec.schedule.message_wire import Message
 
 PLANNER_KIND = "planner_messages"  # the CommCounter kind of these bytes
 
@@ -55,7 +58,7 @@ class GroupTransport(Transport):
         self.sent_total += nbytes
         self.counter.add(PLANNER_KIND, nbytes)
 
-    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, Mapping[int, Message]]:
         H, h = self.H, self.host
         blocks = [np.zeros(0, np.uint8)] * H
         for t, b in zip(*encode_outgoing(out.get(h, {}), None, self.compact)):  # its message to itself included
@@ -70,5 +73,4 @@ class GroupTransport(Transport):
             _all_to_all_single(got, send, recv, sizes.tolist(), group=self.group)
             hold_for_gloo(recv_sizes, sizes, got, send)
         self._sent(kind, int(sum(b.shape[0] for t, b in enumerate(blocks) if t != h)) + 8 * (H - 1))
-        msgs = decode_messages(got.numpy(), recv)
-        return {h: {s: m for s, m in enumerate(msgs) if m is not None}}
+        return {h: decode_inbox(got.numpy(), recv)}

@@ -118,7 +118,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -143,6 +143,7 @@ from herald_torchrec.schedule.herald.host_messages import (
     MessageBytes,
     Transport,
     check_planner_wire,
+    concatenated,
     ids_bytes,
     plan_part_bytes,
 )
@@ -870,7 +871,7 @@ class HeraldHierPolicy(SchedulePolicy):
         every host applied its own (`_apply_host_moves`)."""
         R, B = self.num_ranks, self.batch_per_rank
         members, ranks, counts = [np.concatenate([p[i] for p in parts]) for i in (9, 10, 11)]
-        rows = self._rows(parts)
+        rows = self._rows([np.concatenate([p[i] for p in parts]) for i in range(9)] if parts else [])
         if apply:
             mv = rows.moves
             got = self.directory.apply_known_moves(rows.gid, mv.dst, mv.src, rows.home, mv.table)
@@ -888,16 +889,17 @@ class HeraldHierPolicy(SchedulePolicy):
             counters=_counters(hit, remote, len(rows.moves) - rows.victims, rows.victims),
         )
 
-    def _host_plan(self, hp: HostPlanner, part: Message, inbox: dict[int, Message]) -> tuple[HostPlan, "_HostMoves"]:
+    def _host_plan(self, hp: HostPlanner, part: Message, inbox: Mapping[int, Message]) -> tuple[HostPlan, "_HostMoves"]:
         """Host h's plan (`HostPlan`) from what every host routed to it (`HostPlanner.routed`), and the moves that
         bring h's replica up to date for what h reads of it (`_apply_host_moves`): the owners of its home rows (every
         migration it decided, and the victims sent home to it) and its ranks' guests (the moves into and out of
         them)."""
         h, P, R, B = hp.h, self.ranks_per_host, self.num_ranks, self.batch_per_rank
         T = self.layout.num_tables
-        got = [inbox[s] for s in sorted(inbox)]
-        summary, flags = (np.concatenate([m[i] for m in got]) for i in (9, 10))
-        rows = self._rows(got)
+        rk = self.rank_dtype
+        cat = concatenated(inbox, (np.int64, rk, rk, np.int64, rk, rk, rk, np.int64, rk, np.int64, np.uint8))
+        summary, flags = cat[9], cat[10]
+        rows = self._rows(cat[:9])
         # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
         fin = hp.final
         mine = hp.keys[fin.mig]
@@ -950,17 +952,18 @@ class HeraldHierPolicy(SchedulePolicy):
             got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
             self.eviction.arrived(got.pos, got.keys, got.groups)
 
-    def _rows(self, parts: list[Message]) -> "_Rows":
-        """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`):
-        fields 0-8 of each are its migrations (key, source, destination), shared rows (key, owner, reader count,
-        readers) and victims (key, owner). Every move and shared row in key order, as one planner deciding every key
-        at once: a part's keys come sorted and are distinct across parts (a key has one directory host; a victim is a
-        guest nobody read, never a migrating key), so one packed sort orders every move and one the shared keys
+    def _rows(self, cat: list[np.ndarray]) -> "_Rows":
+        """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`),
+        each field concatenated over the parts in host order (`cat`; empty: no part): their migrations (key, source,
+        destination), shared rows (key, owner, reader count, readers) and victims (key, owner). Every move and shared
+        row in key order, as one planner deciding every key at once: a part's keys come sorted and are distinct across
+        parts (a key has one directory host; a victim is a guest nobody read, never a migrating key), so one packed
+        sort orders every move and one the shared keys
         (numpy's sort of int64 beats merging the parts' blocks), and the keys' tables come from the sorted keys and
         the layout's offsets: no array over every row is read (every planner runs this in training). The directory
         gets the moves in key order: its slots only keep the arrivals' order within a group, which is the
         migrations' key order either way."""
-        cat = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64) for i in range(9)]
+        cat = cat or [np.zeros(0, np.int64)] * 9
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
         n_mig, n_vic = mig_key.shape[0], victims.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key

@@ -13,12 +13,20 @@ torch.distributed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
 from herald_torchrec.schedule.global_batch import GlobalBatch
-from herald_torchrec.schedule.message_wire import WIRE_FORMS, Message, decode_messages, encode_messages, encode_slices
+from herald_torchrec.schedule.message_wire import (
+    WIRE_FORMS,
+    Fields,
+    Message,
+    decode_fields,
+    decode_messages,
+    encode_messages,
+    encode_slices,
+)
 from herald_torchrec.schedule.plan import Plan
 from herald_torchrec.schedule.reads import stable_order
 
@@ -171,6 +179,55 @@ class Outbox:
         return [self.dests[j] for j in keep], encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
 
 
+class Inbox(Mapping):
+    """What one host received in a phase, {source host: message} as a mapping, held field by field: each field the
+    concatenation of the sources' arrays in source order (message_wire.Fields). Why: most phases read their messages
+    concatenated over the sources (`fields`); decoded so, the per-source messages are views made on demand."""
+
+    def __init__(self, got: Fields) -> None:
+        self.sources, self.fields, self.bounds = got.sources, got.fields, got.bounds
+        self._row = {s: j for j, s in enumerate(self.sources)}
+
+    def __getitem__(self, s: int) -> Message:
+        j = self._row[s]
+        lo, hi = self.bounds[j].tolist(), self.bounds[j + 1].tolist()
+        return [f[a:b] for f, a, b in zip(self.fields, lo, hi)]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def decode_inbox(buf: np.ndarray, sizes: Sequence[int]) -> Mapping[int, Message]:
+    """The messages of one phase a host received (sizes[s]: bytes from host s, 0 for none) as {source: message}: an
+    Inbox where they share one layout, else a dict."""
+    got = decode_fields(buf, sizes)
+    if got is not None:
+        return Inbox(got)
+    return {s: m for s, m in enumerate(decode_messages(buf, sizes)) if m is not None}
+
+
+def concatenated(inbox: Mapping[int, Message], dtypes: Sequence[type]) -> list[np.ndarray]:
+    """The messages of `inbox` (every source host's, in host order) as len(dtypes) concatenated arrays, each cast to
+    its dtype: an Inbox's fields as they are, where they have that width."""
+    if isinstance(inbox, Inbox) and len(inbox.fields) == len(dtypes):
+        return [f.astype(dt, copy=False) for f, dt in zip(inbox.fields, dtypes)]
+    ms = [inbox[s] for s in sorted(inbox)]
+    return [
+        np.concatenate([m[i] for m in ms]).astype(dt, copy=False) if ms else np.zeros(0, dtype=dt)
+        for i, dt in enumerate(dtypes)
+    ]
+
+
+def source_counts(inbox: Mapping[int, Message], field: int = 0) -> np.ndarray:
+    """The length of field `field` of every source's message, in source order (int64)."""
+    if isinstance(inbox, Inbox):
+        return np.diff(inbox.bounds[:, field]) if inbox.fields else np.zeros(len(inbox), dtype=np.int64)
+    return np.array([len(inbox[s][field]) for s in sorted(inbox)], dtype=np.int64)
+
+
 Outgoing = Union[dict[int, Message], Outbox]  # what one host sends in a phase: {host: message}, or an Outbox
 
 
@@ -190,7 +247,7 @@ def encode_outgoing(to: Outgoing, skip: int | None, compact: bool) -> tuple[list
 class Transport:
     """The messages between host planners, one phase at a time (hierarchy.py's docstring). `exchange(kind, out)`:
     out[src][dst] is the message host src (a host this process plans) sends host dst (`out[src]` a dict or an
-    `Outbox`); returns inbox[dst][src] for
+    `Outbox`); returns inbox[dst][src] (inbox[dst] a mapping: a dict or an `Inbox`) for
     this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
     calls it with the same kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
     processes, by kind, since the planner last read them (the implementation's own wire, next to the protocol's count
@@ -202,29 +259,25 @@ class Transport:
     def count(self, kind: str, nbytes: int) -> None:
         self.last_bytes[kind] = self.last_bytes.get(kind, 0) + int(nbytes)
 
-    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, Mapping[int, Message]]:
         raise NotImplementedError
 
 
 class InProcessTransport(Transport):
-    """Every host in this process (the simulator, the tests): each message to another host is encoded as the
-    planners' wire carries it (schedule/message_wire.py), counted, and decoded for its receiver; a host's message to
-    itself is handed over as it is."""
+    """Every host in this process (the simulator, the tests): every message is encoded as the planners' wire carries
+    it (schedule/message_wire.py), a host's message to itself included (as a planner's own goes through its group's
+    all-to-all in training), those to other hosts counted, and each host's decoded as it would receive them."""
 
     def __init__(self, num_hosts: int, compact: bool = False) -> None:
         super().__init__()
         self.num_hosts, self.compact = num_hosts, compact
 
-    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, dict[int, Message]]:
-        inbox: dict[int, dict[int, Message]] = {h: {} for h in range(self.num_hosts)}
+    def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, Mapping[int, Message]]:
+        H = self.num_hosts
+        sent: list[list[np.ndarray]] = [[np.zeros(0, np.uint8)] * H for _ in range(H)]  # [dst][src]
         for src, to in out.items():
-            others, bufs = encode_outgoing(to, src, self.compact)
-            sizes = [b.shape[0] for b in bufs]
-            self.count(kind, sum(sizes))
-            got = decode_messages(np.concatenate(bufs) if bufs else np.zeros(0, np.uint8), sizes)
-            for dst, m in zip(others, got):
-                inbox[dst][src] = m
-            own = to.message(src) if isinstance(to, Outbox) else to.get(src)
-            if own is not None:
-                inbox[src][src] = own
-        return inbox
+            dests, bufs = encode_outgoing(to, None, self.compact)
+            self.count(kind, sum(b.shape[0] for t, b in zip(dests, bufs) if t != src))
+            for t, b in zip(dests, bufs):
+                sent[t][src] = b
+        return {h: decode_inbox(np.concatenate(sent[h]), [b.shape[0] for b in sent[h]]) for h in range(H)}

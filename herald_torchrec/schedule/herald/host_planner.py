@@ -10,7 +10,7 @@ capacity phase) and drives the phases through a `Transport` (host_messages.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -28,20 +28,13 @@ from herald_torchrec.schedule.herald.host_messages import (
     MessageBytes,
     Outbox,
     Outgoing,
+    concatenated,
+    source_counts,
 )
 from herald_torchrec.schedule.herald.tables import TableSelection
 from herald_torchrec.schedule.message_wire import Message
 from herald_torchrec.schedule.plan import relayed_pairs
 from herald_torchrec.schedule.reads import in_sorted, sort_ints, sorted_distinct, stable_order, step_reads
-
-
-def _concat(inbox: dict[int, Message], width: int, dtypes: Sequence[type]) -> list[np.ndarray]:
-    """The messages of `inbox` (from every source host, in host order) as `width` concatenated arrays."""
-    ms = [inbox[s] for s in sorted(inbox)]
-    return [
-        np.concatenate([m[i] for m in ms]).astype(dtypes[i], copy=False) if ms else np.zeros(0, dtype=dtypes[i])
-        for i in range(width)
-    ]
 
 
 class HostPlanner:
@@ -56,7 +49,8 @@ class HostPlanner:
         P, B = policy.ranks_per_host, policy.batch_per_rank
         self.members = np.arange(h * P * B, (h + 1) * P * B, dtype=np.int64)  # global samples planned here
         self._keys(window[0])
-        self.demand_from: dict[int, np.ndarray] = {}  # as a directory host: the keys each host asked about
+        # as a directory host: the keys every host asked about (in host order), where each host's begin
+        self.demanded, self.demand_start = np.zeros(0, dtype=np.int64), {}
         self.victims = np.zeros(0, dtype=np.int64)
 
     def _keys(self, sub: GlobalBatch) -> None:
@@ -105,20 +99,28 @@ class HostPlanner:
         self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its directory host
         self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
         t = np.flatnonzero(k)
-        self.demand_slices = {a: o[bounds[a] : bounds[a + 1]] for a in t.tolist()}
+        self.demand_order = o  # its keys as the directory hosts' answers come back, in host order
         return Outbox.from_bounds(t, [self.bk.keys[o]], bounds[t], bounds[t + 1])
 
-    def owners(self, inbox: dict[int, Message]) -> dict[int, Message]:
+    def owners(self, inbox: Mapping[int, Message]) -> Outgoing:
         """Phase 2, as a directory host: the current owner of every key each host demanded."""
-        owner = self.pol.directory.owner
-        self.demand_from = {s: m[0] for s, m in inbox.items()}
-        return {s: [owner[k].astype(self.pol.rank_dtype)] for s, k in self.demand_from.items()}
+        sources = sorted(inbox)
+        (self.demanded,) = concatenated(inbox, (np.int64,))  # every host's demand, in host order
+        n = source_counts(inbox)
+        self.demand_start = dict(zip(sources, (np.cumsum(n) - n).tolist()))
+        owner = self.pol.directory.owner[self.demanded].astype(self.pol.rank_dtype)
+        at = np.cumsum(n) - n
+        return Outbox.from_bounds(np.array(sources, dtype=np.int64), [owner], at, at + n)
 
-    def receive_owners(self, inbox: dict[int, Message]) -> None:
-        own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
-        for a, m in inbox.items():
-            own[self.demand_slices[a]] = m[0]  # aligned with the demand to a
-        self.own = own
+    def receive_owners(self, inbox: Mapping[int, Message]) -> None:
+        """Phase 2's answers: every directory host's (in host order) aligned with the demand it got."""
+        (owners,) = concatenated(inbox, (np.int64,))
+        if owners.shape[0] != self.demand_order.shape[0]:
+            raise RuntimeError(
+                f"herald_hier: host {self.h} got {owners.shape[0]} owners for {self.bk.keys.shape[0]} keys"
+            )
+        self.own = np.empty(self.bk.keys.shape[0], dtype=np.int64)
+        self.own[self.demand_order] = owners
 
     def take_samples(self, sub: GlobalBatch, members: np.ndarray) -> None:
         """Phase 2b (in-process only): h's samples after the swaps; the keys new to h are demanded, and their owners
@@ -182,21 +184,16 @@ class HostPlanner:
         return out, np.bincount(dest, minlength=H)
 
     # ---- phases 5-6, as a directory host: decisions, arrivals -------------------------------------------------
-    def decide(self, inbox: dict[int, Message]) -> Outgoing:
+    def decide(self, inbox: Mapping[int, Message]) -> Outgoing:
         """Phase 5: herald's decision for h's keys on the union of their reads; phase 6: every move into a rank of
         host t, to t (key, source, destination, whether one rank reads it), with the pins: h's keys held as guests
         on host t and read only by other hosts (t must not evict them this step)."""
         pol = self.pol
         R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
-        gs, rs, cs = [], [], []
-        for s in sorted(inbox):
-            idx, r, c = inbox[s]
-            gs.append(self.demand_from[s][idx])
-            rs.append(r.astype(np.int64))
-            cs.append(c.astype(np.int64))
-        g = np.concatenate(gs) if gs else np.zeros(0, dtype=np.int64)
-        r = np.concatenate(rs) if rs else np.zeros(0, dtype=np.int64)
-        c = np.concatenate(cs) if cs else np.zeros(0, dtype=np.int64)
+        idx, r, c = concatenated(inbox, (np.int64, np.int64, np.int64))
+        # each pair's key: its index in the demand of the host that sent it
+        start = np.array([self.demand_start[s] for s in sorted(inbox)], dtype=np.int64)
+        g = self.demanded[idx + np.repeat(start, source_counts(inbox))]
         srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
         self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c, self.h)
@@ -216,13 +213,13 @@ class HostPlanner:
         return Outbox.joined([Outbox.by_host(want[mv] // P, H, arrivals), Outbox.by_host(own[pin] // P, H, pins)])
 
     # ---- phase 7, for h's ranks: room for the arrivals ---------------------------------------------------------
-    def make_room(self, inbox: dict[int, Message]) -> Outgoing:
+    def make_room(self, inbox: Mapping[int, Message]) -> Outgoing:
         """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy._make_room`); the
         cancellations go back to the keys' directory hosts."""
         pol, t = self.pol, self.h
         H = pol.num_hosts
         d = pol.directory
-        keys, own, want, single, pins = _concat(inbox, 5, (np.int64, np.int64, np.int64, bool, np.int64))
+        keys, own, want, single, pins = concatenated(inbox, (np.int64, np.int64, np.int64, bool, np.int64))
         d.last_use[pins] = pol.step
         o = stable_order(keys)
         keys, own, want, single = keys[o], own[o], want[o], single[o]
@@ -247,14 +244,14 @@ class HostPlanner:
         return out
 
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
-    def part(self, inbox: dict[int, Message]) -> Message:
+    def part(self, inbox: Mapping[int, Message]) -> Message:
         """Phase 8: h's part of the plan, for every host: as a directory host, its keys' migrations (key, source,
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
         capacity host, its victims and their owners; as a sample host, the rank of each of its samples."""
         pol = self.pol
         P, H = pol.ranks_per_host, pol.num_hosts
         keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
-        (cancelled,) = _concat(inbox, 1, (np.int64,))
+        (cancelled,) = concatenated(inbox, (np.int64,))
         at = np.searchsorted(keys, cancelled)
         want[at] = own[at]
         pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
