@@ -102,6 +102,34 @@ def test_slices_of_fields_encode_as_the_lists_they_are(monkeypatch, compiled):
         mw.encode_slices(fields, starts, np.where(np.arange(len(fields)) == 0, lens + 1, stops))
 
 
+def test_messages_of_one_layout_decode_field_by_field():
+    """decode_fields: each field the concatenation of the sources' arrays, bounds per source; None where the layouts
+    differ (array count or dtype) or the kernels are off."""
+    if not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    rng = np.random.default_rng(11)
+    msgs = [[np.sort(rng.integers(0, 10**6, n)), rng.integers(0, 8, n).astype(np.int16), np.arange(k, dtype=np.int8)]
+            for n, k in ((5, 2), (0, 0), (17, 9), (3, 1))]  # fmt: skip
+    for compact in (True, False):
+        bufs = mw.encode_messages(msgs, compact)
+        sizes = [b.shape[0] for b in bufs]
+        sizes_with_gap = sizes[:2] + [0] + sizes[2:]  # host 2 sent nothing
+        got = mw.decode_fields(np.concatenate(bufs), sizes_with_gap)
+        assert got.sources == [0, 1, 3, 4]
+        for i in range(3):
+            want = np.concatenate([m[i] for m in msgs])
+            assert got.fields[i].dtype == want.dtype and np.array_equal(got.fields[i], want)
+            assert got.fields[i].flags.aligned and got.fields[i].flags.writeable
+        assert got.bounds[:, 0].tolist() == [0, 5, 5, 22, 25] and got.bounds[:, 2].tolist() == [0, 2, 2, 11, 12]
+    odd = [msgs[0], msgs[1][:2]]  # two arrays in one, three in the other
+    bufs = mw.encode_messages(odd)
+    assert mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs]) is None
+    other_dtype = [msgs[0], [msgs[1][0], msgs[1][1].astype(np.int32), msgs[1][2]]]
+    bufs = mw.encode_messages(other_dtype)
+    assert mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs]) is None
+    assert mw.decode_fields(np.zeros(0, np.uint8), [0, 0]).sources == []
+
+
 def test_read_only_and_strided_arrays_travel_too():
     read_only = np.frombuffer(np.arange(6, dtype=np.int32).tobytes(), dtype=np.int32)
     strided = np.arange(20, dtype=np.int64)[::3]
