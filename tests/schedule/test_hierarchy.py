@@ -10,6 +10,7 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
+from herald_torchrec.schedule.herald import host_messages
 from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
 from herald_torchrec.schedule.herald.host_messages import MESSAGE_KINDS, Transport, outgoing_messages
 from herald_torchrec.schedule.plan import MIGRATE
@@ -216,11 +217,19 @@ def plan_digest(plans) -> str:
     return h.hexdigest()[:16]
 
 
+@pytest.mark.parametrize("by_field", [False, True])
 @pytest.mark.parametrize(("R", "P", "digest"), [(8, 2, "d4ed9c01ae55cb74"), (16, 4, "ebb56bf8cfc4e6fa")])
-def test_in_process_transport_makes_the_single_object_plans(R, P, digest):
+def test_in_process_transport_makes_the_single_object_plans(R, P, digest, by_field, monkeypatch):
     """The per-host planners driven through the in-process transport make, step by step, the plans the policy made
     when it was one object computing every host's part (digests recorded from that code on this window, which had
-    no owner balancing)."""
+    no owner balancing); with the messages encoded and decoded per array or (`by_field`, which only many hosts take
+    on their own) per field."""
+    if by_field:
+        monkeypatch.setattr(host_messages, "BY_FIELD_FROM", 0)
+        monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", 0)
+    else:
+        monkeypatch.setattr(host_messages, "BY_FIELD_FROM", 10**9)
+        monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", 10**9)
     rows, batches = synthetic_window(R, 16, 6)
     pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P, owner_balance=None)
     assert plan_digest([pol.plan(batches[s : s + L + 1]) for s in range(6)]) == digest

@@ -6,8 +6,10 @@ Why a module of its own: the host planner (`host_planner.py`) writes and reads t
 sends them over a gloo group (distributed/train_pipeline/planner_transport.py); the protocol itself (phases, fields,
 bytes per field, a worked example) is in hierarchy.py's docstring. A message is a list of numpy arrays
 (schedule/message_wire.py carries it as bytes); the in-process transport encodes, counts and decodes every message
-between two hosts, so every simulated plan goes through the wire form. numpy only (the control plane never imports
-torch.distributed).
+between two hosts, so every simulated plan goes through the wire form. A host builds a phase's messages as an
+`Outbox` (its fields grouped by destination, slices per host) and reads them as an `Inbox` (each field concatenated
+over the senders): at R=256 a phase carries 31 messages of 1-11 arrays each way, and both forms keep the work per
+field rather than per array. numpy only (the control plane never imports torch.distributed).
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def check_planner_wire(planner_wire: object) -> None:
         raise ValueError(f"herald_hier: planner_wire must be one of {WIRE_FORMS}, got {planner_wire!r}")
 
 
+# where the work per field pays over the work per array (measured on recorded phases, raw form: per array is faster
+# with 2 hosts, even at 8 hosts, and 1.5-2x slower at 32): arrays a host sends, messages it receives
+BY_FIELD_FROM, BY_FIELD_FROM_SOURCES = 24, 8
+
+
 @dataclass
 class Outbox:
     """One host's messages of a phase to several hosts, as slices of a few arrays: the message to host dests[j] is
@@ -176,7 +183,11 @@ class Outbox:
     def encode(self, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
         """The hosts it sends to but `skip`, and their messages as bytes."""
         keep = [j for j, t in enumerate(self.dests) if t != skip]
-        return [self.dests[j] for j in keep], encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
+        dests = [self.dests[j] for j in keep]
+        if len(keep) * len(self.fields) < BY_FIELD_FROM:  # a few arrays: the per-array path has less to set up
+            msgs = self.messages()
+            return dests, encode_messages([msgs[t] for t in dests], compact)
+        return dests, encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
 
 
 class Inbox(Mapping):
@@ -203,7 +214,7 @@ class Inbox(Mapping):
 def decode_inbox(buf: np.ndarray, sizes: Sequence[int]) -> Mapping[int, Message]:
     """The messages of one phase a host received (sizes[s]: bytes from host s, 0 for none) as {source: message}: an
     Inbox where they share one layout, else a dict."""
-    got = decode_fields(buf, sizes)
+    got = decode_fields(buf, sizes) if sum(1 for n in sizes if n) >= BY_FIELD_FROM_SOURCES else None
     if got is not None:
         return Inbox(got)
     return {s: m for s, m in enumerate(decode_messages(buf, sizes)) if m is not None}
