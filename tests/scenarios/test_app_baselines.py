@@ -111,6 +111,7 @@ def test_het_staleness_runs_through_train_py(tmp_path: Path) -> None:
     _check_het(m, 8, 2)
 
 
+@pytest.mark.slow  # ~55 s on 2 cores: nine 2-rank runs (herald's own resume stays in the default suite)
 def test_exact_baselines_resume_to_the_same_model(tmp_path: Path) -> None:
     """Nothing lost on interruption under the baselines: p2res (replicas), HET-BSP (caches) and fae (reordered
     stream, replicas) stopped after a DCP checkpoint at step 10 and resumed end at the same tables, optimizer state
