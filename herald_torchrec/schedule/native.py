@@ -715,8 +715,8 @@ def gather_segments(values: np.ndarray, start: np.ndarray, count: np.ndarray, or
 
 
 def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
-    """HeraldHierPolicy._decide before owner balancing, compiled: from (key, reader, elements) pairs sorted by key then
-    rank, (keys, own, want, single, sole, count, start, kid) (see the kernel's comment)."""
+    """HeraldHierPolicy.decide_keys before owner balancing, compiled: from (key, reader, elements) pairs sorted by key
+    then rank, (keys, own, want, single, sole, count, start, kid) (see the kernel's comment)."""
     g, r, c = _c(g, np.int64), _c(r, np.int64), _c(c, np.int64)
     if owner.dtype != np.int32 or not owner.flags.c_contiguous:
         raise ValueError("native.decide_pairs: owner must be a C-contiguous int32 array")

@@ -357,7 +357,7 @@ def test_home_and_table_from_the_key_match_the_directory():
     np.testing.assert_array_equal(pol.home_of(keys[[2, 15, 20, 31]]), [2, 0, 2, 7])  # rows 2, 0, 4, 15 of t0, t3, t4
     # the union's tables of sorted keys (every key, a subset that skips tables, none)
     for sub in (keys, keys[[0, 4, 5, 15, 16, 31]], keys[[12, 13]], keys[:0]):
-        np.testing.assert_array_equal(pol._sorted_tables(sub), pol.directory.table[sub])
+        np.testing.assert_array_equal(pol.sorted_tables(sub), pol.directory.table[sub])
     # a key's directory host: its home host shifted by its table, so the tables' first rows go to 4 different hosts
     want = (pol.directory.home // 4 + pol.directory.table.astype(np.int64)) % 2
     np.testing.assert_array_equal(pol.directory_host_of(keys), want)

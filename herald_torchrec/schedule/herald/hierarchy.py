@@ -211,7 +211,7 @@ class _Offers:
 
 
 def _decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
-    """`HeraldHierPolicy._decide` before owner balancing (numpy; `native.decide_pairs` compiled): from (key, reader,
+    """`HeraldHierPolicy.decide_keys` before owner balancing (numpy; `native.decide_pairs` compiled): from (key, reader,
     elements) pairs sorted by key then rank, every key's owner and where it should live (with its owner where the
     owner reads it, else with the reader of the most elements, the lowest rank among ties): (keys, own, want,
     single, sole, count, start, kid)."""
@@ -381,6 +381,27 @@ class HeraldHierPolicy(SchedulePolicy):
         step at one level (each host's plan follows from the same messages only if every host takes the same steps)."""
         return self._flat.agree_level(words) if self._flat is not None else self.budget.agree(words)
 
+    @property
+    def level(self) -> int:
+        """The planning budget's level of the plan being made (FULL, REDUCED or STATIC): what a host's phases run."""
+        return self._level
+
+    @property
+    def has_settings(self) -> bool:
+        """Whether this process's per-host tables and refine rounds are chosen (host 0's choice, `settings`)."""
+        return self._local.selection is not None
+
+    def choose_settings(self, window: Sequence[GlobalBatch]) -> TableSelection:
+        """Host 0's choice of the per-host tables and refine rounds from its first window (its own from now on)."""
+        return self._local.profile(window)
+
+    def adopt_settings(self, sel: TableSelection) -> None:
+        """Another host's adoption of host 0's choice (`choose_settings`), once."""
+        loc = self._local
+        loc.selection = sel
+        loc._set_tables(sel.tables)
+        loc.refine = int(sel.refine)
+
     def plan_levels(self) -> LevelCounts:
         """Plans made at each level of the budget (full, reduced, static)."""
         return self._flat.plan_levels() if self._flat is not None else self.budget.counts
@@ -419,7 +440,7 @@ class HeraldHierPolicy(SchedulePolicy):
         over every row (the directory's `table`), which a host planner need not hold."""
         return np.searchsorted(self.layout.offsets, keys, side="right") - 1
 
-    def _sorted_tables(self, keys: np.ndarray) -> np.ndarray:
+    def sorted_tables(self, keys: np.ndarray) -> np.ndarray:
         """`table_of` for sorted keys: where the layout's T + 1 offsets fall among them (T binary searches)."""
         T = self.layout.num_tables
         ends = np.searchsorted(keys, self.layout.offsets)
@@ -798,7 +819,7 @@ class HeraldHierPolicy(SchedulePolicy):
         o = np.argsort(host, kind="stable")
         return np.split(o, np.arange(1, H) * n)
 
-    def _decide(self, g: np.ndarray, r: np.ndarray, c: np.ndarray, h: int):
+    def decide_keys(self, g: np.ndarray, r: np.ndarray, c: np.ndarray, h: int):
         """Directory host h's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
         rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks). With `owner_balance`,
         h balances the load of its own keys, its heavy rows going to its ranks = h mod H (schedule/herald/balance)."""
@@ -814,7 +835,7 @@ class HeraldHierPolicy(SchedulePolicy):
             self._balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
         return keys, own, want, single, sole, kid, r
 
-    def _make_room(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:
+    def room_for_arrivals(self, t, mine, keys, own, home, want, single, next_use) -> np.ndarray:
         """Host t's capacity (phase 7): victims among its guests (returned) and cancelled arrivals (in `want`), so
         that its guest groups fit after the moves into them. `mine`: the step's moves into host t's ranks;
         `next_use(keys)`: the first batch of t's lookahead window that reads each key (0: none)."""
@@ -971,7 +992,7 @@ class HeraldHierPolicy(SchedulePolicy):
         o = stable_order(mv_gid)
         mv_gid = mv_gid[o]
         mv_src = np.concatenate([mig_src.astype(np.int64), victim_src.astype(np.int64)])[o]
-        mv_table = self._sorted_tables(mv_gid)
+        mv_table = self.sorted_tables(mv_gid)
         mv_row = mv_gid - self.layout.offsets[mv_table]
         mv_home = mv_row // self.directory.block[mv_table]
         mv_dst = np.concatenate([mig_dst.astype(np.int64), np.zeros(n_vic, dtype=np.int64)])[o]
@@ -990,7 +1011,7 @@ class HeraldHierPolicy(SchedulePolicy):
             readers = native.gather_segments(sh_readers, starts, sh_count, o)
         else:
             readers = sh_readers[np.repeat(starts[o] - offs[:-1], cnt) + np.arange(int(offs[-1]), dtype=np.int64)]
-        sh_table = self._sorted_tables(keys)
+        sh_table = self.sorted_tables(keys)
         shared = SharedRows(
             table=sh_table,
             row=keys - self.layout.offsets[sh_table],

@@ -65,24 +65,21 @@ class HostPlanner:
         """Host 0 chooses the per-host tables and refine rounds from its first window and tells every host."""
         if self.h != 0:
             return {}
-        sel = self.pol._local.profile(self.window)
+        sel = self.pol.choose_settings(self.window)
         m = [np.asarray(sel.tables, dtype=np.int64), np.asarray(sel.benefit, dtype=np.float64),
              np.array([sel.refine, sel.est_ms, np.nan if sel.budget_ms is None else sel.budget_ms])]  # fmt: skip
         return {t: m for t in range(1, self.pol.num_hosts)}
 
     def adopt_settings(self, m: Message | None) -> None:
-        loc = self.pol._local
-        if loc.selection is not None:
+        if self.pol.has_settings:
             return
         if m is None:
             raise RuntimeError(f"herald_hier: host {self.h} received no settings from host 0")
         tables, benefit, (refine, est_ms, budget) = m
-        loc.selection = TableSelection(
+        self.pol.adopt_settings(TableSelection(
             tables=tables, refine=int(refine), benefit=benefit, est_ms=float(est_ms),
             budget_ms=None if np.isnan(budget) else float(budget),
-        )  # fmt: skip
-        loc._set_tables(tables)
-        loc.refine = int(refine)
+        ))  # fmt: skip
 
     # ---- phases 1-2: demand, owners ---------------------------------------------------------------------------
     def demand(self, count: bool = True) -> Outgoing:
@@ -143,7 +140,7 @@ class HostPlanner:
         P, H = pol.ranks_per_host, pol.num_hosts
         bk = self.bk
         own_local = np.where(self.own // P == h, self.own - h * P, -1)
-        if pol._level == STATIC:  # every sample on the rank that loaded it
+        if pol.level == STATIC:  # every sample on the rank that loaded it
             a = np.repeat(np.arange(P, dtype=np.int64), pol.batch_per_rank)
         else:
             a = pol.host_assign(self.sub, bk, own_local)
@@ -196,8 +193,8 @@ class HostPlanner:
         g = self.demanded[idx + np.repeat(start, source_counts(inbox))]
         srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
-        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol._decide(g, r, c, self.h)
-        if pol._level == STATIC:  # every row stays with its owner: a read by another rank is a shared read
+        self.keys, self.k_own, self.want, self.single, self.sole, self.pk, self.pr = pol.decide_keys(g, r, c, self.h)
+        if pol.level == STATIC:  # every row stays with its owner: a read by another rank is a shared read
             self.want = self.k_own.copy()
         keys, own, want, pk = self.keys, self.k_own, self.want, self.pk
         owner_host_reads = np.zeros(keys.shape[0], dtype=bool)
@@ -214,7 +211,7 @@ class HostPlanner:
 
     # ---- phase 7, for h's ranks: room for the arrivals ---------------------------------------------------------
     def make_room(self, inbox: Mapping[int, Message]) -> Outgoing:
-        """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy._make_room`); the
+        """Phase 7: victims among h's guests, else cancelled arrivals (`HeraldHierPolicy.room_for_arrivals`); the
         cancellations go back to the keys' directory hosts."""
         pol, t = self.pol, self.h
         H = pol.num_hosts
@@ -225,7 +222,7 @@ class HostPlanner:
         keys, own, want, single = keys[o], own[o], want[o], single[o]
         home = pol.home_of(keys)
         before = want.copy()
-        vt = pol._make_room(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
+        vt = pol.room_for_arrivals(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
         self.victims = np.sort(vt)
         cancelled = keys[want != before]
         to = pol.directory_host_of(cancelled)
@@ -320,9 +317,9 @@ class HostPlanner:
         v_dest, v_idx = np.divmod(v_code, max(n_vic, 1))
         # the summary: counts and table bits
         flags = np.zeros(T, dtype=np.uint8)
-        flags[pol._sorted_tables(mig_key)] |= MOVED  # (each part's keys come sorted)
-        flags[pol._sorted_tables(victims)] |= MOVED
-        sh_table = pol._sorted_tables(sh_key)
+        flags[pol.sorted_tables(mig_key)] |= MOVED  # (each part's keys come sorted)
+        flags[pol.sorted_tables(victims)] |= MOVED
+        sh_table = pol.sorted_tables(sh_key)
         flags[sh_table] |= SHARED
         flags[sh_table[routes.relayed]] |= RELAYED
         summary = np.concatenate([fin.counts, [n_mig, victims.shape[0]]]).astype(np.int64)
