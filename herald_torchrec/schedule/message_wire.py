@@ -38,13 +38,12 @@ imports torch).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from herald_torchrec._native import address
+from herald_torchrec._native import address_array
 from herald_torchrec.schedule import native
 
 Message = list  # a message between planners: a list of numpy arrays (its phase says which)
@@ -256,7 +255,6 @@ def _decode_numpy(buf: np.ndarray) -> Message:
 
 
 _META = {dt: (_kind(dt), dt.itemsize, code) for dt, code in _CODE.items()}  # element code, item size, dtype code
-_addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
 
 
 def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[np.ndarray]:
@@ -277,13 +275,8 @@ def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[n
     lens = np.array([len(a) for a in arrays], dtype=np.int64)  # (1-D, checked)
     if lens.shape[0] and lens.max() >= 1 << 32:
         _check([a for a in arrays if a.shape[0] >= 1 << 32])  # raises
-    # their addresses inline through the buffer protocol, 0 for an empty array (never read; asking for its address
-    # costs an exception), the generic `address` only where one is read-only
-    try:
-        addresses = np.array([_addressof(_from_buffer(a)) if len(a) else 0 for a in arrays], dtype=np.uint64)
-    except (TypeError, ValueError):
-        addresses = np.array([address(a) if len(a) else 0 for a in arrays], dtype=np.uint64)
-    return _encode_native(addresses, first, lens, np.array(meta, dtype=np.int64).reshape(len(arrays), 3), compact)
+    meta = np.array(meta, dtype=np.int64).reshape(len(arrays), 3)
+    return _encode_native(address_array(arrays), first, lens, meta, compact)
 
 
 def encode_slices(
@@ -305,8 +298,7 @@ def encode_slices(
         s0, s1 = starts.tolist(), stops.tolist()
         return encode_messages([[f[a:b] for f, a, b in zip(fields, s0[m], s1[m])] for m in range(M)], compact)
     meta = np.array([_META[f.dtype] for f in fields], dtype=np.int64).reshape(W, 3)
-    base = np.array([address(f) if f.shape[0] else 0 for f in fields], dtype=np.uint64)
-    addresses = base + (starts * meta[:, 1]).astype(np.uint64)
+    addresses = address_array(fields) + (starts * meta[:, 1]).astype(np.uint64)
     addresses[stops == starts] = 0  # an empty slice's address is never read
     first = np.arange(M + 1, dtype=np.int64) * W
     return _encode_native(addresses.reshape(-1), first, (stops - starts).reshape(-1), np.tile(meta, (M, 1)), compact)
@@ -327,21 +319,32 @@ def encode_message(m: Message, compact: bool = True) -> np.ndarray:
     return encode_messages([m], compact)[0]
 
 
-def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | None]:
-    """The messages `encode_messages` wrote, back to back in `buf` (np.uint8), `sizes[i]` bytes each; None for a size
-    of 0 (nothing sent). ValueError for a malformed buffer."""
+def _bounds(buf: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """Where each message of `buf` starts (and the end), and which sizes sent something; ValueError if they do not
+    add up to the buffer."""
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
     if bounds[-1] != buf.shape[0]:
         raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(bounds[-1])}")
-    sent = [i for i, n in enumerate(sizes) if n]
+    return bounds, [i for i, n in enumerate(sizes) if n]
+
+
+def _scan(buf: np.ndarray, bounds: np.ndarray, sent: list[int]) -> tuple[np.ndarray, native.MessageArrays]:
+    """The compiled scan of the sent messages' arrays (the bytes as uint8, the table)."""
+    b = np.ascontiguousarray(buf, dtype=np.uint8)
+    # the sent messages' bounds as one run: messages of size 0 take no bytes, so the starts line up
+    return b, native.msg_scan(b, np.concatenate([bounds[sent], bounds[-1:]]) if sent else bounds[:1], _ITEMSIZE)
+
+
+def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | None]:
+    """The messages `encode_messages` wrote, back to back in `buf` (np.uint8), `sizes[i]` bytes each; None for a size
+    of 0 (nothing sent). ValueError for a malformed buffer."""
+    bounds, sent = _bounds(buf, sizes)
     out: list[Message | None] = [None] * len(sizes)
     if not native.enabled():
         for i in sent:
             out[i] = _decode_numpy(buf[bounds[i] : bounds[i + 1]])
         return out
-    b = np.ascontiguousarray(buf, dtype=np.uint8)
-    arrs = native.msg_scan(b, np.concatenate([bounds[sent], bounds[-1:]]) if sent else bounds[:1], _ITEMSIZE)
-    # the scan takes the sent messages' bounds as one run: messages of size 0 take no bytes, so the starts line up
+    b, arrs = _scan(buf, bounds, sent)
     nbytes = arrs.count * _ITEMSIZE[arrs.code]
     room = (nbytes + 7) & ~7  # every array 8-byte aligned in one arena, as a fresh array would be
     offset = np.cumsum(room) - room
@@ -377,14 +380,10 @@ def decode_fields(buf: np.ndarray, sizes: Sequence[int]) -> Fields | None:
     one compiled pass. Why: a planner mostly concatenates what every host sent it field by field; decoded so, its
     Python work is per field, not per array received (~31 x 3-11 arrays a phase at R=256). None where the layouts
     differ or the kernels are off (`decode_messages` then); ValueError for a malformed buffer."""
-    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
-    if bounds[-1] != buf.shape[0]:
-        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(bounds[-1])}")
+    bounds, sent = _bounds(buf, sizes)
     if not native.enabled():
         return None
-    sent = [i for i, n in enumerate(sizes) if n]
-    b = np.ascontiguousarray(buf, dtype=np.uint8)
-    arrs = native.msg_scan(b, np.concatenate([bounds[sent], bounds[-1:]]) if sent else bounds[:1], _ITEMSIZE)
+    b, arrs = _scan(buf, bounds, sent)
     M = len(sent)
     W = arrs.msg.shape[0] // M if M else 0
     if not M or (np.bincount(arrs.msg, minlength=M) != W).any():

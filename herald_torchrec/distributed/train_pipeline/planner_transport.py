@@ -5,8 +5,8 @@ Each phase, the plan parts routed to the hosts that need them included, is one a
 pair) then one all-to-all of bytes. A message (a list of numpy arrays) travels in the control plane's wire form
 (schedule/message_wire.py: its arrays raw, or each in the form of fewest bytes for its values with the policy's
 `planner_wire: compact`), a phase's messages encoded and decoded in one pass each (what a planner receives field by
-field, as an `Inbox`). The control plane never imports
-torch.distributed: this is the data plane's side of its `Transport`.
+field, as an `Inbox`). The control plane never imports torch.distributed: this is the data plane's side of its
+`Transport`.
 """
 
 from __future__ import annotations
