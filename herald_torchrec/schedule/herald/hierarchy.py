@@ -892,7 +892,7 @@ class HeraldHierPolicy(SchedulePolicy):
         every host applied its own (`_apply_host_moves`)."""
         R, B = self.num_ranks, self.batch_per_rank
         members, ranks, counts = [np.concatenate([p[i] for p in parts]) for i in (9, 10, 11)]
-        rows = self._rows([np.concatenate([p[i] for p in parts]) for i in range(9)] if parts else [])
+        rows = self._rows(concatenated(dict(enumerate(parts)), self._part_dtypes()[:9]))
         if apply:
             mv = rows.moves
             got = self.directory.apply_known_moves(rows.gid, mv.dst, mv.src, rows.home, mv.table)
@@ -917,8 +917,7 @@ class HeraldHierPolicy(SchedulePolicy):
         them)."""
         h, P, R, B = hp.h, self.ranks_per_host, self.num_ranks, self.batch_per_rank
         T = self.layout.num_tables
-        rk = self.rank_dtype
-        cat = concatenated(inbox, (np.int64, rk, rk, np.int64, rk, rk, rk, np.int64, rk, np.int64, np.uint8))
+        cat = concatenated(inbox, self._part_dtypes())
         summary, flags = cat[9], cat[10]
         rows = self._rows(cat[:9])
         # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
@@ -973,9 +972,15 @@ class HeraldHierPolicy(SchedulePolicy):
             got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
             self.eviction.arrived(got.pos, got.keys, got.groups)
 
+    def _part_dtypes(self) -> tuple:
+        """The dtypes of a routed part's fields (`HostPlanner.routed`): migrations (key, source, destination), shared
+        rows (key, owner, reader count, readers), victims (key, owner), the step summary and the table bits."""
+        rk = self.rank_dtype
+        return (np.int64, rk, rk, np.int64, rk, rk, rk, np.int64, rk, np.int64, np.uint8)
+
     def _rows(self, cat: list[np.ndarray]) -> "_Rows":
         """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`),
-        each field concatenated over the parts in host order (`cat`; empty: no part): their migrations (key, source,
+        each field concatenated over the parts in host order (`cat`): their migrations (key, source,
         destination), shared rows (key, owner, reader count, readers) and victims (key, owner). Every move and shared
         row in key order, as one planner deciding every key at once: a part's keys come sorted and are distinct across
         parts (a key has one directory host; a victim is a guest nobody read, never a migrating key), so one packed
@@ -984,7 +989,6 @@ class HeraldHierPolicy(SchedulePolicy):
         the layout's offsets: no array over every row is read (every planner runs this in training). The directory
         gets the moves in key order: its slots only keep the arrivals' order within a group, which is the
         migrations' key order either way."""
-        cat = cat or [np.zeros(0, np.int64)] * 9
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
         n_mig, n_vic = mig_key.shape[0], victims.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key

@@ -168,25 +168,24 @@ class Outbox:
         fields = [f for p in parts for f in p.fields]
         return cls(dests, fields, np.concatenate(starts, axis=1), np.concatenate(stops, axis=1))
 
+    def _row(self, j: int) -> Message:
+        """The message to host dests[j] (views of the fields)."""
+        return [f[a:b] for f, a, b in zip(self.fields, self.starts[j].tolist(), self.stops[j].tolist())]
+
     def messages(self) -> dict[int, Message]:
         """The same messages as lists of arrays (views of the fields)."""
-        s0, s1 = self.starts.tolist(), self.stops.tolist()
-        return {t: [f[a:b] for f, a, b in zip(self.fields, s0[j], s1[j])] for j, t in enumerate(self.dests)}
+        return {t: self._row(j) for j, t in enumerate(self.dests)}
 
     def message(self, t: int) -> Message | None:
         """The message to host t (None: nothing sent to it)."""
-        if t not in self.dests:
-            return None
-        j = self.dests.index(t)
-        return [f[a:b] for f, a, b in zip(self.fields, self.starts[j].tolist(), self.stops[j].tolist())]
+        return self._row(self.dests.index(t)) if t in self.dests else None
 
     def encode(self, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
         """The hosts it sends to but `skip`, and their messages as bytes."""
         keep = [j for j, t in enumerate(self.dests) if t != skip]
         dests = [self.dests[j] for j in keep]
         if len(keep) * len(self.fields) < BY_FIELD_FROM:  # a few arrays: the per-array path has less to set up
-            msgs = self.messages()
-            return dests, encode_messages([msgs[t] for t in dests], compact)
+            return dests, encode_messages([self._row(j) for j in keep], compact)
         return dests, encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
 
 
@@ -258,9 +257,9 @@ def encode_outgoing(to: Outgoing, skip: int | None, compact: bool) -> tuple[list
 class Transport:
     """The messages between host planners, one phase at a time (hierarchy.py's docstring). `exchange(kind, out)`:
     out[src][dst] is the message host src (a host this process plans) sends host dst (`out[src]` a dict or an
-    `Outbox`); returns inbox[dst][src] (inbox[dst] a mapping: a dict or an `Inbox`) for
-    this process's hosts (a host's message to itself included; a missing entry: nothing sent). Every host's process
-    calls it with the same kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
+    `Outbox`); returns inbox[dst][src] (inbox[dst] a mapping: a dict or an `Inbox`) for this process's hosts (a
+    host's message to itself included; a missing entry: nothing sent). Every host's process calls it with the same
+    kinds in the same order. `last_bytes`: the bytes this process sent to other hosts'
     processes, by kind, since the planner last read them (the implementation's own wire, next to the protocol's count
     in `HierStep`)."""
 

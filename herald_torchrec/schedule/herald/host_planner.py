@@ -104,9 +104,9 @@ class HostPlanner:
         sources = sorted(inbox)
         (self.demanded,) = concatenated(inbox, (np.int64,))  # every host's demand, in host order
         n = source_counts(inbox)
-        self.demand_start = dict(zip(sources, (np.cumsum(n) - n).tolist()))
-        owner = self.pol.directory.owner[self.demanded].astype(self.pol.rank_dtype)
         at = np.cumsum(n) - n
+        self.demand_start = dict(zip(sources, at.tolist()))
+        owner = self.pol.directory.owner[self.demanded].astype(self.pol.rank_dtype)
         return Outbox.from_bounds(np.array(sources, dtype=np.int64), [owner], at, at + n)
 
     def receive_owners(self, inbox: Mapping[int, Message]) -> None:
