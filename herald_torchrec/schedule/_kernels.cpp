@@ -180,7 +180,9 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
     for (int64_t k = 0; k < K; ++k) {
       const int32_t* ck = c.data() + k * R;
       WT* wk = W.data() + k * R;
-      for (int64_t r = 0; r < R; ++r) wk[r] = ck[r] > 0 ? two : (own[k] == r ? ow_t : WT(0));
+      for (int64_t r = 0; r < R; ++r) wk[r] = ck[r] > 0 ? two : WT(0);  // (no branch per cell)
+      const int64_t o = own[k];
+      if (o >= 0 && o < R && ck[o] == 0) wk[o] = ow_t;
     }
     if (S > 0 && R == 8) {  // a host planner's 8 ranks: the same sums in the same order, in a fixed-width loop
       using Acc = std::conditional_t<std::is_same_v<WT, float>, float, int64_t>;  // (small integers: exact)
@@ -343,6 +345,51 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
         ++count[k];
       }
     }
+  }
+}
+
+// stream_pass where no key can saturate (R <= cap, R <= 64, not host-aware: a host planner's 8 ranks, one
+// planner's up to 16), the same sums in the same order: a key's readers and its owner as one bit mask (their
+// union: each rank gets at most one w per element, as there), and each placed sample's rank added to its keys'
+// masks without the reader count or the elements left (with no cap to reach, a key no later sample reads keeps
+// a mask nobody looks at). Why: the general pass's branches per element cost 2.3x its time here.
+void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es,
+                          const int64_t* ec, const double* w0, const int64_t* own, int64_t* a) {
+  std::vector<int64_t> first(N + 1, 0), at(E);
+  for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
+  for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
+  {
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
+  }
+  std::vector<uint64_t> readers(K, 0);
+  for (int64_t k = 0; k < K; ++k) readers[k] = own[k] >= 0 ? uint64_t{1} << own[k] : 0;  // the owner, always
+  std::vector<double> score(R, 0.0);
+  std::vector<int64_t> load(R, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    uint64_t seen = 0;
+    for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+      const int64_t i = at[j];
+      const double w = w0[i];
+      const uint64_t m = readers[ec[i]];
+      seen |= m;
+      for (uint64_t q = m; q; q &= q - 1) score[__builtin_ctzll(q)] += w;
+    }
+    int64_t best = -1;
+    double top = 0.0;
+    for (uint64_t q = seen; q; q &= q - 1) {  // ranks ascend: ties keep the lower
+      const int64_t r = __builtin_ctzll(q);
+      if (load[r] < B && (best < 0 || score[r] > top)) best = r, top = score[r];
+      score[r] = 0.0;
+    }
+    if (best < 0) {
+      for (int64_t r = 0; r < R; ++r)
+        if (load[r] < B && (best < 0 || load[r] < load[best])) best = r;
+    }
+    a[n] = best;
+    ++load[best];
+    const uint64_t bit = uint64_t{1} << best;
+    for (int64_t j = first[n]; j < first[n + 1]; ++j) readers[ec[at[j]]] |= bit;
   }
 }
 
@@ -1130,7 +1177,11 @@ void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
                    double owner_weight, double stay_bonus, int w_int16, int64_t stream_cap, const int64_t* host,
                    int64_t H, double intra, int64_t* a) {
   if (stream_cap > 0) {
-    stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, host, H, intra, a);
+    if (!host && R <= stream_cap && R <= 64) {
+      stream_pass_uncapped(N, R, B, K, E, es, ec, w0, own, a);
+    } else {
+      stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, host, H, intra, a);
+    }
     if (refine == 0) return;
   } else {
     std::vector<double> score(N * R, 0.0);

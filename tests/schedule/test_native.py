@@ -130,11 +130,12 @@ def test_stream_first_pass_plans_equal(R, refine):
     _compare(_trace("jagged", R, 12, 24, seed=30 + R), R, 12, 2, refine=refine, first_pass="stream")
 
 
-@pytest.mark.parametrize("R", [3, 64, 65, 130])  # one word of reader bits, exactly one, two, three
+@pytest.mark.parametrize("R", [3, 8, 16, 64, 65, 130])  # one word of reader bits, exactly one, two, three
 def test_stream_assign_equal(R):
     """The compiled stream (native.assign with stream_cap) against laia.stream_assign: keys owned by no rank, keys
     read at more ranks than the cap, elements in table-major order (jagged batches), float weights with ties, and
-    host-aware (3 hosts, a row inside a host at 0.2 and 0.7 of one crossing hosts)."""
+    host-aware (3 hosts, a row inside a host at 0.2 and 0.7 of one crossing hosts). A cap of R or more (a host
+    planner's 8 ranks, one planner's 16) takes the kernel's pass without reader counts, up to R = 64."""
     from herald_torchrec.schedule.herald.laia import stream_assign
 
     rng = np.random.default_rng(R)
@@ -148,7 +149,8 @@ def test_stream_assign_equal(R):
     w = rng.choice([0.25, 0.5, 1.0], es.shape[0])
     own = rng.integers(-1, R, K)
     hosts = np.arange(R) * 3 // R  # 3 hosts (R=3: one rank each)
-    for cap, host_of, intra in ((1, None, 0.0), (4, None, 0.0), (16, None, 0.0), (16, hosts, 0.2), (2, hosts, 0.7)):
+    caps = ((1, None, 0.0), (4, None, 0.0), (16, None, 0.0), (R, None, 0.0), (16, hosts, 0.2), (2, hosts, 0.7))
+    for cap, host_of, intra in caps:
         want = stream_assign(N, R, B, es, ec, w, own, cap=cap, hosts=host_of, intra=intra)
         got = native.assign(N, R, B, K, es, ec, w, 0, own, 0, 0.0, 0.0, False, cap, host_of, intra)
         np.testing.assert_array_equal(got, want)
