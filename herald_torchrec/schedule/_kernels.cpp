@@ -163,22 +163,26 @@ template <typename WT>
 void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
                    int64_t S, const int64_t* own, int64_t refine, WT two, WT ow_t, double owner_weight,
                    double stay_bonus, int64_t* a) {
-  std::vector<int32_t> c(K * R);
+  // a cell's elements only matter as 0, 1 or more: counted up to 2 in a byte (a quarter of the cache lines)
+  std::vector<uint8_t> c(K * R);
   std::vector<double> corr(N), sc64;
   std::vector<float> sc(N * R);
   std::vector<WT> W(K * R);
   std::vector<int64_t> acc(R);
   std::vector<float> facc(R);
   for (int64_t round = 0; round < refine; ++round) {
-    std::fill(c.begin(), c.end(), 0);
-    for (int64_t i = 0; i < E; ++i) ++c[ec[i] * R + a[es[i]]];
+    std::fill(c.begin(), c.end(), uint8_t{0});
+    for (int64_t i = 0; i < E; ++i) {
+      uint8_t& x = c[ec[i] * R + a[es[i]]];
+      x += x < 2;
+    }
     std::fill(corr.begin(), corr.end(), 0.0);
     for (int64_t i = 0; i < E; ++i) {
       const int64_t k = ec[i], r = a[es[i]];
       if (c[k * R + r] == 1) corr[es[i]] += (own[k] == r ? owner_weight : 0.0) - 2.0;
     }
     for (int64_t k = 0; k < K; ++k) {
-      const int32_t* ck = c.data() + k * R;
+      const uint8_t* ck = c.data() + k * R;
       WT* wk = W.data() + k * R;
       for (int64_t r = 0; r < R; ++r) wk[r] = ck[r] > 0 ? two : WT(0);  // (no branch per cell)
       const int64_t o = own[k];
@@ -354,11 +358,13 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
 // masks without the reader count or the elements left (with no cap to reach, a key no later sample reads keeps
 // a mask nobody looks at). Why: the general pass's branches per element cost 2.3x its time here.
 void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es,
-                          const int64_t* ec, const double* w0, const int64_t* own, int64_t* a) {
-  std::vector<int64_t> first(N + 1, 0), at(E);
-  for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
-  for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
-  {
+                          const int64_t* ec, const double* w0, int64_t S, const int64_t* own, int64_t* a) {
+  std::vector<int64_t> first(N + 1, 0), at(S > 0 ? 0 : E);  // S > 0: sample-major already, at[j] = j
+  if (S > 0) {
+    for (int64_t n = 0; n <= N; ++n) first[n] = n * S;
+  } else {
+    for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
+    for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
     std::vector<int64_t> fill(first.begin(), first.end() - 1);
     for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
   }
@@ -369,7 +375,7 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
   for (int64_t n = 0; n < N; ++n) {
     uint64_t seen = 0;
     for (int64_t j = first[n]; j < first[n + 1]; ++j) {
-      const int64_t i = at[j];
+      const int64_t i = S > 0 ? j : at[j];
       const double w = w0[i];
       const uint64_t m = readers[ec[i]];
       seen |= m;
@@ -389,7 +395,7 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
     a[n] = best;
     ++load[best];
     const uint64_t bit = uint64_t{1} << best;
-    for (int64_t j = first[n]; j < first[n + 1]; ++j) readers[ec[at[j]]] |= bit;
+    for (int64_t j = first[n]; j < first[n + 1]; ++j) readers[ec[S > 0 ? j : at[j]]] |= bit;
   }
 }
 
@@ -1178,7 +1184,7 @@ void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
                    int64_t H, double intra, int64_t* a) {
   if (stream_cap > 0) {
     if (!host && R <= stream_cap && R <= 64) {
-      stream_pass_uncapped(N, R, B, K, E, es, ec, w0, own, a);
+      stream_pass_uncapped(N, R, B, K, E, es, ec, w0, S, own, a);
     } else {
       stream_pass(N, R, B, K, E, es, ec, w0, own, stream_cap, host, H, intra, a);
     }
