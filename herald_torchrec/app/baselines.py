@@ -2,7 +2,7 @@
 
 They run in Herald's engine (HeraldTrainPipeline + the Herald sharder) with their own policy; what differs is
 - their settings (`policy_options`: hot_budget, profile_fraction, window, staleness; herald's replicate,
-  plan_budget_ms and first_pass), validated by the policy;
+  plan_budget_ms, first_pass and refine), validated by the policy;
 - `fae` / `p2res` choose the replicated rows from a profiled prefix of the training stream: the first
   ceil(profile_fraction x steps) global batches of the first epoch (`profile_batches`). Every rank reads the same
   global batches (the data are deterministic), so every rank profiles alike without communicating; the same
@@ -34,8 +34,8 @@ OPTIONS = {
     "p2res": ("hot_budget", "profile_fraction"),
     "fae": ("hot_budget", "profile_fraction", "window"),
     "het": ("staleness",),
-    "herald": ("replicate", "plan_budget_ms", "first_pass"),
-    "herald_hier": ("ranks_per_host", "plan_budget_ms", "planner_wire", "first_pass"),
+    "herald": ("replicate", "plan_budget_ms", "first_pass", "refine"),
+    "herald_hier": ("ranks_per_host", "plan_budget_ms", "planner_wire", "first_pass", "refine"),
 }
 REPLICA_POLICIES = ("p2res", "fae")
 

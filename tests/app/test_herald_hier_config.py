@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+
+from herald_torchrec.schedule import GlobalBatch
 
 
 def test_app_config_builds_herald_hier_options():
     """conf/scheduler/herald_hier.yaml: the app's Herald options name the policy and pass ranks_per_host, the
-    planning budget, the planners' wire form and LAIA's first pass (and only them) to it; a bad value is the policy's
-    one-line error; the app lists the scheduler."""
+    planning budget, the planners' wire form, LAIA's first pass and its refine rounds where set (and only them) to
+    it, and the policy plans with those rounds; a bad value is the policy's one-line error; the app lists the
+    scheduler."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -22,7 +26,9 @@ def test_app_config_builds_herald_hier_options():
         bad_budget = compose("config", overrides=["scheduler=herald_hier", "scheduler.plan_budget_ms=-1"])
         bad_wire = compose("config", overrides=["scheduler=herald_hier", "scheduler.planner_wire=zip"])
         bad_pass = compose("config", overrides=["scheduler=herald_hier", "scheduler.first_pass=greedy"])
-        herald = compose("config", overrides=["scheduler=herald", "scheduler.first_pass=bids"])
+        bad_refine = compose("config", overrides=["scheduler=herald_hier", "scheduler.refine=-1"])
+        no_round = compose("config", overrides=["scheduler=herald_hier", "scheduler.refine=0"])
+        herald = compose("config", overrides=["scheduler=herald", "scheduler.first_pass=bids", "scheduler.refine=2"])
     options = herald_options(cfg.scheduler)
     assert options.policy == "herald_hier"
     assert dict(options.policy_options) == {
@@ -40,5 +46,24 @@ def test_app_config_builds_herald_hier_options():
         herald_options(bad_wire.scheduler).runnable_policy()
     with pytest.raises(ValueError, match="first_pass must be one of auto, stream, bids, got 'greedy'"):
         herald_options(bad_pass.scheduler).runnable_policy()
-    # herald takes the first pass too
+    with pytest.raises(ValueError, match="refine must be an integer >= 0, got -1"):
+        herald_options(bad_refine.scheduler).runnable_policy()
+    # refine: 0 reaches the per-machine planner (two machines of 4 ranks), which then plans without a round
+    from herald_torchrec.schedule import make_policy
+
+    opts = herald_options(no_round.scheduler).policy_options
+    assert opts["refine"] == 0
+    pol = make_policy(
+        "herald_hier", [1000] * 4, 8, 16, 0.1, 2, hosts=4, **{k: v for k, v in opts.items() if k != "ranks_per_host"}
+    )
+    default = make_policy("herald_hier", [1000] * 4, 8, 16, 0.1, 2, hosts=4)
+    batches = [
+        GlobalBatch.from_dense(np.random.default_rng(i).integers(0, 1000, (128, 4)), [1000] * 4, index=i)
+        for i in range(3)
+    ]
+    pol.plan(batches)
+    default.plan(batches)
+    assert pol.refine == 0 and default.refine == 1
+    # herald takes the first pass and the rounds too
     assert herald_options(herald.scheduler).policy_options["first_pass"] == "bids"
+    assert herald_options(herald.scheduler).policy_options["refine"] == 2

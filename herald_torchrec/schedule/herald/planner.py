@@ -93,6 +93,12 @@ def check_first_pass(first_pass: object) -> None:
         raise ValueError(f"herald: first_pass must be one of {', '.join(FIRST_PASSES)}, got {first_pass!r}")
 
 
+def check_rounds(name: str, v: object) -> None:
+    """`refine` / `max_refine`: None (the time model's choice) or an integer >= 0."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+        raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
+
+
 INTRA_HOST_COST = 0.2  # default: a row moved inside a host costs a fifth of one crossing hosts (docs/scheduler.md)
 
 
@@ -247,9 +253,8 @@ class HeraldPolicy(SchedulePolicy):
         if first_pass == "auto":
             first_pass = "stream" if self.num_ranks >= STREAM_FROM_RANKS else "bids"
         self.first_pass = first_pass  # the pass it runs: stream or bids
-        for name, v in (("refine", refine), ("max_refine", max_refine)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
-                raise ValueError(f"herald: {name} must be an integer >= 0, got {v!r}")
+        check_rounds("refine", refine)
+        check_rounds("max_refine", max_refine)
         if budget_ms == "auto":
             budget_ms = default_budget_ms(self.global_batch)
         elif budget_ms is not None and (isinstance(budget_ms, str) or not budget_ms > 0):
@@ -507,10 +512,13 @@ class HeraldPolicy(SchedulePolicy):
 
     # ---- planning budget --------------------------------------------------------------------------------------
     @staticmethod
-    def runs_with(plan_budget_ms: float | str | None = "auto", first_pass: str = "auto", **_: object) -> None:
+    def runs_with(
+        plan_budget_ms: float | str | None = "auto", first_pass: str = "auto", refine: object = None, **_: object
+    ) -> None:
         """The app's and the pipeline's check of the options, before any set-up (schedule.runnable_policy)."""
         check_plan_budget(plan_budget_ms)
         check_first_pass(first_pass)
+        check_rounds("refine", refine)
 
     def observe_step(self, step_ms: float, wait_ms: float = 0.0) -> None:
         """A training step's wall time without its wait for input, and that wait, in ms (the pipeline calls it after
