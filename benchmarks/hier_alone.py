@@ -64,7 +64,7 @@ from herald_torchrec.schedule.plan_wire import encode_plan  # noqa: E402
 # the options a replay runs with (the recording's)
 REPLAYED = (
     "scale", "workers", "ranks_per_host", "batch", "cache_ratio", "lookahead", "steps", "warmup", "hier_clock",
-    "first_pass", "owner_balance",
+    "first_pass", "owner_balance", "refine",
 )  # fmt: skip
 
 
@@ -157,10 +157,23 @@ def owner_balance_option(text: str):
         raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or a number >= 1, got {text!r}") from None
 
 
+def refine_option(text: str):
+    """--refine: 'auto' (the policy's time model) or a number of rounds >= 0."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return n
+
+
 def _policy(args: argparse.Namespace, rows: list[int], R: int):
     return make_policy(
         "herald_hier", rows, R, args.batch, args.cache_ratio, args.lookahead, hosts=args.ranks_per_host,
-        first_pass=args.first_pass,
+        first_pass=args.first_pass, refine=None if args.refine == "auto" else args.refine,
         **owner_balance_kwargs(None if args.owner_balance == "auto" else args.owner_balance),
     )  # fmt: skip
 
@@ -284,6 +297,12 @@ def main(argv: list[str] | None = None) -> dict:
         type=owner_balance_option,
         default="auto",
         help="each directory host's owner balancing: a factor >= 1, 'off', or 'auto' (the policy's default, 1.15)",
+    )
+    p.add_argument(
+        "--refine",
+        type=refine_option,
+        default="auto",
+        help="LAIA's best-response rounds per host ('auto': the policy's)",
     )
     p.add_argument("--replay", type=int, help=argparse.SUPPRESS)  # internal: replay this host from --record-file
     p.add_argument("--replay-as", choices=["check", "thread", "cut_thread"], default="check", help=argparse.SUPPRESS)

@@ -367,6 +367,7 @@ def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, tuple[float, fl
         c = load_json(f)
         cfg = c["config"]
         same = all(cfg[k] == sweep_config[k] for k in ("scale", "batch", "cache_ratio", "lookahead", "ranks_per_host"))
+        same = same and cfg.get("refine", "auto") == "auto"  # the policy's own rounds, as the sweep ran it
         if same:
             slowest = max(c["hosts"], key=lambda h: h["alone_ms"] + h["codec_raw_ms"])
             out[int(cfg["workers"])] = (slowest["alone_ms"] + slowest["codec_raw_ms"], slowest["cut_ms"])
