@@ -3,6 +3,7 @@
 
     python benchmarks/hier_alone.py --workers 256 --steps 30 --warmup 10 --hosts 0,5,17       # scale 0.01
     python benchmarks/hier_alone.py --scale 1 --workers 64 --steps 20 --warmup 6 --hosts 0,3   # full tables
+    python benchmarks/hier_alone.py --workers 64 --hosts 0,1 --refine 0     # each host's LAIA without its refine round
 
 Why: the simulator runs every host in one process, phase by phase, each host's phase after the other hosts' (its own
 data gone cold in between) and the first host of each phase paying for the code and the allocator (the slowest
