@@ -239,6 +239,31 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
   }
 }
 
+// The stream passes' elements per sample, in their order: sample n's are at[first[n]] .. at[first[n + 1] - 1] (a
+// stable counting sort by es); with S > 0 (single-hot, S per sample, sample-major) they already are, and `at` stays
+// empty (element j is at j).
+void elements_by_sample(int64_t N, int64_t E, const int64_t* es, int64_t S, std::vector<int64_t>& first,
+                        std::vector<int64_t>& at) {
+  first.assign(N + 1, 0);
+  if (S > 0) {
+    for (int64_t n = 0; n <= N; ++n) first[n] = n * S;
+    return;
+  }
+  at.resize(E);
+  for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
+  for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
+}
+
+// The open rank of least load (the lowest among ties): where a stream pass puts a sample that scores nowhere open.
+int64_t least_loaded(const int64_t* load, int64_t R, int64_t B) {
+  int64_t best = -1;
+  for (int64_t r = 0; r < R; ++r)
+    if (load[r] < B && (best < 0 || load[r] < load[best])) best = r;
+  return best;
+}
+
 // laia.stream_assign: samples in batch order, each to the open rank where most of its keys already are (owned
 // there, or read there by a sample placed before it), every key weighing w0; a key's readers are tracked up to
 // `cap` distinct ranks, beyond which it is everywhere and scores nowhere. Ties go to the lowest rank, a sample
@@ -247,13 +272,8 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
 void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es, const int64_t* ec,
                  const double* w0, const int64_t* own, int64_t cap, const int64_t* host, int64_t H, double intra,
                  int64_t* a) {
-  std::vector<int64_t> first(N + 1, 0), at(E);
-  for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
-  for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
-  {
-    std::vector<int64_t> fill(first.begin(), first.end() - 1);
-    for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
-  }
+  std::vector<int64_t> first, at;
+  elements_by_sample(N, E, es, 0, first, at);
   const int64_t W = (R + 63) / 64;  // a key's readers as a bit set over the ranks
   std::vector<uint64_t> readers(K * W, 0), seen(W);
   std::vector<int32_t> count(K, 0);  // distinct readers so far; cap + 1: everywhere, no longer tracked
@@ -326,11 +346,7 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
         score[r] = 0.0;
       }
     }
-    if (best < 0) {
-      for (int64_t r = 0; r < R; ++r) {
-        if (load[r] < B && (best < 0 || load[r] < load[best])) best = r;
-      }
-    }
+    if (best < 0) best = least_loaded(load.data(), R, B);
     a[n] = best;
     ++load[best];
     const uint64_t bit = uint64_t{1} << (best & 63);
@@ -359,15 +375,8 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
 // a mask nobody looks at). Why: the general pass's branches per element cost 2.3x its time here.
 void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const int64_t* es,
                           const int64_t* ec, const double* w0, int64_t S, const int64_t* own, int64_t* a) {
-  std::vector<int64_t> first(N + 1, 0), at(S > 0 ? 0 : E);  // S > 0: sample-major already, at[j] = j
-  if (S > 0) {
-    for (int64_t n = 0; n <= N; ++n) first[n] = n * S;
-  } else {
-    for (int64_t i = 0; i < E; ++i) ++first[es[i] + 1];
-    for (int64_t n = 0; n < N; ++n) first[n + 1] += first[n];
-    std::vector<int64_t> fill(first.begin(), first.end() - 1);
-    for (int64_t i = 0; i < E; ++i) at[fill[es[i]]++] = i;
-  }
+  std::vector<int64_t> first, at;
+  elements_by_sample(N, E, es, S, first, at);
   std::vector<uint64_t> readers(K, 0);
   for (int64_t k = 0; k < K; ++k) readers[k] = own[k] >= 0 ? uint64_t{1} << own[k] : 0;  // the owner, always
   std::vector<double> score(R, 0.0);
@@ -388,10 +397,7 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
       if (load[r] < B && (best < 0 || score[r] > top)) best = r, top = score[r];
       score[r] = 0.0;
     }
-    if (best < 0) {
-      for (int64_t r = 0; r < R; ++r)
-        if (load[r] < B && (best < 0 || load[r] < load[best])) best = r;
-    }
+    if (best < 0) best = least_loaded(load.data(), R, B);
     a[n] = best;
     ++load[best];
     const uint64_t bit = uint64_t{1} << best;

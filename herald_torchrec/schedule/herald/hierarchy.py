@@ -397,10 +397,7 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def adopt_settings(self, sel: TableSelection) -> None:
         """Another host's adoption of host 0's choice (`choose_settings`), once."""
-        loc = self._local
-        loc.selection = sel
-        loc._set_tables(sel.tables)
-        loc.refine = int(sel.refine)
+        self._local.adopt(sel)
 
     def plan_levels(self) -> LevelCounts:
         """Plans made at each level of the budget (full, reduced, static)."""

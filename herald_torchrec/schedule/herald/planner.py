@@ -361,9 +361,15 @@ class HeraldPolicy(SchedulePolicy):
             max_refine=self.max_refine,
             tables=self._fixed_tables,
         )
-        self._set_tables(self.selection.tables)
-        self.refine = self.selection.refine
+        self.adopt(self.selection)
         return self.selection
+
+    def adopt(self, sel: TableSelection) -> None:
+        """Plan with `sel`'s tables and refine rounds (`profile`'s choice, or one made elsewhere: herald_hier's host 0
+        chooses for every host)."""
+        self.selection = sel
+        self._set_tables(sel.tables)
+        self.refine = int(sel.refine)
 
     # ---- per batch --------------------------------------------------------------------------------------------
     def _sample_of_element(self, n: int, width: int) -> np.ndarray:
