@@ -162,13 +162,9 @@ def refine_option(text: str):
     """--refine: 'auto' (the policy's time model) or a number of rounds >= 0."""
     if text == "auto":
         return text
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
-    return n
+    return int(text)
 
 
 def _policy(args: argparse.Namespace, rows: list[int], R: int):
