@@ -643,7 +643,7 @@ void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t
 
 extern "C" {
 
-int herald_kernels_version() { return 17; }
+int herald_kernels_version() { return 18; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1220,28 +1220,51 @@ void herald_assign(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
   }
 }
 
-// reads.batch_keys, bitmap path: distinct sorted keys of `gid` (values in [0, n_rows)), the index of every
-// element's key, and the count per key. `mark` (uint8 [n_rows]) must be all zero and is left all zero; `pos`
-// (int32 [n_rows]) is scratch. Returns K; keys / count need room for min(E, n_rows) entries.
-int64_t herald_batch_keys(const int64_t* gid, int64_t E, int64_t n_rows, uint8_t* mark, int32_t* pos,
-                          int64_t* keys, int64_t* cid, int64_t* count) {
-  for (int64_t i = 0; i < E; ++i) mark[gid[i]] = 1;
-  int64_t K = 0;
-  int64_t g = 0;
-  for (; g + 8 <= n_rows; g += 8) {  // eight rows at a time: most words of the bitmap are empty
-    uint64_t w;
-    std::memcpy(&w, mark + g, 8);
-    if (!w) continue;
-    for (int64_t j = g; j < g + 8; ++j)
-      if (mark[j]) pos[j] = static_cast<int32_t>(K), keys[K++] = j, mark[j] = 0;
-  }
-  for (; g < n_rows; ++g)
-    if (mark[g]) pos[g] = static_cast<int32_t>(K), keys[K++] = g, mark[g] = 0;
-  std::fill(count, count + K, int64_t{0});
+// herald_batch_keys' pass over the elements: each element's key index (the keys in earlier words plus the set bits
+// below its own in its word) and the count per key. Built a second time with the POPCNT instruction, which x86-64
+// CPUs since 2008 have but the baseline target lacks (its popcount is a library call: no faster than the byte-per-row
+// map it replaced).
+static inline __attribute__((always_inline)) void key_indices(const int64_t* gid, int64_t E, const uint64_t* bits,
+                                                       const int64_t* before, int64_t* cid, int64_t* count) {
   for (int64_t i = 0; i < E; ++i) {
-    cid[i] = pos[gid[i]];
-    ++count[cid[i]];
+    const int64_t g = gid[i], w = g >> 6;
+    const int64_t c = before[w] + __builtin_popcountll(bits[w] & ((uint64_t{1} << (g & 63)) - 1));
+    cid[i] = c;
+    ++count[c];
   }
+}
+
+#if defined(__x86_64__)
+static __attribute__((target("popcnt"))) void key_indices_popcnt(const int64_t* gid, int64_t E, const uint64_t* bits,
+                                                          const int64_t* before, int64_t* cid, int64_t* count) {
+  key_indices(gid, E, bits, before, cid, count);
+}
+#endif
+
+// reads.batch_keys, bitmap path: distinct sorted keys of `gid` (values in [0, n_rows)), the index of every
+// element's key, and the count per key. A bit per row and, per 64-row word, the keys in earlier words: an element's
+// key index is that count plus the set bits below its own in its word. 63 KB at 337 k rows, in L2, where a byte
+// per row and an int32 position per row (1.7 MB) missed the cache on every element. Returns K; keys / count need
+// room for min(E, n_rows) entries.
+int64_t herald_batch_keys(const int64_t* gid, int64_t E, int64_t n_rows, int64_t* keys, int64_t* cid,
+                          int64_t* count) {
+  const int64_t W = (n_rows + 63) / 64;
+  std::vector<uint64_t> bits(W, 0);
+  for (int64_t i = 0; i < E; ++i) bits[gid[i] >> 6] |= uint64_t{1} << (gid[i] & 63);
+  std::vector<int64_t> before(W);
+  int64_t K = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    before[w] = K;
+    for (uint64_t b = bits[w]; b; b &= b - 1) keys[K++] = w * 64 + __builtin_ctzll(b);
+  }
+  std::fill(count, count + K, int64_t{0});
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("popcnt")) {
+    key_indices_popcnt(gid, E, bits.data(), before.data(), cid, count);
+    return K;
+  }
+#endif
+  key_indices(gid, E, bits.data(), before.data(), cid, count);
   return K;
 }
 

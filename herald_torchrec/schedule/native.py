@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 17  # herald_kernels_version() of the source this module expects
+VERSION = 18  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -56,7 +56,7 @@ SIGNATURES = {
         ],
         None,
     ),
-    "herald_batch_keys": ([_i64p, _i64, _i64, _u8p, _i32p, _i64p, _i64p, _i64p], _i64),
+    "herald_batch_keys": ([_i64p, _i64, _i64, _i64p, _i64p, _i64p], _i64),
     "herald_last_error": ([], ctypes.c_char_p),
     "herald_make_room": (
         [
@@ -269,16 +269,13 @@ def assign(
     return a
 
 
-def batch_keys(
-    gid: np.ndarray, n_rows: int, mark: np.ndarray, pos: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sorted distinct keys, index of every element's key, count per key) of `gid` (values in [0, n_rows)).
-    `mark`: uint8 [>= n_rows], all zero (left so); `pos`: int32 [>= n_rows] scratch."""
+def batch_keys(gid: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted distinct keys, index of every element's key, count per key) of `gid` (values in [0, n_rows))."""
     g = _c(gid, np.int64)
     E = g.shape[0]
     cap = min(E, n_rows)
     keys, cnt, cid = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.empty(E, dtype=np.int64)
-    K = lib().herald_batch_keys(_p(g), E, n_rows, _p(mark), _p(pos), _p(keys), _p(cid), _p(cnt))
+    K = lib().herald_batch_keys(_p(g), E, n_rows, _p(keys), _p(cid), _p(cnt))
     return keys[:K], cid, cnt[:K]
 
 

@@ -103,7 +103,6 @@ class Scratch:
 
     def __init__(self, size: int = 0) -> None:
         self.a = {np.dtype(np.int32): np.zeros(0, dtype=np.int32)}  # allocated on first use, grown on demand
-        self._mark = np.zeros(0, dtype=np.uint8)  # all zero between uses (the compiled batch_keys leaves it so)
 
     def get(self, size: int, elements: int = 0) -> np.ndarray:
         dtype = np.dtype(np.int32 if elements < 2**31 else np.int64)
@@ -111,12 +110,6 @@ class Scratch:
         if a is None or a.shape[0] < size:
             a = self.a[dtype] = np.zeros(max(size, 1), dtype=dtype)
         return a
-
-    def mark(self, size: int) -> np.ndarray:
-        """uint8 [>= size], all zero; whoever uses it must leave it all zero."""
-        if self._mark.shape[0] < size:
-            self._mark = np.zeros(max(size, 1), dtype=np.uint8)
-        return self._mark
 
 
 def distinct(values: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -203,7 +196,7 @@ def batch_keys(batch, scratch: Scratch) -> BatchKeys:
             gid = batch.flat()[2]
         n_rows = batch.layout.total_rows
         if gid.shape[0] and n_rows <= 32 * gid.shape[0] and gid.shape[0] < 2**31 and native.enabled():
-            keys, cid, cnt = native.batch_keys(gid, n_rows, scratch.mark(n_rows), scratch.get(n_rows, gid.shape[0]))
+            keys, cid, cnt = native.batch_keys(gid, n_rows)
         elif gid.shape[0] and n_rows <= 32 * gid.shape[0]:
             # few rows for this many elements: a bitmap over all rows yields the sorted distinct keys directly
             mark = np.zeros(n_rows, dtype=bool)

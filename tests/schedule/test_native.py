@@ -178,6 +178,19 @@ def test_distinct_and_radix_sort_equal_numpy():
     np.testing.assert_array_equal(reads.sort_ints(neg), np.sort(neg))
 
 
+def test_batch_keys_bitmap_at_word_edges():
+    """The bitmap's key index (keys in earlier 64-row words + set bits below in the word) at a word's first and last
+    row, the last row of a partial word, and a key read many times: np.unique's."""
+    rng = np.random.default_rng(12)
+    n_rows = 200  # 3 words and 8 rows
+    gid = rng.permutation(np.concatenate([[0, 63, 64, 127, 128, 191, 192, 199], rng.integers(0, n_rows, 300)]))
+    keys, cid, cnt = native.batch_keys(gid, n_rows)
+    u, inv, c = np.unique(gid, return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(keys, u)
+    np.testing.assert_array_equal(cid, inv)
+    np.testing.assert_array_equal(cnt, c)
+
+
 @pytest.mark.parametrize("kind", ["dense", "jagged"])
 def test_host_reads_equal_step_reads(kind):
     """A host's reads message compiled: every (key, rank) pair with its element count, grouped by directory host, in
