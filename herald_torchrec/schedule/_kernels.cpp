@@ -1268,6 +1268,23 @@ int64_t herald_batch_keys(const int64_t* gid, int64_t E, int64_t n_rows, int64_t
   return K;
 }
 
+// planner.scheduled_elements, single-hot batches: the scheduled columns `idx` [S] of the [N, width] element keys
+// `cid`, sample-major (ec, the sample of each in es), and each element's first-pass weight, its key's
+// geo[min(count, nmax)]. One pass where numpy made a column gather, a repeat and two gathers.
+void herald_scheduled_elements(int64_t N, int64_t width, const int64_t* cid, int64_t S, const int64_t* idx,
+                               const int64_t* count, const double* geo, int64_t nmax, int64_t* es, int64_t* ec,
+                               double* w0) {
+  for (int64_t n = 0, i = 0; n < N; ++n) {
+    const int64_t* row = cid + n * width;
+    for (int64_t j = 0; j < S; ++j, ++i) {
+      const int64_t k = row[idx[j]];
+      es[i] = n;
+      ec[i] = k;
+      w0[i] = geo[std::min(count[k], nmax)];
+    }
+  }
+}
+
 // reads.step_reads, dense path: distinct (key, rank) pairs sorted by key then rank, for element keys `cid` and
 // element ranks (`width` > 0: sample-major [N, width] elements, rank of the sample; else `smp` gives the sample).
 // `mark` is uint8 scratch of K * R cells (any content). Writes count / start per key; returns the pair count.

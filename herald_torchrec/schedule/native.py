@@ -57,6 +57,7 @@ SIGNATURES = {
         None,
     ),
     "herald_batch_keys": ([_i64p, _i64, _i64, _i64p, _i64p, _i64p], _i64),
+    "herald_scheduled_elements": ([_i64, _i64, _i64p, _i64, _i64p, _i64p, _f64p, _i64, _i64p, _i64p, _f64p], None),
     "herald_last_error": ([], ctypes.c_char_p),
     "herald_make_room": (
         [
@@ -277,6 +278,19 @@ def batch_keys(gid: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np
     keys, cnt, cid = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.empty(E, dtype=np.int64)
     K = lib().herald_batch_keys(_p(g), E, n_rows, _p(keys), _p(cid), _p(cnt))
     return keys[:K], cid, cnt[:K]
+
+
+def scheduled_elements(
+    cid: np.ndarray, N: int, width: int, idx: np.ndarray, count: np.ndarray, geo: np.ndarray, nmax: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(es, ec, w0) of planner.scheduled_elements for a single-hot batch: columns `idx` of the [N, width] keys."""
+    c, ix, cnt, g = _c(cid, np.int64), _c(idx, np.int64), _c(count, np.int64), _c(geo, np.float64)
+    n = N * ix.shape[0]
+    es, ec, w0 = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.float64)
+    lib().herald_scheduled_elements(
+        N, width, _p(c), ix.shape[0], _p(ix), _p(cnt), _p(g), int(nmax), _p(es), _p(ec), _p(w0)
+    )
+    return es, ec, w0
 
 
 def step_reads(

@@ -178,6 +178,20 @@ def test_distinct_and_radix_sort_equal_numpy():
     np.testing.assert_array_equal(reads.sort_ints(neg), np.sort(neg))
 
 
+def test_scheduled_elements_equal_numpy():
+    """A single-hot batch's scheduled columns, their samples and first-pass weights (counts capped at N) compiled:
+    numpy's gathers."""
+    rng = np.random.default_rng(13)
+    N, width, K = 50, 7, 40
+    cid, count = rng.integers(0, K, N * width), rng.integers(1, 80, K)  # some counts above N
+    idx, geo = np.array([0, 3, 6]), rng.random(N + 1)
+    es, ec, w0 = native.scheduled_elements(cid, N, width, idx, count, geo, N)
+    want_ec = cid.reshape(N, width)[:, idx].ravel()
+    np.testing.assert_array_equal(ec, want_ec)
+    np.testing.assert_array_equal(es, np.repeat(np.arange(N), idx.shape[0]))
+    np.testing.assert_array_equal(w0, geo[np.minimum(count, N)][want_ec])
+
+
 def test_batch_keys_bitmap_at_word_edges():
     """The bitmap's key index (keys in earlier 64-row words + set bits below in the word) at a word's first and last
     row, the last row of a partial word, and a key read many times: np.unique's."""

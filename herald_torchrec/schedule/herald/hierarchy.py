@@ -149,7 +149,13 @@ from herald_torchrec.schedule.herald.host_messages import (
 )
 from herald_torchrec.schedule.herald.host_planner import HostPlanner
 from herald_torchrec.schedule.herald.laia import STREAM_READERS, balanced_assign, stream_assign
-from herald_torchrec.schedule.herald.planner import HeraldPolicy, _round_scores, _Scheduled, host_ids
+from herald_torchrec.schedule.herald.planner import (
+    HeraldPolicy,
+    _round_scores,
+    _Scheduled,
+    host_ids,
+    scheduled_elements,
+)
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.message_wire import Message, encode_message
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows
@@ -478,17 +484,7 @@ class HeraldHierPolicy(SchedulePolicy):
         key = ("herald_hier_sched", loc.scheduled.tobytes())
         hit = sub._cache.get(key)
         if hit is None:
-            N, cols = sub.num_samples, None
-            if bk.width is not None:
-                idx = np.flatnonzero(loc.scheduled)
-                ec = bk.cid.reshape(-1, bk.width)[:, idx].ravel()
-                es = np.repeat(np.arange(N, dtype=np.int64), idx.shape[0])
-                cols = ec.reshape(N, idx.shape[0]).T if es.shape[0] else None
-            else:
-                m = loc.scheduled[bk.tab]
-                es, ec = bk.smp[m], bk.cid[m]
-            w0 = self._geo[np.minimum(bk.count, N)][ec]
-            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, w0, self.ranks_per_host)
+            hit = scheduled_elements(bk, loc.scheduled, self._geo, self.ranks_per_host)
             sub._cache[key] = hit
         return hit
 

@@ -146,6 +146,31 @@ class _Scheduled:
         return self.ec * self.R
 
 
+def scheduled_elements(
+    bk: BatchKeys, scheduled: np.ndarray, geo: np.ndarray, R: int, sample_of_element=None
+) -> _Scheduled:
+    """A batch's elements in the `scheduled` tables (bool per table), each with its sample, its key (index into the
+    batch's sorted keys: the unscheduled small tables add few keys, compacting would cost more) and its first-pass
+    weight: geo[its key's batch count], capped at the batch's samples (multi-hot bags can read a key more often than
+    there are samples: such keys weigh as much as one read by every sample). `sample_of_element(n, width)`: the
+    samples of a single-hot batch's elements, if the caller keeps them. One compiled pass for single-hot batches."""
+    N = bk.num_samples
+    if bk.width is None:
+        m = scheduled[bk.tab]
+        es, ec = bk.smp[m], bk.cid[m]
+        return _Scheduled(es, ec, bk.keys.shape[0], None, geo[np.minimum(bk.count, N)][ec], R)
+    idx = np.flatnonzero(scheduled)  # single-hot: the scheduled columns of the [N, T] key ids, sample-major
+    S = idx.shape[0]
+    if native.enabled():
+        es, ec, w0 = native.scheduled_elements(bk.cid, N, bk.width, idx, bk.count, geo, N)
+    else:
+        ec = bk.cid.reshape(-1, bk.width)[:, idx].ravel()
+        es = sample_of_element(N, S) if sample_of_element else np.repeat(np.arange(N, dtype=np.int64), S)
+        w0 = geo[np.minimum(bk.count, N)][ec]
+    cols = ec.reshape(N, S).T if es.shape[0] else None  # [S, N]
+    return _Scheduled(es, ec, bk.keys.shape[0], cols, w0, R)
+
+
 def _round_scores(
     v: _Scheduled,
     N: int,
@@ -382,28 +407,13 @@ class HeraldPolicy(SchedulePolicy):
         return es
 
     def _sched(self, b: GlobalBatch) -> "_Scheduled":
-        """The batch's elements in the scheduled tables (cached per batch and selection). Keys keep their index
-        into the batch's sorted keys: the unscheduled (small) tables add few keys, compacting would cost more."""
+        """The batch's elements in the scheduled tables (`scheduled_elements`, cached per batch and selection)."""
         key = self._sel_key
         hit = b._cache.get(key)
         if hit is None:
-            bk = self.keys_of(b)
-            R = self.num_ranks
-            cols = None
-            if bk.width is not None:  # single-hot: take the scheduled columns of the [N, T] key ids
-                cols_idx = np.flatnonzero(self.scheduled)
-                ec = bk.cid.reshape(-1, bk.width)[:, cols_idx].ravel()  # sample-major
-                cols = ec.reshape(b.num_samples, cols_idx.shape[0]).T  # [S, N]
-                es = self._sample_of_element(b.num_samples, cols_idx.shape[0])
-                if es.shape[0] == 0:
-                    cols = None
-            else:
-                m = self.scheduled[bk.tab]
-                es, ec = bk.smp[m], bk.cid[m]
-            # first-pass weight of every element (its key's batch count; multi-hot bags can read a key more often
-            # than there are samples: such keys weigh as much as one read by every sample)
-            w0 = self._geo[np.minimum(bk.count, self.global_batch)][ec]
-            hit = _Scheduled(es, ec, bk.keys.shape[0], cols, w0, R)
+            hit = scheduled_elements(
+                self.keys_of(b), self.scheduled, self._geo, self.num_ranks, self._sample_of_element
+            )
             b._cache[key] = hit
         return hit
 
