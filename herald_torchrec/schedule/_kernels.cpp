@@ -1285,6 +1285,24 @@ void herald_scheduled_elements(int64_t N, int64_t width, const int64_t* cid, int
   }
 }
 
+// HostPlanner's demand (phase 1): a host batch's sorted keys by directory host (HeraldHierPolicy.directory_host_of:
+// the home rank's host shifted by the key's table, mod H; tables from the T + 1 offsets, walked once as the keys are
+// sorted), each host's in key order: every key's directory host, the keys' order, each key's index in its host's
+// demand, and the keys per host [H].
+void herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* offsets, const int64_t* block, int64_t P,
+                   int64_t H, int64_t* dir_host, int64_t* order, int64_t* index, int64_t* per_host) {
+  std::fill(per_host, per_host + H, int64_t{0});
+  for (int64_t k = 0, t = 0; k < K; ++k) {
+    while (t + 1 < T && keys[k] >= offsets[t + 1]) ++t;
+    const int64_t home = (keys[k] - offsets[t]) / block[t];
+    dir_host[k] = (home / P + t) % H;
+    index[k] = per_host[dir_host[k]]++;
+  }
+  std::vector<int64_t> at(H, 0);
+  for (int64_t h = 1; h < H; ++h) at[h] = at[h - 1] + per_host[h - 1];
+  for (int64_t k = 0; k < K; ++k) order[at[dir_host[k]] + index[k]] = k;
+}
+
 // reads.step_reads, dense path: distinct (key, rank) pairs sorted by key then rank, for element keys `cid` and
 // element ranks (`width` > 0: sample-major [N, width] elements, rank of the sample; else `smp` gives the sample).
 // `mark` is uint8 scratch of K * R cells (any content). Writes count / start per key; returns the pair count.

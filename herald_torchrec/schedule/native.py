@@ -57,6 +57,7 @@ SIGNATURES = {
         None,
     ),
     "herald_batch_keys": ([_i64p, _i64, _i64, _i64p, _i64p, _i64p], _i64),
+    "herald_demand": ([_i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], None),
     "herald_scheduled_elements": ([_i64, _i64, _i64p, _i64, _i64p, _i64p, _f64p, _i64, _i64p, _i64p, _f64p], None),
     "herald_last_error": ([], ctypes.c_char_p),
     "herald_make_room": (
@@ -291,6 +292,21 @@ def scheduled_elements(
         N, width, _p(c), ix.shape[0], _p(ix), _p(cnt), _p(g), int(nmax), _p(es), _p(ec), _p(w0)
     )
     return es, ec, w0
+
+
+def demand(
+    keys: np.ndarray, offsets: np.ndarray, block: np.ndarray, P: int, H: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(directory host of every key, the keys' order by host, each key's index in its host's demand, keys per host)
+    of a host batch's sorted keys (`HostPlanner._keys`)."""
+    k, off, blk = _c(keys, np.int64), _c(offsets, np.int64), _c(block, np.int64)
+    K = k.shape[0]
+    dir_host, order, index = (np.empty(K, dtype=np.int64) for _ in range(3))
+    per_host = np.empty(H, dtype=np.int64)
+    lib().herald_demand(
+        K, _p(k), blk.shape[0], _p(off), _p(blk), P, H, _p(dir_host), _p(order), _p(index), _p(per_host)
+    )
+    return dir_host, order, index, per_host
 
 
 def step_reads(

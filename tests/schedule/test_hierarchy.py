@@ -368,6 +368,36 @@ def test_home_and_table_from_the_key_match_the_directory():
     np.testing.assert_array_equal(one_table.directory_host_of(np.arange(8)), np.arange(8) // 4)
 
 
+@pytest.mark.parametrize("compiled", [None, False])  # the kernels where this machine builds them; numpy
+def test_a_hosts_demand_by_directory_host(compiled):
+    """A host batch's keys by directory host (the demand's order), each key's index in its host's demand and the
+    keys per host, from the key alone (tables skipped, a one-row table, the last row): directory_host_of's."""
+    from herald_torchrec import _native
+    from herald_torchrec.schedule.herald.host_messages import MessageBytes
+    from herald_torchrec.schedule.herald.host_planner import HostPlanner
+
+    rows = [5, 7, 3, 1, 16]
+    pol = HeraldHierPolicy(rows, 8, 2, 0.25, 1, hosts=2)
+    keys = np.array([0, 4, 5, 11, 15, 16, 17, 30, 31], dtype=np.int64)
+    ids = np.zeros((16, 5), dtype=np.int64)  # 16 samples of 5 tables whose distinct keys are `keys`
+    for j, k in enumerate(keys):
+        t = int(pol.table_of(k[None])[0])
+        ids[j, t] = k - pol.layout.offsets[t]
+    batch = GlobalBatch.from_dense(ids, rows)
+    _native.set_mode(compiled)
+    try:
+        hp = HostPlanner(pol, 0, [batch], MessageBytes(4, on=False))
+    finally:
+        _native.set_mode(None)
+    dh = pol.directory_host_of(hp.bk.keys)
+    np.testing.assert_array_equal(hp.dir_host, dh)
+    np.testing.assert_array_equal(hp.demand_order, np.argsort(dh, kind="stable"))
+    np.testing.assert_array_equal(hp.demand_counts, np.bincount(dh, minlength=4))
+    for h in range(4):
+        np.testing.assert_array_equal(hp.demand_index[dh == h], np.arange((dh == h).sum()))
+    assert hp.demand_counts.min() > 0  # every host demanded something
+
+
 def test_the_per_host_settings_planner_holds_no_per_row_state():
     rows = [4000, 3000, 50]
     pol = HeraldHierPolicy(rows, 8, 4, 0.1, 2, hosts=4)

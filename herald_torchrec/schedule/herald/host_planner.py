@@ -57,7 +57,19 @@ class HostPlanner:
         pol = self.pol
         self.sub = sub
         self.bk = pol.keys_of(sub)
-        self.dir_host = pol.directory_host_of(self.bk.keys)
+        keys, H = self.bk.keys, pol.num_hosts
+        # every key's directory host; the demand's order (by host, each host's keys in key order) and every key's
+        # index in it: one compiled pass over the sorted keys where the kernels are on
+        if native.enabled():
+            got = native.demand(keys, pol.layout.offsets, pol.directory.block, pol.ranks_per_host, H)
+            self.dir_host, self.demand_order, self.demand_index, self.demand_counts = got
+        else:
+            self.dir_host = pol.directory_host_of(keys)
+            self.demand_counts = np.bincount(self.dir_host, minlength=H)
+            self.demand_order = stable_order(self.dir_host)
+            starts = np.cumsum(self.demand_counts) - self.demand_counts
+            self.demand_index = np.empty(keys.shape[0], dtype=np.int64)
+            self.demand_index[self.demand_order] = np.arange(keys.shape[0]) - np.repeat(starts, self.demand_counts)
         self.own = np.zeros(0, dtype=np.int64)
 
     # ---- settings, once ---------------------------------------------------------------------------------------
@@ -84,20 +96,15 @@ class HostPlanner:
     # ---- phases 1-2: demand, owners ---------------------------------------------------------------------------
     def demand(self, count: bool = True) -> Outgoing:
         """Phase 1: the distinct keys of h's samples, to their directory hosts."""
-        H = self.pol.num_hosts
-        k = np.bincount(self.dir_host, minlength=H)
+        H, k = self.pol.num_hosts, self.demand_counts
         if count and self.msg.on:
             self.msg.add_many("demand", self.h, np.arange(H), k * KEY_BYTES, H)
             self.msg.add_many("owners", np.arange(H), self.h, k * RANK_BYTES, H)
             self.msg.add_many("decisions", np.arange(H), self.h, k * RANK_BYTES, H)
-        K = self.bk.keys.shape[0]
-        o = stable_order(self.dir_host)  # the keys by directory host, each host's in key order: the demand's order
         bounds = np.concatenate([[0], np.cumsum(k)])
-        self.demand_index = np.empty(K, dtype=np.int64)  # a key's index in the demand to its directory host
-        self.demand_index[o] = np.arange(K) - np.repeat(bounds[:-1], k)
         t = np.flatnonzero(k)
-        self.demand_order = o  # its keys as the directory hosts' answers come back, in host order
-        return Outbox.from_bounds(t, [self.bk.keys[o]], bounds[t], bounds[t + 1])
+        # the keys by directory host, each host's in key order; the owners come back in this order
+        return Outbox.from_bounds(t, [self.bk.keys[self.demand_order]], bounds[t], bounds[t + 1])
 
     def owners(self, inbox: Mapping[int, Message]) -> Outgoing:
         """Phase 2, as a directory host: the current owner of every key each host demanded."""
