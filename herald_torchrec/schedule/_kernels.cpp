@@ -443,6 +443,29 @@ struct Prio {  // HeraldPolicy._make_room.prio: lower is evicted first; -1 = sta
   }
 };
 
+// HeraldHierPolicy.room_for_arrivals' priority: Prio's, where a host planner, which keeps no array over every row,
+// finds a key's first use in its lookahead window by binary search in each batch's sorted keys, and this step's
+// victims in a sorted list.
+struct HostPrio {
+  int64_t L;  // batches 1..L of the window
+  const int64_t* const* window;
+  const int64_t* window_len;
+  const int32_t* last;
+  const std::vector<int64_t>* chosen;  // sorted
+  int64_t step, L1;
+  int64_t next_use(int64_t key) const {  // the first batch that reads `key`, 0 for none
+    for (int64_t j = 0; j < L; ++j)
+      if (std::binary_search(window[j], window[j] + window_len[j], key)) return j + 1;
+    return 0;
+  }
+  int64_t operator()(int64_t key) const {
+    const int64_t lu = last[key];
+    if (lu == step || std::binary_search(chosen->begin(), chosen->end(), key)) return -1;
+    const int64_t n = next_use(key);
+    return (n > 0 ? L1 - n : 0) * (step + 2) + lu + 1;
+  }
+};
+
 // The `need` members of lowest (priority, slot) among (prio, pos) candidates with prio >= 0, appended to out.
 void take_lowest(std::vector<std::pair<int64_t, int64_t>>& cand, int64_t need, std::vector<int64_t>& out) {
   if (static_cast<int64_t>(cand.size()) > need) {
@@ -452,8 +475,9 @@ void take_lowest(std::vector<std::pair<int64_t, int64_t>>& cand, int64_t need, s
   for (auto& c : cand) out.push_back(c.second);
 }
 
-// GuestSlots.pick_victims for one group: a pass over its members.
-void full_selection(const Slots& sl, int64_t g, int64_t need, const Prio& prio, std::vector<int64_t>& out) {
+// GuestSlots.pick_victims for one group: a pass over its members. (PrioT: Prio, or HostPrio for a host planner.)
+template <typename PrioT>
+void full_selection(const Slots& sl, int64_t g, int64_t need, const PrioT& prio, std::vector<int64_t>& out) {
   std::vector<std::pair<int64_t, int64_t>> cand;
   for (int64_t p = sl.base[g]; p < sl.base[g] + sl.fill[g]; ++p) {
     const int64_t pr = prio(sl.slot[p]);
@@ -517,7 +541,8 @@ void pool_candidates(const Slots& sl, Pool& pool, const int32_t* floor, int64_t 
 }
 
 // EvictionPool.pick for one group: exactly the full selection's victims, from the pool where it can decide.
-void pick_group(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, int64_t need, const Prio& prio,
+template <typename PrioT>
+void pick_group(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, int64_t need, const PrioT& prio,
                 std::vector<int64_t>& out) {
   if (need <= 0) return;
   if (sl.cap[g] <= pool.size) {
@@ -968,6 +993,109 @@ int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_
       owner[gid[i]] = static_cast<int32_t>(dst[i]);
     }
     arrive(sl, pool, floor, k, g);
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// HeraldHierPolicy.room_for_arrivals, the same victims and cancellations: host t's capacity phase over its own
+// guest groups [lo, lo + P T) (lo = t P T). Keys [K] sorted (the moves into its ranks it was told of, cancelled ones
+// written back to `want`) with their owner, home, wanted owner and single-reader flag; only departures from t's own
+// ranks count as room. `window` [L]: the sorted keys of the lookahead batches 1..L. Writes the victims (sorted, at
+// most max_victims) and their count.
+int herald_host_room(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
+                     const uint8_t* single, int64_t t, int64_t P, int64_t T, const int64_t* offsets, int64_t L,
+                     const int64_t* const* window, const int64_t* window_len, const int32_t* owner,
+                     const int32_t* last, int64_t step, int64_t L1, int64_t G, const int64_t* cap, const int64_t* base,
+                     const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size,
+                     int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
+                     const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims, int64_t max_victims,
+                     int64_t* n_victims) {
+  try {
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
+    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
+    std::vector<int64_t> chosen, vpos, arr, arr_g;
+    const HostPrio prio{L, window, window_len, last, &chosen, step, L1};
+    const int64_t lo = t * P * T, Gt = P * T;
+    auto table_of = [&](int64_t key) { return std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1; };
+    std::vector<int64_t> tk(K), freed(Gt, 0), deficit(Gt), left(Gt);
+    for (int64_t i = 0, tb = 0; i < K; ++i) {  // keys sorted: one walk of the offsets
+      while (tb + 1 < T && keys[i] >= offsets[tb + 1]) ++tb;
+      tk[i] = tb;
+    }
+    const int victim_rounds = 2;
+    bool done = false;
+    for (int64_t it = 0; it < K + 2; ++it) {
+      std::fill(deficit.begin(), deficit.end(), int64_t{0});
+      arr.clear();
+      arr_g.clear();
+      for (int64_t i = 0; i < K; ++i) {
+        if (want[i] == own[i]) continue;
+        if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i] - lo), ++deficit[arr_g.back()];
+        if (own[i] / P == t && own[i] != home[i]) --deficit[own[i] * T + tk[i] - lo];
+      }
+      bool any = false;
+      for (int64_t g = 0; g < Gt; ++g) {
+        deficit[g] += fill[lo + g] - freed[g] - cap[lo + g];
+        any = any || deficit[g] > 0;
+      }
+      if (!any) {
+        done = true;
+        break;
+      }
+      left = deficit;
+      if (it < victim_rounds) {
+        vpos.clear();
+        for (int64_t g = 0; g < Gt; ++g)
+          if (deficit[g] > 0) pick_group(sl, pool, last, lo + g, deficit[g], prio, vpos);
+        if (!vpos.empty()) {
+          for (int64_t p : vpos) {
+            const int64_t v = slot[p];
+            chosen.push_back(v);
+            const int64_t vg = static_cast<int64_t>(owner[v]) * T + table_of(v) - lo;
+            ++freed[vg];
+            --left[vg];
+          }
+          std::sort(chosen.begin(), chosen.end());
+          bool fits = true;
+          for (int64_t g = 0; g < Gt; ++g) fits = fits && left[g] <= 0;
+          if (fits) {
+            done = true;
+            break;
+          }
+        }
+      }
+      // eviction.cancel_arrivals: keep single-reader migrations, then keys used again in the window; among equals
+      // those leaving a guest slot; then by key
+      struct C { int64_t g, val, from_home, key, i; };
+      std::vector<C> cand;
+      for (size_t j = 0; j < arr.size(); ++j) {
+        const int64_t i = arr[j], g = arr_g[j];
+        if (left[g] <= 0) continue;
+        const int64_t val = (single[i] ? 2 : 0) + (prio.next_use(keys[i]) > 0 ? 1 : 0);
+        cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
+      }
+      std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
+        if (x.g != y.g) return x.g < y.g;
+        if (x.val != y.val) return x.val < y.val;
+        if (x.from_home != y.from_home) return x.from_home < y.from_home;
+        return x.key < y.key;
+      });
+      for (size_t j = 0; j < cand.size();) {
+        size_t e = j;
+        while (e < cand.size() && cand[e].g == cand[j].g) ++e;
+        const int64_t keep = static_cast<int64_t>(e - j) - left[cand[j].g];
+        for (size_t q = j; q < e; ++q)
+          if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
+        j = e;
+      }
+    }
+    if (!done) throw std::runtime_error("herald_hier: capacity resolution did not converge");
+    if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald_hier: too many victims");
+    std::copy(chosen.begin(), chosen.end(), victims);
+    *n_victims = static_cast<int64_t>(chosen.size());
     return 0;
   } catch (const std::exception& e) {
     last_error = e.what();

@@ -13,6 +13,7 @@ import pytest
 
 from herald_torchrec import _native
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native, reads
+from herald_torchrec.schedule.herald import hierarchy as hier_mod
 from herald_torchrec.schedule.herald import planner as herald_mod
 from herald_torchrec.schedule.herald.eviction import EvictionPool
 from herald_torchrec.schedule.herald.laia import balanced_assign
@@ -401,11 +402,26 @@ def test_host_aware_plans_equal(kind):
         _compare(_trace(kind, 8, 8, 24, seed=23), 8, 8, 3, refine=0, hosts=4, first_pass=first_pass)
 
 
-@pytest.mark.parametrize(("kind", "wire"), [("dense", "compact"), ("jagged", "raw")])
-def test_herald_hier_plans_equal(kind, wire):
-    """herald_hier with several hosts (3 hosts of 2, 2 of 4) and a tight cache: LAIA per host, the reads, the routing
-    and the planners' messages through the in-process transport (compiled encoding and decoding) give numpy's plans,
-    step by step, the same bytes on the planners' wire and the same directory, slots and pools."""
+@pytest.mark.parametrize(
+    ("kind", "wire", "pool"), [("dense", "compact", None), ("jagged", "raw", None), ("dense", "raw", 4)]
+)
+def test_herald_hier_plans_equal(kind, wire, pool, monkeypatch):
+    """herald_hier with several hosts (3 hosts of 2, 2 of 4) and a tight cache: LAIA per host, the reads, the routing,
+    the capacity phase and the planners' messages through the in-process transport (compiled encoding and decoding)
+    give numpy's plans, step by step, the same bytes on the planners' wire and the same directory, slots and pools.
+    Pools of 4 keys (`pool`): the capacity phase's picks from pools that rebuild and overflow, and cancellations."""
+    cancelled = []
+    if pool:
+        monkeypatch.setattr(hier_mod, "EvictionPool", functools.partial(EvictionPool, size=pool))
+        room = hier_mod.HeraldHierPolicy.room_for_arrivals
+
+        def counted(self, t, keys, own, home, want, single, window_keys):
+            before = want.copy()
+            out = room(self, t, keys, own, home, want, single, window_keys)
+            cancelled.append(int((want != before).sum()))
+            return out
+
+        monkeypatch.setattr(hier_mod.HeraldHierPolicy, "room_for_arrivals", counted)
     for R, P, seed in ((6, 2, 31), (8, 4, 32)):
         trace = _trace(kind, R, 12, 40, seed=seed)
         runs = []
@@ -435,8 +451,10 @@ def test_herald_hier_plans_equal(kind, wire):
         np.testing.assert_array_equal(dc.owner, dn.owner)
         for name in ("fill", "slot", "pos_of", "base"):
             np.testing.assert_array_equal(getattr(dc.slots, name), getattr(dn.slots, name))
-        for name in ("tau", "count", "keys"):
+        for name in ("tau", "count", "keys", "rebuilds"):
             np.testing.assert_array_equal(getattr(pol_c.eviction, name), getattr(pol_n.eviction, name))
+        if pool:
+            assert pol_c.eviction.rebuilds > 0 and sum(cancelled) > 0
 
 
 # ---- past DENSE_LIMIT: no [K, R] table ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from herald_torchrec.schedule.herald.host_messages import (
 from herald_torchrec.schedule.herald.tables import TableSelection
 from herald_torchrec.schedule.message_wire import Message
 from herald_torchrec.schedule.plan import relayed_pairs
-from herald_torchrec.schedule.reads import in_sorted, sort_ints, sorted_distinct, stable_order, step_reads
+from herald_torchrec.schedule.reads import sort_ints, sorted_distinct, stable_order, step_reads
 
 
 class HostPlanner:
@@ -229,23 +229,13 @@ class HostPlanner:
         keys, own, want, single = keys[o], own[o], want[o], single[o]
         home = pol.home_of(keys)
         before = want.copy()
-        vt = pol.room_for_arrivals(t, np.arange(keys.shape[0]), keys, own, home, want, single, self.next_use)
-        self.victims = np.sort(vt)
+        self.victims = pol.room_for_arrivals(t, keys, own, home, want, single, self.window_keys)
         cancelled = keys[want != before]
         to = pol.directory_host_of(cancelled)
         if self.msg.on:
             self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
-            self.msg.add_many("evictions", t, pol.directory_host_of(vt), KEY_BYTES, H)
+            self.msg.add_many("evictions", t, pol.directory_host_of(self.victims), KEY_BYTES, H)
         return Outbox.by_host(to, H, [cancelled])
-
-    def next_use(self, keys: np.ndarray) -> np.ndarray:
-        """The first batch of h's lookahead window (1..L) that reads each key, 0 for none, int64: a binary search in
-        each batch's sorted keys, for the few keys the capacity phase asks about (an array over every row, set and
-        cleared each step, cost 0.3 ms per host and 68 MB on full Criteo tables)."""
-        out = np.zeros(keys.shape[0], dtype=np.int64)
-        for j in range(len(self.window_keys), 0, -1):
-            out[in_sorted(keys, self.window_keys[j - 1])] = j
-        return out
 
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
     def part(self, inbox: Mapping[int, Message]) -> Message:
