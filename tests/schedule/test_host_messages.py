@@ -4,6 +4,7 @@ stands for, an Inbox the messages it decoded, and every transport carries either
 import numpy as np
 import pytest
 
+from herald_torchrec.schedule import GlobalBatch
 from herald_torchrec.schedule.herald import host_messages
 from herald_torchrec.schedule.herald.host_messages import (
     Inbox,
@@ -75,3 +76,18 @@ def test_the_in_process_transport_delivers_either_form_alike(monkeypatch, by_fie
         _same(dict(a[h].items()), dict(b[h].items()))
         for src in a[h]:
             _same({0: a[h][src]}, {0: outgoing_messages(out_boxes[src])[h]})
+
+
+def test_ids_bytes_of_a_single_hot_batch_without_a_pass_per_table():
+    """A rank's id bytes: 8 per id it loads; a single-hot batch's (B ids per table) as the jagged form's count."""
+    rows = [10, 20, 30]
+    ids = np.random.default_rng(3).integers(0, 10, (8, 3))
+    dense = GlobalBatch.from_dense(ids, rows)
+    jagged = GlobalBatch(dense.offsets, dense.values, rows)
+    assert "dense" not in jagged._cache
+    np.testing.assert_array_equal(host_messages.ids_bytes(dense, 4, 2), [48, 48, 48, 48])
+    np.testing.assert_array_equal(host_messages.ids_bytes(jagged, 4, 2), [48, 48, 48, 48])
+    bags = GlobalBatch(
+        [np.array([0, 2, 2, 3]), np.array([0, 1, 2, 3])], [np.array([1, 2, 3]), np.array([0, 1, 2])], [5, 5]
+    )
+    np.testing.assert_array_equal(host_messages.ids_bytes(bags, 3, 1), [24, 8, 16])

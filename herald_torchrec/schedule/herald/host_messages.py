@@ -60,7 +60,10 @@ def plan_part_bytes(plan: Plan) -> np.ndarray:
 
 
 def ids_bytes(batch: GlobalBatch, num_ranks: int, batch_per_rank: int) -> np.ndarray:
-    """Bytes of the ids each rank loads (ID_BYTES per id), int64 [R]: what it sends to a planner."""
+    """Bytes of the ids each rank loads (ID_BYTES per id), int64 [R]: what it sends to a planner. A single-hot batch
+    (one id per sample and table) without a pass per table (a planner runs this every step)."""
+    if batch._cache.get("dense") is not None:
+        return np.full(num_ranks, batch_per_rank * batch.layout.num_tables * ID_BYTES, dtype=np.int64)
     ends = np.arange(num_ranks + 1, dtype=np.int64) * batch_per_rank
     per = np.zeros(num_ranks, dtype=np.int64)
     for off in batch.offsets:
