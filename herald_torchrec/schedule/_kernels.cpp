@@ -1434,14 +1434,22 @@ struct TableWalk {
 
 // herald_route_part for ranks (and reader counts) of type Rk: the planners' wire carries them as int16 or int32.
 template <typename Rk>
-int64_t route_part(int64_t h, int64_t P, int64_t H, int64_t T, const int64_t* offsets, const int64_t* block,
-                   int64_t K, const int64_t* k_own, int64_t n_mig, const int64_t* mig_at, const int64_t* mig_key,
-                   const Rk* mig_src, const Rk* mig_dst, int64_t n, const int64_t* sh_at, const int64_t* sh_key,
-                   const Rk* sh_owner, const Rk* sh_count, int64_t n_pairs, const int64_t* readers,
-                   const Rk* sh_readers, int64_t n_vic, const int64_t* victims, const Rk* victim_src,
-                   const int64_t* counts, int64_t* o_mig_key, Rk* o_mig_src, Rk* o_mig_dst, int64_t* o_run_key,
-                   Rk* o_run_owner, Rk* o_run_count, Rk* o_readers, int64_t* o_victims, Rk* o_victim_src,
-                   int64_t* summary, uint8_t* flags, int64_t* starts, int64_t* stops, int64_t* lens) {
+int64_t route_part(const int64_t* dims, void* const* arrays) {
+  const int64_t h = dims[1], P = dims[2], H = dims[3], T = dims[4], K = dims[5], n_mig = dims[6], n = dims[7],
+                n_pairs = dims[8], n_vic = dims[9];
+  auto in = [&](int i) { return static_cast<const int64_t*>(arrays[i]); };
+  auto in_rk = [&](int i) { return static_cast<const Rk*>(arrays[i]); };
+  const int64_t *offsets = in(0), *block = in(1), *k_own = in(2), *mig_at = in(3), *mig_key = in(4), *sh_at = in(7),
+                *sh_key = in(8), *readers = in(11), *victims = in(13), *counts = in(15);
+  const Rk *mig_src = in_rk(5), *mig_dst = in_rk(6), *sh_owner = in_rk(9), *sh_count = in_rk(10),
+           *sh_readers = in_rk(12), *victim_src = in_rk(14);
+  auto out = [&](int i) { return static_cast<int64_t*>(arrays[i]); };
+  auto out_rk = [&](int i) { return static_cast<Rk*>(arrays[i]); };
+  int64_t *o_mig_key = out(16), *o_run_key = out(19), *o_victims = out(23), *summary = out(25), *starts = out(27),
+          *stops = out(28), *lens = out(29);
+  Rk *o_mig_src = out_rk(17), *o_mig_dst = out_rk(18), *o_run_owner = out_rk(20), *o_run_count = out_rk(21),
+     *o_readers = out_rk(22), *o_victim_src = out_rk(24);
+  uint8_t* flags = static_cast<uint8_t*>(arrays[26]);
   const HostOfRank host(P, H);
   // the shared rows (routed's _route_shared): readers in CSR from their counts, owners before (own) and after; each
   // run written as numpy gathers it (sh_key[run_row], sh_owner[run_row], run_count.astype(rk), sh_readers[pair])
@@ -1573,36 +1581,21 @@ int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, con
 
 // hierarchy.HostPlanner.routed, whole: a directory host h's part of the plan (HostPlanner.part) split by the host
 // that needs each entry, every field of its Outbox and every host's slice bounds in one pass (routed's numpy code,
-// entry for entry). In: the layout's T + 1 `offsets` and the directory's `block` per table (a key's home), h's K
-// keys' owners before the moves (`k_own`), the migrations (their indices among the keys, key, source, destination),
-// the shared rows (indices, key, owner, reader count; readers in CSR, int64 and as sent), the victims and their
-// owners, the (hit, remote) counts. Ranks are of `rank_bytes` bytes (2, 4 or 8). Out: the 11 fields (their lengths
-// in `lens`: migration entries, runs, pairs, victim entries), [H, 11] `starts` / `stops`. Returns 0; -1 where a
-// shared row's readers are not in host order (the caller's numpy code then runs); -2 on malformed input
-// (herald_last_error says how).
-int64_t herald_route_part(int64_t rank_bytes, int64_t h, int64_t P, int64_t H, int64_t T, const int64_t* offsets,
-                          const int64_t* block, int64_t K, const int64_t* k_own, int64_t n_mig, const int64_t* mig_at,
-                          const int64_t* mig_key, const void* mig_src, const void* mig_dst, int64_t n,
-                          const int64_t* sh_at, const int64_t* sh_key, const void* sh_owner, const void* sh_count,
-                          int64_t n_pairs, const int64_t* readers, const void* sh_readers, int64_t n_vic,
-                          const int64_t* victims, const void* victim_src, const int64_t* counts, int64_t* o_mig_key,
-                          void* o_mig_src, void* o_mig_dst, int64_t* o_run_key, void* o_run_owner, void* o_run_count,
-                          void* o_readers, int64_t* o_victims, void* o_victim_src, int64_t* summary, uint8_t* flags,
-                          int64_t* starts, int64_t* stops, int64_t* lens) {
-  auto as = [&](auto rank) -> int64_t {
-    using Rk = decltype(rank);
-    return route_part<Rk>(h, P, H, T, offsets, block, K, k_own, n_mig, mig_at, mig_key,
-                          static_cast<const Rk*>(mig_src), static_cast<const Rk*>(mig_dst), n, sh_at, sh_key,
-                          static_cast<const Rk*>(sh_owner), static_cast<const Rk*>(sh_count), n_pairs, readers,
-                          static_cast<const Rk*>(sh_readers), n_vic, victims, static_cast<const Rk*>(victim_src),
-                          counts, o_mig_key, static_cast<Rk*>(o_mig_src), static_cast<Rk*>(o_mig_dst), o_run_key,
-                          static_cast<Rk*>(o_run_owner), static_cast<Rk*>(o_run_count), static_cast<Rk*>(o_readers),
-                          o_victims, static_cast<Rk*>(o_victim_src), summary, flags, starts, stops, lens);
-  };
-  if (rank_bytes == 2) return as(int16_t{0});
-  if (rank_bytes == 4) return as(int32_t{0});
-  if (rank_bytes == 8) return as(int64_t{0});
-  last_error = "ranks of " + std::to_string(rank_bytes) + " bytes";
+// entry for entry). `dims`: rank_bytes (2, 4 or 8: the ranks' type), h, P, H, T, K, n_mig, n, n_pairs, n_vic.
+// `arrays`, addresses (0 for an empty one: never read), in: the layout's T + 1 offsets and the directory's block per
+// table (a key's home), h's K keys' owners before the moves; the migrations' indices among the keys, key, source,
+// destination; the shared rows' indices, key, owner, reader count, readers (int64, then as sent); the victims and
+// their owners; the (hit, remote) counts; out: the Outbox's 11 fields (lengths in `lens`: migration entries, runs,
+// pairs, victim entries), its [H, 11] starts and stops, lens. Arrays are int64 but ranks and counts (Rk), flags
+// uint8. Returns 0; -1 where a shared row's readers are not in host order (the caller's numpy code then runs); -2 on
+// malformed input (herald_last_error says how). Arrays travel as one table: 30 ctypes arguments cost ~20 us.
+int64_t herald_route_part(const int64_t* dims, void* const* arrays) {
+  switch (dims[0]) {
+    case 2: return route_part<int16_t>(dims, arrays);
+    case 4: return route_part<int32_t>(dims, arrays);
+    case 8: return route_part<int64_t>(dims, arrays);
+  }
+  last_error = "ranks of " + std::to_string(dims[0]) + " bytes";
   return -2;
 }
 

@@ -28,7 +28,6 @@ VERSION = 18  # herald_kernels_version() of the source this module expects
 # pool's arrays are checked once (`DirectoryArrays.supported`) and their addresses kept.
 _i64p = _f64p = _f32p = _u8p = _i32p = _i16p = ctypes.c_void_p
 _i64 = ctypes.c_int64
-_rkp = ctypes.c_void_p  # ranks and reader counts of the planners' wire: int16, int32 or int64 (herald_route_part)
 
 SIGNATURES = {
     "herald_kernels_version": ([], ctypes.c_int),
@@ -188,16 +187,7 @@ SIGNATURES = {
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p],
         _i64,
     ),
-    "herald_route_part": (
-        [_i64] * 5  # rank_bytes, h, P, H, T
-        + [_i64p, _i64p, _i64, _i64p]  # offsets, block, K, k_own
-        + [_i64, _i64p, _i64p, _rkp, _rkp]  # the migrations
-        + [_i64, _i64p, _i64p, _rkp, _rkp, _i64, _i64p, _rkp]  # the shared rows, their readers
-        + [_i64, _i64p, _rkp, _i64p]  # the victims, the counts
-        + [_i64p, _rkp, _rkp, _i64p, _rkp, _rkp, _rkp, _i64p, _rkp, _i64p, _u8p]  # the 11 fields
-        + [_i64p, _i64p, _i64p],  # starts, stops, lens
-        _i64,
-    ),
+    "herald_route_part": ([_i64p, ctypes.c_void_p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
@@ -830,11 +820,13 @@ def route_part(
         np.empty(4, np.int64), np.empty(T, np.uint8),
     ]  # fmt: skip
     starts, stops, lens = np.empty((H, 11), np.int64), np.empty((H, 11), np.int64), np.empty(4, np.int64)
-    got = L.herald_route_part(
-        rk.itemsize, int(h), int(P), int(H), T, _p(off), _p(blk), own.shape[0], _p(own), n_mig, _p(ma), _p(mig_key),
-        _p(mig_src), _p(mig_dst), n, _p(sa), _p(sh_key), _p(sh_owner), _p(sh_count), n_pairs, _p(rd), _p(sh_readers),
-        n_vic, _p(victims), _p(victim_src), _p(cnt), *(_p(f) for f in fields), _p(starts), _p(stops), _p(lens),
-    )  # fmt: skip
+    dims = np.array([rk.itemsize, h, P, H, T, own.shape[0], n_mig, n, n_pairs, n_vic], dtype=np.int64)
+    arrays = [
+        off, blk, own, ma, mig_key, mig_src, mig_dst, sa, sh_key, sh_owner, sh_count, rd, sh_readers, victims,
+        victim_src, cnt, *fields, starts, stops, lens,
+    ]  # fmt: skip
+    table = _native.address_array(arrays)  # kept alive through the call
+    got = L.herald_route_part(_p(dims), _p(table))
     if got == -1:
         return None
     if got != 0:
