@@ -666,6 +666,17 @@ void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t
   }
 }
 
+// A rank's host, rank / P, by a table over the P * H ranks (a division for any other value): the routing passes
+// read each shared pair's host several times, and a 64-bit division costs ~40 cycles, 2/3 of their time.
+struct HostOfRank {
+  std::vector<int64_t> host;
+  int64_t P;
+  HostOfRank(int64_t P_, int64_t H) : host(P_ * H), P(P_) {
+    for (int64_t r = 0; r < P * H; ++r) host[r] = r / P;
+  }
+  int64_t operator()(int64_t r) const { return static_cast<uint64_t>(r) < host.size() ? host[r] : r / P; }
+};
+
 extern "C" {
 
 int herald_kernels_version() { return 18; }
@@ -1502,19 +1513,53 @@ int64_t herald_step_reads_sparse(const int64_t* cid, int64_t E, int64_t width, c
 
 // ---- herald_hier's routing of a home host's part (hierarchy.py) --------------------------------------------------
 
-// hierarchy.HostPlanner.routed, its shared rows: each (row, reader) pair of a home host's n shared rows (readers in
-// CSR `ro` / `rd`, ranks sorted, so a host's readers come together: host = rank / P) to the hosts that execute it:
-// every pair to the hosts of the row's owners before and after the moves, and each other host its own pairs. Writes,
-// host by host, the pairs (`pair_out`, `dest_bounds`) and the runs of one row's pairs (`run_row`, `run_count`,
-// `run_bounds`), rows in order within a host; and whether a host relay serves some (row, host) group of each row
-// (`relayed`: two readers there that do not receive the row in the moves, on a host not both owners'). Returns the
-// pairs written, or -1 where a row's readers are not in host order (the caller's numpy code then runs).
-int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, const int64_t* before,
-                            const int64_t* after, int64_t P, int64_t H, int64_t* dest_bounds, int64_t* pair_out,
-                            int64_t* run_bounds, int64_t* run_row, int64_t* run_count, uint8_t* relayed) {
+}  // extern "C"
+
+namespace {
+
+// A home host's shared readers grouped by host within each row: group g is pairs gs[g]..gs[g + 1], all on host
+// gh[g]; row i's groups are rg[i]..rg[i + 1]. Built without a branch per group (the routing passes that walked the
+// pairs mispredicted one at every group's end: half their time); `in_order`: every row's readers in host order.
+struct ReaderGroups {
+  std::vector<int64_t> gs, gh, rg;
+  bool in_order = true;
+  ReaderGroups(int64_t n, const int64_t* ro, const int64_t* rd, const HostOfRank& host)
+      : gs(ro[n] + 1), gh(ro[n] + 1), rg(n + 1) {
+    int64_t G = 0;
+    bool back = false;
+    for (int64_t i = 0; i < n; ++i) {
+      rg[i] = G;
+      int64_t prev = std::numeric_limits<int64_t>::min();  // a group starts at a row's first pair
+      for (int64_t p = ro[i]; p < ro[i + 1]; ++p) {
+        const int64_t u = host(rd[p]);
+        gs[G] = p, gh[G] = u;  // slot G is the next group's: kept only where one starts here
+        back |= u < prev;
+        G += u != prev;
+        prev = u;
+      }
+    }
+    rg[n] = G, gs[G] = ro[n];
+    in_order = !back;
+  }
+};
+
+// host_planner._route_shared: each (row, reader) pair of a home host's n shared rows (readers in CSR `ro` / `rd`,
+// ranks sorted, so a host's readers come together: `groups`) to the hosts that execute it: every pair to the hosts of
+// the row's owners before and after the moves, and each other host its own pairs. Counts them into `dest_bounds`
+// (pairs) and `run_bounds` (runs of one row's pairs) per host, marks the rows a host relay serves (`relayed`: a (row,
+// host) group of two readers that do not receive the row in the moves, on a host not both owners'), then hands every
+// run to `put(i, s, e, d, r)`: row i's pairs s..e go to some host, at pairs d.. and run r of the host-by-host order
+// (within a host, rows in order). Returns the pairs routed, or -1 where a row's readers are not in host order
+// (numpy's code then runs).
+template <typename Put>
+int64_t route_shared_rows(int64_t n, const int64_t* ro, const int64_t* rd, const int64_t* before, const int64_t* after,
+                          const HostOfRank& host, const ReaderGroups& groups, int64_t H, int64_t* dest_bounds,
+                          int64_t* run_bounds, uint8_t* relayed, Put&& put) {
+  if (!groups.in_order) return -1;
+  const int64_t *gs = groups.gs.data(), *gh = groups.gh.data(), *rg = groups.rg.data();
   std::vector<int64_t> dcount(H, 0), rcount(H, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t b = before[i] / P, a = after[i] / P, s = ro[i], e = ro[i + 1];
+    const int64_t b = host(before[i]), a = host(after[i]), s = ro[i], e = ro[i + 1];
     const bool moved = before[i] != after[i];
     dcount[b] += e - s;
     rcount[b] += 1;
@@ -1522,19 +1567,18 @@ int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, con
       dcount[a] += e - s;
       rcount[a] += 1;
     }
-    relayed[i] = 0;
-    for (int64_t g = s; g < e;) {
-      const int64_t u = rd[g] / P;
-      int64_t j = g, live = 0;
-      for (; j < e && rd[j] / P == u; ++j) live += !(moved && rd[j] == after[i]);
-      if (j < e && rd[j] / P < u) return -1;
-      if (live >= 2 && (u != b || u != a)) relayed[i] = 1;
-      if (u != b && u != a) {
-        dcount[u] += j - g;
-        rcount[u] += 1;
-      }
-      g = j;
+    uint8_t relay = 0;
+    for (int64_t g = rg[i]; g < rg[i + 1]; ++g) {
+      const int64_t u = gh[g], len = gs[g + 1] - gs[g];
+      int64_t live = len;  // its readers that do not receive the row in the moves (all on the new owner's host)
+      if (moved && u == a)
+        for (int64_t j = gs[g]; j < gs[g + 1]; ++j) live -= rd[j] == after[i];
+      relay |= live >= 2 && (u != b || u != a);
+      const bool other = u != b && u != a;
+      dcount[u] += other ? len : 0;
+      rcount[u] += other;
     }
+    relayed[i] = relay;
   }
   dest_bounds[0] = run_bounds[0] = 0;
   for (int64_t t = 0; t < H; ++t) {
@@ -1542,24 +1586,203 @@ int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, con
     run_bounds[t + 1] = run_bounds[t] + rcount[t];
   }
   std::vector<int64_t> dpos(dest_bounds, dest_bounds + H), rpos(run_bounds, run_bounds + H);
-  auto put = [&](int64_t t, int64_t i, int64_t s, int64_t e) {
-    for (int64_t q = s; q < e; ++q) pair_out[dpos[t]++] = q;
-    run_row[rpos[t]] = i;
-    run_count[rpos[t]++] = e - s;
+  auto to = [&](int64_t t, int64_t i, int64_t s, int64_t e) {
+    put(i, s, e, dpos[t], rpos[t]++);
+    dpos[t] += e - s;
   };
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t b = before[i] / P, a = after[i] / P, s = ro[i], e = ro[i + 1];
-    put(b, i, s, e);
-    if (a != b) put(a, i, s, e);
-    for (int64_t g = s; g < e;) {
-      const int64_t u = rd[g] / P;
-      int64_t j = g;
-      while (j < e && rd[j] / P == u) ++j;
-      if (u != b && u != a) put(u, i, g, j);
-      g = j;
-    }
+    const int64_t b = host(before[i]), a = host(after[i]);
+    to(b, i, ro[i], ro[i + 1]);
+    if (a != b) to(a, i, ro[i], ro[i + 1]);
+    for (int64_t g = rg[i]; g < rg[i + 1]; ++g)
+      if (gh[g] != b && gh[g] != a) to(gh[g], i, gs[g], gs[g + 1]);
   }
   return dest_bounds[H];
+}
+
+// HostPlanner.routed's bits of a table in a host's step summary (host_messages.MOVED, SHARED, RELAYED)
+constexpr uint8_t kMoved = 1, kShared = 2, kRelayed = 4;
+
+// hierarchy.HeraldHierPolicy.table_of of keys one by one: the table whose [offsets[t], offsets[t + 1]) holds a key
+// (T + 1 offsets), -1 for none (sorted_tables drops such a key). Each part's keys come sorted: from the last key's
+// table it steps over the boundaries passed, a binary search only where a key goes back (a binary search per key
+// mispredicts a branch at each of its ~5 steps).
+struct TableWalk {
+  const int64_t* offsets;
+  int64_t T, t = 0;
+  TableWalk(const int64_t* offsets_, int64_t T_) : offsets(offsets_), T(T_) {}
+  int64_t operator()(int64_t key) {
+    if (key < offsets[t]) t = std::max<int64_t>(std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1, 0);
+    while (t < T && key >= offsets[t + 1]) ++t;
+    return t < T && key >= offsets[t] ? t : -1;
+  }
+};
+
+// herald_route_part for ranks (and reader counts) of type Rk: the planners' wire carries them as int16 or int32.
+template <typename Rk>
+int64_t route_part(const int64_t* dims, void* const* arrays) {
+  const int64_t h = dims[1], P = dims[2], H = dims[3], T = dims[4], K = dims[5], n_mig = dims[6], n = dims[7],
+                n_pairs = dims[8], n_vic = dims[9];
+  auto in = [&](int i) { return static_cast<const int64_t*>(arrays[i]); };
+  auto in_rk = [&](int i) { return static_cast<const Rk*>(arrays[i]); };
+  const int64_t *offsets = in(0), *block = in(1), *k_own = in(2), *mig_at = in(3), *mig_key = in(4), *sh_at = in(7),
+                *sh_key = in(8), *readers = in(11), *victims = in(13), *counts = in(15);
+  const Rk *mig_src = in_rk(5), *mig_dst = in_rk(6), *sh_owner = in_rk(9), *sh_count = in_rk(10),
+           *sh_readers = in_rk(12), *victim_src = in_rk(14);
+  auto out = [&](int i) { return static_cast<int64_t*>(arrays[i]); };
+  auto out_rk = [&](int i) { return static_cast<Rk*>(arrays[i]); };
+  int64_t *o_mig_key = out(16), *o_run_key = out(19), *o_victims = out(23), *summary = out(25), *starts = out(27),
+          *stops = out(28), *lens = out(29);
+  Rk *o_mig_src = out_rk(17), *o_mig_dst = out_rk(18), *o_run_owner = out_rk(20), *o_run_count = out_rk(21),
+     *o_readers = out_rk(22), *o_victim_src = out_rk(24);
+  uint8_t* flags = static_cast<uint8_t*>(arrays[26]);
+  const HostOfRank host(P, H);
+  // the shared rows (routed's _route_shared): readers in CSR from their counts, owners before (own) and after; each
+  // run written as numpy gathers it (sh_key[run_row], sh_owner[run_row], run_count.astype(rk), sh_readers[pair])
+  std::vector<int64_t> ro(n + 1, 0), before(n), after(n);
+  for (int64_t i = 0; i < n; ++i) {
+    ro[i + 1] = ro[i] + static_cast<int64_t>(sh_count[i]);
+    before[i] = k_own[sh_at[i]];
+    after[i] = static_cast<int64_t>(sh_owner[i]);
+  }
+  if (ro[n] != n_pairs) {
+    last_error = "the shared rows' reader counts add up to " + std::to_string(ro[n]) + ", not the " +
+                 std::to_string(n_pairs) + " readers";
+    return -2;
+  }
+  std::vector<int64_t> pb(H + 1), rb(H + 1);
+  std::vector<uint8_t> relayed(n);
+  const ReaderGroups groups(n, ro.data(), readers, host);
+  const int64_t pairs = route_shared_rows(
+      n, ro.data(), readers, before.data(), after.data(), host, groups, H, pb.data(), rb.data(), relayed.data(),
+      [&](int64_t i, int64_t s, int64_t e, int64_t d, int64_t r) {
+        std::copy(sh_readers + s, sh_readers + e, o_readers + d);
+        o_run_key[r] = sh_key[i], o_run_owner[r] = sh_owner[i], o_run_count[r] = static_cast<Rk>(e - s);
+      });
+  if (pairs < 0) return -1;
+  // each shared row's migration (k_mig[shared]) and each migration's shared row (-1: a plain migration)
+  std::vector<int64_t> k_mig(K, -1), mig_row(n_mig, -1);
+  for (int64_t m = 0; m < n_mig; ++m) k_mig[mig_at[m]] = m;
+  for (int64_t i = 0; i < n; ++i)
+    if (k_mig[sh_at[i]] >= 0) mig_row[k_mig[sh_at[i]]] = i;
+  // a plain migration to its source's and destination's hosts; a shared row's to every host its row's runs go to
+  // (route_shared's: both owners' hosts and the hosts of its other readers); counted, then written in migration
+  // order by host: numpy's sorted (host, migration) codes
+  auto mig_hosts = [&](int64_t m, auto&& to) {
+    const int64_t i = mig_row[m];
+    if (i < 0) {
+      const int64_t s = host(mig_src[m]), d = host(mig_dst[m]);
+      to(s);
+      if (d != s) to(d);
+      return;
+    }
+    const int64_t b = host(before[i]), a = host(after[i]);
+    to(b);
+    if (a != b) to(a);
+    for (int64_t g = groups.rg[i]; g < groups.rg[i + 1]; ++g)
+      if (groups.gh[g] != b && groups.gh[g] != a) to(groups.gh[g]);
+  };
+  std::vector<int64_t> mb(H + 1, 0);
+  for (int64_t m = 0; m < n_mig; ++m) mig_hosts(m, [&](int64_t t) { ++mb[t + 1]; });
+  for (int64_t t = 0; t < H; ++t) mb[t + 1] += mb[t];
+  {
+    std::vector<int64_t> at(mb.begin(), mb.end() - 1);
+    for (int64_t m = 0; m < n_mig; ++m)
+      mig_hosts(m, [&](int64_t t) {
+        const int64_t q = at[t]++;
+        o_mig_key[q] = mig_key[m], o_mig_src[q] = mig_src[m], o_mig_dst[q] = mig_dst[m];
+      });
+  }
+  // a victim to h, its home host and its directory host (directory_host_of), each once: numpy's sorted_distinct codes
+  std::vector<int64_t> v_home(n_vic), v_dir(n_vic), vb(H + 1, 0);
+  std::vector<int64_t> v_table(n_vic);
+  TableWalk victim_table(offsets, T);
+  for (int64_t v = 0; v < n_vic; ++v) {
+    const int64_t t = v_table[v] = victim_table(victims[v]);
+    if (t < 0) {
+      last_error = "victim " + std::to_string(victims[v]) + " is in no table of the layout";
+      return -2;
+    }
+    const int64_t home = (victims[v] - offsets[t]) / block[t] / P;
+    v_home[v] = home, v_dir[v] = (home + t) % H;
+  }
+  auto victim_hosts = [&](int64_t v, auto&& to) {
+    const int64_t a = v_home[v], d = v_dir[v];
+    to(h);
+    if (a != h) to(a);
+    if (d != h && d != a) to(d);
+  };
+  for (int64_t v = 0; v < n_vic; ++v) victim_hosts(v, [&](int64_t t) { ++vb[t + 1]; });
+  for (int64_t t = 0; t < H; ++t) vb[t + 1] += vb[t];
+  {
+    std::vector<int64_t> at(vb.begin(), vb.end() - 1);
+    for (int64_t v = 0; v < n_vic; ++v)
+      victim_hosts(v, [&](int64_t t) {
+        const int64_t q = at[t]++;
+        o_victims[q] = victims[v], o_victim_src[q] = victim_src[v];
+      });
+  }
+  // the summary: (hit, remote, migrations, victims) and each table's bits
+  summary[0] = counts[0], summary[1] = counts[1], summary[2] = n_mig, summary[3] = n_vic;
+  std::fill(flags, flags + T, uint8_t{0});
+  TableWalk mig_table(offsets, T), shared_table(offsets, T);
+  for (int64_t m = 0; m < n_mig; ++m)
+    if (const int64_t t = mig_table(mig_key[m]); t >= 0) flags[t] |= kMoved;
+  for (int64_t v = 0; v < n_vic; ++v) flags[v_table[v]] |= kMoved;
+  for (int64_t i = 0; i < n; ++i)
+    if (const int64_t t = shared_table(sh_key[i]); t >= 0) flags[t] |= relayed[i] ? kShared | kRelayed : kShared;
+  // host t's slice of each field: migrations (3), runs (3), pairs, victims (2), the summary and the bits whole
+  constexpr int64_t W = 11;
+  for (int64_t t = 0; t < H; ++t) {
+    int64_t* lo = starts + t * W;
+    int64_t* hi = stops + t * W;
+    for (int64_t f = 0; f < 3; ++f) lo[f] = mb[t], hi[f] = mb[t + 1], lo[3 + f] = rb[t], hi[3 + f] = rb[t + 1];
+    lo[6] = pb[t], hi[6] = pb[t + 1];
+    lo[7] = lo[8] = vb[t], hi[7] = hi[8] = vb[t + 1];
+    lo[9] = lo[10] = 0, hi[9] = 4, hi[10] = T;
+  }
+  lens[0] = mb[H], lens[1] = rb[H], lens[2] = pairs, lens[3] = vb[H];
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// hierarchy.HostPlanner.routed, its shared rows (host_planner._route_shared, `route_shared_rows`): writes, host by
+// host, the pairs (`pair_out`, `dest_bounds`) and the runs of one row's pairs (`run_row`, `run_count`, `run_bounds`),
+// rows in order within a host, and `relayed`. Returns the pairs written, or -1 where a row's readers are not in host
+// order (the caller's numpy code then runs).
+int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, const int64_t* before,
+                            const int64_t* after, int64_t P, int64_t H, int64_t* dest_bounds, int64_t* pair_out,
+                            int64_t* run_bounds, int64_t* run_row, int64_t* run_count, uint8_t* relayed) {
+  const HostOfRank host(P, H);
+  return route_shared_rows(n, ro, rd, before, after, host, ReaderGroups(n, ro, rd, host), H, dest_bounds, run_bounds,
+                           relayed,
+                           [&](int64_t i, int64_t s, int64_t e, int64_t d, int64_t r) {
+                             std::iota(pair_out + d, pair_out + d + (e - s), s);
+                             run_row[r] = i, run_count[r] = e - s;
+                           });
+}
+
+// hierarchy.HostPlanner.routed, whole: a directory host h's part of the plan (HostPlanner.part) split by the host
+// that needs each entry, every field of its Outbox and every host's slice bounds in one pass (routed's numpy code,
+// entry for entry). `dims`: rank_bytes (2, 4 or 8: the ranks' type), h, P, H, T, K, n_mig, n, n_pairs, n_vic.
+// `arrays`, addresses (0 for an empty one: never read), in: the layout's T + 1 offsets and the directory's block per
+// table (a key's home), h's K keys' owners before the moves; the migrations' indices among the keys, key, source,
+// destination; the shared rows' indices, key, owner, reader count, readers (int64, then as sent); the victims and
+// their owners; the (hit, remote) counts; out: the Outbox's 11 fields (lengths in `lens`: migration entries, runs,
+// pairs, victim entries), its [H, 11] starts and stops, lens. Arrays are int64 but ranks and counts (Rk), flags
+// uint8. Returns 0; -1 where a shared row's readers are not in host order (the caller's numpy code then runs); -2 on
+// malformed input (herald_last_error says how). Arrays travel as one table: 30 ctypes arguments cost ~20 us.
+int64_t herald_route_part(const int64_t* dims, void* const* arrays) {
+  switch (dims[0]) {
+    case 2: return route_part<int16_t>(dims, arrays);
+    case 4: return route_part<int32_t>(dims, arrays);
+    case 8: return route_part<int64_t>(dims, arrays);
+  }
+  last_error = "ranks of " + std::to_string(dims[0]) + " bytes";
+  return -2;
 }
 
 // ---- the plan's flat wire form (plan_wire.py): the same bytes as its numpy code --------------------------------

@@ -198,6 +198,7 @@ SIGNATURES = {
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p],
         _i64,
     ),
+    "herald_route_part": ([_i64p, ctypes.c_void_p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_pack": ([_i64, ctypes.c_void_p, _i64p, _u8p, _i64p], _i64),
@@ -835,6 +836,69 @@ def route_shared(
         return None
     runs = int(run_bounds[-1])
     return SharedRoutes(dest_bounds, pair[:got], run_bounds, run_row[:runs], run_count[:runs], relayed.view(bool))
+
+
+@dataclass
+class RoutedPart:
+    """A directory host's part of the plan split by the host that needs each entry (host_planner.HostPlanner.routed):
+    its Outbox's 11 fields in order (migrations: key, source, destination; runs of one shared row: key, owner, reader
+    count; their readers; victims: key, owner; the summary; the table bits), host t's slice of field i at
+    `starts[t, i]:stops[t, i]`."""
+
+    fields: list[np.ndarray]
+    starts: np.ndarray
+    stops: np.ndarray
+
+
+def route_part(
+    h: int,
+    P: int,
+    H: int,
+    offsets: np.ndarray,
+    block: np.ndarray,
+    k_own: np.ndarray,
+    mig_at: np.ndarray,
+    shared_at: np.ndarray,
+    readers: np.ndarray,
+    counts: np.ndarray,
+    part: list[np.ndarray],
+) -> RoutedPart | None:
+    """`RoutedPart` of host h's `part` (HostPlanner.part's first 9 arrays: migrations, shared rows, victims, ranks of
+    one dtype) from its keys' owners before the moves `k_own`, the migrations' and shared rows' indices among its
+    keys, the shared readers (int64) and the (hit, remote) counts; the layout's `offsets` and the directory's `block`
+    give a victim's home. None where the kernels are off or a shared row's readers are not in rank order."""
+    L = lib()
+    if L is None:
+        return None
+    rk = part[1].dtype
+    mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = (
+        _c(x, np.int64 if i in (0, 3, 7) else rk) for i, x in enumerate(part[:9])
+    )
+    off, blk, own, ma, sa = (_c(x, np.int64) for x in (offsets, block, k_own, mig_at, shared_at))
+    rd, cnt = _c(readers, np.int64), _c(counts, np.int64)
+    T, n_mig, n, n_pairs, n_vic = blk.shape[0], ma.shape[0], sa.shape[0], rd.shape[0], victims.shape[0]
+    n_m, n_r = 2 * n_mig + n_pairs, 2 * n + n_pairs
+    fields = [
+        np.empty(n_m, np.int64), np.empty(n_m, rk), np.empty(n_m, rk), np.empty(n_r, np.int64), np.empty(n_r, rk),
+        np.empty(n_r, rk), np.empty(3 * n_pairs, rk), np.empty(3 * n_vic, np.int64), np.empty(3 * n_vic, rk),
+        np.empty(4, np.int64), np.empty(T, np.uint8),
+    ]  # fmt: skip
+    starts, stops, lens = np.empty((H, 11), np.int64), np.empty((H, 11), np.int64), np.empty(4, np.int64)
+    dims = np.array([rk.itemsize, h, P, H, T, own.shape[0], n_mig, n, n_pairs, n_vic], dtype=np.int64)
+    arrays = [
+        off, blk, own, ma, mig_key, mig_src, mig_dst, sa, sh_key, sh_owner, sh_count, rd, sh_readers, victims,
+        victim_src, cnt, *fields, starts, stops, lens,
+    ]  # fmt: skip
+    table = _native.address_array(arrays)  # kept alive through the call
+    got = L.herald_route_part(_p(dims), _p(table))
+    if got == -1:
+        return None
+    if got != 0:
+        raise ValueError(f"native.route_part: {L.herald_last_error().decode()}")
+    m, r, p, v = lens.tolist()
+    for i, k in enumerate((m, m, m, r, r, r, p, v, v)):
+        fields[i] = fields[i][:k]
+    return RoutedPart(fields, starts, stops)
 
 
 def wire_assignment(sample_order: np.ndarray, R: int, B: int) -> np.ndarray | None:

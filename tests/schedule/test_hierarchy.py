@@ -432,6 +432,103 @@ def test_compiled_routing_equals_numpy(monkeypatch):
     assert native.route_shared(np.r_[0, 2], np.array([5, 1]), np.array([0]), np.array([0]), P, H) is None
 
 
+def _random_part(pol, rng, K, shared_frac, moved_frac, n_vic, h):
+    """A directory host's final decisions and part (`HostPlanner.part`) on random keys of `pol`'s layout: owners,
+    migrations to ranks of any host, shared rows (some migrating, some a fill: moved to one of their readers) with
+    readers in rank order, victims."""
+    from herald_torchrec.schedule.herald.host_planner import HostPlanner, _HostDecisions
+
+    R, rk = pol.num_ranks, pol.rank_dtype
+    off = pol.layout.offsets
+
+    def some_keys(n):  # distinct keys of every table, small ones included (a table picked, then a key in it)
+        t = rng.integers(0, off.shape[0] - 1, 4 * n)
+        pool = np.unique(off[t] + (rng.random(4 * n) * (off[t + 1] - off[t])).astype(np.int64))
+        return np.sort(rng.choice(pool, min(n, pool.shape[0]), replace=False)).astype(np.int64)
+
+    keys = some_keys(K)
+    K = keys.shape[0]
+    own = rng.integers(0, R, K)
+    want = np.where(rng.random(K) < moved_frac, rng.integers(0, R, K), own)
+    shared = np.flatnonzero(rng.random(K) < shared_frac)
+    count = rng.integers(1, 7, shared.shape[0])
+    readers = np.concatenate([np.sort(rng.choice(R, c, replace=False)) for c in count] + [np.zeros(0, np.int64)])
+    fill = rng.random(shared.shape[0]) < 0.2
+    want[shared[fill]] = readers[np.cumsum(count) - 1][fill]
+    mig = np.flatnonzero(want != own)
+    victims = some_keys(n_vic)
+    n_vic = victims.shape[0]
+    hp = HostPlanner.__new__(HostPlanner)
+    hp.pol, hp.h, hp.keys, hp.k_own = pol, h, keys, own
+    hp.final = _HostDecisions(
+        mig=mig, shared=shared, shared_pair_row=np.repeat(np.arange(shared.shape[0]), count), readers=readers,
+        counts=rng.integers(0, 100, 2),
+    )  # fmt: skip
+    part = [
+        keys[mig], own[mig].astype(rk), want[mig].astype(rk), keys[shared], want[shared].astype(rk),
+        count.astype(rk), readers.astype(rk), victims, rng.integers(0, R, n_vic).astype(rk),
+    ]  # fmt: skip
+    return hp, part
+
+
+def test_compiled_part_routing_equals_numpy(monkeypatch):
+    """A directory host's part routed to the hosts that need it (`HostPlanner.routed`): the compiled pass gives
+    numpy's Outbox, every field (values, dtype) and every host's bounds, on random parts: moves between several
+    hosts, shared rows with and without migrations, victims, empty parts; and rows whose readers are not in rank
+    order go to numpy."""
+    from herald_torchrec.schedule import native
+
+    if not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    rows, _ = synthetic_window(24, 16, 0)
+    pol = HeraldHierPolicy(rows, 24, 16, 0.1, L, hosts=4)  # 6 hosts of 4 ranks
+    assert (pol.num_hosts, pol.ranks_per_host) == (6, 4)
+    rng = np.random.default_rng(11)
+    cases = [(600, 0.3, 0.3, 40, 2), (300, 0.9, 0.6, 0, 0), (300, 0.0, 0.5, 25, 5), (200, 0.5, 0.0, 10, 3)]
+    cases += [(0, 0.0, 0.0, 0, 1), (50, 0.0, 0.0, 0, 4)]
+    for K, shared_frac, moved_frac, n_vic, h in cases:
+        hp, part = _random_part(pol, rng, K, shared_frac, moved_frac, n_vic, h)
+        with monkeypatch.context() as m:
+            m.setattr(native, "enabled", lambda: False)
+            (want,) = hp.routed(part).values()
+        (got,) = hp.routed(part).values()
+        assert got.dests == want.dests == list(range(pol.num_hosts))
+        assert len(got.fields) == len(want.fields) == 11
+        for i, (a, b) in enumerate(zip(got.fields, want.fields)):
+            assert a.dtype == b.dtype and np.array_equal(a, b), (K, i)
+        assert np.array_equal(got.starts, want.starts) and np.array_equal(got.stops, want.stops)
+        assert got.messages().keys() == want.messages().keys()
+        # ranks of 4 bytes (R >= 2**15) route alike
+        wide = [x.astype(np.int32) if x.dtype == np.int16 else x for x in part]
+        fin = hp.final
+        args = (h, pol.ranks_per_host, pol.num_hosts, pol.layout.offsets, pol.directory.block, hp.k_own, fin.mig)
+        got32 = native.route_part(*args, fin.shared, fin.readers, fin.counts, wide)
+        assert np.array_equal(got32.starts, want.starts) and np.array_equal(got32.stops, want.stops)
+        for a, b in zip(got32.fields, want.fields):
+            assert np.array_equal(a, b) and a.dtype == (np.int32 if b.dtype == np.int16 else b.dtype)
+    # the first case reaches the branches: migrations within a host and between hosts, shared rows migrating and
+    # relayed, victims to three hosts; every host gets some migrations
+    hp, part = _random_part(pol, np.random.default_rng(11), *cases[0])
+    (got,) = hp.routed(part).values()
+    src_h, dst_h = part[1] // pol.ranks_per_host, part[2] // pol.ranks_per_host
+    assert (src_h == dst_h).any() and (src_h != dst_h).any() and np.intersect1d(hp.final.mig, hp.final.shared).size
+    assert got.fields[10].max() & host_messages.RELAYED and (np.diff(got.starts[:, 0]) > 0).all()
+    v_home, v_dir = pol.home_of(part[7]) // pol.ranks_per_host, pol.directory_host_of(part[7])
+    assert ((v_home != hp.h) & (v_dir != hp.h) & (v_home != v_dir)).any() and (
+        (v_home == v_dir) & (v_dir != hp.h)
+    ).any()
+    # a shared row whose readers are not in rank order (hosts 1 then 0): the numpy path
+    P = pol.ranks_per_host
+    hp, part = _random_part(pol, np.random.default_rng(5), 40, 0.5, 0.3, 5, 1)
+    count = part[5].astype(np.int64)
+    at = int(np.cumsum(count)[np.flatnonzero(count >= 2)[0]] - count[count >= 2][0])  # a row of 2 readers or more
+    hp.final.readers[at : at + 2] = part[6][at : at + 2] = [P, 0]
+    args = (hp.h, P, pol.num_hosts, pol.layout.offsets, pol.directory.block, hp.k_own, hp.final.mig, hp.final.shared)
+    assert native.route_part(*args, hp.final.readers, hp.final.counts, part) is None
+    (got,) = hp.routed(part).values()  # numpy's routing all the same
+    assert got.fields[6].shape[0] >= count.sum()
+
+
 def test_several_hosts_degrade_together_under_the_planning_budget():
     """With several hosts the planning budget (schedule/herald/budget.py) holds for herald_hier too: under a budget no
     plan fits, the first plan is FULL (it chooses the per-host tables), the next REDUCED (tried once), then STATIC:

@@ -282,9 +282,16 @@ class HostPlanner:
         before and after the moves, and to every other host with its readers there; a victim to its owner's host
         (h), its home host and its directory host. Every host also gets h's step summary: its counts (hit, remote,
         migrations, victims) and its tables with moves, shared rows and relayed (row, host) groups (a bit each:
-        MOVED, SHARED, RELAYED)."""
+        MOVED, SHARED, RELAYED). One compiled pass where the kernels are on (`native.route_part`), else numpy."""
         pol, h, fin = self.pol, self.h, self.final
         P, H, T = pol.ranks_per_host, pol.num_hosts, pol.layout.num_tables
+        if native.enabled():
+            got = native.route_part(
+                h, P, H, pol.layout.offsets, pol.directory.block, self.k_own, fin.mig, fin.shared, fin.readers,
+                fin.counts, part,
+            )  # fmt: skip
+            if got is not None:
+                return {h: Outbox(list(range(H)), got.fields, got.starts, got.stops)}
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = part[:9]
         before = self.k_own[fin.shared].astype(np.int64)
         after = sh_owner.astype(np.int64)
