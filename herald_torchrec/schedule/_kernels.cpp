@@ -1173,10 +1173,12 @@ int64_t herald_decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const
     const int64_t key = g[i], o = owner[key];
     bool owner_reads = false;
     int64_t best = r[i], most = c[i], j = i;
-    for (; j < n && g[j] == key; ++j) {
+    for (; j < n && g[j] == key; ++j) {  // branch-free: which reader reads the most is the data's
       kid[j] = K;
-      owner_reads = owner_reads || r[j] == o;
-      if (c[j] > most) most = c[j], best = r[j];
+      owner_reads |= r[j] == o;
+      const bool more = c[j] > most;
+      most = more ? c[j] : most;
+      best = more ? r[j] : best;
     }
     keys[K] = key;
     own[K] = o;
@@ -2204,6 +2206,334 @@ int64_t herald_msg_unpack(int64_t k, const uint8_t* buf, const int64_t* code, co
     }
   }
   return 0;
+}
+
+}  // extern "C"
+
+
+// ---- a directory host's decision (phases 5-6) and its part of the plan (phase 8): host_planner.HostPlanner ----
+namespace {
+
+// Outbox.by_host's order of entries whose hosts (0..H-1) are `host`: grouped by host, each host's in entry order.
+// Writes the hosts' bounds [H + 1] and the entries in that order; false where a host is out of range.
+bool group_by_host(const std::vector<int64_t>& host, int64_t H, int64_t* bounds, std::vector<int64_t>& order) {
+  std::fill(bounds, bounds + H + 1, 0);
+  for (int64_t t : host) {
+    if (t < 0 || t >= H) return false;
+    ++bounds[t + 1];
+  }
+  for (int64_t t = 0; t < H; ++t) bounds[t + 1] += bounds[t];
+  std::vector<int64_t> at(bounds, bounds + H);
+  order.resize(host.size());
+  for (size_t i = 0; i < host.size(); ++i) order[at[host[i]]++] = static_cast<int64_t>(i);
+  return true;
+}
+
+// HostPlanner.decide's pairs sorted by (key, rank), as stable_order(key * R + rank) orders them: each pair's key is
+// demanded[idx + first[s]] for the pairs of sender s (n_of[s] of them, after those of the senders before). Writes
+// the keys g, ranks pr and elements c in that order. (code, index) pairs sorted: the index breaks ties, as a stable
+// sort does.
+template <typename RK>
+void pairs_by_code(int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx, const RK* r_in,
+                   const int32_t* c_in, const int64_t* demanded, int64_t D, int64_t R, int64_t n, int64_t* g,
+                   int64_t* pr, int64_t* c) {
+  std::vector<std::pair<int64_t, int64_t>> code(n);
+  for (int64_t s = 0, i = 0; s < S; ++s) {
+    for (const int64_t e = i + n_of[s]; i < e; ++i) {
+      const int64_t d = idx[i] + first[s];
+      if (d < 0 || d >= D) throw std::runtime_error("host_decide: a pair's index is outside the demand");
+      if (r_in[i] < 0 || r_in[i] >= R) throw std::runtime_error("host_decide: a reader outside the ranks");
+      code[i] = {demanded[d] * R + r_in[i], i};
+    }
+  }
+  std::sort(code.begin(), code.end());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = code[i].second;
+    int64_t s = 0;
+    for (int64_t end = n_of[0]; p >= end;) end += n_of[++s];  // p's sender
+    g[i] = demanded[idx[p] + first[s]];
+    pr[i] = r_in[p];
+    c[i] = c_in[p];
+  }
+}
+
+// pairs_by_code where the messages are as HostPlanner._reads sends them (each sender's pairs in its demand's order,
+// its ranks above the earlier senders'): the demand (about half as many keys as pairs) is sorted by key instead, and
+// each demanded key's pairs follow it. False (nothing written that counts) where the pairs would not come out in
+// ascending (key, rank) order (a (key, rank) repeated included) or a key is negative: pairs_by_code then.
+template <typename RK>
+bool pairs_by_demand(int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
+                     const RK* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D, int64_t R, int64_t* g,
+                     int64_t* pr, int64_t* c) {
+  static thread_local std::vector<int64_t> pstart, code, pos, code2, pos2;
+  pstart.assign(D + 1, 0);  // the pairs of demand position d: pstart[d]:pstart[d + 1]
+  for (int64_t s = 0, i = 0, last = 0; s < S; ++s) {
+    for (const int64_t e = i + n_of[s]; i < e; ++i) {
+      const int64_t d = idx[i] + first[s];
+      if (d < 0 || d >= D) throw std::runtime_error("host_decide: a pair's index is outside the demand");
+      if (r_in[i] < 0 || r_in[i] >= R) throw std::runtime_error("host_decide: a reader outside the ranks");
+      if (d < last) return false;  // not in demand order
+      last = d;
+      ++pstart[d + 1];
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) pstart[d + 1] += pstart[d];
+  // the demand positions by key, ties in position order (an LSD radix sort is stable): ~20 us for 6,000 keys, where
+  // merging the senders' sorted runs cost ~50 (its every step waits on the last, or on a branch the data decides)
+  code.resize(D), pos.resize(D), code2.resize(D), pos2.resize(D);
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < D; ++d) lo = std::min(lo, demanded[d]), hi = std::max(hi, demanded[d]);
+  if (lo < 0) return false;
+  const int bits = hi ? 64 - __builtin_clzll(static_cast<uint64_t>(hi)) : 0;
+  const int passes = (bits + 10) / 11, width = passes ? (bits + passes - 1) / passes : 0;
+  const int64_t mask = (int64_t{1} << width) - 1;
+  std::copy(demanded, demanded + D, code.begin());
+  std::iota(pos.begin(), pos.end(), int64_t{0});
+  std::vector<int64_t> at(size_t{1} << width);
+  for (int p = 0; p < passes; ++p) {
+    std::fill(at.begin(), at.end(), 0);
+    for (int64_t d = 0; d < D; ++d) ++at[(code[d] >> (p * width)) & mask];
+    for (int64_t x = 0, sum = 0; x <= mask; ++x) std::swap(at[x], sum), sum += at[x];
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t q = at[(code[d] >> (p * width)) & mask]++;
+      code2[q] = code[d], pos2[q] = pos[d];
+    }
+    code.swap(code2);
+    pos.swap(pos2);
+  }
+  // each demand position's first place in the output (code2: scratch), then every pair to its place: branch-free, as
+  // the keys' reader counts vary; then the check that (key, rank) ascends
+  for (int64_t q = 0, o = 0; q < D; ++q) {
+    const int64_t d = pos[q];
+    code2[d] = o;
+    o += pstart[d + 1] - pstart[d];
+  }
+  for (int64_t s = 0, i = 0; s < S; ++s) {
+    for (const int64_t e = i + n_of[s]; i < e; ++i) {
+      const int64_t d = idx[i] + first[s], o = code2[d] + i - pstart[d];
+      g[o] = demanded[d], pr[o] = r_in[i], c[o] = c_in[i];
+    }
+  }
+  bool ascending = true;
+  for (int64_t o = 1; o < n; ++o) ascending &= g[o] * R + pr[o] > g[o - 1] * R + pr[o - 1];
+  return ascending;
+}
+
+// herald_host_decide, for ranks of type RK on the wire.
+template <typename RK>
+void host_decide(int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx, const RK* r_in,
+                 const int32_t* c_in, const int64_t* demanded, int64_t D, const int32_t* owner, int64_t R, int64_t P,
+                 int64_t H, int64_t h, int is_static, int balance, double factor, const int64_t* offsets,
+                 const int64_t* block, int64_t T, int64_t* keys, int64_t* own, int64_t* want, uint8_t* single,
+                 int64_t* sole, int64_t* kid, int64_t* pr, int64_t* a_key, RK* a_own, RK* a_want, int8_t* a_single,
+                 int64_t* p_key, int64_t* a_count, int64_t* p_count, int64_t* dests, int64_t* starts, int64_t* stops,
+                 int64_t* sizes) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; ++s) n += n_of[s];
+  // scratch kept between calls (a fresh 0.2 MB each step cost its page faults, ~20% of the pass)
+  static thread_local std::vector<int64_t> g, c, count, start;
+  g.resize(n), c.resize(n), count.resize(n), start.resize(n);
+  if (!pairs_by_demand(n, S, first, n_of, idx, r_in, c_in, demanded, D, R, g.data(), pr, c.data()))
+    pairs_by_code(S, first, n_of, idx, r_in, c_in, demanded, D, R, n, g.data(), pr, c.data());
+  // phase 5: herald_decide_pairs on the sorted pairs, then owner balancing (HeraldHierPolicy.decide_keys)
+  const int64_t K = herald_decide_pairs(n, g.data(), pr, c.data(), owner, keys, own, want, single, sole, count.data(),
+                                        start.data(), kid);
+  int64_t balanced = 0;
+  if (balance) {
+    std::vector<uint8_t> heavy(R);
+    for (int64_t r = 0; r < R; ++r) heavy[r] = r % H == h;
+    balanced = herald_balance_owners(K, R, want, own, count.data(), start.data(), pr, nullptr, factor, heavy.data());
+  }
+  if (is_static) std::copy(own, own + K, want);  // every row stays with its owner
+  // phase 6: the moves (want != own) to the destination's host; the pins (guests, own != home, that no rank of the
+  // owner's host reads) to the owner's host. No division per key (3 of them cost ~40% of the pass): a rank's host
+  // from a table, and home = (key - offsets[t]) // block[t], t = searchsorted(offsets, key, "right") - 1, walked
+  // along the keys (ascending: the pairs' ranks are checked to be 0..R-1), divided where a key starts a table
+  static thread_local std::vector<int64_t> host_of;
+  host_of.resize(R);
+  for (int64_t r = 0; r < R; ++r) host_of[r] = r / P;
+  // branch-free where the data decides (a mispredicted branch per key cost more than the divisions)
+  std::vector<int64_t> mv(K), mv_host(K), pin(K), pin_host(K);
+  int64_t n_mv = 0, n_pin = 0;
+  for (int64_t k = 0, t = -1, home = 0, next = 0; k < K; ++k) {
+    const int64_t key = keys[k], o = own[k], w = want[k];
+    if (o < 0 || o >= R || w < 0 || w >= R) throw std::runtime_error("host_decide: a rank outside the hosts");
+    int64_t u = std::max<int64_t>(t, 0);
+    while (u < T && offsets[u + 1] <= key) ++u;
+    if (key < offsets[0] || u >= T) throw std::runtime_error("host_decide: a key outside the tables");
+    if (u != t) {
+      t = u;
+      home = (key - offsets[t]) / block[t];
+      next = offsets[t] + (home + 1) * block[t];  // the first row of the next home rank
+    }
+    for (; key >= next; next += block[t]) ++home;
+    const int64_t oh = host_of[o], lo = oh * P;  // the owner's host and its first rank
+    bool host_reads = false;  // pr // P == own // P for a pair of the key
+    for (int64_t p = start[k]; p < start[k] + count[k]; ++p)
+      host_reads |= static_cast<uint64_t>(pr[p] - lo) < static_cast<uint64_t>(P);
+    pin[n_pin] = k, pin_host[n_pin] = oh;
+    n_pin += !host_reads & (o != home);
+    mv[n_mv] = k, mv_host[n_mv] = host_of[w];
+    n_mv += w != o;
+  }
+  mv.resize(n_mv), mv_host.resize(n_mv), pin.resize(n_pin), pin_host.resize(n_pin);
+  std::vector<int64_t> ab(H + 1), pb(H + 1), order;
+  if (!group_by_host(mv_host, H, ab.data(), order)) throw std::runtime_error("host_decide: a rank outside the hosts");
+  for (size_t q = 0; q < order.size(); ++q) {
+    const int64_t k = mv[order[q]];
+    a_key[q] = keys[k];
+    a_own[q] = static_cast<RK>(own[k]);
+    a_want[q] = static_cast<RK>(want[k]);
+    a_single[q] = static_cast<int8_t>(single[k]);
+  }
+  if (!group_by_host(pin_host, H, pb.data(), order)) throw std::runtime_error("host_decide: a rank outside the hosts");
+  for (size_t q = 0; q < order.size(); ++q) p_key[q] = keys[pin[order[q]]];
+  // Outbox.joined of the two: every host either sends to, its slices of the 4 arrival fields and of the pins (0:0
+  // for the part that sends it nothing)
+  int64_t nd = 0;
+  for (int64_t t = 0; t < H; ++t) {
+    a_count[t] = ab[t + 1] - ab[t];
+    p_count[t] = pb[t + 1] - pb[t];
+    if (!a_count[t] && !p_count[t]) continue;
+    dests[nd] = t;
+    for (int64_t f = 0; f < 5; ++f) {
+      const int64_t* b = f < 4 ? ab.data() : pb.data();
+      const bool sent = (f < 4 ? a_count[t] : p_count[t]) > 0;
+      starts[nd * 5 + f] = sent ? b[t] : 0;
+      stops[nd * 5 + f] = sent ? b[t + 1] : 0;
+    }
+    ++nd;
+  }
+  sizes[0] = K, sizes[1] = static_cast<int64_t>(mv.size()), sizes[2] = static_cast<int64_t>(pin.size());
+  sizes[3] = nd, sizes[4] = balanced;
+}
+
+// herald_host_part, for ranks of type RK on the wire; its outputs at their places in out64 / outrk.
+template <typename RK>
+void host_part(int64_t K, int64_t n, const int64_t* keys, const int64_t* own, int64_t* want, const uint8_t* single,
+               const int64_t* sole, const int64_t* pk, const int64_t* pr, int64_t n_cancel, const int64_t* cancelled,
+               int64_t n_vic, const int64_t* victims, const int32_t* owner, int64_t n_local, const int64_t* local_rank,
+               int64_t rank0, int64_t* out64, RK* outrk) {
+  int64_t *mig = out64, *mig_key = mig + K, *shared = mig_key + K, *sh_key = shared + K, *row = sh_key + K;
+  int64_t *readers = row + n, *sizes = readers + n;
+  RK *mig_src = outrk, *mig_dst = mig_src + K, *sh_owner = mig_dst + K, *sh_count = sh_owner + K;
+  RK *readers_rk = sh_count + K, *victim_src = readers_rk + n, *local_out = victim_src + n_vic;
+  for (int64_t j = 0; j < n_cancel; ++j) {  // want[searchsorted(keys, cancelled)] = own[...]
+    const int64_t at = std::lower_bound(keys, keys + K, cancelled[j]) - keys;
+    if (at == K) throw std::runtime_error("host_part: a cancelled key after every key");
+    want[at] = own[at];
+  }
+  // one pass along the pairs, a run of them per key: pk = 0..K-1 as the decision gives it (a key's pairs in one run,
+  // every key read), so each run's length is bincount(pk) and the keys' and the pairs' outputs come in order
+  int64_t n_mig = 0, n_sh = 0, hit = 0, remote = 0, n_pairs = 0, k = 0;
+  for (int64_t p = 0, q; p < n; p = q, ++k) {
+    if (pk[p] != k || k >= K) throw std::runtime_error("host_part: the pairs' keys are not the decision's");
+    for (q = p + 1; q < n && pk[q] == k;) ++q;
+    const int64_t w = want[k], o = own[k];
+    if (w != o) {
+      mig[n_mig] = k, mig_key[n_mig] = keys[k];
+      mig_src[n_mig] = static_cast<RK>(o), mig_dst[n_mig] = static_cast<RK>(w);
+      ++n_mig;
+    }
+    for (int64_t i = p; i < q; ++i) hit += w == pr[i] && w == o, remote += w != pr[i];  // hits: the row stays
+    if (single[k] && sole[k] == w) continue;  // exclusive; else a shared row with its pairs
+    shared[n_sh] = k, sh_key[n_sh] = keys[k];
+    sh_owner[n_sh] = static_cast<RK>(w), sh_count[n_sh] = static_cast<RK>(q - p);
+    for (int64_t i = p; i < q; ++i, ++n_pairs) {
+      row[n_pairs] = n_sh, readers[n_pairs] = pr[i], readers_rk[n_pairs] = static_cast<RK>(pr[i]);
+    }
+    ++n_sh;
+  }
+  if (k != K) throw std::runtime_error("host_part: the pairs' keys are not the decision's");
+  for (int64_t v = 0; v < n_vic; ++v) victim_src[v] = static_cast<RK>(owner[victims[v]]);
+  for (int64_t i = 0; i < n_local; ++i) local_out[i] = static_cast<RK>(local_rank[i] + rank0);
+  sizes[0] = n_mig, sizes[1] = n_sh, sizes[2] = n_pairs, sizes[3] = hit, sizes[4] = remote;
+}
+
+// herald_host_decide's outputs at their places in out64 / out8 / outrk.
+template <typename RK>
+void host_decide_at(int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
+                    const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D, const int32_t* owner,
+                    int64_t R, int64_t P, int64_t H, int64_t h, int is_static, int balance, double factor,
+                    const int64_t* offsets, const int64_t* block, int64_t T, int64_t* out64, uint8_t* out8,
+                    void* outrk) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) total += n_of[s];
+  if (total != n) throw std::runtime_error("host_decide: the senders' counts do not add up to the pairs");
+  int64_t* o = out64;
+  int64_t *keys = o, *own = o + n, *want = o + 2 * n, *sole = o + 3 * n, *kid = o + 4 * n, *pr = o + 5 * n;
+  int64_t *a_key = o + 6 * n, *p_key = o + 7 * n, *a_count = o + 8 * n, *p_count = a_count + H, *dests = p_count + H;
+  int64_t *starts = dests + H, *stops = starts + 5 * H, *sizes = stops + 5 * H;
+  RK* rk = static_cast<RK*>(outrk);
+  host_decide<RK>(S, first, n_of, idx, static_cast<const RK*>(r_in), c_in, demanded, D, owner, R, P, H, h, is_static,
+                  balance, factor, offsets, block, T, keys, own, want, out8, sole, kid, pr, a_key, rk, rk + n,
+                  reinterpret_cast<int8_t*>(out8 + n), p_key, a_count, p_count, dests, starts, stops, sizes);
+}
+
+}  // namespace
+
+extern "C" {
+
+// HostPlanner.decide, as a directory host: phase 5, herald's decision for its keys on the union of their reads, and
+// phase 6's messages. The reads: n_of[s] (index in sender s's demand, which begins at first[s] in `demanded`,
+// reader rank, elements) triples from each of S senders, concatenated (n in all); they are sorted by (key, rank) as
+// stable_order(key * R + rank) does, decided as herald_decide_pairs, balanced as herald_balance_owners (balance != 0:
+// heavy rows to ranks = h mod H) and, at the STATIC level, every want set to its owner. Writes the keys' arrays
+// (HeraldHierPolicy.decide_keys's: keys, own, want, single, sole, each pair's key index and rank), the arrivals (key,
+// owner, destination, single) and pins (key) by destination host as Outbox.by_host orders them, each host's count of
+// either, and the Outbox.joined slices [nd x 5] of the nd hosts sent to. In three buffers, as native.host_decide
+// slices them: out64 (int64 [8 n + 13 H + 5]): keys, own, want, sole, the pairs' key index and rank, the arrivals'
+// and the pins' keys (n each), the arrivals and pins to each host and the hosts sent to (H each), the slices' starts
+// and stops ([H x 5] each), sizes (keys, arrivals, pins, hosts sent to, rows balanced); out8 (uint8 [2 n]): single,
+// the arrivals' single (int8); outrk (ranks, rank_bytes 2 or 4 as r_in [2 n]): the arrivals' owner and destination.
+// Returns 0, or 1 with herald_last_error.
+int herald_host_decide(int64_t rank_bytes, int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
+                       const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D,
+                       const int32_t* owner, int64_t R, int64_t P, int64_t H, int64_t h, int64_t is_static,
+                       int64_t balance, double factor, const int64_t* offsets, const int64_t* block, int64_t T,
+                       int64_t* out64, uint8_t* out8, void* outrk) {
+  try {
+    if (rank_bytes != 2 && rank_bytes != 4) throw std::runtime_error("host_decide: ranks must be 2 or 4 bytes");
+    (rank_bytes == 2 ? host_decide_at<int16_t> : host_decide_at<int32_t>)(
+        n, S, first, n_of, idx, r_in, c_in, demanded, D, owner, R, P, H, h, static_cast<int>(is_static),
+        static_cast<int>(balance), factor, offsets, block, T, out64, out8, outrk);
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// HostPlanner.part, as a directory host: the cancelled arrivals undone (want = own at searchsorted(keys,
+// cancelled)), then the migrations (want != own: index, key, source, destination), the shared rows (not exclusive:
+// single with sole == want; index, key, owner, reader count), every shared pair's row among them and its reader
+// (int64 and RK), the (hit, remote) pair counts, the victims' owners and h's samples' ranks (local + rank0), as
+// numpy's `part` computes them; the pairs are the decision's (pk, pr: sorted by key then rank). In two buffers, as
+// native.host_part slices them: out64 (int64 [4 K + 2 n + 5]): the migrations' indices and keys, the shared rows'
+// indices and keys (K each), the shared pairs' rows and readers (n each), sizes (migrations, shared rows, shared
+// pairs, hit, remote); outrk (ranks, rank_bytes 2 or 4 [4 K + n + V + L]): the migrations' sources and destinations,
+// the shared rows' owners and reader counts (K each), the shared pairs' readers (n), the victims' owners (V), the
+// samples' ranks (L). Returns 0, or 1 with herald_last_error.
+int herald_host_part(int64_t rank_bytes, int64_t K, int64_t n, const int64_t* keys, const int64_t* own, int64_t* want,
+                     const uint8_t* single, const int64_t* sole, const int64_t* pk, const int64_t* pr,
+                     int64_t n_cancel, const int64_t* cancelled, int64_t n_vic, const int64_t* victims,
+                     const int32_t* owner, int64_t n_local, const int64_t* local_rank, int64_t rank0, int64_t* out64,
+                     void* outrk) {
+  try {
+    if (rank_bytes == 2) {
+      host_part<int16_t>(K, n, keys, own, want, single, sole, pk, pr, n_cancel, cancelled, n_vic, victims, owner,
+                         n_local, local_rank, rank0, out64, static_cast<int16_t*>(outrk));
+    } else if (rank_bytes == 4) {
+      host_part<int32_t>(K, n, keys, own, want, single, sole, pk, pr, n_cancel, cancelled, n_vic, victims, owner,
+                         n_local, local_rank, rank0, out64, static_cast<int32_t*>(outrk));
+    } else {
+      throw std::runtime_error("host_part: ranks must be 2 or 4 bytes");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
 }
 
 }  // extern "C"

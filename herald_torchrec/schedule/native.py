@@ -156,6 +156,14 @@ SIGNATURES = {
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
     ),
+    "herald_host_decide": (
+        [_i64] * 3 + [_i64p] * 6 + [_i64, _i32p] + [_i64] * 6 + [ctypes.c_double] + [_i64p] * 2 + [_i64] + [_i64p] * 3,
+        ctypes.c_int,
+    ),
+    "herald_host_part": (
+        [_i64] * 3 + [_i64p] * 7 + [_i64, _i64p, _i64, _i64p, _i32p, _i64, _i64p, _i64] + [_i64p] * 2,
+        ctypes.c_int,
+    ),
     "herald_balance_owners": ([_i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p, ctypes.c_double, _u8p], _i64),
     "herald_assemble": (
         [
@@ -795,6 +803,155 @@ def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray)
         )
     )  # fmt: skip
     return keys[:K], own[:K], want[:K], single[:K], sole[:K], count[:K], start[:K], kid
+
+
+@dataclass
+class HostDecision:
+    """A directory host's decision of a step (host_planner.HostPlanner.decide, `host_decide`): its keys' arrays as
+    HeraldHierPolicy.decide_keys returns them, and phase 6's messages in Outbox's form: `fields` (the arrivals' key,
+    owner, destination, single; the pins' key), grouped by destination host, and the hosts sent to with their slices
+    [len(dests), 5]; per host, the arrivals and the pins it gets; the rows owner balancing handed on."""
+
+    keys: np.ndarray
+    own: np.ndarray
+    want: np.ndarray
+    single: np.ndarray
+    sole: np.ndarray
+    pair_key: np.ndarray
+    pair_rank: np.ndarray
+    fields: list[np.ndarray]
+    dests: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    arrivals_to: np.ndarray
+    pins_to: np.ndarray
+    balanced: int
+
+
+def host_decide(
+    first: np.ndarray,
+    n_of: np.ndarray,
+    idx: np.ndarray,
+    r: np.ndarray,
+    c: np.ndarray,
+    demanded: np.ndarray,
+    owner: np.ndarray,
+    R: int,
+    P: int,
+    H: int,
+    h: int,
+    static: bool,
+    balance: float | None,
+    offsets: np.ndarray,
+    block: np.ndarray,
+    rank_dtype: type,
+) -> HostDecision:
+    """Directory host h's phases 5-6 in one pass (the kernel's comment): from the reads it received, n_of[s] (index
+    in sender s's demand, which begins at first[s] in `demanded`; reader rank; elements) triples per sender, in
+    sender order. `balance`: owner balancing's factor (None: off); `static`: every row stays with its owner; offsets
+    / block: the tables' first rows and ROW_WISE blocks (a key's home rank)."""
+    if owner.dtype != np.int32 or not owner.flags.c_contiguous:
+        raise ValueError("native.host_decide: owner must be a C-contiguous int32 array")
+    rk = np.dtype(rank_dtype)
+    first, n_of, dem = _c(first, np.int64), _c(n_of, np.int64), _c(demanded, np.int64)
+    idx, r, c = _c(idx, np.int32), _c(r, rk), _c(c, np.int32)
+    offsets, block = _c(offsets, np.int64), _c(block, np.int64)
+    n = idx.shape[0]
+    if r.shape[0] != n or c.shape[0] != n:
+        raise ValueError("native.host_decide: idx, r and c must be aligned")
+    out64, out8, outrk = np.empty(8 * n + 13 * H + 5, np.int64), np.empty(2 * n, np.uint8), np.empty(2 * n, rk)
+    _check(
+        lib().herald_host_decide(
+            rk.itemsize, n, first.shape[0], _p(first), _p(n_of), _p(idx), _p(r), _p(c), _p(dem), dem.shape[0],
+            _p(owner), R, P, H, h, int(static), int(balance is not None), float(balance or 0.0), _p(offsets),
+            _p(block), block.shape[0], _p(out64), _p(out8), _p(outrk),
+        )
+    )  # fmt: skip
+    K, na, npin, nd, balanced = out64[-5:].tolist()
+    at = 8 * n + 3 * H  # the slices' starts and stops
+    slices = out64[at : at + 10 * H].reshape(2, H, 5)
+    return HostDecision(
+        keys=out64[:K], own=out64[n : n + K], want=out64[2 * n : 2 * n + K], single=out8[:K].view(np.bool_),
+        sole=out64[3 * n : 3 * n + K], pair_key=out64[4 * n : 5 * n], pair_rank=out64[5 * n : 6 * n],
+        fields=[out64[6 * n : 6 * n + na], outrk[:na], outrk[n : n + na], out8[n : n + na].view(np.int8),
+                out64[7 * n : 7 * n + npin]],
+        dests=out64[at - H : at - H + nd], starts=slices[0, :nd], stops=slices[1, :nd],
+        arrivals_to=out64[8 * n : 8 * n + H], pins_to=out64[8 * n + H : 8 * n + 2 * H], balanced=balanced,
+    )  # fmt: skip
+
+
+@dataclass
+class HostPart:
+    """A directory host's final decisions of a step (host_planner.HostPlanner.part, `host_part`): the migrations
+    (indices into its keys; key, source, destination), the shared rows (indices; key, owner, reader count), each
+    shared pair's row (index into the shared) and reader (int64, and in the ranks' type), the (hit, remote) counts,
+    the victims' owners and the host's samples' ranks."""
+
+    mig: np.ndarray
+    mig_key: np.ndarray
+    mig_src: np.ndarray
+    mig_dst: np.ndarray
+    shared: np.ndarray
+    sh_key: np.ndarray
+    sh_owner: np.ndarray
+    sh_count: np.ndarray
+    shared_pair_row: np.ndarray
+    readers: np.ndarray
+    readers_rk: np.ndarray
+    counts: np.ndarray
+    victim_src: np.ndarray
+    sample_rank: np.ndarray
+
+
+def host_part(
+    keys: np.ndarray,
+    own: np.ndarray,
+    want: np.ndarray,
+    single: np.ndarray,
+    sole: np.ndarray,
+    pair_key: np.ndarray,
+    pair_rank: np.ndarray,
+    cancelled: np.ndarray,
+    victims: np.ndarray,
+    owner: np.ndarray,
+    local_rank: np.ndarray,
+    rank0: int,
+    rank_dtype: type,
+) -> HostPart:
+    """A directory host's phase 8 in one pass (the kernel's comment): the cancelled arrivals undone in `want` (int64,
+    C-contiguous: updated in place), then its part of the plan."""
+    if want.dtype != np.int64 or not want.flags.c_contiguous:
+        raise ValueError("native.host_part: want must be a C-contiguous int64 array (it is updated in place)")
+    if owner.dtype != np.int32 or not owner.flags.c_contiguous:
+        raise ValueError("native.host_part: owner must be a C-contiguous int32 array")
+    rk = np.dtype(rank_dtype)
+    keys, own, sole, pk, pr = (_c(x, np.int64) for x in (keys, own, sole, pair_key, pair_rank))
+    single, cancelled, victims, local = (
+        _c(single, np.bool_),
+        _c(cancelled, np.int64),
+        _c(victims, np.int64),
+        _c(local_rank, np.int64),
+    )
+    K, n, V, L = keys.shape[0], pk.shape[0], victims.shape[0], local.shape[0]
+    if not own.shape[0] == want.shape[0] == single.shape[0] == sole.shape[0] == K or pr.shape[0] != n:
+        raise ValueError("native.host_part: the keys' arrays and the pairs' must be aligned")
+    out64, outrk = np.empty(4 * K + 2 * n + 5, np.int64), np.empty(4 * K + n + V + L, rk)
+    _check(
+        lib().herald_host_part(
+            rk.itemsize, K, n, _p(keys), _p(own), _p(want), _p(single), _p(sole), _p(pk), _p(pr),
+            cancelled.shape[0], _p(cancelled), V, _p(victims), _p(owner), L, _p(local), int(rank0), _p(out64),
+            _p(outrk),
+        )
+    )  # fmt: skip
+    nm, ns, npairs, hit, remote = out64[-5:].tolist()
+    r0 = 4 * K + n  # the victims' owners, then the samples' ranks
+    return HostPart(
+        mig=out64[:nm], mig_key=out64[K : K + nm], mig_src=outrk[:nm], mig_dst=outrk[K : K + nm],
+        shared=out64[2 * K : 2 * K + ns], sh_key=out64[3 * K : 3 * K + ns], sh_owner=outrk[2 * K : 2 * K + ns],
+        sh_count=outrk[3 * K : 3 * K + ns], shared_pair_row=out64[4 * K : 4 * K + npairs],
+        readers=out64[4 * K + n : 4 * K + n + npairs], readers_rk=outrk[4 * K : 4 * K + npairs],
+        counts=out64[-2:], victim_src=outrk[r0 : r0 + V], sample_rank=outrk[r0 + V :],
+    )  # fmt: skip
 
 
 # ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------

@@ -529,6 +529,97 @@ def test_compiled_part_routing_equals_numpy(monkeypatch):
     assert got.fields[6].shape[0] >= count.sum()
 
 
+def _directory_host_phases(pol, h: int, seed: int, rank_dtype, native_on: bool, disorder: str, monkeypatch):
+    """Directory host h's phases 5-6 and 8 (`HostPlanner.decide`, `part`) on random reads, cancellations and victims,
+    compiled or numpy: (the decision's Outbox, the keys' arrays, the part, its final decisions, the bytes counted).
+    `disorder`: host 0's reads out of their order, which the compiled pass sorts another way: "permuted", or
+    "swapped" (two keys read by one rank each swapped: their (key, rank) pairs still ascend)."""
+    from herald_torchrec.schedule import native
+    from herald_torchrec.schedule.herald.host_messages import MessageBytes
+    from herald_torchrec.schedule.herald.host_planner import HostPlanner
+
+    monkeypatch.setattr(native, "enabled", (lambda: True) if native_on else (lambda: False))
+    rng = np.random.default_rng(seed)
+    P, H = pol.ranks_per_host, pol.num_hosts
+    rows = pol.layout.total_rows
+    hp = object.__new__(HostPlanner)
+    hp.pol, hp.h, hp.msg = pol, h, MessageBytes(H)
+    pool = np.sort(rng.choice(rows, 300, replace=False))  # h's keys: read by several hosts, rows of every table
+    demand, reads = [], {}
+    for s in range(H):  # the first 4 keys read by every rank (rows too heavy for owner balancing's threshold)
+        keys = np.union1d(rng.choice(pool, int(rng.integers(0 if s == 1 else 10, 40)), replace=False), pool[:4])
+        demand.append(keys)
+        i = np.repeat(np.arange(keys.shape[0]), P)  # (index, rank) pairs in that order, up to 3 of P ranks a key
+        r = np.sort(rng.integers(0, P, (keys.shape[0], P)), axis=1)
+        r[:, 3:] = r[:, 2:3]
+        hot = np.isin(keys, pool[:4])
+        r[hot] = np.arange(P)
+        j = np.flatnonzero(~hot[:-1] & ~hot[1:])[0]  # two keys read by one rank each, for "swapped"
+        r[j : j + 2] = r[j : j + 2, :1]
+        r = s * P + r.ravel()
+        first = np.r_[True, (i[1:] != i[:-1]) | (r[1:] != r[:-1])]
+        i, r = i[first], r[first]
+        o = np.arange(i.shape[0])
+        if s == 0 and disorder == "permuted":
+            o = rng.permutation(i.shape[0])
+        elif s == 0 and disorder == "swapped":
+            a = np.searchsorted(i, j)
+            o[[a, a + 1]] = o[[a + 1, a]]
+        reads[s] = [i[o].astype(np.int32), r[o].astype(rank_dtype), rng.integers(1, 4, i.shape[0]).astype(np.int32)]
+    hp.demanded = np.concatenate(demand)
+    hp.demand_start = dict(enumerate(np.cumsum([0] + [d.shape[0] for d in demand[:-1]]).tolist()))
+    out = hp.decide(reads)
+    keys = (hp.keys, hp.k_own, hp.want.copy(), hp.single, hp.sole, hp.pk, hp.pr)
+    arriving = out.fields[0]
+    cancelled = np.sort(rng.choice(arriving, arriving.shape[0] // 3, replace=False))
+    hp.victims = np.sort(rng.choice(rows, 20, replace=False))
+    hp.local_rank, hp.members = rng.integers(0, P, 64), np.arange(64) + h * 64
+    part = hp.part({t: [cancelled[t::H]] for t in range(H)})
+    return out, keys, part, hp.final, hp.want, (hp.msg.kind, hp.msg.host), pol._balanced
+
+
+@pytest.mark.parametrize("level, balance, rank_dtype, disorder", [
+    ("full", 1.15, np.int16, None), ("full", None, np.int16, None), ("full", 1.15, np.int32, None),
+    ("static", 1.15, np.int16, None), ("full", 1.15, np.int16, "permuted"), ("full", None, np.int16, "swapped"),
+])  # fmt: skip
+def test_compiled_decision_and_part_equal_numpy(monkeypatch, level, balance, rank_dtype, disorder):
+    """A directory host's decision (phases 5-6: sorted pairs, herald's decision, owner balancing, STATIC, arrivals and
+    pins by host) and its part (phase 8: cancellations, migrations, shared rows, counts) in one compiled pass each
+    give numpy's arrays, dtypes, messages and byte counts; owners include guests, pairs come from several hosts."""
+    from herald_torchrec.schedule import native
+    from herald_torchrec.schedule.herald.budget import STATIC
+
+    if not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    R, h = 32, 2
+    got = []
+    for native_on in (True, False):
+        pol = HeraldHierPolicy([900, 40, 3000, 7, 500], R, 4, 0.1, L, hosts=8, owner_balance=balance)
+        pol.rank_dtype = rank_dtype
+        if level == "static":
+            pol._level = STATIC
+        rng = np.random.default_rng(5)
+        owner = pol.directory.owner
+        guests = rng.choice(owner.shape[0], owner.shape[0] // 3, replace=False)
+        owner[guests] = rng.integers(0, R, guests.shape[0])  # guests, some on the directory host's own ranks
+        owner[rng.choice(owner.shape[0], owner.shape[0] // 4, replace=False)] = 3  # an overloaded owner to balance
+        got.append(_directory_host_phases(pol, h, 11, rank_dtype, native_on, disorder, monkeypatch))
+    (o1, k1, p1, f1, w1, m1, b1), (o2, k2, p2, f2, w2, m2, b2) = got
+    assert o1.dests == o2.dests and np.array_equal(o1.starts, o2.starts) and np.array_equal(o1.stops, o2.stops)
+    for a, b in zip(o1.fields + list(k1) + p1 + [w1], o2.fields + list(k2) + p2 + [w2]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    for f in dataclasses.fields(f1):
+        assert np.array_equal(getattr(f1, f.name), getattr(f2, f.name)), f.name
+    assert m1[0] == m2[0] and np.array_equal(m1[1], m2[1]) and b1 == b2
+    # the branches reached: arrivals, pins, several senders, cancellations, shared and exclusive rows, hits
+    moving = level != "static"
+    assert (o1.fields[0].shape[0] > 0) == moving and o1.fields[4].shape[0] > 0 and (w1 != k1[2]).any() == moving
+    assert len(o1.dests) > 1 and (np.diff(k1[0]) > 0).all() and 0 < f1.shared.shape[0] <= k1[0].shape[0]
+    assert f1.shared.shape[0] < k1[0].shape[0] or not moving  # exclusive rows: a sole reader the row moves to
+    assert f1.counts.min() > 0
+    assert (b1 > 0) == (balance is not None and level != "static")
+
+
 def test_several_hosts_degrade_together_under_the_planning_budget():
     """With several hosts the planning budget (schedule/herald/budget.py) holds for herald_hier too: under a budget no
     plan fits, the first plan is FULL (it chooses the per-host tables), the next REDUCED (tried once), then STATIC:

@@ -828,6 +828,19 @@ class HeraldHierPolicy(SchedulePolicy):
             self._balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
         return keys, own, want, single, sole, kid, r
 
+    def decide_host(self, h: int, first, n_of, idx, r, c, demanded) -> native.HostDecision:
+        """`decide_keys` and phase 6's messages of directory host h in one compiled pass (`native.host_decide`;
+        HostPlanner.decide), from the reads it received: n_of[s] (index in sender s's demand, which begins at first[s]
+        in `demanded`; reader; elements) triples from each sender, in sender order."""
+        balance = self.owner_balance if self._level != STATIC else None
+        got = native.host_decide(
+            first, n_of, idx, r, c, demanded, self.directory.owner, self.num_ranks, self.ranks_per_host,
+            self.num_hosts, h, self._level == STATIC, balance, self.layout.offsets, self.directory.block,
+            self.rank_dtype,
+        )  # fmt: skip
+        self._balanced += got.balanced
+        return got
+
     def room_for_arrivals(self, t, keys, own, home, want, single, window_keys) -> np.ndarray:
         """Host t's capacity (phase 7): victims among its guests (returned, sorted) and cancelled arrivals (in
         `want`), so that its guest groups fit after the moves into them (`keys`, sorted, with their owner, home,

@@ -191,12 +191,22 @@ class HostPlanner:
     def decide(self, inbox: Mapping[int, Message]) -> Outgoing:
         """Phase 5: herald's decision for h's keys on the union of their reads; phase 6: every move into a rank of
         host t, to t (key, source, destination, whether one rank reads it), with the pins: h's keys held as guests
-        on host t and read only by other hosts (t must not evict them this step)."""
+        on host t and read only by other hosts (t must not evict them this step). One compiled pass where the kernels
+        are on (`HeraldHierPolicy.decide_host`), else numpy."""
         pol = self.pol
         R, P, H = pol.num_ranks, pol.ranks_per_host, pol.num_hosts
+        start = np.array([self.demand_start[s] for s in sorted(inbox)], dtype=np.int64)  # each sender's demand
+        if native.enabled():  # one compiled pass, owner balancing included (HeraldHierPolicy.decide_host)
+            idx, r, c = concatenated(inbox, (np.int32, pol.rank_dtype, np.int32))  # as `_reads` sends them
+            got = pol.decide_host(self.h, start, source_counts(inbox), idx, r, c, self.demanded)
+            self.keys, self.k_own, self.want, self.single = got.keys, got.own, got.want, got.single
+            self.sole, self.pk, self.pr = got.sole, got.pair_key, got.pair_rank
+            if self.msg.on:
+                self.msg.add_many("arrivals", self.h, np.arange(H), got.arrivals_to * (KEY_BYTES + 2 * RANK_BYTES), H)
+                self.msg.add_many("pins", self.h, np.arange(H), got.pins_to * KEY_BYTES, H)
+            return Outbox(got.dests.tolist(), got.fields, got.starts, got.stops)
         idx, r, c = concatenated(inbox, (np.int64, np.int64, np.int64))
         # each pair's key: its index in the demand of the host that sent it
-        start = np.array([self.demand_start[s] for s in sorted(inbox)], dtype=np.int64)
         g = self.demanded[idx + np.repeat(start, source_counts(inbox))]
         srt = stable_order(g * R + r)
         g, r, c = g[srt], r[srt], c[srt]
@@ -241,11 +251,26 @@ class HostPlanner:
     def part(self, inbox: Mapping[int, Message]) -> Message:
         """Phase 8: h's part of the plan, for every host: as a directory host, its keys' migrations (key, source,
         destination) and shared rows (key, owner, reader count, readers), with its hit and remote-read counts; as a
-        capacity host, its victims and their owners; as a sample host, the rank of each of its samples."""
+        capacity host, its victims and their owners; as a sample host, the rank of each of its samples. One compiled
+        pass where the kernels are on (`native.host_part`), else numpy."""
         pol = self.pol
         P, H = pol.ranks_per_host, pol.num_hosts
         keys, own, want, single, sole = self.keys, self.k_own, self.want, self.single, self.sole
         (cancelled,) = concatenated(inbox, (np.int64,))
+        rk = pol.rank_dtype  # ranks and reader counts (<= R)
+        if native.enabled():  # one compiled pass
+            got = native.host_part(keys, own, want, single, sole, self.pk, self.pr, cancelled, self.victims,
+                                   pol.directory.owner, self.local_rank, self.h * P, rk)  # fmt: skip
+            if self.msg.on:
+                self.msg.add_many("departures", self.h, got.mig_src.astype(np.int64) // P, KEY_BYTES + RANK_BYTES, H)
+                nbytes = KEY_BYTES + COUNT_BYTES + RANK_BYTES * got.sh_count.astype(np.int64)
+                self.msg.add_many("shares", self.h, got.sh_owner.astype(np.int64) // P, nbytes, H)
+            self.final = _HostDecisions(mig=got.mig, shared=got.shared, shared_pair_row=got.shared_pair_row,
+                                        readers=got.readers, counts=got.counts)  # fmt: skip
+            return [
+                got.mig_key, got.mig_src, got.mig_dst, got.sh_key, got.sh_owner, got.sh_count, got.readers_rk,
+                self.victims, got.victim_src, self.members, got.sample_rank, got.counts,
+            ]  # fmt: skip
         at = np.searchsorted(keys, cancelled)
         want[at] = own[at]
         pk, pr = self.pk, self.pr  # the pairs, sorted by key then rank (`decide`)
@@ -266,7 +291,6 @@ class HostPlanner:
             mig=mig, shared=ids, shared_pair_row=np.cumsum(~exclusive)[pk[shared_pair]] - 1,
             readers=pr[shared_pair], counts=np.array([hit, remote], dtype=np.int64),
         )  # fmt: skip
-        rk = pol.rank_dtype  # ranks and reader counts (<= R)
         victim_src = pol.directory.owner[self.victims].astype(rk)  # h's own guests: its replica knows them
         return [
             keys[mig], own[mig].astype(rk), want[mig].astype(rk),
