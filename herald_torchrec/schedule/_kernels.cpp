@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -2534,6 +2535,220 @@ int herald_host_part(int64_t rank_bytes, int64_t K, int64_t n, const int64_t* ke
     last_error = e.what();
     return 1;
   }
+}
+
+}  // extern "C"
+
+namespace {
+
+// ---- a herald_hier host's plan from the parts routed to it (HeraldHierPolicy._host_plan / _rows) ----------------
+
+// The end of the keys k[lo, hi) (ascending) that come before v: below it, or (Upper) not above it. Exponential
+// steps from lo, then a binary search: O(log) of the stretch, as timsort's galloping.
+template <bool Upper>
+int64_t gallop(const int64_t* k, int64_t lo, int64_t hi, int64_t v) {
+  auto before = [v](int64_t x) { return Upper ? x <= v : x < v; };
+  if (lo >= hi || !before(k[lo])) return lo;
+  int64_t prev = lo, step = 1, cur = lo + 1;
+  while (cur < hi && before(k[cur])) prev = cur, step <<= 1, cur = prev + step;
+  cur = std::min(cur, hi);
+  return (Upper ? std::upper_bound(k + prev + 1, k + cur, v) : std::lower_bound(k + prev + 1, k + cur, v)) - k;
+}
+
+// np.argsort(key, kind="stable") of n int64 keys into `order`: the key's ascending runs merged bottom-up, adjacent
+// runs at a time, the left run's keys first among equals (hence stable, for any keys), each stretch that comes from
+// one run copied whole (`gallop`). The concatenation of a few hosts' sorted parts is a few runs of long stretches
+// (a directory host's keys are blocks of rows), where numpy's timsort does the same.
+void merge_runs_order(int64_t n, const int64_t* key, int64_t* order) {
+  std::vector<int64_t> bounds{0}, next;
+  for (int64_t i = 1; i < n; ++i)
+    if (key[i] < key[i - 1]) bounds.push_back(i);
+  bounds.push_back(n);
+  std::iota(order, order + n, int64_t{0});
+  if (bounds.size() <= 2) return;
+  std::unique_ptr<int64_t[]> kb(new int64_t[n]), oa(new int64_t[n]), ob(new int64_t[n]), ka(new int64_t[n]);
+  std::copy(key, key + n, ka.get());
+  std::copy(order, order + n, oa.get());
+  while (bounds.size() > 2) {
+    next.assign(1, 0);
+    const int64_t *k = ka.get(), *o = oa.get();
+    int64_t *k2 = kb.get(), *o2 = ob.get();
+    size_t r = 0;
+    for (; r + 2 < bounds.size(); r += 2) {
+      int64_t i = bounds[r], j = bounds[r + 1], p = i;
+      const int64_t b = bounds[r + 1], c = bounds[r + 2];
+      while (i < b && j < c) {
+        const bool right = k[j] < k[i];
+        const int64_t s = right ? j : i, e = right ? gallop<false>(k, j, c, k[i]) : gallop<true>(k, i, b, k[j]);
+        std::copy(k + s, k + e, k2 + p);
+        std::copy(o + s, o + e, o2 + p);
+        p += e - s;
+        (right ? j : i) = e;
+      }
+      std::copy(k + i, k + b, k2 + p), std::copy(o + i, o + b, o2 + p), p += b - i;
+      std::copy(k + j, k + c, k2 + p), std::copy(o + j, o + c, o2 + p);
+      next.push_back(c);
+    }
+    if (r + 1 < bounds.size()) {  // an odd run out: as it is
+      std::copy(k + bounds[r], k + bounds[r + 1], k2 + bounds[r]);
+      std::copy(o + bounds[r], o + bounds[r + 1], o2 + bounds[r]);
+      next.push_back(bounds[r + 1]);
+    }
+    ka.swap(kb);
+    oa.swap(ob);
+    bounds.swap(next);
+  }
+  std::copy(oa.get(), oa.get() + n, order);
+}
+
+inline int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+struct HostPlanIn {
+  int64_t n_mig, n_sh, n_rd, n_vic, T, h, P, n_own, K, n_smp, n_sum, n_flags;
+  const int64_t *mig_key, *sh_key, *victims, *offsets, *block, *own_idx, *keys, *want, *k_own, *members, *summary;
+  const void *mig_src, *mig_dst, *sh_owner, *sh_count, *sh_readers, *victim_src, *ranks;
+  const uint8_t* flags;
+  int8_t migrate_kind, evict_kind;
+  uint8_t moved_bit, shared_bit, relayed_bit;
+};
+
+struct HostPlanOut {
+  int64_t *m_table, *m_row, *m_src, *m_dst, *r_gid, *r_dst, *r_src, *r_home, *r_table;
+  int8_t* m_kind;
+  int64_t *s_table, *s_row, *s_owner, *s_offsets, *s_readers, *order, *slice_ranks, *tables, *counts;
+};
+
+template <typename RK>
+int host_plan(const HostPlanIn& in, const HostPlanOut& out) {
+  const int64_t T = in.T, P = in.P, h = in.h, end = in.offsets[T];
+  const RK *mig_src = static_cast<const RK*>(in.mig_src), *mig_dst = static_cast<const RK*>(in.mig_dst);
+  const RK *sh_owner = static_cast<const RK*>(in.sh_owner), *sh_count = static_cast<const RK*>(in.sh_count);
+  const RK *sh_readers = static_cast<const RK*>(in.sh_readers), *victim_src = static_cast<const RK*>(in.victim_src);
+  const RK* ranks = static_cast<const RK*>(in.ranks);
+  for (int64_t t = 0; t < T; ++t)
+    if (in.block[t] <= 0) return last_error = "host_plan: a table's home block is not positive", 1;
+  // the moves: migrations, then victims (sent home from their owner), in one stable order by key; a key's table by
+  // a walk over the layout's offsets (sorted_tables), its row and home rank from them
+  const int64_t n = in.n_mig + in.n_vic;
+  std::vector<int64_t> key(n), o(n);
+  std::copy(in.mig_key, in.mig_key + in.n_mig, key.begin());
+  std::copy(in.victims, in.victims + in.n_vic, key.begin() + in.n_mig);
+  merge_runs_order(n, key.data(), o.data());
+  int64_t kept = 0;
+  for (int64_t i = 0, t = 0, home = 0, home_end = 0; i < n; ++i) {
+    const int64_t j = o[i], g = key[j];
+    if (g < 0 || g >= end) return last_error = "host_plan: a move's key is outside the layout", 1;
+    if (g >= in.offsets[t + 1]) {
+      while (g >= in.offsets[t + 1]) ++t;
+      home_end = 0;
+    }
+    const int64_t row = g - in.offsets[t];
+    if (row >= home_end) home = row / in.block[t], home_end = (home + 1) * in.block[t];  // (rows ascending)
+    const bool victim = j >= in.n_mig;
+    const int64_t src = victim ? victim_src[j - in.n_mig] : mig_src[j], dst = victim ? home : mig_dst[j];
+    out.r_gid[i] = g, out.r_dst[i] = dst, out.r_src[i] = src, out.r_home[i] = home, out.r_table[i] = t;
+    // the plan's moves: every one (h < 0), else a host's (less the victims that came for their directory entry)
+    if (h < 0 || !victim || floor_div(src, P) == h || floor_div(dst, P) == h) {
+      out.m_table[kept] = t, out.m_row[kept] = row, out.m_src[kept] = src, out.m_dst[kept] = dst;
+      out.m_kind[kept++] = victim ? in.evict_kind : in.migrate_kind;
+    }
+  }
+  // the replica's moves: then the host's own migrations no part brought (~in_sorted: a forward scan where they come
+  // in key order, a binary search where not), with their table and home rank (table_of, home_of)
+  int64_t m = n;
+  for (int64_t q = 0, p = 0, last = 0; q < in.n_own; ++q) {
+    const int64_t k = in.own_idx[q];
+    if (k < 0 || k >= in.K) return last_error = "host_plan: a migration's index is outside the host's keys", 1;
+    const int64_t g = in.keys[k];
+    if (g < 0 || g >= end) return last_error = "host_plan: a migration's key is outside the layout", 1;
+    p = q == 0 || g < last ? std::lower_bound(out.r_gid, out.r_gid + n, g) - out.r_gid
+                           : gallop<false>(out.r_gid, p, n, g);
+    last = g;
+    if (p < n && out.r_gid[p] == g) continue;
+    const int64_t t = std::upper_bound(in.offsets, in.offsets + T + 1, g) - in.offsets - 1;
+    out.r_gid[m] = g, out.r_dst[m] = in.want[k], out.r_src[m] = in.k_own[k];
+    out.r_home[m] = (g - in.offsets[t]) / in.block[t], out.r_table[m++] = t;
+  }
+  // shared rows: in one stable order by key, each with its readers (the parts' CSR gathered into key order)
+  std::vector<int64_t> so(in.n_sh), start(in.n_sh);
+  int64_t total = 0;
+  for (int64_t i = 0; i < in.n_sh; ++i) {
+    if (sh_count[i] < 0) return last_error = "host_plan: a negative reader count", 1;
+    start[i] = total;
+    total += sh_count[i];
+  }
+  if (total > in.n_rd) return last_error = "host_plan: the reader counts exceed the readers", 1;
+  merge_runs_order(in.n_sh, in.sh_key, so.data());
+  out.s_offsets[0] = 0;
+  for (int64_t i = 0, t = 0, r = 0; i < in.n_sh; ++i) {
+    const int64_t j = so[i], g = in.sh_key[j];
+    if (g < 0 || g >= end) return last_error = "host_plan: a shared row's key is outside the layout", 1;
+    while (g >= in.offsets[t + 1]) ++t;
+    out.s_table[i] = t, out.s_row[i] = g - in.offsets[t], out.s_owner[i] = sh_owner[j];
+    for (int64_t q = start[j]; q < start[j] + sh_count[j]; ++q) out.s_readers[r++] = sh_readers[q];
+    out.s_offsets[i + 1] = r;
+  }
+  // the host's samples: rank-major by their local rank, stable (order_from_assignment), and every slice sample's
+  // rank in sample order (ranks[argsort(members, kind="stable")])
+  std::vector<int64_t> at(P + 1, 0), mo(in.n_smp);
+  for (int64_t i = 0; i < in.n_smp; ++i) {
+    const int64_t local = ranks[i] - h * P;
+    if (local < 0 || local >= P) return last_error = "host_plan: a sample's rank is not the host's", 1;
+    ++at[local + 1];
+  }
+  for (int64_t q = 0; q < P; ++q) at[q + 1] += at[q];
+  for (int64_t i = 0; i < in.n_smp; ++i) out.order[at[ranks[i] - h * P]++] = in.members[i];
+  merge_runs_order(in.n_smp, in.members, mo.data());
+  for (int64_t i = 0; i < in.n_smp; ++i) out.slice_ranks[i] = ranks[mo[i]];
+  // the step summary: the hosts' counts summed, their table bits or-ed, the tables with each bit
+  if (in.n_sum % 4 || in.n_flags % T) return last_error = "host_plan: a summary of the wrong length", 1;
+  int64_t* c = out.counts;
+  std::fill(c, c + 10, int64_t{0});
+  c[0] = kept, c[1] = m, c[2] = total;
+  for (int64_t i = 0; i < in.n_sum; ++i) c[6 + i % 4] += in.summary[i];
+  std::vector<uint8_t> bits(T, 0);
+  for (int64_t i = 0; i < in.n_flags; ++i) bits[i % T] |= in.flags[i];
+  const uint8_t bit[3] = {in.moved_bit, in.shared_bit, in.relayed_bit};
+  for (int b = 0; b < 3; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      if (bits[t] & bit[b]) out.tables[b * T + c[3 + b]++] = t;
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// HeraldHierPolicy._host_plan's arrays from the parts routed to host h (each field concatenated over the source
+// hosts; rank fields of rank_size 2 or 4 bytes), in one pass each: the plan's moves in key order (every move where
+// h < 0: _rows of the whole plan), the replica's moves (_HostMoves: every move, then h's own migrations no part
+// brought), the shared rows in key order with their readers, h's sample order and slice ranks, and the step
+// summary. counts: [plan moves, replica moves, readers, moved / shared / relayed tables (at tables[0 / T / 2T]),
+// hit, remote, migrations, victims]. The same values as the numpy code (hierarchy.py), which runs where this
+// returns 1 (inputs it does not take: a key outside the layout, a sample of another host, ...).
+int herald_host_plan(int64_t rank_size, int64_t n_mig, const int64_t* mig_key, const void* mig_src,
+                     const void* mig_dst, int64_t n_sh, const int64_t* sh_key, const void* sh_owner,
+                     const void* sh_count, int64_t n_rd, const void* sh_readers, int64_t n_vic, const int64_t* victims,
+                     const void* victim_src, int64_t T, const int64_t* offsets, const int64_t* block, int64_t h,
+                     int64_t P, int64_t n_own, const int64_t* own_idx, int64_t K, const int64_t* keys,
+                     const int64_t* want, const int64_t* k_own, int64_t n_smp, const int64_t* members,
+                     const void* ranks, int64_t n_sum, const int64_t* summary, int64_t n_flags, const uint8_t* flags,
+                     int8_t migrate_kind, int8_t evict_kind, int64_t table_bits, int64_t* m_table, int64_t* m_row,
+                     int64_t* m_src, int64_t* m_dst, int8_t* m_kind, int64_t* r_gid, int64_t* r_dst, int64_t* r_src,
+                     int64_t* r_home, int64_t* r_table, int64_t* s_table, int64_t* s_row, int64_t* s_owner,
+                     int64_t* s_offsets, int64_t* s_readers, int64_t* order, int64_t* slice_ranks, int64_t* tables,
+                     int64_t* counts) {
+  const HostPlanIn in{n_mig, n_sh, n_rd, n_vic, T, h, P, n_own, K, n_smp, n_sum, n_flags,
+                      mig_key, sh_key, victims, offsets, block, own_idx, keys, want, k_own, members, summary,
+                      mig_src, mig_dst, sh_owner, sh_count, sh_readers, victim_src, ranks, flags,
+                      migrate_kind, evict_kind, static_cast<uint8_t>(table_bits & 0xff),
+                      static_cast<uint8_t>((table_bits >> 8) & 0xff), static_cast<uint8_t>((table_bits >> 16) & 0xff)};
+  const HostPlanOut out{m_table, m_row, m_src, m_dst, r_gid, r_dst, r_src, r_home, r_table, m_kind,
+                        s_table, s_row, s_owner, s_offsets, s_readers, order, slice_ranks, tables, counts};
+  if (T < 1 || P < 1) return last_error = "host_plan: no table or no rank", 1;
+  if (rank_size == 2) return host_plan<int16_t>(in, out);
+  if (rank_size == 4) return host_plan<int32_t>(in, out);
+  return last_error = "host_plan: ranks must be int16 or int32", 1;
 }
 
 }  // extern "C"

@@ -151,6 +151,15 @@ SIGNATURES = {
         _i64,
     ),
     "herald_gather_segments": ([_i64, _i64p, _i64p, _i64p, _i64p, _i64p], None),
+    "herald_host_plan": (
+        [_i64, _i64, _i64p, _i16p, _i16p, _i64, _i64p, _i16p, _i16p, _i64, _i16p, _i64, _i64p, _i16p]
+        + [_i64, _i64p, _i64p, _i64, _i64, _i64, _i64p, _i64, _i64p, _i64p, _i64p, _i64, _i64p, _i16p]
+        + [_i64, _i64p, _i64, _u8p, ctypes.c_int8, ctypes.c_int8, _i64]
+        + [_i64p] * 4
+        + [_u8p]
+        + [_i64p] * 14,
+        ctypes.c_int,
+    ),
     "herald_decide_pairs": ([_i64, _i64p, _i64p, _i64p, _i32p] + [_i64p] * 3 + [_u8p] + [_i64p] * 4, _i64),
     "herald_decide": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
@@ -785,6 +794,135 @@ def gather_segments(values: np.ndarray, start: np.ndarray, count: np.ndarray, or
     out = np.empty(int(ct[o].sum()) if o.shape[0] else 0, dtype=np.int64)
     lib().herald_gather_segments(o.shape[0], _p(o), _p(st), _p(ct), _p(v), _p(out))
     return out
+
+
+@dataclass
+class HostPlanArrays:
+    """A herald_hier host's plan arrays from the parts routed to it (HeraldHierPolicy._host_plan; `host_plan`): the
+    plan's moves in key order (`moves_*`), the replica's moves (`replica_*`: every move, then the host's own
+    migrations no part brought), the shared rows in key order with their readers in CSR, the host's sample order
+    and slice ranks, the tables with moves, shared rows and relayed groups, and the step's summed counts."""
+
+    moves_table: np.ndarray
+    moves_row: np.ndarray
+    moves_src: np.ndarray
+    moves_dst: np.ndarray
+    moves_kind: np.ndarray
+    replica_gid: np.ndarray
+    replica_dst: np.ndarray
+    replica_src: np.ndarray
+    replica_home: np.ndarray
+    replica_table: np.ndarray
+    shared_table: np.ndarray
+    shared_row: np.ndarray
+    shared_owner: np.ndarray
+    shared_offsets: np.ndarray
+    shared_readers: np.ndarray
+    sample_order: np.ndarray
+    slice_ranks: np.ndarray
+    moved_tables: np.ndarray
+    shared_tables: np.ndarray
+    relayed_tables: np.ndarray
+    hit: int
+    remote: int
+    migrations: int
+    victims: int
+
+
+_NO_I64, _NO_RANKS = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int16)
+
+
+def host_plan(
+    cat: list[np.ndarray],
+    offsets: np.ndarray,
+    block: np.ndarray,
+    h: int,
+    P: int,
+    own: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None,
+    samples: tuple[np.ndarray, np.ndarray] | None,
+    kinds: tuple[int, int],
+    table_bits: tuple[int, int, int],
+) -> HostPlanArrays | None:
+    """`HostPlanArrays` of host h from a routed inbox's 11 fields concatenated (`cat`, hierarchy._part_dtypes: rank
+    fields int16 or int32); h < 0: the whole plan's rows (every move kept; `cat`'s first 9 fields). `own`: h's
+    migrations (indices into its keys) and its keys, wants and owners; `samples`: h's members and their ranks;
+    kinds: (MIGRATE, EVICT_HOME). None where the kernels are off or the inputs are not the kernel's (numpy runs)."""
+    L = lib()
+    if L is None:
+        return None
+    mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat[:9]
+    rk = mig_src.dtype
+    rank_fields = (mig_src, mig_dst, sh_owner, sh_count, sh_readers, victim_src)
+    if rk not in (np.int16, np.int32) or any(a.dtype != rk for a in rank_fields):
+        return None
+    mig_key, sh_key, victims = _c(mig_key, np.int64), _c(sh_key, np.int64), _c(victims, np.int64)
+    mig_src, mig_dst, sh_owner, sh_count, sh_readers, victim_src = (_c(a, rk) for a in rank_fields)
+    offsets, block = _c(offsets, np.int64), _c(block, np.int64)
+    if own is None:
+        mig, keys, want, k_own = _NO_I64[:0], _NO_I64, _NO_I64, _NO_I64
+    else:
+        mig, keys, want, k_own = (_c(a, np.int64) for a in own)
+        if not keys.shape[0] == want.shape[0] == k_own.shape[0]:
+            return None
+    if samples is None:
+        members, ranks = _NO_I64[:0], _NO_RANKS.astype(rk)
+    else:
+        if samples[0].dtype != np.int64 or samples[1].dtype != rk or samples[0].shape[0] != samples[1].shape[0]:
+            return None  # (the sample order has the members' dtype)
+        members, ranks = _c(samples[0], np.int64), _c(samples[1], rk)
+    summary = _c(cat[9], np.int64) if len(cat) > 9 else _NO_I64[:0]
+    flags = _c(cat[10], np.uint8) if len(cat) > 10 else np.zeros(0, dtype=np.uint8)
+    T = offsets.shape[0] - 1
+    n, n_sh, n_own, n_smp = mig_key.shape[0] + victims.shape[0], sh_key.shape[0], mig.shape[0], members.shape[0]
+    if mig_src.shape[0] != mig_key.shape[0] or mig_dst.shape[0] != mig_key.shape[0] or block.shape[0] != T:
+        return None
+    if victim_src.shape[0] != victims.shape[0] or sh_owner.shape[0] != n_sh or sh_count.shape[0] != n_sh:
+        return None
+    # the plan's arrays from one allocation, the replica's moves (dropped once applied) and the counts from another
+    n_rd = sh_readers.shape[0]
+    plan, plan_at = _carve([n] * 4 + [n_sh] * 3 + [n_sh + 1, n_rd, n_smp, n_smp, 3 * T])
+    replica, replica_at = _carve([n + n_own] * 5 + [10])
+    kind = np.empty(n, dtype=np.int8)
+    moves, shared, (order, slice_ranks, tables), counts = plan[:4] + [kind], plan[4:9], plan[9:], replica.pop()
+    ins = (mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src, offsets, block,
+           mig, keys, want, k_own, members, ranks, summary, flags)  # fmt: skip
+    a = [_p(x) if x.shape[0] else None for x in ins]  # (an empty array is never read)
+    rc = L.herald_host_plan(
+        rk.itemsize, mig_key.shape[0], a[0], a[1], a[2], n_sh, a[3], a[4], a[5], n_rd, a[6],
+        victims.shape[0], a[7], a[8], T, a[9], a[10], int(h), int(P), n_own, a[11], keys.shape[0], a[12], a[13],
+        a[14], n_smp, a[15], a[16], summary.shape[0], a[17], flags.shape[0], a[18], int(kinds[0]), int(kinds[1]),
+        int(table_bits[0]) | int(table_bits[1]) << 8 | int(table_bits[2]) << 16,
+        *plan_at[:4], _p(kind), *replica_at[:5], *plan_at[4:], replica_at[5],
+    )  # fmt: skip
+    if rc != 0:
+        return None
+    kept, m, readers, n_moved, n_shared, n_relayed, hit, remote, migrations, n_victims = counts.tolist()
+    return HostPlanArrays(
+        *(x[:kept] for x in moves),
+        *(x[:m] for x in replica),
+        *shared[:4],
+        shared[4][:readers],
+        order,
+        slice_ranks,
+        tables[:n_moved],
+        tables[T : T + n_shared],
+        tables[2 * T : 2 * T + n_relayed],
+        hit,
+        remote,
+        migrations,
+        n_victims,
+    )
+
+
+def _carve(sizes: list[int]) -> tuple[list[np.ndarray], list[int]]:
+    """int64 arrays of these sizes cut from one allocation, and their addresses: one `_p` (0.6-1.5 us here) for all."""
+    whole = np.empty(max(sum(sizes), 1), dtype=np.int64)
+    base, at, views, addresses = _p(whole), 0, [], []
+    for size in sizes:
+        views.append(whole[at : at + size])
+        addresses.append(base + 8 * at)
+        at += size
+    return views, addresses
 
 
 def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:

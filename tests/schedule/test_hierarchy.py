@@ -620,6 +620,87 @@ def test_compiled_decision_and_part_equal_numpy(monkeypatch, level, balance, ran
     assert (b1 > 0) == (balance is not None and level != "static")
 
 
+def _same_arrays(a, b, path: str = "") -> None:
+    """Every field of two records (dataclasses, nested) equal, arrays in value and dtype."""
+    if dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _same_arrays(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("rank_dtype", [np.int16, np.int32])
+def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
+    """A host's plan and replica moves from random routed inboxes (`HeraldHierPolicy._host_plan`: migrations, victims
+    for the host or for their directory entry only, shared rows, empty parts, the host's own migrations routed back
+    or not, its samples in order or swapped in) and the whole plan's rows (`_rows`): the compiled pass gives numpy's
+    arrays, dtypes included; keys out of sorted order too."""
+    from types import SimpleNamespace
+
+    from herald_torchrec.schedule import native
+
+    if not native.enabled():
+        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
+    R, B, P = 32, 4, 8
+    rows, _ = synthetic_window(R, B, 1)
+    pol = HeraldHierPolicy(rows, R, B, 0.1, L, hosts=P)
+    pol.rank_dtype = rank_dtype
+    n_rows, T, H = int(pol.layout.offsets[-1]), pol.layout.num_tables, R // P
+    rng = np.random.default_rng(5)
+    seen = {"filtered": 0, "extra": 0, "empty": 0, "victims": 0}
+
+    def sort(k, in_order):
+        return np.sort(k) if in_order else k
+
+    for trial in range(40):
+        h, in_order = int(rng.integers(H)), trial % 4 != 3
+        pool = rng.permutation(n_rows)[:900]
+        keys = np.sort(pool[:200])  # h's directory keys: some migrate, some of those come back to it
+        mig = np.flatnonzero(rng.random(200) < 0.4)
+        back = keys[mig][rng.random(mig.shape[0]) < 0.5]
+        chunks = np.array_split(pool[200:], 2 * H)
+        inbox = {}
+        for s in range(H):
+            if rng.random() < 0.25:  # an empty part: only the summary and the table bits
+                seen["empty"] += 1
+                m_key, v_key, s_key = (np.zeros(0, dtype=np.int64),) * 3
+            else:
+                m_key = sort(np.concatenate([chunks[2 * s][:40], back if s == h else []]).astype(np.int64), in_order)
+                v_key = sort(chunks[2 * s][40:][: int(rng.integers(0, 8))], in_order)
+                s_key = sort(rng.choice(pool, int(rng.integers(0, 60)), replace=False), in_order)
+            count = rng.integers(1, 7, s_key.shape[0])
+            readers = np.concatenate([np.sort(rng.choice(R, c, replace=False)) for c in count] + [np.zeros(0)])
+            ranks = (rng.integers(0, R, size=(4, m_key.shape[0] + v_key.shape[0] + s_key.shape[0]))).astype(rank_dtype)
+            n_m, n_v = m_key.shape[0], v_key.shape[0]
+            inbox[s] = [
+                m_key, ranks[0, :n_m], ranks[1, :n_m],
+                s_key, ranks[2, n_m + n_v :], count.astype(rank_dtype), readers.astype(rank_dtype),
+                v_key, ranks[3, n_m : n_m + n_v],
+                rng.integers(0, 50, 4), rng.integers(0, 8, T).astype(np.uint8),
+            ]  # fmt: skip
+            seen["victims"] += n_v
+        members = np.arange(h * P * B, (h + 1) * P * B, dtype=np.int64)
+        if trial % 2:  # samples swapped in from other hosts: not in order
+            members = rng.choice(R * B, P * B, replace=False).astype(np.int64)
+        part = [None] * 9 + [members, (h * P + rng.integers(0, P, P * B)).astype(rank_dtype)]
+        want, own = rng.integers(0, R, 200), rng.integers(0, R, 200)
+        hp = SimpleNamespace(h=h, keys=keys, want=want, k_own=own, final=SimpleNamespace(mig=mig))
+        compiled = pol._host_plan(hp, part, inbox)
+        rows_compiled = pol._rows(host_messages.concatenated(inbox, pol._part_dtypes()[:9]))
+        with monkeypatch.context() as m:
+            m.setattr(native, "enabled", lambda: False)
+            numpy_ = pol._host_plan(hp, part, inbox)
+            rows_numpy = pol._rows(host_messages.concatenated(inbox, pol._part_dtypes()[:9]))
+        _same_arrays(compiled[0], numpy_[0], "HostPlan")
+        _same_arrays(compiled[1], numpy_[1], "_HostMoves")
+        _same_arrays(rows_compiled, rows_numpy, "_Rows")
+        seen["filtered"] += len(rows_numpy.moves) - len(numpy_[0].moves)
+        seen["extra"] += numpy_[1].gid.shape[0] - rows_numpy.gid.shape[0]
+    assert all(v > 0 for v in seen.values()), seen  # every branch ran
+
+
 def test_several_hosts_degrade_together_under_the_planning_budget():
     """With several hosts the planning budget (schedule/herald/budget.py) holds for herald_hier too: under a budget no
     plan fits, the first plan is FULL (it chooses the per-host tables), the next REDUCED (tried once), then STATIC:

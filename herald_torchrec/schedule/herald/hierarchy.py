@@ -933,10 +933,37 @@ class HeraldHierPolicy(SchedulePolicy):
         """Host h's plan (`HostPlan`) from what every host routed to it (`HostPlanner.routed`), and the moves that
         bring h's replica up to date for what h reads of it (`_apply_host_moves`): the owners of its home rows (every
         migration it decided, and the victims sent home to it) and its ranks' guests (the moves into and out of
-        them)."""
-        h, P, R, B = hp.h, self.ranks_per_host, self.num_ranks, self.batch_per_rank
-        T = self.layout.num_tables
+        them). One compiled pass where the kernels are on (`native.host_plan`), else numpy: the same arrays."""
+        h, P = hp.h, self.ranks_per_host
         cat = concatenated(inbox, self._part_dtypes())
+        fin = hp.final
+        own, samples = (fin.mig, hp.keys, hp.want, hp.k_own), (part[9], part[10])
+        got = None
+        if native.enabled():
+            got = native.host_plan(cat, self.layout.offsets, self.directory.block, h, P, own, samples, *_KINDS_BITS)
+        if got is None:
+            return self._host_plan_numpy(hp, part, cat)
+        moves = _HostMoves(
+            ranks=(h * P, (h + 1) * P),
+            gid=got.replica_gid,
+            dst=got.replica_dst,
+            src=got.replica_src,
+            home=got.replica_home,
+            table=got.replica_table,
+        )
+        return self._host_plan_of(
+            h,
+            got.sample_order,
+            RowMoves(got.moves_table, got.moves_row, got.moves_src, got.moves_dst, got.moves_kind),
+            _shared_rows(got),
+            _counters(got.hit, got.remote, got.migrations, got.victims),
+            got.slice_ranks,
+            (got.moved_tables, got.shared_tables, got.relayed_tables),
+        ), moves
+
+    def _host_plan_numpy(self, hp: HostPlanner, part: Message, cat: list[np.ndarray]) -> tuple[HostPlan, "_HostMoves"]:
+        """`_host_plan` in numpy, from the inbox's fields concatenated (`cat`)."""
+        h, P, T = hp.h, self.ranks_per_host, self.layout.num_tables
         summary, flags = cat[9], cat[10]
         rows = self._rows(cat[:9])
         # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
@@ -958,22 +985,35 @@ class HeraldHierPolicy(SchedulePolicy):
         order = members[order_from_assignment(local, P)]
         mv = rows.moves  # less the victims that came for their directory entry only
         k = np.flatnonzero((mv.kind != EVICT_HOME) | (mv.src // P == h) | (mv.dst // P == h))
+        return self._host_plan_of(
+            h,
+            order,
+            RowMoves(mv.table[k], mv.row[k], mv.src[k], mv.dst[k], mv.kind[k]),
+            rows.shared,
+            _counters(hit, remote, n_mig, n_victims),
+            ranks[np.argsort(members, kind="stable")],
+            tuple(np.flatnonzero(bits & b) for b in (MOVED, SHARED, RELAYED)),
+        ), moves
+
+    def _host_plan_of(self, h, order, moves, shared, counters, slice_ranks, tables) -> HostPlan:
+        """Host h's `HostPlan` of these arrays; `tables`: those with moves, shared rows and relayed groups."""
+        P = self.ranks_per_host
         return HostPlan(
             step=self.step,
-            num_ranks=R,
-            batch_per_rank=B,
+            num_ranks=self.num_ranks,
+            batch_per_rank=self.batch_per_rank,
             sample_order=order,
-            moves=RowMoves(mv.table[k], mv.row[k], mv.src[k], mv.dst[k], mv.kind[k]),
-            shared=rows.shared,
-            counters=_counters(hit, remote, n_mig, n_victims),
+            moves=moves,
+            shared=shared,
+            counters=counters,
             host=h,
             ranks=np.arange(h * P, (h + 1) * P, dtype=np.int64),
             hosts=self.host_of_rank.astype(np.int64),
-            slice_ranks=ranks[np.argsort(members, kind="stable")],
-            moved_tables=np.flatnonzero(bits & MOVED),
-            shared_tables=np.flatnonzero(bits & SHARED),
-            relayed_tables=np.flatnonzero(bits & RELAYED),
-        ), moves
+            slice_ranks=slice_ranks,
+            moved_tables=tables[0],
+            shared_tables=tables[1],
+            relayed_tables=tables[2],
+        )
 
     def _apply_host_moves(self, m: "_HostMoves", stage: str) -> None:
         """A host's moves (`_host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
@@ -1002,12 +1042,18 @@ class HeraldHierPolicy(SchedulePolicy):
         each field concatenated over the parts in host order (`cat`): their migrations (key, source,
         destination), shared rows (key, owner, reader count, readers) and victims (key, owner). Every move and shared
         row in key order, as one planner deciding every key at once: a part's keys come sorted and are distinct across
-        parts (a key has one directory host; a victim is a guest nobody read, never a migrating key), so one packed
-        sort orders every move and one the shared keys
-        (numpy's sort of int64 beats merging the parts' blocks), and the keys' tables come from the sorted keys and
-        the layout's offsets: no array over every row is read (every planner runs this in training). The directory
-        gets the moves in key order: its slots only keep the arrivals' order within a group, which is the
-        migrations' key order either way."""
+        parts (a key has one directory host; a victim is a guest nobody read, never a migrating key), so one stable
+        sort orders every move and one the shared keys (numpy's timsort merges the parts' sorted runs; the compiled
+        pass, `native.host_plan` where the kernels are on, merges them the same way), and the keys' tables come from
+        the sorted keys and the layout's offsets: no array over every row is read (every planner runs this in
+        training). The directory gets the moves in key order: its slots only keep the arrivals' order within a group,
+        which is the migrations' key order either way."""
+        got = None
+        if native.enabled():
+            got = native.host_plan(cat, self.layout.offsets, self.directory.block, -1, 1, None, None, *_KINDS_BITS)
+        if got is not None:
+            moves = RowMoves(got.moves_table, got.moves_row, got.moves_src, got.moves_dst, got.moves_kind)
+            return _Rows(moves, _shared_rows(got), gid=got.replica_gid, home=got.replica_home, victims=cat[7].shape[0])
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
         n_mig, n_vic = mig_key.shape[0], victims.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key
@@ -1077,6 +1123,13 @@ class _HostMoves:
     src: np.ndarray
     home: np.ndarray
     table: np.ndarray
+
+
+_KINDS_BITS = ((MIGRATE, EVICT_HOME), (MOVED, SHARED, RELAYED))  # native.host_plan's move kinds and table bits
+
+
+def _shared_rows(got: native.HostPlanArrays) -> SharedRows:
+    return SharedRows(got.shared_table, got.shared_row, got.shared_owner, got.shared_offsets, got.shared_readers)
 
 
 def _counters(hit: int, remote: int, migrations: int, victims: int) -> dict[str, int]:
