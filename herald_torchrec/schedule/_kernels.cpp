@@ -18,6 +18,24 @@
 
 namespace {
 
+// A key's table, ROW_WISE home rank and directory host (HeraldHierPolicy.table_of / home_of / directory_host_of) for
+// keys taken in ascending order, with a division only where the (table, home) changes, at most T x R times: a 64-bit
+// division per key was most of a host's demand pass.
+struct HomeWalk {
+  const int64_t* offsets;  // [T + 1]
+  const int64_t* block;    // [T]: ROW_WISE rows per home rank
+  int64_t T, P, H;
+  int64_t t = 0, home = 0, lo = 0, hi = 0, dir = 0;  // the rows [lo, hi) of (t, home), and their directory host
+  void to(int64_t key) {
+    if (key < hi) return;
+    while (t + 1 < T && key >= offsets[t + 1]) ++t;
+    home = (key - offsets[t]) / block[t];
+    lo = offsets[t] + home * block[t];
+    hi = std::min(lo + block[t], offsets[t + 1]);
+    dir = (home / P + t) % H;
+  }
+};
+
 // np.argsort(key, kind="stable") of float64 keys.
 // (key, index) pairs sorted: the index breaks ties, which is what a stable sort does.
 void stable_order(const std::vector<double>& key, std::vector<int64_t>& order) {
@@ -568,6 +586,81 @@ void pick_group(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, in
   full_selection(sl, g, need, prio, out);
 }
 
+// HeraldHierPolicy.room_for_arrivals' rounds, the same victims and cancellations: host t's capacity over its own
+// guest groups [lo, lo + P T) (lo = t P T). Keys [K] sorted (the moves into its ranks it was told of; cancelled ones
+// written back to `want`) with their owner, home, wanted owner, single-reader flag and table; only departures from
+// t's own ranks count as room. Appends the victims to `chosen` (sorted); throws where the rounds do not converge.
+void host_room_rounds(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
+                      const uint8_t* single, const int64_t* tk, int64_t t, int64_t P, int64_t T,
+                      const int64_t* offsets, const int32_t* owner, const int32_t* last, Slots& sl, Pool& pool,
+                      const HostPrio& prio, std::vector<int64_t>& chosen) {
+  std::vector<int64_t> vpos, arr, arr_g;
+  const int64_t lo = t * P * T, Gt = P * T;
+  auto table_of = [&](int64_t key) { return std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1; };
+  std::vector<int64_t> freed(Gt, 0), deficit(Gt), left(Gt);
+  const int victim_rounds = 2;
+  for (int64_t it = 0; it < K + 2; ++it) {
+    std::fill(deficit.begin(), deficit.end(), int64_t{0});
+    arr.clear();
+    arr_g.clear();
+    for (int64_t i = 0; i < K; ++i) {
+      if (want[i] == own[i]) continue;
+      if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i] - lo), ++deficit[arr_g.back()];
+      if (own[i] / P == t && own[i] != home[i]) --deficit[own[i] * T + tk[i] - lo];
+    }
+    bool any = false;
+    for (int64_t g = 0; g < Gt; ++g) {
+      deficit[g] += sl.fill[lo + g] - freed[g] - sl.cap[lo + g];
+      any = any || deficit[g] > 0;
+    }
+    if (!any) return;
+    left = deficit;
+    if (it < victim_rounds) {
+      vpos.clear();
+      for (int64_t g = 0; g < Gt; ++g)
+        if (deficit[g] > 0) pick_group(sl, pool, last, lo + g, deficit[g], prio, vpos);
+      if (!vpos.empty()) {
+        for (int64_t p : vpos) {
+          const int64_t v = sl.slot[p];
+          chosen.push_back(v);
+          const int64_t vg = static_cast<int64_t>(owner[v]) * T + table_of(v) - lo;
+          ++freed[vg];
+          --left[vg];
+        }
+        std::sort(chosen.begin(), chosen.end());
+        bool fits = true;
+        for (int64_t g = 0; g < Gt; ++g) fits = fits && left[g] <= 0;
+        if (fits) return;
+      }
+    }
+    // eviction.cancel_arrivals: keep single-reader migrations, then keys used again in the window; among equals
+    // those leaving a guest slot; then by key
+    struct C { int64_t g, val, from_home, key, i; };
+    std::vector<C> cand;
+    for (size_t j = 0; j < arr.size(); ++j) {
+      const int64_t i = arr[j], g = arr_g[j];
+      if (left[g] <= 0) continue;
+      const int64_t val = (single[i] ? 2 : 0) + (prio.next_use(keys[i]) > 0 ? 1 : 0);
+      cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
+    }
+    std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
+      if (x.g != y.g) return x.g < y.g;
+      if (x.val != y.val) return x.val < y.val;
+      if (x.from_home != y.from_home) return x.from_home < y.from_home;
+      return x.key < y.key;
+    });
+    for (size_t j = 0; j < cand.size();) {
+      size_t e = j;
+      while (e < cand.size() && cand[e].g == cand[j].g) ++e;
+      const int64_t keep = static_cast<int64_t>(e - j) - left[cand[j].g];
+      for (size_t q = j; q < e; ++q)
+        if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
+      j = e;
+    }
+  }
+  throw std::runtime_error("herald_hier: capacity resolution did not converge");
+}
+
 void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector<int64_t>& groups) {
   if (keys.empty()) return;
   std::vector<int64_t> d(sl.G, 0), holes;
@@ -1012,109 +1105,6 @@ int herald_apply_moves(int64_t M, const int64_t* gid, const int64_t* dst, int64_
   }
 }
 
-// HeraldHierPolicy.room_for_arrivals, the same victims and cancellations: host t's capacity phase over its own
-// guest groups [lo, lo + P T) (lo = t P T). Keys [K] sorted (the moves into its ranks it was told of, cancelled ones
-// written back to `want`) with their owner, home, wanted owner and single-reader flag; only departures from t's own
-// ranks count as room. `window` [L]: the sorted keys of the lookahead batches 1..L. Writes the victims (sorted, at
-// most max_victims) and their count.
-int herald_host_room(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
-                     const uint8_t* single, int64_t t, int64_t P, int64_t T, const int64_t* offsets, int64_t L,
-                     const int64_t* const* window, const int64_t* window_len, const int32_t* owner,
-                     const int32_t* last, int64_t step, int64_t L1, int64_t G, const int64_t* cap, const int64_t* base,
-                     const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t pool_size,
-                     int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
-                     const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims, int64_t max_victims,
-                     int64_t* n_victims) {
-  try {
-    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
-    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
-    std::vector<int64_t> chosen, vpos, arr, arr_g;
-    const HostPrio prio{L, window, window_len, last, &chosen, step, L1};
-    const int64_t lo = t * P * T, Gt = P * T;
-    auto table_of = [&](int64_t key) { return std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1; };
-    std::vector<int64_t> tk(K), freed(Gt, 0), deficit(Gt), left(Gt);
-    for (int64_t i = 0, tb = 0; i < K; ++i) {  // keys sorted: one walk of the offsets
-      while (tb + 1 < T && keys[i] >= offsets[tb + 1]) ++tb;
-      tk[i] = tb;
-    }
-    const int victim_rounds = 2;
-    bool done = false;
-    for (int64_t it = 0; it < K + 2; ++it) {
-      std::fill(deficit.begin(), deficit.end(), int64_t{0});
-      arr.clear();
-      arr_g.clear();
-      for (int64_t i = 0; i < K; ++i) {
-        if (want[i] == own[i]) continue;
-        if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i] - lo), ++deficit[arr_g.back()];
-        if (own[i] / P == t && own[i] != home[i]) --deficit[own[i] * T + tk[i] - lo];
-      }
-      bool any = false;
-      for (int64_t g = 0; g < Gt; ++g) {
-        deficit[g] += fill[lo + g] - freed[g] - cap[lo + g];
-        any = any || deficit[g] > 0;
-      }
-      if (!any) {
-        done = true;
-        break;
-      }
-      left = deficit;
-      if (it < victim_rounds) {
-        vpos.clear();
-        for (int64_t g = 0; g < Gt; ++g)
-          if (deficit[g] > 0) pick_group(sl, pool, last, lo + g, deficit[g], prio, vpos);
-        if (!vpos.empty()) {
-          for (int64_t p : vpos) {
-            const int64_t v = slot[p];
-            chosen.push_back(v);
-            const int64_t vg = static_cast<int64_t>(owner[v]) * T + table_of(v) - lo;
-            ++freed[vg];
-            --left[vg];
-          }
-          std::sort(chosen.begin(), chosen.end());
-          bool fits = true;
-          for (int64_t g = 0; g < Gt; ++g) fits = fits && left[g] <= 0;
-          if (fits) {
-            done = true;
-            break;
-          }
-        }
-      }
-      // eviction.cancel_arrivals: keep single-reader migrations, then keys used again in the window; among equals
-      // those leaving a guest slot; then by key
-      struct C { int64_t g, val, from_home, key, i; };
-      std::vector<C> cand;
-      for (size_t j = 0; j < arr.size(); ++j) {
-        const int64_t i = arr[j], g = arr_g[j];
-        if (left[g] <= 0) continue;
-        const int64_t val = (single[i] ? 2 : 0) + (prio.next_use(keys[i]) > 0 ? 1 : 0);
-        cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
-      }
-      std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
-        if (x.g != y.g) return x.g < y.g;
-        if (x.val != y.val) return x.val < y.val;
-        if (x.from_home != y.from_home) return x.from_home < y.from_home;
-        return x.key < y.key;
-      });
-      for (size_t j = 0; j < cand.size();) {
-        size_t e = j;
-        while (e < cand.size() && cand[e].g == cand[j].g) ++e;
-        const int64_t keep = static_cast<int64_t>(e - j) - left[cand[j].g];
-        for (size_t q = j; q < e; ++q)
-          if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
-        j = e;
-      }
-    }
-    if (!done) throw std::runtime_error("herald_hier: capacity resolution did not converge");
-    if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald_hier: too many victims");
-    std::copy(chosen.begin(), chosen.end(), victims);
-    *n_victims = static_cast<int64_t>(chosen.size());
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return 1;
-  }
-}
-
 // OwnershipDirectory.release_guests: the moving rows leave their owners' guest groups, those of ranks [lo, hi) only.
 int herald_release_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* home, const int64_t* table,
                           int64_t lo, int64_t hi, int64_t T, int64_t G, const int64_t* cap, const int64_t* base,
@@ -1429,15 +1419,15 @@ void herald_scheduled_elements(int64_t N, int64_t width, const int64_t* cid, int
 
 // HostPlanner's demand (phase 1): a host batch's sorted keys by directory host (HeraldHierPolicy.directory_host_of:
 // the home rank's host shifted by the key's table, mod H; tables from the T + 1 offsets, walked once as the keys are
-// sorted), each host's in key order: every key's directory host, the keys' order, each key's index in its host's
-// demand, and the keys per host [H].
+// sorted, HomeWalk), each host's in key order: every key's directory host, the keys' order, each key's index in its
+// host's demand, and the keys per host [H].
 void herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* offsets, const int64_t* block, int64_t P,
                    int64_t H, int64_t* dir_host, int64_t* order, int64_t* index, int64_t* per_host) {
   std::fill(per_host, per_host + H, int64_t{0});
-  for (int64_t k = 0, t = 0; k < K; ++k) {
-    while (t + 1 < T && keys[k] >= offsets[t + 1]) ++t;
-    const int64_t home = (keys[k] - offsets[t]) / block[t];
-    dir_host[k] = (home / P + t) % H;
+  HomeWalk walk{offsets, block, T, P, H};
+  for (int64_t k = 0; k < K; ++k) {
+    walk.to(keys[k]);
+    dir_host[k] = walk.dir;
     index[k] = per_host[dir_host[k]]++;
   }
   std::vector<int64_t> at(H, 0);
@@ -2749,6 +2739,58 @@ int herald_host_plan(int64_t rank_size, int64_t n_mig, const int64_t* mig_key, c
   if (rank_size == 2) return host_plan<int16_t>(in, out);
   if (rank_size == 4) return host_plan<int32_t>(in, out);
   return last_error = "host_plan: ranks must be int16 or int32", 1;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// HostPlanner.make_room (phase 7) on host t: the moves into its ranks as received, each sender's in key order
+// (keys_in, own_in, want_in, single_in [K]; merge_runs_order sorts them), their tables and homes (HomeWalk), the
+// capacity rounds (host_room_rounds), then the cancelled keys grouped by directory host, each host's in key order, as
+// the cancels message sends them. `window` [L]: the sorted keys of the lookahead batches 1..L. Writes the victims
+// (sorted, at most max_victims) and their count, the cancelled keys and the count per host [H].
+int herald_host_room(int64_t K, const int64_t* keys_in, const int64_t* own_in, const int64_t* want_in,
+                     const uint8_t* single_in, int64_t t, int64_t P, int64_t H, int64_t T, const int64_t* offsets,
+                     const int64_t* block, int64_t L, const int64_t* const* window, const int64_t* window_len,
+                     const int32_t* owner, const int32_t* last, int64_t step, int64_t L1, int64_t G,
+                     const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
+                     int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
+                     int64_t* pool_count, const int32_t* group_of_slot, int64_t* rebuilds, int64_t* victims,
+                     int64_t max_victims, int64_t* n_victims, int64_t* cancelled, int64_t* per_host) {
+  try {
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
+    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
+    std::vector<int64_t> o(K), keys(K), own(K), want(K), home(K), tk(K), dir(K), chosen;
+    std::vector<uint8_t> single(K);
+    merge_runs_order(K, keys_in, o.data());
+    HomeWalk walk{offsets, block, T, P, H};
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t j = o[i];
+      keys[i] = keys_in[j], own[i] = own_in[j], want[i] = want_in[j], single[i] = single_in[j];
+      if (keys[i] < 0 || keys[i] >= offsets[T] || (i && keys[i] <= keys[i - 1]))
+        throw std::runtime_error("host_room: keys outside the layout or repeated");
+      walk.to(keys[i]);
+      home[i] = walk.home, tk[i] = walk.t, dir[i] = walk.dir;
+    }
+    const HostPrio prio{L, window, window_len, last, &chosen, step, L1};
+    host_room_rounds(K, keys.data(), own.data(), home.data(), want.data(), single.data(), tk.data(), t, P, T, offsets,
+                     owner, last, sl, pool, prio, chosen);
+    if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald_hier: too many victims");
+    std::copy(chosen.begin(), chosen.end(), victims);
+    *n_victims = static_cast<int64_t>(chosen.size());
+    // the cancelled arrivals (want back to the owner) by directory host, each host's in key order
+    std::fill(per_host, per_host + H, int64_t{0});
+    for (int64_t i = 0; i < K; ++i) per_host[dir[i]] += want[i] != want_in[o[i]];
+    std::vector<int64_t> at(H, 0);
+    for (int64_t h = 1; h < H; ++h) at[h] = at[h - 1] + per_host[h - 1];
+    for (int64_t i = 0; i < K; ++i)
+      if (want[i] != want_in[o[i]]) cancelled[at[dir[i]]++] = keys[i];
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
 }
 
 }  // extern "C"

@@ -136,12 +136,12 @@ SIGNATURES = {
         ctypes.c_int,
     ),
     "herald_host_room": (
-        [_i64, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64, _i64, _i64p, _i64, _i64p, _i64p, _i32p, _i32p, _i64, _i64]
-        + [_i64]
+        [_i64, _i64p, _i64p, _i64p, _u8p, _i64, _i64, _i64, _i64, _i64p, _i64p, _i64, _i64p, _i64p, _i32p, _i32p]
+        + [_i64, _i64, _i64]
         + [_i64p] * 5
         + [_i32p, _i64]
         + [_i64p] * 4
-        + [_i32p, _i64p, _i64p, _i64, _i64p],
+        + [_i32p, _i64p, _i64p, _i64, _i64p, _i64p, _i64p],
         ctypes.c_int,
     ),
     "herald_sort_nonneg": ([_i64, _i64p, _i64p], ctypes.c_int),
@@ -716,32 +716,41 @@ def land_guests(directory, pool, gid, dst, home, table, lo: int, hi: int) -> Non
     raise RuntimeError("native.land_guests: the guest regions were not reserved")  # pragma: no cover - invariant
 
 
+@dataclass
+class HostRoom:
+    """A host's capacity phase (`host_room`): its victims (sorted), the cancelled arrivals grouped by directory host
+    (each host's in key order) and their count per host."""
+
+    victims: np.ndarray
+    cancelled: np.ndarray
+    per_host: np.ndarray
+
+
 def host_room(
-    directory, pool, keys, own, home, want, single, t: int, P: int, offsets, window_keys, step: int, L1: int
-) -> np.ndarray:
-    """HeraldHierPolicy.room_for_arrivals for host t, compiled (`guests_supported` first): cancellations written to
-    `want` (int64, in place); returns the victims, sorted."""
-    if want.dtype != np.int64 or not want.flags.c_contiguous or not want.flags.writeable:
-        raise ValueError("host_room: `want` must be a writeable C-contiguous int64 array (it is updated in place)")
+    directory, pool, keys, own, want, single, t: int, P: int, H: int, offsets, block, window_keys, step: int, L1: int
+) -> HostRoom:
+    """HostPlanner.make_room's capacity phase for host t, compiled (`guests_supported` first), from the arrivals as
+    received (each sender's in key order): HeraldHierPolicy.room_for_arrivals' victims and cancellations."""
     K = keys.shape[0]
-    keys, own, home, single = _c(keys, np.int64), _c(own, np.int64), _c(home, np.int64), _c(single, np.bool_)
-    off = _c(offsets, np.int64)
+    keys, own, want, single = _c(keys, np.int64), _c(own, np.int64), _c(want, np.int64), _c(single, np.bool_)
+    off, blk = _c(offsets, np.int64), _c(block, np.int64)
     window = [_c(w, np.int64) for w in window_keys]
     addrs = _native.address_array(window)
     lens = np.array([w.shape[0] for w in window], dtype=np.int64)
     sl = directory.slots
     victims, nv, rb = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    cancelled, per_host = np.empty(max(K, 1), dtype=np.int64), np.empty(H, dtype=np.int64)
     pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
     _check(
         lib().herald_host_room(
-            K, _p(keys), _p(own), _p(home), _p(want), _p(single), int(t), int(P), off.shape[0] - 1, _p(off),
+            K, _p(keys), _p(own), _p(want), _p(single), int(t), int(P), int(H), blk.shape[0], _p(off), _p(blk),
             len(window), _p(addrs) if window else None, _p(lens) if window else None, _p(directory.owner),
             _p(directory.last_use), int(step), int(L1), *_slot_arrays(sl), *pool_arrays, _p(rb), _p(victims),
-            victims.shape[0], _p(nv),
+            victims.shape[0], _p(nv), _p(cancelled), _p(per_host),
         )
     )  # fmt: skip
     pool.rebuilds += int(rb[0])
-    return victims[: int(nv[0])]
+    return HostRoom(victims[: int(nv[0])], cancelled[: int(per_host.sum())], per_host)
 
 
 def sort_nonneg(values: np.ndarray) -> np.ndarray | None:

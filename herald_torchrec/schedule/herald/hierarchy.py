@@ -437,6 +437,12 @@ class HeraldHierPolicy(SchedulePolicy):
             out.update(refine=self.refine, guests=self.directory.occupancy(ranks), **self.budget.describe())
         return out
 
+    @property
+    def guests_compiled(self) -> bool:
+        """Whether the kernels keep this replica's guests and eviction pool (the replica update, the capacity
+        phase): they are on and take its arrays' dtypes."""
+        return self._guests_fit and native.enabled()
+
     # ---- a key's table and home, from the layout --------------------------------------------------------------
     def table_of(self, keys: np.ndarray) -> np.ndarray:
         """Table of every key (int64), by a binary search in the layout's T + 1 offsets: no random read of an array
@@ -846,13 +852,8 @@ class HeraldHierPolicy(SchedulePolicy):
         `want`), so that its guest groups fit after the moves into them (`keys`, sorted, with their owner, home,
         wanted owner and single-reader flag). `window_keys`: the sorted keys of t's lookahead batches 1..L, whose
         first use of a key ranks it (a binary search in each, for the few keys the phase asks about: an array over
-        every row, set and cleared each step, cost 0.3 ms per host and 68 MB on full Criteo tables). One compiled
-        pass where the kernels keep the guests."""
-        if self._guests_fit and native.enabled():
-            return native.host_room(
-                self.directory, self.eviction, keys, own, home, want, single, t, self.ranks_per_host,
-                self.layout.offsets, window_keys, self.step, self.lookahead + 1,
-            )  # fmt: skip
+        every row, set and cleared each step, cost 0.3 ms per host and 68 MB on full Criteo tables). numpy; the
+        kernels' `native.host_room` does the whole phase (`HostPlanner.make_room`)."""
         mine = np.arange(keys.shape[0])
 
         def next_use(k: np.ndarray) -> np.ndarray:
@@ -1020,7 +1021,7 @@ class HeraldHierPolicy(SchedulePolicy):
         own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
         hosts apply theirs to one directory)."""
         d = self.directory
-        if self._guests_fit and native.enabled():  # the same update, compiled
+        if self.guests_compiled:  # the same update, compiled
             if stage == "release":
                 native.release_guests(d, m.gid, m.src, m.home, m.table, *m.ranks)
             else:

@@ -235,17 +235,26 @@ class HostPlanner:
         d = pol.directory
         keys, own, want, single, pins = concatenated(inbox, (np.int64, np.int64, np.int64, bool, np.int64))
         d.last_use[pins] = pol.step
-        o = stable_order(keys)
-        keys, own, want, single = keys[o], own[o], want[o], single[o]
-        home = pol.home_of(keys)
-        before = want.copy()
-        self.victims = pol.room_for_arrivals(t, keys, own, home, want, single, self.window_keys)
-        cancelled = keys[want != before]
-        to = pol.directory_host_of(cancelled)
+        if pol.guests_compiled:  # the whole phase in one compiled pass, from the arrivals as they came
+            got = native.host_room(
+                d, pol.eviction, keys, own, want, single, t, pol.ranks_per_host, H, pol.layout.offsets, d.block,
+                self.window_keys, pol.step, pol.lookahead + 1,
+            )  # fmt: skip
+            self.victims, cancelled = got.victims, got.cancelled
+            bounds = np.concatenate([[0], np.cumsum(got.per_host)])
+            to = np.flatnonzero(got.per_host)
+            out = Outbox.from_bounds(to, [cancelled], bounds[to], bounds[to + 1])
+        else:
+            o = stable_order(keys)
+            keys, own, want, single = keys[o], own[o], want[o], single[o]
+            before = want.copy()
+            self.victims = pol.room_for_arrivals(t, keys, own, pol.home_of(keys), want, single, self.window_keys)
+            cancelled = keys[want != before]
+            out = Outbox.by_host(pol.directory_host_of(cancelled), H, [cancelled])
         if self.msg.on:
-            self.msg.add_many("cancels", t, to, INDEX_BYTES, H)
+            self.msg.add_many("cancels", t, pol.directory_host_of(cancelled), INDEX_BYTES, H)
             self.msg.add_many("evictions", t, pol.directory_host_of(self.victims), KEY_BYTES, H)
-        return Outbox.by_host(to, H, [cancelled])
+        return out
 
     # ---- phase 8: the final decisions, h's part of the plan ----------------------------------------------------
     def part(self, inbox: Mapping[int, Message]) -> Message:
