@@ -727,16 +727,11 @@ void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64
   std::vector<char> over(sl.G, 0);
   for (int64_t g = 0; g < sl.G; ++g)
     if (a[g] && pool.count[g] + a[g] > pool.size) over[g] = 1, pool.tau[g] = -1, pool.count[g] = 0;
-  // stable by group, as numpy's argsort(kind="stable"): within a group, arrival order
-  std::vector<int64_t> order(low.size());
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return pool.group_of_slot[low[x]] < pool.group_of_slot[low[y]];
-  });
-  for (int64_t i : order) {
-    const int64_t g = pool.group_of_slot[low[i]];
+  // each group's in arrival order, as numpy's stable argsort by group lists them (groups have their own rows)
+  for (int64_t p : low) {
+    const int64_t g = pool.group_of_slot[p];
     if (over[g]) continue;
-    pool.keys[pool.row[g] * pool.size + pool.count[g]++] = sl.slot[low[i]];
+    pool.keys[pool.row[g] * pool.size + pool.count[g]++] = sl.slot[p];
   }
 }
 
@@ -752,12 +747,16 @@ void arrive(Slots& sl, Pool& pool, const int32_t* floor, const std::vector<int64
 // groups (OwnershipDirectory.release_guests / land_guests).
 void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t* home, const int64_t* table,
                int64_t lo, int64_t hi, int64_t T, std::vector<int64_t>& keys, std::vector<int64_t>& groups) {
-  for (int64_t i = 0; i < M; ++i) {
-    if (rank[i] != home[i] && rank[i] >= lo && rank[i] < hi) {
-      keys.push_back(gid[i]);
-      groups.push_back(rank[i] * T + table[i]);
-    }
+  keys.resize(M);
+  groups.resize(M);
+  int64_t n = 0;
+  for (int64_t i = 0; i < M; ++i) {  // written always, kept where it is a guest there (no branch on the data)
+    keys[n] = gid[i];
+    groups[n] = rank[i] * T + table[i];
+    n += (rank[i] != home[i]) & (static_cast<uint64_t>(rank[i] - lo) < static_cast<uint64_t>(hi - lo));
   }
+  keys.resize(n);
+  groups.resize(n);
 }
 
 // A rank's host, rank / P, by a table over the P * H ranks (a division for any other value): the routing passes
@@ -1145,6 +1144,39 @@ int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const 
     if (grow) return 2;
     for (int64_t i = 0; i < M; ++i) owner[gid[i]] = static_cast<int32_t>(dst[i]);
     arrive(sl, pool, floor, k, g);
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+// herald_release_guests then herald_land_guests for the moves of one host that applies them alone (a planner in its
+// own process: no other host's rows arrive in between): one call, the regions checked before anything changes
+// (returns 2 with `need`, every group's fill after the moves, as herald_land_guests does).
+int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
+                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G,
+                       const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
+                       int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
+                       int64_t* pool_count, const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+  try {
+    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
+    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
+    std::vector<int64_t> lk, lg, ak, ag;
+    guests_at(M, gid, src, home, table, lo, hi, T, lk, lg);
+    guests_at(M, gid, dst, home, table, lo, hi, T, ak, ag);
+    std::copy(fill, fill + G, need);
+    for (int64_t x : lg) --need[x];
+    for (int64_t x : ag) ++need[x];
+    bool grow = false;
+    for (int64_t x = 0; x < G; ++x) {
+      if (need[x] > cap[x]) throw std::runtime_error("GuestSlots.add: group over capacity");
+      grow = grow || need[x] > alloc[x];
+    }
+    if (grow) return 2;
+    slots_remove(sl, lk, lg);
+    for (int64_t i = 0; i < M; ++i) owner[gid[i]] = static_cast<int32_t>(dst[i]);
+    arrive(sl, pool, floor, ak, ag);
     return 0;
   } catch (const std::exception& e) {
     last_error = e.what();

@@ -135,6 +135,14 @@ SIGNATURES = {
         + [_i32p, _i32p, _i64p],
         ctypes.c_int,
     ),
+    "herald_move_guests": (
+        [_i64, _i64p, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64, _i32p, _i64]
+        + [_i64p] * 5
+        + [_i32p, _i64]
+        + [_i64p] * 4
+        + [_i32p, _i32p, _i64p],
+        ctypes.c_int,
+    ),
     "herald_host_room": (
         [_i64, _i64p, _i64p, _i64p, _u8p, _i64, _i64, _i64, _i64, _i64p, _i64p, _i64, _i64p, _i64p, _i32p, _i32p]
         + [_i64, _i64, _i64]
@@ -714,6 +722,25 @@ def land_guests(directory, pool, gid, dst, home, table, lo: int, hi: int) -> Non
             return
         sl.reserve(need)
     raise RuntimeError("native.land_guests: the guest regions were not reserved")  # pragma: no cover - invariant
+
+
+def move_guests(directory, pool, gid, src, dst, home, table, lo: int, hi: int) -> None:
+    """`release_guests` then `land_guests` in one call, for a host that applies its moves alone (`guests_supported`
+    first; the regions it lacks reserved first, as land_guests does)."""
+    gid, src, dst, home, table = (_c(a, np.int64) for a in (gid, src, dst, home, table))
+    sl = directory.slots
+    moves = [gid.shape[0], _p(gid), _p(src), _p(dst), _p(home), _p(table), int(lo), int(hi), directory.num_tables]
+    need = np.empty(sl.num_groups, dtype=np.int64)
+    for _ in range(2):
+        pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
+        rc = lib().herald_move_guests(
+            *moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need)
+        )
+        if rc != 2:
+            _check(rc)
+            return
+        sl.reserve(need)
+    raise RuntimeError("native.move_guests: the guest regions were not reserved")  # pragma: no cover - invariant
 
 
 @dataclass

@@ -675,7 +675,8 @@ class HeraldHierPolicy(SchedulePolicy):
                 t0 = CLOCK()
                 plans[h], moves[h] = self._host_plan(hp, parts[h], got[h])
                 plan_s[h] += CLOCK() - t0
-            for stage in ("release", "land"):  # every host's rows leave before any arrives (one directory here)
+            # every host's rows leave before any arrives (where several share this directory); one host alone in one
+            for stage in ("release", "land") if len(hosts) > 1 else ("both",):
                 for h in hosts:
                     t0 = CLOCK()
                     self._apply_host_moves(moves[h], stage)
@@ -1019,18 +1020,22 @@ class HeraldHierPolicy(SchedulePolicy):
     def _apply_host_moves(self, m: "_HostMoves", stage: str) -> None:
         """A host's moves (`_host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
         own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
-        hosts apply theirs to one directory)."""
+        hosts apply theirs to one directory); "both" for a host alone (one compiled call)."""
         d = self.directory
-        if self.guests_compiled:  # the same update, compiled
-            if stage == "release":
+        if self.guests_compiled and stage == "both":
+            native.move_guests(d, self.eviction, m.gid, m.src, m.dst, m.home, m.table, *m.ranks)
+            return
+        if stage in ("release", "both"):
+            if self.guests_compiled:
                 native.release_guests(d, m.gid, m.src, m.home, m.table, *m.ranks)
             else:
+                d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
+        if stage in ("land", "both"):
+            if self.guests_compiled:
                 native.land_guests(d, self.eviction, m.gid, m.dst, m.home, m.table, *m.ranks)
-        elif stage == "release":
-            d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
-        else:
-            got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
-            self.eviction.arrived(got.pos, got.keys, got.groups)
+            else:
+                got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
+                self.eviction.arrived(got.pos, got.keys, got.groups)
 
     def _part_dtypes(self) -> tuple:
         """The dtypes of a routed part's fields (`HostPlanner.routed`): migrations (key, source, destination), shared
