@@ -1774,22 +1774,6 @@ int64_t route_part(const int64_t* dims, void* const* arrays) {
 
 extern "C" {
 
-// hierarchy.HostPlanner.routed, its shared rows (host_planner._route_shared, `route_shared_rows`): writes, host by
-// host, the pairs (`pair_out`, `dest_bounds`) and the runs of one row's pairs (`run_row`, `run_count`, `run_bounds`),
-// rows in order within a host, and `relayed`. Returns the pairs written, or -1 where a row's readers are not in host
-// order (the caller's numpy code then runs).
-int64_t herald_route_shared(int64_t n, const int64_t* ro, const int64_t* rd, const int64_t* before,
-                            const int64_t* after, int64_t P, int64_t H, int64_t* dest_bounds, int64_t* pair_out,
-                            int64_t* run_bounds, int64_t* run_row, int64_t* run_count, uint8_t* relayed) {
-  const HostOfRank host(P, H);
-  return route_shared_rows(n, ro, rd, before, after, host, ReaderGroups(n, ro, rd, host), H, dest_bounds, run_bounds,
-                           relayed,
-                           [&](int64_t i, int64_t s, int64_t e, int64_t d, int64_t r) {
-                             std::iota(pair_out + d, pair_out + d + (e - s), s);
-                             run_row[r] = i, run_count[r] = e - s;
-                           });
-}
-
 // hierarchy.HostPlanner.routed, whole: a directory host h's part of the plan (HostPlanner.part) split by the host
 // that needs each entry, every field of its Outbox and every host's slice bounds in one pass (routed's numpy code,
 // entry for entry). `dims`: rank_bytes (2, 4 or 8: the ranks' type), h, P, H, T, K, n_mig, n, n_pairs, n_vic.

@@ -168,7 +168,6 @@ SIGNATURES = {
         + [_i64p] * 14,
         ctypes.c_int,
     ),
-    "herald_decide_pairs": ([_i64, _i64p, _i64p, _i64p, _i32p] + [_i64p] * 3 + [_u8p] + [_i64p] * 4, _i64),
     "herald_decide": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _u8p, _i64p],
         None,
@@ -219,10 +218,6 @@ SIGNATURES = {
     ),
     "herald_step_reads": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_step_reads_sparse": ([_i64p, _i64, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], _i64),
-    "herald_route_shared": (
-        [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p],
-        _i64,
-    ),
     "herald_route_part": ([_i64p, ctypes.c_void_p], _i64),
     "herald_wire_assignment": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_wire_reader_mask": ([_i64, _i64p, _i64, _i64p, _i64p], ctypes.c_int),
@@ -961,24 +956,6 @@ def _carve(sizes: list[int]) -> tuple[list[np.ndarray], list[int]]:
     return views, addresses
 
 
-def decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
-    """HeraldHierPolicy.decide_keys before owner balancing, compiled: from (key, reader, elements) pairs sorted by key
-    then rank, (keys, own, want, single, sole, count, start, kid) (see the kernel's comment)."""
-    g, r, c = _c(g, np.int64), _c(r, np.int64), _c(c, np.int64)
-    if owner.dtype != np.int32 or not owner.flags.c_contiguous:
-        raise ValueError("native.decide_pairs: owner must be a C-contiguous int32 array")
-    n = g.shape[0]
-    keys, own, want, sole, count, start = (np.empty(n, dtype=np.int64) for _ in range(6))
-    single, kid = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.int64)
-    K = int(
-        lib().herald_decide_pairs(
-            n, _p(g), _p(r), _p(c), _p(owner), _p(keys), _p(own), _p(want), _p(single), _p(sole), _p(count),
-            _p(start), _p(kid),
-        )
-    )  # fmt: skip
-    return keys[:K], own[:K], want[:K], single[:K], sole[:K], count[:K], start[:K], kid
-
-
 @dataclass
 class HostDecision:
     """A directory host's decision of a step (host_planner.HostPlanner.decide, `host_decide`): its keys' arrays as
@@ -1142,31 +1119,6 @@ class SharedRoutes:
     run_row: np.ndarray
     run_count: np.ndarray
     relayed: np.ndarray
-
-
-def route_shared(
-    reader_offsets: np.ndarray, readers: np.ndarray, before: np.ndarray, after: np.ndarray, P: int, H: int
-) -> SharedRoutes | None:
-    """`SharedRoutes` of shared rows (readers in CSR, rank order) owned by `before` / `after`, hosts of P
-    consecutive ranks; None where the kernels are off or a row's readers are not in rank order."""
-    L = lib()
-    if L is None:
-        return None
-    ro, rd = _c(reader_offsets, np.int64), _c(readers, np.int64)
-    b, a = _c(before, np.int64), _c(after, np.int64)
-    n, n_pairs = b.shape[0], rd.shape[0]
-    dest_bounds, run_bounds = np.zeros(H + 1, dtype=np.int64), np.zeros(H + 1, dtype=np.int64)
-    pair = np.empty(3 * n_pairs, dtype=np.int64)
-    run_row, run_count = np.empty(2 * n + n_pairs, dtype=np.int64), np.empty(2 * n + n_pairs, dtype=np.int64)
-    relayed = np.zeros(n, dtype=np.uint8)
-    got = L.herald_route_shared(
-        n, _p(ro), _p(rd), _p(b), _p(a), int(P), int(H), _p(dest_bounds), _p(pair), _p(run_bounds), _p(run_row),
-        _p(run_count), _p(relayed),
-    )  # fmt: skip
-    if got < 0:
-        return None
-    runs = int(run_bounds[-1])
-    return SharedRoutes(dest_bounds, pair[:got], run_bounds, run_row[:runs], run_count[:runs], relayed.view(bool))
 
 
 @dataclass

@@ -407,31 +407,6 @@ def test_the_per_host_settings_planner_holds_no_per_row_state():
     assert held < sum(rows)  # under a byte per row (a directory is ~20 bytes per row)
 
 
-def test_compiled_routing_equals_numpy(monkeypatch):
-    """A home host's shared pairs routed to the hosts that execute them: the compiled pass gives numpy's hosts, pairs,
-    runs and relayed rows (rows moved or not, readers on the owners' hosts or not, fills), and rows whose readers are
-    not in rank order go to numpy."""
-    from herald_torchrec.schedule import native
-    from herald_torchrec.schedule.herald.host_planner import _route_shared
-
-    if not native.enabled():
-        pytest.skip("compiled kernels unavailable (HERALD_NATIVE=0 or no C++ compiler)")
-    rng = np.random.default_rng(7)
-    P, H, n = 4, 5, 400
-    count = rng.integers(1, 9, n)
-    readers = np.concatenate([np.sort(rng.choice(P * H, c, replace=False)) for c in count])
-    row = np.repeat(np.arange(n), count)
-    before = rng.integers(0, P * H, n)
-    after = np.where(rng.random(n) < 0.3, readers[np.cumsum(count) - 1], before)  # some move to a reader (a fill)
-    compiled = _route_shared(count, readers, row, before, after, P, H)
-    monkeypatch.setattr(native, "enabled", lambda: False)
-    numpy_ = _route_shared(count, readers, row, before, after, P, H)
-    for f in dataclasses.fields(compiled):
-        assert np.array_equal(getattr(compiled, f.name), getattr(numpy_, f.name)), f.name
-    assert compiled.relayed.any() and (compiled.run_count > 1).any() and (before != after).any()
-    assert native.route_shared(np.r_[0, 2], np.array([5, 1]), np.array([0]), np.array([0]), P, H) is None
-
-
 def _random_part(pol, rng, K, shared_frac, moved_frac, n_vic, h):
     """A directory host's final decisions and part (`HostPlanner.part`) on random keys of `pol`'s layout: owners,
     migrations to ranks of any host, shared rows (some migrating, some a fill: moved to one of their readers) with

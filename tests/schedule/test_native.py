@@ -244,23 +244,6 @@ def test_gather_segments_reorders_a_csr():
         np.testing.assert_array_equal(got, want)
 
 
-def test_decide_pairs_equal():
-    """A directory host's decision compiled against numpy on random reads: keys, owners, wanted owners (owner kept
-    when it reads, else the reader of most elements, lowest rank among ties), single / sole readers, each pair's key."""
-    from herald_torchrec.schedule.herald.hierarchy import _decide_pairs
-
-    rng = np.random.default_rng(9)
-    for _ in range(50):
-        R, n_rows = int(rng.integers(2, 20)), int(rng.integers(1, 200))
-        code = np.unique(rng.integers(0, n_rows * R, int(rng.integers(1, 400))))
-        g, r = code // R, code % R
-        c = rng.integers(1, 4, g.shape[0])  # ties in the element counts
-        owner = rng.integers(0, R, n_rows).astype(np.int32)
-        got, want = native.decide_pairs(g, r, c, owner), _decide_pairs(g, r, c, owner)
-        for a, b in zip(got, want):
-            np.testing.assert_array_equal(a, b)
-
-
 def test_balance_owners_equal():
     """The compiled owner balancing against balance.balance_owners on random steps: the same moves in the same order
     (so the same owners) with and without skipped (replicated) keys, with and without heavy ranks, at three factors;

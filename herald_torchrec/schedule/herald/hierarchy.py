@@ -217,10 +217,10 @@ class _Offers:
 
 
 def _decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
-    """`HeraldHierPolicy.decide_keys` before owner balancing (numpy; `native.decide_pairs` compiled): from (key, reader,
-    elements) pairs sorted by key then rank, every key's owner and where it should live (with its owner where the
-    owner reads it, else with the reader of the most elements, the lowest rank among ties): (keys, own, want,
-    single, sole, count, start, kid)."""
+    """`HeraldHierPolicy.decide_keys` before owner balancing (numpy; the kernels decide in `native.host_decide`):
+    from (key, reader, elements) pairs sorted by key then rank, every key's owner and where it should live (with its
+    owner where the owner reads it, else with the reader of the most elements, the lowest rank among ties): (keys,
+    own, want, single, sole, count, start, kid)."""
     new = np.empty(g.shape[0], dtype=bool)
     new[0] = True
     np.not_equal(g[1:], g[:-1], out=new[1:])
@@ -821,14 +821,14 @@ class HeraldHierPolicy(SchedulePolicy):
 
     def decide_keys(self, g: np.ndarray, r: np.ndarray, c: np.ndarray, h: int):
         """Directory host h's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
-        rank: (keys, owner, want, single, sole, each pair's key index into keys, pair ranks). With `owner_balance`,
-        h balances the load of its own keys, its heavy rows going to its ranks = h mod H (schedule/herald/balance)."""
+        rank, numpy (the kernels decide in `decide_host`): (keys, owner, want, single, sole, each pair's key index
+        into keys, pair ranks). With `owner_balance`, h balances the load of its own keys, its heavy rows going to
+        its ranks = h mod H (schedule/herald/balance)."""
         d = self.directory
         if g.shape[0] == 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z, np.zeros(0, dtype=bool), z, z, z
-        decide = native.decide_pairs if native.enabled() else _decide_pairs
-        keys, own, want, single, sole, count, start, kid = decide(g, r, c, d.owner)
+        keys, own, want, single, sole, count, start, kid = _decide_pairs(g, r, c, d.owner)
         if self.owner_balance is not None and self._level != STATIC:
             R = self.num_ranks
             heavy_ranks = np.arange(R) % self.num_hosts == h

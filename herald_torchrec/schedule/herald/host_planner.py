@@ -381,14 +381,8 @@ def _route_shared(
     """A directory host's shared pairs by the host that executes them (`HostPlanner.routed`;
     `native.SharedRoutes`): every pair to the hosts of its row's owners before and after the moves, and each other
     host its own pairs, the pairs' order (key, then rank) kept within a host; and the rows a host relay serves
-    somewhere (`relayed_pairs`). One compiled pass where the kernels are on, else numpy: (host, pair) codes, one
-    sort."""
-    if native.enabled():
-        offsets = np.zeros(count.shape[0] + 1, dtype=np.int64)
-        np.cumsum(count, out=offsets[1:])
-        got = native.route_shared(offsets, readers, before, after, P, H)
-        if got is not None:
-            return got
+    somewhere (`relayed_pairs`). numpy: (host, pair) codes, one sort (the kernels route the whole part,
+    `native.route_part`)."""
     n_pairs = readers.shape[0]
     r_host = readers // P
     b_host, a_host = before // P, after // P
