@@ -586,6 +586,38 @@ void pick_group(const Slots& sl, Pool& pool, const int32_t* floor, int64_t g, in
   full_selection(sl, g, need, prio, out);
 }
 
+// eviction.cancel_arrivals: where a guest group is still left[g] > 0 slots short, cancel (want = own) that many of
+// its arrivals `arr` (step-key indices entering groups arr_g), the least valuable first. Kept first: single-reader
+// migrations, then keys used again in the lookahead (`used_again(key)`); among equals those leaving a guest slot
+// (cancelling them would cascade); then by key.
+template <typename UsedAgain>
+void cancel_arrivals(const std::vector<int64_t>& arr, const std::vector<int64_t>& arr_g, const std::vector<int64_t>& left,
+                     const int64_t* keys, const int64_t* own, const int64_t* home, const uint8_t* single,
+                     const UsedAgain& used_again, int64_t* want) {
+  struct C { int64_t g, val, from_home, key, i; };
+  std::vector<C> cand;
+  for (size_t j = 0; j < arr.size(); ++j) {
+    const int64_t i = arr[j], g = arr_g[j];
+    if (left[g] <= 0) continue;
+    const int64_t val = (single[i] ? 2 : 0) + (used_again(keys[i]) ? 1 : 0);
+    cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
+  }
+  std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
+    if (x.g != y.g) return x.g < y.g;
+    if (x.val != y.val) return x.val < y.val;
+    if (x.from_home != y.from_home) return x.from_home < y.from_home;
+    return x.key < y.key;
+  });
+  for (size_t j = 0; j < cand.size();) {
+    size_t e = j;
+    while (e < cand.size() && cand[e].g == cand[j].g) ++e;
+    const int64_t keep = static_cast<int64_t>(e - j) - left[cand[j].g];
+    for (size_t q = j; q < e; ++q)
+      if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
+    j = e;
+  }
+}
+
 // HeraldHierPolicy.room_for_arrivals' rounds, the same victims and cancellations: host t's capacity over its own
 // guest groups [lo, lo + P T) (lo = t P T). Keys [K] sorted (the moves into its ranks it was told of; cancelled ones
 // written back to `want`) with their owner, home, wanted owner, single-reader flag and table; only departures from
@@ -633,30 +665,7 @@ void host_room_rounds(int64_t K, const int64_t* keys, const int64_t* own, const 
         if (fits) return;
       }
     }
-    // eviction.cancel_arrivals: keep single-reader migrations, then keys used again in the window; among equals
-    // those leaving a guest slot; then by key
-    struct C { int64_t g, val, from_home, key, i; };
-    std::vector<C> cand;
-    for (size_t j = 0; j < arr.size(); ++j) {
-      const int64_t i = arr[j], g = arr_g[j];
-      if (left[g] <= 0) continue;
-      const int64_t val = (single[i] ? 2 : 0) + (prio.next_use(keys[i]) > 0 ? 1 : 0);
-      cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
-    }
-    std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
-      if (x.g != y.g) return x.g < y.g;
-      if (x.val != y.val) return x.val < y.val;
-      if (x.from_home != y.from_home) return x.from_home < y.from_home;
-      return x.key < y.key;
-    });
-    for (size_t j = 0; j < cand.size();) {
-      size_t e = j;
-      while (e < cand.size() && cand[e].g == cand[j].g) ++e;
-      const int64_t keep = static_cast<int64_t>(e - j) - left[cand[j].g];
-      for (size_t q = j; q < e; ++q)
-        if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
-      j = e;
-    }
+    cancel_arrivals(arr, arr_g, left, keys, own, home, single, [&](int64_t k) { return prio.next_use(k) > 0; }, want);
   }
   throw std::runtime_error("herald_hier: capacity resolution did not converge");
 }
@@ -1036,30 +1045,7 @@ int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const i
           }
         }
       }
-      // keep the most valuable arrivals: single-reader migrations, then keys used again soon; among equals keep
-      // those leaving a guest slot and drop those coming from home
-      struct C { int64_t g, val, from_home, key, i; };
-      std::vector<C> cand;
-      for (size_t j = 0; j < arr.size(); ++j) {
-        const int64_t i = arr[j], g = arr_g[j];
-        if (left[g] <= 0) continue;
-        const int64_t val = (single[i] ? 2 : 0) + (nu[keys[i]] > 0 ? 1 : 0);
-        cand.push_back({g, -val, own[i] != home[i] ? 0 : 1, keys[i], i});
-      }
-      std::sort(cand.begin(), cand.end(), [](const C& x, const C& y) {
-        if (x.g != y.g) return x.g < y.g;
-        if (x.val != y.val) return x.val < y.val;
-        if (x.from_home != y.from_home) return x.from_home < y.from_home;
-        return x.key < y.key;
-      });
-      for (size_t j = 0; j < cand.size();) {
-        size_t e = j;
-        while (e < cand.size() && cand[e].g == cand[j].g) ++e;
-        const int64_t n_in = static_cast<int64_t>(e - j), keep = n_in - left[cand[j].g];
-        for (size_t q = j; q < e; ++q)
-          if (static_cast<int64_t>(q - j) >= keep) want[cand[q].i] = own[cand[q].i];
-        j = e;
-      }
+      cancel_arrivals(arr, arr_g, left, keys, own, home, single, [&](int64_t k) { return nu[k] > 0; }, want);
     }
     if (!done) throw std::runtime_error("herald: capacity resolution did not converge");
     for (int64_t v : chosen) picked[v] = 0;

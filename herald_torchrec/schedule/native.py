@@ -701,41 +701,34 @@ def release_guests(directory, gid, src, home, table, lo: int, hi: int) -> None:
 
 def land_guests(directory, pool, gid, dst, home, table, lo: int, hi: int) -> None:
     """OwnershipDirectory.land_guests for ranks lo..hi-1 then EvictionPool.arrived, compiled (`guests_supported`
-    first). The kernel asks for the regions it lacks (GuestSlots.reserve, numpy: it may replace the slot arrays,
-    so their addresses are read again) before it changes anything."""
+    first)."""
     gid, dst, home, table = (_c(a, np.int64) for a in (gid, dst, home, table))
-    sl = directory.slots
     moves = [gid.shape[0], _p(gid), _p(dst), _p(home), _p(table), int(lo), int(hi), directory.num_tables]
-    need = np.empty(sl.num_groups, dtype=np.int64)
-    for _ in range(2):
-        pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
-        rc = lib().herald_land_guests(
-            *moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need)
-        )
-        if rc != 2:
-            _check(rc)
-            return
-        sl.reserve(need)
-    raise RuntimeError("native.land_guests: the guest regions were not reserved")  # pragma: no cover - invariant
+    _land(directory, pool, lib().herald_land_guests, moves, "land_guests")
 
 
 def move_guests(directory, pool, gid, src, dst, home, table, lo: int, hi: int) -> None:
     """`release_guests` then `land_guests` in one call, for a host that applies its moves alone (`guests_supported`
-    first; the regions it lacks reserved first, as land_guests does)."""
+    first)."""
     gid, src, dst, home, table = (_c(a, np.int64) for a in (gid, src, dst, home, table))
-    sl = directory.slots
     moves = [gid.shape[0], _p(gid), _p(src), _p(dst), _p(home), _p(table), int(lo), int(hi), directory.num_tables]
+    _land(directory, pool, lib().herald_move_guests, moves, "move_guests")
+
+
+def _land(directory, pool, kernel, moves: list, name: str) -> None:
+    """A kernel that lands guests (`moves`, then the directory's and the pool's arrays): it asks for the regions it
+    lacks (returns 2 with every group's fill after the moves) before it changes anything; they are reserved
+    (GuestSlots.reserve, numpy: it may replace the slot arrays, so their addresses are read again) and it runs again."""
+    sl = directory.slots
     need = np.empty(sl.num_groups, dtype=np.int64)
     for _ in range(2):
         pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
-        rc = lib().herald_move_guests(
-            *moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need)
-        )
+        rc = kernel(*moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need))
         if rc != 2:
             _check(rc)
             return
         sl.reserve(need)
-    raise RuntimeError("native.move_guests: the guest regions were not reserved")  # pragma: no cover - invariant
+    raise RuntimeError(f"native.{name}: the guest regions were not reserved")  # pragma: no cover - invariant
 
 
 @dataclass
