@@ -1106,58 +1106,26 @@ int herald_release_guests(int64_t M, const int64_t* gid, const int64_t* src, con
   }
 }
 
-// OwnershipDirectory.land_guests + EvictionPool.arrived: every row's new owner, and the rows arriving as guests of
-// ranks [lo, hi) added to their groups and, below their group's threshold, to its pool. Where a group's region is too
-// small it changes nothing, writes every group's fill after the arrivals to `need` and returns 2: the caller
-// reserves the regions (GuestSlots.reserve, as GuestSlots.add does) and calls again.
-int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const int64_t* home, const int64_t* table,
-                       int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G, const int64_t* cap,
-                       const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of,
-                       int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
-                       const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+// herald_land_guests / herald_move_guests: the moving rows that are guests of ranks [lo, hi) leave their groups
+// (src != nullptr: a host that applies its moves alone; else they left already, herald_release_guests), every row
+// gets its new owner, and the rows arriving as guests of those ranks join their groups and, below their group's
+// threshold, its pool. Where a group's region is too small it changes nothing, writes every group's fill after the
+// moves to `need` and returns 2: the caller reserves the regions (GuestSlots.reserve, as GuestSlots.add does) and
+// calls again.
+static int move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
+                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, Slots sl, Pool pool,
+                       const int32_t* floor, int64_t* need) {
   try {
-    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
-    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
-    std::vector<int64_t> k, g;
-    guests_at(M, gid, dst, home, table, lo, hi, T, k, g);
-    std::copy(fill, fill + G, need);
-    for (int64_t x : g) ++need[x];
-    bool grow = false;
-    for (int64_t x = 0; x < G; ++x) {
-      if (need[x] > cap[x]) throw std::runtime_error("GuestSlots.add: group over capacity");
-      grow = grow || need[x] > alloc[x];
-    }
-    if (grow) return 2;
-    for (int64_t i = 0; i < M; ++i) owner[gid[i]] = static_cast<int32_t>(dst[i]);
-    arrive(sl, pool, floor, k, g);
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return 1;
-  }
-}
-
-// herald_release_guests then herald_land_guests for the moves of one host that applies them alone (a planner in its
-// own process: no other host's rows arrive in between): one call, the regions checked before anything changes
-// (returns 2 with `need`, every group's fill after the moves, as herald_land_guests does).
-int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
-                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G,
-                       const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
-                       int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
-                       int64_t* pool_count, const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
-  try {
-    Slots sl{G, cap, base, alloc, fill, slot, pos_of};
-    Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr};
     std::vector<int64_t> lk, lg, ak, ag;
-    guests_at(M, gid, src, home, table, lo, hi, T, lk, lg);
+    if (src) guests_at(M, gid, src, home, table, lo, hi, T, lk, lg);
     guests_at(M, gid, dst, home, table, lo, hi, T, ak, ag);
-    std::copy(fill, fill + G, need);
+    std::copy(sl.fill, sl.fill + sl.G, need);
     for (int64_t x : lg) --need[x];
     for (int64_t x : ag) ++need[x];
     bool grow = false;
-    for (int64_t x = 0; x < G; ++x) {
-      if (need[x] > cap[x]) throw std::runtime_error("GuestSlots.add: group over capacity");
-      grow = grow || need[x] > alloc[x];
+    for (int64_t x = 0; x < sl.G; ++x) {
+      if (need[x] > sl.cap[x]) throw std::runtime_error("GuestSlots.add: group over capacity");
+      grow = grow || need[x] > sl.alloc[x];
     }
     if (grow) return 2;
     slots_remove(sl, lk, lg);
@@ -1168,6 +1136,29 @@ int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
     last_error = e.what();
     return 1;
   }
+}
+
+// OwnershipDirectory.land_guests + EvictionPool.arrived (move_guests, the guests having left already).
+int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const int64_t* home, const int64_t* table,
+                       int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G, const int64_t* cap,
+                       const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of,
+                       int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
+                       const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+  return move_guests(M, gid, nullptr, dst, home, table, lo, hi, T, owner,
+                     Slots{G, cap, base, alloc, fill, slot, pos_of},
+                     Pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr}, floor, need);
+}
+
+// herald_release_guests then herald_land_guests for the moves of one host that applies them alone (a planner in its
+// own process: no other host's rows arrive in between): one call, the regions checked before anything changes
+// (returns 2 with `need`, every group's fill after the moves, as herald_land_guests does).
+int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
+                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G,
+                       const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
+                       int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
+                       int64_t* pool_count, const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+  return move_guests(M, gid, src, dst, home, table, lo, hi, T, owner, Slots{G, cap, base, alloc, fill, slot, pos_of},
+                     Pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr}, floor, need);
 }
 
 // HeraldHierPolicy._decide: a directory host's keys from their (key, reader, elements) pairs sorted by key then rank:
