@@ -768,6 +768,17 @@ void guests_at(int64_t M, const int64_t* gid, const int64_t* rank, const int64_t
   groups.resize(n);
 }
 
+// Entries 0..n-1 grouped by the hosts each goes to (`hosts_of(i, to)` calls to(t) for each of its hosts), each
+// host's in entry order: `bounds` [H + 1], and put(i, q) for every (entry, place) (a counting sort, two passes).
+template <typename HostsOf, typename Put>
+void by_host(int64_t n, int64_t H, std::vector<int64_t>& bounds, const HostsOf& hosts_of, const Put& put) {
+  bounds.assign(H + 1, 0);
+  for (int64_t i = 0; i < n; ++i) hosts_of(i, [&](int64_t t) { ++bounds[t + 1]; });
+  for (int64_t t = 0; t < H; ++t) bounds[t + 1] += bounds[t];
+  std::vector<int64_t> at(bounds.begin(), bounds.end() - 1);
+  for (int64_t i = 0; i < n; ++i) hosts_of(i, [&](int64_t t) { put(i, at[t]++); });
+}
+
 // A rank's host, rank / P, by a table over the P * H ranks (a division for any other value): the routing passes
 // read each shared pair's host several times, and a 64-bit division costs ~40 cycles, 2/3 of their time.
 struct HostOfRank {
@@ -1684,19 +1695,12 @@ int64_t route_part(const int64_t* dims, void* const* arrays) {
     for (int64_t g = groups.rg[i]; g < groups.rg[i + 1]; ++g)
       if (groups.gh[g] != b && groups.gh[g] != a) to(groups.gh[g]);
   };
-  std::vector<int64_t> mb(H + 1, 0);
-  for (int64_t m = 0; m < n_mig; ++m) mig_hosts(m, [&](int64_t t) { ++mb[t + 1]; });
-  for (int64_t t = 0; t < H; ++t) mb[t + 1] += mb[t];
-  {
-    std::vector<int64_t> at(mb.begin(), mb.end() - 1);
-    for (int64_t m = 0; m < n_mig; ++m)
-      mig_hosts(m, [&](int64_t t) {
-        const int64_t q = at[t]++;
-        o_mig_key[q] = mig_key[m], o_mig_src[q] = mig_src[m], o_mig_dst[q] = mig_dst[m];
-      });
-  }
+  std::vector<int64_t> mb, vb;
+  by_host(n_mig, H, mb, mig_hosts, [&](int64_t m, int64_t q) {
+    o_mig_key[q] = mig_key[m], o_mig_src[q] = mig_src[m], o_mig_dst[q] = mig_dst[m];
+  });
   // a victim to h, its home host and its directory host (directory_host_of), each once: numpy's sorted_distinct codes
-  std::vector<int64_t> v_home(n_vic), v_dir(n_vic), vb(H + 1, 0);
+  std::vector<int64_t> v_home(n_vic), v_dir(n_vic);
   std::vector<int64_t> v_table(n_vic);
   TableWalk victim_table(offsets, T);
   for (int64_t v = 0; v < n_vic; ++v) {
@@ -1714,16 +1718,9 @@ int64_t route_part(const int64_t* dims, void* const* arrays) {
     if (a != h) to(a);
     if (d != h && d != a) to(d);
   };
-  for (int64_t v = 0; v < n_vic; ++v) victim_hosts(v, [&](int64_t t) { ++vb[t + 1]; });
-  for (int64_t t = 0; t < H; ++t) vb[t + 1] += vb[t];
-  {
-    std::vector<int64_t> at(vb.begin(), vb.end() - 1);
-    for (int64_t v = 0; v < n_vic; ++v)
-      victim_hosts(v, [&](int64_t t) {
-        const int64_t q = at[t]++;
-        o_victims[q] = victims[v], o_victim_src[q] = victim_src[v];
-      });
-  }
+  by_host(n_vic, H, vb, victim_hosts, [&](int64_t v, int64_t q) {
+    o_victims[q] = victims[v], o_victim_src[q] = victim_src[v];
+  });
   // the summary: (hit, remote, migrations, victims) and each table's bits
   summary[0] = counts[0], summary[1] = counts[1], summary[2] = n_mig, summary[3] = n_vic;
   std::fill(flags, flags + T, uint8_t{0});
