@@ -19,7 +19,8 @@ state_width floats per row move), by_kind (rows per step by kind), hit_rate (rea
 processes on a shared machine disturb less; sched_cpu_ms_last_quarter: the median over the last quarter of the steps,
 where a cost that grows as the caches fill shows), rows_per_sample, plan_digest (a hash of every plan in its wire
 encoding: two runs with the same digest made the same plans, so a scheduler change that should not alter the plans
-can be checked with its speed in one command). With ranks r..r+H-1 on one host (--ranks-per-host H,
+can be checked with its speed in one command; herald_hier also host_plans_digest, of every host's own plan as
+training makes it, where plan_digest hashes their union). With ranks r..r+H-1 on one host (--ranks-per-host H,
 schedule/traffic.py): cross_host_rows_per_sample and intra_host_rows_per_sample (each row to and from every reader
 directly: the data plane with host_relay off), the same with the suffix _host_aggregated (each shared value crossing
 once per reading host, gradients summed inside a host before they cross: the data plane's host relays, its
@@ -233,6 +234,7 @@ def run_policies(args, R: int) -> dict:
     hosts = {n: HostTotals() for n in names}
     table_class = [size_class(r) for r in table_rows]
     digests = {n: hashlib.sha1() for n in names}  # of every plan as the wire encodes it (arrays, dtypes, counters)
+    host_digests = {n: hashlib.sha1() for n in names}  # herald_hier: of every host's own plan, as training makes it
     step = 0
     t_start = time.perf_counter()
     # fae / p2res choose their replicated rows from a prefix of the stream (profile_fraction of --steps)
@@ -271,6 +273,8 @@ def run_policies(args, R: int) -> dict:
             digests[n].update(
                 encode_plan_tree(dataclasses.replace(plan, sched_seconds=0.0)).tobytes()
             )  # not its timing
+            for _, hp in sorted(getattr(pols[n], "last_host_plans", {}).items()):
+                host_digests[n].update(encode_plan_tree(dataclasses.replace(hp, sched_seconds=0.0)).tobytes())
             if args.check:
                 checkers[n].check(plan, windows[n][0])
             if step >= args.warmup:
@@ -312,6 +316,10 @@ def run_policies(args, R: int) -> dict:
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
+        if getattr(
+            pols[n], "last_host_plans", None
+        ):  # herald_hier: each host's own plan (the whole one is their union)
+            entry["host_plans_digest"] = host_digests[n].hexdigest()[:16]
         entry.update(hosts[n].summary(n_meas, R * B))
         if n in protocol:
             entry.update(protocol[n].summary())

@@ -33,9 +33,20 @@ from typing import Any
 import numpy as np
 
 from herald_torchrec.schedule import native
-from herald_torchrec.schedule.plan import CacheStep, Plan, PlanPart, ReadVersions, ReplicaSync, RowMoves, SharedRows
+from herald_torchrec.schedule.plan import (
+    CacheStep,
+    HostPlan,
+    Plan,
+    PlanPart,
+    ReadVersions,
+    ReplicaSync,
+    RowMoves,
+    SharedRows,
+)
 
-_TYPES = {cls.__name__: cls for cls in (Plan, PlanPart, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)}
+_TYPES = {
+    cls.__name__: cls for cls in (Plan, PlanPart, HostPlan, RowMoves, SharedRows, ReadVersions, ReplicaSync, CacheStep)
+}
 _NARROW = tuple(
     (np.dtype(t), int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int8, np.int16, np.int32, np.int64)
 )

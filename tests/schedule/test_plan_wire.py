@@ -194,3 +194,22 @@ def test_compiled_wire_gives_the_same_bytes_and_plans():
         assert_same(plan, back, f"plan {i}")
         assert_same(back_np, back, f"plan {i}")
     assert encode_plan(plans[0])[0] == 1 and encode_plan(plans[-1])[0] == 0
+
+
+def test_a_host_plan_round_trips():
+    """A herald_hier host's own plan (HostPlan: its moves, shared rows, sample order, ranks and table lists) in the
+    general form: what the simulator hashes into host_plans_digest."""
+    from herald_torchrec.schedule.plan import HostPlan
+
+    R16 = 16
+    rows = [40, 30, 20, 10]
+    rng = np.random.default_rng(4)
+    batches = [GlobalBatch.from_dense(rng.integers(0, 10, (R16 * B, 4)), rows, i) for i in range(6)]
+    pol = make_policy("herald_hier", rows, R16, B, cache_ratio=0.1, lookahead=L, hosts=8)
+    for i in range(len(batches) - L):
+        pol.plan(batches[i : i + L + 1])
+        for hp in pol.last_host_plans.values():
+            assert type(hp) is HostPlan
+            got = decode_plan(encode_plan(hp).copy())
+            assert type(got) is HostPlan and got.host == hp.host
+            assert_same(hp, got)
