@@ -618,18 +618,19 @@ void cancel_arrivals(const std::vector<int64_t>& arr, const std::vector<int64_t>
   }
 }
 
-// HeraldHierPolicy.room_for_arrivals' rounds, the same victims and cancellations: host t's capacity over its own
-// guest groups [lo, lo + P T) (lo = t P T). Keys [K] sorted (the moves into its ranks it was told of; cancelled ones
-// written back to `want`) with their owner, home, wanted owner, single-reader flag and table; only departures from
-// t's own ranks count as room. Appends the victims to `chosen` (sorted); throws where the rounds do not converge.
-void host_room_rounds(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home, int64_t* want,
-                      const uint8_t* single, const int64_t* tk, int64_t t, int64_t P, int64_t T,
-                      const int64_t* offsets, const int32_t* owner, const int32_t* last, Slots& sl, Pool& pool,
-                      const HostPrio& prio, std::vector<int64_t>& chosen) {
-  std::vector<int64_t> vpos, arr, arr_g;
-  const int64_t lo = t * P * T, Gt = P * T;
-  auto table_of = [&](int64_t key) { return std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1; };
-  std::vector<int64_t> freed(Gt, 0), deficit(Gt), left(Gt);
+// The capacity rounds of herald's _make_room and herald_hier's room_for_arrivals, the same victims and
+// cancellations: over the guest groups [lo, lo + n_groups), victims (two rounds at most), else cancelled arrivals,
+// until every group fits after the step's moves. Keys [K] sorted with their owner, home, wanted owner (cancelled
+// ones written back), single-reader flag and table. `rules`: the priority (`prio`), whether a key's departure frees
+// room in these groups (`departs(i)`), a victim's table (`table_of(v)`), a picked victim (`pick(v)`) and a round's
+// picks done (`settle()`: the priority must not pick them again), and whether a key is used again in the lookahead
+// (`used_again(key)`). Returns the last deficit per group (room = -deficit); throws where the rounds do not converge.
+template <typename Rules>
+std::vector<int64_t> room_rounds(int64_t K, const int64_t* keys, const int64_t* own, const int64_t* home,
+                                 int64_t* want, const uint8_t* single, const int64_t* tk, int64_t T, int64_t lo,
+                                 int64_t n_groups, Slots& sl, Pool& pool, const int32_t* owner, const int32_t* last,
+                                 Rules& rules, const char* who) {
+  std::vector<int64_t> vpos, arr, arr_g, freed(n_groups, 0), deficit(n_groups), left(n_groups);
   const int victim_rounds = 2;
   for (int64_t it = 0; it < K + 2; ++it) {
     std::fill(deficit.begin(), deficit.end(), int64_t{0});
@@ -638,37 +639,52 @@ void host_room_rounds(int64_t K, const int64_t* keys, const int64_t* own, const 
     for (int64_t i = 0; i < K; ++i) {
       if (want[i] == own[i]) continue;
       if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i] - lo), ++deficit[arr_g.back()];
-      if (own[i] / P == t && own[i] != home[i]) --deficit[own[i] * T + tk[i] - lo];
+      if (own[i] != home[i] && rules.departs(i)) --deficit[own[i] * T + tk[i] - lo];
     }
     bool any = false;
-    for (int64_t g = 0; g < Gt; ++g) {
+    for (int64_t g = 0; g < n_groups; ++g) {
       deficit[g] += sl.fill[lo + g] - freed[g] - sl.cap[lo + g];
       any = any || deficit[g] > 0;
     }
-    if (!any) return;
+    if (!any) return deficit;
     left = deficit;
     if (it < victim_rounds) {
       vpos.clear();
-      for (int64_t g = 0; g < Gt; ++g)
-        if (deficit[g] > 0) pick_group(sl, pool, last, lo + g, deficit[g], prio, vpos);
+      for (int64_t g = 0; g < n_groups; ++g)
+        if (deficit[g] > 0) pick_group(sl, pool, last, lo + g, deficit[g], rules.prio, vpos);
       if (!vpos.empty()) {
         for (int64_t p : vpos) {
           const int64_t v = sl.slot[p];
-          chosen.push_back(v);
-          const int64_t vg = static_cast<int64_t>(owner[v]) * T + table_of(v) - lo;
+          rules.pick(v);
+          const int64_t vg = static_cast<int64_t>(owner[v]) * T + rules.table_of(v) - lo;
           ++freed[vg];
           --left[vg];
         }
-        std::sort(chosen.begin(), chosen.end());
+        rules.settle();
         bool fits = true;
-        for (int64_t g = 0; g < Gt; ++g) fits = fits && left[g] <= 0;
-        if (fits) return;
+        for (int64_t g = 0; g < n_groups; ++g) fits = fits && left[g] <= 0;
+        if (fits) return left;
       }
     }
-    cancel_arrivals(arr, arr_g, left, keys, own, home, single, [&](int64_t k) { return prio.next_use(k) > 0; }, want);
+    cancel_arrivals(arr, arr_g, left, keys, own, home, single, [&](int64_t k) { return rules.used_again(k); }, want);
   }
-  throw std::runtime_error("herald_hier: capacity resolution did not converge");
+  throw std::runtime_error(std::string(who) + ": capacity resolution did not converge");
 }
+
+// room_rounds' rules for herald_hier's host t: departures from its own ranks only count as room, victims kept in a
+// sorted list (`HostPrio`), a key's next use found in the window's keys, a victim's table from the offsets.
+struct HostRoomRules {
+  HostPrio prio;
+  const int64_t* own;
+  const int64_t* offsets;
+  int64_t P, T, t;
+  std::vector<int64_t>* chosen;
+  bool departs(int64_t i) const { return own[i] / P == t; }
+  int64_t table_of(int64_t v) const { return std::upper_bound(offsets, offsets + T + 1, v) - offsets - 1; }
+  void pick(int64_t v) { chosen->push_back(v); }
+  void settle() { std::sort(chosen->begin(), chosen->end()); }
+  bool used_again(int64_t key) const { return prio.next_use(key) > 0; }
+};
 
 void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector<int64_t>& groups) {
   if (keys.empty()) return;
@@ -1010,55 +1026,22 @@ int herald_make_room(int64_t K, const int64_t* keys, const int64_t* own, const i
     const int64_t G = R * T;
     Slots sl{G, cap, base, alloc, fill, slot, pos_of};
     Pool pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, rebuilds};
-    Prio prio{nu, last, picked, step, L1};
-    std::vector<int64_t> tk(K), freed(G, 0), deficit(G), left(G), chosen, vpos, arr, arr_g;
+    std::vector<int64_t> tk(K), chosen;
     for (int64_t i = 0; i < K; ++i) tk[i] = table[keys[i]];
-    const int victim_rounds = 2;
-    bool done = false;
-    for (int64_t it = 0; it < K + 2; ++it) {
-      std::fill(deficit.begin(), deficit.end(), int64_t{0});
-      arr.clear();
-      arr_g.clear();
-      for (int64_t i = 0; i < K; ++i) {
-        if (want[i] == own[i]) continue;
-        if (want[i] != home[i]) arr.push_back(i), arr_g.push_back(want[i] * T + tk[i]), ++deficit[arr_g.back()];
-        if (own[i] != home[i]) --deficit[own[i] * T + tk[i]];
-      }
-      bool any = false;
-      for (int64_t g = 0; g < G; ++g) {
-        deficit[g] += fill[g] - freed[g] - cap[g];
-        any = any || deficit[g] > 0;
-      }
-      if (!any) {
-        done = true;
-        break;
-      }
-      left = deficit;
-      if (it < victim_rounds) {
-        vpos.clear();
-        for (int64_t g = 0; g < G; ++g)
-          if (deficit[g] > 0) pick_group(sl, pool, last, g, deficit[g], prio, vpos);
-        if (!vpos.empty()) {
-          for (int64_t p : vpos) {
-            const int64_t v = slot[p];
-            picked[v] = 1;
-            chosen.push_back(v);
-            const int64_t vg = static_cast<int64_t>(owner[v]) * T + table[v];
-            ++freed[vg];
-            --left[vg];
-          }
-          bool fits = true;
-          for (int64_t g = 0; g < G; ++g) fits = fits && left[g] <= 0;
-          if (fits) {
-            deficit = left;
-            done = true;
-            break;
-          }
-        }
-      }
-      cancel_arrivals(arr, arr_g, left, keys, own, home, single, [&](int64_t k) { return nu[k] > 0; }, want);
-    }
-    if (!done) throw std::runtime_error("herald: capacity resolution did not converge");
+    // herald's rules: every guest leaving its owner frees room; victims marked in `picked` (over every row)
+    struct Rules {
+      Prio prio;
+      const int16_t* table;
+      uint8_t* picked;
+      std::vector<int64_t>* chosen;
+      bool departs(int64_t) const { return true; }
+      int64_t table_of(int64_t v) const { return table[v]; }
+      void pick(int64_t v) { picked[v] = 1, chosen->push_back(v); }
+      void settle() const {}
+      bool used_again(int64_t key) const { return prio.nu[key] > 0; }
+    } rules{Prio{nu, last, picked, step, L1}, table, picked, &chosen};
+    const std::vector<int64_t> deficit =
+        room_rounds(K, keys, own, home, want, single, tk.data(), T, 0, G, sl, pool, owner, last, rules, "herald");
     for (int64_t v : chosen) picked[v] = 0;
     if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald: too many victims");
     std::sort(chosen.begin(), chosen.end());
@@ -2763,9 +2746,10 @@ int herald_host_room(int64_t K, const int64_t* keys_in, const int64_t* own_in, c
       walk.to(keys[i]);
       home[i] = walk.home, tk[i] = walk.t, dir[i] = walk.dir;
     }
-    const HostPrio prio{L, window, window_len, last, &chosen, step, L1};
-    host_room_rounds(K, keys.data(), own.data(), home.data(), want.data(), single.data(), tk.data(), t, P, T, offsets,
-                     owner, last, sl, pool, prio, chosen);
+    HostRoomRules rules{HostPrio{L, window, window_len, last, &chosen, step, L1}, own.data(), offsets, P, T, t,
+                        &chosen};
+    room_rounds(K, keys.data(), own.data(), home.data(), want.data(), single.data(), tk.data(), T, t * P * T, P * T,
+                sl, pool, owner, last, rules, "herald_hier");
     if (static_cast<int64_t>(chosen.size()) > max_victims) throw std::runtime_error("herald_hier: too many victims");
     std::copy(chosen.begin(), chosen.end(), victims);
     *n_victims = static_cast<int64_t>(chosen.size());

@@ -692,6 +692,10 @@ def _slot_arrays(sl) -> list:
     return [sl.num_groups, _p(sl.cap), _p(sl.base), _p(sl.alloc), _p(sl.fill), _p(sl.slot), _p(sl.pos_of)]
 
 
+def _pool_arrays(pool, sl) -> list:
+    return [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
+
+
 def release_guests(directory, gid, src, home, table, lo: int, hi: int) -> None:
     """OwnershipDirectory.release_guests for ranks lo..hi-1, compiled (`guests_supported` first)."""
     gid, src, home, table = (_c(a, np.int64) for a in (gid, src, home, table))
@@ -722,8 +726,9 @@ def _land(directory, pool, kernel, moves: list, name: str) -> None:
     sl = directory.slots
     need = np.empty(sl.num_groups, dtype=np.int64)
     for _ in range(2):
-        pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
-        rc = kernel(*moves, _p(directory.owner), *_slot_arrays(sl), *pool_arrays, _p(directory.last_use), _p(need))
+        rc = kernel(
+            *moves, _p(directory.owner), *_slot_arrays(sl), *_pool_arrays(pool, sl), _p(directory.last_use), _p(need)
+        )
         if rc != 2:
             _check(rc)
             return
@@ -755,12 +760,11 @@ def host_room(
     sl = directory.slots
     victims, nv, rb = np.empty(2 * K + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     cancelled, per_host = np.empty(max(K, 1), dtype=np.int64), np.empty(H, dtype=np.int64)
-    pool_arrays = [pool.size, _p(pool.tau), _p(pool.row), _p(pool.keys), _p(pool.count), _p(sl.group_of_slot)]
     _check(
         lib().herald_host_room(
             K, _p(keys), _p(own), _p(want), _p(single), int(t), int(P), int(H), blk.shape[0], _p(off), _p(blk),
             len(window), _p(addrs) if window else None, _p(lens) if window else None, _p(directory.owner),
-            _p(directory.last_use), int(step), int(L1), *_slot_arrays(sl), *pool_arrays, _p(rb), _p(victims),
+            _p(directory.last_use), int(step), int(L1), *_slot_arrays(sl), *_pool_arrays(pool, sl), _p(rb), _p(victims),
             victims.shape[0], _p(nv), _p(cancelled), _p(per_host),
         )
     )  # fmt: skip
