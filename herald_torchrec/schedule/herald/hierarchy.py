@@ -967,7 +967,7 @@ class HeraldHierPolicy(SchedulePolicy):
         """`_host_plan` in numpy, from the inbox's fields concatenated (`cat`)."""
         h, P, T = hp.h, self.ranks_per_host, self.layout.num_tables
         summary, flags = cat[9], cat[10]
-        rows = self._rows(cat[:9])
+        rows = self._rows_numpy(cat[:9])
         # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
         fin = hp.final
         mine = hp.keys[fin.mig]
@@ -1060,6 +1060,10 @@ class HeraldHierPolicy(SchedulePolicy):
         if got is not None:
             moves = RowMoves(got.moves_table, got.moves_row, got.moves_src, got.moves_dst, got.moves_kind)
             return _Rows(moves, _shared_rows(got), gid=got.replica_gid, home=got.replica_home, victims=cat[7].shape[0])
+        return self._rows_numpy(cat)
+
+    def _rows_numpy(self, cat: list[np.ndarray]) -> "_Rows":
+        """`_rows` in numpy (where the kernels are off or declined the inputs)."""
         mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
         n_mig, n_vic = mig_key.shape[0], victims.shape[0]
         # moves: the migrations, then the victims (sent home from their owner), in one order by key
