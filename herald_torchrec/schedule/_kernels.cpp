@@ -15,6 +15,9 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace {
 
@@ -195,10 +198,22 @@ void refine_rounds(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const 
       uint8_t& x = c[ec[i] * R + a[es[i]]];
       x += x < 2;
     }
-    std::fill(corr.begin(), corr.end(), 0.0);
-    for (int64_t i = 0; i < E; ++i) {
-      const int64_t k = ec[i], r = a[es[i]];
-      if (c[k * R + r] == 1) corr[es[i]] += (own[k] == r ? owner_weight : 0.0) - 2.0;
+    // a sample's keys it alone reads at its rank: -2 each, + owner_weight where the rank owns it. Added without a
+    // branch (+0.0 for the others leaves a sum as it is): whether a key is read once is a coin toss per element
+    const double term[3] = {0.0, 0.0 - 2.0, owner_weight - 2.0};  // read by others; alone; alone at its owner
+    auto alone = [&](int64_t i, int64_t r) {
+      const int64_t k = ec[i];
+      return term[(c[k * R + r] == 1) * (1 + (own[k] == r))];
+    };
+    if (S > 0) {  // sample-major: each sample's sum in a register
+      for (int64_t n = 0; n < N; ++n) {
+        double x = 0.0;
+        for (int64_t i = n * S; i < (n + 1) * S; ++i) x += alone(i, a[n]);
+        corr[n] = x;
+      }
+    } else {
+      std::fill(corr.begin(), corr.end(), 0.0);
+      for (int64_t i = 0; i < E; ++i) corr[es[i]] += alone(i, a[es[i]]);
     }
     for (int64_t k = 0; k < K; ++k) {
       const uint8_t* ck = c.data() + k * R;
@@ -387,6 +402,12 @@ void stream_pass(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E, const in
   }
 }
 
+#if defined(__SSE2__)
+// two ranks' lanes of a reader mask: all-ones where the rank reads the key (an AND keeps the weight, else +0.0)
+const __m128d kLanePair[4] = {_mm_castsi128_pd(_mm_set_epi64x(0, 0)), _mm_castsi128_pd(_mm_set_epi64x(0, -1)),
+                              _mm_castsi128_pd(_mm_set_epi64x(-1, 0)), _mm_castsi128_pd(_mm_set_epi64x(-1, -1))};
+#endif
+
 // stream_pass where no key can saturate (R <= cap, R <= 64, not host-aware: a host planner's 8 ranks, one
 // planner's up to 16), the same sums in the same order: a key's readers and its owner as one bit mask (their
 // union: each rank gets at most one w per element, as there), and each placed sample's rank added to its keys'
@@ -398,16 +419,45 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
   elements_by_sample(N, E, es, S, first, at);
   std::vector<uint64_t> readers(K, 0);
   for (int64_t k = 0; k < K; ++k) readers[k] = own[k] >= 0 ? uint64_t{1} << own[k] : 0;  // the owner, always
-  std::vector<double> score(R, 0.0);
+  std::vector<double> score(std::max<int64_t>(R, 8), 0.0);
   std::vector<int64_t> load(R, 0);
   for (int64_t n = 0; n < N; ++n) {
     uint64_t seen = 0;
-    for (int64_t j = first[n]; j < first[n + 1]; ++j) {
-      const int64_t i = S > 0 ? j : at[j];
-      const double w = w0[i];
-      const uint64_t m = readers[ec[i]];
-      seen |= m;
-      for (uint64_t q = m; q; q &= q - 1) score[__builtin_ctzll(q)] += w;
+    if (R <= 8) {  // a host's ranks: eight lanes, one add each per element (+0.0 where the key is not read leaves a
+                   // sum as it is), where a branch per reader rank mispredicted at every element
+#if defined(__SSE2__)
+      __m128d f0 = _mm_setzero_pd(), f1 = f0, f2 = f0, f3 = f0;
+      for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+        const int64_t i = S > 0 ? j : at[j];
+        const __m128d w = _mm_set1_pd(w0[i]);
+        const uint64_t m = readers[ec[i]];
+        seen |= m;
+        f0 = _mm_add_pd(f0, _mm_and_pd(w, kLanePair[m & 3]));
+        f1 = _mm_add_pd(f1, _mm_and_pd(w, kLanePair[(m >> 2) & 3]));
+        f2 = _mm_add_pd(f2, _mm_and_pd(w, kLanePair[(m >> 4) & 3]));
+        f3 = _mm_add_pd(f3, _mm_and_pd(w, kLanePair[(m >> 6) & 3]));
+      }
+      _mm_storeu_pd(score.data(), f0), _mm_storeu_pd(score.data() + 2, f1);
+      _mm_storeu_pd(score.data() + 4, f2), _mm_storeu_pd(score.data() + 6, f3);
+#else
+      double f[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+        const int64_t i = S > 0 ? j : at[j];
+        const double w = w0[i];
+        const uint64_t m = readers[ec[i]];
+        seen |= m;
+        for (int r = 0; r < 8; ++r) f[r] += (m >> r) & 1 ? w : 0.0;
+      }
+      std::copy(f, f + 8, score.begin());
+#endif
+    } else {
+      for (int64_t j = first[n]; j < first[n + 1]; ++j) {
+        const int64_t i = S > 0 ? j : at[j];
+        const double w = w0[i];
+        const uint64_t m = readers[ec[i]];
+        seen |= m;
+        for (uint64_t q = m; q; q &= q - 1) score[__builtin_ctzll(q)] += w;
+      }
     }
     int64_t best = -1;
     double top = 0.0;
