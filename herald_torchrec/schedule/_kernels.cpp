@@ -103,14 +103,14 @@ void rounds(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
   std::vector<int64_t> best, cnt(R), keep;
   std::vector<float> bval, regret;
   std::vector<std::pair<double, int64_t>> bids;
-  std::vector<char> open(R);
+  std::vector<float> closed(R);  // 0 for an open column, -inf for a full one (added: a finite score stays as it is)
   while (true) {
     const int64_t n = static_cast<int64_t>(todo.size());
     if (n == 0) break;
     int64_t nopen = 0, last_open = -1;
     for (int64_t r = 0; r < R; ++r) {
-      open[r] = room[r] > 0;
-      if (open[r]) ++nopen, last_open = r;
+      closed[r] = room[r] > 0 ? 0.0f : neg;
+      if (room[r] > 0) ++nopen, last_open = r;
     }
     if (nopen == 1) {
       for (int64_t s : todo) out[s] = last_open;
@@ -121,18 +121,17 @@ void rounds(const float* sc, int64_t N, int64_t R, int64_t B, int64_t* out) {
     regret.assign(n, 0.0f);
     std::fill(cnt.begin(), cnt.end(), int64_t{0});
     for (int64_t i = 0; i < n; ++i) {
+      // the best column (the first of equals) and the best of the others in one pass, without a branch: which
+      // column wins is the data's coin toss
       const float* row = sc + todo[i] * R;
       int64_t b = 0;
-      float bv = open[0] ? row[0] : neg;
+      float bv = row[0] + closed[0], second = neg;
       for (int64_t r = 1; r < R; ++r) {
-        const float v = open[r] ? row[r] : neg;
-        if (v > bv) bv = v, b = r;
-      }
-      float second = neg;
-      for (int64_t r = 0; r < R; ++r) {
-        if (r == b) continue;
-        const float v = open[r] ? row[r] : neg;
-        second = std::max(second, v);
+        const float v = row[r] + closed[r];
+        const bool gt = v > bv;
+        second = gt ? bv : std::max(second, v);
+        b = gt ? r : b;
+        bv = gt ? v : bv;
       }
       best[i] = b;
       bval[i] = bv;
