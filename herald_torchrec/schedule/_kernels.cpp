@@ -22,20 +22,38 @@
 namespace {
 
 // A key's table, ROW_WISE home rank and directory host (HeraldHierPolicy.table_of / home_of / directory_host_of) for
-// keys taken in ascending order, with a division only where the (table, home) changes, at most T x R times: a 64-bit
-// division per key was most of a host's demand pass.
-struct HomeWalk {
+// keys taken mostly in ascending order, as a host's sorted keys, moves and victims come: the table walked forward from
+// the last key's (a binary search only where a key goes back: one per key mispredicted a branch at each of its ~5
+// steps), the home stepped forward a block at a time within a table and divided for only where a key starts a table
+// or goes back (a 64-bit division per key was most of a host's demand pass). An ascending pass meets each (table,
+// home) once: at most T x R steps. Keys must be in the layout (`in_layout`); P and H only serve `dir`.
+struct KeyWalk {
   const int64_t* offsets;  // [T + 1]
-  const int64_t* block;    // [T]: ROW_WISE rows per home rank
+  const int64_t* block;    // [T]: ROW_WISE rows per home rank (positive)
   int64_t T, P, H;
-  int64_t t = 0, home = 0, lo = 0, hi = 0, dir = 0;  // the rows [lo, hi) of (t, home), and their directory host
+  int64_t t = 0, home = 0, dir = 0, lo = 0, hi = 0;  // the rows [lo, hi) of (t, home) and their directory host
+  KeyWalk(const int64_t* offsets_, const int64_t* block_, int64_t T_, int64_t P_ = 1, int64_t H_ = 1)
+      : offsets(offsets_), block(block_), T(T_), P(P_), H(H_) {}
+  bool in_layout(int64_t key) const { return key >= offsets[0] && key < offsets[T]; }
+  // the walk at `key`'s table (home not looked at)
+  int64_t table(int64_t key) {
+    if (key < offsets[t]) t = std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1, lo = hi = 0;
+    while (key >= offsets[t + 1]) ++t, lo = hi = 0;
+    return t;
+  }
+  // the walk at `key`'s table and home
   void to(int64_t key) {
-    if (key < hi) return;
-    while (t + 1 < T && key >= offsets[t + 1]) ++t;
-    home = (key - offsets[t]) / block[t];
-    lo = offsets[t] + home * block[t];
-    hi = std::min(lo + block[t], offsets[t + 1]);
-    dir = (home / P + t) % H;
+    if (key >= lo && key < hi) return;
+    table(key);
+    if (hi > lo && key >= hi) {  // further in the same table
+      do ++home, lo = hi, hi = std::min(lo + block[t], offsets[t + 1]);
+      while (key >= hi);
+    } else {
+      home = (key - offsets[t]) / block[t];
+      lo = offsets[t] + home * block[t];
+      hi = std::min(lo + block[t], offsets[t + 1]);
+    }
+    if (H > 1) dir = (home / P + t) % H;  // (a walk for tables and homes only divides no further)
   }
 };
 
@@ -857,7 +875,7 @@ struct HostOfRank {
 
 extern "C" {
 
-int herald_kernels_version() { return 18; }
+int herald_kernels_version() { return 19; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1470,14 +1488,15 @@ void herald_scheduled_elements(int64_t N, int64_t width, const int64_t* cid, int
 }
 
 // HostPlanner's demand (phase 1): a host batch's sorted keys by directory host (HeraldHierPolicy.directory_host_of:
-// the home rank's host shifted by the key's table, mod H; tables from the T + 1 offsets, walked once as the keys are
-// sorted, HomeWalk), each host's in key order: every key's directory host, the keys' order, each key's index in its
-// host's demand, and the keys per host [H].
-void herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* offsets, const int64_t* block, int64_t P,
-                   int64_t H, int64_t* dir_host, int64_t* order, int64_t* index, int64_t* per_host) {
+// the home rank's host shifted by the key's table, mod H; KeyWalk), each host's in key order: every key's directory
+// host, the keys' order, each key's index in its host's demand, and the keys per host [H]. Returns -1 (last_error)
+// where a key is outside the layout.
+int herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* offsets, const int64_t* block, int64_t P,
+                  int64_t H, int64_t* dir_host, int64_t* order, int64_t* index, int64_t* per_host) {
   std::fill(per_host, per_host + H, int64_t{0});
-  HomeWalk walk{offsets, block, T, P, H};
+  KeyWalk walk(offsets, block, T, P, H);
   for (int64_t k = 0; k < K; ++k) {
+    if (!walk.in_layout(keys[k])) return last_error = "demand: a key outside the layout", -1;
     walk.to(keys[k]);
     dir_host[k] = walk.dir;
     index[k] = per_host[dir_host[k]]++;
@@ -1485,6 +1504,7 @@ void herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* off
   std::vector<int64_t> at(H, 0);
   for (int64_t h = 1; h < H; ++h) at[h] = at[h - 1] + per_host[h - 1];
   for (int64_t k = 0; k < K; ++k) order[at[dir_host[k]] + index[k]] = k;
+  return 0;
 }
 
 // reads.step_reads, dense path: distinct (key, rank) pairs sorted by key then rank, for element keys `cid` and
@@ -1648,21 +1668,6 @@ int64_t route_shared_rows(int64_t n, const int64_t* ro, const int64_t* rd, const
 // HostPlanner.routed's bits of a table in a host's step summary (host_messages.MOVED, SHARED, RELAYED)
 constexpr uint8_t kMoved = 1, kShared = 2, kRelayed = 4;
 
-// hierarchy.HeraldHierPolicy.table_of of keys one by one: the table whose [offsets[t], offsets[t + 1]) holds a key
-// (T + 1 offsets), -1 for none (sorted_tables drops such a key). Each part's keys come sorted: from the last key's
-// table it steps over the boundaries passed, a binary search only where a key goes back (a binary search per key
-// mispredicts a branch at each of its ~5 steps).
-struct TableWalk {
-  const int64_t* offsets;
-  int64_t T, t = 0;
-  TableWalk(const int64_t* offsets_, int64_t T_) : offsets(offsets_), T(T_) {}
-  int64_t operator()(int64_t key) {
-    if (key < offsets[t]) t = std::max<int64_t>(std::upper_bound(offsets, offsets + T + 1, key) - offsets - 1, 0);
-    while (t < T && key >= offsets[t + 1]) ++t;
-    return t < T && key >= offsets[t] ? t : -1;
-  }
-};
-
 // herald_route_part for ranks (and reader counts) of type Rk: the planners' wire carries them as int16 or int32.
 template <typename Rk>
 int64_t route_part(const int64_t* dims, void* const* arrays) {
@@ -1734,15 +1739,14 @@ int64_t route_part(const int64_t* dims, void* const* arrays) {
   // a victim to h, its home host and its directory host (directory_host_of), each once: numpy's sorted_distinct codes
   std::vector<int64_t> v_home(n_vic), v_dir(n_vic);
   std::vector<int64_t> v_table(n_vic);
-  TableWalk victim_table(offsets, T);
+  KeyWalk victim_walk(offsets, block, T, P, H);
   for (int64_t v = 0; v < n_vic; ++v) {
-    const int64_t t = v_table[v] = victim_table(victims[v]);
-    if (t < 0) {
+    if (!victim_walk.in_layout(victims[v])) {
       last_error = "victim " + std::to_string(victims[v]) + " is in no table of the layout";
       return -2;
     }
-    const int64_t home = (victims[v] - offsets[t]) / block[t] / P;
-    v_home[v] = home, v_dir[v] = (home + t) % H;
+    victim_walk.to(victims[v]);
+    v_table[v] = victim_walk.t, v_home[v] = victim_walk.home / P, v_dir[v] = victim_walk.dir;
   }
   auto victim_hosts = [&](int64_t v, auto&& to) {
     const int64_t a = v_home[v], d = v_dir[v];
@@ -1756,12 +1760,13 @@ int64_t route_part(const int64_t* dims, void* const* arrays) {
   // the summary: (hit, remote, migrations, victims) and each table's bits
   summary[0] = counts[0], summary[1] = counts[1], summary[2] = n_mig, summary[3] = n_vic;
   std::fill(flags, flags + T, uint8_t{0});
-  TableWalk mig_table(offsets, T), shared_table(offsets, T);
+  KeyWalk mig_walk(offsets, block, T), shared_walk(offsets, block, T);  // (a key in no table flags none)
   for (int64_t m = 0; m < n_mig; ++m)
-    if (const int64_t t = mig_table(mig_key[m]); t >= 0) flags[t] |= kMoved;
+    if (mig_walk.in_layout(mig_key[m])) flags[mig_walk.table(mig_key[m])] |= kMoved;
   for (int64_t v = 0; v < n_vic; ++v) flags[v_table[v]] |= kMoved;
   for (int64_t i = 0; i < n; ++i)
-    if (const int64_t t = shared_table(sh_key[i]); t >= 0) flags[t] |= relayed[i] ? kShared | kRelayed : kShared;
+    if (shared_walk.in_layout(sh_key[i]))
+      flags[shared_walk.table(sh_key[i])] |= relayed[i] ? kShared | kRelayed : kShared;
   // host t's slice of each field: migrations (3), runs (3), pairs, victims (2), the summary and the bits whole
   constexpr int64_t W = 11;
   for (int64_t t = 0; t < H; ++t) {
@@ -2360,26 +2365,20 @@ void host_decide(int64_t S, const int64_t* first, const int64_t* n_of, const int
   if (is_static) std::copy(own, own + K, want);  // every row stays with its owner
   // phase 6: the moves (want != own) to the destination's host; the pins (guests, own != home, that no rank of the
   // owner's host reads) to the owner's host. No division per key (3 of them cost ~40% of the pass): a rank's host
-  // from a table, and home = (key - offsets[t]) // block[t], t = searchsorted(offsets, key, "right") - 1, walked
-  // along the keys (ascending: the pairs' ranks are checked to be 0..R-1), divided where a key starts a table
+  // from a table, the keys' homes from a KeyWalk along them
   static thread_local std::vector<int64_t> host_of;
   host_of.resize(R);
   for (int64_t r = 0; r < R; ++r) host_of[r] = r / P;
   // branch-free where the data decides (a mispredicted branch per key cost more than the divisions)
   std::vector<int64_t> mv(K), mv_host(K), pin(K), pin_host(K);
   int64_t n_mv = 0, n_pin = 0;
-  for (int64_t k = 0, t = -1, home = 0, next = 0; k < K; ++k) {
+  KeyWalk walk(offsets, block, T);
+  for (int64_t k = 0; k < K; ++k) {
     const int64_t key = keys[k], o = own[k], w = want[k];
     if (o < 0 || o >= R || w < 0 || w >= R) throw std::runtime_error("host_decide: a rank outside the hosts");
-    int64_t u = std::max<int64_t>(t, 0);
-    while (u < T && offsets[u + 1] <= key) ++u;
-    if (key < offsets[0] || u >= T) throw std::runtime_error("host_decide: a key outside the tables");
-    if (u != t) {
-      t = u;
-      home = (key - offsets[t]) / block[t];
-      next = offsets[t] + (home + 1) * block[t];  // the first row of the next home rank
-    }
-    for (; key >= next; next += block[t]) ++home;
+    if (!walk.in_layout(key)) throw std::runtime_error("host_decide: a key outside the tables");
+    walk.to(key);
+    const int64_t home = walk.home;
     const int64_t oh = host_of[o], lo = oh * P;  // the owner's host and its first rank
     bool host_reads = false;  // pr // P == own // P for a pair of the key
     for (int64_t p = start[k]; p < start[k] + count[k]; ++p)
@@ -2632,30 +2631,27 @@ struct HostPlanOut {
 
 template <typename RK>
 int host_plan(const HostPlanIn& in, const HostPlanOut& out) {
-  const int64_t T = in.T, P = in.P, h = in.h, end = in.offsets[T];
+  const int64_t T = in.T, P = in.P, h = in.h;
   const RK *mig_src = static_cast<const RK*>(in.mig_src), *mig_dst = static_cast<const RK*>(in.mig_dst);
   const RK *sh_owner = static_cast<const RK*>(in.sh_owner), *sh_count = static_cast<const RK*>(in.sh_count);
   const RK *sh_readers = static_cast<const RK*>(in.sh_readers), *victim_src = static_cast<const RK*>(in.victim_src);
   const RK* ranks = static_cast<const RK*>(in.ranks);
   for (int64_t t = 0; t < T; ++t)
     if (in.block[t] <= 0) return last_error = "host_plan: a table's home block is not positive", 1;
-  // the moves: migrations, then victims (sent home from their owner), in one stable order by key; a key's table by
-  // a walk over the layout's offsets (sorted_tables), its row and home rank from them
+  // the moves: migrations, then victims (sent home from their owner), in one stable order by key; a key's table and
+  // home rank by a walk along them (sorted_tables, home_of)
   const int64_t n = in.n_mig + in.n_vic;
   std::vector<int64_t> key(n), o(n);
   std::copy(in.mig_key, in.mig_key + in.n_mig, key.begin());
   std::copy(in.victims, in.victims + in.n_vic, key.begin() + in.n_mig);
   merge_runs_order(n, key.data(), o.data());
   int64_t kept = 0;
-  for (int64_t i = 0, t = 0, home = 0, home_end = 0; i < n; ++i) {
+  KeyWalk walk(in.offsets, in.block, T);
+  for (int64_t i = 0; i < n; ++i) {
     const int64_t j = o[i], g = key[j];
-    if (g < 0 || g >= end) return last_error = "host_plan: a move's key is outside the layout", 1;
-    if (g >= in.offsets[t + 1]) {
-      while (g >= in.offsets[t + 1]) ++t;
-      home_end = 0;
-    }
-    const int64_t row = g - in.offsets[t];
-    if (row >= home_end) home = row / in.block[t], home_end = (home + 1) * in.block[t];  // (rows ascending)
+    if (!walk.in_layout(g)) return last_error = "host_plan: a move's key is outside the layout", 1;
+    walk.to(g);
+    const int64_t t = walk.t, home = walk.home, row = g - in.offsets[t];
     const bool victim = j >= in.n_mig;
     const int64_t src = victim ? victim_src[j - in.n_mig] : mig_src[j], dst = victim ? home : mig_dst[j];
     out.r_gid[i] = g, out.r_dst[i] = dst, out.r_src[i] = src, out.r_home[i] = home, out.r_table[i] = t;
@@ -2667,19 +2663,20 @@ int host_plan(const HostPlanIn& in, const HostPlanOut& out) {
   }
   // the replica's moves: then the host's own migrations no part brought (~in_sorted: a forward scan where they come
   // in key order, a binary search where not), with their table and home rank (table_of, home_of)
+  KeyWalk own_walk(in.offsets, in.block, T);
   int64_t m = n;
   for (int64_t q = 0, p = 0, last = 0; q < in.n_own; ++q) {
     const int64_t k = in.own_idx[q];
     if (k < 0 || k >= in.K) return last_error = "host_plan: a migration's index is outside the host's keys", 1;
     const int64_t g = in.keys[k];
-    if (g < 0 || g >= end) return last_error = "host_plan: a migration's key is outside the layout", 1;
+    if (!own_walk.in_layout(g)) return last_error = "host_plan: a migration's key is outside the layout", 1;
     p = q == 0 || g < last ? std::lower_bound(out.r_gid, out.r_gid + n, g) - out.r_gid
                            : gallop<false>(out.r_gid, p, n, g);
     last = g;
     if (p < n && out.r_gid[p] == g) continue;
-    const int64_t t = std::upper_bound(in.offsets, in.offsets + T + 1, g) - in.offsets - 1;
+    own_walk.to(g);
     out.r_gid[m] = g, out.r_dst[m] = in.want[k], out.r_src[m] = in.k_own[k];
-    out.r_home[m] = (g - in.offsets[t]) / in.block[t], out.r_table[m++] = t;
+    out.r_home[m] = own_walk.home, out.r_table[m++] = own_walk.t;
   }
   // shared rows: in one stable order by key, each with its readers (the parts' CSR gathered into key order)
   std::vector<int64_t> so(in.n_sh), start(in.n_sh);
@@ -2692,10 +2689,11 @@ int host_plan(const HostPlanIn& in, const HostPlanOut& out) {
   if (total > in.n_rd) return last_error = "host_plan: the reader counts exceed the readers", 1;
   merge_runs_order(in.n_sh, in.sh_key, so.data());
   out.s_offsets[0] = 0;
-  for (int64_t i = 0, t = 0, r = 0; i < in.n_sh; ++i) {
+  KeyWalk shared_walk(in.offsets, in.block, T);
+  for (int64_t i = 0, r = 0; i < in.n_sh; ++i) {
     const int64_t j = so[i], g = in.sh_key[j];
-    if (g < 0 || g >= end) return last_error = "host_plan: a shared row's key is outside the layout", 1;
-    while (g >= in.offsets[t + 1]) ++t;
+    if (!shared_walk.in_layout(g)) return last_error = "host_plan: a shared row's key is outside the layout", 1;
+    const int64_t t = shared_walk.table(g);
     out.s_table[i] = t, out.s_row[i] = g - in.offsets[t], out.s_owner[i] = sh_owner[j];
     for (int64_t q = start[j]; q < start[j] + sh_count[j]; ++q) out.s_readers[r++] = sh_readers[q];
     out.s_offsets[i + 1] = r;
@@ -2768,7 +2766,7 @@ int herald_host_plan(int64_t rank_size, int64_t n_mig, const int64_t* mig_key, c
 extern "C" {
 
 // HostPlanner.make_room (phase 7) on host t: the moves into its ranks as received, each sender's in key order
-// (keys_in, own_in, want_in, single_in [K]; merge_runs_order sorts them), their tables and homes (HomeWalk), the
+// (keys_in, own_in, want_in, single_in [K]; merge_runs_order sorts them), their tables and homes (KeyWalk), the
 // capacity rounds (host_room_rounds), then the cancelled keys grouped by directory host, each host's in key order, as
 // the cancels message sends them. `window` [L]: the sorted keys of the lookahead batches 1..L. Writes the victims
 // (sorted, at most max_victims) and their count, the cancelled keys and the count per host [H].
@@ -2786,7 +2784,7 @@ int herald_host_room(int64_t K, const int64_t* keys_in, const int64_t* own_in, c
     std::vector<int64_t> o(K), keys(K), own(K), want(K), home(K), tk(K), dir(K), chosen;
     std::vector<uint8_t> single(K);
     merge_runs_order(K, keys_in, o.data());
-    HomeWalk walk{offsets, block, T, P, H};
+    KeyWalk walk(offsets, block, T, P, H);
     for (int64_t i = 0; i < K; ++i) {
       const int64_t j = o[i];
       keys[i] = keys_in[j], own[i] = own_in[j], want[i] = want_in[j], single[i] = single_in[j];

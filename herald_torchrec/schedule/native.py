@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 18  # herald_kernels_version() of the source this module expects
+VERSION = 19  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -57,7 +57,7 @@ SIGNATURES = {
         None,
     ),
     "herald_batch_keys": ([_i64p, _i64, _i64, _i64p, _i64p, _i64p], _i64),
-    "herald_demand": ([_i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], None),
+    "herald_demand": ([_i64, _i64p, _i64, _i64p, _i64p, _i64, _i64, _i64p, _i64p, _i64p, _i64p], ctypes.c_int),
     "herald_scheduled_elements": ([_i64, _i64, _i64p, _i64, _i64p, _i64p, _f64p, _i64, _i64p, _i64p, _f64p], None),
     "herald_last_error": ([], ctypes.c_char_p),
     "herald_make_room": (
@@ -333,9 +333,11 @@ def demand(
     K = k.shape[0]
     dir_host, order, index = (np.empty(K, dtype=np.int64) for _ in range(3))
     per_host = np.empty(H, dtype=np.int64)
-    lib().herald_demand(
+    rc = lib().herald_demand(
         K, _p(k), blk.shape[0], _p(off), _p(blk), P, H, _p(dir_host), _p(order), _p(index), _p(per_host)
     )
+    if rc != 0:
+        raise ValueError(f"native.demand: {lib().herald_last_error().decode()}")
     return dir_host, order, index, per_host
 
 
