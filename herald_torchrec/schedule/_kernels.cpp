@@ -43,7 +43,7 @@ struct KeyWalk {
   }
   // the walk at `key`'s table and home
   void to(int64_t key) {
-    if (key >= lo && key < hi) return;
+    if (static_cast<uint64_t>(key - lo) < static_cast<uint64_t>(hi - lo)) return;  // lo <= key < hi
     table(key);
     if (hi > lo && key >= hi) {  // further in the same table
       do ++home, lo = hi, hi = std::min(lo + block[t], offsets[t + 1]);
@@ -1495,8 +1495,9 @@ int herald_demand(int64_t K, const int64_t* keys, int64_t T, const int64_t* offs
                   int64_t H, int64_t* dir_host, int64_t* order, int64_t* index, int64_t* per_host) {
   std::fill(per_host, per_host + H, int64_t{0});
   KeyWalk walk(offsets, block, T, P, H);
+  if (K && !(walk.in_layout(keys[0]) && walk.in_layout(keys[K - 1])))  // (sorted: the ends hold the rest)
+    return last_error = "demand: a key outside the layout", -1;
   for (int64_t k = 0; k < K; ++k) {
-    if (!walk.in_layout(keys[k])) return last_error = "demand: a key outside the layout", -1;
     walk.to(keys[k]);
     dir_host[k] = walk.dir;
     index[k] = per_host[dir_host[k]]++;
