@@ -396,6 +396,13 @@ def test_a_hosts_demand_by_directory_host(compiled):
     for h in range(4):
         np.testing.assert_array_equal(hp.demand_index[dh == h], np.arange((dh == h).sum()))
     assert hp.demand_counts.min() > 0  # every host demanded something
+    from herald_torchrec.schedule import native
+
+    if compiled is None and native.enabled():  # a key past the last table is an error, not a read past the layout
+        block = pol.directory.block
+        with pytest.raises(ValueError, match="outside the layout"):
+            native.demand(np.array([0, 32], dtype=np.int64), pol.layout.offsets, block, 2, 4)
+        assert native.demand(np.array([0, 31], dtype=np.int64), pol.layout.offsets, block, 2, 4)[3].sum() == 2
 
 
 def test_the_per_host_settings_planner_holds_no_per_row_state():
