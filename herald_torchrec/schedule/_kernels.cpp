@@ -5,6 +5,7 @@
 // headers). Floating point must not be contracted (FMA) or reassociated: compile with -ffp-contract=off and
 // without -ffast-math. Every array is C-contiguous; ids and counts are int64.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -762,31 +763,39 @@ void slots_remove(Slots& sl, const std::vector<int64_t>& keys, const std::vector
     pos[i] = sl.pos_of[keys[i]];
     if (pos[i] < 0) throw std::runtime_error("GuestSlots.remove: key is not a member");
   }
+  // the holes (removed rows below their group's new fill) in ascending order, the survivors above it moved into
+  // them in ascending order; numpy sorts every hole, and as regions are disjoint a group's movers fill its own holes
+  // (as many as it has), so each group's holes are sorted alone: a counting sort by group, then small sorts
+  std::vector<int64_t> hs(sl.G + 1, 0);
+  std::vector<uint8_t> is_hole(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     sl.slot[pos[i]] = -1;
     sl.pos_of[keys[i]] = -1;
-    if (pos[i] < sl.base[groups[i]] + sl.fill[groups[i]] - d[groups[i]]) holes.push_back(pos[i]);
+    is_hole[i] = pos[i] < sl.base[groups[i]] + sl.fill[groups[i]] - d[groups[i]];
+    hs[groups[i] + 1] += is_hole[i];
   }
-  std::sort(holes.begin(), holes.end());  // regions are disjoint: holes region by region, movers likewise
-  std::vector<int64_t> ug;
-  for (int64_t g = 0; g < sl.G; ++g)
-    if (d[g]) ug.push_back(g);
-  std::stable_sort(ug.begin(), ug.end(), [&](int64_t x, int64_t y) { return sl.base[x] < sl.base[y]; });
-  size_t h = 0;
-  for (int64_t g : ug) {
+  for (int64_t g = 0; g < sl.G; ++g) hs[g + 1] += hs[g];
+  holes.resize(hs[sl.G]);
+  std::vector<int64_t> at(hs.begin(), hs.end() - 1);
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (is_hole[i]) holes[at[groups[i]]++] = pos[i];
+  for (int64_t g = 0; g < sl.G; ++g) {
+    if (!d[g]) continue;
+    std::sort(holes.begin() + hs[g], holes.begin() + hs[g + 1]);
     const int64_t nf = sl.fill[g] - d[g];
+    int64_t h = hs[g];
     for (int64_t p = sl.base[g] + nf; p < sl.base[g] + sl.fill[g]; ++p) {
       if (sl.slot[p] < 0) continue;
-      if (h >= holes.size()) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
+      if (h >= hs[g + 1]) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
       const int64_t key = sl.slot[p];
       sl.slot[holes[h]] = key;
       sl.slot[p] = -1;
       sl.pos_of[key] = static_cast<int32_t>(holes[h]);
       ++h;
     }
+    if (h != hs[g + 1]) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
     sl.fill[g] = nf;
   }
-  if (h != holes.size()) throw std::runtime_error("GuestSlots.remove: hole/mover mismatch");
 }
 
 // GuestSlots.add: append keys to their groups (stable by group); returns their slots in input order.
@@ -1346,6 +1355,37 @@ int64_t herald_host_reads(int64_t E, const int64_t* cid, int64_t width, const in
     for (int64_t i = 0; i < E; ++i) ++cells[cid[i] * P + sample_rank[smp[i]]];
   }
   std::fill(bounds, bounds + H + 1, 0);
+#if defined(__SSE2__)
+  if (P == 8) {  // a host's 8 ranks: each key's readers as a byte from two compares (a branch per cell mispredicted
+                 // at the one or two ranks that read a key), then one step per reader
+    static const auto ones = [] {
+      std::array<uint8_t, 256> n{};
+      for (int m = 1; m < 256; ++m) n[m] = static_cast<uint8_t>(n[m >> 1] + (m & 1));
+      return n;
+    }();
+    std::vector<uint8_t> readers(K);
+    const __m128i zero = _mm_setzero_si128();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m128i* c = reinterpret_cast<const __m128i*>(cells + k * 8);
+      const int none = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(_mm_loadu_si128(c), zero))) |
+                       _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(_mm_loadu_si128(c + 1), zero))) << 4;
+      readers[k] = static_cast<uint8_t>(~none & 0xFF);
+      bounds[dest[k] + 1] += ones[readers[k]];
+    }
+    for (int64_t t = 0; t < H; ++t) bounds[t + 1] += bounds[t];
+    std::vector<int64_t> at(bounds, bounds + H);
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t& q = at[dest[k]];
+      for (unsigned m = readers[k]; m; m &= m - 1) {
+        const int r = __builtin_ctz(m);
+        out_index[q] = static_cast<int32_t>(index[k]);
+        out_rank[q] = rank0 + r;
+        out_count[q++] = cells[k * 8 + r];
+      }
+    }
+    return bounds[H];
+  }
+#endif
   for (int64_t k = 0; k < K; ++k)
     for (int64_t r = 0; r < P; ++r) bounds[dest[k] + 1] += cells[k * P + r] > 0;
   for (int64_t t = 0; t < H; ++t) bounds[t + 1] += bounds[t];

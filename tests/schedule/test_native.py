@@ -206,12 +206,13 @@ def test_batch_keys_bitmap_at_word_edges():
     np.testing.assert_array_equal(cnt, c)
 
 
+@pytest.mark.parametrize("P", [4, 8])  # 8: a key's readers as a byte (SSE2)
 @pytest.mark.parametrize("kind", ["dense", "jagged"])
-def test_host_reads_equal_step_reads(kind):
+def test_host_reads_equal_step_reads(kind, P):
     """A host's reads message compiled: every (key, rank) pair with its element count, grouped by directory host, in
     step_reads' (key, rank) order, against step_reads and a bincount of the elements."""
     rng = np.random.default_rng(10)
-    P, H = 4, 3
+    H = 3
     b = _batch(_trace(kind, P, 12, 1, seed=11)[0], 0)
     bk = batch_keys(b, Scratch())
     K = bk.keys.shape[0]
