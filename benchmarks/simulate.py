@@ -316,9 +316,8 @@ def run_policies(args, R: int) -> dict:
             "steps": step,
             "plan_digest": digests[n].hexdigest()[:16],  # equal digests: the same plans, step by step
         }
-        if getattr(
-            pols[n], "last_host_plans", None
-        ):  # herald_hier: each host's own plan (the whole one is their union)
+        # herald_hier: each host's own plan (the whole one is their union)
+        if getattr(pols[n], "last_host_plans", None):
             entry["host_plans_digest"] = host_digests[n].hexdigest()[:16]
         entry.update(hosts[n].summary(n_meas, R * B))
         if n in protocol:

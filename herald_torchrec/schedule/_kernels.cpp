@@ -441,9 +441,9 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
   std::vector<int64_t> load(R, 0);
   for (int64_t n = 0; n < N; ++n) {
     uint64_t seen = 0;
-    if (R <= 8) {  // a host's ranks: eight lanes, one add each per element (+0.0 where the key is not read leaves a
-                   // sum as it is), where a branch per reader rank mispredicted at every element
 #if defined(__SSE2__)
+    if (R <= 8) {  // a host's ranks: eight lanes, one add each per element (+0.0 where the key is not read leaves a
+                   // sum as it is), where the loop over the reader bits below mispredicted its exit at every element
       __m128d f0 = _mm_setzero_pd(), f1 = f0, f2 = f0, f3 = f0;
       for (int64_t j = first[n]; j < first[n + 1]; ++j) {
         const int64_t i = S > 0 ? j : at[j];
@@ -457,18 +457,9 @@ void stream_pass_uncapped(int64_t N, int64_t R, int64_t B, int64_t K, int64_t E,
       }
       _mm_storeu_pd(score.data(), f0), _mm_storeu_pd(score.data() + 2, f1);
       _mm_storeu_pd(score.data() + 4, f2), _mm_storeu_pd(score.data() + 6, f3);
-#else
-      double f[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-      for (int64_t j = first[n]; j < first[n + 1]; ++j) {
-        const int64_t i = S > 0 ? j : at[j];
-        const double w = w0[i];
-        const uint64_t m = readers[ec[i]];
-        seen |= m;
-        for (int r = 0; r < 8; ++r) f[r] += (m >> r) & 1 ? w : 0.0;
-      }
-      std::copy(f, f + 8, score.begin());
+    } else
 #endif
-    } else {
+    {
       for (int64_t j = first[n]; j < first[n + 1]; ++j) {
         const int64_t i = S > 0 ? j : at[j];
         const double w = w0[i];

@@ -1104,22 +1104,6 @@ def host_part(
     )  # fmt: skip
 
 
-# ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
-@dataclass
-class SharedRoutes:
-    """A home host's shared pairs by the host that executes them (host_planner.HostPlanner.routed): host t gets pairs
-    `pair[dest_bounds[t]:dest_bounds[t + 1]]` (indices into the readers, in order), as runs of one row's pairs
-    (`run_row`, `run_count`, host t's runs at `run_bounds[t]:run_bounds[t + 1]`); `relayed`: the rows with a (row,
-    host) group a host relay serves."""
-
-    dest_bounds: np.ndarray
-    pair: np.ndarray
-    run_bounds: np.ndarray
-    run_row: np.ndarray
-    run_count: np.ndarray
-    relayed: np.ndarray
-
-
 @dataclass
 class RoutedPart:
     """A directory host's part of the plan split by the host that needs each entry (host_planner.HostPlanner.routed):
@@ -1183,6 +1167,7 @@ def route_part(
     return RoutedPart(fields, starts, stops)
 
 
+# ---- the plan's flat wire form (plan_wire.py) --------------------------------------------------------------------
 def wire_assignment(sample_order: np.ndarray, R: int, B: int) -> np.ndarray | None:
     """plan_wire._assignment (each sample's rank), or None where the sample order does not determine it."""
     so = _c(sample_order, np.int64)

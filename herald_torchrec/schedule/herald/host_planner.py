@@ -375,11 +375,26 @@ class HostPlanner:
         return {h: Outbox(list(range(H)), fields, lo[:-1], hi[1:])}
 
 
+@dataclass
+class _SharedRoutes:
+    """A home host's shared pairs by the host that executes them (`HostPlanner.routed`, numpy): host t gets pairs
+    `pair[dest_bounds[t]:dest_bounds[t + 1]]` (indices into the readers, in order), as runs of one row's pairs
+    (`run_row`, `run_count`, host t's runs at `run_bounds[t]:run_bounds[t + 1]`); `relayed`: the rows with a (row,
+    host) group a host relay serves."""
+
+    dest_bounds: np.ndarray
+    pair: np.ndarray
+    run_bounds: np.ndarray
+    run_row: np.ndarray
+    run_count: np.ndarray
+    relayed: np.ndarray
+
+
 def _route_shared(
     count: np.ndarray, readers: np.ndarray, row: np.ndarray, before: np.ndarray, after: np.ndarray, P: int, H: int
-) -> native.SharedRoutes:
+) -> _SharedRoutes:
     """A directory host's shared pairs by the host that executes them (`HostPlanner.routed`;
-    `native.SharedRoutes`): every pair to the hosts of its row's owners before and after the moves, and each other
+    `_SharedRoutes`): every pair to the hosts of its row's owners before and after the moves, and each other
     host its own pairs, the pairs' order (key, then rank) kept within a host; and the rows a host relay serves
     somewhere (`relayed_pairs`). numpy: (host, pair) codes, one sort (the kernels route the whole part,
     `native.route_part`)."""
@@ -397,7 +412,7 @@ def _route_shared(
     hosts = np.arange(H + 1)
     relayed = np.zeros(count.shape[0], dtype=bool)
     relayed[row[relayed_pairs(row, readers, before, after, np.arange(H * P) // P)]] = True
-    return native.SharedRoutes(
+    return _SharedRoutes(
         dest_bounds=np.searchsorted(dest, hosts),
         pair=pair,
         run_bounds=np.searchsorted(dest[run], hosts),
