@@ -807,6 +807,48 @@ void slots_add(Slots& sl, const std::vector<int64_t>& keys, const std::vector<in
   for (int64_t g = 0; g < sl.G; ++g) sl.fill[g] += a[g];
 }
 
+// What growing a group's region changes besides its members' slots (GuestSlots: base, alloc, group_of_slot, top),
+// the slot array's length and the smallest region (GuestSlots.MIN_REGION).
+struct Regions {
+  int64_t* base;
+  int64_t* alloc;
+  int32_t* group_of_slot;
+  int64_t* top;
+  int64_t n_slots, min_region;
+};
+
+// GuestSlots.reserve where the slot array's free end has room: every group whose region holds fewer than need[g]
+// slots moves there (in group order, members in order) to a region of max(need, twice its size, min_region) slots
+// (at most its capacity), its old region left as garbage: the same layout as numpy's. False, nothing changed, where
+// the end lacks room (numpy then lays every region out again in a larger array).
+bool grow_regions(const Slots& sl, const Regions& rg, const int64_t* need) {
+  const auto size_of = [&](int64_t g) {
+    return std::min(sl.cap[g], std::max(need[g], std::max(2 * rg.alloc[g], rg.min_region)));
+  };
+  int64_t total = 0;
+  for (int64_t g = 0; g < sl.G; ++g)
+    if (need[g] > rg.alloc[g]) total += size_of(g);
+  if (*rg.top + total > rg.n_slots) return false;
+  int64_t at = *rg.top;
+  for (int64_t g = 0; g < sl.G; ++g) {
+    if (need[g] <= rg.alloc[g]) continue;
+    const int64_t size = size_of(g), b = rg.base[g];
+    for (int64_t i = 0; i < sl.fill[g]; ++i) {
+      const int64_t key = sl.slot[b + i];
+      sl.slot[at + i] = key;
+      sl.pos_of[key] = static_cast<int32_t>(at + i);
+    }
+    std::fill(sl.slot + b, sl.slot + b + rg.alloc[g], int64_t{-1});
+    std::fill(rg.group_of_slot + b, rg.group_of_slot + b + rg.alloc[g], int32_t{-1});
+    std::fill(rg.group_of_slot + at, rg.group_of_slot + at + size, static_cast<int32_t>(g));
+    rg.base[g] = at;
+    rg.alloc[g] = size;
+    at += size;
+  }
+  *rg.top = at;
+  return true;
+}
+
 // EvictionPool.arrived: rows just added at `pos` (floor set) join their group's pool if below its threshold.
 void pool_arrived(const Slots& sl, Pool& pool, const int32_t* floor, const int64_t* pos, int64_t n) {
   std::vector<int64_t> a(sl.G, 0);
@@ -875,7 +917,7 @@ struct HostOfRank {
 
 extern "C" {
 
-int herald_kernels_version() { return 19; }
+int herald_kernels_version() { return 20; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1170,12 +1212,12 @@ int herald_release_guests(int64_t M, const int64_t* gid, const int64_t* src, con
 // herald_land_guests / herald_move_guests: the moving rows that are guests of ranks [lo, hi) leave their groups
 // (src != nullptr: a host that applies its moves alone; else they left already, herald_release_guests), every row
 // gets its new owner, and the rows arriving as guests of those ranks join their groups and, below their group's
-// threshold, its pool. Where a group's region is too small it changes nothing, writes every group's fill after the
-// moves to `need` and returns 2: the caller reserves the regions (GuestSlots.reserve, as GuestSlots.add does) and
-// calls again.
+// threshold, its pool. A group's region too small grows into the slot array's free end (grow_regions, as
+// GuestSlots.reserve does); where the end lacks room it changes nothing, writes every group's fill after the moves
+// to `need` and returns 2: the caller reserves the regions (GuestSlots.reserve lays them out again) and calls again.
 static int move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
-                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, Slots sl, Pool pool,
-                       const int32_t* floor, int64_t* need) {
+                       const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, Slots sl,
+                       const Regions& rg, Pool pool, const int32_t* floor, int64_t* need) {
   try {
     std::vector<int64_t> lk, lg, ak, ag;
     if (src) guests_at(M, gid, src, home, table, lo, hi, T, lk, lg);
@@ -1188,7 +1230,7 @@ static int move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
       if (need[x] > sl.cap[x]) throw std::runtime_error("GuestSlots.add: group over capacity");
       grow = grow || need[x] > sl.alloc[x];
     }
-    if (grow) return 2;
+    if (grow && !grow_regions(sl, rg, need)) return 2;
     slots_remove(sl, lk, lg);
     for (int64_t i = 0; i < M; ++i) owner[gid[i]] = static_cast<int32_t>(dst[i]);
     arrive(sl, pool, floor, ak, ag);
@@ -1201,12 +1243,12 @@ static int move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
 
 // OwnershipDirectory.land_guests + EvictionPool.arrived (move_guests, the guests having left already).
 int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const int64_t* home, const int64_t* table,
-                       int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G, const int64_t* cap,
-                       const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of,
-                       int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys, int64_t* pool_count,
-                       const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
-  return move_guests(M, gid, nullptr, dst, home, table, lo, hi, T, owner,
-                     Slots{G, cap, base, alloc, fill, slot, pos_of},
+                       int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G, const int64_t* cap, int64_t* base,
+                       int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of, int64_t* top, int64_t n_slots,
+                       int64_t min_region, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
+                       int64_t* pool_count, int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+  return move_guests(M, gid, nullptr, dst, home, table, lo, hi, T, owner, Slots{G, cap, base, alloc, fill, slot, pos_of},
+                     Regions{base, alloc, group_of_slot, top, n_slots, min_region},
                      Pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr}, floor, need);
 }
 
@@ -1215,10 +1257,12 @@ int herald_land_guests(int64_t M, const int64_t* gid, const int64_t* dst, const 
 // (returns 2 with `need`, every group's fill after the moves, as herald_land_guests does).
 int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const int64_t* dst, const int64_t* home,
                        const int64_t* table, int64_t lo, int64_t hi, int64_t T, int32_t* owner, int64_t G,
-                       const int64_t* cap, const int64_t* base, const int64_t* alloc, int64_t* fill, int64_t* slot,
-                       int32_t* pos_of, int64_t pool_size, int64_t* tau, const int64_t* row, int64_t* pool_keys,
-                       int64_t* pool_count, const int32_t* group_of_slot, const int32_t* floor, int64_t* need) {
+                       const int64_t* cap, int64_t* base, int64_t* alloc, int64_t* fill, int64_t* slot, int32_t* pos_of,
+                       int64_t* top, int64_t n_slots, int64_t min_region, int64_t pool_size, int64_t* tau,
+                       const int64_t* row, int64_t* pool_keys, int64_t* pool_count, int32_t* group_of_slot,
+                       const int32_t* floor, int64_t* need) {
   return move_guests(M, gid, src, dst, home, table, lo, hi, T, owner, Slots{G, cap, base, alloc, fill, slot, pos_of},
+                     Regions{base, alloc, group_of_slot, top, n_slots, min_region},
                      Pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr}, floor, need);
 }
 

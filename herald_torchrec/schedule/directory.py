@@ -63,7 +63,8 @@ class GuestSlots:
         self.base = np.zeros(G, dtype=np.int64)
         self.alloc = np.zeros(G, dtype=np.int64)
         self.fill = np.zeros(G, dtype=np.int64)
-        self.top = 0  # slots used by regions, live or garbage: [top, len(slot)) is free
+        # slots used by regions, live or garbage: [top, len(slot)) is free (an array: the kernels grow regions too)
+        self.top_cell = np.zeros(1, dtype=np.int64)
         self.slot = np.full(0, -1, dtype=np.int64)
         self.group_of_slot = np.full(0, -1, dtype=np.int32)  # the group whose region holds each slot (-1: none)
         # int32 positions where they fit: the per-worker caches of the HET-style policies index R x rows keys
@@ -72,6 +73,14 @@ class GuestSlots:
         # per-slot values that travel with their key (e.g. cached version, last use)
         self.payload = {name: np.zeros(0, dtype=np.int64) for name in payload}
         self.generation = 0
+
+    @property
+    def top(self) -> int:
+        return int(self.top_cell[0])
+
+    @top.setter
+    def top(self, value: int) -> None:
+        self.top_cell[0] = value
 
     @property
     def num_groups(self) -> int:

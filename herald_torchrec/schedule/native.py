@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 19  # herald_kernels_version() of the source this module expects
+VERSION = 20  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -130,7 +130,7 @@ SIGNATURES = {
     "herald_land_guests": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64, _i32p, _i64]
         + [_i64p] * 5
-        + [_i32p, _i64]
+        + [_i32p, _i64p, _i64, _i64, _i64]
         + [_i64p] * 4
         + [_i32p, _i32p, _i64p],
         ctypes.c_int,
@@ -138,7 +138,7 @@ SIGNATURES = {
     "herald_move_guests": (
         [_i64, _i64p, _i64p, _i64p, _i64p, _i64p, _i64, _i64, _i64, _i32p, _i64]
         + [_i64p] * 5
-        + [_i32p, _i64]
+        + [_i32p, _i64p, _i64, _i64, _i64]
         + [_i64p] * 4
         + [_i32p, _i32p, _i64p],
         ctypes.c_int,
@@ -671,7 +671,7 @@ def guests_supported(directory, pool) -> bool:
     """Whether `release_guests` / `land_guests` can update this directory's owners, guest slots and eviction pool in
     place (their dtypes and layout)."""
     d, sl = directory, directory.slots
-    return _in_place(
+    return not sl.payload and _in_place(  # (the kernels move no payload with the keys)
         (
             (d.owner, np.int32),
             (d.last_use, np.int32),
@@ -686,6 +686,7 @@ def guests_supported(directory, pool) -> bool:
             (pool.keys, np.int64),
             (pool.count, np.int64),
             (sl.group_of_slot, np.int32),
+            (sl.top_cell, np.int64),
         )
     )
 
@@ -722,15 +723,18 @@ def move_guests(directory, pool, gid, src, dst, home, table, lo: int, hi: int) -
 
 
 def _land(directory, pool, kernel, moves: list, name: str) -> None:
-    """A kernel that lands guests (`moves`, then the directory's and the pool's arrays): it asks for the regions it
-    lacks (returns 2 with every group's fill after the moves) before it changes anything; they are reserved
-    (GuestSlots.reserve, numpy: it may replace the slot arrays, so their addresses are read again) and it runs again."""
+    """A kernel that lands guests (`moves`, then the directory's and the pool's arrays): it grows the regions too
+    small into the slot array's free end as GuestSlots.reserve does; where the end lacks room it returns 2, with every
+    group's fill after the moves, before it changes anything: GuestSlots.reserve then lays every region out again in
+    a larger array (so the addresses are read again) and it runs again."""
     sl = directory.slots
     need = np.empty(sl.num_groups, dtype=np.int64)
     for _ in range(2):
+        regions = [_p(sl.top_cell), sl.slot.shape[0], sl.MIN_REGION]
         rc = kernel(
-            *moves, _p(directory.owner), *_slot_arrays(sl), *_pool_arrays(pool, sl), _p(directory.last_use), _p(need)
-        )
+            *moves, _p(directory.owner), *_slot_arrays(sl), *regions, *_pool_arrays(pool, sl), _p(directory.last_use),
+            _p(need),
+        )  # fmt: skip
         if rc != 2:
             _check(rc)
             return

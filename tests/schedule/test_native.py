@@ -13,6 +13,7 @@ import pytest
 
 from herald_torchrec import _native
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy, native, reads
+from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.herald import hierarchy as hier_mod
 from herald_torchrec.schedule.herald import planner as herald_mod
 from herald_torchrec.schedule.herald.eviction import EvictionPool
@@ -320,6 +321,43 @@ def test_balanced_assign_equal(R):
         skewed,
     ):
         np.testing.assert_array_equal(native.balanced_assign(scores, B), balanced_assign(scores, B))
+
+
+@pytest.mark.parametrize("kernel", ["move_guests", "land_guests"])
+def test_guest_moves_grow_regions_as_numpy_does(kernel):
+    """A host's moves applied by the kernels leave its replica slot for slot as numpy's halves do, pools included,
+    while its guests' regions grow into the slot array's free end (in the kernel) and the array is laid out again
+    (GuestSlots.reserve, when the end has no room)."""
+    rows, R, lo, hi = [300, 200, 90], 4, 0, 2
+    rng = np.random.default_rng(5)
+    a, b = (OwnershipDirectory(rows, num_ranks=R, cache_ratio=1.0) for _ in range(2))
+    pa, pb = EvictionPool(a.slots, a.last_use, size=4), EvictionPool(b.slots, b.last_use, size=4)
+    assert native.guests_supported(b, pb)
+    grown = laid_out = 0
+    for step in range(40):
+        gid = np.sort(rng.choice(sum(rows), 40, replace=False))
+        dst = rng.integers(0, R, gid.shape[0])
+        src, home, table = (x[gid].astype(np.int64) for x in (a.owner, a.home, a.table))
+        a.last_use[gid] = b.last_use[gid] = rng.integers(-1, step + 1, gid.shape[0])  # the pools' floors
+        a.release_guests(gid, src, home, table, (lo, hi))
+        got = a.land_guests(gid, dst, home, table, (lo, hi))
+        pa.arrived(got.pos, got.keys, got.groups)
+        generation, alloc = b.slots.generation, b.slots.alloc.copy()
+        if kernel == "move_guests":
+            native.move_guests(b, pb, gid, src, dst, home, table, lo, hi)
+        else:
+            native.release_guests(b, gid, src, home, table, lo, hi)
+            native.land_guests(b, pb, gid, dst, home, table, lo, hi)
+        laid_out += b.slots.generation != generation
+        grown += b.slots.generation == generation and bool((b.slots.alloc != alloc).any())
+        np.testing.assert_array_equal(b.owner, a.owner)
+        for name in ("slot", "pos_of", "base", "alloc", "fill", "group_of_slot", "top_cell"):
+            np.testing.assert_array_equal(getattr(b.slots, name), getattr(a.slots, name), err_msg=name)
+        np.testing.assert_array_equal(pb.tau, pa.tau)
+        np.testing.assert_array_equal(pb.count, pa.count)
+        for g in np.flatnonzero(a.slots.cap > pa.size):
+            np.testing.assert_array_equal(pb.keys[pb.row[g], : pb.count[g]], pa.keys[pa.row[g], : pa.count[g]])
+    assert grown >= 5 and laid_out >= 2
 
 
 def test_kernel_errors_raise():
