@@ -618,7 +618,8 @@ def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
     """A host's plan and replica moves from random routed inboxes (`HeraldHierPolicy._host_plan`: migrations, victims
     for the host or for their directory entry only, shared rows, empty parts, the host's own migrations routed back
     or not, its samples in order or swapped in) and the whole plan's rows (`_rows`): the compiled pass gives numpy's
-    arrays, dtypes included; keys out of sorted order too."""
+    arrays, dtypes included; keys out of sorted order too (the host's own migrations as well: a key walk that goes
+    back)."""
     from types import SimpleNamespace
 
     from herald_torchrec.schedule import native
@@ -631,7 +632,7 @@ def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
     pol.rank_dtype = rank_dtype
     n_rows, T, H = int(pol.layout.offsets[-1]), pol.layout.num_tables, R // P
     rng = np.random.default_rng(5)
-    seen = {"filtered": 0, "extra": 0, "empty": 0, "victims": 0}
+    seen = {"filtered": 0, "extra": 0, "empty": 0, "victims": 0, "own_unsorted": 0}
 
     def sort(k, in_order):
         return np.sort(k) if in_order else k
@@ -642,6 +643,9 @@ def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
         keys = np.sort(pool[:200])  # h's directory keys: some migrate, some of those come back to it
         mig = np.flatnonzero(rng.random(200) < 0.4)
         back = keys[mig][rng.random(mig.shape[0]) < 0.5]
+        if trial % 8 == 5:  # the host's own migrations out of key order: its walk along their keys goes back
+            mig = rng.permutation(mig)
+            seen["own_unsorted"] += 1
         chunks = np.array_split(pool[200:], 2 * H)
         inbox = {}
         for s in range(H):
