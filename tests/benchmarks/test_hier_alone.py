@@ -27,6 +27,25 @@ def test_a_host_replays_alone_and_times_its_steps():
     assert res["in_process_ms"]["slowest"] >= res["in_process_ms"]["median"] > 0
 
 
+def test_a_hosts_samples_alone_are_its_cut_of_the_global_batch():
+    """The replay generates a host's samples alone (as training's input stage hands them to its planner): the same
+    ids, layout and batch index as the global batch cut to that host by the policy."""
+    mod = load_hier_alone()
+    ns = mod.argparse.Namespace(scale=0.0005, batch=8, ranks_per_host=2, cache_ratio=0.2, lookahead=2,
+                                first_pass="auto", refine="auto", owner_balance="auto")  # fmt: skip
+    R = 8
+    rows, whole = mod._trace(ns, R)
+    pol = mod._policy(ns, rows, R)
+    for host in (0, 3):
+        rows_h, alone = mod._host_trace(ns, R, host)
+        assert rows_h == rows
+        for i in (0, 5):
+            cut, mine = pol.host_batch(whole(i), host), alone(i)
+            assert mine.index == cut.index == i and mine.layout == cut.layout
+            assert mine.num_samples == 2 * 8
+            np.testing.assert_array_equal(mine._cache["dense"], cut._cache["dense"])
+
+
 def test_a_replay_that_diverges_stops():
     mod = load_hier_alone()
     sent = {0: {1: [np.array([1, 2])]}}
