@@ -929,7 +929,7 @@ struct HostOfRank {
 
 extern "C" {
 
-int herald_kernels_version() { return 20; }
+int herald_kernels_version() { return 21; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -1281,17 +1281,21 @@ int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
                      Pool{pool_size, tau, row, pool_keys, pool_count, group_of_slot, nullptr}, floor, need);
 }
 
+}  // extern "C"
+
+namespace {
+
 // HeraldHierPolicy._decide: a directory host's keys from their (key, reader, elements) pairs sorted by key then rank:
-// each key's pairs (start, count; `kid`: each pair's key index), its owner before the step, its first reader (`sole`)
-// and where it should live (`want`): with its owner where the owner reads it, else with the reader of the most
-// elements (ties: the lowest rank). Returns the number of keys.
-int64_t herald_decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const int64_t* c, const int32_t* owner,
-                            int64_t* keys, int64_t* own, int64_t* want, uint8_t* single, int64_t* sole,
-                            int64_t* count, int64_t* start, int64_t* kid) {
+// each key's pairs (start, count; `kid`: each pair's key index), its owner before the step (owner_of(i): that of
+// pair i's key), its first reader (`sole`) and where it should live (`want`): with its owner where the owner reads
+// it, else with the reader of the most elements (ties: the lowest rank). Returns the number of keys.
+template <typename OwnerOf>
+int64_t decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const int64_t* c, const OwnerOf& owner_of,
+                     int64_t* keys, int64_t* own, int64_t* want, uint8_t* single, int64_t* sole, int64_t* count,
+                     int64_t* start, int64_t* kid) {
   int64_t K = 0;
   for (int64_t i = 0; i < n;) {
-    ahead(owner, g, i, n);
-    const int64_t key = g[i], o = owner[key];
+    const int64_t key = g[i], o = owner_of(i);
     bool owner_reads = false;
     int64_t best = r[i], most = c[i], j = i;
     for (; j < n && g[j] == key; ++j) {  // branch-free: which reader reads the most is the data's
@@ -1313,6 +1317,10 @@ int64_t herald_decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const
   }
   return K;
 }
+
+}  // namespace
+
+extern "C" {
 
 // np.sort of n non-negative int64 values into `out`: a least-significant-digit radix sort over the bits the largest
 // value uses (at most 10 bits a pass; a pass whose digit is the same in every value is skipped), ~10x numpy's sort
@@ -2350,7 +2358,7 @@ bool group_by_host(const std::vector<int64_t>& host, int64_t H, int64_t* bounds,
 template <typename RK>
 void pairs_by_code(int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx, const RK* r_in,
                    const int32_t* c_in, const int64_t* demanded, int64_t D, int64_t R, int64_t n, int64_t* g,
-                   int64_t* pr, int64_t* c) {
+                   int64_t* pr, int64_t* c, int64_t* pd) {
   std::vector<std::pair<int64_t, int64_t>> code(n);
   for (int64_t s = 0, i = 0; s < S; ++s) {
     for (const int64_t e = i + n_of[s]; i < e; ++i) {
@@ -2365,7 +2373,8 @@ void pairs_by_code(int64_t S, const int64_t* first, const int64_t* n_of, const i
     const int64_t p = code[i].second;
     int64_t s = 0;
     for (int64_t end = n_of[0]; p >= end;) end += n_of[++s];  // p's sender
-    g[i] = demanded[idx[p] + first[s]];
+    pd[i] = idx[p] + first[s];
+    g[i] = demanded[pd[i]];
     pr[i] = r_in[p];
     c[i] = c_in[p];
   }
@@ -2378,7 +2387,7 @@ void pairs_by_code(int64_t S, const int64_t* first, const int64_t* n_of, const i
 template <typename RK>
 bool pairs_by_demand(int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
                      const RK* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D, int64_t R, int64_t* g,
-                     int64_t* pr, int64_t* c) {
+                     int64_t* pr, int64_t* c, int64_t* pd) {
   static thread_local std::vector<int64_t> pstart, code, pos, code2, pos2;
   pstart.assign(D + 1, 0);  // the pairs of demand position d: pstart[d]:pstart[d + 1]
   for (int64_t s = 0, i = 0, last = 0; s < S; ++s) {
@@ -2425,7 +2434,7 @@ bool pairs_by_demand(int64_t n, int64_t S, const int64_t* first, const int64_t* 
   for (int64_t s = 0, i = 0; s < S; ++s) {
     for (const int64_t e = i + n_of[s]; i < e; ++i) {
       const int64_t d = idx[i] + first[s], o = code2[d] + i - pstart[d];
-      g[o] = demanded[d], pr[o] = r_in[i], c[o] = c_in[i];
+      g[o] = demanded[d], pr[o] = r_in[i], c[o] = c_in[i], pd[o] = d;
     }
   }
   bool ascending = true;
@@ -2436,8 +2445,8 @@ bool pairs_by_demand(int64_t n, int64_t S, const int64_t* first, const int64_t* 
 // herald_host_decide, for ranks of type RK on the wire.
 template <typename RK>
 void host_decide(int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx, const RK* r_in,
-                 const int32_t* c_in, const int64_t* demanded, int64_t D, const int32_t* owner, int64_t R, int64_t P,
-                 int64_t H, int64_t h, int is_static, int balance, double factor, const int64_t* offsets,
+                 const int32_t* c_in, const int64_t* demanded, int64_t D, const int32_t* dem_owner, int64_t R,
+                 int64_t P, int64_t H, int64_t h, int is_static, int balance, double factor, const int64_t* offsets,
                  const int64_t* block, int64_t T, int64_t* keys, int64_t* own, int64_t* want, uint8_t* single,
                  int64_t* sole, int64_t* kid, int64_t* pr, int64_t* a_key, RK* a_own, RK* a_want, int8_t* a_single,
                  int64_t* p_key, int64_t* a_count, int64_t* p_count, int64_t* dests, int64_t* starts, int64_t* stops,
@@ -2445,13 +2454,17 @@ void host_decide(int64_t S, const int64_t* first, const int64_t* n_of, const int
   int64_t n = 0;
   for (int64_t s = 0; s < S; ++s) n += n_of[s];
   // scratch kept between calls (a fresh 0.2 MB each step cost its page faults, ~20% of the pass)
-  static thread_local std::vector<int64_t> g, c, count, start;
-  g.resize(n), c.resize(n), count.resize(n), start.resize(n);
-  if (!pairs_by_demand(n, S, first, n_of, idx, r_in, c_in, demanded, D, R, g.data(), pr, c.data()))
-    pairs_by_code(S, first, n_of, idx, r_in, c_in, demanded, D, R, n, g.data(), pr, c.data());
-  // phase 5: herald_decide_pairs on the sorted pairs, then owner balancing (HeraldHierPolicy.decide_keys)
-  const int64_t K = herald_decide_pairs(n, g.data(), pr, c.data(), owner, keys, own, want, single, sole, count.data(),
-                                        start.data(), kid);
+  static thread_local std::vector<int64_t> g, c, count, start, pd;
+  g.resize(n), c.resize(n), count.resize(n), start.resize(n), pd.resize(n);
+  if (!pairs_by_demand(n, S, first, n_of, idx, r_in, c_in, demanded, D, R, g.data(), pr, c.data(), pd.data()))
+    pairs_by_code(S, first, n_of, idx, r_in, c_in, demanded, D, R, n, g.data(), pr, c.data(), pd.data());
+  // phase 5: decide_pairs on the sorted pairs, then owner balancing (HeraldHierPolicy.decide_keys). A key's owner
+  // from the owners' phase (`dem_owner`, aligned with the demand: no move lands in between), not the array over
+  // every row: on full tables its second random read per key
+  const int64_t* pdv = pd.data();
+  const auto owner_of = [dem_owner, pdv](int64_t i) { return static_cast<int64_t>(dem_owner[pdv[i]]); };
+  const int64_t K = decide_pairs(n, g.data(), pr, c.data(), owner_of, keys, own, want, single, sole, count.data(),
+                                 start.data(), kid);
   int64_t balanced = 0;
   if (balance) {
     std::vector<uint8_t> heavy(R);
@@ -2561,8 +2574,9 @@ void host_part(int64_t K, int64_t n, const int64_t* keys, const int64_t* own, in
 // herald_host_decide's outputs at their places in out64 / out8 / outrk.
 template <typename RK>
 void host_decide_at(int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
-                    const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D, const int32_t* owner,
-                    int64_t R, int64_t P, int64_t H, int64_t h, int is_static, int balance, double factor,
+                    const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D,
+                    const int32_t* dem_owner, int64_t R, int64_t P, int64_t H, int64_t h, int is_static, int balance,
+                    double factor,
                     const int64_t* offsets, const int64_t* block, int64_t T, int64_t* out64, uint8_t* out8,
                     void* outrk) {
   int64_t total = 0;
@@ -2573,7 +2587,7 @@ void host_decide_at(int64_t n, int64_t S, const int64_t* first, const int64_t* n
   int64_t *a_key = o + 6 * n, *p_key = o + 7 * n, *a_count = o + 8 * n, *p_count = a_count + H, *dests = p_count + H;
   int64_t *starts = dests + H, *stops = starts + 5 * H, *sizes = stops + 5 * H;
   RK* rk = static_cast<RK*>(outrk);
-  host_decide<RK>(S, first, n_of, idx, static_cast<const RK*>(r_in), c_in, demanded, D, owner, R, P, H, h, is_static,
+  host_decide<RK>(S, first, n_of, idx, static_cast<const RK*>(r_in), c_in, demanded, D, dem_owner, R, P, H, h, is_static,
                   balance, factor, offsets, block, T, keys, own, want, out8, sole, kid, pr, a_key, rk, rk + n,
                   reinterpret_cast<int8_t*>(out8 + n), p_key, a_count, p_count, dests, starts, stops, sizes);
 }
@@ -2585,7 +2599,8 @@ extern "C" {
 // HostPlanner.decide, as a directory host: phase 5, herald's decision for its keys on the union of their reads, and
 // phase 6's messages. The reads: n_of[s] (index in sender s's demand, which begins at first[s] in `demanded`,
 // reader rank, elements) triples from each of S senders, concatenated (n in all); they are sorted by (key, rank) as
-// stable_order(key * R + rank) does, decided as herald_decide_pairs, balanced as herald_balance_owners (balance != 0:
+// stable_order(key * R + rank) does, decided as decide_pairs (each key's owner: dem_owner [D], the owner of every
+// demanded key, aligned with `demanded`), balanced as herald_balance_owners (balance != 0:
 // heavy rows to ranks = h mod H) and, at the STATIC level, every want set to its owner. Writes the keys' arrays
 // (HeraldHierPolicy.decide_keys's: keys, own, want, single, sole, each pair's key index and rank), the arrivals (key,
 // owner, destination, single) and pins (key) by destination host as Outbox.by_host orders them, each host's count of
@@ -2597,13 +2612,13 @@ extern "C" {
 // Returns 0, or 1 with herald_last_error.
 int herald_host_decide(int64_t rank_bytes, int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
                        const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D,
-                       const int32_t* owner, int64_t R, int64_t P, int64_t H, int64_t h, int64_t is_static,
+                       const int32_t* dem_owner, int64_t R, int64_t P, int64_t H, int64_t h, int64_t is_static,
                        int64_t balance, double factor, const int64_t* offsets, const int64_t* block, int64_t T,
                        int64_t* out64, uint8_t* out8, void* outrk) {
   try {
     if (rank_bytes != 2 && rank_bytes != 4) throw std::runtime_error("host_decide: ranks must be 2 or 4 bytes");
     (rank_bytes == 2 ? host_decide_at<int16_t> : host_decide_at<int32_t>)(
-        n, S, first, n_of, idx, r_in, c_in, demanded, D, owner, R, P, H, h, static_cast<int>(is_static),
+        n, S, first, n_of, idx, r_in, c_in, demanded, D, dem_owner, R, P, H, h, static_cast<int>(is_static),
         static_cast<int>(balance), factor, offsets, block, T, out64, out8, outrk);
     return 0;
   } catch (const std::exception& e) {

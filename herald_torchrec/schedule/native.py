@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 20  # herald_kernels_version() of the source this module expects
+VERSION = 21  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -989,7 +989,7 @@ def host_decide(
     r: np.ndarray,
     c: np.ndarray,
     demanded: np.ndarray,
-    owner: np.ndarray,
+    demand_owner: np.ndarray,
     R: int,
     P: int,
     H: int,
@@ -1002,12 +1002,14 @@ def host_decide(
 ) -> HostDecision:
     """Directory host h's phases 5-6 in one pass (the kernel's comment): from the reads it received, n_of[s] (index
     in sender s's demand, which begins at first[s] in `demanded`; reader rank; elements) triples per sender, in
-    sender order. `balance`: owner balancing's factor (None: off); `static`: every row stays with its owner; offsets
-    / block: the tables' first rows and ROW_WISE blocks (a key's home rank)."""
-    if owner.dtype != np.int32 or not owner.flags.c_contiguous:
-        raise ValueError("native.host_decide: owner must be a C-contiguous int32 array")
+    sender order; `demand_owner`, the owner of every demanded key (aligned with `demanded`: phase 2 read them, and
+    nothing moves before phase 5). `balance`: owner balancing's factor (None: off); `static`: every row stays with
+    its owner; offsets / block: the tables' first rows and ROW_WISE blocks (a key's home rank)."""
     rk = np.dtype(rank_dtype)
     first, n_of, dem = _c(first, np.int64), _c(n_of, np.int64), _c(demanded, np.int64)
+    own = _c(demand_owner, np.int32)
+    if own.shape != dem.shape:
+        raise ValueError(f"native.host_decide: {own.shape[0]} owners for {dem.shape[0]} demanded keys")
     idx, r, c = _c(idx, np.int32), _c(r, rk), _c(c, np.int32)
     offsets, block = _c(offsets, np.int64), _c(block, np.int64)
     n = idx.shape[0]
@@ -1017,7 +1019,7 @@ def host_decide(
     _check(
         lib().herald_host_decide(
             rk.itemsize, n, first.shape[0], _p(first), _p(n_of), _p(idx), _p(r), _p(c), _p(dem), dem.shape[0],
-            _p(owner), R, P, H, h, int(static), int(balance is not None), float(balance or 0.0), _p(offsets),
+            _p(own), R, P, H, h, int(static), int(balance is not None), float(balance or 0.0), _p(offsets),
             _p(block), block.shape[0], _p(out64), _p(out8), _p(outrk),
         )
     )  # fmt: skip

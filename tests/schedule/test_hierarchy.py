@@ -549,6 +549,7 @@ def _directory_host_phases(pol, h: int, seed: int, rank_dtype, native_on: bool, 
             o[[a, a + 1]] = o[[a + 1, a]]
         reads[s] = [i[o].astype(np.int32), r[o].astype(rank_dtype), rng.integers(1, 4, i.shape[0]).astype(np.int32)]
     hp.demanded = np.concatenate(demand)
+    hp.demand_owner = pol.directory.owner[hp.demanded]  # as phase 2 (`owners`) keeps them
     hp.demand_start = dict(enumerate(np.cumsum([0] + [d.shape[0] for d in demand[:-1]]).tolist()))
     out = hp.decide(reads)
     keys = (hp.keys, hp.k_own, hp.want.copy(), hp.single, hp.sole, hp.pk, hp.pr)

@@ -835,13 +835,14 @@ class HeraldHierPolicy(SchedulePolicy):
             self._balanced += balance_owners(want, own, count, start, kid, r, None, R, self.owner_balance, heavy_ranks)
         return keys, own, want, single, sole, kid, r
 
-    def decide_host(self, h: int, first, n_of, idx, r, c, demanded) -> native.HostDecision:
+    def decide_host(self, h: int, first, n_of, idx, r, c, demanded, demand_owner) -> native.HostDecision:
         """`decide_keys` and phase 6's messages of directory host h in one compiled pass (`native.host_decide`;
         HostPlanner.decide), from the reads it received: n_of[s] (index in sender s's demand, which begins at first[s]
-        in `demanded`; reader; elements) triples from each sender, in sender order."""
+        in `demanded`; reader; elements) triples from each sender, in sender order; `demand_owner`, the demanded
+        keys' owners as phase 2 read them."""
         balance = self.owner_balance if self._level != STATIC else None
         got = native.host_decide(
-            first, n_of, idx, r, c, demanded, self.directory.owner, self.num_ranks, self.ranks_per_host,
+            first, n_of, idx, r, c, demanded, demand_owner, self.num_ranks, self.ranks_per_host,
             self.num_hosts, h, self._level == STATIC, balance, self.layout.offsets, self.directory.block,
             self.rank_dtype,
         )  # fmt: skip

@@ -51,6 +51,7 @@ class HostPlanner:
         self._keys(window[0])
         # as a directory host: the keys every host asked about (in host order), where each host's begin
         self.demanded, self.demand_start = np.zeros(0, dtype=np.int64), {}
+        self.demand_owner = np.zeros(0, dtype=np.int32)  # the owner of every demanded key, read in phase 2
         self.victims = np.zeros(0, dtype=np.int64)
 
     def _keys(self, sub: GlobalBatch) -> None:
@@ -113,7 +114,9 @@ class HostPlanner:
         n = source_counts(inbox)
         at = np.cumsum(n) - n
         self.demand_start = dict(zip(sources, at.tolist()))
-        owner = self.pol.directory.owner[self.demanded].astype(self.pol.rank_dtype)
+        # kept for phase 5 (no move lands in between): its decision reads no array over every row a second time
+        self.demand_owner = self.pol.directory.owner[self.demanded]
+        owner = self.demand_owner.astype(self.pol.rank_dtype)
         return Outbox.from_bounds(np.array(sources, dtype=np.int64), [owner], at, at + n)
 
     def receive_owners(self, inbox: Mapping[int, Message]) -> None:
@@ -198,7 +201,7 @@ class HostPlanner:
         start = np.array([self.demand_start[s] for s in sorted(inbox)], dtype=np.int64)  # each sender's demand
         if native.enabled():  # one compiled pass, owner balancing included (HeraldHierPolicy.decide_host)
             idx, r, c = concatenated(inbox, (np.int32, pol.rank_dtype, np.int32))  # as `_reads` sends them
-            got = pol.decide_host(self.h, start, source_counts(inbox), idx, r, c, self.demanded)
+            got = pol.decide_host(self.h, start, source_counts(inbox), idx, r, c, self.demanded, self.demand_owner)
             self.keys, self.k_own, self.want, self.single = got.keys, got.own, got.want, got.single
             self.sole, self.pk, self.pr = got.sole, got.pair_key, got.pair_rank
             if self.msg.on:
