@@ -138,29 +138,20 @@ class ReplayTransport(Transport):
         return {self.host: inbox[self.host]}
 
 
-def _trace(args: argparse.Namespace, R: int):
+def _trace(args: argparse.Namespace, R: int, host: int | None = None):
+    """The table rows and each global batch's samples: every rank's, or with `host` that host's alone, as training's
+    input stage gives them to its planner. The generator is a function of a sample's place in the stream, so a host's
+    samples alone are the global batch cut to it, without generating the other R - P ranks' (at R=256, 13.6 MB of
+    ids a step through the caches the planner uses, between its steps: no host's planner pays for that in training)."""
     gen = SyntheticCTR(SyntheticSpec(scale=args.scale, val_block=R * args.batch))
     rows = list(gen.table_rows)
+    n = R * args.batch if host is None else args.ranks_per_host * args.batch
+    first = 0 if host is None else host * n
 
     def batch(i: int) -> GlobalBatch:
-        return GlobalBatch.from_dense(gen.train_samples(i * R * args.batch, R * args.batch).ids, rows, index=i)
+        return GlobalBatch.from_dense(gen.train_samples(i * R * args.batch + first, n).ids, rows, index=i)
 
     return rows, batch
-
-
-def _host_trace(args: argparse.Namespace, R: int, host: int):
-    """Host `host`'s samples of each global batch alone, as training's input stage gives them to its planner: the
-    same samples as `_trace`'s batch cut to the host (the generator is a function of a sample's place in the stream),
-    without generating the other R - P ranks' (at R=256, 13.6 MB of ids a step through the caches the planner uses,
-    between its steps: no host's planner pays for that in training)."""
-    gen = SyntheticCTR(SyntheticSpec(scale=args.scale, val_block=R * args.batch))
-    rows = list(gen.table_rows)
-    n = args.ranks_per_host * args.batch
-
-    def host_batch(i: int) -> GlobalBatch:
-        return GlobalBatch.from_dense(gen.train_samples(i * R * args.batch + host * n, n).ids, rows, index=i)
-
-    return rows, host_batch
 
 
 def owner_balance_option(text: str):
@@ -217,7 +208,7 @@ def planner_thread(args: argparse.Namespace, R: int, host: int, path: Path, cut_
     its own while the next plan is made (`cut_thread`); the median wall ms per step."""
     with open(path, "rb") as f:
         rec = pickle.load(f)
-    rows, batch = _host_trace(args, R, host)
+    rows, batch = _trace(args, R, host)
     pol = _policy(args, rows, R)
     P = args.ranks_per_host
     hosts = HostMap(np.arange(R, dtype=np.int64) // P, relay=True)
@@ -251,7 +242,7 @@ def replay(args: argparse.Namespace, R: int, host: int, path: Path) -> dict:
     """Host `host` alone: a fresh policy, its own samples, the recorded messages."""
     with open(path, "rb") as f:
         rec = pickle.load(f)
-    rows, batch = _host_trace(args, R, host)
+    rows, batch = _trace(args, R, host)
     pol = _policy(args, rows, R)
     # its own samples as training gives them to its planner: single-hot ids as a dense batch (input_layout.global_batch)
     window = [batch(i) for i in range(args.lookahead)]

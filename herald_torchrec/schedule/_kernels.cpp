@@ -2576,9 +2576,8 @@ template <typename RK>
 void host_decide_at(int64_t n, int64_t S, const int64_t* first, const int64_t* n_of, const int32_t* idx,
                     const void* r_in, const int32_t* c_in, const int64_t* demanded, int64_t D,
                     const int32_t* dem_owner, int64_t R, int64_t P, int64_t H, int64_t h, int is_static, int balance,
-                    double factor,
-                    const int64_t* offsets, const int64_t* block, int64_t T, int64_t* out64, uint8_t* out8,
-                    void* outrk) {
+                    double factor, const int64_t* offsets, const int64_t* block, int64_t T, int64_t* out64,
+                    uint8_t* out8, void* outrk) {
   int64_t total = 0;
   for (int64_t s = 0; s < S; ++s) total += n_of[s];
   if (total != n) throw std::runtime_error("host_decide: the senders' counts do not add up to the pairs");
@@ -2587,9 +2586,9 @@ void host_decide_at(int64_t n, int64_t S, const int64_t* first, const int64_t* n
   int64_t *a_key = o + 6 * n, *p_key = o + 7 * n, *a_count = o + 8 * n, *p_count = a_count + H, *dests = p_count + H;
   int64_t *starts = dests + H, *stops = starts + 5 * H, *sizes = stops + 5 * H;
   RK* rk = static_cast<RK*>(outrk);
-  host_decide<RK>(S, first, n_of, idx, static_cast<const RK*>(r_in), c_in, demanded, D, dem_owner, R, P, H, h, is_static,
-                  balance, factor, offsets, block, T, keys, own, want, out8, sole, kid, pr, a_key, rk, rk + n,
-                  reinterpret_cast<int8_t*>(out8 + n), p_key, a_count, p_count, dests, starts, stops, sizes);
+  host_decide<RK>(S, first, n_of, idx, static_cast<const RK*>(r_in), c_in, demanded, D, dem_owner, R, P, H, h,
+                  is_static, balance, factor, offsets, block, T, keys, own, want, out8, sole, kid, pr, a_key, rk,
+                  rk + n, reinterpret_cast<int8_t*>(out8 + n), p_key, a_count, p_count, dests, starts, stops, sizes);
 }
 
 }  // namespace

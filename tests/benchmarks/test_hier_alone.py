@@ -37,7 +37,7 @@ def test_a_hosts_samples_alone_are_its_cut_of_the_global_batch():
     rows, whole = mod._trace(ns, R)
     pol = mod._policy(ns, rows, R)
     for host in (0, 3):
-        rows_h, alone = mod._host_trace(ns, R, host)
+        rows_h, alone = mod._trace(ns, R, host)
         assert rows_h == rows
         for i in (0, 5):
             cut, mine = pol.host_batch(whole(i), host), alone(i)
