@@ -43,10 +43,12 @@ def address(a: np.ndarray) -> int:
     """The address of a C-contiguous array's first element, as kernels take arrays (ctypes' ndpointer checks cost
     ~2.5 us per argument); the caller keeps the array alive during the call. Through the buffer protocol (~0.3 us;
     `a.ctypes.data` builds a helper object, ~0.8 us, and a step passes ~100 arrays), except for read-only or empty
-    arrays, which it refuses."""
+    arrays, which it refuses. A strided array is an error: a kernel reading it as contiguous would read other data."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(a))
     except (TypeError, ValueError):
+        if not a.flags.c_contiguous:
+            raise ValueError("a kernel takes C-contiguous arrays; this one is strided") from None
         return a.ctypes.data
 
 

@@ -370,6 +370,21 @@ def test_kernel_errors_raise():
         pol._native.apply_moves(gid, np.ones(cap + 1, dtype=np.int64))
 
 
+def test_kernel_addresses_refuse_strided_arrays():
+    # a kernel reads an array from its first element on: a strided view would hand it other elements, silently
+    a = np.arange(8, dtype=np.int64)
+    assert _native.address(a) == a.ctypes.data
+    ro = a.copy()
+    ro.flags.writeable = False
+    assert _native.address(ro) == ro.ctypes.data  # read-only arrays pass through numpy
+    assert _native.address_array([a[2:], ro]).tolist() == [a.ctypes.data + 16, ro.ctypes.data]
+    for strided in (a[::2], ro[::2], a.reshape(2, 4)[:, 1]):
+        with pytest.raises(ValueError, match="strided"):
+            _native.address(strided)
+    with pytest.raises(ValueError, match="strided"):
+        _native.address_array([a, a[::2]])
+
+
 def test_off_switch(numpy_only):
     assert not native.enabled()
     pol = make_policy("herald", ROWS, 2, 4, 0.1, 0)
