@@ -14,13 +14,7 @@ host homed 4.3x the median host's shared pairs. Each host keeps the guest slots 
 
 1. demand   (h -> directory host A): the distinct keys h's samples read in the current batch, A's keys.
 2. owners   (A -> h): the current owner rank of every demanded key (aligned with the demand).
-2b. (move_samples="swap" only; off by default) the demand also carries each key's reader count (COUNT) and the
-   owners' answer the other host that reads it most and its count (RANK + COUNT); every host offers (h -> host 0,
-   the coordinator: INDEX + RANK + COUNT each) its samples whose keys are owned or read more on another host (by
-   `sample_gain` of first-pass LAIA weight); the coordinator swaps offers pairwise between two hosts, highest gains
-   first, so every rank keeps B samples, and tells the loading host (swaps: INDEX each); the sample travels to its
-   new host (samples: ID + RANK per id, its owner known, + DENSE_LABEL_BYTES), which demands its keys new to it.
-   Measured: -0.5 % rows at R=16, nothing at R >= 32, for about as many sample bytes as the rows it saves: off.
+2b. (move_samples="swap" only; off by default) samples swap hosts towards their rows (`sample_swap.py`).
 3. LAIA on host h: `planner`'s assignment (first pass + refine rounds, the compiled kernel where it runs) over h's P
    ranks and P B samples; keys owned outside the host score at no rank (owner -1). Then h's readers per key. With
    several hosts the hosts plan in parallel, so each gets the wall budget of the whole global batch
@@ -129,14 +123,9 @@ from herald_torchrec.schedule.herald.balance import balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.host_messages import (
-    COUNT_BYTES,
     DEFAULT_PLANNER_WIRE,
-    DENSE_LABEL_BYTES,
-    ID_BYTES,
-    INDEX_BYTES,
     MESSAGE_KINDS,
     MOVED,
-    RANK_BYTES,
     RELAYED,
     SHARED,
     InProcessTransport,
@@ -156,6 +145,7 @@ from herald_torchrec.schedule.herald.planner import (
     host_ids,
     scheduled_elements,
 )
+from herald_torchrec.schedule.herald.sample_swap import swap_samples
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
 from herald_torchrec.schedule.message_wire import Message, encode_message
 from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows
@@ -164,7 +154,6 @@ from herald_torchrec.schedule.reads import BatchKeys, in_sorted, stable_order
 
 RANKS_PER_HOST = 8
 SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
-COORDINATOR = 0  # the host that matches the offers (its own are free)
 MOVE_SAMPLES = ("off", "swap")
 HOST_MAX_REFINE = 1  # best-response rounds per host with several hosts (module docstring says why)
 # what HierStep's seconds are measured with: wall time, or CPU time (time.process_time, the simulator's
@@ -205,15 +194,6 @@ def check_ranks_per_host(ranks_per_host: object) -> None:
     """A clear error for a bad `ranks_per_host` (the app's scheduler.ranks_per_host)."""
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, (int, np.integer)) or ranks_per_host < 1:
         raise ValueError(f"herald_hier: ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
-
-
-@dataclass
-class _Offers:
-    """A host's offers (phase 2b): global sample, the host it would go to, the gain (first-pass LAIA weight)."""
-
-    sample: np.ndarray  # int64
-    host: np.ndarray  # int64
-    gain: np.ndarray  # float64
 
 
 def _decide_pairs(g: np.ndarray, r: np.ndarray, c: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -484,7 +464,7 @@ class HeraldHierPolicy(SchedulePolicy):
             b._cache[key] = sub
         return sub
 
-    def _elements(self, sub: GlobalBatch, bk: BatchKeys) -> _Scheduled:
+    def scheduled_of(self, sub: GlobalBatch, bk: BatchKeys) -> _Scheduled:
         """The host batch's elements in the scheduled tables and their first-pass weights (cached per selection)."""
         loc = self._local
         key = ("herald_hier_sched", loc.scheduled.tobytes())
@@ -501,7 +481,7 @@ class HeraldHierPolicy(SchedulePolicy):
         P, B, loc = self.ranks_per_host, self.batch_per_rank, self._local
         N = sub.num_samples
         first = self.step % P
-        v = self._elements(sub, bk)
+        v = self.scheduled_of(sub, bk)
         if v.es.shape[0] == 0:
             return np.repeat(np.arange(P, dtype=np.int64), B)
         own = np.where(own_local >= 0, (own_local - first) % P, -1)
@@ -650,10 +630,10 @@ class HeraldHierPolicy(SchedulePolicy):
         if self.move_samples == "swap":  # phase 2b: the coordinator needs every host here
             if whole is None or len(hosts) != H:
                 raise ValueError("herald_hier: move_samples='swap' plans every host in one process (the simulator)")
-            if self._swap_samples(whole, hosts, msg, host_s, dir_s):
+            if swap_samples(self, whole, hosts, msg, (host_s, dir_s), CLOCK):
                 got = transport.exchange("demand", {h: hp.demand(count=False) for h, hp in hosts.items()})
                 for h, hp in hosts.items():
-                    hp.owners(got[h])  # the directories learn the new demand (its bytes: _swap_samples)
+                    hp.owners(got[h])  # the directories learn the new demand (its bytes: swap_samples)
         got = run("reads", host_s, lambda hp: hp.assign_and_read())  # phases 3-4
         got = run("arrivals", dir_s, lambda hp: hp.decide(got[hp.h]))  # phases 5-6 (and the pins)
         got = run("cancels", host_s, lambda hp: hp.make_room(got[hp.h]))  # phase 7
@@ -714,110 +694,6 @@ class HeraldHierPolicy(SchedulePolicy):
         )
         transport.last_bytes.clear()
         return plan
-
-    def _swap_samples(self, b, hosts: dict[int, "HostPlanner"], msg: MessageBytes, host_s, dir_s) -> bool:
-        """Phase 2b (module docstring), all hosts in this process: the offers, the coordinator's swaps, and every
-        host's new samples (their keys and owners). True if some sample moved."""
-        H = self.num_hosts
-        firsts = [(hp.sub, hp.bk, hp.own, hp.members) for hp in (hosts[h] for h in range(H))]
-        readers = self._other_readers(firsts, msg)
-        offers = []
-        for h, (sub, bk, own, _) in enumerate(firsts):
-            t0 = CLOCK()
-            offers.append(self._offers(sub, bk, own, h, *readers[h]))
-            host_s[h] += CLOCK() - t0
-        t0 = CLOCK()
-        members = self._swap(b[0], offers, [f[3] for f in firsts], msg)
-        dir_s[COORDINATOR] += CLOCK() - t0
-        moved = False
-        for h in range(H):
-            if members[h] is not firsts[h][3]:  # samples arrived: their keys too (owners came with them)
-                t0 = CLOCK()
-                hosts[h].take_samples(b[0].take(members[h]), members[h])
-                host_s[h] += CLOCK() - t0
-                moved = True
-        return moved
-
-    def _other_readers(self, firsts, msg: MessageBytes) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
-        The directory hosts learn it from the demand (which then carries each key's count) and answer it with the
-        owners; simulated here in one pass over every host's demand."""
-        H = self.num_hosts
-        k = np.concatenate([x[1].keys for x in firsts])
-        c = np.concatenate([x[1].count for x in firsts])
-        hh = np.repeat(np.arange(H, dtype=np.int64), [x[1].keys.shape[0] for x in firsts])
-        o = np.lexsort((hh, -c, k))
-        k, c, hh = k[o], c[o], hh[o]
-        new = np.empty(k.shape[0], dtype=bool)
-        new[:1] = True
-        np.not_equal(k[1:], k[:-1], out=new[1:])
-        start = np.flatnonzero(new)
-        uniq = k[start]
-        nxt = np.minimum(start + 1, k.shape[0] - 1)
-        has2 = (nxt != start) & (k[nxt] == uniq)
-        top_h, top_c = hh[start], c[start]
-        sec_h, sec_c = np.where(has2, hh[nxt], 0), np.where(has2, c[nxt], 0)
-        out = []
-        for h, (_, bk, _, _) in enumerate(firsts):
-            i = np.searchsorted(uniq, bk.keys)
-            mine = top_h[i] == h
-            out.append((np.where(mine, sec_h[i], top_h[i]), np.where(mine, sec_c[i], top_c[i])))
-            hk = np.bincount(self.directory_host_of(bk.keys), minlength=H)
-            msg.add_many("demand", np.full(H, h), np.arange(H), hk * COUNT_BYTES, H)
-            msg.add_many("owners", np.arange(H), np.full(H, h), hk * (RANK_BYTES + COUNT_BYTES), H)
-        return out
-
-    def _offers(self, sub, bk: BatchKeys, own: np.ndarray, h: int, other: np.ndarray, other_n: np.ndarray) -> _Offers:
-        """Host h's offers (phase 2b): its samples whose scheduled keys are owned or read more on another host than on
-        h, by `sample_gain`: a key counts its first-pass LAIA weight (`_elements`' w0) at its owner's host and 1 at
-        a host whose other samples read it (h, or the other host that reads it most); each with its best host."""
-        H, P = self.num_hosts, self.ranks_per_host
-        v = self._elements(sub, bk)
-        N = sub.num_samples
-        if v.es.shape[0] == 0:
-            z = np.zeros(0, dtype=np.int64)
-            return _Offers(z, z, np.zeros(0))
-        score = np.bincount(v.es * H + (own // P)[v.ec], weights=v.w0, minlength=N * H)
-        score += np.bincount(v.es * H + other[v.ec], weights=(other_n[v.ec] > 0) * 1.0, minlength=N * H)
-        score += np.bincount(v.es * H + h, weights=(bk.count[v.ec] > 1) * 1.0, minlength=N * H)
-        score = score.reshape(N, H)
-        best = np.argmax(score, axis=1)
-        gain = score[np.arange(N), best] - score[:, h]
-        s = np.flatnonzero(gain >= self.sample_gain)
-        return _Offers(s + h * N, best[s], gain[s])
-
-    def _swap(self, b: GlobalBatch, offers: list[_Offers], members: list[np.ndarray], msg: MessageBytes):
-        """The coordinator's match (phase 2b): between every two hosts, as many swaps as the fewer offers of the two
-        directions, highest gains first; the swapped samples travel with their ids, dense part and label, and their
-        keys' owners. Returns every host's samples (global indices, sorted)."""
-        H, P, B = self.num_hosts, self.ranks_per_host, self.batch_per_rank
-        n = P * B
-        smp = np.concatenate([o.sample for o in offers])
-        dst = np.concatenate([o.host for o in offers])
-        gain = np.concatenate([o.gain for o in offers])
-        src = smp // n
-        msg.add_many("offers", src, np.full(src.shape[0], COORDINATOR), np.full(src.shape[0], INDEX_BYTES + RANK_BYTES
-                     + COUNT_BYTES), H)  # fmt: skip
-        pair = src * H + dst
-        counts = np.bincount(pair, minlength=H * H).reshape(H, H)
-        k = np.minimum(counts, counts.T).ravel()
-        o = np.lexsort((smp, -gain, pair))
-        pair_o = pair[o]
-        start = np.cumsum(counts.ravel()) - counts.ravel()
-        keep = o[np.arange(o.shape[0]) - start[pair_o] < k[pair_o]]
-        if keep.shape[0] == 0:
-            return members
-        moved, to = smp[keep], dst[keep]
-        self.last_swapped = int(moved.shape[0])
-        msg.add_many("swaps", np.full(moved.shape[0], COORDINATOR), moved // n, np.full(moved.shape[0], INDEX_BYTES), H)
-        ids = np.zeros(moved.shape[0], dtype=np.int64)
-        for off in b.offsets:
-            ids += off[moved + 1] - off[moved]
-        msg.add_many("samples", moved // n, to, ids * (ID_BYTES + RANK_BYTES) + DENSE_LABEL_BYTES, H)
-        host = np.repeat(np.arange(H, dtype=np.int64), n)
-        host[moved] = to
-        o = np.argsort(host, kind="stable")
-        return np.split(o, np.arange(1, H) * n)
 
     def decide_keys(self, g: np.ndarray, r: np.ndarray, c: np.ndarray, h: int):
         """Directory host h's decision (phase 5) from its keys' (key, reader, elements) triples sorted by key then
