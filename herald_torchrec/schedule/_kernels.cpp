@@ -1285,10 +1285,10 @@ int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
 
 namespace {
 
-// HeraldHierPolicy._decide: a directory host's keys from their (key, reader, elements) pairs sorted by key then rank:
-// each key's pairs (start, count; `kid`: each pair's key index), its owner before the step (owner_of(i): that of
-// pair i's key), its first reader (`sole`) and where it should live (`want`): with its owner where the owner reads
-// it, else with the reader of the most elements (ties: the lowest rank). Returns the number of keys.
+// HeraldHierPolicy.decide_keys: a directory host's keys from their (key, reader, elements) pairs sorted by key then
+// rank: each key's pairs (start, count; `kid`: each pair's key index), its owner before the step (owner_of(i): that
+// of pair i's key), its first reader (`sole`) and where it should live (`want`): with its owner where the owner
+// reads it, else with the reader of the most elements (ties: the lowest rank). Returns the number of keys.
 template <typename OwnerOf>
 int64_t decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const int64_t* c, const OwnerOf& owner_of,
                      int64_t* keys, int64_t* own, int64_t* want, uint8_t* single, int64_t* sole, int64_t* count,
@@ -1467,7 +1467,7 @@ int64_t herald_host_reads(int64_t E, const int64_t* cid, int64_t width, const in
 }
 
 // The segments of `values` (segment i: `count[i]` values from `start[i]`) in the order `order`, back to back, as int64:
-// a CSR's rows reordered (HeraldHierPolicy._rows: the shared rows' readers from the parts' order into key order).
+// a CSR's rows reordered (host_plans.part_rows: the shared rows' readers from the parts' order into key order).
 void herald_gather_segments(int64_t n, const int64_t* order, const int64_t* start, const int64_t* count,
                             const int64_t* values, int64_t* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -2662,7 +2662,7 @@ int herald_host_part(int64_t rank_bytes, int64_t K, int64_t n, const int64_t* ke
 
 namespace {
 
-// ---- a herald_hier host's plan from the parts routed to it (HeraldHierPolicy._host_plan / _rows) ----------------
+// ---- a herald_hier host's plan from the parts routed to it (host_plans.host_plan / part_rows) -----------------
 
 // The end of the keys k[lo, hi) (ascending) that come before v: below it, or (Upper) not above it. Exponential
 // steps from lo, then a binary search: O(log) of the stretch, as timsort's galloping.
@@ -2839,9 +2839,9 @@ int host_plan(const HostPlanIn& in, const HostPlanOut& out) {
 
 extern "C" {
 
-// HeraldHierPolicy._host_plan's arrays from the parts routed to host h (each field concatenated over the source
+// host_plans.host_plan's arrays from the parts routed to host h (each field concatenated over the source
 // hosts; rank fields of rank_size 2 or 4 bytes), in one pass each: the plan's moves in key order (every move where
-// h < 0: _rows of the whole plan), the replica's moves (_HostMoves: every move, then h's own migrations no part
+// h < 0: part_rows of the whole plan), the replica's moves (HostMoves: every move, then h's own migrations no part
 // brought), the shared rows in key order with their readers, h's sample order and slice ranks, and the step
 // summary. counts: [plan moves, replica moves, readers, moved / shared / relayed tables (at tables[0 / T / 2T]),
 // hit, remote, migrations, victims]. The same values as the numpy code (hierarchy.py), which runs where this

@@ -832,7 +832,7 @@ def gather_segments(values: np.ndarray, start: np.ndarray, count: np.ndarray, or
 
 @dataclass
 class HostPlanArrays:
-    """A herald_hier host's plan arrays from the parts routed to it (HeraldHierPolicy._host_plan; `host_plan`): the
+    """A herald_hier host's plan arrays from the parts routed to it (host_plans.host_plan; `host_plan`): the
     plan's moves in key order (`moves_*`), the replica's moves (`replica_*`: every move, then the host's own
     migrations no part brought), the shared rows in key order with their readers in CSR, the host's sample order
     and slice ranks, the tables with moves, shared rows and relayed groups, and the step's summed counts."""
@@ -877,7 +877,7 @@ def host_plan(
     kinds: tuple[int, int],
     table_bits: tuple[int, int, int],
 ) -> HostPlanArrays | None:
-    """`HostPlanArrays` of host h from a routed inbox's 11 fields concatenated (`cat`, hierarchy._part_dtypes: rank
+    """`HostPlanArrays` of host h from a routed inbox's 11 fields concatenated (`cat`, host_plans.part_dtypes: rank
     fields int16 or int32); h < 0: the whole plan's rows (every move kept; `cat`'s first 9 fields). `own`: h's
     migrations (indices into its keys) and its keys, wants and owners; `samples`: h's members and their ranks;
     kinds: (MIGRATE, EVICT_HOME). None where the kernels are off or the inputs are not the kernel's (numpy runs)."""

@@ -10,7 +10,7 @@ import pytest
 
 from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
 from herald_torchrec.schedule import GlobalBatch, PlanChecker, make_policy
-from herald_torchrec.schedule.herald import host_messages
+from herald_torchrec.schedule.herald import host_messages, host_plans
 from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
 from herald_torchrec.schedule.herald.host_messages import MESSAGE_KINDS, Transport, outgoing_messages
 from herald_torchrec.schedule.plan import MIGRATE
@@ -616,9 +616,9 @@ def _same_arrays(a, b, path: str = "") -> None:
 
 @pytest.mark.parametrize("rank_dtype", [np.int16, np.int32])
 def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
-    """A host's plan and replica moves from random routed inboxes (`HeraldHierPolicy._host_plan`: migrations, victims
-    for the host or for their directory entry only, shared rows, empty parts, the host's own migrations routed back
-    or not, its samples in order or swapped in) and the whole plan's rows (`_rows`): the compiled pass gives numpy's
+    """A host's plan and replica moves from random routed inboxes (`host_plans.host_plan`: migrations, victims for
+    the host or for their directory entry only, shared rows, empty parts, the host's own migrations routed back or
+    not, its samples in order or swapped in) and the whole plan's rows (`part_rows`): the compiled pass gives numpy's
     arrays, dtypes included; keys out of sorted order too (the host's own migrations as well: a key walk that goes
     back)."""
     from types import SimpleNamespace
@@ -674,15 +674,16 @@ def test_compiled_host_plan_equals_numpy(monkeypatch, rank_dtype):
         part = [None] * 9 + [members, (h * P + rng.integers(0, P, P * B)).astype(rank_dtype)]
         want, own = rng.integers(0, R, 200), rng.integers(0, R, 200)
         hp = SimpleNamespace(h=h, keys=keys, want=want, k_own=own, final=SimpleNamespace(mig=mig))
-        compiled = pol._host_plan(hp, part, inbox)
-        rows_compiled = pol._rows(host_messages.concatenated(inbox, pol._part_dtypes()[:9]))
+        fields = host_plans.part_dtypes(rank_dtype)[:9]
+        compiled = host_plans.host_plan(pol, hp, part, inbox)
+        rows_compiled = host_plans.part_rows(pol, host_messages.concatenated(inbox, fields))
         with monkeypatch.context() as m:
             m.setattr(native, "enabled", lambda: False)
-            numpy_ = pol._host_plan(hp, part, inbox)
-            rows_numpy = pol._rows(host_messages.concatenated(inbox, pol._part_dtypes()[:9]))
+            numpy_ = host_plans.host_plan(pol, hp, part, inbox)
+            rows_numpy = host_plans.part_rows(pol, host_messages.concatenated(inbox, fields))
         _same_arrays(compiled[0], numpy_[0], "HostPlan")
-        _same_arrays(compiled[1], numpy_[1], "_HostMoves")
-        _same_arrays(rows_compiled, rows_numpy, "_Rows")
+        _same_arrays(compiled[1], numpy_[1], "HostMoves")
+        _same_arrays(rows_compiled, rows_numpy, "PartRows")
         seen["filtered"] += len(rows_numpy.moves) - len(numpy_[0].moves)
         seen["extra"] += numpy_[1].gid.shape[0] - rows_numpy.gid.shape[0]
     assert all(v > 0 for v in seen.values()), seen  # every branch ran

@@ -112,27 +112,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from herald_torchrec.schedule import native
 from herald_torchrec.schedule.directory import OwnershipDirectory
 from herald_torchrec.schedule.global_batch import GlobalBatch
+from herald_torchrec.schedule.herald import host_plans
 from herald_torchrec.schedule.herald.balance import balance_owners, check_factor
 from herald_torchrec.schedule.herald.budget import FULL, REDUCED, STATIC, LevelCounts, PlanBudget
 from herald_torchrec.schedule.herald.eviction import EvictionPool, cancel_arrivals
 from herald_torchrec.schedule.herald.host_messages import (
     DEFAULT_PLANNER_WIRE,
     MESSAGE_KINDS,
-    MOVED,
-    RELAYED,
-    SHARED,
     InProcessTransport,
     MessageBytes,
     Transport,
     check_planner_wire,
-    concatenated,
     ids_bytes,
     plan_part_bytes,
 )
@@ -147,10 +144,10 @@ from herald_torchrec.schedule.herald.planner import (
 )
 from herald_torchrec.schedule.herald.sample_swap import swap_samples
 from herald_torchrec.schedule.herald.tables import TableSelection, default_budget_ms
-from herald_torchrec.schedule.message_wire import Message, encode_message
-from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, RowMoves, SharedRows
-from herald_torchrec.schedule.policy import SchedulePolicy, order_from_assignment
-from herald_torchrec.schedule.reads import BatchKeys, in_sorted, stable_order
+from herald_torchrec.schedule.message_wire import encode_message
+from herald_torchrec.schedule.plan import HostPlan, Plan
+from herald_torchrec.schedule.policy import SchedulePolicy
+from herald_torchrec.schedule.reads import BatchKeys, in_sorted
 
 RANKS_PER_HOST = 8
 SAMPLE_GAIN = 1.0  # a sample offers to move when another host owns this much more of its first-pass LAIA weight
@@ -653,13 +650,13 @@ class HeraldHierPolicy(SchedulePolicy):
             plans, moves = {}, {}
             for h, hp in hosts.items():
                 t0 = CLOCK()
-                plans[h], moves[h] = self._host_plan(hp, parts[h], got[h])
+                plans[h], moves[h] = host_plans.host_plan(self, hp, parts[h], got[h])
                 plan_s[h] += CLOCK() - t0
             # every host's rows leave before any arrives (where several share this directory); one host alone in one
             for stage in ("release", "land") if len(hosts) > 1 else ("both",):
                 for h in hosts:
                     t0 = CLOCK()
-                    self._apply_host_moves(moves[h], stage)
+                    host_plans.apply_host_moves(self, moves[h], stage)
                     plan_s[h] += CLOCK() - t0
             host_s += plan_s
             self.last_host_plans = plans
@@ -667,11 +664,11 @@ class HeraldHierPolicy(SchedulePolicy):
                 (plan,) = plans.values()
             else:  # the whole plan, for the simulator's checker and counts (no host builds it)
                 t0 = CLOCK()
-                plan = self._union(list(parts.values()), apply=False)
+                plan = host_plans.whole_plan(self, list(parts.values()), apply=False)
                 union_s = CLOCK() - t0
         else:  # move_samples="swap", every host in this process: the whole plan, applied to its directory
             t0 = CLOCK()
-            plan = self._union(list(parts.values()))
+            plan = host_plans.whole_plan(self, list(parts.values()))
             union_s = CLOCK() - t0
         ids = np.zeros(R, dtype=np.int64)
         for h, w in windows.items():  # (a few passes over the batch's offsets: kept by a planner alone too)
@@ -784,199 +781,6 @@ class HeraldHierPolicy(SchedulePolicy):
             raise RuntimeError("herald_hier: capacity resolution did not converge")
         return np.sort(chosen)
 
-    def _union(self, parts: list[list[np.ndarray]], apply: bool = True) -> Plan:
-        """The whole Plan from every host's part (`HostPlanner.part`): the same arrays, in the same order, as one
-        planner deciding every key at once (`_rows`); its moves applied to this process's directory (`apply`), unless
-        every host applied its own (`_apply_host_moves`)."""
-        R, B = self.num_ranks, self.batch_per_rank
-        members, ranks, counts = [np.concatenate([p[i] for p in parts]) for i in (9, 10, 11)]
-        rows = self._rows(concatenated(dict(enumerate(parts)), self._part_dtypes()[:9]))
-        if apply:
-            mv = rows.moves
-            got = self.directory.apply_known_moves(rows.gid, mv.dst, mv.src, rows.home, mv.table)
-            self.eviction.arrived(got.pos, got.keys, got.groups)
-        sample_rank = np.empty(R * B, dtype=np.int64)
-        sample_rank[members] = ranks
-        hit, remote = (int(x) for x in counts.reshape(-1, 2).sum(axis=0))
-        return Plan(
-            step=self.step,
-            num_ranks=R,
-            batch_per_rank=B,
-            sample_order=order_from_assignment(sample_rank, R),
-            moves=rows.moves,
-            shared=rows.shared,
-            counters=_counters(hit, remote, len(rows.moves) - rows.victims, rows.victims),
-        )
-
-    def _host_plan(self, hp: HostPlanner, part: Message, inbox: Mapping[int, Message]) -> tuple[HostPlan, "_HostMoves"]:
-        """Host h's plan (`HostPlan`) from what every host routed to it (`HostPlanner.routed`), and the moves that
-        bring h's replica up to date for what h reads of it (`_apply_host_moves`): the owners of its home rows (every
-        migration it decided, and the victims sent home to it) and its ranks' guests (the moves into and out of
-        them). One compiled pass where the kernels are on (`native.host_plan`), else numpy: the same arrays."""
-        h, P = hp.h, self.ranks_per_host
-        cat = concatenated(inbox, self._part_dtypes())
-        fin = hp.final
-        own, samples = (fin.mig, hp.keys, hp.want, hp.k_own), (part[9], part[10])
-        got = None
-        if native.enabled():
-            got = native.host_plan(cat, self.layout.offsets, self.directory.block, h, P, own, samples, *_KINDS_BITS)
-        if got is None:
-            return self._host_plan_numpy(hp, part, cat)
-        moves = _HostMoves(
-            ranks=(h * P, (h + 1) * P),
-            gid=got.replica_gid,
-            dst=got.replica_dst,
-            src=got.replica_src,
-            home=got.replica_home,
-            table=got.replica_table,
-        )
-        return self._host_plan_of(
-            h,
-            got.sample_order,
-            RowMoves(got.moves_table, got.moves_row, got.moves_src, got.moves_dst, got.moves_kind),
-            _shared_rows(got),
-            _counters(got.hit, got.remote, got.migrations, got.victims),
-            got.slice_ranks,
-            (got.moved_tables, got.shared_tables, got.relayed_tables),
-        ), moves
-
-    def _host_plan_numpy(self, hp: HostPlanner, part: Message, cat: list[np.ndarray]) -> tuple[HostPlan, "_HostMoves"]:
-        """`_host_plan` in numpy, from the inbox's fields concatenated (`cat`)."""
-        h, P, T = hp.h, self.ranks_per_host, self.layout.num_tables
-        summary, flags = cat[9], cat[10]
-        rows = self._rows_numpy(cat[:9])
-        # the replica: this plan's moves, and the rest of h's own decisions (only their owners change here)
-        fin = hp.final
-        mine = hp.keys[fin.mig]
-        extra = ~in_sorted(mine, rows.gid)  # (the moves come in key order)
-        moves = _HostMoves(
-            ranks=(h * P, (h + 1) * P),
-            gid=np.concatenate([rows.gid, mine[extra]]),
-            dst=np.concatenate([rows.moves.dst, hp.want[fin.mig][extra]]),
-            src=np.concatenate([rows.moves.src, hp.k_own[fin.mig][extra]]),
-            home=np.concatenate([rows.home, self.home_of(mine[extra])]),
-            table=np.concatenate([rows.moves.table, self.table_of(mine[extra])]),
-        )
-        hit, remote, n_mig, n_victims = (int(x) for x in summary.reshape(-1, 4).sum(axis=0))
-        bits = np.bitwise_or.reduce(flags.reshape(-1, T), axis=0) if flags.shape[0] else np.zeros(T, np.uint8)
-        members, ranks = part[9], part[10].astype(np.int64)
-        local = ranks - h * P
-        order = members[order_from_assignment(local, P)]
-        mv = rows.moves  # less the victims that came for their directory entry only
-        k = np.flatnonzero((mv.kind != EVICT_HOME) | (mv.src // P == h) | (mv.dst // P == h))
-        return self._host_plan_of(
-            h,
-            order,
-            RowMoves(mv.table[k], mv.row[k], mv.src[k], mv.dst[k], mv.kind[k]),
-            rows.shared,
-            _counters(hit, remote, n_mig, n_victims),
-            ranks[np.argsort(members, kind="stable")],
-            tuple(np.flatnonzero(bits & b) for b in (MOVED, SHARED, RELAYED)),
-        ), moves
-
-    def _host_plan_of(self, h, order, moves, shared, counters, slice_ranks, tables) -> HostPlan:
-        """Host h's `HostPlan` of these arrays; `tables`: those with moves, shared rows and relayed groups."""
-        P = self.ranks_per_host
-        return HostPlan(
-            step=self.step,
-            num_ranks=self.num_ranks,
-            batch_per_rank=self.batch_per_rank,
-            sample_order=order,
-            moves=moves,
-            shared=shared,
-            counters=counters,
-            host=h,
-            ranks=np.arange(h * P, (h + 1) * P, dtype=np.int64),
-            hosts=self.host_of_rank.astype(np.int64),
-            slice_ranks=slice_ranks,
-            moved_tables=tables[0],
-            shared_tables=tables[1],
-            relayed_tables=tables[2],
-        )
-
-    def _apply_host_moves(self, m: "_HostMoves", stage: str) -> None:
-        """A host's moves (`_host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
-        own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
-        hosts apply theirs to one directory); "both" for a host alone (one compiled call)."""
-        d = self.directory
-        if self.guests_compiled and stage == "both":
-            native.move_guests(d, self.eviction, m.gid, m.src, m.dst, m.home, m.table, *m.ranks)
-            return
-        if stage in ("release", "both"):
-            if self.guests_compiled:
-                native.release_guests(d, m.gid, m.src, m.home, m.table, *m.ranks)
-            else:
-                d.release_guests(m.gid, m.src, m.home, m.table, m.ranks)
-        if stage in ("land", "both"):
-            if self.guests_compiled:
-                native.land_guests(d, self.eviction, m.gid, m.dst, m.home, m.table, *m.ranks)
-            else:
-                got = d.land_guests(m.gid, m.dst, m.home, m.table, m.ranks)
-                self.eviction.arrived(got.pos, got.keys, got.groups)
-
-    def _part_dtypes(self) -> tuple:
-        """The dtypes of a routed part's fields (`HostPlanner.routed`): migrations (key, source, destination), shared
-        rows (key, owner, reader count, readers), victims (key, owner), the step summary and the table bits."""
-        rk = self.rank_dtype
-        return (np.int64, rk, rk, np.int64, rk, rk, rk, np.int64, rk, np.int64, np.uint8)
-
-    def _rows(self, cat: list[np.ndarray]) -> "_Rows":
-        """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`),
-        each field concatenated over the parts in host order (`cat`): their migrations (key, source,
-        destination), shared rows (key, owner, reader count, readers) and victims (key, owner). Every move and shared
-        row in key order, as one planner deciding every key at once: a part's keys come sorted and are distinct across
-        parts (a key has one directory host; a victim is a guest nobody read, never a migrating key), so one stable
-        sort orders every move and one the shared keys (numpy's timsort merges the parts' sorted runs; the compiled
-        pass, `native.host_plan` where the kernels are on, merges them the same way), and the keys' tables come from
-        the sorted keys and the layout's offsets: no array over every row is read (every planner runs this in
-        training). The directory gets the moves in key order: its slots only keep the arrivals' order within a group,
-        which is the migrations' key order either way."""
-        got = None
-        if native.enabled():
-            got = native.host_plan(cat, self.layout.offsets, self.directory.block, -1, 1, None, None, *_KINDS_BITS)
-        if got is not None:
-            moves = RowMoves(got.moves_table, got.moves_row, got.moves_src, got.moves_dst, got.moves_kind)
-            return _Rows(moves, _shared_rows(got), gid=got.replica_gid, home=got.replica_home, victims=cat[7].shape[0])
-        return self._rows_numpy(cat)
-
-    def _rows_numpy(self, cat: list[np.ndarray]) -> "_Rows":
-        """`_rows` in numpy (where the kernels are off or declined the inputs)."""
-        mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
-        n_mig, n_vic = mig_key.shape[0], victims.shape[0]
-        # moves: the migrations, then the victims (sent home from their owner), in one order by key
-        mv_gid = np.concatenate([mig_key, victims])
-        o = stable_order(mv_gid)
-        mv_gid = mv_gid[o]
-        mv_src = np.concatenate([mig_src.astype(np.int64), victim_src.astype(np.int64)])[o]
-        mv_table = self.sorted_tables(mv_gid)
-        mv_row = mv_gid - self.layout.offsets[mv_table]
-        mv_home = mv_row // self.directory.block[mv_table]
-        mv_dst = np.concatenate([mig_dst.astype(np.int64), np.zeros(n_vic, dtype=np.int64)])[o]
-        is_victim = o >= n_mig
-        mv_dst[is_victim] = mv_home[is_victim]
-        mv_kind = np.where(is_victim, np.int8(EVICT_HOME), np.int8(MIGRATE))
-        moves = RowMoves(table=mv_table, row=mv_row, src=mv_src, dst=mv_dst, kind=mv_kind)
-        # shared rows: every directory host's keys, sorted by key, each with its readers (sorted by rank)
-        sh_count = sh_count.astype(np.int64)
-        o = stable_order(sh_key)
-        keys, cnt = sh_key[o], sh_count[o]
-        offs = np.zeros(keys.shape[0] + 1, dtype=np.int64)
-        np.cumsum(cnt, out=offs[1:])
-        starts = np.cumsum(sh_count) - sh_count  # each key's readers in the parts' order
-        if native.enabled():
-            readers = native.gather_segments(sh_readers, starts, sh_count, o)
-        else:
-            readers = sh_readers[np.repeat(starts[o] - offs[:-1], cnt) + np.arange(int(offs[-1]), dtype=np.int64)]
-        sh_table = self.sorted_tables(keys)
-        shared = SharedRows(
-            table=sh_table,
-            row=keys - self.layout.offsets[sh_table],
-            owner=sh_owner[o].astype(np.int64),
-            reader_offsets=offs,
-            readers=readers.astype(np.int64, copy=False),
-        )
-        return _Rows(moves=moves, shared=shared, gid=mv_gid, home=mv_home, victims=n_vic)
-
 
 def _first_use(keys: np.ndarray, window_keys: Sequence[np.ndarray]) -> np.ndarray:
     """The first batch of a lookahead window (1..L) that reads each key, 0 for none (int64); `window_keys`: each
@@ -985,46 +789,3 @@ def _first_use(keys: np.ndarray, window_keys: Sequence[np.ndarray]) -> np.ndarra
     for j in range(len(window_keys), 0, -1):
         out[in_sorted(keys, window_keys[j - 1])] = j
     return out
-
-
-@dataclass
-class _Rows:
-    """A step's moves and shared rows (`HeraldHierPolicy._rows`), with every move's key and home rank and the number
-    of victims among the moves."""
-
-    moves: RowMoves
-    shared: SharedRows
-    gid: np.ndarray
-    home: np.ndarray
-    victims: int  # of the moves, the victims sent home
-
-
-@dataclass
-class _HostMoves:
-    """The moves a host applies to its replica after a step (`HeraldHierPolicy._host_plan`), aligned by row: key,
-    destination, source, home rank, table; `ranks`: the host's ranks (lo, hi), whose guests it keeps."""
-
-    ranks: tuple[int, int]
-    gid: np.ndarray
-    dst: np.ndarray
-    src: np.ndarray
-    home: np.ndarray
-    table: np.ndarray
-
-
-_KINDS_BITS = ((MIGRATE, EVICT_HOME), (MOVED, SHARED, RELAYED))  # native.host_plan's move kinds and table bits
-
-
-def _shared_rows(got: native.HostPlanArrays) -> SharedRows:
-    return SharedRows(got.shared_table, got.shared_row, got.shared_owner, got.shared_offsets, got.shared_readers)
-
-
-def _counters(hit: int, remote: int, migrations: int, victims: int) -> dict[str, int]:
-    return {
-        "hit": hit,
-        "migrate": int(migrations),
-        "evict_home": int(victims),
-        "forward": 0,
-        "shared_value": remote,
-        "shared_grad": remote,
-    }
