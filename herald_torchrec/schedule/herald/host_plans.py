@@ -10,7 +10,7 @@ counts need it. One compiled pass where the kernels are on (`native.host_plan`),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -22,8 +22,8 @@ from herald_torchrec.schedule.plan import EVICT_HOME, MIGRATE, HostPlan, Plan, R
 from herald_torchrec.schedule.policy import order_from_assignment
 from herald_torchrec.schedule.reads import in_sorted, stable_order
 
-if TYPE_CHECKING:
-    from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
+# every function takes the HeraldHierPolicy that drives the step (hierarchy.py imports this module, not the reverse)
+Policy = Any
 
 
 @dataclass
@@ -51,9 +51,7 @@ class PartRows:
     victims: int  # of the moves, the victims sent home
 
 
-def host_plan(
-    pol: "HeraldHierPolicy", hp: HostPlanner, part: Message, inbox: Mapping[int, Message]
-) -> tuple[HostPlan, HostMoves]:
+def host_plan(pol: Policy, hp: HostPlanner, part: Message, inbox: Mapping[int, Message]) -> tuple[HostPlan, HostMoves]:
     """Host h's plan (`HostPlan`) from what every host routed to it (`HostPlanner.routed`), and the moves that
     bring h's replica up to date for what h reads of it (`apply_host_moves`): the owners of its home rows (every
     migration it decided, and the victims sent home to it) and its ranks' guests (the moves into and out of
@@ -87,9 +85,7 @@ def host_plan(
     ), moves
 
 
-def _host_plan_numpy(
-    pol: "HeraldHierPolicy", hp: HostPlanner, part: Message, cat: list[np.ndarray]
-) -> tuple[HostPlan, HostMoves]:
+def _host_plan_numpy(pol: Policy, hp: HostPlanner, part: Message, cat: list[np.ndarray]) -> tuple[HostPlan, HostMoves]:
     """`host_plan` in numpy, from the inbox's fields concatenated (`cat`)."""
     h, P, T = hp.h, pol.ranks_per_host, pol.layout.num_tables
     summary, flags = cat[9], cat[10]
@@ -125,7 +121,7 @@ def _host_plan_numpy(
     ), moves
 
 
-def _host_plan_of(pol: "HeraldHierPolicy", h, order, moves, shared, counters, slice_ranks, tables) -> HostPlan:
+def _host_plan_of(pol: Policy, h, order, moves, shared, counters, slice_ranks, tables) -> HostPlan:
     """Host h's `HostPlan` of these arrays; `tables`: those with moves, shared rows and relayed groups."""
     P = pol.ranks_per_host
     return HostPlan(
@@ -146,7 +142,7 @@ def _host_plan_of(pol: "HeraldHierPolicy", h, order, moves, shared, counters, sl
     )
 
 
-def apply_host_moves(pol: "HeraldHierPolicy", m: HostMoves, stage: str) -> None:
+def apply_host_moves(pol: Policy, m: HostMoves, stage: str) -> None:
     """A host's moves (`host_plan`) applied to what its replica keeps: the owners of the rows, the guests of its
     own ranks, in two stages: "release", then "land" (every host's rows leave before any arrives, where several
     hosts apply theirs to one directory); "both" for a host alone (one compiled call)."""
@@ -167,7 +163,7 @@ def apply_host_moves(pol: "HeraldHierPolicy", m: HostMoves, stage: str) -> None:
             pol.eviction.arrived(got.pos, got.keys, got.groups)
 
 
-def whole_plan(pol: "HeraldHierPolicy", parts: list[list[np.ndarray]], apply: bool = True) -> Plan:
+def whole_plan(pol: Policy, parts: list[list[np.ndarray]], apply: bool = True) -> Plan:
     """The whole Plan from every host's part (`HostPlanner.part`): the same arrays, in the same order, as one
     planner deciding every key at once (`part_rows`); its moves applied to this process's directory (`apply`), unless
     every host applied its own (`apply_host_moves`)."""
@@ -199,7 +195,7 @@ def part_dtypes(rank_dtype: type) -> tuple:
     return (np.int64, rk, rk, np.int64, rk, rk, rk, np.int64, rk, np.int64, np.uint8)
 
 
-def part_rows(pol: "HeraldHierPolicy", cat: list[np.ndarray]) -> PartRows:
+def part_rows(pol: Policy, cat: list[np.ndarray]) -> PartRows:
     """Moves and shared rows from the hosts' parts, whole (`HostPlanner.part`) or routed (`HostPlanner.routed`),
     each field concatenated over the parts in host order (`cat`): their migrations (key, source,
     destination), shared rows (key, owner, reader count, readers) and victims (key, owner). Every move and shared
@@ -219,7 +215,7 @@ def part_rows(pol: "HeraldHierPolicy", cat: list[np.ndarray]) -> PartRows:
     return _part_rows_numpy(pol, cat)
 
 
-def _part_rows_numpy(pol: "HeraldHierPolicy", cat: list[np.ndarray]) -> PartRows:
+def _part_rows_numpy(pol: Policy, cat: list[np.ndarray]) -> PartRows:
     """`part_rows` in numpy (where the kernels are off or declined the inputs)."""
     mig_key, mig_src, mig_dst, sh_key, sh_owner, sh_count, sh_readers, victims, victim_src = cat
     n_mig, n_vic = mig_key.shape[0], victims.shape[0]

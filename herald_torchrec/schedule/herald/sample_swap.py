@@ -14,7 +14,7 @@ are counted as the protocol would send them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,10 +30,10 @@ from herald_torchrec.schedule.herald.host_messages import (
 from herald_torchrec.schedule.herald.host_planner import HostPlanner
 from herald_torchrec.schedule.reads import BatchKeys
 
-if TYPE_CHECKING:
-    from herald_torchrec.schedule.herald.hierarchy import HeraldHierPolicy
-
 COORDINATOR = 0  # the host that matches the offers (its own are free)
+
+# every function takes the HeraldHierPolicy that drives the step (hierarchy.py imports this module, not the reverse)
+Policy = Any
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Offers:
 
 
 def swap_samples(
-    pol: "HeraldHierPolicy",
+    pol: Policy,
     b: list[GlobalBatch],
     hosts: dict[int, HostPlanner],
     msg: MessageBytes,
@@ -78,7 +78,7 @@ def swap_samples(
     return moved
 
 
-def _other_readers(pol: "HeraldHierPolicy", firsts, msg: MessageBytes) -> list[tuple[np.ndarray, np.ndarray]]:
+def _other_readers(pol: Policy, firsts, msg: MessageBytes) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per host, for every key it demands: the other host whose samples read it most, and how many (0: none).
     The directory hosts learn it from the demand (which then carries each key's count) and answer it with the
     owners; simulated here in one pass over every host's demand."""
@@ -108,9 +108,7 @@ def _other_readers(pol: "HeraldHierPolicy", firsts, msg: MessageBytes) -> list[t
     return out
 
 
-def _offers(
-    pol: "HeraldHierPolicy", sub, bk: BatchKeys, own: np.ndarray, h: int, other: np.ndarray, other_n: np.ndarray
-) -> Offers:
+def _offers(pol: Policy, sub, bk: BatchKeys, own: np.ndarray, h: int, other: np.ndarray, other_n: np.ndarray) -> Offers:
     """Host h's offers (phase 2b): its samples whose scheduled keys are owned or read more on another host than on
     h, by `sample_gain`: a key counts its first-pass LAIA weight (`scheduled_of`' w0) at its owner's host and 1 at
     a host whose other samples read it (h, or the other host that reads it most); each with its best host."""
@@ -130,7 +128,7 @@ def _offers(
     return Offers(s + h * N, best[s], gain[s])
 
 
-def _swap(pol: "HeraldHierPolicy", b: GlobalBatch, offers: list[Offers], members: list[np.ndarray], msg: MessageBytes):
+def _swap(pol: Policy, b: GlobalBatch, offers: list[Offers], members: list[np.ndarray], msg: MessageBytes):
     """The coordinator's match (phase 2b): between every two hosts, as many swaps as the fewer offers of the two
     directions, highest gains first; the swapped samples travel with their ids, dense part and label, and their
     keys' owners. Returns every host's samples (global indices, sorted)."""
