@@ -2013,45 +2013,65 @@ namespace {
 static inline uint64_t msg_zz(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
 static inline int64_t msg_unzz(uint64_t u) { return static_cast<int64_t>((u >> 1) ^ (~(u & 1) + 1)); }
 static inline int64_t msg_bitlen(uint64_t u) { return u ? 64 - __builtin_clzll(u) : 0; }
-static inline int64_t msg_vlen(uint64_t u) { return (70 - __builtin_clzll(u | 1)) / 7; }  // ceil(bits / 7), >= 1
+// a varint's bytes: ceil(bits / 7), at least 1, by a table over the bit length (a division per value was the
+// size pass's most costly step)
+constexpr std::array<uint8_t, 65> kVarintBytes = [] {
+  std::array<uint8_t, 65> t{};
+  for (int b = 0; b <= 64; ++b) t[b] = static_cast<uint8_t>(b ? (b + 6) / 7 : 1);
+  return t;
+}();
+static inline int64_t msg_vlen(uint64_t u) { return kVarintBytes[64 - __builtin_clzll(u | 1)]; }
 static inline uint8_t* msg_put_varint(uint8_t* o, uint64_t u) {
   while (u >= 128) { *o++ = static_cast<uint8_t>(u | 128); u >>= 7; }
   *o++ = static_cast<uint8_t>(u);
   return o;
 }
+// Element j of an array of T at b, as int64 (any alignment).
 template <typename T>
-static void msg_widen_as(const void* p, int64_t n, int64_t* v) {
-  const uint8_t* b = static_cast<const uint8_t*>(p);
+static inline int64_t msg_at(const uint8_t* b, int64_t j) {
+  T x;
+  std::memcpy(&x, b + sizeof(T) * j, sizeof(T));
+  return static_cast<int64_t>(x);
+}
+static inline int64_t msg_sub(int64_t a, int64_t b) {  // a - b as uint64 wraps
+  return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
+}
+// n values u(j) of b bits each (u(j) < 2^b), least significant first, into ceil(n b / 8) bytes: whole bytes by
+// little-endian stores; up to 32 bits through a 64-bit accumulator flushed 4 bytes at a time; wider ones a byte at
+// a time (a 128-bit accumulator above 56 bits). The bytes are the same whichever way they are flushed.
+template <typename W, typename U>
+static uint8_t* msg_put_words(uint8_t* o, int64_t n, const U& u) {
   for (int64_t j = 0; j < n; ++j) {
-    T x;
-    std::memcpy(&x, b + sizeof(T) * j, sizeof(T));
-    v[j] = static_cast<int64_t>(x);
+    const W x = static_cast<W>(u(j));
+    std::memcpy(o + sizeof(W) * j, &x, sizeof(W));
   }
+  return o + static_cast<int64_t>(sizeof(W)) * n;
 }
-static void msg_widen(const void* p, int64_t n, int64_t kind, std::vector<int64_t>& v) {
-  v.resize(static_cast<size_t>(n));
-  switch (kind) {
-    case 1: msg_widen_as<int8_t>(p, n, v.data()); break;
-    case 2: msg_widen_as<uint8_t>(p, n, v.data()); break;
-    case 3: msg_widen_as<int16_t>(p, n, v.data()); break;
-    case 4: msg_widen_as<uint16_t>(p, n, v.data()); break;
-    case 5: msg_widen_as<int32_t>(p, n, v.data()); break;
-    case 6: msg_widen_as<uint32_t>(p, n, v.data()); break;
-    default: msg_widen_as<int64_t>(p, n, v.data());
-  }
-}
-// n values of b bits each, least significant first, into ceil(n b / 8) bytes.
-static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b) {
-  if (b == 8 || b == 16 || b == 32) {  // whole bytes: little-endian stores
-    const int64_t w = b / 8;
-    for (int64_t j = 0; j < n; ++j) std::memcpy(o + w * j, &u[j], static_cast<size_t>(w));
-    return o + w * n;
-  }
-  if (b <= 56) {  // a 64-bit accumulator holds the up to 7 bits left over plus one value
+template <typename U>
+static uint8_t* msg_put_bits(uint8_t* o, int64_t n, int64_t b, const U& u) {
+  if (b == 8) return msg_put_words<uint8_t>(o, n, u);
+  if (b == 16) return msg_put_words<uint16_t>(o, n, u);
+  if (b == 32) return msg_put_words<uint32_t>(o, n, u);
+  if (b <= 32) {
     uint64_t acc = 0;
     int64_t have = 0;
     for (int64_t j = 0; j < n; ++j) {
-      acc |= u[j] << have;
+      acc |= u(j) << have;
+      have += b;
+      if (have >= 32) {
+        const uint32_t w = static_cast<uint32_t>(acc);
+        std::memcpy(o, &w, 4);
+        o += 4, acc >>= 32, have -= 32;
+      }
+    }
+    for (; have > 0; have -= 8) *o++ = static_cast<uint8_t>(acc), acc >>= 8;
+    return o;
+  }
+  if (b <= 56) {
+    uint64_t acc = 0;
+    int64_t have = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      acc |= u(j) << have;
       have += b;
       while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
     }
@@ -2061,11 +2081,74 @@ static uint8_t* msg_put_bits(uint8_t* o, const uint64_t* u, int64_t n, int64_t b
   unsigned __int128 acc = 0;
   int64_t have = 0;
   for (int64_t j = 0; j < n; ++j) {
-    acc |= static_cast<unsigned __int128>(u[j]) << have;
+    acc |= static_cast<unsigned __int128>(u(j)) << have;
     have += b;
     while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
   }
   if (have > 0) *o++ = static_cast<uint8_t>(acc);
+  return o;
+}
+
+// n >= 1 integers of type T at `in` in the mode of fewest bytes (ties: the lower mode), raw taking `raw` bytes: the
+// mode written into header byte *h (its dtype code already there), the payload from o. Returns the payload's end,
+// or nullptr where it would pass lim. The values are read where they are (no widened copy): one pass for min, max,
+// the least and greatest delta and how many values and deltas need a second varint byte, one more for the varint
+// sizes where a varint mode could still win, one to write.
+template <typename T>
+static uint8_t* msg_encode_ints(const uint8_t* in, int64_t n, int64_t raw, uint8_t* h, uint8_t* o, uint8_t* lim) {
+  const auto x = [in](int64_t j) { return msg_at<T>(in, j); };
+  const auto wide = [](int64_t v) { return static_cast<int64_t>(static_cast<uint64_t>(v) + 64 >= 128); };  // zz >= 128
+  int64_t lo = x(0), hi = lo, dlo = n >= 2 ? msg_sub(x(1), lo) : 0, dhi = dlo, wide_v = wide(lo), wide_d = wide_v;
+  for (int64_t j = 1, prev = lo; j < n; ++j) {
+    const int64_t v = x(j), d = msg_sub(v, prev);
+    lo = std::min(lo, v), hi = std::max(hi, v), dlo = std::min(dlo, d), dhi = std::max(dhi, d);
+    wide_v += wide(v), wide_d += wide(d);
+    prev = v;
+  }
+  const int64_t b = msg_bitlen(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
+  const int64_t bits = msg_vlen(msg_zz(lo)) + 1 + (n * b + 7) / 8;
+  const int64_t db = msg_bitlen(static_cast<uint64_t>(dhi) - static_cast<uint64_t>(dlo));
+  const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(x(0))) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
+                               : std::numeric_limits<int64_t>::max();
+  // a varint takes a byte, two where its zigzag is 128 or more: where raw, bits or delta bits take no more than that
+  // bound, neither varint mode can take fewer (ties go to the lower mode), so their sizes are not needed
+  int64_t vl = std::numeric_limits<int64_t>::max(), dvl = vl;
+  if (std::min(std::min(raw, bits), dbits) > n + std::min(wide_v, wide_d)) {
+    vl = 0, dvl = 0;
+    for (int64_t j = 0, prev = 0; j < n; ++j) {
+      const int64_t v = x(j);
+      vl += msg_vlen(msg_zz(v)), dvl += msg_vlen(msg_zz(msg_sub(v, prev)));
+      prev = v;
+    }
+  }
+  const int64_t size[5] = {raw, bits, dbits, vl, dvl};
+  int mode = 0;
+  for (int q = 1; q < 5; ++q)
+    if (size[q] < size[mode]) mode = q;
+  if (o + size[mode] > lim) return nullptr;
+  *h = static_cast<uint8_t>(*h | mode);
+  if (mode == 0) {
+    std::memcpy(o, in, static_cast<size_t>(raw));
+    return o + raw;
+  }
+  if (mode == 1) {
+    o = msg_put_varint(o, msg_zz(lo));
+    *o++ = static_cast<uint8_t>(b);
+    return msg_put_bits(o, n, b, [&](int64_t j) { return static_cast<uint64_t>(msg_sub(x(j), lo)); });
+  }
+  if (mode == 2) {
+    o = msg_put_varint(o, msg_zz(x(0)));
+    o = msg_put_varint(o, msg_zz(dlo));
+    *o++ = static_cast<uint8_t>(db);
+    return msg_put_bits(o, n - 1, db, [&](int64_t j) {
+      return static_cast<uint64_t>(msg_sub(msg_sub(x(j + 1), x(j)), dlo));
+    });
+  }
+  for (int64_t j = 0, prev = 0; j < n; ++j) {
+    const int64_t v = x(j);
+    o = msg_put_varint(o, msg_zz(mode == 4 ? msg_sub(v, prev) : v));
+    prev = v;
+  }
   return o;
 }
 
@@ -2082,9 +2165,6 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
                           int64_t cap, int64_t* ends) {
   uint8_t* o = out;
   uint8_t* const lim = out + cap;
-  // kept between calls: a fresh vector of this size is a fresh mapping, zeroed page by page (as slow as the rest)
-  static thread_local std::vector<int64_t> v;
-  static thread_local std::vector<uint64_t> u;
   for (int64_t m = 0; m < nmsg; ++m) {
     const int64_t a0 = first[m], na = first[m + 1] - a0;
     if (na > 255 || o + 1 > lim) return -1;
@@ -2103,66 +2183,17 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
         o += raw;
         continue;
       }
-      const int64_t* x;  // the values as int64: the array itself where it is an aligned int64 one
-      if (kinds[i] == 7 && reinterpret_cast<uintptr_t>(arrays[i]) % alignof(int64_t) == 0) {
-        x = static_cast<const int64_t*>(arrays[i]);
-      } else {
-        msg_widen(arrays[i], n, kinds[i], v);
-        x = v.data();
+      const uint8_t* in = static_cast<const uint8_t*>(arrays[i]);
+      switch (kinds[i]) {
+        case 1: o = msg_encode_ints<int8_t>(in, n, raw, h, o, lim); break;
+        case 2: o = msg_encode_ints<uint8_t>(in, n, raw, h, o, lim); break;
+        case 3: o = msg_encode_ints<int16_t>(in, n, raw, h, o, lim); break;
+        case 4: o = msg_encode_ints<uint16_t>(in, n, raw, h, o, lim); break;
+        case 5: o = msg_encode_ints<int32_t>(in, n, raw, h, o, lim); break;
+        case 6: o = msg_encode_ints<uint32_t>(in, n, raw, h, o, lim); break;
+        default: o = msg_encode_ints<int64_t>(in, n, raw, h, o, lim);
       }
-      int64_t lo = x[0], hi = x[0];
-      for (int64_t j = 0; j < n; ++j) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
-      int64_t dlo = 0, dhi = 0;
-      if (n >= 2) dlo = dhi = static_cast<int64_t>(static_cast<uint64_t>(x[1]) - static_cast<uint64_t>(x[0]));
-      for (int64_t j = 2; j < n; ++j) {
-        const int64_t d = static_cast<int64_t>(static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]));
-        dlo = std::min(dlo, d), dhi = std::max(dhi, d);
-      }
-      const int64_t b = msg_bitlen(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
-      const int64_t bits = msg_vlen(msg_zz(lo)) + 1 + (n * b + 7) / 8;
-      const int64_t db = msg_bitlen(static_cast<uint64_t>(dhi) - static_cast<uint64_t>(dlo));
-      const int64_t dbits = n >= 2 ? msg_vlen(msg_zz(x[0])) + msg_vlen(msg_zz(dlo)) + 1 + ((n - 1) * db + 7) / 8
-                                   : std::numeric_limits<int64_t>::max();
-      // a varint takes at least a byte: where raw, bits or delta bits take n bytes or fewer, neither varint mode
-      // can take fewer (ties go to the lower mode), so their sizes are not needed
-      int64_t vl = std::numeric_limits<int64_t>::max(), dvl = vl;
-      if (std::min(std::min(raw, bits), dbits) > n) {
-        vl = 0, dvl = msg_vlen(msg_zz(x[0]));
-        for (int64_t j = 0; j < n; ++j) vl += msg_vlen(msg_zz(x[j]));
-        for (int64_t j = 1; j < n; ++j)
-          dvl += msg_vlen(msg_zz(static_cast<int64_t>(static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]))));
-      }
-      const int64_t size[5] = {raw, bits, dbits, vl, dvl};
-      int mode = 0;
-      for (int q = 1; q < 5; ++q)
-        if (size[q] < size[mode]) mode = q;
-      if (o + size[mode] > lim) return -1;
-      *h = static_cast<uint8_t>(code | mode);
-      if (mode == 0) {
-        std::memcpy(o, arrays[i], static_cast<size_t>(raw));
-        o += raw;
-      } else if (mode == 1) {
-        o = msg_put_varint(o, msg_zz(lo));
-        *o++ = static_cast<uint8_t>(b);
-        u.resize(static_cast<size_t>(n));
-        for (int64_t j = 0; j < n; ++j) u[j] = static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(lo);
-        o = msg_put_bits(o, u.data(), n, b);
-      } else if (mode == 2) {
-        o = msg_put_varint(o, msg_zz(x[0]));
-        o = msg_put_varint(o, msg_zz(dlo));
-        *o++ = static_cast<uint8_t>(db);
-        u.resize(static_cast<size_t>(n - 1));
-        for (int64_t j = 1; j < n; ++j)
-          u[j - 1] = static_cast<uint64_t>(x[j]) - static_cast<uint64_t>(x[j - 1]) - static_cast<uint64_t>(dlo);
-        o = msg_put_bits(o, u.data(), n - 1, db);
-      } else {
-        uint64_t prev = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          const uint64_t xj = static_cast<uint64_t>(x[j]);
-          o = msg_put_varint(o, msg_zz(static_cast<int64_t>(mode == 4 ? xj - prev : xj)));
-          prev = xj;
-        }
-      }
+      if (!o) return -1;
     }
     ends[m] = o - out;
   }
@@ -2243,52 +2274,53 @@ int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds,
 
 namespace {
 
-// One array of mode 1-4 (the scan checked its bounds) as int64 into o[0 .. n).
-static void msg_decode_ints(const uint8_t* p, const uint8_t* end, int64_t mode, int64_t n, int64_t* o) {
-  uint64_t base, dlo = 0;
-  if (mode == 1 || mode == 2) {
-    msg_get_varint(p, end, base);
-    if (mode == 2) msg_get_varint(p, end, dlo);
-    const int64_t b = *p++, nb = n - (mode == 2);
-    uint64_t acc = static_cast<uint64_t>(msg_unzz(base));
-    if (mode == 2) o[0] = static_cast<int64_t>(acc);
-    const uint64_t d0 = static_cast<uint64_t>(msg_unzz(dlo));
-    const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
-    const uint8_t* const p0 = p;  // the packed values
-    for (int64_t j = 0; j < nb; ++j) {
-      const int64_t bit = j * b, byte = bit >> 3, off = bit & 7;
-      uint64_t u;
-      if (b <= 56 && p0 + byte + 8 <= end) {  // one unaligned 8-byte load holds the value
-        uint64_t w;
-        std::memcpy(&w, p0 + byte, 8);
-        u = (w >> off) & mask;
-      } else {  // near the end of the payload, or wider than 56 bits: its bytes one by one
-        unsigned __int128 w = 0;
-        for (int64_t q = 0; q < (off + b + 7) / 8; ++q) w |= static_cast<unsigned __int128>(p0[byte + q]) << (8 * q);
-        u = static_cast<uint64_t>(w >> off) & mask;
-      }
-      if (mode == 1) {
-        o[j] = static_cast<int64_t>(acc + u);
-      } else {
-        acc += d0 + u;
-        o[j + 1] = static_cast<int64_t>(acc);
-      }
-    }
-  } else {
+// One array of mode 1-4 (the scan checked its bounds) into o[0 .. n) as T: numpy's int64 values cast (wrapping) to
+// the array's dtype, written as they are decoded. A packed value whose 8 bytes from its first lie in the payload takes
+// one unaligned load (every one but the last few, for values up to 56 bits); the others are read byte by byte.
+template <typename T>
+static void msg_decode_ints(const uint8_t* p, const uint8_t* end, int64_t mode, int64_t n, uint8_t* o) {
+  const auto put = [o](int64_t j, uint64_t v) {
+    const T x = static_cast<T>(static_cast<int64_t>(v));
+    std::memcpy(o + sizeof(T) * j, &x, sizeof(T));
+  };
+  if (mode == 3 || mode == 4) {
     uint64_t prev = 0;
     for (int64_t j = 0; j < n; ++j) {
       const uint64_t val = static_cast<uint64_t>(msg_unzz(msg_varint_checked(p)));
       prev = mode == 4 ? prev + val : val;
-      o[j] = static_cast<int64_t>(prev);
+      put(j, prev);
     }
+    return;
   }
-}
-
-template <typename T>
-static void msg_narrow_as(const int64_t* v, int64_t n, uint8_t* o) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T x = static_cast<T>(v[j]);  // wraps, as numpy's astype does
-    std::memcpy(o + sizeof(T) * j, &x, sizeof(T));
+  uint64_t base, dlo = 0;
+  msg_get_varint(p, end, base);
+  if (mode == 2) msg_get_varint(p, end, dlo);
+  const int64_t b = *p++, nb = n - (mode == 2);
+  const uint64_t first = static_cast<uint64_t>(msg_unzz(base)), d0 = static_cast<uint64_t>(msg_unzz(dlo));
+  const uint64_t mask = b == 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
+  const uint8_t* const p0 = p;  // the packed values
+  int64_t fast = b > 0 && b <= 56 ? nb : 0;
+  while (fast > 0 && p0 + ((fast - 1) * b >> 3) + 8 > end) --fast;
+  const auto value = [&](int64_t j) {
+    const int64_t bit = j * b, byte = bit >> 3, off = bit & 7;
+    if (j < fast) {
+      uint64_t w;
+      std::memcpy(&w, p0 + byte, 8);
+      return (w >> off) & mask;
+    }
+    unsigned __int128 w = 0;
+    for (int64_t q = 0; q < (off + b + 7) / 8; ++q) w |= static_cast<unsigned __int128>(p0[byte + q]) << (8 * q);
+    return static_cast<uint64_t>(w >> off) & mask;
+  };
+  if (mode == 1) {
+    for (int64_t j = 0; j < nb; ++j) put(j, first + value(j));
+    return;
+  }
+  uint64_t acc = first;
+  put(0, acc);
+  for (int64_t j = 0; j < nb; ++j) {
+    acc += d0 + value(j);
+    put(j + 1, acc);
   }
 }
 
@@ -2303,28 +2335,24 @@ extern "C" {
 int64_t herald_msg_unpack(int64_t k, const uint8_t* buf, const int64_t* code, const int64_t* mode,
                           const int64_t* count, const int64_t* start, const int64_t* stop, const int64_t* itemsize,
                           const int64_t* offset, uint8_t* arena) {
-  static thread_local std::vector<int64_t> v;
   for (int64_t i = 0; i < k; ++i) {
     const int64_t n = count[i];
     uint8_t* const o = arena + offset[i];
+    const uint8_t *p = buf + start[i], *end = buf + stop[i];
     if (mode[i] == 0) {
-      if (n) std::memcpy(o, buf + start[i], static_cast<size_t>(n * itemsize[code[i]]));
+      if (n) std::memcpy(o, p, static_cast<size_t>(n * itemsize[code[i]]));
       continue;
     }
-    if (code[i] < 1 || code[i] > 8) return -1;
-    if (code[i] >= 7) {  // int64 and uint64: decoded in place (offsets are 8-byte aligned)
-      msg_decode_ints(buf + start[i], buf + stop[i], mode[i], n, reinterpret_cast<int64_t*>(o));
-      continue;
-    }
-    v.resize(static_cast<size_t>(n));
-    msg_decode_ints(buf + start[i], buf + stop[i], mode[i], n, v.data());
     switch (code[i]) {
-      case 1: msg_narrow_as<int8_t>(v.data(), n, o); break;
-      case 2: msg_narrow_as<uint8_t>(v.data(), n, o); break;
-      case 3: msg_narrow_as<int16_t>(v.data(), n, o); break;
-      case 4: msg_narrow_as<uint16_t>(v.data(), n, o); break;
-      case 5: msg_narrow_as<int32_t>(v.data(), n, o); break;
-      default: msg_narrow_as<uint32_t>(v.data(), n, o);
+      case 1: msg_decode_ints<int8_t>(p, end, mode[i], n, o); break;
+      case 2: msg_decode_ints<uint8_t>(p, end, mode[i], n, o); break;
+      case 3: msg_decode_ints<int16_t>(p, end, mode[i], n, o); break;
+      case 4: msg_decode_ints<uint16_t>(p, end, mode[i], n, o); break;
+      case 5: msg_decode_ints<int32_t>(p, end, mode[i], n, o); break;
+      case 6: msg_decode_ints<uint32_t>(p, end, mode[i], n, o); break;
+      case 7:
+      case 8: msg_decode_ints<int64_t>(p, end, mode[i], n, o); break;  // uint64: the same bits
+      default: return -1;
     }
   }
   return 0;
