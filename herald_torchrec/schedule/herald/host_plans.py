@@ -28,8 +28,8 @@ Policy = Any
 
 @dataclass
 class HostMoves:
-    """The moves a host applies to its replica after a step (`host_plan`), aligned by row: key,
-    destination, source, home rank, table; `ranks`: the host's ranks (lo, hi), whose guests it keeps."""
+    """The moves a host applies to its replica after a step (`host_plan`), aligned by row: key, destination, source,
+    home rank, table; `ranks`: the host's ranks (lo, hi), whose guests it keeps."""
 
     ranks: tuple[int, int]
     gid: np.ndarray
@@ -41,8 +41,8 @@ class HostMoves:
 
 @dataclass
 class PartRows:
-    """A step's moves and shared rows (`part_rows`), with every move's key and home rank and the number
-    of victims among the moves."""
+    """A step's moves and shared rows (`part_rows`), with every move's key and home rank and the number of victims
+    among the moves."""
 
     moves: RowMoves
     shared: SharedRows
