@@ -261,7 +261,7 @@ def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[n
     """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on.
     compact=False sends every array RAW (its own bytes behind the same headers): no pass over the values, for
     planners whose links are fast enough that the CPU costs more than the bytes (WIRE_FORMS)."""
-    if not native.enabled():
+    if not native.enabled() or not messages:  # (a phase that sends nothing: no pass to set up)
         return [_encode_numpy(_check(m), compact) for m in messages]
     arrays = [a for m in messages for a in m]
     # a step's phase sends ~650 arrays at R=256: one look per array, the whole check (_check) only where it fails
@@ -340,7 +340,7 @@ def decode_messages(buf: np.ndarray, sizes: Sequence[int]) -> list[Message | Non
     of 0 (nothing sent). ValueError for a malformed buffer."""
     bounds, sent = _bounds(buf, sizes)
     out: list[Message | None] = [None] * len(sizes)
-    if not native.enabled():
+    if not native.enabled() or not sent:
         for i in sent:
             out[i] = _decode_numpy(buf[bounds[i] : bounds[i + 1]])
         return out
@@ -383,11 +383,13 @@ def decode_fields(buf: np.ndarray, sizes: Sequence[int]) -> Fields | None:
     bounds, sent = _bounds(buf, sizes)
     if not native.enabled():
         return None
+    if not sent:
+        return Fields([], [], np.zeros((1, 0), dtype=np.int64))
     b, arrs = _scan(buf, bounds, sent)
     M = len(sent)
-    W = arrs.msg.shape[0] // M if M else 0
-    if not M or (np.bincount(arrs.msg, minlength=M) != W).any():
-        return None if M else Fields([], [], np.zeros((1, 0), dtype=np.int64))
+    W = arrs.msg.shape[0] // M
+    if (np.bincount(arrs.msg, minlength=M) != W).any():
+        return None
     codes, counts = arrs.code.reshape(M, W), arrs.count.reshape(M, W)
     if (codes != codes[:1]).any():
         return None
