@@ -1286,16 +1286,16 @@ int herald_move_guests(int64_t M, const int64_t* gid, const int64_t* src, const 
 namespace {
 
 // HeraldHierPolicy.decide_keys: a directory host's keys from their (key, reader, elements) pairs sorted by key then
-// rank: each key's pairs (start, count; `kid`: each pair's key index), its owner before the step (owner_of(i): that
-// of pair i's key), its first reader (`sole`) and where it should live (`want`): with its owner where the owner
-// reads it, else with the reader of the most elements (ties: the lowest rank). Returns the number of keys.
-template <typename OwnerOf>
-int64_t decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const int64_t* c, const OwnerOf& owner_of,
-                     int64_t* keys, int64_t* own, int64_t* want, uint8_t* single, int64_t* sole, int64_t* count,
-                     int64_t* start, int64_t* kid) {
+// rank: each key's pairs (start, count; `kid`: each pair's key index), its owner before the step (dem_owner[pd[i]]:
+// that of pair i's demand position), its first reader (`sole`) and where it should live (`want`): with its owner
+// where the owner reads it, else with the reader of the most elements (ties: the lowest rank). Returns the number of
+// keys.
+int64_t decide_pairs(int64_t n, const int64_t* g, const int64_t* r, const int64_t* c, const int32_t* dem_owner,
+                     const int64_t* pd, int64_t* keys, int64_t* own, int64_t* want, uint8_t* single, int64_t* sole,
+                     int64_t* count, int64_t* start, int64_t* kid) {
   int64_t K = 0;
   for (int64_t i = 0; i < n;) {
-    const int64_t key = g[i], o = owner_of(i);
+    const int64_t key = g[i], o = dem_owner[pd[i]];
     bool owner_reads = false;
     int64_t best = r[i], most = c[i], j = i;
     for (; j < n && g[j] == key; ++j) {  // branch-free: which reader reads the most is the data's
@@ -2036,9 +2036,6 @@ static inline int64_t msg_at(const uint8_t* b, int64_t j) {
 static inline int64_t msg_sub(int64_t a, int64_t b) {  // a - b as uint64 wraps
   return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
 }
-// n values u(j) of b bits each (u(j) < 2^b), least significant first, into ceil(n b / 8) bytes: whole bytes by
-// little-endian stores; up to 32 bits through a 64-bit accumulator flushed 4 bytes at a time; wider ones a byte at
-// a time (a 128-bit accumulator above 56 bits). The bytes are the same whichever way they are flushed.
 template <typename W, typename U>
 static uint8_t* msg_put_words(uint8_t* o, int64_t n, const U& u) {
   for (int64_t j = 0; j < n; ++j) {
@@ -2047,6 +2044,22 @@ static uint8_t* msg_put_words(uint8_t* o, int64_t n, const U& u) {
   }
   return o + static_cast<int64_t>(sizeof(W)) * n;
 }
+// a byte at a time through an accumulator of type Acc, which holds the up to 7 bits left over plus one value
+template <typename Acc, typename U>
+static uint8_t* msg_put_bytes(uint8_t* o, int64_t n, int64_t b, const U& u) {
+  Acc acc = 0;
+  int64_t have = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    acc |= static_cast<Acc>(u(j)) << have;
+    have += b;
+    while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
+  }
+  if (have > 0) *o++ = static_cast<uint8_t>(acc);
+  return o;
+}
+// n values u(j) of b bits each (u(j) < 2^b), least significant first, into ceil(n b / 8) bytes: whole bytes by
+// little-endian stores; up to 32 bits through a 64-bit accumulator flushed 4 bytes at a time; wider ones a byte at
+// a time (a 128-bit accumulator above 56 bits). The bytes are the same whichever way they are flushed.
 template <typename U>
 static uint8_t* msg_put_bits(uint8_t* o, int64_t n, int64_t b, const U& u) {
   if (b == 8) return msg_put_words<uint8_t>(o, n, u);
@@ -2067,26 +2080,7 @@ static uint8_t* msg_put_bits(uint8_t* o, int64_t n, int64_t b, const U& u) {
     for (; have > 0; have -= 8) *o++ = static_cast<uint8_t>(acc), acc >>= 8;
     return o;
   }
-  if (b <= 56) {
-    uint64_t acc = 0;
-    int64_t have = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      acc |= u(j) << have;
-      have += b;
-      while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
-    }
-    if (have > 0) *o++ = static_cast<uint8_t>(acc);
-    return o;
-  }
-  unsigned __int128 acc = 0;
-  int64_t have = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    acc |= static_cast<unsigned __int128>(u(j)) << have;
-    have += b;
-    while (have >= 8) { *o++ = static_cast<uint8_t>(acc); acc >>= 8; have -= 8; }
-  }
-  if (have > 0) *o++ = static_cast<uint8_t>(acc);
-  return o;
+  return b <= 56 ? msg_put_bytes<uint64_t>(o, n, b, u) : msg_put_bytes<unsigned __int128>(o, n, b, u);
 }
 
 // What msg_encode_ints needs to know of n >= 1 values x[0 .. n) before it picks a mode: their least and greatest
@@ -2537,10 +2531,8 @@ void host_decide(int64_t S, const int64_t* first, const int64_t* n_of, const int
   // phase 5: decide_pairs on the sorted pairs, then owner balancing (HeraldHierPolicy.decide_keys). A key's owner
   // from the owners' phase (`dem_owner`, aligned with the demand: no move lands in between), not the array over
   // every row: on full tables its second random read per key
-  const int64_t* pdv = pd.data();
-  const auto owner_of = [dem_owner, pdv](int64_t i) { return static_cast<int64_t>(dem_owner[pdv[i]]); };
-  const int64_t K = decide_pairs(n, g.data(), pr, c.data(), owner_of, keys, own, want, single, sole, count.data(),
-                                 start.data(), kid);
+  const int64_t K = decide_pairs(n, g.data(), pr, c.data(), dem_owner, pd.data(), keys, own, want, single, sole,
+                                 count.data(), start.data(), kid);
   int64_t balanced = 0;
   if (balance) {
     std::vector<uint8_t> heavy(R);

@@ -186,6 +186,8 @@ def test_the_worked_example_and_the_mode_of_fewest_bytes():
     # every value wide as a varint, every delta but one narrow: the delta varints win by 192 bytes over 14 bits each
     steps = np.r_[100, np.ones(254, np.int16), 10_000]
     assert mode_and_size(np.cumsum(steps).astype(np.int16)) == (mw.DELTA_VARINT, 2 + 254 + 3)
+    wide = np.r_[0, 2**41 - 1, np.random.default_rng(0).integers(0, 2**41, 7)]  # 9 x 41 bits: one bit left over
+    assert mode_and_size(wide) == (mw.BITS, 1 + 1 + 47)
     noise = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 100, endpoint=True)
     assert mode_and_size(noise) == (mw.RAW, 800)  # nothing smaller than the raw bytes
     assert mode_and_size(np.full(9, 42, np.int32)) == (mw.BITS, 1 + 1 + 0)  # one value: no bits at all
