@@ -134,7 +134,7 @@ class ReplayTransport(Transport):
             _, sent = encode_outgoing(out.get(self.host, {}), self.host, compact)
             decode_inbox(buf, [b.shape[0] for b in bufs])
             self.codec_seconds[form] += time.perf_counter() - t0
-            self.codec_bytes[form] += sum(b.shape[0] for b in sent)
+            self.codec_bytes[form] += sent.buf.shape[0]
         return {self.host: inbox[self.host]}
 
 

@@ -929,7 +929,7 @@ struct HostOfRank {
 
 extern "C" {
 
-int herald_kernels_version() { return 21; }
+int herald_kernels_version() { return 22; }
 
 // Errors of the functions below that return int: 0 = done, else a message in herald_last_error().
 static std::string last_error;
@@ -2194,14 +2194,41 @@ static uint8_t* msg_encode_ints(const uint8_t* in, int64_t n, int64_t raw, uint8
   return o;
 }
 
+// One array as herald_msg_encode writes it at o: its header (one byte, dtype code << 3 | mode; its element count as
+// a varint), then its payload in the mode of fewest bytes (ties: the lower mode); element code `kind` 0: raw bytes.
+// Returns where it ends, or nullptr (past lim).
+uint8_t* msg_encode_array(const void* a, int64_t n, int64_t kind, int64_t itemsize, int64_t code, uint8_t* o,
+                          uint8_t* const lim) {
+  if (o + 11 > lim) return nullptr;
+  uint8_t* h = o++;
+  o = msg_put_varint(o, static_cast<uint64_t>(n));
+  *h = static_cast<uint8_t>(code << 3);
+  const int64_t raw = n * itemsize;
+  if (kind == 0 || n == 0) {
+    if (o + raw > lim) return nullptr;
+    if (raw) std::memcpy(o, a, static_cast<size_t>(raw));
+    return o + raw;
+  }
+  const uint8_t* in = static_cast<const uint8_t*>(a);
+  switch (kind) {
+    case 1: return msg_encode_ints<int8_t>(in, n, raw, h, o, lim);
+    case 2: return msg_encode_ints<uint8_t>(in, n, raw, h, o, lim);
+    case 3: return msg_encode_ints<int16_t>(in, n, raw, h, o, lim);
+    case 4: return msg_encode_ints<uint16_t>(in, n, raw, h, o, lim);
+    case 5: return msg_encode_ints<int32_t>(in, n, raw, h, o, lim);
+    case 6: return msg_encode_ints<uint32_t>(in, n, raw, h, o, lim);
+    default: return msg_encode_ints<int64_t>(in, n, raw, h, o, lim);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Encodes nmsg messages back to back into `out` (capacity `cap`): message m is arrays first[m] .. first[m + 1]
-// (pointers `arrays`, lengths `lens`, element codes `kinds` (0: raw bytes), item sizes, dtype codes). Each array goes
-// in the mode of fewest bytes (ties: the lower mode), after its header: one byte (dtype code << 3 | mode), then its
-// element count as a varint. `ends[m]`: the byte where message m ends. Returns the bytes written, or -1 (capacity).
+// (pointers `arrays`, lengths `lens`, element codes `kinds` (0: raw bytes), item sizes, dtype codes), each as
+// msg_encode_array writes it after the message's first byte (its number of arrays). `ends[m]`: the byte where message
+// m ends. Returns the bytes written, or -1 (capacity).
 int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const* arrays, const int64_t* lens,
                           const int64_t* kinds, const int64_t* itemsizes, const int64_t* codes, uint8_t* out,
                           int64_t cap, int64_t* ends) {
@@ -2211,32 +2238,36 @@ int64_t herald_msg_encode(int64_t nmsg, const int64_t* first, const void* const*
     const int64_t a0 = first[m], na = first[m + 1] - a0;
     if (na > 255 || o + 1 > lim) return -1;
     *o++ = static_cast<uint8_t>(na);
-    for (int64_t i = a0; i < a0 + na; ++i) {
-      const int64_t n = lens[i];
-      if (o + 11 > lim) return -1;
-      uint8_t* h = o++;
-      o = msg_put_varint(o, static_cast<uint64_t>(n));
-      const uint8_t code = static_cast<uint8_t>(codes[i] << 3);
-      *h = code;
-      const int64_t raw = n * itemsizes[i];
-      if (kinds[i] == 0 || n == 0) {
-        if (o + raw > lim) return -1;
-        if (raw) std::memcpy(o, arrays[i], static_cast<size_t>(raw));
-        o += raw;
-        continue;
-      }
-      const uint8_t* in = static_cast<const uint8_t*>(arrays[i]);
-      switch (kinds[i]) {
-        case 1: o = msg_encode_ints<int8_t>(in, n, raw, h, o, lim); break;
-        case 2: o = msg_encode_ints<uint8_t>(in, n, raw, h, o, lim); break;
-        case 3: o = msg_encode_ints<int16_t>(in, n, raw, h, o, lim); break;
-        case 4: o = msg_encode_ints<uint16_t>(in, n, raw, h, o, lim); break;
-        case 5: o = msg_encode_ints<int32_t>(in, n, raw, h, o, lim); break;
-        case 6: o = msg_encode_ints<uint32_t>(in, n, raw, h, o, lim); break;
-        default: o = msg_encode_ints<int64_t>(in, n, raw, h, o, lim);
-      }
-      if (!o) return -1;
+    for (int64_t i = a0; i < a0 + na && o; ++i)
+      o = msg_encode_array(arrays[i], lens[i], kinds[i], itemsizes[i], codes[i], o, lim);
+    if (!o) return -1;
+    ends[m] = o - out;
+  }
+  return o - out;
+}
+
+// herald_msg_encode for nmsg messages of the same nf fields (message_wire.encode_slices): message m is, for every
+// field i (at fields[i], field_len[i] elements), its elements starts[m * nf + i] .. stops[m * nf + i]. Why: a
+// planner's phase sends up to H - 1 such messages; addressed here, the caller's work is per field, not per array.
+// Returns the bytes written, -1 (capacity) or -2 (a slice outside its field; nothing written that counts).
+int64_t herald_msg_encode_slices(int64_t nmsg, int64_t nf, const uint64_t* fields, const int64_t* field_len,
+                                 const int64_t* kinds, const int64_t* itemsizes, const int64_t* codes,
+                                 const int64_t* starts, const int64_t* stops, uint8_t* out, int64_t cap,
+                                 int64_t* ends) {
+  if (nf > 255) return -1;
+  for (int64_t k = 0; k < nmsg * nf; ++k)
+    if (starts[k] < 0 || stops[k] < starts[k] || stops[k] > field_len[k % nf]) return -2;
+  uint8_t* o = out;
+  uint8_t* const lim = out + cap;
+  for (int64_t m = 0; m < nmsg; ++m) {
+    if (o + 1 > lim) return -1;
+    *o++ = static_cast<uint8_t>(nf);
+    for (int64_t i = 0; i < nf && o; ++i) {
+      const int64_t s = starts[m * nf + i];
+      const void* a = reinterpret_cast<const void*>(fields[i] + static_cast<uint64_t>(s * itemsizes[i]));
+      o = msg_encode_array(a, stops[m * nf + i] - s, kinds[i], itemsizes[i], codes[i], o, lim);
     }
+    if (!o) return -1;
     ends[m] = o - out;
   }
   return o - out;
@@ -2260,6 +2291,52 @@ static bool msg_get_varint(const uint8_t*& p, const uint8_t* end, uint64_t& u) {
   return false;
 }
 
+}  // extern "C"
+
+namespace {
+
+// One array's header and payload extent at p (its message's bytes end at `end`), checked: its dtype code, mode,
+// element count and payload start; p moves past its payload. nullptr, or why the message is malformed.
+const char* msg_scan_array(const uint8_t*& p, const uint8_t* end, const int64_t* itemsize, int64_t& code,
+                           int64_t& mode, int64_t& n, const uint8_t*& payload) {
+  if (p >= end) return "header past its end";
+  code = *p >> 3, mode = *p & 7;
+  const int64_t size = itemsize[code];
+  ++p;
+  uint64_t n64, x;
+  if (!msg_get_varint(p, end, n64) || n64 >= (uint64_t{1} << 32)) return "bad element count";
+  if (!size) return "unknown dtype";
+  n = static_cast<int64_t>(n64);
+  payload = p;
+  if (mode == 0) {
+    if (n * size > end - p) return "payload past its end";
+    p += n * size;
+  } else if (mode == 1 || mode == 2) {
+    if (n < mode) return "too few elements for its mode";
+    for (int64_t q = 0; q < mode; ++q)
+      if (!msg_get_varint(p, end, x)) return "bad varint";
+    if (p >= end || *p > 64) return "bad bit width";
+    const int64_t b = *p++, nbytes = ((n - (mode == 2)) * b + 7) / 8;
+    if (nbytes > end - p) return "payload past its end";
+    p += nbytes;
+  } else if (mode == 3 || mode == 4) {
+    for (int64_t j = 0; j < n; ++j)
+      if (!msg_get_varint(p, end, x)) return "bad varint";
+  } else {
+    return "unknown mode";
+  }
+  return nullptr;
+}
+
+int64_t msg_malformed(int64_t m, const char* why) {
+  last_error = "message " + std::to_string(m) + ": " + why;
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
 // Pass 1 of decoding: the arrays of nmsg messages (message m: bytes bounds[m] .. bounds[m + 1] of buf). Per array:
 // its message, dtype code, mode, element count, payload start and end. itemsize[c] (32 codes): the item size of
 // dtype code c (0: not one). Returns the arrays found, or -1 (malformed: herald_last_error says how; or more than
@@ -2268,46 +2345,19 @@ int64_t herald_msg_scan(int64_t nmsg, const uint8_t* buf, const int64_t* bounds,
                         int64_t* arr_msg, int64_t* arr_code, int64_t* arr_mode, int64_t* arr_count,
                         int64_t* arr_start, int64_t* arr_end) {
   int64_t k = 0;
-  auto bad = [&](int64_t m, const char* why) {
-    last_error = "message " + std::to_string(m) + ": " + why;
-    return int64_t{-1};
-  };
   for (int64_t m = 0; m < nmsg; ++m) {
     const uint8_t* p = buf + bounds[m];
     const uint8_t* const end = buf + bounds[m + 1];
-    if (p >= end) return bad(m, "empty");
+    if (p >= end) return msg_malformed(m, "empty");
     const int64_t na = *p++;
-    if (k + na > cap) return bad(m, "too many arrays");
+    if (k + na > cap) return msg_malformed(m, "too many arrays");
     for (int64_t i = 0; i < na; ++i, ++k) {
-      if (p >= end) return bad(m, "header past its end");
-      const int64_t code = *p >> 3, mode = *p & 7, size = itemsize[code];
-      ++p;
-      uint64_t n64;
-      if (!msg_get_varint(p, end, n64) || n64 >= (uint64_t{1} << 32)) return bad(m, "bad element count");
-      if (!size) return bad(m, "unknown dtype");
-      const int64_t n = static_cast<int64_t>(n64);
-      arr_msg[k] = m, arr_code[k] = code, arr_mode[k] = mode, arr_count[k] = n, arr_start[k] = p - buf;
-      uint64_t x;
-      if (mode == 0) {
-        if (n * size > end - p) return bad(m, "payload past its end");
-        p += n * size;
-      } else if (mode == 1 || mode == 2) {
-        if (n < mode) return bad(m, "too few elements for its mode");
-        for (int64_t q = 0; q < mode; ++q)
-          if (!msg_get_varint(p, end, x)) return bad(m, "bad varint");
-        if (p >= end || *p > 64) return bad(m, "bad bit width");
-        const int64_t b = *p++, nbytes = ((n - (mode == 2)) * b + 7) / 8;
-        if (nbytes > end - p) return bad(m, "payload past its end");
-        p += nbytes;
-      } else if (mode == 3 || mode == 4) {
-        for (int64_t j = 0; j < n; ++j)
-          if (!msg_get_varint(p, end, x)) return bad(m, "bad varint");
-      } else {
-        return bad(m, "unknown mode");
-      }
-      arr_end[k] = p - buf;
+      const uint8_t* payload;
+      const char* bad = msg_scan_array(p, end, itemsize, arr_code[k], arr_mode[k], arr_count[k], payload);
+      if (bad) return msg_malformed(m, bad);
+      arr_msg[k] = m, arr_start[k] = payload - buf, arr_end[k] = p - buf;
     }
-    if (p != end) return bad(m, "bytes after its last array");
+    if (p != end) return msg_malformed(m, "bytes after its last array");
   }
   return k;
 }
@@ -2366,35 +2416,93 @@ static void msg_decode_ints(const uint8_t* p, const uint8_t* end, int64_t mode, 
   }
 }
 
+// One array the scan found (payload p .. end) into o, in its own dtype: a raw one copied, the others decoded (as
+// numpy's int64 values cast to the dtype: integer dtype codes 1-8 only). False for an encoded array of another dtype.
+bool msg_unpack_array(int64_t code, int64_t mode, int64_t n, const uint8_t* p, const uint8_t* end,
+                      const int64_t* itemsize, uint8_t* o) {
+  if (mode == 0) {
+    if (n) std::memcpy(o, p, static_cast<size_t>(n * itemsize[code]));
+    return true;
+  }
+  switch (code) {
+    case 1: msg_decode_ints<int8_t>(p, end, mode, n, o); return true;
+    case 2: msg_decode_ints<uint8_t>(p, end, mode, n, o); return true;
+    case 3: msg_decode_ints<int16_t>(p, end, mode, n, o); return true;
+    case 4: msg_decode_ints<uint16_t>(p, end, mode, n, o); return true;
+    case 5: msg_decode_ints<int32_t>(p, end, mode, n, o); return true;
+    case 6: msg_decode_ints<uint32_t>(p, end, mode, n, o); return true;
+    case 7:
+    case 8: msg_decode_ints<int64_t>(p, end, mode, n, o); return true;  // uint64: the same bits
+    default: return false;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// Pass 2: every array found by herald_msg_scan, in its own dtype, into arena[offset[i] ..): raw ones copied, the
-// others decoded (as numpy's int64 values cast to the dtype: integer dtype codes 1-8 only). One pass and one
+// Pass 2: every array found by herald_msg_scan into arena[offset[i] ..) (msg_unpack_array). One pass and one
 // allocation for a phase's messages, where a copy per array cost ~1 us of Python each. Returns 0, or -1 for an
-// encoded array of another dtype (bool, floats: never written by the encoder; numpy decodes those).
+// encoded array of a dtype that is not an integer (bool, floats: never written by the encoder; numpy decodes those).
 int64_t herald_msg_unpack(int64_t k, const uint8_t* buf, const int64_t* code, const int64_t* mode,
                           const int64_t* count, const int64_t* start, const int64_t* stop, const int64_t* itemsize,
                           const int64_t* offset, uint8_t* arena) {
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t n = count[i];
-    uint8_t* const o = arena + offset[i];
-    const uint8_t *p = buf + start[i], *end = buf + stop[i];
-    if (mode[i] == 0) {
-      if (n) std::memcpy(o, p, static_cast<size_t>(n * itemsize[code[i]]));
-      continue;
+  for (int64_t i = 0; i < k; ++i)
+    if (!msg_unpack_array(code[i], mode[i], count[i], buf + start[i], buf + stop[i], itemsize, arena + offset[i]))
+      return -1;
+  return 0;
+}
+
+// message_wire.decode_fields in two calls: nmsg messages of sizes[m] > 0 bytes back to back in buf (nbytes in all),
+// each of nf arrays with the same dtype at each place, decoded field by field. Without an arena: the layout, checked
+// as herald_msg_scan checks it: codes[i] the dtype code of field i, at[m * nf + i] its elements before message m's
+// (at[nmsg * nf + i]: its total), first[i] the byte where it begins in the arena (each field 8-byte aligned, as a
+// fresh array); returns the arena's size, -1 (malformed: herald_last_error) or -2 (the layouts differ, or an
+// encoded array is not of an integer dtype: the caller decodes message by message). With the arena of that size,
+// after a layout call on the same arguments: every array decoded into it; returns 0.
+int64_t herald_msg_decode_fields(int64_t nmsg, const uint8_t* buf, int64_t nbytes, const int64_t* sizes,
+                                 const int64_t* itemsize, int64_t nf, int64_t* codes, int64_t* at, int64_t* first,
+                                 uint8_t* arena) {
+  const uint8_t* p = buf;
+  int64_t code, mode, n;
+  const uint8_t* payload;
+  if (!arena) {
+    int64_t total = 0;
+    for (int64_t m = 0; m < nmsg; ++m) {
+      if (sizes[m] <= 0 || sizes[m] > nbytes - total) return msg_malformed(m, "sizes past the buffer");
+      total += sizes[m];
     }
-    switch (code[i]) {
-      case 1: msg_decode_ints<int8_t>(p, end, mode[i], n, o); break;
-      case 2: msg_decode_ints<uint8_t>(p, end, mode[i], n, o); break;
-      case 3: msg_decode_ints<int16_t>(p, end, mode[i], n, o); break;
-      case 4: msg_decode_ints<uint16_t>(p, end, mode[i], n, o); break;
-      case 5: msg_decode_ints<int32_t>(p, end, mode[i], n, o); break;
-      case 6: msg_decode_ints<uint32_t>(p, end, mode[i], n, o); break;
-      case 7:
-      case 8: msg_decode_ints<int64_t>(p, end, mode[i], n, o); break;  // uint64: the same bits
-      default: return -1;
+    if (total != nbytes) return msg_malformed(nmsg, "bytes after the last message");
+    bool same = true;
+    std::fill(at, at + nf, 0);
+    for (int64_t m = 0; m < nmsg; ++m) {
+      const uint8_t* const end = p + sizes[m];
+      const int64_t na = *p++;
+      same = same && na == nf;
+      for (int64_t i = 0; i < na; ++i) {
+        const char* bad = msg_scan_array(p, end, itemsize, code, mode, n, payload);
+        if (bad) return msg_malformed(m, bad);
+        if (!same || i >= nf) continue;
+        if (m == 0) codes[i] = code;
+        same = code == codes[i] && (mode == 0 || (code >= 1 && code <= 8));
+        at[(m + 1) * nf + i] = at[m * nf + i] + n;
+      }
+      if (p != end) return msg_malformed(m, "bytes after its last array");
+    }
+    if (!same) return -2;
+    int64_t size = 0;
+    for (int64_t i = 0; i < nf; ++i) {
+      first[i] = size;
+      size += (at[nmsg * nf + i] * itemsize[codes[i]] + 7) & ~int64_t{7};
+    }
+    return size;
+  }
+  for (int64_t m = 0; m < nmsg; ++m) {
+    const uint8_t* const end = p + sizes[m];
+    ++p;
+    for (int64_t i = 0; i < nf; ++i) {
+      msg_scan_array(p, end, itemsize, code, mode, n, payload);
+      msg_unpack_array(code, mode, n, payload, p, itemsize, arena + first[i] + at[m * nf + i] * itemsize[code]);
     }
   }
   return 0;

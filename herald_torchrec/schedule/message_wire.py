@@ -257,12 +257,34 @@ def _decode_numpy(buf: np.ndarray) -> Message:
 _META = {dt: (_kind(dt), dt.itemsize, code) for dt, code in _CODE.items()}  # element code, item size, dtype code
 
 
-def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[np.ndarray]:
-    """Every message as bytes (np.uint8 views of one buffer), in one compiled pass where the kernels are on.
-    compact=False sends every array RAW (its own bytes behind the same headers): no pass over the values, for
-    planners whose links are fast enough that the CPU costs more than the bytes (WIRE_FORMS)."""
+@dataclass
+class Encoded:
+    """Messages as bytes, back to back: message j is buf[ends[j - 1]:ends[j]] (the first from 0). Why one buffer: a
+    transport sends a phase's messages as one all-to-all buffer, in destination order, and needs only their sizes."""
+
+    buf: np.ndarray  # np.uint8
+    ends: np.ndarray  # int64, one per message
+
+    @classmethod
+    def join(cls, bufs: Sequence[np.ndarray]) -> "Encoded":
+        ends = np.cumsum([b.shape[0] for b in bufs], dtype=np.int64)
+        return cls(np.concatenate(bufs) if bufs else np.zeros(0, dtype=np.uint8), ends)
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.ends, prepend=0)
+
+    def messages(self) -> list[np.ndarray]:
+        """Each message's bytes, views of `buf`."""
+        ends = self.ends.tolist()
+        return [self.buf[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def encode_joined(messages: Sequence[Message], compact: bool = True) -> Encoded:
+    """Every message as bytes, back to back, in one compiled pass where the kernels are on. compact=False sends every
+    array RAW (its own bytes behind the same headers): no pass over the values, for planners whose links are fast
+    enough that the CPU costs more than the bytes (WIRE_FORMS)."""
     if not native.enabled() or not messages:  # (a phase that sends nothing: no pass to set up)
-        return [_encode_numpy(_check(m), compact) for m in messages]
+        return Encoded.join([_encode_numpy(_check(m), compact) for m in messages])
     arrays = [a for m in messages for a in m]
     # a step's phase sends ~650 arrays at R=256: one look per array, the whole check (_check) only where it fails
     meta = [_META.get(a.dtype) if a.ndim == 1 and a.flags.c_contiguous else None for a in arrays]
@@ -275,44 +297,48 @@ def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[n
     lens = np.array([len(a) for a in arrays], dtype=np.int64)  # (1-D, checked)
     if lens.shape[0] and lens.max() >= 1 << 32:
         _check([a for a in arrays if a.shape[0] >= 1 << 32])  # raises
-    meta = np.array(meta, dtype=np.int64).reshape(len(arrays), 3)
-    return _encode_native(address_array(arrays), first, lens, meta, compact)
+    kinds, sizes, codes = np.array(meta, dtype=np.int64).reshape(len(arrays), 3).T.copy()
+    cap = _capacity(lens, sizes, len(arrays), compact) + len(messages)
+    buf, ends = native.msg_encode(address_array(arrays), first, lens, kinds * compact, sizes, codes, cap)
+    return Encoded(buf, ends)
 
 
-def encode_slices(
-    fields: Sequence[np.ndarray], starts: np.ndarray, stops: np.ndarray, compact: bool = True
-) -> list[np.ndarray]:
+def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[np.ndarray]:
+    """`encode_joined`'s messages, each its own np.uint8 view."""
+    return encode_joined(messages, compact).messages()
+
+
+def _capacity(elements: np.ndarray, sizes: np.ndarray, arrays: int, compact: bool) -> int:
+    """Bytes that bound the encoding (headers and payloads) of `arrays` arrays whose elements, of item `sizes`, number
+    `elements` (per array or per field): at most 10 per value as varints, 32 for a header and a mode's own words."""
+    return int((elements * (np.maximum(sizes, 10) if compact else sizes)).sum()) + (32 if compact else 11) * arrays
+
+
+def encode_slices(fields: Sequence[np.ndarray], starts: np.ndarray, stops: np.ndarray, compact: bool = True) -> Encoded:
     """Messages made of slices of the same arrays, as bytes: message m is [fields[i][starts[m, i]:stops[m, i]] for
-    every field i], byte for byte what `encode_messages` writes for those lists. Why: a planner's phase sends up to
-    H - 1 messages of the same few fields (host_messages.Outbox); addressed by arithmetic, its Python work is per
-    field, not per array sent (~1 us each, ~650 arrays a step at R=256). ValueError for a slice outside its field."""
+    every field i], byte for byte what `encode_joined` writes for those lists. Why: a planner's phase sends up to
+    H - 1 messages of the same few fields (host_messages.Outbox); addressed by the compiled pass, its Python work is
+    per field, not per array sent (~1 us each, ~650 arrays a step at R=256). ValueError for a slice outside its
+    field."""
     starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
     M, W = starts.shape if starts.ndim == 2 else (starts.shape[0], len(fields))
     fields = _check(list(fields))  # (at most 255 fields: a message's arrays)
-    flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
     if starts.shape != (M, W) or stops.shape != (M, W) or W != len(fields):
         raise ValueError(f"message_wire: slices {starts.shape} / {stops.shape} of {len(fields)} fields")
-    if ((starts < 0) | (stops < starts) | (stops > flen)).any():
-        raise ValueError("message_wire: a slice outside its field")
+    outside = ValueError("message_wire: a slice outside its field")
     if not native.enabled():
+        flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
+        if ((starts < 0) | (stops < starts) | (stops > flen)).any():
+            raise outside
         s0, s1 = starts.tolist(), stops.tolist()
-        return encode_messages([[f[a:b] for f, a, b in zip(fields, s0[m], s1[m])] for m in range(M)], compact)
-    meta = np.array([_META[f.dtype] for f in fields], dtype=np.int64).reshape(W, 3)
-    addresses = address_array(fields) + (starts * meta[:, 1]).astype(np.uint64)
-    addresses[stops == starts] = 0  # an empty slice's address is never read
-    first = np.arange(M + 1, dtype=np.int64) * W
-    return _encode_native(addresses.reshape(-1), first, (stops - starts).reshape(-1), np.tile(meta, (M, 1)), compact)
-
-
-def _encode_native(
-    addresses: np.ndarray, first: np.ndarray, lens: np.ndarray, meta: np.ndarray, compact: bool
-) -> list[np.ndarray]:
-    """The compiled pass over the arrays (address, length, `_META` row each) of messages first[m] .. first[m + 1]."""
-    kinds, sizes, codes = meta[:, 0] * compact, meta[:, 1].copy(), meta[:, 2].copy()  # element code 0: RAW
-    cap = int((np.maximum(lens * sizes, lens * 10) + 32).sum()) + first.shape[0]  # above every mode's bytes
-    buf, ends = native.msg_encode(addresses, first, lens, kinds, sizes, codes, cap)
-    starts = np.concatenate([[0], ends[:-1]]).tolist()
-    return [buf[s:e] for s, e in zip(starts, ends.tolist())]
+        return encode_joined([[f[a:b] for f, a, b in zip(fields, s0[m], s1[m])] for m in range(M)], compact)
+    kinds, sizes, codes = np.array([_META[f.dtype] for f in fields], dtype=np.int64).reshape(W, 3).T.copy()
+    flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
+    cap = _capacity(np.maximum(stops - starts, 0).sum(axis=0), sizes, M * W, compact) + M
+    got = native.msg_encode_slices(address_array(fields), flen, kinds * compact, sizes, codes, starts, stops, cap)
+    if got is None:
+        raise outside
+    return Encoded(*got)
 
 
 def encode_message(m: Message, compact: bool = True) -> np.ndarray:
@@ -380,32 +406,23 @@ def decode_fields(buf: np.ndarray, sizes: Sequence[int]) -> Fields | None:
     one compiled pass. Why: a planner mostly concatenates what every host sent it field by field; decoded so, its
     Python work is per field, not per array received (~31 x 3-11 arrays a phase at R=256). None where the layouts
     differ or the kernels are off (`decode_messages` then); ValueError for a malformed buffer."""
-    bounds, sent = _bounds(buf, sizes)
     if not native.enabled():
+        _bounds(buf, sizes)
         return None
-    if not sent:
+    n = np.asarray(sizes, dtype=np.int64)
+    if int(n.sum()) != buf.shape[0]:
+        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(n.sum())}")
+    sent = np.flatnonzero(n)
+    if not sent.shape[0]:
         return Fields([], [], np.zeros((1, 0), dtype=np.int64))
-    b, arrs = _scan(buf, bounds, sent)
-    M = len(sent)
-    W = arrs.msg.shape[0] // M
-    if (np.bincount(arrs.msg, minlength=M) != W).any():
+    b = np.ascontiguousarray(buf, dtype=np.uint8)
+    # the first message sent begins the buffer (those of size 0 take no bytes); its first byte counts its arrays
+    got = native.msg_decode_fields(b, n[sent], _ITEMSIZE, int(b[0]))
+    if got is None:  # layouts differ, or an encoded array of a non-integer dtype: decode_messages
         return None
-    codes, counts = arrs.code.reshape(M, W), arrs.count.reshape(M, W)
-    if (codes != codes[:1]).any():
-        return None
-    size = _ITEMSIZE[codes[0]]
-    total = counts.sum(axis=0)
-    room = (total * size + 7) & ~7  # each field 8-byte aligned, its arrays back to back
-    first = np.cumsum(room) - room
-    at = np.zeros((M + 1, W), dtype=np.int64)
-    np.cumsum(counts, axis=0, out=at[1:])
-    arena = native.msg_unpack(b, arrs, _ITEMSIZE, (first + at[:-1] * size).reshape(-1), int(room.sum()))
-    if arena is None:  # an encoded array of a non-integer dtype: numpy decodes it (decode_messages)
-        return None
-    fields = [
-        np.frombuffer(arena, DTYPES[c], n, o) for c, n, o in zip(codes[0].tolist(), total.tolist(), first.tolist())
-    ]
-    return Fields(sent, fields, at)
+    arena, codes, at, first = got
+    fields = [np.frombuffer(arena, DTYPES[c], k, o) for c, k, o in zip(codes.tolist(), at[-1].tolist(), first.tolist())]
+    return Fields(sent.tolist(), fields, at)
 
 
 def decode_message(buf: np.ndarray) -> Message:

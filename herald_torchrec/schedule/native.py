@@ -21,7 +21,7 @@ from herald_torchrec._native import address as _p
 from herald_torchrec._native import contiguous as _c
 
 SOURCE = Path(__file__).with_name("_kernels.cpp")
-VERSION = 21  # herald_kernels_version() of the source this module expects
+VERSION = 22  # herald_kernels_version() of the source this module expects
 
 # Arrays travel as raw addresses (`_p`): ctypes' ndpointer checks cost ~2.5 us per argument, ~60 per plan. The
 # wrappers below make every array C-contiguous of the kernel's dtype first (`_c`); the directory's and the eviction
@@ -226,6 +226,11 @@ SIGNATURES = {
     "herald_wire_readers": ([_i64, _i64, _i64p, _i64p, _i64p], _i64),
     "herald_wire_sample_order": ([_i64, _i64, _i64p, _i64p], ctypes.c_int),
     "herald_msg_encode": ([_i64, _i64p, ctypes.c_void_p, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64p], _i64),
+    "herald_msg_encode_slices": (
+        [_i64, _i64, _u8p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p, _i64, _i64p],
+        _i64,
+    ),
+    "herald_msg_decode_fields": ([_i64, _u8p, _i64, _i64p, _i64p, _i64, _i64p, _i64p, _i64p, _u8p], _i64),
     "herald_msg_scan": ([_i64, _u8p, _i64p, _i64p, _i64, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p], _i64),
     "herald_msg_unpack": ([_i64, _u8p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _i64p, _u8p], _i64),
 }
@@ -1243,6 +1248,32 @@ def msg_encode(
     return out[:n], ends
 
 
+def msg_encode_slices(
+    fields: np.ndarray,
+    field_len: np.ndarray,
+    kinds: np.ndarray,
+    itemsizes: np.ndarray,
+    codes: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    cap: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """msg_encode for messages of the same fields (at addresses `fields`, uint64; field_len elements each, kept alive
+    by the caller): message m is field i's elements starts[m, i] .. stops[m, i] for every i. (the bytes, each
+    message's end), or None for a slice outside its field."""
+    st, sp = _c(starts, np.int64), _c(stops, np.int64)
+    out, ends = np.empty(cap, dtype=np.uint8), np.empty(st.shape[0], dtype=np.int64)
+    n = lib().herald_msg_encode_slices(
+        st.shape[0], st.shape[1], _p(fields), _p(field_len), _p(kinds), _p(itemsizes), _p(codes), _p(st), _p(sp),
+        _p(out), cap, _p(ends),
+    )  # fmt: skip
+    if n == -2:
+        return None
+    if n < 0:
+        raise RuntimeError("message_wire: the encoding outgrew its capacity")  # the capacity is an upper bound
+    return out[:n], ends
+
+
 @dataclass
 class MessageArrays:
     """herald_msg_scan's table: every array of the messages, in order."""
@@ -1277,3 +1308,24 @@ def msg_unpack(buf: np.ndarray, arrays: MessageArrays, itemsize: np.ndarray, off
     if lib().herald_msg_unpack(a.msg.shape[0], _p(b), *(_p(c) for c in cols), _p(itemsize), _p(offset), _p(arena)):
         return None
     return arena
+
+
+def msg_decode_fields(
+    buf: np.ndarray, sizes: np.ndarray, itemsize: np.ndarray, nf: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """message_wire.decode_fields' compiled part: the messages of `sizes` bytes (each > 0) back to back in `buf`, each
+    of nf arrays, decoded field by field: (the arena, each field's dtype code, at [len(sizes) + 1, nf]: each field's
+    elements before each message's, each field's first byte in the arena); None where the layouts differ or an
+    encoded array is not of an integer dtype; ValueError if malformed."""
+    b, s = _c(buf, np.uint8), _c(sizes, np.int64)
+    M = s.shape[0]
+    codes, at, first = np.empty(nf, dtype=np.int64), np.empty((M + 1) * nf, dtype=np.int64), np.empty(nf, np.int64)
+    args = (M, _p(b), b.shape[0], _p(s), _p(itemsize), nf, _p(codes), _p(at), _p(first))
+    size = lib().herald_msg_decode_fields(*args, None)
+    if size == -1:
+        raise ValueError(f"message_wire: a malformed message ({lib().herald_last_error().decode()})")
+    if size < 0:
+        return None
+    arena = np.empty(max(size, 1), dtype=np.uint8)  # (one byte where every field is empty: an address to pass)
+    lib().herald_msg_decode_fields(*args, _p(arena))
+    return arena, codes, at.reshape(M + 1, nf), first

@@ -217,19 +217,11 @@ def plan_digest(plans) -> str:
     return h.hexdigest()[:16]
 
 
-@pytest.mark.parametrize("by_field", [False, True])
 @pytest.mark.parametrize(("R", "P", "digest"), [(8, 2, "d4ed9c01ae55cb74"), (16, 4, "ebb56bf8cfc4e6fa")])
-def test_in_process_transport_makes_the_single_object_plans(R, P, digest, by_field, monkeypatch):
+def test_in_process_transport_makes_the_single_object_plans(R, P, digest):
     """The per-host planners driven through the in-process transport make, step by step, the plans the policy made
     when it was one object computing every host's part (digests recorded from that code on this window, which had
-    no owner balancing); with the messages encoded and decoded per array or (`by_field`, which only many hosts take
-    on their own) per field."""
-    if by_field:
-        monkeypatch.setattr(host_messages, "BY_FIELD_FROM", 0)
-        monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", 0)
-    else:
-        monkeypatch.setattr(host_messages, "BY_FIELD_FROM", 10**9)
-        monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", 10**9)
+    no owner balancing), with every message encoded and decoded."""
     rows, batches = synthetic_window(R, 16, 6)
     pol = HeraldHierPolicy(rows, R, 16, 0.1, L, hosts=P, owner_balance=None)
     assert plan_digest([pol.plan(batches[s : s + L + 1]) for s in range(6)]) == digest

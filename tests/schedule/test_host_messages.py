@@ -2,7 +2,6 @@
 stands for, an Inbox the messages it decoded, and every transport carries either form to the same inbox."""
 
 import numpy as np
-import pytest
 
 from herald_torchrec.schedule import GlobalBatch
 from herald_torchrec.schedule.herald import host_messages
@@ -43,8 +42,7 @@ def test_an_outbox_is_its_messages():
     _same(joined.messages(), want)
 
 
-def test_an_inbox_is_the_messages_it_decoded(monkeypatch):
-    monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", 0)  # (from 8 senders on its own)
+def test_an_inbox_is_the_messages_it_decoded():
     msgs = {0: [np.array([1, 2]), np.array([5], np.int16)], 2: [np.array([3]), np.zeros(0, np.int16)],
             3: [np.zeros(0, np.int64), np.array([6, 7], np.int16)]}  # fmt: skip
     sizes = [0] * 4
@@ -59,10 +57,7 @@ def test_an_inbox_is_the_messages_it_decoded(monkeypatch):
     assert source_counts(inbox, 1).tolist() == [1, 0, 2] == source_counts(dict(inbox.items()), 1).tolist()
 
 
-@pytest.mark.parametrize("by_field", [0, 10**9])
-def test_the_in_process_transport_delivers_either_form_alike(monkeypatch, by_field):
-    monkeypatch.setattr(host_messages, "BY_FIELD_FROM", by_field)
-    monkeypatch.setattr(host_messages, "BY_FIELD_FROM_SOURCES", by_field)
+def test_the_in_process_transport_delivers_either_form_alike():
     rng = np.random.default_rng(0)
     H = 4
     out_lists, out_boxes = {}, {}

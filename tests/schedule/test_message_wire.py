@@ -95,11 +95,18 @@ def test_slices_of_fields_encode_as_the_lists_they_are(monkeypatch, compiled):
     b = rng.integers(0, lens + 1, (M, len(fields)))
     starts, stops = np.minimum(a, b), np.maximum(a, b)
     for compact in (True, False):
-        got = mw.encode_slices(fields, starts, stops, compact)
+        joined = mw.encode_slices(fields, starts, stops, compact)
+        got = joined.messages()
         want = mw.encode_messages([[f[s:e] for f, s, e in zip(fields, starts[m], stops[m])] for m in range(M)], compact)
         assert len(got) == M and all(np.array_equal(g, w) for g, w in zip(got, want))
-    with pytest.raises(ValueError, match="outside its field"):
-        mw.encode_slices(fields, starts, np.where(np.arange(len(fields)) == 0, lens + 1, stops))
+        assert np.array_equal(joined.buf, np.concatenate(want))  # back to back, as a transport sends them
+        assert joined.sizes().tolist() == [w.shape[0] for w in want]
+    past_the_end = np.where(np.arange(len(fields)) == 0, lens + 1, stops)
+    for bad_starts, bad_stops in ((starts, past_the_end), (starts - 1, stops), (stops, starts - 1)):
+        if (bad_starts <= bad_stops).all() and (bad_starts >= 0).all() and (bad_stops <= lens).all():
+            continue  # (a draw where the slices happen to be fine)
+        with pytest.raises(ValueError, match="outside its field"):
+            mw.encode_slices(fields, bad_starts, bad_stops)
 
 
 def test_messages_of_one_layout_decode_field_by_field():
@@ -121,9 +128,18 @@ def test_messages_of_one_layout_decode_field_by_field():
             assert got.fields[i].dtype == want.dtype and np.array_equal(got.fields[i], want)
             assert got.fields[i].flags.aligned and got.fields[i].flags.writeable
         assert got.bounds[:, 0].tolist() == [0, 5, 5, 22, 25] and got.bounds[:, 2].tolist() == [0, 2, 2, 11, 12]
-    odd = [msgs[0], msgs[1][:2]]  # two arrays in one, three in the other
-    bufs = mw.encode_messages(odd)
-    assert mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs]) is None
+    bytes_first = [[np.arange(n, dtype=np.int8), np.arange(n + 2), np.arange(n, dtype=np.int16)] for n in (3, 0, 4)]
+    for compact in (True, False):  # each field 8-byte aligned after a field of an odd number of bytes
+        bufs = mw.encode_messages(bytes_first, compact)
+        got = mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs])
+        assert [f.ctypes.data % 8 for f in got.fields] == [0, 0, 0]
+        assert got.fields[1].tolist() == [*range(5), *range(2), *range(6)]
+        assert got.fields[2].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="malformed"):  # the compiled pass checks the sizes too: one left out
+        native.msg_decode_fields(np.concatenate(bufs), np.array([b.shape[0] for b in bufs[:-1]]), mw._ITEMSIZE, 3)
+    for odd in ([msgs[0], msgs[1][:2]], [msgs[0][:2], msgs[1]]):  # three arrays in one, two in the other
+        bufs = mw.encode_messages(odd)
+        assert mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs]) is None
     other_dtype = [msgs[0], [msgs[1][0], msgs[1][1].astype(np.int32), msgs[1][2]]]
     bufs = mw.encode_messages(other_dtype)
     assert mw.decode_fields(np.concatenate(bufs), [b.shape[0] for b in bufs]) is None
@@ -147,6 +163,8 @@ def _one(bufs):
 def test_an_encoded_array_of_a_non_integer_dtype_decodes_as_numpy_does(monkeypatch, code):
     buf = np.array([2, 7 << 3 | mw.RAW, 1, 9, 0, 0, 0, 0, 0, 0, 0, code << 3 | mw.VARINT, 3, 2, 1, 4], np.uint8)
     got = mw.decode_message(buf)
+    if native.enabled():  # field by field: the compiled pass leaves it to numpy (decode_messages)
+        assert mw.decode_fields(np.concatenate([buf, buf]), [buf.shape[0]] * 2) is None
     monkeypatch.setattr(native, "enabled", lambda: False)
     want = mw.decode_message(buf)
     _same(want, got)
@@ -211,8 +229,17 @@ def test_a_malformed_buffer_is_an_error(monkeypatch, compiled):
     for name, buf in bad.items():
         with pytest.raises(ValueError, match="malformed"):
             mw.decode_message(buf)
-    with pytest.raises(ValueError, match="bytes for messages"):
-        mw.decode_messages(good, [good.shape[0] + 1])
+        if compiled:  # field by field: the same refusals (a second message after it, well formed)
+            with pytest.raises(ValueError, match="malformed"):
+                mw.decode_fields(np.concatenate([buf, good]), [buf.shape[0], good.shape[0]])
+            with pytest.raises(ValueError, match="malformed"):
+                mw.decode_fields(np.concatenate([good, buf]), [good.shape[0], buf.shape[0]])
+    for decode in (mw.decode_messages, mw.decode_fields):
+        with pytest.raises(ValueError, match="bytes for messages"):
+            decode(good, [good.shape[0] + 1])
+    if compiled:
+        with pytest.raises(ValueError, match="malformed"):  # sizes that add up but cut a message in two
+            mw.decode_fields(np.concatenate([good, good]), [good.shape[0] - 1, good.shape[0] + 1])
 
 
 def test_what_the_format_cannot_carry_is_refused():
@@ -257,4 +284,9 @@ def test_damaged_buffers_decode_or_are_refused_never_crash(monkeypatch, compiled
             mw.decode_message(b)
         except ValueError:
             refused += 1
+        if compiled:  # field by field, beside a good message: decoded, None (another layout) or a ValueError
+            try:
+                mw.decode_fields(np.concatenate([good, b]), [good.shape[0], b.shape[0]])
+            except ValueError:
+                pass
     assert refused > 0

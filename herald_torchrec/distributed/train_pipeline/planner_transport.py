@@ -60,17 +60,18 @@ class GroupTransport(Transport):
 
     def exchange(self, kind: str, out: dict[int, Outgoing]) -> dict[int, Mapping[int, Message]]:
         H, h = self.H, self.host
-        blocks = [np.zeros(0, np.uint8)] * H
-        for t, b in zip(*encode_outgoing(out.get(h, {}), None, self.compact)):  # its message to itself included
-            blocks[t] = b
-        sizes = torch.tensor([b.shape[0] for b in blocks], dtype=torch.int64)
+        # its message to itself included; the messages come back to back in host order: the send buffer as it is
+        dests, enc = encode_outgoing(out.get(h, {}), None, self.compact)
+        per_host = np.zeros(H, dtype=np.int64)
+        per_host[dests] = enc.sizes()
+        sizes = torch.from_numpy(per_host)
         recv_sizes = torch.empty(H, dtype=torch.int64)
         with phase("input.plan_exchange"):
             _all_to_all_single(recv_sizes, sizes, group=self.group)
             recv = recv_sizes.tolist()
             got = torch.empty(int(sum(recv)), dtype=torch.uint8)
-            send = torch.from_numpy(np.concatenate(blocks))
-            _all_to_all_single(got, send, recv, sizes.tolist(), group=self.group)
+            send = torch.from_numpy(enc.buf)
+            _all_to_all_single(got, send, recv, per_host.tolist(), group=self.group)
             hold_for_gloo(recv_sizes, sizes, got, send)
-        self._sent(kind, int(sum(b.shape[0] for t, b in enumerate(blocks) if t != h)) + 8 * (H - 1))
+        self._sent(kind, int(per_host.sum() - per_host[h]) + 8 * (H - 1))
         return {h: decode_inbox(got.numpy(), recv)}

@@ -22,11 +22,12 @@ import numpy as np
 from herald_torchrec.schedule.global_batch import GlobalBatch
 from herald_torchrec.schedule.message_wire import (
     WIRE_FORMS,
+    Encoded,
     Fields,
     Message,
     decode_fields,
     decode_messages,
-    encode_messages,
+    encode_joined,
     encode_slices,
 )
 from herald_torchrec.schedule.plan import Plan
@@ -121,11 +122,6 @@ def check_planner_wire(planner_wire: object) -> None:
         raise ValueError(f"herald_hier: planner_wire must be one of {WIRE_FORMS}, got {planner_wire!r}")
 
 
-# where the work per field pays over the work per array (measured on recorded phases, raw form: per array is faster
-# with 2 hosts, even at 8 hosts, and 1.5-2x slower at 32): arrays a host sends, messages it receives
-BY_FIELD_FROM, BY_FIELD_FROM_SOURCES = 24, 8
-
-
 @dataclass
 class Outbox:
     """One host's messages of a phase to several hosts, as slices of a few arrays: the message to host dests[j] is
@@ -183,13 +179,16 @@ class Outbox:
         """The message to host t (None: nothing sent to it)."""
         return self._row(self.dests.index(t)) if t in self.dests else None
 
-    def encode(self, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
-        """The hosts it sends to but `skip`, and their messages as bytes."""
-        keep = [j for j, t in enumerate(self.dests) if t != skip]
-        dests = [self.dests[j] for j in keep]
-        if len(keep) * len(self.fields) < BY_FIELD_FROM:  # a few arrays: the per-array path has less to set up
-            return dests, encode_messages([self._row(j) for j in keep], compact)
-        return dests, encode_slices(self.fields, self.starts[keep], self.stops[keep], compact)
+    def encode(self, skip: int | None, compact: bool) -> tuple[list[int], Encoded]:
+        """The hosts it sends to but `skip`, and their messages as bytes, in that (increasing) order."""
+        if skip in self.dests:
+            keep = [j for j, t in enumerate(self.dests) if t != skip]
+            dests, starts, stops = [self.dests[j] for j in keep], self.starts[keep], self.stops[keep]
+        else:
+            dests, starts, stops = self.dests, self.starts, self.stops
+        if not dests:  # (a phase that sends nothing: no pass to set up)
+            return dests, Encoded.join([])
+        return dests, encode_slices(self.fields, starts, stops, compact)
 
 
 class Inbox(Mapping):
@@ -216,7 +215,7 @@ class Inbox(Mapping):
 def decode_inbox(buf: np.ndarray, sizes: Sequence[int]) -> Mapping[int, Message]:
     """The messages of one phase a host received (sizes[s]: bytes from host s, 0 for none) as {source: message}: an
     Inbox where they share one layout, else a dict."""
-    got = decode_fields(buf, sizes) if sum(1 for n in sizes if n) >= BY_FIELD_FROM_SOURCES else None
+    got = decode_fields(buf, sizes)
     if got is not None:
         return Inbox(got)
     return {s: m for s, m in enumerate(decode_messages(buf, sizes)) if m is not None}
@@ -249,12 +248,13 @@ def outgoing_messages(to: Outgoing) -> dict[int, Message]:
     return to.messages() if isinstance(to, Outbox) else to
 
 
-def encode_outgoing(to: Outgoing, skip: int | None, compact: bool) -> tuple[list[int], list[np.ndarray]]:
-    """The hosts `to` sends to but `skip`, and their messages as bytes (schedule/message_wire.py)."""
+def encode_outgoing(to: Outgoing, skip: int | None, compact: bool) -> tuple[list[int], Encoded]:
+    """The hosts `to` sends to but `skip`, increasing, and their messages as bytes back to back in that order
+    (schedule/message_wire.py): a transport's send buffer as it is."""
     if isinstance(to, Outbox):
         return to.encode(skip, compact)
-    dests = [t for t in to if t != skip]
-    return dests, encode_messages([to[t] for t in dests], compact)
+    dests = sorted(t for t in to if t != skip)
+    return dests, encode_joined([to[t] for t in dests], compact)
 
 
 class Transport:
@@ -289,7 +289,8 @@ class InProcessTransport(Transport):
         H = self.num_hosts
         sent: list[list[np.ndarray]] = [[np.zeros(0, np.uint8)] * H for _ in range(H)]  # [dst][src]
         for src, to in out.items():
-            dests, bufs = encode_outgoing(to, None, self.compact)
+            dests, enc = encode_outgoing(to, None, self.compact)
+            bufs = enc.messages()
             self.count(kind, sum(b.shape[0] for t, b in zip(dests, bufs) if t != src))
             for t, b in zip(dests, bufs):
                 sent[t][src] = b

@@ -21,21 +21,14 @@ WORLD = 4
 PER_HOST = 2
 
 
-def hier_worker(
-    rank: int, world: int, out_dir: str, budget_ms: float | None = None, wire: str | None = None, by_field: bool = False
-) -> None:
+def hier_worker(rank: int, world: int, out_dir: str, budget_ms: float | None = None, wire: str | None = None) -> None:
     """STEPS steps of herald_hier on two "machines"; a DCP checkpoint, this rank's rows by kind, the policy's
     description and, of every plan it trained, where its slice's samples went and the moves. `budget_ms`: a fixed
-    planning budget (none by default); `wire`: the planners' wire form (the policy's default); `by_field`: the
-    planners' messages built and decoded by field (Outbox / Inbox: on their own from 8 machines), not per array."""
+    planning budget (none by default); `wire`: the planners' wire form (the policy's default)."""
 
     import torch.distributed.checkpoint as dcp
 
     from herald_torchrec import HeraldOptions
-    from herald_torchrec.schedule.herald import host_messages
-
-    if by_field:
-        host_messages.BY_FIELD_FROM = host_messages.BY_FIELD_FROM_SOURCES = 0
 
     plans = []
     with on_machine(f"machine-{rank // PER_HOST}"):
@@ -87,7 +80,6 @@ def test_herald_hier_trains_the_one_process_model(tmp_path: Path) -> None:
         tmp_path,
         world_size=WORLD,
         wire="compact",
-        by_field=True,  # (the budget case below: per array, as 2 machines choose)
     )
     ref = one_process_reference(WORLD, STEPS)
     got = full_checkpoint(tmp_path / "ckpt")
