@@ -5,7 +5,7 @@ one machine, element counts and indices into an earlier message. Sent as their a
 ranks) the planners' messages grow the ids + plan bytes per rank 1.72x from R=8 to R=256; each array in the form of
 fewest bytes for its values (`compact`, herald_hier's `planner_wire: compact`) brings them to about a quarter and
 that growth to 1.20x, with nothing lost: the decoded message equals the sent one, dtypes included. It costs the
-planner 0.6-1.1 ms of CPU per step (R=64-256), which the bytes repay on slow host links only, so the default form
+planner 0.55-1.2 ms of CPU per step (R=64-256), which the bytes repay on slow host links only, so the default form
 sends every array RAW behind the same headers; a receiver decodes either (each header names its array's mode).
 
 Format of one message: one byte, the number of arrays n (at most 255); then every array: one byte (its dtype's

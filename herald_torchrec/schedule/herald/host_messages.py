@@ -111,8 +111,8 @@ class MessageBytes:
                 self.host += np.bincount(end[cross], weights=b, minlength=H).astype(np.int64)
 
 
-# the planners' messages as raw arrays by default: the compact form costs a planner 0.6-1.1 ms of CPU per step
-# (R=64-256) to save ~0.3-0.6 MB per host, which pays on host links below ~3-4 Gbit/s only (RESULTS.md)
+# the planners' messages as raw arrays by default: the compact form costs a planner 0.55-1.2 ms of CPU per step
+# (R=64-256) to save ~0.3-0.6 MB per host, which pays on host links below ~4 Gbit/s only (RESULTS.md)
 DEFAULT_PLANNER_WIRE = "raw"
 
 
