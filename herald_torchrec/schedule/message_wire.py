@@ -29,9 +29,11 @@ sorted keys [1000, 1001, 1003] (int64, 24 bytes raw) take BITS: varint 2000 (the
 A planner's phase sends the same few fields to up to H - 1 hosts and reads what it receives field by field, so two
 more entry points do the same work per field instead of per array: `encode_slices(fields, starts, stops)` writes
 the bytes of messages made of slices of the same arrays, and `decode_fields(buf, sizes)` decodes messages of one
-layout into each field's concatenation over the senders (schedule/herald/host_messages.py: Outbox, Inbox).
+layout into each field's concatenation over the senders (schedule/herald/host_messages.py: Outbox, Inbox). A
+phase's messages come out as one buffer with each message's end (`Encoded`: `encode_joined`, `encode_slices`), a
+transport's send buffer as it is.
 
-Compiled (schedule/native.py: one pass over every message of a phase each way), with this numpy code as the
+Compiled (schedule/native.py: one call over every message of a phase each way), with this numpy code as the
 fallback; both write the same bytes (tests/schedule/test_message_wire.py). numpy only (the control plane never
 imports torch).
 """
