@@ -1680,7 +1680,7 @@ int64_t herald_step_reads_sparse(const int64_t* cid, int64_t E, int64_t width, c
   return P;
 }
 
-// ---- herald_hier's routing of a home host's part (hierarchy.py) --------------------------------------------------
+// ---- herald_hier's routing of a home host's part (host_planner.HostPlanner.routed) -------------------------------
 
 }  // extern "C"
 
@@ -3020,7 +3020,7 @@ extern "C" {
 // h < 0: part_rows of the whole plan), the replica's moves (HostMoves: every move, then h's own migrations no part
 // brought), the shared rows in key order with their readers, h's sample order and slice ranks, and the step
 // summary. counts: [plan moves, replica moves, readers, moved / shared / relayed tables (at tables[0 / T / 2T]),
-// hit, remote, migrations, victims]. The same values as the numpy code (hierarchy.py), which runs where this
+// hit, remote, migrations, victims]. The same values as the numpy code (host_plans.py), which runs where this
 // returns 1 (inputs it does not take: a key outside the layout, a sample of another host, ...).
 int herald_host_plan(int64_t rank_size, int64_t n_mig, const int64_t* mig_key, const void* mig_src,
                      const void* mig_dst, int64_t n_sh, const int64_t* sh_key, const void* sh_owner,

@@ -299,10 +299,15 @@ def encode_joined(messages: Sequence[Message], compact: bool = True) -> Encoded:
     lens = np.array([len(a) for a in arrays], dtype=np.int64)  # (1-D, checked)
     if lens.shape[0] and lens.max() >= 1 << 32:
         _check([a for a in arrays if a.shape[0] >= 1 << 32])  # raises
-    kinds, sizes, codes = np.array(meta, dtype=np.int64).reshape(len(arrays), 3).T.copy()
+    kinds, sizes, codes = _meta_columns(meta)
     cap = _capacity(lens, sizes, len(arrays), compact) + len(messages)
     buf, ends = native.msg_encode(address_array(arrays), first, lens, kinds * compact, sizes, codes, cap)
     return Encoded(buf, ends)
+
+
+def _meta_columns(meta: list[tuple[int, int, int]]) -> np.ndarray:
+    """`_META` rows (one per array or field) as three int64 columns: element codes, item sizes, dtype codes."""
+    return np.array(meta, dtype=np.int64).reshape(len(meta), 3).T.copy()
 
 
 def encode_messages(messages: Sequence[Message], compact: bool = True) -> list[np.ndarray]:
@@ -328,14 +333,13 @@ def encode_slices(fields: Sequence[np.ndarray], starts: np.ndarray, stops: np.nd
     if starts.shape != (M, W) or stops.shape != (M, W) or W != len(fields):
         raise ValueError(f"message_wire: slices {starts.shape} / {stops.shape} of {len(fields)} fields")
     outside = ValueError("message_wire: a slice outside its field")
+    flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
     if not native.enabled():
-        flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
         if ((starts < 0) | (stops < starts) | (stops > flen)).any():
             raise outside
         s0, s1 = starts.tolist(), stops.tolist()
         return encode_joined([[f[a:b] for f, a, b in zip(fields, s0[m], s1[m])] for m in range(M)], compact)
-    kinds, sizes, codes = np.array([_META[f.dtype] for f in fields], dtype=np.int64).reshape(W, 3).T.copy()
-    flen = np.array([f.shape[0] for f in fields], dtype=np.int64)
+    kinds, sizes, codes = _meta_columns([_META[f.dtype] for f in fields])
     cap = _capacity(np.maximum(stops - starts, 0).sum(axis=0), sizes, M * W, compact) + M
     got = native.msg_encode_slices(address_array(fields), flen, kinds * compact, sizes, codes, starts, stops, cap)
     if got is None:
@@ -347,12 +351,17 @@ def encode_message(m: Message, compact: bool = True) -> np.ndarray:
     return encode_messages([m], compact)[0]
 
 
+def _check_total(buf: np.ndarray, total: int) -> None:
+    """ValueError where the messages' sizes do not add up to the buffer."""
+    if total != buf.shape[0]:
+        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {total}")
+
+
 def _bounds(buf: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
     """Where each message of `buf` starts (and the end), and which sizes sent something; ValueError if they do not
     add up to the buffer."""
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
-    if bounds[-1] != buf.shape[0]:
-        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(bounds[-1])}")
+    _check_total(buf, int(bounds[-1]))
     return bounds, [i for i, n in enumerate(sizes) if n]
 
 
@@ -412,8 +421,7 @@ def decode_fields(buf: np.ndarray, sizes: Sequence[int]) -> Fields | None:
         _bounds(buf, sizes)
         return None
     n = np.asarray(sizes, dtype=np.int64)
-    if int(n.sum()) != buf.shape[0]:
-        raise ValueError(f"message_wire: {buf.shape[0]} bytes for messages of {int(n.sum())}")
+    _check_total(buf, int(n.sum()))
     sent = np.flatnonzero(n)
     if not sent.shape[0]:
         return Fields([], [], np.zeros((1, 0), dtype=np.int64))
