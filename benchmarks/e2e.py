@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from e2e_common import (  # noqa: F401  (re-exported: benchmarks/compare.py and 
     SCHEDULER_ARGS,
     WORKLOADS,
     read_metrics,
+    runs_folder,
     train_overrides,
     workload_args,
 )
@@ -139,6 +139,12 @@ def main() -> None:
         metavar="JSON",
         help="run nothing: draw --plot and print the markdown table from a network-mode JSON",
     )
+    ap.add_argument(
+        "--runs-dir",
+        type=Path,
+        help="keep every run's run_dir (metrics.json, tb/, final_state.pt with trainer.save_final=true) under this "
+        "folder instead of a temporary one",
+    )
     ap.add_argument("extra", nargs="*", help="further Hydra overrides for every run")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -173,7 +179,7 @@ def main() -> None:
     if args.plot or args.workload or args.ranks_per_host != 1:
         raise SystemExit("e2e: --plot, --workload and --ranks-per-host need --bandwidth (network mode)")
     runs: dict = {}
-    with tempfile.TemporaryDirectory(prefix="herald-e2e-") as tmp:
+    with runs_folder(args.runs_dir, "herald-e2e-") as tmp:
         for r in ranks:
             runs[str(r)] = {s: run_one(r, s, args, Path(tmp)) for s in scheds}
     ratios = {}

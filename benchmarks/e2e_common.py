@@ -5,8 +5,11 @@ each of the two scripts imports it instead of the other."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 PHASE_TIMES_ENV, PHASE_TIMES_TAG = "HERALD_PHASE_TIMES", "[herald-phases]"  # as herald_torchrec.distributed.comm
@@ -59,6 +62,17 @@ def workload_args(name: str) -> list[str]:
     raise ValueError(
         f"--workload entries must be in {sorted(WORKLOADS)} or a model of conf/model {models}, got '{name}'"
     )
+
+
+@contextlib.contextmanager
+def runs_folder(keep: Path | None, prefix: str) -> Iterator[str]:
+    """Where the runs' run_dirs go: `keep` (--runs-dir; created, kept afterwards), else a temporary folder."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield tmp
+    else:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield str(keep)
 
 
 def train_overrides(

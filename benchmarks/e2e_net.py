@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -351,7 +350,11 @@ def main_net(
     configs = list(itertools.product(workloads, bandwidths, ranks, scheds))
     records: dict[tuple, list[dict]] = {c: [] for c in configs}
     failures: list[dict] = []
-    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="herald-e2e-net-") as tmp:
+    # (--runs-dir: benchmarks/compare.py's options lack it)
+    with (
+        contextlib.ExitStack() as stack,
+        e2e_common.runs_folder(getattr(args, "runs_dir", None), "herald-e2e-net-") as tmp,
+    ):
         nets = {r: stack.enter_context(netem.Network(r, per_host)) for r in ranks}
         for r, net in nets.items():
             p = net.plan

@@ -28,12 +28,16 @@ table_markdown (R x policy, step ms at 100 / 25 Gb/s).
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import math
+import os
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 LABEL = "projection"
 HERE = Path(__file__).resolve().parent
@@ -43,13 +47,16 @@ SIM_SWEEP = RESULTS / "sim_sweep_r8-256_2026-11-28.json"
 HIER_ALONE = str(RESULTS / "hier_alone_r*_2026-11-29.json")
 # herald's planner cutting its host's 8 parts from the whole plan, per R (benchmarks/plan_bytes.py --policy herald)
 PLAN_CUTS = RESULTS / "plan_bytes_herald_r8-256_2026-11-28.json"
-SIM_VALIDATION = RESULTS / "sim_validation_r2-8_2026-11-27.json"
+# the simulator's rows for the emulated runs' settings (R / ranks per host), merged: R=2 and 8, then R=16 and 32
+SIM_VALIDATION = (RESULTS / "sim_validation_r2-8_2026-11-27.json", RESULTS / "sim_validation_r16-32_2026-11-30.json")
 GPU_RUNS = RESULTS / "gpu_h100_2026-11-26.json"
 E2E_DEFAULT = [
     str(RESULTS / "e2e_link_sweep_r2_split_cpu2_2026-11-26.json"),
     str(RESULTS / "e2e_200mbit_wdl_r2_split_cpu2_2026-11-26.json"),
     str(RESULTS / "e2e_unshaped_r2_split_cpu2_2026-11-26_run1.json"),
     str(RESULTS / "e2e_r8_*hosts_cpu2_*.json"),  # the 8-rank runs on hosts of several ranks
+    str(RESULTS / "e2e_r16_*hosts_cpu2_*.json"),  # 16 and 32 ranks on hosts of 8, herald_hier beside herald
+    str(RESULTS / "e2e_r32_*hosts_cpu2_*.json"),
 ]
 
 FLOAT_BYTES = 4  # FP32 rows, pooled embeddings, gradients and dense parameters
@@ -492,12 +499,61 @@ def anchors(proj: dict) -> dict:
 # ---------------------------------------------------------------- validation
 
 
-E2E_POLICY = {"torchrec_tw": "table_wise", "torchrec": "row_wise", "herald": "herald", "herald_no_relay": "herald"}
+E2E_POLICY = {
+    "torchrec_tw": "table_wise",
+    "torchrec": "row_wise",
+    "herald": "herald",
+    "herald_no_relay": "herald",
+    "herald_hier": "herald_hier",
+}
 
 
-def sim_validation(path: Path = SIM_VALIDATION) -> dict:
-    d = load_json(path)
-    return {k: v for k, v in d["runs"].items()}
+def sim_validation(paths: Sequence[Path] = SIM_VALIDATION) -> dict:
+    """Per "R/ranks per host", each policy's simulated rows (`_sim_row`), merged over the files."""
+    runs: dict = {}
+    for path in paths:
+        runs.update(load_json(path)["runs"])
+    return runs
+
+
+def collect_validation(sim_paths: list[str]) -> dict:
+    """A validation file's body from simulate.py JSON files of one R each (`--json`): per "R/ranks per host" each
+    policy's rows as the projection reads them, and the command that reproduces each file."""
+    runs, commands = {}, []
+    for f in sim_paths:
+        d = load_json(f)
+        cfg = d["config"]
+        if len(cfg["workers"]) != 1:
+            raise SystemExit(f"error: {f} is a sweep; give one simulate.py run per R")
+        runs[f"{cfg['workers'][0]}/{cfg['ranks_per_host']}"] = {p: _sim_row(x) for p, x in d["policies"].items()}
+        commands.append(
+            f"OMP_NUM_THREADS=1 python benchmarks/simulate.py --workers {cfg['workers'][0]} --ranks-per-host "
+            f"{cfg['ranks_per_host']} --steps {cfg['steps']} --warmup {cfg['warmup']} --policies "
+            f"{','.join(cfg['policies'])} --dim {cfg['dim']} --hier-clock {cfg['hier_clock']} --json"
+        )
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return {
+        "label": "simulator runs for the projection's validation (benchmarks/projection.py)",
+        "date": datetime.date.today().isoformat(),
+        "commit": git.stdout.strip() or None,
+        "machine": f"CPU, {os.cpu_count()} cores",
+        "commands": commands,
+        "runs": runs,
+        "note": "rows per sample as the data plane delivers them (direct = host_relay off, aggregated = host relays);"
+        " herald_host: the host-aware LAIA training runs on several machines use; herald_hier: planned per host, with"
+        " its planners' messages per rank (the busiest host's) and the plan parts routed to a host; rows do not"
+        " depend on --dim",
+    }
+
+
+def validation_sim(by_policy: dict, policy: str, hosts: int) -> dict | None:
+    """The simulated run an emulated scheduler is checked against: herald across machines plans host-aware
+    (`herald_host`); herald_hier on one machine is herald."""
+    if hosts == 1:
+        return by_policy.get("herald")
+    if policy == "herald":
+        return by_policy.get("herald_host", by_policy.get("herald"))
+    return by_policy.get(policy)
 
 
 def rate_bps(bw: str) -> float:
@@ -520,15 +576,19 @@ def validation_point(
     else:
         mode = "aggregated" if relay else "direct"
         t = simulated_rows(ranks, rph, batch, wl, sim[f"cross_{mode}"], sim[f"intra_{mode}"], 1.0, 4 if relay else 2)
-        t = t + herald_input_stage(ranks, rph, batch, wl)
+        if policy == "herald_hier":
+            messages, parts = sim.get("planner_messages_per_rank", 0.0), sim.get("plan_parts_per_host", 0.0)
+            t = t + hier_input_stage(ranks, rph, messages, parts)
+        else:
+            t = t + herald_input_stage(ranks, rph, batch, wl)
     return t + dense_allreduce(ranks, rph, wl)
 
 
-def validate(paths: list[str], sim_path: Path = SIM_VALIDATION) -> dict:
+def validate(paths: list[str], sim_paths: Sequence[Path] = SIM_VALIDATION) -> dict:
     """Predict each emulated run's steady step: its own CPU per step / cores (compute + host work as measured there)
     + its busiest host link's bytes at the tc rate (no latency term: it is inside the measured CPU). `lower_ms` is the
     same with communication fully overlapped (max instead of sum): the measured step should lie between."""
-    sims = sim_validation(sim_path)
+    sims = sim_validation(sim_paths)
     files = sorted({f for p in paths for f in (glob.glob(p) if any(c in p for c in "*?[") else [p])})
     rows = []
     for f in files:
@@ -549,10 +609,10 @@ def validate(paths: list[str], sim_path: Path = SIM_VALIDATION) -> dict:
                     rph = min(rph_cfg, ranks)
                     hosts = num_hosts(ranks, rph)
                     by_policy = sims.get(f"{ranks}/{rph}", {})
-                    sim = by_policy.get("herald_host" if hosts > 1 else "herald", by_policy.get("herald"))
                     for sched, res in by_s.items():
                         policy = E2E_POLICY.get(sched)
-                        if policy is None or (policy == "herald" and sim is None):
+                        sim = validation_sim(by_policy, policy, hosts) if policy in HERALDS else None
+                        if policy is None or (policy in HERALDS and sim is None):
                             continue
                         m = res["median"]
                         t = validation_point(wl, policy, ranks, rph, batch, sim, sched != "herald_no_relay")
@@ -730,7 +790,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", help="write the JSON here too")
     p.add_argument("--plot", help="PNG: projected step ms against GPUs per policy, one panel per link")
     p.add_argument("--markdown", action="store_true", help="print only the README table")
+    p.add_argument(
+        "--collect-validation",
+        nargs="+",
+        metavar=("OUT", "SIM_JSON"),
+        help="write OUT (the simulator's rows for validation) from simulate.py --json runs, one R each; then stop",
+    )
     args = p.parse_args(argv)
+    if args.collect_validation:
+        out, *sims = args.collect_validation
+        if not sims:
+            p.error("--collect-validation needs OUT and at least one simulate.py JSON file")
+        body = collect_validation(sims)
+        Path(out).write_text(json.dumps(body, indent=1) + "\n")
+        print(json.dumps(body, indent=1))
+        return body
     proj = project(args.workload)
     result = {
         "label": LABEL,

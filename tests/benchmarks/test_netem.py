@@ -20,6 +20,7 @@ BENCH = REPO_ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import e2e  # noqa: E402
+import e2e_common  # noqa: E402
 import e2e_net  # noqa: E402
 import netem  # noqa: E402
 
@@ -339,6 +340,16 @@ def test_rotated_rounds_start_at_different_configs() -> None:
     orders = [e2e_net.rotated(configs, k, 3) for k in range(3)]
     assert [o[0] for o in orders] == [0, 2, 4]
     assert all(sorted(o) == configs for o in orders)
+
+
+def test_runs_dir_keeps_every_run_dir_else_a_temporary_folder_goes(tmp_path: Path) -> None:
+    keep = tmp_path / "runs" / "e2e"
+    with e2e_common.runs_folder(keep, "herald-e2e-") as where:
+        (Path(where) / "r2-herald").mkdir()
+    assert where == str(keep) and (keep / "r2-herald").is_dir()  # kept, created with its parents
+    with e2e_common.runs_folder(None, "herald-e2e-") as where:
+        assert Path(where).is_dir() and Path(where).name.startswith("herald-e2e-")
+    assert not Path(where).exists()
 
 
 def test_host_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: Path) -> None:

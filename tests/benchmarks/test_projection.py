@@ -94,6 +94,54 @@ def test_herald_cut_inputs_by_r(tmp_path) -> None:
             pj.plan_cut_ms(path, cfg)
 
 
+def test_validation_checks_each_herald_against_its_own_simulated_run(tmp_path) -> None:
+    """Emulated herald across machines is checked against host-aware LAIA (`herald_host`), herald_hier against its
+    own rows plus its planners' messages and routed parts (ids and samples stay on their host); on one machine
+    both are herald. The validation file is collected from simulate.py runs, one R each."""
+    import json
+
+    row = {
+        "cross_host_rows_per_sample": 3.0,
+        "intra_host_rows_per_sample": 1.0,
+        "cross_host_rows_per_sample_host_aggregated": 2.0,
+        "intra_host_rows_per_sample_host_aggregated": 2.0,
+        "busiest_rank_over_mean": 1.1,
+        "sched_cpu_ms_median": 4.0,
+    }
+    hier = row | {
+        "protocol_bytes_per_rank": {"between_hosts_busiest_host": 30_000},
+        "parts_bytes_per_host": {"routed": 160_000},
+    }
+    cfg = {
+        "workers": [16],
+        "ranks_per_host": 8,
+        "steps": 100,
+        "warmup": 10,
+        "policies": ["herald_host", "herald_hier"],
+        "dim": 64,
+        "hier_clock": "cpu",
+    }
+    sim = tmp_path / "r16.json"
+    sim.write_text(json.dumps({"config": cfg, "policies": {"herald_host": row, "herald_hier": hier}}))
+    out = tmp_path / "validation.json"
+    body = pj.main(["--collect-validation", str(out), str(sim)])
+    assert json.loads(out.read_text()) == body and "--workers 16 --ranks-per-host 8" in body["commands"][0]
+    by_policy = pj.sim_validation([out])["16/8"]
+    assert by_policy["herald_hier"]["planner_messages_per_rank"] == 30_000
+    assert pj.validation_sim(by_policy, "herald", 2) is by_policy["herald_host"]
+    assert pj.validation_sim(by_policy, "herald_hier", 2) is by_policy["herald_hier"]
+    assert pj.validation_sim({"herald": row}, "herald_hier", 1) == row
+    t = pj.validation_point(WL, "herald_hier", 16, 8, 256, by_policy["herald_hier"], relay=True)
+    rows = 2.0 * 16 * 256 * 256 / 2  # the mean host's aggregated rows of 64 floats
+    assert t.host_bytes == pytest.approx(rows + 8 * 30_000 + 160_000 + 2 * 15 / 16 * 100 * 4)
+    h = pj.validation_point(WL, "herald", 16, 8, 256, by_policy["herald_host"], relay=True)
+    assert h.host_bytes == pytest.approx(rows + pj.herald_input_stage(16, 8, 256, WL).host_bytes + 750)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"config": cfg | {"workers": [16, 32]}, "policies": {}}))
+    with pytest.raises(SystemExit, match="one simulate.py run per R"):
+        pj.collect_validation([str(sweep)])
+
+
 def test_comm_and_step_estimate() -> None:
     links = pj.Links("test", host_gbit=100.0)
     # 12.5 MB at 12.5 GB/s = 1 ms, plus two collectives at 50 us
