@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -103,21 +104,31 @@ def train_overrides(
     ]
 
 
+def phase_records(output: str) -> Iterator[tuple[str, dict]]:
+    """(rank, phase times) of every `[herald-phases] rank=N {...}` record in a run's output (one per rank, printed at
+    exit by herald modules), also where records of ranks sharing a stream ran into one line; a record cut short is
+    skipped with a note on stderr, not the whole run."""
+    decoder = json.JSONDecoder()
+    for line in output.splitlines():
+        for record in line.split(PHASE_TIMES_TAG)[1:]:
+            rank_field, _, payload = record.strip().partition(" ")
+            try:
+                times, _ = decoder.raw_decode(payload)
+            except ValueError:
+                print(f"[e2e] note: a phase-times record of {rank_field} is cut short; left out", file=sys.stderr)
+                continue
+            yield rank_field.removeprefix("rank="), times
+
+
 def read_metrics(run_dir: Path, output: str, steps: int) -> dict:
     """The summary of one finished run from its metrics.json (and Herald's phase times from its output)."""
     m = json.loads((run_dir / "metrics.json").read_text())
     phases = {}
-    for line in output.splitlines():  # one line per rank, printed at exit (herald modules only)
-        if PHASE_TIMES_TAG in line:
-            rank_field, _, payload = line.split(PHASE_TIMES_TAG, 1)[1].strip().partition(" ")
-            phases[rank_field.removeprefix("rank=")] = {
-                k: {
-                    "ms_per_step": v["ms"] / steps,
-                    "cpu_ms_per_step": v.get("cpu_ms", 0.0) / steps,
-                    "calls": v["calls"],
-                }
-                for k, v in json.loads(payload).items()
-            }
+    for rank, times in phase_records(output):
+        phases[rank] = {
+            k: {"ms_per_step": v["ms"] / steps, "cpu_ms_per_step": v.get("cpu_ms", 0.0) / steps, "calls": v["calls"]}
+            for k, v in times.items()
+        }
     return ({"phases": phases} if phases else {}) | {
         "step_ms": 1000.0 * m["global_batch"] / m["samples_per_s"],
         "samples_per_s": m["samples_per_s"],

@@ -456,10 +456,15 @@ class Snapshot:
     threads: dict = field(default_factory=dict)  # `thread_cpu_seconds` of those processes
 
 
+# the lines of each command's output kept (a host's agent and its ranks): with `--phase-times` every rank prints a
+# record at exit, 8 per host of 8, besides the agent's and the run's last lines
+TAIL_LINES = 40
+
+
 @dataclass
 class RanksResult:
     codes: list[int | None]
-    tails: list[str]  # the last lines of each command's output (a host's torchrun agent and its ranks)
+    tails: list[str]  # the last TAIL_LINES lines of each command's output (a host's torchrun agent and its ranks)
     cpu_s: float  # user+sys of every process over the whole run (set-up and evaluation included)
     marks: dict[str, Snapshot]
 
@@ -550,7 +555,7 @@ def run_ranks(
     tails = []
     for log in logs:
         log.seek(0)
-        tails.append("\n".join(log.read().splitlines()[-15:]))
+        tails.append("\n".join(log.read().splitlines()[-TAIL_LINES:]))
         log.close()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return RanksResult([p.returncode for p in procs], tails, cpu, seen)

@@ -76,7 +76,10 @@ def phase_times() -> dict[str, dict[str, float]]:
 def _print_phase_times() -> None:
     if _phase_totals:
         rank = os.environ.get("RANK", "0")
-        print(f"{PHASE_TIMES_TAG} rank={rank} {json.dumps(phase_times())}", file=sys.stderr, flush=True)
+        # one write for the whole line: under `python -u` print() writes the text and its newline apart, and the
+        # ranks of one machine share the stream, so another rank's line could land between them
+        sys.stderr.write(f"{PHASE_TIMES_TAG} rank={rank} {json.dumps(phase_times())}\n")
+        sys.stderr.flush()
 
 
 if _PHASES_ON:

@@ -352,6 +352,24 @@ def test_runs_dir_keeps_every_run_dir_else_a_temporary_folder_goes(tmp_path: Pat
     assert not Path(where).exists()
 
 
+def test_phase_records_of_ranks_sharing_a_line_are_each_read(capsys: pytest.CaptureFixture[str]) -> None:
+    tag = e2e_common.PHASE_TIMES_TAG
+    one = '{"input.plan": {"ms": 8.0, "cpu_ms": 4.0, "calls": 2}}'
+    two = '{"input.plan": {"ms": 6.0, "calls": 2}}'
+    output = "\n".join(
+        [
+            f"{tag} rank=1 {one}{tag} rank=5 {two}",  # two ranks' records run together (no newline between)
+            f"[default2]:{tag} rank=2 {one}",  # an agent's prefix
+            f'{tag} rank=3 {{"input.plan": {{"ms"',  # cut short: left out, with a note
+            "another line",
+        ]
+    )
+    got = dict(e2e_common.phase_records(output))
+    assert sorted(got) == ["1", "2", "5"]
+    assert got["1"]["input.plan"]["cpu_ms"] == 4.0 and got["5"]["input.plan"]["ms"] == 6.0
+    assert "rank=3 is cut short" in capsys.readouterr().err
+
+
 def test_host_commands_are_multi_node_torchrun_inside_each_namespace(tmp_path: Path) -> None:
     class FakeNet:
         plan = netem.plan_network(2, "abc", ipaddress.ip_network("10.9.9.0/24"))

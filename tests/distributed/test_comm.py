@@ -54,3 +54,28 @@ def test_without_a_use_count_exit_waits_one_grace(monkeypatch) -> None:
     t0 = time.monotonic()
     comm.release_gloo_tensors()
     assert comm.GLOO_GRACE_S <= time.monotonic() - t0 < 0.5 and not comm._held
+
+
+def test_phase_times_print_as_one_write_per_rank(monkeypatch) -> None:
+    """Under `python -u` (how torchrun runs train.py in the benchmarks) print() writes a line and its newline apart;
+    the ranks of one machine share the stream, so the record goes out in one write."""
+    import json
+
+    writes: list[str] = []
+
+    class Stream:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(comm.sys, "stderr", Stream())
+    monkeypatch.setattr(comm, "_phase_totals", {"input.plan": [0.5, 2, 0.25]})
+    monkeypatch.setenv("RANK", "5")
+    comm._print_phase_times()
+    assert len(writes) == 1 and writes[0].endswith("}\n") and writes[0].count("\n") == 1
+    tag, rank, payload = writes[0].split(" ", 2)
+    assert (tag, rank) == (comm.PHASE_TIMES_TAG, "rank=5")
+    assert json.loads(payload)["input.plan"]["calls"] == 2
