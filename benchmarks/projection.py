@@ -423,11 +423,20 @@ def policy_traffic(policy: str, ranks: int, rph: int, batch: int, wl: Workload, 
         mode, coll = DELIVERY[policy]
         s = sim[policy]
         t = simulated_rows(ranks, rph, batch, wl, s[f"cross_{mode}"], s[f"intra_{mode}"], s["busiest_over_mean"], coll)
-        if policy == "herald":
-            t = t + herald_input_stage(ranks, rph, batch, wl)
-        elif policy == "herald_hier":
-            t = t + hier_input_stage(ranks, rph, s["planner_messages_per_rank"], s["plan_parts_per_host"])
+        t = t + planner_inputs(policy, ranks, rph, batch, wl, s)
     return t
+
+
+def planner_inputs(policy: str, ranks: int, rph: int, batch: int, wl: Workload, sim: dict) -> Traffic:
+    """What a Herald's input stage sends across hosts besides the rows (`sim`: the policy's simulated run): herald
+    every rank's ids to every planner and the samples, herald_hier its planners' messages and routed plan parts (none
+    where the run has one host and no such figures); nothing for the other policies."""
+    if policy == "herald":
+        return herald_input_stage(ranks, rph, batch, wl)
+    if policy == "herald_hier":
+        messages, parts = sim.get("planner_messages_per_rank", 0.0), sim.get("plan_parts_per_host", 0.0)
+        return hier_input_stage(ranks, rph, messages, parts)
+    return Traffic(0.0, 0.0, 0)
 
 
 def project(workload: str, links: tuple[Links, ...] = CLUSTER_LINKS) -> dict:
@@ -576,11 +585,7 @@ def validation_point(
     else:
         mode = "aggregated" if relay else "direct"
         t = simulated_rows(ranks, rph, batch, wl, sim[f"cross_{mode}"], sim[f"intra_{mode}"], 1.0, 4 if relay else 2)
-        if policy == "herald_hier":
-            messages, parts = sim.get("planner_messages_per_rank", 0.0), sim.get("plan_parts_per_host", 0.0)
-            t = t + hier_input_stage(ranks, rph, messages, parts)
-        else:
-            t = t + herald_input_stage(ranks, rph, batch, wl)
+        t = t + planner_inputs(policy, ranks, rph, batch, wl, sim)
     return t + dense_allreduce(ranks, rph, wl)
 
 
