@@ -70,6 +70,13 @@ UNSHAPED_BPS = 13e9  # veth / loopback between namespaces, unshaped: ~13 Gbit/s 
 # thread (WHOLE_PLAN_ENCODE_MS, measured at R=2).
 INPUT_BOOKKEEPING_MS = 1.1 + 0.9
 WHOLE_PLAN_ENCODE_MS = 0.2
+# The input stage's own collectives across hosts per step, on its thread (ahead of the step, not on its path; the
+# bookkeeping above was measured on one machine): herald's round is one all-to-all in steady state (its header rides
+# on the round before: distributed/train_pipeline/input_stage.py); herald_hier's planners also meet PLANNER_EXCHANGES
+# times per plan (schedule/herald/hierarchy.py `plan_hosts`: demand, owners, reads, arrivals, cancels, parts), each
+# exchange its sizes then its bytes (planner_transport.py).
+INPUT_ROUND_COLLECTIVES = 1
+PLANNER_EXCHANGES = 6
 STOCK_POLICIES = ("table_wise", "row_wise")
 SIM_POLICIES = ("herald", "herald_hier", "static", "het_bsp", "p2res")
 HERALDS = ("herald", "herald_hier")  # Herald's two planners: one per host for the whole batch, or per host
@@ -381,11 +388,23 @@ def hier_alone_ms(pattern: str, sweep_config: dict) -> dict[int, tuple[float, fl
     return out
 
 
-def planner_thread_ms(s: dict) -> float:
-    """The input stage's time per step on a planning host: its planner's plan and the stage's other work, or the cut
-    of its ranks' parts on the cut thread where that is longer (measured overlapped: hier_alone.py's
-    `planner_thread_cut_thread_ms`)."""
-    return max(s["planner_cpu_ms"] + INPUT_BOOKKEEPING_MS, s.get("cut_ms", 0.0))
+def planner_thread_ms(s: dict, wire_ms: float = 0.0) -> float:
+    """The input stage's time per step on a planning host: its planner's plan, the stage's other work and its
+    messages across hosts (`wire_ms`, `input_wire_ms`), or the cut of its ranks' parts on the cut thread where that is
+    longer (measured overlapped: hier_alone.py's `planner_thread_cut_thread_ms`)."""
+    return max(s["planner_cpu_ms"] + INPUT_BOOKKEEPING_MS + wire_ms, s.get("cut_ms", 0.0))
+
+
+def input_wire_ms(policy: str, ranks: int, rph: int, batch: int, wl: Workload, sim: dict, links: Links) -> float:
+    """What a Herald's input stage waits for on the wire per step across hosts: the bytes it sends besides the rows
+    (`planner_inputs`: herald's ids and samples, herald_hier's planners' messages and parts) at the host link's rate,
+    and an inter-host latency per collective: the round's, plus herald_hier's planner exchanges (sizes, then bytes).
+    The planners' phases wait for each other's messages; the time a slower planner makes them wait is not in it."""
+    if num_hosts(ranks, rph) == 1:
+        return 0.0
+    collectives = INPUT_ROUND_COLLECTIVES + (2 * PLANNER_EXCHANGES if policy == "herald_hier" else 0)
+    sent = planner_inputs(policy, ranks, rph, batch, wl, sim).host_bytes
+    return sent / links.host_bytes_per_s * 1e3 + collectives * links.latency_inter_ms
 
 
 def _sim_row(x: dict) -> dict:
@@ -463,9 +482,11 @@ def project(workload: str, links: tuple[Links, ...] = CLUSTER_LINKS) -> dict:
                 c = comm_ms(total, ln, hosts)
                 ce = comm_ms(emb, ln, hosts)
                 herald = p in HERALDS
-                input_ms = planner_thread_ms(s[p]) if herald else 0.0
+                wire = input_wire_ms(p, r, rph, batch, wl, s[p], ln) if herald else 0.0
+                input_ms = planner_thread_ms(s[p], wire) if herald else 0.0
                 est = step_estimate(gpu["compute_ms"], gpu["herald_host_ms"] if herald else 0.0, c, ce, input_ms)
                 per[p] = asdict(est) | {
+                    "input_wire_ms": wire,
                     "host_link_mb": total.host_bytes / 1e6,
                     "gpu_link_mb": total.gpu_bytes / 1e6,
                     "host_link_mb_by_part": {k: v / 1e6 for k, v in total.parts.items()},
@@ -773,7 +794,10 @@ def assumptions(workload: str) -> dict:
         "CPU ms, scale 0.01 as the sweep; herald's from one host); the plan + "
         f"{INPUT_BOOKKEEPING_MS:.1f} ms bookkeeping (RESULTS.md, R=2) on one host core, the cut on a second (the "
         "input stage's cut thread): the longer of the two; with one host the whole plan travels "
-        f"(+{WHOLE_PLAN_ENCODE_MS} ms encoding on the planner's core, R=2); the step waits when it is longer",
+        f"(+{WHOLE_PLAN_ENCODE_MS} ms encoding on the planner's core, R=2); across hosts + its wire time "
+        f"(input_wire_ms: its bytes besides the rows at the host link's rate, {INPUT_ROUND_COLLECTIVES} collective "
+        f"for the round, herald_hier + 2 x {PLANNER_EXCHANGES} for its planners' exchanges, at the inter-host "
+        "latency); the step waits when it is longer",
         "herald_hier_input_stage": "ids to the rank's own host's planner only, samples stay on their host; the "
         "planners' messages (the busiest host's) and the routed plan parts cross hosts (the sweep's protocol bytes)",
         "herald_host_ms": "on the step's path: Herald's one-rank H100 step minus stock's, clamped at 0",

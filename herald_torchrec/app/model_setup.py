@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -334,6 +335,32 @@ def herald_options(sc: DictConfig) -> HeraldOptions:
     return HeraldOptions.named(CONFIG_KEY, **settings)
 
 
+# From this many ranks on several machines, one planner per machine planning the whole global batch (`herald`) is
+# the slower choice: at 16 and 32 ranks as machines of 8 herald_hier's step was 0.88-0.95x herald's (RESULTS.md, "16
+# and 32 ranks"), and projected on GPUs herald's planner falls behind the step from 32 (RESULTS.md, "Projection").
+PLAN_PER_MACHINE_FROM = 16
+
+
+def planner_scale_note(policy: str, world_size: int, machines: int) -> str | None:
+    """A note for `scheduler=herald` on several machines from PLAN_PER_MACHINE_FROM ranks: its planners each plan
+    the whole global batch, a cost that grows with the ranks, where `herald_hier` plans per machine. None elsewhere."""
+    if policy != "herald" or machines < 2 or world_size < PLAN_PER_MACHINE_FROM:
+        return None
+    return (
+        f"note: scheduler=herald on {machines} machines ({world_size} ranks): each machine's planner plans the whole "
+        f"global batch of {world_size} ranks, a cost that grows with the ranks (projected behind a GPU step from 32; "
+        "the planning budget then makes cheaper plans, counted as plans_reduced / plans_static). scheduler=herald_hier "
+        "plans per machine for its own ranks (README, Configuration: several machines)"
+    )
+
+
+def machines_from_env(world_size: int) -> int:
+    """Machines in a torchrun job (WORLD_SIZE / LOCAL_WORLD_SIZE, equal ranks per machine as torchrun places them);
+    1 without torchrun's environment."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(1, world_size // max(1, local))
+
+
 def use_native_kernels(setting: str) -> None:
     """`scheduler.native`: Herald's compiled kernels (the scheduler's and the data plane's, herald_torchrec/_native.py)
     where they build (auto), always (on: an error if they cannot), or never (off: numpy only). The plans and the
@@ -361,6 +388,9 @@ def _herald(
     sc, t = cfg.scheduler, cfg.trainer
     options = herald_options(sc)
     options.runnable_policy()  # before the (possibly profiling) choice of unscheduled tables
+    note = planner_scale_note(options.policy, ctx.world_size, machines_from_env(ctx.world_size))
+    if note and ctx.is_main:
+        print(note, file=sys.stderr, flush=True)
     use_native_kernels(options.native)
     kwargs = _embedding_optimizer_kwargs(cfg)
     fused = {"optimizer": EMBEDDING_OPTIMIZERS[t.embedding_optimizer][1], "learning_rate": kwargs.pop("lr"), **kwargs}

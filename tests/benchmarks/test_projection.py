@@ -77,6 +77,51 @@ def test_hier_alone_inputs_by_r(tmp_path) -> None:
     book = pj.INPUT_BOOKKEEPING_MS
     assert pj.planner_thread_ms({"planner_cpu_ms": 4.75, "cut_ms": 3.0}) == 4.75 + book
     assert pj.planner_thread_ms({"planner_cpu_ms": 1.0, "cut_ms": 9.0}) == 9.0  # the cut thread is the slower one
+    assert pj.planner_thread_ms({"planner_cpu_ms": 4.75, "cut_ms": 3.0}, wire_ms=0.5) == 4.75 + book + 0.5
+
+
+def test_input_stage_wire_by_hand() -> None:
+    """Across hosts a Herald's input stage waits for its bytes besides the rows at the link's rate and for a latency
+    per collective: herald its round's one, herald_hier also its planners' 6 exchanges of sizes then bytes."""
+    ln = pj.Links("test", host_gbit=8.0, latency_inter_ms=0.05)  # 1e9 bytes/s: 1 ms per MB
+    sim = {"planner_messages_per_rank": 30_000, "plan_parts_per_host": 160_000}
+    hier = pj.input_wire_ms("herald_hier", 16, 8, 256, WL, sim, ln)
+    assert hier == pytest.approx((8 * 30_000 + 160_000) / 1e6 + (1 + 2 * 6) * 0.05)
+    ids_and_samples = pj.herald_input_stage(16, 8, 256, WL).host_bytes
+    assert pj.input_wire_ms("herald", 16, 8, 256, WL, {}, ln) == pytest.approx(ids_and_samples / 1e6 + 0.05)
+    assert pj.input_wire_ms("herald_hier", 8, 8, 256, WL, sim, ln) == 0.0  # one host: nothing crosses
+
+
+def test_planner_exchanges_per_plan_as_the_projection_counts_them(monkeypatch) -> None:
+    """PLANNER_EXCHANGES is the number of times herald_hier's planners meet per plan after the first (which also
+    sends the settings): counted on the transport of a 2-host policy."""
+    import numpy as np
+
+    from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
+    from herald_torchrec.schedule import GlobalBatch, make_policy
+    from herald_torchrec.schedule.herald import host_messages
+
+    R, B, L, steps = 16, 16, 2, 4
+    gen = SyntheticCTR(SyntheticSpec(scale=0.002, seed=3))
+    rows = list(gen.table_rows)
+    batches = [GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, i) for i in range(steps + L)]
+    kinds: list[str] = []
+    exchange = host_messages.InProcessTransport.exchange
+
+    def counted(self, kind, out):
+        kinds.append(kind)
+        return exchange(self, kind, out)
+
+    monkeypatch.setattr(host_messages.InProcessTransport, "exchange", counted)
+    pol = make_policy("herald_hier", rows, R, B, 0.1, L, hosts=8)
+    per_plan = []
+    for s in range(steps):
+        kinds.clear()
+        pol.plan(batches[s : s + L + 1])
+        per_plan.append(list(kinds))
+    assert per_plan[0][0] == "settings" and len(per_plan[0]) == pj.PLANNER_EXCHANGES + 1
+    assert all(len(k) == pj.PLANNER_EXCHANGES for k in per_plan[1:]), per_plan
+    assert np.unique([k for p in per_plan[1:] for k in p]).tolist() == sorted(per_plan[1])  # one of each kind
 
 
 def test_herald_cut_inputs_by_r(tmp_path) -> None:
