@@ -17,6 +17,8 @@ PHASE_TIMES_ENV, PHASE_TIMES_TAG = "HERALD_PHASE_TIMES", "[herald-phases]"  # as
 SCHEDULER_ARGS = {
     "torchrec": ["scheduler=torchrec", "sharding.types=[row_wise]"],
     "torchrec_tw": ["scheduler=torchrec", "sharding.types=[table_wise]"],
+    # TorchRec's sharding across machines: each table on one machine, row-wise over its ranks (LOCAL_WORLD_SIZE)
+    "torchrec_twrw": ["scheduler=torchrec", "sharding.types=[table_row_wise]"],
     "static": ["scheduler=static"],
     "torchrec_planner": ["scheduler=torchrec", "sharding.types=null"],  # the planner with every type, DP included
     "herald": ["scheduler=herald"],

@@ -263,6 +263,7 @@ def rotated(configs: list, round_index: int, rounds: int) -> list:
 LABELS = {
     "torchrec": "TorchRec row_wise",
     "torchrec_tw": "TorchRec table_wise",
+    "torchrec_twrw": "TorchRec table_row_wise",
     "torchrec_planner": "TorchRec planner, any type",
     "static": "Herald data plane, static",
     "herald": "Herald",

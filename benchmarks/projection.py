@@ -59,6 +59,23 @@ E2E_DEFAULT = [
     str(RESULTS / "e2e_r32_*hosts_cpu2_*.json"),
 ]
 
+# Runs whose stock TABLE_WISE spanned machines before the app gave TorchRec's planner its machines (RESULTS.md,
+# "Stock TorchRec's placement across machines"): it balanced tables over ranks, not machines, so those runs measured
+# another placement than the model's; the validation leaves their stock TABLE_WISE out (the rest of each stays).
+STOCK_PLANNED_AS_ONE_MACHINE = frozenset(
+    {
+        "e2e_r8_2x4hosts_cpu2_2026-11-27.json",
+        "e2e_r8_2x4hosts_hier_balance_cpu2_2026-11-28.json",
+        "e2e_r8_2x4hosts_hostplan_cpu2_2026-11-27.json",
+        "e2e_r8_2x4hosts_parts_cpu2_2026-11-27.json",
+        "e2e_r8_2x4hosts_stream_cpu2_2026-11-28.json",
+        "e2e_r8_4x2hosts_cpu2_2026-11-27.json",
+        "e2e_r16_2x8hosts_cpu2_2026-11-30.json",
+        "e2e_r32_4x8hosts_cpu2_2026-11-30.json",
+    }
+)
+PLACED_BY_TOPOLOGY = ("torchrec_tw", "torchrec_planner")  # stock runs whose placement depends on the machines
+
 FLOAT_BYTES = 4  # FP32 rows, pooled embeddings, gradients and dense parameters
 HERALD_ID_BYTES = 4  # Herald's managed ids on the wire: int32 (distributed/train_pipeline/input_layout.py)
 KJT_VALUE_BYTES, KJT_LENGTH_BYTES = 8, 4  # TorchRec's input dist: int64 ids, int32 lengths (one per bag)
@@ -77,7 +94,7 @@ WHOLE_PLAN_ENCODE_MS = 0.2
 # exchange its sizes then its bytes (planner_transport.py).
 INPUT_ROUND_COLLECTIVES = 1
 PLANNER_EXCHANGES = 6
-STOCK_POLICIES = ("table_wise", "row_wise")
+STOCK_POLICIES = ("table_wise", "table_row_wise", "row_wise")
 SIM_POLICIES = ("herald", "herald_hier", "static", "het_bsp", "p2res")
 HERALDS = ("herald", "herald_hier")  # Herald's two planners: one per host for the whole batch, or per host
 POLICIES = SIM_POLICIES + STOCK_POLICIES
@@ -165,21 +182,46 @@ def table_wise(ranks: int, ranks_per_host: int, batch: int, wl: Workload) -> Tra
     A host with f_max tables sends f_max x (samples on other hosts) pooled rows; a host with f_min receives
     (its samples) x (F - f_min); a phase takes the larger. Four collectives (lengths, ids, pooled, gradients)."""
     hosts = num_hosts(ranks, ranks_per_host)
+    h_pooled, h_ids = _tables_spread(hosts, ranks_per_host, ranks, batch, wl)
+    g_pooled, g_ids = _tables_spread(ranks, 1, ranks, batch, wl)
+    return Traffic(h_pooled + h_ids, g_pooled + g_ids, 4, {"embedding": h_pooled, "ids": h_ids})
+
+
+def _tables_spread(units: int, per_unit: int, ranks: int, batch: int, wl: Workload) -> tuple[float, float]:
+    """Pooled bytes (forward and backward) and ids bytes on the busiest link of `units` units (hosts or ranks) of
+    `per_unit` ranks each holding whole tables, spread evenly by count: a unit with f_max tables sends f_max x
+    (samples elsewhere) pooled rows, one with f_min receives (its samples) x (F - f_min); a phase takes the larger."""
+    if units == 1:
+        return 0.0, 0.0
     row = wl.dim * FLOAT_BYTES
     bag = wl.bag * KJT_VALUE_BYTES + KJT_LENGTH_BYTES
+    f_max, f_min = math.ceil(wl.features / units), wl.features // units
+    local, remote = per_unit * batch, (ranks - per_unit) * batch
+    pooled = 2 * max(f_max * remote * row, local * (wl.features - f_min) * row)
+    ids = max(local * (wl.features - f_min) * bag, f_max * remote * bag)
+    return pooled, ids
 
-    def level(units: int, per_unit: int) -> tuple[float, float]:
-        if units == 1:
-            return 0.0, 0.0
-        f_max, f_min = math.ceil(wl.features / units), wl.features // units
-        local, remote = per_unit * batch, (ranks - per_unit) * batch
-        pooled = 2 * max(f_max * remote * row, local * (wl.features - f_min) * row)
-        ids = max(local * (wl.features - f_min) * bag, f_max * remote * bag)
-        return pooled, ids
 
-    h_pooled, h_ids = level(hosts, ranks_per_host)
-    g_pooled, g_ids = level(ranks, 1)
-    return Traffic(h_pooled + h_ids, g_pooled + g_ids, 4, {"embedding": h_pooled, "ids": h_ids})
+def table_row_wise(ranks: int, ranks_per_host: int, batch: int, wl: Workload) -> Traffic:
+    """Stock TABLE_ROW_WISE, TorchRec's sharding across machines: every table on one host (tables spread evenly
+    over hosts by count), its rows over that host's P ranks. Between hosts it moves what TABLE_WISE moves (the
+    same pooled rows and ids per host link), leaving from all P ranks of a host (1/P each). Inside a host, forward,
+    every rank's partial pooled sums of its host's f tables for the whole global batch are reduce-scattered over the
+    host's ranks, (P-1)/P x R x B x f x dim floats on each GPU's link, and gathered back the same way backward;
+    each rank gets 1/P of the ids of its host's tables. Six collectives (lengths, ids; forward reduce-scatter and
+    all-to-all; backward all-to-all and all-gather)."""
+    hosts = num_hosts(ranks, ranks_per_host)
+    p = min(ranks_per_host, ranks)
+    f_host = math.ceil(wl.features / hosts)
+    h_pooled, h_ids = _tables_spread(hosts, ranks_per_host, ranks, batch, wl)
+    intra = 2 * (p - 1) / p * ranks * batch * f_host * wl.dim * FLOAT_BYTES
+    ids = ranks * batch * f_host * (wl.bag * KJT_VALUE_BYTES + KJT_LENGTH_BYTES) / p
+    g = intra + ids + (h_pooled + h_ids) / p
+    return Traffic(h_pooled + h_ids, g, 6, {"embedding": h_pooled, "ids": h_ids})
+
+
+# Stock shardings that place every table whole on one rank (TABLE_WISE) or one host (TABLE_ROW_WISE)
+TABLE_PLACED = {"table_wise": table_wise, "table_row_wise": table_row_wise}
 
 
 def row_wise(ranks: int, ranks_per_host: int, batch: int, wl: Workload, forward: str = "reduce_scatter") -> Traffic:
@@ -434,8 +476,8 @@ DELIVERY = {
 
 
 def policy_traffic(policy: str, ranks: int, rph: int, batch: int, wl: Workload, sim: dict | None) -> Traffic:
-    if policy == "table_wise":
-        t = table_wise(ranks, rph, batch, wl)
+    if policy in TABLE_PLACED:
+        t = TABLE_PLACED[policy](ranks, rph, batch, wl)
     elif policy == "row_wise":
         t = row_wise(ranks, rph, batch, wl)
     else:
@@ -531,6 +573,7 @@ def anchors(proj: dict) -> dict:
 
 E2E_POLICY = {
     "torchrec_tw": "table_wise",
+    "torchrec_twrw": "table_row_wise",
     "torchrec": "row_wise",
     "herald": "herald",
     "herald_no_relay": "herald",
@@ -601,8 +644,8 @@ def validation_point(
     gloo's all-reduce for ROW_WISE's forward and the run's own relay setting for Herald."""
     if policy == "row_wise":
         t = row_wise(ranks, rph, batch, wl, forward="allreduce")
-    elif policy == "table_wise":
-        t = table_wise(ranks, rph, batch, wl)
+    elif policy in TABLE_PLACED:
+        t = TABLE_PLACED[policy](ranks, rph, batch, wl)
     else:
         mode = "aggregated" if relay else "direct"
         t = simulated_rows(ranks, rph, batch, wl, sim[f"cross_{mode}"], sim[f"intra_{mode}"], 1.0, 4 if relay else 2)
@@ -636,6 +679,8 @@ def validate(paths: list[str], sim_paths: Sequence[Path] = SIM_VALIDATION) -> di
                     hosts = num_hosts(ranks, rph)
                     by_policy = sims.get(f"{ranks}/{rph}", {})
                     for sched, res in by_s.items():
+                        if sched in PLACED_BY_TOPOLOGY and hosts > 1 and Path(f).name in STOCK_PLANNED_AS_ONE_MACHINE:
+                            continue
                         policy = E2E_POLICY.get(sched)
                         sim = validation_sim(by_policy, policy, hosts) if policy in HERALDS else None
                         if policy is None or (policy in HERALDS and sim is None):
@@ -701,6 +746,7 @@ NAMES = {
     "het_bsp": "HET-BSP",
     "p2res": "P²RES",
     "table_wise": "TorchRec TW",
+    "table_row_wise": "TorchRec TWRW",
     "row_wise": "TorchRec RW",
 }
 
@@ -803,11 +849,13 @@ def assumptions(workload: str) -> dict:
         "herald_host_ms": "on the step's path: Herald's one-rank H100 step minus stock's, clamped at 0",
         "rows": f"{SIM_SWEEP.name}: rows per sample crossing hosts / inside hosts; herald and static host-aggregated "
         "(the data plane's relays), het_bsp and p2res direct (their own collectives); the mean host, not the busiest",
-        "stock": "TABLE_WISE and ROW_WISE from their collectives (formulas in table_wise() / row_wise()); ROW_WISE's "
+        "stock": "TABLE_WISE, TABLE_ROW_WISE and ROW_WISE from their collectives (formulas in table_wise() / "
+        "table_row_wise() / row_wise()); ROW_WISE's "
         "forward as NCCL's ring reduce-scatter",
         "dense": "every policy: a ring all-reduce of the dense parameters, 2 (R-1)/R x P floats per ring link",
         "not_modelled": "overlap of communication with compute (the sum is an upper bound), lookup and optimizer "
-        "cost growing with TABLE_WISE's imbalance, the busiest host under LAIA, TorchRec's 2D / TWRW shardings, "
+        "cost growing with TABLE_WISE's imbalance (or TABLE_ROW_WISE's: hosts without a table from 32 hosts), the "
+        "busiest host under LAIA, TorchRec's GRID (2D) sharding, "
         "faster host CPUs than this machine's",
     }
 

@@ -46,15 +46,18 @@ SHARDING_TYPES = {
     "row_wise": ShardingType.ROW_WISE,
     "table_wise": ShardingType.TABLE_WISE,
     "column_wise": ShardingType.COLUMN_WISE,
+    "table_row_wise": ShardingType.TABLE_ROW_WISE,
     "data_parallel": ShardingType.DATA_PARALLEL,
 }
 
 
 class StockSharder(EmbeddingBagCollectionSharder):
-    """TorchRec's EBC sharder, offering ROW_WISE on CPU too (stock offers it on CUDA only; it runs on CPU/gloo)."""
+    """TorchRec's EBC sharder, offering ROW_WISE and TABLE_ROW_WISE on CPU too (stock offers them on CUDA only; both run
+    on CPU / gloo)."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return with_row_wise(super().sharding_types(compute_device_type))
+        types = with_row_wise(super().sharding_types(compute_device_type))
+        return types if ShardingType.TABLE_ROW_WISE.value in types else [*types, ShardingType.TABLE_ROW_WISE.value]
 
 
 @dataclass
@@ -173,11 +176,15 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
 
 
 def planner_topology(ctx: DistContext) -> Topology:
-    """The planner's topology. Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r
-    on GPU r % GPUs), shard placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor
-    device does not match"): placements are cuda:(rank % local_world_size)."""
-    kw: dict[str, Any] = {}
-    if ctx.device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+    """The planner's topology: the ranks per machine are torchrun's LOCAL_WORLD_SIZE (TorchRec's Topology otherwise
+    takes the whole world for one machine: its cost model then prices every link as inside a machine, and its
+    TABLE_ROW_WISE shards span machines while the sharding groups them by LOCAL_WORLD_SIZE, which fails to build).
+    Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r on GPU r % GPUs), shard
+    placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor device does not match"):
+    placements are cuda:(rank % local_world_size)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size) or ctx.world_size)
+    kw: dict[str, Any] = {"local_world_size": local} if ctx.world_size % local == 0 else {}
+    if ctx.device.type == "cuda" and torch.cuda.device_count() < local:
         kw["local_world_size"] = torch.cuda.device_count()
     return Topology(world_size=ctx.world_size, compute_device=ctx.device.type, **kw)
 

@@ -7,7 +7,7 @@ from torch import nn
 from torchrec.modules.crossnet import CrossNet, LowRankCrossNet
 from torchrec.modules.mlp import MLP
 
-from herald_torchrec.models.base import CTRModel, FeatureSpec, make_ebc
+from herald_torchrec.models.base import CTRModel, FeatureSpec, make_ebc, stacked
 
 
 class DCN(CTRModel):
@@ -30,7 +30,9 @@ class DCN(CTRModel):
         self.head = nn.Linear(width + deep_layers[-1], 1, device=device)
 
     def logits(self, dense: torch.Tensor, emb) -> torch.Tensor:
-        parts = [emb.values()]
+        # the embeddings by feature name: a sharded EBC's KeyedTensor lists its keys in the sharding's order (TorchRec
+        # TABLE_WISE groups them by rank), so its values() would feed the cross and deep layers permuted features
+        parts = [stacked(emb, self.features.names).flatten(1)]
         if self.dense_proj is not None:
             parts.insert(0, self.dense_proj(dense))
         x0 = torch.cat(parts, dim=1)

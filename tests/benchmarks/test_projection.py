@@ -4,6 +4,7 @@ the script end to end on the committed inputs (no plot)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,19 @@ def test_dense_simulated_rows_and_herald_input_stage() -> None:
     hh = pj.hier_input_stage(16, 8, messages_per_rank=30_000, parts_per_host=160_000)
     assert hh.host_bytes == 8 * 30_000 + 160_000 and hh.gpu_bytes == 0.0 and hh.collectives == 0
     assert pj.hier_input_stage(8, 8, 30_000, 160_000).host_bytes == 0.0  # one host
+
+
+def test_table_row_wise_two_hosts_by_hand() -> None:
+    """TorchRec's TABLE_ROW_WISE: between hosts what TABLE_WISE moves; inside a host the reduce-scatter (and the
+    backward all-gather) of partial pooled sums over the host's 8 GPUs, and each GPU's share of the host's traffic."""
+    t = pj.table_row_wise(16, 8, 256, WL)
+    assert t.host_bytes == pj.table_wise(16, 8, 256, WL).host_bytes == 13_950_976
+    assert t.parts == {"embedding": 13_631_488, "ids": 319_488}
+    # 13 tables per host: 2 x 7/8 x (16 x 256 samples x 13 x 256 B) + 1/8 of the ids of 13 tables + 1/8 of the host's
+    assert t.gpu_bytes == 23_855_104 + 16 * 256 * 13 * 12 / 8 + 13_950_976 / 8 == 25_678_848
+    assert t.collectives == 6
+    one = pj.table_row_wise(8, 8, 256, WL)  # one host: ROW_WISE over its 8 GPUs, nothing crosses
+    assert one.host_bytes == 0.0 and one.gpu_bytes == 2 * 7 / 8 * 8 * 256 * 26 * 256 + 8 * 256 * 26 * 12 / 8
 
 
 def test_hier_alone_inputs_by_r(tmp_path) -> None:
@@ -185,6 +199,22 @@ def test_validation_checks_each_herald_against_its_own_simulated_run(tmp_path) -
     sweep.write_text(json.dumps({"config": cfg | {"workers": [16, 32]}, "policies": {}}))
     with pytest.raises(SystemExit, match="one simulate.py run per R"):
         pj.collect_validation([str(sweep)])
+
+
+def test_validation_leaves_out_stock_placed_as_one_machine(tmp_path) -> None:
+    """Stock TABLE_WISE across machines from a run made before the planner knew the machines is left out of the
+    validation; the same run's other schedulers and a later file's TABLE_WISE stay in."""
+    import json
+
+    med = {"steady_step_ms": 100.0, "cpu_s_per_step": 0.1, "wire_bytes_per_step": 2e6}
+    by_s = {s: {"median": med} for s in ("torchrec_tw", "torchrec", "torchrec_twrw")}
+    body = {"config": {"cores": 2, "ranks_per_host": 8, "batch": 256}, "runs": {"wdl64": {"1gbit": {"16": by_s}}}}
+    old, new = tmp_path / "e2e_r16_2x8hosts_cpu2_2026-11-30.json", tmp_path / "e2e_r16_later.json"
+    assert old.name in pj.STOCK_PLANNED_AS_ONE_MACHINE
+    for f in (old, new):
+        f.write_text(json.dumps(body))
+    got = {(Path(x["file"]).name, x["scheduler"]) for x in pj.validate([str(old), str(new)])["rows"]}
+    assert got == {(old.name, "torchrec"), (old.name, "torchrec_twrw")} | {(new.name, s) for s in by_s}
 
 
 def test_comm_and_step_estimate() -> None:

@@ -27,6 +27,17 @@ def train_configs(rank: int, world_size: int, out_dir: str, runs: dict[str, list
     torch.save({"runs": list(runs)}, rank_result(out_dir, rank))
 
 
+def train_configs_on_machines(
+    rank: int, world_size: int, out_dir: str, runs: dict[str, list[str]], ranks_per_machine: int
+) -> None:
+    """`train_configs` with the ranks as machines of `ranks_per_machine` the way torchrun tells TorchRec
+    (LOCAL_WORLD_SIZE, LOCAL_RANK): its TABLE_ROW_WISE groups a table's shards by it."""
+    import os
+
+    os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_machine), LOCAL_RANK=str(rank % ranks_per_machine))
+    train_configs(rank, world_size, out_dir, runs)
+
+
 def train_schedules(rank: int, world_size: int, out_dir: str, runs: dict[str, list], schedules: dict) -> None:
     """`train_configs`, where a run named in `schedules` trains its own sequence of global batch sizes instead of
     the app's fixed one: the synthetic log's training samples in order, cut into global batches of the listed sizes

@@ -63,3 +63,23 @@ def test_unknown_model_and_bad_features() -> None:
         build_model("ncf", SPEC)
     with pytest.raises(ValueError, match="not in the data"):
         SPEC.subset(["user"])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_read_the_embeddings_by_feature_not_by_key_order(name: str) -> None:
+    """A sharded EBC's KeyedTensor lists its keys in the sharding's order (TorchRec TABLE_WISE groups them by rank):
+    every model reads its embeddings by feature name, so the same embeddings in another key order give the same
+    logits (DCN fed `values()` to its layers: under stock TABLE_WISE it trained another model than on one rank)."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    torch.manual_seed(0)
+    spec = SPEC.subset(["c2", "c3"]) if name == "ncf" else SPEC
+    model = build_model(name, spec, embedding_dim=8)
+    batch = _batch(spec)
+    emb = model.ebc(batch.sparse_features)
+    d = emb.to_dict()
+    keys = list(reversed(emb.keys()))
+    shuffled = KeyedTensor.from_tensor_list(keys, [d[k] for k in keys])
+    assert keys != emb.keys()
+    want = model.logits(batch.dense_features, emb)
+    assert torch.equal(model.logits(batch.dense_features, shuffled), want)
