@@ -342,10 +342,10 @@ def herald_options(sc: DictConfig) -> HeraldOptions:
     return HeraldOptions.named(CONFIG_KEY, **settings)
 
 
-# From this many ranks on several machines, one planner per machine planning the whole global batch (`herald`) is
-# the slower choice: at 16 and 32 ranks as machines of 8 herald_hier's step was 0.88-0.95x herald's (RESULTS.md, "16
-# and 32 ranks"), and projected on GPUs herald's planner falls behind the step from 32 (RESULTS.md, "Projection").
-PLAN_PER_MACHINE_FROM = 16
+# From this many ranks on several machines, one planner per machine planning the whole global batch (`herald`) falls
+# behind: projected on GPUs from 32 (RESULTS.md, "Projection"), and at 32 ranks as 4 machines of 8 here its input
+# stage took 1.4-1.6x herald_hier's CPU (RESULTS.md, "16 and 32 ranks"; at 16 they were level).
+PLAN_PER_MACHINE_FROM = 32
 
 
 def planner_scale_note(policy: str, world_size: int, machines: int) -> str | None:

@@ -70,14 +70,14 @@ def test_app_config_builds_herald_hier_options():
 
 
 def test_herald_on_several_machines_from_16_ranks_gets_a_note(monkeypatch):
-    """`scheduler=herald` on two machines or more from 16 ranks: the app notes that herald_hier plans per machine;
-    not on one machine, below 16 ranks, or for herald_hier. Machines come from torchrun's LOCAL_WORLD_SIZE."""
+    """`scheduler=herald` on two machines or more from 32 ranks: the app notes that herald_hier plans per machine;
+    not on one machine, below 32 ranks, or for herald_hier. Machines come from torchrun's LOCAL_WORLD_SIZE."""
     from herald_torchrec.app.model_setup import machines_from_env, planner_scale_note
 
-    note = planner_scale_note("herald", 16, 2)
-    assert note is not None and "scheduler=herald_hier" in note and "2 machines (16 ranks)" in note
-    assert planner_scale_note("herald", 16, 1) is None
-    assert planner_scale_note("herald", 8, 2) is None
+    note = planner_scale_note("herald", 32, 4)
+    assert note is not None and "scheduler=herald_hier" in note and "4 machines (32 ranks)" in note
+    assert planner_scale_note("herald", 64, 1) is None
+    assert planner_scale_note("herald", 16, 2) is None
     assert planner_scale_note("herald_hier", 64, 8) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert machines_from_env(32) == 4
