@@ -175,6 +175,11 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
     return lambda it: (convert(s) for s in it)
 
 
+def ranks_per_machine(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (the ranks on this machine); the whole world without torchrun's environment."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
+
+
 def planner_topology(ctx: DistContext) -> Topology:
     """The planner's topology: the ranks per machine are torchrun's LOCAL_WORLD_SIZE (TorchRec's Topology otherwise
     takes the whole world for one machine: its cost model then prices every link as inside a machine, and its
@@ -182,7 +187,7 @@ def planner_topology(ctx: DistContext) -> Topology:
     Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r on GPU r % GPUs), shard
     placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor device does not match"):
     placements are cuda:(rank % local_world_size)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size) or ctx.world_size)
+    local = ranks_per_machine(ctx.world_size)
     kw: dict[str, Any] = {"local_world_size": local} if ctx.world_size % local == 0 else {}
     if ctx.device.type == "cuda" and torch.cuda.device_count() < local:
         kw["local_world_size"] = torch.cuda.device_count()
@@ -364,8 +369,7 @@ def planner_scale_note(policy: str, world_size: int, machines: int) -> str | Non
 def machines_from_env(world_size: int) -> int:
     """Machines in a torchrun job (WORLD_SIZE / LOCAL_WORLD_SIZE, equal ranks per machine as torchrun places them);
     1 without torchrun's environment."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-    return max(1, world_size // max(1, local))
+    return max(1, world_size // ranks_per_machine(world_size))
 
 
 def use_native_kernels(setting: str) -> None:
