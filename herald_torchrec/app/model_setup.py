@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -176,14 +175,19 @@ def batch_converter(features: FeatureSpec, source: DataSource) -> Callable[[Iter
 
 
 def ranks_per_machine(world_size: int) -> int:
-    """torchrun's LOCAL_WORLD_SIZE (the ranks on this machine); the whole world without torchrun's environment."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
+    """The ranks per machine as TorchRec reads them (`get_local_size`: torchrun's LOCAL_WORLD_SIZE or MPI's, else 8
+    where that divides the world, else the world), which its TABLE_ROW_WISE groups shards by and DMP's default planner
+    uses; one process is one machine."""
+    from torchrec.distributed.comm import get_local_size
+
+    return 1 if world_size <= 1 else get_local_size(world_size)
 
 
 def planner_topology(ctx: DistContext) -> Topology:
-    """The planner's topology: the ranks per machine are torchrun's LOCAL_WORLD_SIZE (TorchRec's Topology otherwise
-    takes the whole world for one machine: its cost model then prices every link as inside a machine, and its
-    TABLE_ROW_WISE shards span machines while the sharding groups them by LOCAL_WORLD_SIZE, which fails to build).
+    """The planner's topology, its ranks per machine as TorchRec's sharding and DMP's default planner read them
+    (`ranks_per_machine`; a Topology without them takes the whole world for one machine: its cost model then prices
+    every link as inside a machine, and its TABLE_ROW_WISE shards span machines while the sharding groups them by
+    machine, which fails to build).
     Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r on GPU r % GPUs), shard
     placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor device does not match"):
     placements are cuda:(rank % local_world_size)."""
@@ -367,8 +371,7 @@ def planner_scale_note(policy: str, world_size: int, machines: int) -> str | Non
 
 
 def machines_from_env(world_size: int) -> int:
-    """Machines in a torchrun job (WORLD_SIZE / LOCAL_WORLD_SIZE, equal ranks per machine as torchrun places them);
-    1 without torchrun's environment."""
+    """Machines in a job: its ranks over `ranks_per_machine` (equal ranks per machine, as torchrun places them)."""
     return max(1, world_size // ranks_per_machine(world_size))
 
 

@@ -79,7 +79,8 @@ def test_herald_on_several_machines_from_16_ranks_gets_a_note(monkeypatch):
     assert planner_scale_note("herald", 64, 1) is None
     assert planner_scale_note("herald", 16, 2) is None
     assert planner_scale_note("herald_hier", 64, 8) is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert machines_from_env(32) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert machines_from_env(32) == 8
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert machines_from_env(32) == 1
+    assert machines_from_env(4) == 1 and machines_from_env(1) == 1  # TorchRec's reading: 8 a machine where it divides
+    assert machines_from_env(32) == 4

@@ -15,7 +15,7 @@ def _ctx(world: int) -> DistContext:
     return DistContext(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
 
-@pytest.mark.parametrize("local, want", [("2", 2), ("4", 4), (None, 4)])
+@pytest.mark.parametrize("local, want", [("2", 2), ("4", 4), (None, 4)])  # None: TorchRec's 8 does not divide 4
 def test_planner_topology_takes_torchruns_ranks_per_machine(monkeypatch, local, want) -> None:
     """4 ranks as 2 machines of 2 (LOCAL_WORLD_SIZE=2): TorchRec's Topology would take all 4 for one machine, its
     cost model pricing every link as inside one, and its TABLE_ROW_WISE shards spanning machines (the sharding then
