@@ -55,8 +55,7 @@ class StockSharder(EmbeddingBagCollectionSharder):
     on CPU / gloo)."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        types = with_row_wise(super().sharding_types(compute_device_type))
-        return types if ShardingType.TABLE_ROW_WISE.value in types else [*types, ShardingType.TABLE_ROW_WISE.value]
+        return with_row_wise(super().sharding_types(compute_device_type))
 
 
 @dataclass

@@ -68,10 +68,13 @@ from herald_torchrec.distributed.mixed import ShardedMixedEmbeddingBagCollection
 from herald_torchrec.distributed.storage.optimizer_params import DEFAULT_FUSED_PARAMS, sharder_fused_params
 from herald_torchrec.options import HeraldOptions
 
+ROW_SPLIT_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
 
 def with_row_wise(types: list[str]) -> list[str]:
-    """TorchRec's EBC sharder offers ROW_WISE only on CUDA; it runs on CPU / gloo too, so offer it everywhere."""
-    return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+    """TorchRec's EBC sharder offers ROW_WISE and TABLE_ROW_WISE (rows over a machine's ranks) only on CUDA; both run
+    on CPU / gloo too, so offer them everywhere."""
+    return [*types, *(t for t in ROW_SPLIT_TYPES if t not in types)]
 
 
 __all__ = ["DEFAULT_FUSED_PARAMS", "HeraldEmbeddingBagCollectionSharder", "with_row_wise"]

@@ -29,6 +29,11 @@ def test_planner_topology_takes_torchruns_ranks_per_machine(monkeypatch, local, 
 
 
 def test_table_row_wise_is_offered_on_cpu() -> None:
+    """By the app's stock sharder and, for the tables Herald leaves to TorchRec, by Herald's (`with_row_wise`)."""
+    from herald_torchrec.distributed.sharder import with_row_wise
+
+    tw, rw, twrw = (t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE))
+    assert with_row_wise([tw]) == [tw, rw, twrw] and with_row_wise([twrw, rw]) == [twrw, rw]
     assert SHARDING_TYPES["table_row_wise"] == ShardingType.TABLE_ROW_WISE
     types = StockSharder().sharding_types("cpu")
     assert ShardingType.TABLE_ROW_WISE.value in types and ShardingType.ROW_WISE.value in types

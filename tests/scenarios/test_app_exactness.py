@@ -121,24 +121,30 @@ def test_every_scheduler_under_every_optimizer(tmp_path: Path) -> None:
 def test_table_row_wise_across_machines_trains_the_same_model(tmp_path: Path) -> None:
     """Stock TorchRec's sharding across machines, TABLE_ROW_WISE, on 4 ranks as 2 machines of 2 (each table's rows
     over one machine's ranks; the planner's topology from LOCAL_WORLD_SIZE), 128 samples a rank: the reference's
-    global batch and model."""
+    global batch and model; and Herald with four tables left to it."""
     opt = "rowwise_adagrad"
-    args = [*common_args(opt, OPTIMIZERS[opt]), "scheduler=torchrec", "sharding.types=[table_row_wise]"]
+    args = [*common_args(opt, OPTIMIZERS[opt]), "sharding.types=[table_row_wise]", "trainer.batch_size=128"]
+    runs = {
+        "twrw": [*args, "scheduler=torchrec"],
+        "herald_twrw": [*args, "scheduler=herald", "scheduler.unscheduled=[c3,c8,c9,c20]"],
+    }
     run_ranks(
         "tests.helpers.app_ranks:train_configs_on_machines",
         tmp_path,
         world_size=4,
         timeout=900,
-        runs={"twrw": [*args, "trainer.batch_size=128"]},
+        runs=runs,
         ranks_per_machine=2,
     )
     (ref,) = run_app_many([[*RUNS["reference"][0], *common_args(opt, OPTIMIZERS[opt]), f"run_dir={tmp_path / 'ref'}"]])
     assert ref.returncode == 0, ref.stderr[-3000:]
-    got, want = (torch.load(tmp_path / s / "final_state.pt") for s in ("twrw", "ref"))
+    want = torch.load(tmp_path / "ref" / "final_state.pt")
     assert len(want["tables"]) == 26 and len(want["optimizer_state"]) == 26
-    for part in ("tables", "optimizer_state", "dense"):
-        assert _max_diff(got[part], want[part]) <= 1e-5, part
-    assert _max_diff(got["tables"], _initial_tables()) > 1e-3  # trained
+    for name in runs:
+        got = torch.load(tmp_path / name / "final_state.pt")
+        for part in ("tables", "optimizer_state", "dense"):
+            assert _max_diff(got[part], want[part]) <= 1e-5, (name, part)
+        assert _max_diff(got["tables"], _initial_tables()) > 1e-3  # trained
 
 
 def _check_same_model(runs: dict, optimizer: str) -> None:
