@@ -190,8 +190,8 @@ def planner_topology(ctx: DistContext) -> Topology:
     Where ranks share GPUs (more local ranks than GPUs: `init_distributed` then puts rank r on GPU r % GPUs), shard
     placements must name that GPU, or TorchRec rejects its own shards ("Local shard tensor device does not match"):
     placements are cuda:(rank % local_world_size)."""
-    local = ranks_per_machine(ctx.world_size)
-    kw: dict[str, Any] = {"local_world_size": local} if ctx.world_size % local == 0 else {}
+    local = ranks_per_machine(ctx.world_size)  # (it divides the world: TorchRec falls back to the world where not)
+    kw: dict[str, Any] = {"local_world_size": local}
     if ctx.device.type == "cuda" and torch.cuda.device_count() < local:
         kw["local_world_size"] = torch.cuda.device_count()
     return Topology(world_size=ctx.world_size, compute_device=ctx.device.type, **kw)
@@ -363,15 +363,16 @@ def planner_scale_note(policy: str, world_size: int, machines: int) -> str | Non
         return None
     return (
         f"note: scheduler=herald on {machines} machines ({world_size} ranks): each machine's planner plans the whole "
-        f"global batch of {world_size} ranks, a cost that grows with the ranks (projected behind a GPU step from 32; "
-        "the planning budget then makes cheaper plans, counted as plans_reduced / plans_static). scheduler=herald_hier "
-        "plans per machine for its own ranks (README, Configuration: several machines)"
+        f"global batch of {world_size} ranks, a cost that grows with the ranks (projected behind a GPU step from "
+        f"{PLAN_PER_MACHINE_FROM}; the planning budget then makes cheaper plans, counted as plans_reduced / "
+        "plans_static). scheduler=herald_hier plans per machine for its own ranks (README, Configuration: several "
+        "machines)"
     )
 
 
 def machines_from_env(world_size: int) -> int:
     """Machines in a job: its ranks over `ranks_per_machine` (equal ranks per machine, as torchrun places them)."""
-    return max(1, world_size // ranks_per_machine(world_size))
+    return world_size // ranks_per_machine(world_size)
 
 
 def use_native_kernels(setting: str) -> None:

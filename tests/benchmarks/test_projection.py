@@ -111,14 +111,12 @@ def test_planner_exchanges_per_plan_as_the_projection_counts_them(monkeypatch) -
     sends the settings): counted on the transport of a 2-host policy."""
     import numpy as np
 
-    from herald_torchrec.data.synthetic import SyntheticCTR, SyntheticSpec
-    from herald_torchrec.schedule import GlobalBatch, make_policy
+    from herald_torchrec.schedule import make_policy
     from herald_torchrec.schedule.herald import host_messages
+    from tests.schedule.test_hierarchy import L, synthetic_window
 
-    R, B, L, steps = 16, 16, 2, 4
-    gen = SyntheticCTR(SyntheticSpec(scale=0.002, seed=3))
-    rows = list(gen.table_rows)
-    batches = [GlobalBatch.from_dense(gen.train_samples(i * R * B, R * B).ids, rows, i) for i in range(steps + L)]
+    R, B, steps = 16, 16, 4
+    rows, batches = synthetic_window(R, B, steps)
     kinds: list[str] = []
     exchange = host_messages.InProcessTransport.exchange
 
